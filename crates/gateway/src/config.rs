@@ -1,0 +1,838 @@
+//! The YAML configuration (SPEC §2): types, defaults and validation.
+//!
+//! Every field type checks itself while it is parsed (durations, URLs, names, addresses), so
+//! serde_yaml reports the exact line and column. Rules that span several fields run afterwards
+//! and find their position again with [`locate`]. Either way a mistake reads
+//! `FILE:LINE:COL: PATH: message`, with PATH the YAML path such as
+//! `routes[1].upstream.members[0].url`.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::path::Path;
+use std::time::Duration;
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+
+/// The config sluice runs on when none is given: three local demo upstreams behind one
+/// round-robin route. `sluice demo` starts those upstreams too.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../../configs/default.yaml");
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Proxy listeners.
+    #[serde(default = "default_listen")]
+    pub listen: Vec<ListenAddr>,
+    /// Worker threads of the proxy service; the number of cores when absent.
+    #[serde(default)]
+    pub threads: Option<NonZeroUsize>,
+    /// The admin API.
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// Where shared state lives.
+    #[serde(default)]
+    pub state: StateConfig,
+    /// The routes, matched as SPEC §3 says.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+fn default_listen() -> Vec<ListenAddr> {
+    vec![ListenAddr("127.0.0.1:8080".parse().unwrap())]
+}
+
+/// A socket address to listen on, such as `127.0.0.1:8080` or `[::1]:8080`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddr(pub SocketAddr);
+
+impl<'de> Deserialize<'de> for ListenAddr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map(ListenAddr).map_err(|_| {
+            de::Error::custom(format!(
+                "invalid listen address {s:?}: expected IP:PORT, e.g. 127.0.0.1:8080"
+            ))
+        })
+    }
+}
+
+/// `admin:` — the admin API.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Where the admin API listens; loopback by default, since it exposes internals.
+    #[serde(default = "default_admin_listen")]
+    pub listen: ListenAddr,
+    /// Name of the environment variable holding the bearer token for POST endpoints.
+    #[serde(default)]
+    pub token_env: Option<String>,
+}
+
+fn default_admin_listen() -> ListenAddr {
+    ListenAddr("127.0.0.1:9901".parse().unwrap())
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: default_admin_listen(),
+            token_env: None,
+        }
+    }
+}
+
+/// `state:` — where quota and least-used state lives.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StateConfig {
+    /// Only `memory` until the shared Redis store lands.
+    #[serde(default)]
+    pub backend: StateBackend,
+}
+
+/// The state backend.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum StateBackend {
+    /// In-process state, for a single instance.
+    #[default]
+    Memory,
+}
+
+/// One route.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Unique name, `[A-Za-z0-9_-]+`; it appears in logs, metrics and Redis keys.
+    pub name: RouteName,
+    /// Which requests the route takes.
+    #[serde(rename = "match", default)]
+    pub matcher: MatchConfig,
+    /// Where they go.
+    pub upstream: UpstreamConfig,
+}
+
+/// A route name: `[A-Za-z0-9_-]+`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RouteName(pub String);
+
+impl<'de> Deserialize<'de> for RouteName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let valid = !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if valid {
+            Ok(RouteName(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid route name {s:?}: use letters, digits, '_' and '-' only"
+            )))
+        }
+    }
+}
+
+/// `match:` — hosts, path prefix and methods.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MatchConfig {
+    /// Exact hosts and `*.suffix` wildcards; `*` (the default) matches any host.
+    #[serde(default = "any_host")]
+    pub hosts: Vec<HostPattern>,
+    /// The longest matching prefix wins.
+    #[serde(default = "root_prefix")]
+    pub path_prefix: PathPrefix,
+    /// Allowed methods; empty means all.
+    #[serde(default)]
+    pub methods: Vec<MethodName>,
+}
+
+impl Default for MatchConfig {
+    fn default() -> Self {
+        MatchConfig {
+            hosts: any_host(),
+            path_prefix: root_prefix(),
+            methods: Vec::new(),
+        }
+    }
+}
+
+fn any_host() -> Vec<HostPattern> {
+    vec![HostPattern::Any]
+}
+
+fn root_prefix() -> PathPrefix {
+    PathPrefix("/".into())
+}
+
+/// A host pattern, lowercased.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum HostPattern {
+    /// `*`: any host.
+    Any,
+    /// `api.example.com`.
+    Exact(String),
+    /// `*.example.com`, stored as `example.com`: any subdomain, not the domain itself.
+    Wildcard(String),
+}
+
+impl<'de> Deserialize<'de> for HostPattern {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let lower = s.trim_end_matches('.').to_ascii_lowercase();
+        let valid_name = |h: &str| {
+            !h.is_empty()
+                && h.split('.').all(|label| {
+                    !label.is_empty()
+                        && label
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                })
+        };
+        if lower == "*" {
+            Ok(HostPattern::Any)
+        } else if let Some(suffix) = lower.strip_prefix("*.") {
+            if valid_name(suffix) {
+                Ok(HostPattern::Wildcard(suffix.to_string()))
+            } else {
+                Err(de::Error::custom(format!("invalid wildcard host {s:?}")))
+            }
+        } else if lower.contains(':') {
+            Err(de::Error::custom(format!(
+                "invalid host {s:?}: give the host without a port; ports are ignored when matching"
+            )))
+        } else if valid_name(&lower) {
+            Ok(HostPattern::Exact(lower))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid host {s:?}: expected a DNS name, an IP address, \"*.domain\" or \"*\""
+            )))
+        }
+    }
+}
+
+/// A path prefix; must start with `/`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PathPrefix(pub String);
+
+impl<'de> Deserialize<'de> for PathPrefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.starts_with('/') {
+            Ok(PathPrefix(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid path_prefix {s:?}: it must start with '/'"
+            )))
+        }
+    }
+}
+
+/// An HTTP method name, uppercase.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MethodName(pub String);
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.eq_ignore_ascii_case("CONNECT") {
+            return Err(de::Error::custom(
+                "CONNECT tunnels are not supported; sluice answers CONNECT with 405",
+            ));
+        }
+        let token = !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if token {
+            Ok(MethodName(s.to_ascii_uppercase()))
+        } else {
+            Err(de::Error::custom(format!("invalid method {s:?}")))
+        }
+    }
+}
+
+/// `upstream:` — the pool and how to talk to it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// How a member is chosen.
+    #[serde(default)]
+    pub selection: Selection,
+    /// The pool; may be empty (the route then answers 503).
+    #[serde(default)]
+    pub members: Vec<MemberConfig>,
+    /// Send the client's Host upstream (true) or the member's authority (false).
+    #[serde(default = "yes")]
+    pub preserve_host: bool,
+    /// Time allowed to open a connection (TCP and TLS).
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: Dur,
+    /// Time allowed between two reads from the member.
+    #[serde(default = "default_read_timeout")]
+    pub read_timeout: Dur,
+    /// More attempts on other members after a connect failure or connect timeout.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Active checks; without them only passive checks run.
+    #[serde(default)]
+    pub health_check: Option<HealthCheckConfig>,
+    /// Passive checks on live traffic.
+    #[serde(default)]
+    pub passive: PassiveConfig,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_connect_timeout() -> Dur {
+    Dur(Duration::from_secs(2))
+}
+fn default_read_timeout() -> Dur {
+    Dur(Duration::from_secs(30))
+}
+fn default_retries() -> u32 {
+    2
+}
+
+/// Member selection policy.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// Smooth weighted round-robin over healthy members, in process.
+    #[default]
+    RoundRobin,
+}
+
+/// One member of a pool.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemberConfig {
+    /// `http://host[:port]` or `https://host[:port]`.
+    pub url: MemberUrl,
+    /// Round-robin weight.
+    #[serde(default = "one")]
+    pub weight: NonZeroU32,
+}
+
+fn one() -> NonZeroU32 {
+    NonZeroU32::MIN
+}
+
+/// A member URL, checked and split.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MemberUrl {
+    /// The URL as written (trailing slash removed); the member's identity.
+    pub url: String,
+    /// True for https.
+    pub tls: bool,
+    /// Host name or IP address, without brackets.
+    pub host: String,
+    /// Port, explicit or the scheme's default.
+    pub port: u16,
+}
+
+impl MemberUrl {
+    /// `host:port` as it goes in a Host header (brackets around IPv6 literals).
+    pub fn authority(&self) -> String {
+        let default_port = if self.tls { 443 } else { 80 };
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        if self.port == default_port {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
+    }
+
+    fn parse(s: &str) -> Result<MemberUrl, String> {
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| format!("invalid member url {s:?}: {e}"))?;
+        let tls = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            Some(other) => {
+                return Err(format!(
+                    "invalid member url {s:?}: scheme {other:?} is not http or https"
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "invalid member url {s:?}: expected http://host[:port] or https://host[:port]"
+                ))
+            }
+        };
+        let host = uri
+            .host()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| format!("invalid member url {s:?}: no host"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!(
+                "invalid member url {s:?}: a member is scheme://host[:port], without a path"
+            ));
+        }
+        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        Ok(MemberUrl {
+            url: s.trim_end_matches('/').to_string(),
+            tls,
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for MemberUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        MemberUrl::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+/// `health_check:` — active checks.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheckConfig {
+    /// tcp: a connection opens; http: a GET of `path` answers 2xx.
+    pub kind: CheckKind,
+    /// Path for http checks.
+    #[serde(default)]
+    pub path: Option<PathPrefix>,
+    /// Time between probes.
+    #[serde(default = "default_interval")]
+    pub interval: Dur,
+    /// A slower probe fails.
+    #[serde(default = "default_check_timeout")]
+    pub timeout: Dur,
+    /// Consecutive successes to mark a member up.
+    #[serde(default = "default_rise")]
+    pub rise: NonZeroU32,
+    /// Consecutive failures to mark it down.
+    #[serde(default = "default_fall")]
+    pub fall: NonZeroU32,
+}
+
+fn default_interval() -> Dur {
+    Dur(Duration::from_secs(2))
+}
+fn default_check_timeout() -> Dur {
+    Dur(Duration::from_secs(1))
+}
+fn default_rise() -> NonZeroU32 {
+    NonZeroU32::new(2).unwrap()
+}
+fn default_fall() -> NonZeroU32 {
+    NonZeroU32::new(3).unwrap()
+}
+
+/// Kind of active check.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckKind {
+    /// A TCP connection opens.
+    Tcp,
+    /// An HTTP GET answers 2xx.
+    Http,
+}
+
+/// `passive:` — ejection on live traffic.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveConfig {
+    /// Consecutive connect failures that mark a member down.
+    #[serde(default = "one")]
+    pub fall: NonZeroU32,
+    /// Without active checks: time until a down member gets one trial request.
+    #[serde(default = "default_cooldown")]
+    pub cooldown: Dur,
+}
+
+fn default_cooldown() -> Dur {
+    Dur(Duration::from_secs(10))
+}
+
+impl Default for PassiveConfig {
+    fn default() -> Self {
+        PassiveConfig {
+            fall: one(),
+            cooldown: default_cooldown(),
+        }
+    }
+}
+
+/// A positive duration written as `250ms`, `5s`, `1m`, `1h` or `1d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let parsed = humantime::parse_duration(s.trim()).map_err(|e| {
+            de::Error::custom(format!(
+                "invalid duration {s:?}: {e}; write it like 250ms, 5s, 1m, 1h or 1d"
+            ))
+        })?;
+        if parsed.is_zero() {
+            return Err(de::Error::custom(format!(
+                "invalid duration {s:?}: it must be greater than zero"
+            )));
+        }
+        Ok(Dur(parsed))
+    }
+}
+
+/// One configuration mistake, printed as `FILE:LINE:COL: PATH: message`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The file, as given on the command line.
+    pub file: String,
+    /// 1-based line; 0 when unknown.
+    pub line: usize,
+    /// 1-based column; 0 when unknown.
+    pub column: usize,
+    /// YAML path such as `routes[1].upstream.members[0].url`; `.` for the document.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}: {}",
+            self.file, self.line, self.column, self.path, self.message
+        )
+    }
+}
+
+/// All the mistakes found in one file; at least one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<(Config, Vec<u8>), ConfigErrors> {
+        let name = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                file: name.clone(),
+                line: 0,
+                column: 0,
+                path: ".".into(),
+                message: format!("cannot read the file: {e}"),
+            }])
+        })?;
+        let text = String::from_utf8_lossy(&bytes);
+        let config = Config::parse(&name, &text)?;
+        Ok((config, bytes))
+    }
+
+    /// Parses and validates `text`; `file` names it in error messages.
+    pub fn parse(file: &str, text: &str) -> Result<Config, ConfigErrors> {
+        let config: Config =
+            serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text))
+                .map_err(|e| ConfigErrors(vec![from_serde(file, &e)]))?;
+        let problems = config.validate();
+        if problems.is_empty() {
+            return Ok(config);
+        }
+        Err(ConfigErrors(
+            problems
+                .into_iter()
+                .map(|(path, message)| {
+                    let (line, column) = locate(text, &path).unwrap_or((0, 0));
+                    ConfigError {
+                        file: file.to_string(),
+                        line,
+                        column,
+                        path: path.to_string(),
+                        message,
+                    }
+                })
+                .collect(),
+        ))
+    }
+
+    /// Rules that span several fields. Each problem names the YAML path to blame.
+    fn validate(&self) -> Vec<(YamlPath, String)> {
+        let mut problems = Vec::new();
+        if self.listen.is_empty() {
+            problems.push((
+                YamlPath::root().key("listen"),
+                "at least one listen address is required".to_string(),
+            ));
+        }
+        if let Some(var) = &self.admin.token_env {
+            if var.is_empty() {
+                problems.push((
+                    YamlPath::root().key("admin").key("token_env"),
+                    "token_env must name an environment variable".to_string(),
+                ));
+            }
+        }
+
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut claims: HashMap<(HostPattern, &str, Vec<MethodName>), usize> = HashMap::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            let at = YamlPath::root().key("routes").index(i);
+            if let Some(first) = names.insert(&route.name.0, i) {
+                problems.push((
+                    at.clone().key("name"),
+                    format!(
+                        "duplicate route name {:?}: routes[{first}] already has it",
+                        route.name.0
+                    ),
+                ));
+            }
+            let mut methods = route.matcher.methods.clone();
+            methods.sort();
+            methods.dedup();
+            for host in &route.matcher.hosts {
+                let key = (
+                    host.clone(),
+                    route.matcher.path_prefix.0.as_str(),
+                    methods.clone(),
+                );
+                if let Some(&first) = claims.get(&key) {
+                    problems.push((
+                        at.clone().key("match"),
+                        format!(
+                            "routes[{first}] ({}) has the same host, path_prefix and methods, so this route could never match",
+                            self.routes[first].name.0
+                        ),
+                    ));
+                    break;
+                }
+                claims.insert(key, i);
+            }
+
+            let up = &route.upstream;
+            let mut urls = HashSet::new();
+            for (j, member) in up.members.iter().enumerate() {
+                if !urls.insert(&member.url.url) {
+                    problems.push((
+                        at.clone()
+                            .key("upstream")
+                            .key("members")
+                            .index(j)
+                            .key("url"),
+                        format!("duplicate member {:?} in this pool", member.url.url),
+                    ));
+                }
+            }
+            if let Some(check) = &up.health_check {
+                if check.kind == CheckKind::Tcp && check.path.is_some() {
+                    problems.push((
+                        at.clone().key("upstream").key("health_check").key("path"),
+                        "path applies to kind: http only".to_string(),
+                    ));
+                }
+            }
+        }
+        problems
+    }
+}
+
+/// Turns a serde error into our format: serde_yaml repeats the path and the position inside
+/// its message, so those parts are cut out and given their own fields.
+fn from_serde(file: &str, e: &serde_path_to_error::Error<serde_yaml::Error>) -> ConfigError {
+    let (line, column) = e
+        .inner()
+        .location()
+        .map(|l| (l.line(), l.column()))
+        .unwrap_or((0, 0));
+    let mut message = e.inner().to_string();
+    let position = format!(" at line {line} column {column}");
+    if let Some(at) = message.find(&position) {
+        message.replace_range(at..at + position.len(), "");
+    }
+    let path = e.path().to_string();
+    if let Some(rest) = message.strip_prefix(&format!("{path}: ")) {
+        message = rest.to_string();
+    }
+    ConfigError {
+        file: file.to_string(),
+        line,
+        column,
+        path: if path.is_empty() { ".".into() } else { path },
+        message,
+    }
+}
+
+/// A path into the YAML document.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct YamlPath(Vec<Segment>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Key(&'static str),
+    Index(usize),
+}
+
+impl YamlPath {
+    /// The document itself.
+    pub fn root() -> YamlPath {
+        YamlPath(Vec::new())
+    }
+    /// Descends into a mapping key.
+    pub fn key(mut self, key: &'static str) -> YamlPath {
+        self.0.push(Segment::Key(key));
+        self
+    }
+    /// Descends into a sequence element.
+    pub fn index(mut self, i: usize) -> YamlPath {
+        self.0.push(Segment::Index(i));
+        self
+    }
+}
+
+impl fmt::Display for YamlPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str(".");
+        }
+        for (i, s) in self.0.iter().enumerate() {
+            match s {
+                Segment::Key(k) if i == 0 => write!(f, "{k}")?,
+                Segment::Key(k) => write!(f, ".{k}")?,
+                Segment::Index(n) => write!(f, "[{n}]")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Finds the line and column of the node at `path`.
+///
+/// serde_yaml keeps no positions after parsing, but it stamps an error with the position of the
+/// node being read. So we walk the document again, down to the node, and raise an error from
+/// inside it. This runs only when a config is already known to be wrong.
+pub fn locate(text: &str, path: &YamlPath) -> Option<(usize, usize)> {
+    const MARK: &str = "sluice-locate";
+    let err = Locator(&path.0)
+        .deserialize(serde_yaml::Deserializer::from_str(text))
+        .err()?;
+    if !err.to_string().contains(MARK) {
+        return None;
+    }
+    err.location().map(|l| (l.line(), l.column()))
+}
+
+struct Locator<'a>(&'a [Segment]);
+
+impl<'de> DeserializeSeed<'de> for Locator<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        if self.0.is_empty() {
+            d.deserialize_any(Here)
+        } else {
+            d.deserialize_any(self)
+        }
+    }
+}
+
+impl<'de> Visitor<'de> for Locator<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a node on the path")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let Some(Segment::Key(wanted)) = self.0.first() else {
+            return Ok(());
+        };
+        while let Some(key) = map.next_key::<String>()? {
+            if key == *wanted {
+                return map.next_value_seed(Locator(&self.0[1..]));
+            }
+            map.next_value::<IgnoredAny>()?;
+        }
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let Some(&Segment::Index(wanted)) = self.0.first() else {
+            return Ok(());
+        };
+        for _ in 0..wanted {
+            if seq.next_element::<IgnoredAny>()?.is_none() {
+                return Ok(());
+            }
+        }
+        seq.next_element_seed(Locator(&self.0[1..])).map(drop)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// Raises the marker error from inside whatever node it is given.
+struct Here;
+
+impl<'de> Visitor<'de> for Here {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any node")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        Err(de::Error::custom("sluice-locate"))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        Err(de::Error::custom("sluice-locate"))
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Err(E::custom("sluice-locate"))
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Err(E::custom("sluice-locate"))
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Err(E::custom("sluice-locate"))
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Err(E::custom("sluice-locate"))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Err(E::custom("sluice-locate"))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Err(E::custom("sluice-locate"))
+    }
+}

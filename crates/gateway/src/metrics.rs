@@ -1,0 +1,125 @@
+//! Prometheus metrics (SPEC §4), in a registry of our own so tests can run several gateways
+//! in one process.
+
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Label value for requests that matched no route.
+pub const NO_ROUTE: &str = "_none";
+
+/// Every metric sluice exports.
+pub struct Metrics {
+    registry: Registry,
+    /// `sluice_requests_total{route,status}`
+    pub requests: IntCounterVec,
+    /// `sluice_request_duration_seconds{route}`
+    pub request_duration: HistogramVec,
+    /// `sluice_upstream_attempts_total{route,member,outcome}`; outcome is `ok`,
+    /// `connect_failure` or `error` (failed after connecting).
+    pub upstream_attempts: IntCounterVec,
+    /// `sluice_quota_rejections_total{route,window}`
+    pub quota_rejections: IntCounterVec,
+    /// `sluice_member_healthy{route,member}`: 1 up, 0 down.
+    pub member_healthy: IntGaugeVec,
+    /// `sluice_config_reloads_total{result}`
+    pub config_reloads: IntCounterVec,
+    /// `sluice_store_errors_total{op}`
+    pub store_errors: IntCounterVec,
+    /// `sluice_selection_fallbacks_total{route}`
+    pub selection_fallbacks: IntCounterVec,
+}
+
+impl Metrics {
+    /// Creates and registers all metrics.
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let requests = counter(
+            "sluice_requests_total",
+            "Requests answered, by route and status.",
+            &["route", "status"],
+        );
+        let upstream_attempts = counter(
+            "sluice_upstream_attempts_total",
+            "Attempts to send a request to a member, by outcome.",
+            &["route", "member", "outcome"],
+        );
+        let quota_rejections = counter(
+            "sluice_quota_rejections_total",
+            "Requests refused by a quota window.",
+            &["route", "window"],
+        );
+        let config_reloads = counter(
+            "sluice_config_reloads_total",
+            "Config reloads, by result.",
+            &["result"],
+        );
+        let store_errors = counter(
+            "sluice_store_errors_total",
+            "Failed calls to the state store.",
+            &["op"],
+        );
+        let selection_fallbacks = counter(
+            "sluice_selection_fallbacks_total",
+            "Requests routed by in-process round-robin because the least-used store failed.",
+            &["route"],
+        );
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_request_duration_seconds",
+                "Time from request head to the end of the response, by route.",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0,
+            ]),
+            &["route"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(request_duration.clone()))
+            .expect("unique metric");
+        let member_healthy = IntGaugeVec::new(
+            Opts::new(
+                "sluice_member_healthy",
+                "1 when the member is up, 0 when down.",
+            ),
+            &["route", "member"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(member_healthy.clone()))
+            .expect("unique metric");
+        Metrics {
+            registry,
+            requests,
+            request_duration,
+            upstream_attempts,
+            quota_rejections,
+            member_healthy,
+            config_reloads,
+            store_errors,
+            selection_fallbacks,
+        }
+    }
+
+    /// The Prometheus text exposition of all metrics.
+    pub fn render(&self) -> String {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,497 @@
+//! The Pingora `ProxyHttp` service: the request path of SPEC §3.
+//!
+//! A request moves through these hooks:
+//! 1. `request_filter` finds the route on the table snapshot the request keeps to the end, or
+//!    answers 404/405 itself;
+//! 2. `upstream_peer` picks a member not yet tried, and hands Pingora a clone of its prebuilt peer;
+//! 3. `fail_to_connect` reports the failure to the pool and asks Pingora to come back to
+//!    `upstream_peer` while the route has retries left. Nothing was sent, so any method may retry.
+//!    Failures after connecting go through Pingora's default `error_while_proxy`, which never
+//!    retries a non-idempotent request;
+//! 4. `upstream_request_filter` and `response_filter` fix up headers;
+//! 5. `fail_to_proxy` turns our own failures into problem+json answers;
+//! 6. `logging` writes the access log and the metrics.
+
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use http::header::{self, HeaderName};
+use http::{HeaderValue, Method};
+use pingora::modules::http::HttpModules;
+use pingora::prelude::*;
+use pingora::protocols::Digest;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::upstreams::peer::HttpPeer;
+use pingora::{ErrorType, HTTPStatus};
+
+use crate::metrics::{Metrics, NO_ROUTE};
+use crate::problem::{self, Problem};
+use crate::table::{Route, Table};
+
+/// The proxy service. Cheap to share: everything lives behind `Arc`s.
+pub struct Gateway {
+    table: Arc<ArcSwap<Table>>,
+    metrics: Arc<Metrics>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Gateway {
+    /// A gateway serving whatever table is current in `table`.
+    pub fn new(
+        table: Arc<ArcSwap<Table>>,
+        metrics: Arc<Metrics>,
+        in_flight: Arc<AtomicUsize>,
+    ) -> Self {
+        Gateway {
+            table,
+            metrics,
+            in_flight,
+        }
+    }
+}
+
+/// Counts a request as in flight from its first hook to the drop of its context, so a graceful
+/// stop can wait for exactly the requests that started.
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Members a request already tried. Retries are few, so a small inline array avoids an
+/// allocation per request; past it, the oldest entries are forgotten, which at worst lets a
+/// very long retry chain revisit a member that the pool has meanwhile marked down anyway.
+#[derive(Default)]
+struct Tried {
+    members: [u32; 8],
+    len: usize,
+}
+
+impl Tried {
+    fn push(&mut self, index: usize) {
+        self.members[self.len % self.members.len()] = index as u32;
+        self.len += 1;
+    }
+    fn contains(&self, index: usize) -> bool {
+        self.members[..self.len.min(self.members.len())].contains(&(index as u32))
+    }
+}
+
+/// Why the gateway itself answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// Every eligible member failed to connect, or none was left to try.
+    Unreachable,
+    /// The pool had no eligible member for the first attempt.
+    NoMember,
+}
+
+/// Per-request state.
+pub struct RequestCtx {
+    started: Instant,
+    route: Option<Arc<Route>>,
+    /// The member of the current attempt.
+    member: Option<usize>,
+    /// The current attempt is a down member's single trial.
+    trial: bool,
+    /// The current attempt's outcome was reported to the pool.
+    reported: bool,
+    tried: Tried,
+    attempts: u32,
+    failure: Option<Failure>,
+    /// Path and authority of an absolute-form request (`GET http://host/path`), whose
+    /// `uri` Pingora leaves as the bare path.
+    absolute: Option<(http::uri::Authority, http::uri::PathAndQuery)>,
+    _in_flight: InFlight,
+}
+
+impl RequestCtx {
+    fn member(&self) -> Option<&crate::table::Member> {
+        Some(&self.route.as_ref()?.members[self.member?])
+    }
+}
+
+static HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::UPGRADE,
+];
+
+/// Pingora's request and response heads keep a case map beside their `HeaderMap`, so headers
+/// must be removed through their own methods.
+trait HeaderEdit {
+    fn header_map(&self) -> &http::HeaderMap;
+    fn remove(&mut self, name: &str);
+}
+
+impl HeaderEdit for RequestHeader {
+    fn header_map(&self) -> &http::HeaderMap {
+        &self.headers
+    }
+    fn remove(&mut self, name: &str) {
+        self.remove_header(name);
+    }
+}
+
+impl HeaderEdit for ResponseHeader {
+    fn header_map(&self) -> &http::HeaderMap {
+        &self.headers
+    }
+    fn remove(&mut self, name: &str) {
+        self.remove_header(name);
+    }
+}
+
+/// Removes the hop-by-hop headers of RFC 9110 §7.6.1, including those named in `Connection`.
+/// `Transfer-Encoding` and `Trailer` are left to Pingora, which owns message framing.
+fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
+    // Cloning a parsed HeaderValue bumps a reference count; it does not copy.
+    if let Some(listed) = head.header_map().get(header::CONNECTION).cloned() {
+        if let Ok(listed) = listed.to_str() {
+            for name in listed.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
+                    || name.eq_ignore_ascii_case("trailer");
+                if !is_framing {
+                    head.remove(name);
+                }
+            }
+        }
+    }
+    for name in &HOP_BY_HOP {
+        if head.header_map().contains_key(name) {
+            head.remove(name.as_str());
+        }
+    }
+}
+
+/// Splits the authority and path out of an absolute-form request target.
+fn absolute_form(raw: &[u8]) -> Option<(http::uri::Authority, http::uri::PathAndQuery)> {
+    if !(raw.starts_with(b"http://") || raw.starts_with(b"https://")) {
+        return None;
+    }
+    let uri = http::Uri::try_from(raw).ok()?;
+    let parts = uri.into_parts();
+    let path = parts
+        .path_and_query
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    Some((parts.authority?, path))
+}
+
+impl Gateway {
+    async fn answer(&self, session: &mut Session, ctx: &RequestCtx, p: Problem) -> Result<()> {
+        let route = ctx.route.as_ref().map(|r| &*r.name);
+        let (header, body) = problem::render(&p, route);
+        session
+            .write_response_header(Box::new(header), false)
+            .await?;
+        session.write_response_body(Some(body), true).await
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        RequestCtx {
+            started: Instant::now(),
+            route: None,
+            member: None,
+            trial: false,
+            reported: false,
+            tried: Tried::default(),
+            attempts: 0,
+            failure: None,
+            absolute: None,
+            _in_flight: InFlight(self.in_flight.clone()),
+        }
+    }
+
+    // No compression or other downstream modules: they cost time on every request.
+    fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let req = session.req_header();
+        if req.method == Method::CONNECT {
+            let p = Problem::method_not_allowed("CONNECT tunnels are not supported by sluice");
+            self.answer(session, ctx, p).await?;
+            return Ok(true);
+        }
+        ctx.absolute = absolute_form(req.raw_path());
+        let table = self.table.load();
+        let found = {
+            let (host, path) = match &ctx.absolute {
+                Some((authority, path)) => (authority.as_str(), path.path()),
+                None => {
+                    let host = req
+                        .headers
+                        .get(header::HOST)
+                        .and_then(|h| h.to_str().ok())
+                        .unwrap_or("");
+                    (host, req.uri.path())
+                }
+            };
+            table.router.find(host, path, req.method.as_str()).cloned()
+        };
+        match found {
+            Some(route) => {
+                ctx.route = Some(route);
+                Ok(false)
+            }
+            None => {
+                self.answer(session, ctx, Problem::no_route()).await?;
+                Ok(true)
+            }
+        }
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
+        let route = ctx.route.clone().expect("request_filter sets the route");
+        loop {
+            if ctx.attempts > route.config.upstream.retries {
+                ctx.failure = Some(Failure::Unreachable);
+                return Err(Error::explain(HTTPStatus(502), "retries exhausted"));
+            }
+            let now = Instant::now();
+            let tried = &ctx.tried;
+            let Some(pick) = route.pool.pick(now, |i| tried.contains(i)) else {
+                ctx.failure = Some(if ctx.attempts == 0 {
+                    Failure::NoMember
+                } else {
+                    Failure::Unreachable
+                });
+                return Err(Error::explain(HTTPStatus(503), "no eligible member"));
+            };
+            ctx.tried.push(pick.index);
+            ctx.member = Some(pick.index);
+            ctx.trial = pick.trial;
+            ctx.reported = false;
+            ctx.attempts += 1;
+            let member = &route.members[pick.index];
+            match &member.peer {
+                Some(peer) => return Ok(Box::new(peer.clone())),
+                None => {
+                    // An unresolvable host is a connect failure that never reached Pingora.
+                    member.attempts_connect_failure.inc();
+                    route.pool.report_connect_failure(pick.index, now);
+                    ctx.reported = true;
+                }
+            }
+        }
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        _reused: bool,
+        _peer: &HttpPeer,
+        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
+        _digest: Option<&Digest>,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // Reaching the member is what passive health cares about; a trial succeeds here.
+        if let (Some(route), Some(i)) = (&ctx.route, ctx.member) {
+            route.pool.report_success(i);
+            ctx.reported = true;
+        }
+        Ok(())
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        if let (Some(route), Some(i)) = (&ctx.route, ctx.member) {
+            route.members[i].attempts_connect_failure.inc();
+            route.pool.report_connect_failure(i, Instant::now());
+            ctx.reported = true;
+            // Nothing reached the member, so trying another is safe for every method.
+            // upstream_peer enforces the retry budget and the choice of an untried member.
+            e.set_retry(true);
+            ctx.failure = Some(Failure::Unreachable);
+        }
+        e
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let Some(route) = &ctx.route else {
+            return Ok(());
+        };
+        strip_hop_by_hop(upstream);
+        if let Some((authority, path)) = &ctx.absolute {
+            // Members expect origin-form targets; only proxies take absolute URIs.
+            upstream.set_uri(http::Uri::from(path.clone()));
+            if route.config.upstream.preserve_host && !upstream.headers.contains_key(header::HOST) {
+                let host = HeaderValue::from_str(authority.as_str())
+                    .or_err(ErrorType::InvalidHTTPHeader, "authority")?;
+                upstream.insert_header(header::HOST, host)?;
+            }
+        }
+        if !route.config.upstream.preserve_host {
+            if let Some(m) = ctx.member() {
+                upstream.insert_header(header::HOST, m.host_header.clone())?;
+            }
+        }
+        if let Some(ip) = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip())
+        {
+            append_forwarded_for(upstream, ip)?;
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        response: &mut ResponseHeader,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        strip_hop_by_hop(response);
+        Ok(())
+    }
+
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
+        let problem = match ctx.failure {
+            Some(Failure::NoMember) => Some(Problem::no_member()),
+            Some(Failure::Unreachable) if ctx.member.is_some() || ctx.attempts > 0 => {
+                Some(Problem::unreachable(ctx.attempts))
+            }
+            _ => match e.esource() {
+                ErrorSource::Upstream => Some(match e.etype() {
+                    ErrorType::ReadTimedout | ErrorType::WriteTimedout => {
+                        Problem::upstream_timeout()
+                    }
+                    _ => Problem::upstream_error(),
+                }),
+                ErrorSource::Downstream => match e.etype() {
+                    // The client is gone; there is nobody to answer.
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => {
+                        None
+                    }
+                    _ => Some(Problem::bad_request()),
+                },
+                _ => Some(Problem::internal()),
+            },
+        };
+        let status = match problem {
+            // Once a response has started, all we can do is cut the connection.
+            Some(p) if session.response_written().is_none() => {
+                let status = p.status;
+                if let Err(err) = self.answer(session, ctx, p).await {
+                    tracing::debug!(error = %err, "could not send the error response");
+                }
+                status
+            }
+            Some(p) => p.status,
+            None => 0,
+        };
+        FailToProxy {
+            error_code: status,
+            can_reuse_downstream: false,
+        }
+    }
+
+    // Failures are logged once, in the access log, with their cause.
+    fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, _error: &Error) -> bool {
+        true
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        let elapsed = ctx.started.elapsed();
+        let status = session
+            .response_written()
+            .map(|r| r.status.as_u16())
+            .unwrap_or(0);
+        let route_name = ctx.route.as_ref().map_or(NO_ROUTE, |r| &*r.name);
+
+        if let (Some(route), Some(i)) = (&ctx.route, ctx.member) {
+            let member = &route.members[i];
+            match (e, ctx.failure) {
+                (_, Some(Failure::Unreachable)) | (_, Some(Failure::NoMember)) => {}
+                (None, _) => member.attempts_ok.inc(),
+                (Some(_), _) => member.attempts_error.inc(),
+            }
+            // A trial that never got as far as connecting goes back for the next request.
+            if ctx.trial && !ctx.reported {
+                route.pool.release_trial(i, Instant::now());
+            }
+            route.duration.observe(elapsed.as_secs_f64());
+        }
+        let status_label = http::StatusCode::from_u16(status)
+            .map(|s| s.as_str().to_owned())
+            .unwrap_or_else(|_| "0".into());
+        self.metrics
+            .requests
+            .with_label_values(&[route_name, &status_label])
+            .inc();
+
+        let req = session.req_header();
+        let (authority, path) = match &ctx.absolute {
+            Some((a, p)) => (a.as_str(), p.path()),
+            None => (
+                req.headers
+                    .get(header::HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .unwrap_or(""),
+                req.uri.path(),
+            ),
+        };
+        let member = ctx.member().map_or("", |m| m.url.url.as_str());
+        tracing::info!(
+            target: "sluice::access",
+            route = route_name,
+            method = req.method.as_str(),
+            authority,
+            path,
+            status,
+            member,
+            attempts = ctx.attempts,
+            duration_ms = elapsed.as_secs_f64() * 1000.0,
+            error = e.map(|e| e.etype().as_str()),
+        );
+    }
+}
+
+fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
+    let value = match upstream
+        .headers
+        .get("x-forwarded-for")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(prior) => format!("{prior}, {ip}"),
+        None => ip.to_string(),
+    };
+    let value = HeaderValue::from_str(&value).or_err(ErrorType::InvalidHTTPHeader, "xff")?;
+    upstream.insert_header("x-forwarded-for", value)
+}

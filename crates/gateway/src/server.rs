@@ -1,0 +1,178 @@
+//! Assembling and running the Pingora server: the proxy service, the admin API and the health
+//! checks, plus a graceful stop that waits for exactly the requests in flight.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora::apps::HttpServerOptions;
+use pingora::server::configuration::{Opt, ServerConf};
+use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+use pingora::services::background::background_service;
+use pingora::services::listening::Service;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::admin::AdminApi;
+use crate::config::{Config, ConfigErrors};
+use crate::health::HealthChecks;
+use crate::metrics::Metrics;
+use crate::proxy::Gateway;
+use crate::table::Table;
+
+/// The longest a graceful stop waits for requests in flight before it cuts them.
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// Where the config comes from.
+pub enum ConfigSource<'a> {
+    /// A file on disk.
+    File(&'a Path),
+    /// The embedded default.
+    Embedded,
+}
+
+/// Loads and validates the config.
+pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors> {
+    match source {
+        ConfigSource::File(path) => Config::load(path),
+        ConfigSource::Embedded => {
+            let text = crate::config::EMBEDDED_DEFAULT;
+            Config::parse("<embedded default>", text).map(|c| (c, text.as_bytes().to_vec()))
+        }
+    }
+}
+
+/// Runs the gateway in the foreground until SIGTERM or SIGINT, then drains and returns.
+/// Must not be called from inside a tokio runtime: Pingora makes its own.
+pub fn run(config: Config, bytes: Vec<u8>) {
+    let metrics = Arc::new(Metrics::new());
+    // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
+    // starts its own.
+    let table = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+        .block_on(Table::build(&config, &bytes, &metrics));
+    let table = Arc::new(ArcSwap::from_pointee(table));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+
+    let threads = config
+        .threads
+        .map(|t| t.get())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut conf = ServerConf {
+        threads,
+        // Pingora sleeps the whole grace period; we exit as soon as the drain is done.
+        grace_period_seconds: Some(DRAIN_LIMIT.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(1),
+        // Pool at least as many idle upstream connections as there are concurrent clients,
+        // or requests keep opening new ones.
+        upstream_keepalive_pool_size: 4096,
+        ..ServerConf::default()
+    };
+    // Two gateways on one machine must not share Pingora's pid file and upgrade socket.
+    let scratch = std::env::temp_dir();
+    let pid = std::process::id();
+    conf.pid_file = scratch
+        .join(format!("sluice-{pid}.pid"))
+        .display()
+        .to_string();
+    conf.upgrade_sock = scratch
+        .join(format!("sluice-{pid}.sock"))
+        .display()
+        .to_string();
+
+    let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
+    server.bootstrap();
+
+    let gateway = Gateway::new(table.clone(), metrics.clone(), in_flight.clone());
+    let mut proxy = pingora::proxy::http_proxy_service_with_name(
+        &server.configuration,
+        gateway,
+        "sluice proxy",
+    );
+    if let Some(app) = proxy.app_logic_mut() {
+        let mut options = HttpServerOptions::default();
+        // Let CONNECT reach our request_filter, which answers it with problem+json.
+        options.allow_connect_method_proxying = true;
+        app.server_options = Some(options);
+    }
+    for addr in &config.listen {
+        proxy.add_tcp(&addr.0.to_string());
+    }
+    proxy.threads = Some(threads);
+
+    let mut admin = Service::new(
+        "sluice admin".to_string(),
+        AdminApi::new(table.clone(), metrics.clone()),
+    );
+    admin.add_tcp(&config.admin.listen.0.to_string());
+    admin.threads = Some(1);
+
+    let mut checks = background_service("sluice health checks", HealthChecks::new(table.clone()));
+    checks.threads = Some(1);
+
+    server.add_service(proxy);
+    server.add_service(admin);
+    server.add_service(checks);
+
+    let (stop_tx, stop_rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("sluice-drain".into())
+        .spawn(move || drain_then_exit(stop_rx, in_flight))
+        .expect("spawn the drain thread");
+
+    tracing::info!(
+        target: "sluice::server",
+        listen = ?config.listen.iter().map(|l| l.0).collect::<Vec<_>>(),
+        admin = %config.admin.listen.0,
+        routes = config.routes.len(),
+        version = %table.load().version,
+        "sluice started"
+    );
+    server.run(RunArgs {
+        shutdown_signal: Box::new(StopSignals { stop: stop_tx }),
+    });
+}
+
+/// Turns SIGTERM and SIGINT into Pingora's graceful terminate (its own default makes SIGINT a
+/// fast stop that cuts requests), and tells the drain thread.
+struct StopSignals {
+    stop: mpsc::Sender<()>,
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for StopSignals {
+    async fn recv(&self) -> ShutdownSignal {
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(target: "sluice::server", signal = name, "stopping: no new connections, draining requests in flight");
+        let _ = self.stop.send(());
+        ShutdownSignal::GracefulTerminate
+    }
+}
+
+/// After the stop signal, waits until no request is in flight (or the drain limit), then exits
+/// with status 0 rather than sitting out Pingora's fixed grace period.
+fn drain_then_exit(stop: mpsc::Receiver<()>, in_flight: Arc<AtomicUsize>) {
+    if stop.recv().is_err() {
+        return;
+    }
+    let deadline = Instant::now() + DRAIN_LIMIT;
+    // Listeners close right after the signal; give a request accepted at that instant time to
+    // reach its first hook and be counted.
+    std::thread::sleep(Duration::from_millis(100));
+    while in_flight.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = in_flight.load(Ordering::Acquire);
+    tracing::info!(target: "sluice::server", cut = left, "sluice stopped");
+    crate::logging::flush();
+    std::process::exit(0);
+}

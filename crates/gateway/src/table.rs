@@ -1,0 +1,205 @@
+//! The immutable routing table built from a config: routes, their pools and prebuilt peers.
+//!
+//! Everything a request needs is computed here, off the hot path: resolved addresses, Pingora
+//! peers with their timeouts, Host header values and metric handles. A request then only clones
+//! a prebuilt peer. The table is swapped in whole, so a request sees one consistent config.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use http::HeaderValue;
+use pingora::upstreams::peer::HttpPeer;
+use prometheus::{Histogram, IntCounter, IntGauge};
+use sluice_balancer::{HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Pool, Transition};
+
+use crate::config::{Config, MemberUrl, RouteConfig};
+use crate::metrics::Metrics;
+use crate::router::{RouteMatch, Router};
+
+/// How long an idle pooled connection to a member is kept.
+const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A config made ready to serve.
+pub struct Table {
+    /// Request → route.
+    pub router: Router<Arc<Route>>,
+    /// Routes in config order.
+    pub routes: Vec<Arc<Route>>,
+    /// sha256 of the config file bytes, hex.
+    pub version: String,
+    /// When this table was loaded, RFC 3339.
+    pub loaded_at: String,
+}
+
+/// One route, ready to serve.
+pub struct Route {
+    /// The route's name.
+    pub name: Arc<str>,
+    /// The route as configured.
+    pub config: RouteConfig,
+    /// Members and their health.
+    pub pool: Arc<Pool>,
+    /// Per-member data for proxying, indexed like `pool.members()`.
+    pub members: Box<[Member]>,
+    /// `sluice_request_duration_seconds{route}`, resolved once.
+    pub duration: Histogram,
+}
+
+/// What proxying to one member needs.
+pub struct Member {
+    /// The member's URL.
+    pub url: MemberUrl,
+    /// The prebuilt peer; `None` when the member's host did not resolve.
+    pub peer: Option<HttpPeer>,
+    /// Host header value for `preserve_host: false`.
+    pub host_header: HeaderValue,
+    /// `sluice_upstream_attempts_total` for each outcome, resolved once.
+    pub attempts_ok: IntCounter,
+    /// Attempt that failed to connect.
+    pub attempts_connect_failure: IntCounter,
+    /// Attempt that failed after connecting.
+    pub attempts_error: IntCounter,
+}
+
+impl Table {
+    /// Builds the table for `config`. Member host names are resolved here, asynchronously, so
+    /// that no request ever waits on DNS.
+    pub async fn build(config: &Config, bytes: &[u8], metrics: &Arc<Metrics>) -> Table {
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for rc in &config.routes {
+            routes.push(Arc::new(build_route(rc, metrics).await));
+        }
+        let router = Router::new(routes.iter().map(|r| {
+            let m = &r.config.matcher;
+            (
+                RouteMatch {
+                    hosts: m.hosts.clone(),
+                    path_prefix: m.path_prefix.clone(),
+                    methods: m.methods.clone(),
+                },
+                r.clone(),
+            )
+        }));
+        Table {
+            router,
+            routes,
+            version: sha256_hex(bytes),
+            loaded_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+        }
+    }
+}
+
+async fn build_route(rc: &RouteConfig, metrics: &Arc<Metrics>) -> Route {
+    let name: Arc<str> = rc.name.0.as_str().into();
+    let up = &rc.upstream;
+    let policy = HealthPolicy {
+        passive_fall: up.passive.fall.get(),
+        cooldown: up.passive.cooldown.0,
+        active: up
+            .health_check
+            .as_ref()
+            .map(|h| (h.rise.get(), h.fall.get())),
+    };
+    let mut specs = Vec::with_capacity(up.members.len());
+    let mut members = Vec::with_capacity(up.members.len());
+    for m in &up.members {
+        let labels = |outcome: &str| {
+            metrics
+                .upstream_attempts
+                .with_label_values(&[&name, &m.url.url, outcome])
+        };
+        let peer = resolve(&m.url).await.map(|addr| {
+            let mut peer = HttpPeer::new(addr, m.url.tls, m.url.host.clone());
+            peer.options.connection_timeout = Some(up.connect_timeout.0);
+            peer.options.total_connection_timeout = Some(up.connect_timeout.0);
+            peer.options.read_timeout = Some(up.read_timeout.0);
+            peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
+            peer
+        });
+        metrics
+            .member_healthy
+            .with_label_values(&[&name, &m.url.url])
+            .set(1);
+        specs.push(MemberSpec {
+            id: m.url.url.as_str().into(),
+            weight: m.weight.get(),
+            health: Arc::new(MemberHealth::new()),
+        });
+        members.push(Member {
+            host_header: HeaderValue::from_str(&m.url.authority())
+                .unwrap_or_else(|_| HeaderValue::from_static("invalid")),
+            url: m.url.clone(),
+            peer,
+            attempts_ok: labels("ok"),
+            attempts_connect_failure: labels("connect_failure"),
+            attempts_error: labels("error"),
+        });
+    }
+    let observer = Arc::new(HealthLog {
+        route: name.clone(),
+        gauges: up
+            .members
+            .iter()
+            .map(|m| {
+                let gauge = metrics
+                    .member_healthy
+                    .with_label_values(&[&name, &m.url.url]);
+                (Arc::from(m.url.url.as_str()), gauge)
+            })
+            .collect(),
+    });
+    Route {
+        duration: metrics.request_duration.with_label_values(&[&name]),
+        pool: Arc::new(Pool::new(specs, policy, observer)),
+        members: members.into_boxed_slice(),
+        config: rc.clone(),
+        name,
+    }
+}
+
+/// Resolves a member's host once. An IP literal needs no lookup; a name that fails to resolve
+/// leaves the member without a peer, which requests treat as a connect failure.
+async fn resolve(url: &MemberUrl) -> Option<SocketAddr> {
+    if let Ok(ip) = url.host.parse::<IpAddr>() {
+        return Some(SocketAddr::new(ip, url.port));
+    }
+    match tokio::net::lookup_host((url.host.as_str(), url.port)).await {
+        Ok(mut addrs) => addrs.next(),
+        Err(e) => {
+            tracing::warn!(target: "sluice::dns", member = %url.url, error = %e, "member host does not resolve");
+            None
+        }
+    }
+}
+
+/// Logs health transitions and mirrors them in `sluice_member_healthy`.
+struct HealthLog {
+    route: Arc<str>,
+    gauges: Vec<(Arc<str>, IntGauge)>,
+}
+
+impl HealthObserver for HealthLog {
+    fn health_changed(&self, member: &MemberSpec, t: Transition, cause: &'static str) {
+        let up = t == Transition::Up;
+        // Transitions are rare, so a scan beats keeping a map in step with the pool.
+        if let Some((_, gauge)) = self.gauges.iter().find(|(id, _)| **id == *member.id) {
+            gauge.set(i64::from(up));
+        }
+        if up {
+            tracing::info!(target: "sluice::health", route = %self.route, member = %member.id, cause, "member up");
+        } else {
+            tracing::warn!(target: "sluice::health", route = %self.route, member = %member.id, cause, "member down");
+        }
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(bytes);
+    let mut out = String::with_capacity(64);
+    for b in digest {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
