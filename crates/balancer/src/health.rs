@@ -128,7 +128,12 @@ impl MemberHealth {
     }
 
     /// Records the result of an active probe.
-    pub fn record_probe(&self, ok: bool, policy: &HealthPolicy, now: Instant) -> Option<Transition> {
+    pub fn record_probe(
+        &self,
+        ok: bool,
+        policy: &HealthPolicy,
+        now: Instant,
+    ) -> Option<Transition> {
         let (rise, fall) = policy.active.unwrap_or((1, 1));
         let mut c = self.lock();
         if ok {
@@ -152,7 +157,11 @@ impl MemberHealth {
     }
 
     /// Records a connect failure (or connect timeout) seen on live traffic.
-    pub fn record_connect_failure(&self, policy: &HealthPolicy, now: Instant) -> Option<Transition> {
+    pub fn record_connect_failure(
+        &self,
+        policy: &HealthPolicy,
+        now: Instant,
+    ) -> Option<Transition> {
         let mut c = self.lock();
         c.successes = 0;
         c.failures = c.failures.saturating_add(1);
@@ -192,9 +201,7 @@ impl MemberHealth {
     pub fn try_claim_trial(&self, now: Instant) -> bool {
         let mut c = self.lock();
         match c.status {
-            Status::Down {
-                trial_at: Some(at),
-            } if now >= at => {
+            Status::Down { trial_at: Some(at) } if now >= at => {
                 c.status = Status::Trial;
                 true
             }

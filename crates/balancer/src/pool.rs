@@ -336,7 +336,10 @@ mod tests {
         pool.report_success(0);
         assert_eq!(counts(&pool, 10, t1), [5, 5]);
         let events = recorder.0.lock().unwrap();
-        assert_eq!(events.last().unwrap(), &("m0".to_string(), Transition::Up, "trial"));
+        assert_eq!(
+            events.last().unwrap(),
+            &("m0".to_string(), Transition::Up, "trial")
+        );
     }
 
     #[test]
@@ -353,7 +356,11 @@ mod tests {
         assert!(pool.pick(t1, |_| false).unwrap().trial);
         pool.report_connect_failure(0, t1);
         assert_eq!(counts(&pool, 10, t1 + Duration::from_secs(4)), [0, 10]);
-        assert!(pool.pick(t1 + Duration::from_secs(5), |_| false).unwrap().trial);
+        assert!(
+            pool.pick(t1 + Duration::from_secs(5), |_| false)
+                .unwrap()
+                .trial
+        );
     }
 
     #[test]
@@ -366,7 +373,11 @@ mod tests {
         let (pool, recorder) = pool(&[1, 1], policy);
         let t = Instant::now();
         pool.report_connect_failure(0, t);
-        assert_eq!(counts(&pool, 4, t + Duration::from_secs(60)), [0, 4], "no trial with active checks");
+        assert_eq!(
+            counts(&pool, 4, t + Duration::from_secs(60)),
+            [0, 4],
+            "no trial with active checks"
+        );
         pool.report_probe(0, true, t);
         assert_eq!(pool.healthy_count(), 1);
         pool.report_probe(0, true, t);

@@ -195,7 +195,10 @@ mod tests {
         for c in 0..schedule.len() {
             counts[schedule.at(c).unwrap() as usize] += 1;
         }
-        assert_eq!(counts, weights, "one period gives each member exactly its weight");
+        assert_eq!(
+            counts, weights,
+            "one period gives each member exactly its weight"
+        );
     }
 
     #[test]

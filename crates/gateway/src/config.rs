@@ -555,7 +555,7 @@ impl Config {
     pub fn parse(file: &str, text: &str) -> Result<Config, ConfigErrors> {
         let config: Config =
             serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text))
-                .map_err(|e| ConfigErrors(vec![from_serde(file, &e)]))?;
+                .map_err(|e| ConfigErrors(vec![from_serde(file, text, &e)]))?;
         let problems = config.validate();
         if problems.is_empty() {
             return Ok(config);
@@ -657,10 +657,15 @@ impl Config {
     }
 }
 
-/// Turns a serde error into our format: serde_yaml repeats the path and the position inside
-/// its message, so those parts are cut out and given their own fields.
-fn from_serde(file: &str, e: &serde_path_to_error::Error<serde_yaml::Error>) -> ConfigError {
-    let (line, column) = e
+/// Turns a serde error into our format. serde_yaml puts its own (sometimes shorter) path and
+/// the position inside the message, so both are cut out. Errors raised by our field types are
+/// stamped with the position of the enclosing mapping, so those are located again by path.
+fn from_serde(
+    file: &str,
+    text: &str,
+    e: &serde_path_to_error::Error<serde_yaml::Error>,
+) -> ConfigError {
+    let (mut line, mut column) = e
         .inner()
         .location()
         .map(|l| (l.line(), l.column()))
@@ -671,14 +676,38 @@ fn from_serde(file: &str, e: &serde_path_to_error::Error<serde_yaml::Error>) -> 
         message.replace_range(at..at + position.len(), "");
     }
     let path = e.path().to_string();
-    if let Some(rest) = message.strip_prefix(&format!("{path}: ")) {
-        message = rest.to_string();
+    if let Some((head, rest)) = message.split_once(": ") {
+        if !head.is_empty() && path.starts_with(head) {
+            message = rest.to_string();
+        }
+    }
+    // An unknown key is best shown at the key itself, which is where serde_yaml points.
+    if !message.starts_with("unknown field") {
+        let yaml_path = YamlPath(
+            e.path()
+                .iter()
+                .filter_map(|s| match s {
+                    serde_path_to_error::Segment::Seq { index } => Some(Segment::Index(*index)),
+                    serde_path_to_error::Segment::Map { key } => {
+                        Some(Segment::Key(key.clone().into()))
+                    }
+                    _ => None,
+                })
+                .collect(),
+        );
+        if let Some(at) = locate(text, &yaml_path) {
+            (line, column) = at;
+        }
     }
     ConfigError {
         file: file.to_string(),
         line,
         column,
-        path: if path.is_empty() { ".".into() } else { path },
+        path: if path.is_empty() || path == "?" {
+            ".".into()
+        } else {
+            path
+        },
         message,
     }
 }
@@ -689,7 +718,7 @@ pub struct YamlPath(Vec<Segment>);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Segment {
-    Key(&'static str),
+    Key(std::borrow::Cow<'static, str>),
     Index(usize),
 }
 
@@ -700,7 +729,7 @@ impl YamlPath {
     }
     /// Descends into a mapping key.
     pub fn key(mut self, key: &'static str) -> YamlPath {
-        self.0.push(Segment::Key(key));
+        self.0.push(Segment::Key(key.into()));
         self
     }
     /// Descends into a sequence element.
@@ -765,7 +794,7 @@ impl<'de> Visitor<'de> for Locator<'_> {
             return Ok(());
         };
         while let Some(key) = map.next_key::<String>()? {
-            if key == *wanted {
+            if key == **wanted {
                 return map.next_value_seed(Locator(&self.0[1..]));
             }
             map.next_value::<IgnoredAny>()?;

@@ -6,8 +6,8 @@
 //! 2. `upstream_peer` picks a member not yet tried, and hands Pingora a clone of its prebuilt peer;
 //! 3. `fail_to_connect` reports the failure to the pool and asks Pingora to come back to
 //!    `upstream_peer` while the route has retries left. Nothing was sent, so any method may retry.
-//!    Failures after connecting go through Pingora's default `error_while_proxy`, which never
-//!    retries a non-idempotent request;
+//!    `error_while_proxy` forbids any retry once connected: the request may have reached the
+//!    member, and for a paid API a replayed GET costs money just like a replayed POST;
 //! 4. `upstream_request_filter` and `response_filter` fix up headers;
 //! 5. `fail_to_proxy` turns our own failures into problem+json answers;
 //! 6. `logging` writes the access log and the metrics.
@@ -420,6 +420,20 @@ impl ProxyHttp for Gateway {
             error_code: status,
             can_reuse_downstream: false,
         }
+    }
+
+    fn error_while_proxy(
+        &self,
+        _peer: &HttpPeer,
+        _session: &mut Session,
+        mut e: Box<Error>,
+        _ctx: &mut RequestCtx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        // Pingora's default replays idempotent requests that fail on a reused connection.
+        // Those bytes may have reached the member, so sluice never replays them.
+        e.set_retry(false);
+        e
     }
 
     // Failures are logged once, in the access log, with their cause.

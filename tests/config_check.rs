@@ -1,0 +1,321 @@
+//! `sluice check` on broken configs: each mistake must be reported as
+//! `FILE:LINE:COL: PATH: message`, and a good config as `ok`.
+
+mod support;
+
+use std::process::Command;
+
+/// A valid config that the broken cases below start from.
+const GOOD: &str = r#"listen: ["127.0.0.1:8080"]
+routes:
+  - name: api
+    match:
+      hosts: ["api.test"]
+    upstream:
+      members:
+        - url: "http://127.0.0.1:9001"
+"#;
+
+struct Case {
+    what: &'static str,
+    yaml: &'static str,
+    line: usize,
+    column: usize,
+    path: &'static str,
+    message: &'static str,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        what: "YAML syntax: unclosed flow sequence",
+        yaml: "listen: [\"127.0.0.1:8080\"\nroutes: []\n",
+        line: 1,
+        column: 9,
+        path: "listen",
+        message: "did not find expected ',' or ']'",
+    },
+    Case {
+        what: "YAML syntax: bad indentation",
+        yaml: "routes:\n\t- name: a\n",
+        line: 2,
+        column: 1,
+        path: "routes",
+        message: "found character that cannot start any token",
+    },
+    Case {
+        what: "wrong type: threads is a word",
+        yaml: "threads: many\n",
+        line: 1,
+        column: 10,
+        path: "threads",
+        message: "invalid type: string \"many\"",
+    },
+    Case {
+        what: "wrong type: negative retries",
+        yaml: "routes:\n  - name: a\n    upstream:\n      retries: -1\n",
+        line: 4,
+        column: 16,
+        path: "routes[0].upstream.retries",
+        message: "invalid type: integer `-1`, expected u32",
+    },
+    Case {
+        what: "wrong type: routes is a mapping",
+        yaml: "routes:\n  name: a\n",
+        line: 2,
+        column: 3,
+        path: "routes",
+        message: "invalid type: map, expected a sequence",
+    },
+    Case {
+        what: "unknown top-level key (typo)",
+        yaml: "listn: [\"127.0.0.1:8080\"]\n",
+        line: 1,
+        column: 1,
+        path: "listn",
+        message: "unknown field `listn`",
+    },
+    Case {
+        what: "unknown nested key (typo)",
+        yaml: "routes:\n  - name: a\n    upstream:\n      member: []\n",
+        line: 4,
+        column: 7,
+        path: "routes[0].upstream.member",
+        message: "unknown field `member`",
+    },
+    Case {
+        what: "quota is not accepted until quotas are implemented",
+        yaml: "routes:\n  - name: a\n    upstream: {}\n    quota: {}\n",
+        line: 4,
+        column: 5,
+        path: "routes[0].quota",
+        message: "unknown field `quota`",
+    },
+    Case {
+        what: "least_used is not accepted until it is implemented",
+        yaml: "routes:\n  - name: a\n    upstream:\n      selection: least_used\n",
+        line: 4,
+        column: 18,
+        path: "routes[0].upstream.selection",
+        message: "unknown variant `least_used`",
+    },
+    Case {
+        what: "member URL with a non-http scheme",
+        yaml: "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"ftp://x.test\"\n",
+        line: 5,
+        column: 16,
+        path: "routes[0].upstream.members[0].url",
+        message: "scheme \"ftp\" is not http or https",
+    },
+    Case {
+        what: "member URL that is not a URL",
+        yaml: "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"not a url\"\n",
+        line: 5,
+        column: 16,
+        path: "routes[0].upstream.members[0].url",
+        message: "invalid member url",
+    },
+    Case {
+        what: "member URL with a path",
+        yaml: "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"http://x.test/v1\"\n",
+        line: 5,
+        column: 16,
+        path: "routes[0].upstream.members[0].url",
+        message: "without a path",
+    },
+    Case {
+        what: "duplicate route names",
+        yaml: "routes:\n  - name: a\n    match: {hosts: [x.test]}\n    upstream: {}\n  - name: a\n    match: {hosts: [y.test]}\n    upstream: {}\n",
+        line: 5,
+        column: 11,
+        path: "routes[1].name",
+        message: "duplicate route name \"a\"",
+    },
+    Case {
+        what: "zero duration",
+        yaml: "routes:\n  - name: a\n    upstream:\n      connect_timeout: 0s\n",
+        line: 4,
+        column: 24,
+        path: "routes[0].upstream.connect_timeout",
+        message: "must be greater than zero",
+    },
+    Case {
+        what: "unparseable duration",
+        yaml: "routes:\n  - name: a\n    upstream:\n      read_timeout: 5 parsecs\n",
+        line: 4,
+        column: 21,
+        path: "routes[0].upstream.read_timeout",
+        message: "invalid duration \"5 parsecs\"",
+    },
+    Case {
+        what: "zero duration in a health check",
+        yaml: "routes:\n  - name: a\n    upstream:\n      health_check: {kind: tcp, interval: 0ms}\n",
+        line: 4,
+        column: 43,
+        path: "routes[0].upstream.health_check.interval",
+        message: "must be greater than zero",
+    },
+    Case {
+        what: "zero weight",
+        yaml: "routes:\n  - name: a\n    upstream:\n      members:\n        - {url: \"http://127.0.0.1:1\", weight: 0}\n",
+        line: 5,
+        column: 47,
+        path: "routes[0].upstream.members[0].weight",
+        message: "expected a nonzero u32",
+    },
+    Case {
+        what: "route name with a space",
+        yaml: "routes:\n  - name: my route\n    upstream: {}\n",
+        line: 2,
+        column: 11,
+        path: "routes[0].name",
+        message: "invalid route name \"my route\"",
+    },
+    Case {
+        what: "host with a port",
+        yaml: "routes:\n  - name: a\n    match:\n      hosts: [\"api.test:443\"]\n    upstream: {}\n",
+        line: 4,
+        column: 15,
+        path: "routes[0].match.hosts[0]",
+        message: "give the host without a port",
+    },
+    Case {
+        what: "CONNECT in methods",
+        yaml: "routes:\n  - name: a\n    match:\n      methods: [GET, CONNECT]\n    upstream: {}\n",
+        line: 4,
+        column: 22,
+        path: "routes[0].match.methods[1]",
+        message: "CONNECT tunnels are not supported",
+    },
+    Case {
+        what: "path_prefix without a leading slash",
+        yaml: "routes:\n  - name: a\n    match:\n      path_prefix: v1/\n    upstream: {}\n",
+        line: 4,
+        column: 20,
+        path: "routes[0].match.path_prefix",
+        message: "must start with '/'",
+    },
+    Case {
+        what: "the same member twice",
+        yaml: "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"http://127.0.0.1:1\"\n        - url: \"http://127.0.0.1:1\"\n",
+        line: 6,
+        column: 16,
+        path: "routes[0].upstream.members[1].url",
+        message: "duplicate member",
+    },
+    Case {
+        what: "two routes that claim the same requests",
+        yaml: "routes:\n  - name: a\n    match: {hosts: [x.test]}\n    upstream: {}\n  - name: b\n    match: {hosts: [x.test]}\n    upstream: {}\n",
+        line: 6,
+        column: 12,
+        path: "routes[1].match",
+        message: "could never match",
+    },
+    Case {
+        what: "path on a tcp health check",
+        yaml: "routes:\n  - name: a\n    upstream:\n      health_check:\n        kind: tcp\n        path: /healthz\n",
+        line: 6,
+        column: 15,
+        path: "routes[0].upstream.health_check.path",
+        message: "applies to kind: http only",
+    },
+    Case {
+        what: "listen address without a port",
+        yaml: "listen: [\"127.0.0.1\"]\n",
+        line: 1,
+        column: 10,
+        path: "listen[0]",
+        message: "expected IP:PORT",
+    },
+    Case {
+        what: "redis backend is not accepted until the shared store lands",
+        yaml: "state:\n  backend: redis\n",
+        line: 2,
+        column: 12,
+        path: "state.backend",
+        message: "unknown variant `redis`",
+    },
+];
+
+fn check(yaml: &str) -> (i32, String, String, String) {
+    let dir = support::TempDir::new("sluice-check");
+    let file = dir.path().join("sluice.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let out = Command::new(support::sluice_binary())
+        .args(["check", "-c"])
+        .arg(&file)
+        .output()
+        .expect("run sluice check");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        file.display().to_string(),
+    )
+}
+
+#[test]
+fn a_good_config_prints_ok() {
+    let (code, stdout, stderr, _) = check(GOOD);
+    assert_eq!((code, stdout.as_str(), stderr.as_str()), (0, "ok\n", ""));
+}
+
+#[test]
+fn the_embedded_default_and_shipped_configs_are_valid() {
+    let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    for entry in std::fs::read_dir(configs).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml")
+            && path.file_name().unwrap() != "prometheus.yaml"
+        {
+            let (code, stdout, stderr, _) = check(&std::fs::read_to_string(&path).unwrap());
+            assert_eq!(code, 0, "{}: {stdout}{stderr}", path.display());
+        }
+    }
+}
+
+#[test]
+fn each_broken_config_names_file_line_column_and_path() {
+    assert!(CASES.len() >= 15);
+    let mut failures = Vec::new();
+    for case in CASES {
+        let (code, _, stderr, file) = check(case.yaml);
+        let prefix = format!("{file}:{}:{}: {}: ", case.line, case.column, case.path);
+        let line = stderr.lines().next().unwrap_or("");
+        let ok = code == 1 && line.starts_with(&prefix) && line.contains(case.message);
+        if !ok {
+            failures.push(format!(
+                "{}:\n  expected: {prefix}…{}…\n  got (exit {code}): {stderr}",
+                case.what, case.message
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn run_with_a_broken_config_exits_1_with_the_same_message() {
+    let dir = support::TempDir::new("sluice-run-bad");
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(&file, "threads: many\n").unwrap();
+    let out = Command::new(support::sluice_binary())
+        .args(["run", "-c"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("{}:1:10: threads: ", file.display())),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn version_is_printed() {
+    let out = Command::new(support::sluice_binary())
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("sluice "));
+}

@@ -1,0 +1,253 @@
+//! Health over time and process life: a backend dies under load, comes back, a passively
+//! ejected member gets its trial, and SIGTERM/SIGINT let requests in flight finish.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_echo::EchoServer;
+use support::{free_port, request, start_backends, Gateway, HttpClient};
+
+fn url(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+fn config(members: &[String], extra: &str) -> String {
+    let mut yaml = String::from(
+        "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 2\nroutes:\n  - name: api\n    match:\n      hosts: [\"api.test\"]\n    upstream:\n      retries: 2\n      members:\n",
+    );
+    for m in members {
+        yaml.push_str(&format!("        - url: \"{m}\"\n"));
+    }
+    yaml.push_str(extra);
+    yaml
+}
+
+const ACTIVE_CHECK: &str = "      health_check:\n        kind: http\n        path: /healthz\n        interval: 100ms\n        timeout: 500ms\n        rise: 2\n        fall: 2\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_killed_under_load_fails_no_request_and_comes_back() {
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let gw = Gateway::start_with_ports(&config(&members, ACTIVE_CHECK));
+    let victim_addr = backends[1].local_addr();
+    let victim = members[1].clone();
+
+    // 4 clients on keep-alive connections, GET and POST alternating, 150 requests each.
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for c in 0..4 {
+        let (addr, sent) = (gw.proxy_addr(), sent.clone());
+        clients.push(tokio::spawn(async move {
+            let mut client = HttpClient::connect(addr).await.unwrap();
+            let mut failures = Vec::new();
+            for i in 0..150 {
+                let method = if (i + c) % 2 == 0 { "GET" } else { "POST" };
+                match client
+                    .request(method, "api.test", "/load", &[], b"body")
+                    .await
+                {
+                    Ok(r) if r.status == 200 => {}
+                    Ok(r) => failures.push(format!("{method}: {} {}", r.status, r.text())),
+                    Err(e) => failures.push(format!("{method}: {e}")),
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+            failures
+        }));
+    }
+    // Kill b2 once the load is well under way.
+    assert!(
+        support::wait_until(Duration::from_secs(30), || sent.load(Ordering::Relaxed)
+            >= 150)
+        .await
+    );
+    backends[1].stop().await;
+    let mut failures = Vec::new();
+    for c in clients {
+        failures.extend(c.await.unwrap());
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+
+    let ejected = support::wait_until_async(Duration::from_secs(10), || async {
+        gw.metric("sluice_member_healthy", &[("member", &victim)])
+            .await
+            == Some(0.0)
+    })
+    .await;
+    assert!(ejected, "the killed member must be marked down");
+
+    // Bring b2 back on the same address: the active check must restore it.
+    let revived = EchoServer::start("b2-again", victim_addr).await.unwrap();
+    let restored = support::wait_until_async(Duration::from_secs(10), || async {
+        gw.metric("sluice_member_healthy", &[("member", &victim)])
+            .await
+            == Some(1.0)
+    })
+    .await;
+    assert!(restored, "active checks must bring the member back");
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..30 {
+        assert_eq!(
+            client
+                .request("GET", "api.test", "/", &[], b"")
+                .await
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    assert_eq!(
+        revived.proxied_requests(),
+        10,
+        "the revived member takes its third of the traffic"
+    );
+    assert!(gw.logs().contains("member down") && gw.logs().contains("member up"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_active_checks_a_down_member_gets_one_trial_after_cooldown() {
+    let backends = start_backends(&["steady"]).await;
+    let port = free_port();
+    let late: SocketAddr = ([127, 0, 0, 1], port).into();
+    let members = [url(late), url(backends[0].local_addr())];
+    let gw = Gateway::start_with_ports(&config(
+        &members,
+        "      passive:\n        fall: 1\n        cooldown: 1s\n",
+    ));
+    // The first request tries the absent member, fails to connect, and is retried.
+    let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        gw.metric("sluice_member_healthy", &[("member", &members[0])])
+            .await,
+        Some(0.0)
+    );
+
+    let comeback = EchoServer::start("late", late).await.unwrap();
+    // During the cooldown nothing goes to the down member.
+    for _ in 0..5 {
+        assert_eq!(
+            request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+                .await
+                .json()["upstream"],
+            "steady"
+        );
+    }
+    assert_eq!(comeback.proxied_requests(), 0);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // The first request after the cooldown is the trial; it succeeds and restores the member.
+    let trial = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(trial.json()["upstream"], "late");
+    assert_eq!(
+        gw.metric("sluice_member_healthy", &[("member", &members[0])])
+            .await,
+        Some(1.0)
+    );
+    for _ in 0..10 {
+        request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    }
+    assert_eq!(
+        comeback.proxied_requests(),
+        6,
+        "back in the rotation: the trial plus half of ten"
+    );
+}
+
+async fn in_flight_requests_finish_on(signal: &str) {
+    let backends = start_backends(&["slow"]).await;
+    let mut gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let mut requests = Vec::new();
+    for _ in 0..6 {
+        let addr = gw.proxy_addr();
+        requests.push(tokio::spawn(async move {
+            support::try_request(
+                addr,
+                "POST",
+                "api.test",
+                "/slow",
+                &[("x-delay-ms", "1000")],
+                b"x",
+            )
+            .await
+        }));
+    }
+    // Let all six reach the backend, then ask the gateway to stop.
+    assert!(support::wait_until(Duration::from_secs(5), || backends[0].requests() == 6).await);
+    gw.signal(signal);
+    for r in requests {
+        let r = r.await.unwrap().expect("the request in flight is answered");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let status = gw
+        .wait_exit_async(Duration::from_secs(10))
+        .await
+        .expect("sluice exits");
+    assert_eq!(status.code(), Some(0), "{}", gw.logs());
+    assert!(gw.logs().contains("sluice stopped"));
+    assert!(
+        support::try_request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+            .await
+            .is_err(),
+        "nothing listens after the stop"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_requests_in_flight_finish_and_exits_0() {
+    in_flight_requests_finish_on("TERM").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_is_as_graceful_as_sigterm() {
+    in_flight_requests_finish_on("INT").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_has_one_json_line_per_request() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    request(
+        gw.proxy_addr(),
+        "POST",
+        "api.test",
+        "/logged?x=1",
+        &[],
+        b"x",
+    )
+    .await;
+    request(gw.proxy_addr(), "GET", "nope.test", "/missing", &[], b"").await;
+    let found = support::wait_until(Duration::from_secs(5), || {
+        gw.log_json()
+            .iter()
+            .filter(|l| l["target"] == "sluice::access")
+            .count()
+            == 2
+    })
+    .await;
+    assert!(found, "{}", gw.logs());
+    let lines: Vec<serde_json::Value> = gw
+        .log_json()
+        .into_iter()
+        .filter(|l| l["target"] == "sluice::access")
+        .collect();
+    let ok = &lines[0];
+    assert_eq!(ok["route"], "api");
+    assert_eq!(ok["method"], "POST");
+    assert_eq!(ok["authority"], "api.test");
+    assert_eq!(ok["path"], "/logged");
+    assert_eq!(ok["status"], 200);
+    assert_eq!(ok["member"], url(backends[0].local_addr()));
+    assert_eq!(ok["attempts"], 1);
+    assert!(ok["duration_ms"].as_f64().is_some());
+    assert_eq!(lines[1]["status"], 404);
+    assert_eq!(lines[1]["route"], "_none");
+}

@@ -1,0 +1,479 @@
+//! End-to-end proxying through the real `sluice` binary to real backends on 127.0.0.1:
+//! round-robin, both request forms, header handling, gateway-made answers, retries and metrics.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{free_port, request, start_backends, Gateway, HttpClient};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A config with one route `api` on host `api.test` over `members`; `extra` is YAML added under
+/// `upstream:` (6 spaces of indentation).
+fn config(members: &[String], extra: &str) -> String {
+    let mut yaml = String::from(
+        "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes:\n  - name: api\n    match:\n      hosts: [\"api.test\"]\n    upstream:\n",
+    );
+    if members.is_empty() {
+        yaml.push_str("      members: []\n");
+    } else {
+        yaml.push_str("      members:\n");
+        for m in members {
+            yaml.push_str(&format!("        - url: \"{m}\"\n"));
+        }
+    }
+    yaml.push_str(extra);
+    yaml
+}
+
+fn url(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+/// A port where nothing listens.
+fn dead_url() -> String {
+    format!("http://127.0.0.1:{}", free_port())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_spreads_requests_evenly_across_three_backends() {
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let gw = Gateway::start_with_ports(&config(&members, ""));
+
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..300 {
+        let r = client
+            .request("GET", "api.test", "/x", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+    }
+    let counts: Vec<u64> = backends.iter().map(|b| b.proxied_requests()).collect();
+    assert_eq!(
+        counts,
+        [100, 100, 100],
+        "each backend counts its own requests"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_share_requests_in_proportion() {
+    let backends = start_backends(&["heavy", "light"]).await;
+    let extra = "";
+    let mut yaml = config(&[], extra).replace("      members: []\n", "");
+    yaml.push_str(&format!(
+        "      members:\n        - {{url: \"{}\", weight: 3}}\n        - {{url: \"{}\", weight: 1}}\n",
+        url(backends[0].local_addr()),
+        url(backends[1].local_addr())
+    ));
+    let gw = Gateway::start_with_ports(&yaml);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..400 {
+        assert_eq!(
+            client
+                .request("GET", "api.test", "/", &[], b"")
+                .await
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    assert_eq!(backends[0].proxied_requests(), 300);
+    assert_eq!(backends[1].proxied_requests(), 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_proxy_form_and_gateway_form_route_alike() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+
+    // What `curl -x http://sluice http://api.test/v1/items?q=1` sends.
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let forward = client
+        .send(
+            "GET http://api.test/v1/items?q=1 HTTP/1.1\r\nHost: api.test\r\nUser-Agent: curl/7.88.1\r\nAccept: */*\r\nProxy-Connection: Keep-Alive\r\n\r\n",
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(forward.status, 200, "{}", forward.text());
+    let seen = forward.json();
+    assert_eq!(
+        seen["target"], "/v1/items?q=1",
+        "members get origin-form targets"
+    );
+    assert_eq!(seen["headers"]["host"], "api.test");
+    assert!(seen["headers"].get("proxy-connection").is_none());
+
+    let gateway = request(
+        gw.proxy_addr(),
+        "GET",
+        "api.test",
+        "/v1/items?q=1",
+        &[],
+        b"",
+    )
+    .await;
+    assert_eq!(gateway.status, 200);
+    assert_eq!(gateway.json()["target"], "/v1/items?q=1");
+    assert_eq!(gateway.json()["headers"]["host"], "api.test");
+
+    // An absolute URI for an unknown host is not routed by its Host header.
+    let unknown = client
+        .send(
+            "GET http://other.test/ HTTP/1.1\r\nHost: other.test\r\n\r\n",
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(unknown.status, 404);
+    assert_eq!(backends[0].proxied_requests(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_proxy_form_works_with_real_curl() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let proxy = format!("http://{}", gw.proxy_addr());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "10",
+                "-x",
+                &proxy,
+                "http://api.test/from-curl",
+            ])
+            .output()
+            .expect("curl is installed")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let body: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(body["target"], "/from-curl");
+    assert_eq!(body["upstream"], "b1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_are_fixed_up_on_the_way() {
+    let backends = start_backends(&["b1"]).await;
+    let member = backends[0].local_addr();
+    let yaml = config(&[url(member)], "      preserve_host: false\n");
+    let gw = Gateway::start_with_ports(&yaml);
+
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "api.test",
+        "/h",
+        &[
+            ("X-Forwarded-For", "10.1.2.3"),
+            ("Connection", "keep-alive, x-private"),
+            ("X-Private", "secret"),
+            ("Keep-Alive", "timeout=5"),
+            ("Proxy-Authorization", "Basic c2VjcmV0"),
+            ("TE", "trailers"),
+            ("X-Kept", "yes"),
+        ],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let h = &r.json()["headers"];
+    assert_eq!(
+        h["host"],
+        member.to_string(),
+        "preserve_host: false sends the member's authority"
+    );
+    assert_eq!(h["x-forwarded-for"], "10.1.2.3, 127.0.0.1");
+    for gone in ["x-private", "keep-alive", "proxy-authorization", "te"] {
+        assert!(
+            h.get(gone).is_none(),
+            "{gone} must not reach the member: {h}"
+        );
+    }
+    assert_eq!(h["x-kept"], "yes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_host_gets_a_404_problem_and_no_member_is_contacted() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let r = request(gw.proxy_addr(), "GET", "nope.test", "/x", &[], b"").await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert_eq!(r.header("x-sluice-error"), Some("no_route"));
+    let body = r.json();
+    assert_eq!(body["status"], 404);
+    assert_eq!(body["type"], "urn:sluice:error:no_route");
+    assert!(body["title"].is_string() && body["detail"].is_string());
+    assert!(body["route"].is_null());
+    // A path outside every prefix and a method outside every list are unknown routes too.
+    assert_eq!(backends[0].requests(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_is_answered_405() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
+        .await
+        .unwrap();
+    let r = client.read_response(false).await.unwrap();
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("x-sluice-error"), Some("method_not_allowed"));
+    assert_eq!(r.json()["status"], 405);
+    assert_eq!(backends[0].requests(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_failures_are_retried_on_other_members_for_every_method() {
+    let backends = start_backends(&["alive"]).await;
+    let dead = dead_url();
+    let members = [dead.clone(), url(backends[0].local_addr())];
+    let gw = Gateway::start_with_ports(&config(&members, "      retries: 2\n"));
+
+    for i in 0..20 {
+        let method = if i % 2 == 0 { "POST" } else { "GET" };
+        let r = request(gw.proxy_addr(), method, "api.test", "/r", &[], b"payload").await;
+        assert_eq!(r.status, 200, "{method} #{i}: {}", r.text());
+        assert_eq!(r.json()["upstream"], "alive");
+    }
+    assert_eq!(backends[0].proxied_requests(), 20);
+    let m = gw.metrics().await;
+    let failures = support::metric_value(
+        &m,
+        "sluice_upstream_attempts_total",
+        &[("member", &dead), ("outcome", "connect_failure")],
+    );
+    assert_eq!(
+        failures,
+        Some(1.0),
+        "passive fall 1 ejects the dead member at once"
+    );
+    assert_eq!(
+        support::metric_value(&m, "sluice_member_healthy", &[("member", &dead)]),
+        Some(0.0)
+    );
+}
+
+/// A member that reads a request and hangs up without answering, as a crashing server would.
+async fn start_hang_up_server() -> (SocketAddr, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let received = Arc::new(AtomicU64::new(0));
+    let counter = received.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                if let Ok(n) = conn.read(&mut buf).await {
+                    if n > 0 {
+                        counter.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (addr, received)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_reached_a_member_is_never_replayed() {
+    let backends = start_backends(&["good"]).await;
+    let (crasher, crashed) = start_hang_up_server().await;
+    let members = [url(crasher), url(backends[0].local_addr())];
+    let gw = Gateway::start_with_ports(&config(&members, "      retries: 3\n"));
+
+    let (mut ok, mut failed) = (0, 0);
+    for i in 0..20 {
+        let method = if i % 2 == 0 { "POST" } else { "GET" };
+        let r = request(
+            gw.proxy_addr(),
+            method,
+            "api.test",
+            "/pay",
+            &[],
+            b"charge=1",
+        )
+        .await;
+        match r.status {
+            200 => ok += 1,
+            502 => {
+                assert_eq!(r.header("x-sluice-error"), Some("upstream_error"));
+                failed += 1;
+            }
+            s => panic!("unexpected status {s}: {}", r.text()),
+        }
+    }
+    assert!(
+        failed > 0,
+        "round-robin must have sent some requests to the crashing member"
+    );
+    assert_eq!(
+        crashed.load(Ordering::SeqCst),
+        failed,
+        "each 502 is one request the crasher got"
+    );
+    assert_eq!(
+        backends[0].proxied_requests(),
+        ok,
+        "no request was replayed to the good member"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_members_down_gives_502_after_attempts_then_503() {
+    let members = [dead_url(), dead_url()];
+    let gw = Gateway::start_with_ports(&config(
+        &members,
+        "      retries: 2\n      passive:\n        fall: 1\n        cooldown: 1h\n",
+    ));
+    let first = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(first.status, 502, "{}", first.text());
+    assert_eq!(first.header("x-sluice-error"), Some("upstream_unreachable"));
+    assert_eq!(first.json()["route"], "api");
+
+    let second = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(second.status, 503);
+    assert_eq!(second.header("x-sluice-error"), Some("no_member"));
+    assert_eq!(
+        second.header("content-type"),
+        Some("application/problem+json")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_pool_answers_503_no_member() {
+    let gw = Gateway::start_with_ports(&config(&[], ""));
+    let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("x-sluice-error"), Some("no_member"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_agree_with_the_requests_sent() {
+    let backends = start_backends(&["b1", "b2"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let gw = Gateway::start_with_ports(&config(&members, ""));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..25 {
+        assert_eq!(
+            client
+                .request("GET", "api.test", "/m", &[], b"")
+                .await
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    for _ in 0..7 {
+        assert_eq!(
+            client
+                .request("GET", "nope.test", "/m", &[], b"")
+                .await
+                .unwrap()
+                .status,
+            404
+        );
+    }
+    // The counters are updated right after the response is written, so allow a moment.
+    let expected = [
+        (
+            "sluice_requests_total",
+            vec![("route", "api"), ("status", "200")],
+            25.0,
+        ),
+        (
+            "sluice_requests_total",
+            vec![("route", "_none"), ("status", "404")],
+            7.0,
+        ),
+        (
+            "sluice_upstream_attempts_total",
+            vec![("route", "api"), ("outcome", "ok")],
+            25.0,
+        ),
+        (
+            "sluice_request_duration_seconds_count",
+            vec![("route", "api")],
+            25.0,
+        ),
+    ];
+    for (name, labels, want) in expected {
+        let ok = support::wait_until_async(Duration::from_secs(5), || async {
+            gw.metric(name, &labels).await == Some(want)
+        })
+        .await;
+        assert!(
+            ok,
+            "{name}{labels:?} should be {want}, got {:?}",
+            gw.metric(name, &labels).await
+        );
+    }
+    let per_member: Vec<Option<f64>> = members
+        .iter()
+        .map(|m| {
+            support::metric_value(
+                &metrics_blocking(&gw),
+                "sluice_upstream_attempts_total",
+                &[("member", m), ("outcome", "ok")],
+            )
+        })
+        .collect();
+    assert_eq!(per_member, [Some(13.0), Some(12.0)]);
+    assert_eq!(
+        backends
+            .iter()
+            .map(|b| b.proxied_requests())
+            .collect::<Vec<_>>(),
+        [13, 12]
+    );
+}
+
+/// The metrics text, fetched from inside a synchronous closure.
+fn metrics_blocking(gw: &Gateway) -> String {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(gw.metrics()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_lists_routes_and_member_health() {
+    let backends = start_backends(&["b1"]).await;
+    let members = [url(backends[0].local_addr()), dead_url()];
+    let gw = Gateway::start_with_ports(&config(&members, ""));
+    // Two requests: round-robin tries the dead member once, which ejects it.
+    for _ in 0..2 {
+        assert_eq!(
+            request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+                .await
+                .status,
+            200
+        );
+    }
+    let status = gw.status().await;
+    assert_eq!(status["version"].as_str().map(str::len), Some(64));
+    assert!(status["loaded_at"].is_string());
+    assert!(status["last_reload_error"].is_null());
+    let route = &status["routes"][0];
+    assert_eq!(route["name"], "api");
+    assert_eq!(route["selection"], "round_robin");
+    assert_eq!(route["members"][0]["healthy"], true);
+    assert_eq!(route["members"][1]["url"], members[1].as_str());
+    assert_eq!(route["members"][1]["healthy"], false);
+    assert_eq!(gw.admin("/healthz").await.status, 200);
+    assert_eq!(gw.admin("/readyz").await.status, 200);
+}
