@@ -1,0 +1,315 @@
+//! One behavioural suite for both quota stores.
+//!
+//! A deliberately naive reference model recomputes every decision from the full list of
+//! admitted requests. Random traces are replayed against the model and a store, with the clock
+//! given as a parameter, and every decision, remaining count, reset time and `retry_after` must
+//! agree. The same suite runs against [`MemoryStore`] and [`RedisStore`] (a real `redis-server`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_limiter::{
+    Acquire, MemoryStore, Outcome, QuotaStore, RedisStore, RedisStoreConfig, Window, WindowState,
+};
+use sluice_testkit::RedisServer;
+
+/// The obviously-correct model: a request admitted at t counts in a window of length L while
+/// now < t + L.
+#[derive(Default)]
+struct Model {
+    admitted: HashMap<String, Vec<(u64, u64)>>,
+}
+
+impl Model {
+    fn decide(&mut self, key: &str, windows: &[Window], cost: u64, now: u64) -> Outcome {
+        let entries = self.admitted.entry(key.to_string()).or_default();
+        fn counted(entries: &[(u64, u64)], w: &Window, now: u64) -> Vec<(u64, u64)> {
+            let mut v: Vec<(u64, u64)> = entries
+                .iter()
+                .copied()
+                .filter(|&(t, _)| t + w.length_us > now)
+                .collect();
+            v.sort();
+            v
+        }
+        let mut admitted = true;
+        let mut retry_after_us = 0;
+        for w in windows {
+            let live = counted(entries, w, now);
+            let used: u64 = live.iter().map(|e| e.1).sum();
+            if used + cost > w.limit {
+                admitted = false;
+                // The earliest moment at which enough old entries have left.
+                let mut left = used;
+                let mut wait = w.length_us;
+                for &(t, c) in &live {
+                    left -= c;
+                    if left + cost <= w.limit {
+                        wait = t + w.length_us - now;
+                        break;
+                    }
+                }
+                retry_after_us = retry_after_us.max(wait);
+            }
+        }
+        if admitted {
+            entries.push((now, cost));
+        }
+        let states = windows
+            .iter()
+            .map(|w| {
+                let live = counted(entries, w, now);
+                let used: u64 = live.iter().map(|e| e.1).sum();
+                WindowState {
+                    remaining: w.limit.saturating_sub(used),
+                    reset_us: live.first().map_or(0, |&(t, _)| t + w.length_us - now),
+                }
+            })
+            .collect();
+        Outcome {
+            admitted,
+            retry_after_us,
+            windows: states,
+        }
+    }
+}
+
+/// xorshift64*: a reproducible trace without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn windows() -> Vec<Window> {
+    vec![
+        Window {
+            name: "burst".into(),
+            limit: 300,
+            length_us: 1_000_000,
+        },
+        Window {
+            name: "long".into(),
+            limit: 1_000,
+            length_us: 5_000_000,
+        },
+    ]
+}
+
+struct Step {
+    key: &'static str,
+    cost: u64,
+    at_us: u64,
+}
+
+/// ≥ 10,000 requests over three keys: costs 1–100 (mostly small, some heavy), bursts inside one
+/// millisecond, steady traffic, and idle gaps longer than the longest window.
+fn trace(seed: u64, len: usize) -> Vec<Step> {
+    let mut rng = Rng(seed);
+    let mut now = 1_000_000_000u64;
+    let keys = ["alpha", "beta", "gamma"];
+    let mut steps = Vec::with_capacity(len);
+    while steps.len() < len {
+        match rng.below(100) {
+            // A burst: several requests in the same millisecond, some in the same microsecond.
+            0..=9 => {
+                for _ in 0..(2 + rng.below(12)) {
+                    now += rng.below(3) * rng.below(300);
+                    steps.push(Step {
+                        key: keys[rng.below(3) as usize],
+                        cost: 1 + rng.below(100),
+                        at_us: now,
+                    });
+                }
+            }
+            // An idle gap longer than every window.
+            10 => now += 5_000_000 + rng.below(3_000_000),
+            // Steady traffic.
+            _ => {
+                now += rng.below(40_000);
+                let cost = if rng.below(10) == 0 {
+                    50 + rng.below(51)
+                } else {
+                    1 + rng.below(10)
+                };
+                steps.push(Step {
+                    key: keys[rng.below(3) as usize],
+                    cost,
+                    at_us: now,
+                });
+            }
+        }
+    }
+    steps.truncate(len);
+    steps
+}
+
+/// Replays a trace on `store` and the model; returns (mismatches, admitted, refused).
+async fn replay(
+    store: &dyn QuotaStore,
+    route: &str,
+    seed: u64,
+    len: usize,
+) -> (Vec<String>, usize, usize) {
+    let windows = windows();
+    let mut model = Model::default();
+    let mut mismatches = Vec::new();
+    let (mut admitted, mut refused) = (0, 0);
+    for (i, step) in trace(seed, len).iter().enumerate() {
+        let expected = model.decide(step.key, &windows, step.cost, step.at_us);
+        let got = store
+            .acquire(Acquire {
+                route,
+                key: step.key,
+                windows: &windows,
+                cost: step.cost,
+                at_us: Some(step.at_us),
+            })
+            .await
+            .expect("store answers");
+        if got.admitted {
+            admitted += 1;
+        } else {
+            refused += 1;
+        }
+        if got != expected && mismatches.len() < 5 {
+            mismatches.push(format!(
+                "step {i} (key {}, cost {}, t {}):\n  model {expected:?}\n  store {got:?}",
+                step.key, step.cost, step.at_us
+            ));
+        }
+    }
+    (mismatches, admitted, refused)
+}
+
+async fn suite(store: &dyn QuotaStore, name: &str) {
+    for seed in [7, 1234] {
+        let (mismatches, admitted, refused) =
+            replay(store, &format!("trace{seed}"), seed, 10_000).await;
+        println!(
+            "{name} seed {seed}: {admitted} admitted, {refused} refused, {} mismatches",
+            mismatches.len()
+        );
+        assert!(mismatches.is_empty(), "{name}: {}", mismatches.join("\n"));
+        assert!(
+            admitted > 1000 && refused > 1000,
+            "the trace must exercise both outcomes"
+        );
+    }
+}
+
+#[tokio::test]
+async fn memory_store_matches_the_model() {
+    suite(&MemoryStore::new(), "memory").await;
+}
+
+fn redis_store(server: &RedisServer) -> RedisStore {
+    RedisStore::new(RedisStoreConfig {
+        url: server.url(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap()
+}
+
+#[tokio::test]
+async fn redis_store_matches_the_model() {
+    let server = RedisServer::start();
+    suite(&redis_store(&server), "redis").await;
+}
+
+/// Scenario checks that read better spelled out than as a trace; both stores.
+async fn scenarios(store: &dyn QuotaStore) {
+    let w = vec![Window {
+        name: "w".into(),
+        limit: 10,
+        length_us: 1_000_000,
+    }];
+    let ask = |key: &'static str, cost: u64, at: u64| Acquire {
+        route: "scenario",
+        key,
+        windows: Box::leak(Box::new(w.clone())),
+        cost,
+        at_us: Some(at),
+    };
+    // Two requests in the same microsecond are two entries, not one.
+    assert!(store.acquire(ask("same", 4, 500)).await.unwrap().admitted);
+    let second = store.acquire(ask("same", 4, 500)).await.unwrap();
+    assert!(second.admitted);
+    assert_eq!(second.windows[0].remaining, 2);
+    // A refused request consumes nothing: the remaining count is unchanged after it.
+    let refused = store.acquire(ask("same", 5, 600)).await.unwrap();
+    assert!(!refused.admitted);
+    assert_eq!(refused.windows[0].remaining, 2);
+    assert_eq!(
+        refused.retry_after_us,
+        500 + 1_000_000 - 600,
+        "until the first entry leaves"
+    );
+    assert!(store.acquire(ask("same", 2, 700)).await.unwrap().admitted);
+    // Exactly at the retry time the request fits; a microsecond before it does not.
+    assert!(
+        !store
+            .acquire(ask("same", 4, 1_000_499))
+            .await
+            .unwrap()
+            .admitted
+    );
+    assert!(
+        store
+            .acquire(ask("same", 4, 1_000_500))
+            .await
+            .unwrap()
+            .admitted
+    );
+    // Keys are independent.
+    assert_eq!(
+        store.acquire(ask("other", 10, 700)).await.unwrap().windows[0].remaining,
+        0
+    );
+}
+
+#[tokio::test]
+async fn scenarios_hold_for_memory() {
+    scenarios(&MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn scenarios_hold_for_redis() {
+    let server = RedisServer::start();
+    scenarios(&redis_store(&server)).await;
+}
+
+#[tokio::test]
+async fn all_windows_or_none() {
+    let server = RedisServer::start();
+    for store in [
+        Arc::new(MemoryStore::new()) as Arc<dyn QuotaStore>,
+        Arc::new(redis_store(&server)) as Arc<dyn QuotaStore>,
+    ] {
+        let w = windows();
+        let ask = |cost, at| Acquire {
+            route: "atomic",
+            key: "k",
+            windows: &w,
+            cost,
+            at_us: Some(at),
+        };
+        // Fill the short window (limit 300); the long one (limit 1000) still has room.
+        for t in 0..3 {
+            assert!(store.acquire(ask(100, t)).await.unwrap().admitted);
+        }
+        let refused = store.acquire(ask(50, 10)).await.unwrap();
+        assert!(!refused.admitted);
+        // The long window recorded nothing for the refused request.
+        assert_eq!(refused.windows[1].remaining, 700);
+    }
+}

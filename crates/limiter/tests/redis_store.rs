@@ -1,0 +1,153 @@
+//! What only the Redis store has to get right: reconnecting, reloading its script, timing out,
+//! its key layout and the memory each admitted request costs.
+
+use std::time::{Duration, Instant};
+
+use sluice_limiter::{Acquire, QuotaStore, RedisStore, RedisStoreConfig, StoreError, Window};
+use sluice_testkit::RedisServer;
+
+fn store(server: &RedisServer, timeout: Duration) -> RedisStore {
+    RedisStore::new(RedisStoreConfig {
+        url: server.url(),
+        key_prefix: "sluice".into(),
+        timeout,
+    })
+    .unwrap()
+}
+
+fn one_window(limit: u64) -> Vec<Window> {
+    vec![Window {
+        name: "minute".into(),
+        limit,
+        length_us: 60_000_000,
+    }]
+}
+
+async fn acquire(store: &RedisStore, windows: &[Window], cost: u64) -> Result<bool, StoreError> {
+    store
+        .acquire(Acquire {
+            route: "api",
+            key: "route",
+            windows,
+            cost,
+            at_us: None,
+        })
+        .await
+        .map(|o| o.admitted)
+}
+
+#[tokio::test]
+async fn a_restarted_empty_redis_fails_no_call() {
+    let mut server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let w = one_window(1000);
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    server.restart();
+    // The first call after the restart meets the dead connection; the store retries it once.
+    for i in 0..20 {
+        assert!(
+            acquire(&store, &w, 1).await.unwrap(),
+            "call {i} after restart"
+        );
+    }
+}
+
+#[tokio::test]
+async fn script_flush_is_transparent() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let w = one_window(1000);
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    assert!(server
+        .command(&["SCRIPT", "FLUSH"])
+        .unwrap()
+        .starts_with("+OK"));
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    assert_eq!(
+        server.integer(&["ZCARD", "sluice:{api}:q:minute:route"]),
+        Some(2)
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_redis_errors_within_the_timeout() {
+    let mut server = RedisServer::start();
+    let store = store(&server, Duration::from_millis(100));
+    let w = one_window(10);
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    server.kill();
+    for _ in 0..5 {
+        let started = Instant::now();
+        assert!(acquire(&store, &w, 1).await.is_err());
+        // Generous bound: this guards against hanging, it does not measure speed.
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+    assert!(!store.ready().await);
+    server.restart();
+    // Calls made while the client reconnects may still fail (the route's policy covers them);
+    // within a moment the store answers again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut recovered = false;
+    while !recovered && Instant::now() < deadline {
+        recovered = matches!(acquire(&store, &w, 1).await, Ok(true));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(recovered, "the store must recover after Redis returns");
+    assert!(store.ready().await);
+}
+
+#[tokio::test]
+async fn keys_share_the_route_hash_tag_and_expire_when_idle() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let w = vec![Window {
+        name: "short".into(),
+        limit: 10,
+        length_us: 300_000,
+    }];
+    assert!(acquire(&store, &w, 3).await.unwrap());
+    let keys = server.command(&["KEYS", "*"]).unwrap();
+    assert!(keys.contains("sluice:{api}:q:short:route"), "{keys}");
+    assert!(keys.contains("sluice:{api}:qm:route"), "{keys}");
+    let ttl = server
+        .integer(&["PTTL", "sluice:{api}:q:short:route"])
+        .unwrap();
+    assert!(ttl > 0 && ttl <= 300, "log TTL {ttl}");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert_eq!(
+        server.integer(&["DBSIZE"]),
+        Some(0),
+        "idle keys vanish on their own"
+    );
+}
+
+#[tokio::test]
+async fn one_log_entry_per_request_whatever_its_cost() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let mut report = Vec::new();
+    for cost in [1u64, 100] {
+        let w = vec![Window {
+            name: format!("c{cost}").into(),
+            limit: 1_000_000,
+            length_us: 86_400_000_000,
+        }];
+        let n = 1000;
+        for _ in 0..n {
+            assert!(acquire(&store, &w, cost).await.unwrap());
+        }
+        let log = format!("sluice:{{api}}:q:c{cost}:route");
+        assert_eq!(server.integer(&["ZCARD", &log]), Some(n));
+        let bytes = server
+            .integer(&["MEMORY", "USAGE", &log, "SAMPLES", "0"])
+            .unwrap();
+        report.push((cost, bytes as f64 / n as f64));
+    }
+    println!("bytes per admitted request (cost, bytes): {report:?}");
+    for (cost, per_request) in report {
+        assert!(
+            per_request <= 150.0,
+            "cost {cost}: {per_request} bytes per request"
+        );
+    }
+}
