@@ -9,6 +9,8 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 use serde_json::json;
 
+use sluice_limiter::QuotaStore;
+
 use crate::metrics::Metrics;
 use crate::table::Table;
 
@@ -16,12 +18,21 @@ use crate::table::Table;
 pub struct AdminApi {
     table: Arc<ArcSwap<Table>>,
     metrics: Arc<Metrics>,
+    quotas: Arc<dyn QuotaStore>,
 }
 
 impl AdminApi {
-    /// An admin API over the current table and the metrics.
-    pub fn new(table: Arc<ArcSwap<Table>>, metrics: Arc<Metrics>) -> AdminApi {
-        AdminApi { table, metrics }
+    /// An admin API over the current table, the metrics and the quota store.
+    pub fn new(
+        table: Arc<ArcSwap<Table>>,
+        metrics: Arc<Metrics>,
+        quotas: Arc<dyn QuotaStore>,
+    ) -> AdminApi {
+        AdminApi {
+            table,
+            metrics,
+            quotas,
+        }
     }
 
     /// The `/status` document.
@@ -39,11 +50,17 @@ impl AdminApi {
                         |m| json!({"url": &*m.id, "healthy": m.health.is_up(), "weight": m.weight}),
                     )
                     .collect();
+                let quota: Vec<_> = r
+                    .quota
+                    .iter()
+                    .flat_map(|q| &q.windows)
+                    .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
+                    .collect();
                 json!({
                     "name": &*r.name,
                     "selection": "round_robin",
                     "members": members,
-                    "quota": [],
+                    "quota": quota,
                 })
             })
             .collect();
@@ -73,9 +90,19 @@ impl ServeHttp for AdminApi {
         let get = req.method == http::Method::GET;
         match (get, req.uri.path()) {
             (true, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n"),
-            // The memory backend is ready as soon as a config is loaded, which it is by the
-            // time this service listens.
-            (true, "/readyz") => reply(StatusCode::OK, "text/plain", "ready\n"),
+            // A config is loaded by the time this service listens; what is left to check is
+            // the store (always ready in memory, a PING for Redis).
+            (true, "/readyz") => {
+                if self.quotas.ready().await {
+                    reply(StatusCode::OK, "text/plain", "ready\n")
+                } else {
+                    reply(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "text/plain",
+                        "state store unreachable\n",
+                    )
+                }
+            }
             (true, "/metrics") => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",

@@ -9,7 +9,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::Path;
 use std::time::Duration;
 
@@ -89,9 +89,12 @@ impl Default for AdminConfig {
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct StateConfig {
-    /// Only `memory` until the shared Redis store lands.
+    /// `memory` (one instance) or `redis` (shared by every instance).
     #[serde(default)]
     pub backend: StateBackend,
+    /// How to reach Redis; required with `backend: redis`.
+    #[serde(default)]
+    pub redis: Option<RedisConfig>,
 }
 
 /// The state backend.
@@ -101,6 +104,49 @@ pub enum StateBackend {
     /// In-process state, for a single instance.
     #[default]
     Memory,
+    /// Redis, shared by every gateway instance that points at it.
+    Redis,
+}
+
+/// `state.redis:` — the shared store.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    /// `redis://host:port/db`.
+    #[serde(default)]
+    pub url: Option<RedisUrl>,
+    /// First part of every key.
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: String,
+    /// Time allowed for one Redis call; past it the route's `on_store_error` applies.
+    #[serde(default = "default_redis_timeout")]
+    pub timeout: Dur,
+}
+
+fn default_key_prefix() -> String {
+    "sluice".into()
+}
+fn default_redis_timeout() -> Dur {
+    Dur(Duration::from_millis(50))
+}
+
+/// A `redis://` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisUrl(pub String);
+
+impl<'de> Deserialize<'de> for RedisUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let parsed: Result<http::Uri, _> = s.parse();
+        match parsed {
+            Ok(u) if u.scheme_str() == Some("redis") && u.host().is_some_and(|h| !h.is_empty()) => {
+                Ok(RedisUrl(s))
+            }
+            _ => Err(de::Error::custom(format!(
+                "invalid redis url {s:?}: expected redis://host:port/db"
+            ))),
+        }
+    }
 }
 
 /// One route.
@@ -114,6 +160,121 @@ pub struct RouteConfig {
     pub matcher: MatchConfig,
     /// Where they go.
     pub upstream: UpstreamConfig,
+    /// The sliding-window quota that gates the route.
+    #[serde(default)]
+    pub quota: Option<QuotaConfig>,
+}
+
+/// `quota:` — a sliding-window quota.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaConfig {
+    /// What one quota counts: the whole route, each value of a header, or each client address.
+    #[serde(default)]
+    pub key: QuotaKey,
+    /// Every window must admit a request.
+    pub windows: Vec<WindowConfig>,
+    /// What a request costs.
+    #[serde(default)]
+    pub cost: CostConfig,
+    /// What to do when the store cannot answer.
+    #[serde(default)]
+    pub on_store_error: OnStoreError,
+}
+
+/// `quota.key`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum QuotaKey {
+    /// One quota for the whole route.
+    #[default]
+    Route,
+    /// One quota per value of this header (lowercased name). Requests without it share one.
+    Header(String),
+    /// One quota per client IP address.
+    ClientIp,
+}
+
+impl<'de> Deserialize<'de> for QuotaKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "route" => Ok(QuotaKey::Route),
+            "client_ip" => Ok(QuotaKey::ClientIp),
+            _ => match s.strip_prefix("header:") {
+                Some("") => Err(de::Error::custom(
+                    "quota key \"header:\" needs a header name, e.g. header:X-Tenant",
+                )),
+                Some(name) => http::HeaderName::from_bytes(name.as_bytes())
+                    .map(|h| QuotaKey::Header(h.as_str().to_string()))
+                    .map_err(|_| de::Error::custom(format!("invalid header name {name:?}"))),
+                None => Err(de::Error::custom(format!(
+                    "invalid quota key {s:?}: expected route, header:<Name> or client_ip"
+                ))),
+            },
+        }
+    }
+}
+
+/// One window of a quota.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WindowConfig {
+    /// Unique within the quota; appears in headers, metrics and Redis keys.
+    pub name: RouteName,
+    /// Units admitted in any interval of length `window`.
+    pub limit: NonZeroU64,
+    /// The window's length.
+    pub window: Dur,
+}
+
+/// `quota.cost`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CostConfig {
+    /// Cost of a request no rule matches.
+    #[serde(default = "one_unit")]
+    pub default: NonZeroU64,
+    /// The first matching rule gives the cost.
+    #[serde(default)]
+    pub rules: Vec<CostRule>,
+}
+
+impl Default for CostConfig {
+    fn default() -> Self {
+        CostConfig {
+            default: one_unit(),
+            rules: Vec::new(),
+        }
+    }
+}
+
+fn one_unit() -> NonZeroU64 {
+    NonZeroU64::MIN
+}
+
+/// A cost rule: by path prefix and method.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CostRule {
+    /// Matches paths starting with this (default `/`).
+    #[serde(default = "root_prefix")]
+    pub path_prefix: PathPrefix,
+    /// Matches these methods (default: all).
+    #[serde(default)]
+    pub methods: Vec<MethodName>,
+    /// The cost.
+    pub cost: NonZeroU64,
+}
+
+/// `quota.on_store_error`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    /// Admit the request, uncounted.
+    #[default]
+    Open,
+    /// Refuse it with 503 `store_unavailable`.
+    Closed,
 }
 
 /// A route name: `[A-Za-z0-9_-]+`.
@@ -595,6 +756,20 @@ impl Config {
             }
         }
 
+        if self.state.backend == StateBackend::Redis
+            && self
+                .state
+                .redis
+                .as_ref()
+                .and_then(|r| r.url.as_ref())
+                .is_none()
+        {
+            problems.push((
+                YamlPath::root().key("state").key("backend"),
+                "backend: redis needs state.redis.url".to_string(),
+            ));
+        }
+
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut claims: HashMap<(HostPattern, &str, Vec<MethodName>), usize> = HashMap::new();
         for (i, route) in self.routes.iter().enumerate() {
@@ -642,6 +817,45 @@ impl Config {
                             .key("url"),
                         format!("duplicate member {:?} in this pool", member.url.url),
                     ));
+                }
+            }
+            if let Some(quota) = &route.quota {
+                let at = at.clone().key("quota");
+                if quota.windows.is_empty() {
+                    problems.push((
+                        at.clone().key("windows"),
+                        "a quota needs at least one window".to_string(),
+                    ));
+                }
+                let mut window_names = HashSet::new();
+                for (j, w) in quota.windows.iter().enumerate() {
+                    if !window_names.insert(&w.name.0) {
+                        problems.push((
+                            at.clone().key("windows").index(j).key("name"),
+                            format!("duplicate window name {:?}", w.name.0),
+                        ));
+                    }
+                }
+                if let Some(smallest) = quota.windows.iter().map(|w| w.limit.get()).min() {
+                    let too_costly = |cost: u64| {
+                        format!(
+                            "cost {cost} exceeds the smallest window limit {smallest}: no such request could ever pass"
+                        )
+                    };
+                    if quota.cost.default.get() > smallest {
+                        problems.push((
+                            at.clone().key("cost").key("default"),
+                            too_costly(quota.cost.default.get()),
+                        ));
+                    }
+                    for (j, rule) in quota.cost.rules.iter().enumerate() {
+                        if rule.cost.get() > smallest {
+                            problems.push((
+                                at.clone().key("cost").key("rules").index(j).key("cost"),
+                                too_costly(rule.cost.get()),
+                            ));
+                        }
+                    }
                 }
             }
             if let Some(check) = &up.health_check {

@@ -14,6 +14,8 @@ pub struct Problem {
     pub title: &'static str,
     /// What happened to this request.
     pub detail: String,
+    /// For 429: milliseconds until the request's cost fits, if no other traffic arrives.
+    pub retry_after_ms: Option<u64>,
 }
 
 impl Problem {
@@ -24,6 +26,7 @@ impl Problem {
             code: "no_route",
             title: "No route matches the request",
             detail: "no route matches this host, path and method".into(),
+            retry_after_ms: None,
         }
     }
     /// 405: CONNECT while no route allows it.
@@ -33,6 +36,29 @@ impl Problem {
             code: "method_not_allowed",
             title: "Method not allowed",
             detail: detail.into(),
+            retry_after_ms: None,
+        }
+    }
+    /// 429: a quota window refused the request.
+    pub fn quota_exceeded(window: &str, retry_after_ms: u64) -> Problem {
+        Problem {
+            status: 429,
+            code: "quota_exceeded",
+            title: "Quota exceeded",
+            detail: format!("the quota window {window:?} has no room for this request's cost"),
+            retry_after_ms: Some(retry_after_ms),
+        }
+    }
+    /// 503: the quota store is unreachable and the route fails closed.
+    pub fn store_unavailable() -> Problem {
+        Problem {
+            status: 503,
+            code: "store_unavailable",
+            title: "Quota store unavailable",
+            detail:
+                "the quota could not be checked and the route is configured on_store_error: closed"
+                    .into(),
+            retry_after_ms: None,
         }
     }
     /// 503: the pool has no eligible member.
@@ -42,6 +68,7 @@ impl Problem {
             code: "no_member",
             title: "No eligible upstream member",
             detail: "the route's pool is empty or all its members are down".into(),
+            retry_after_ms: None,
         }
     }
     /// 502: every attempt failed to connect.
@@ -51,6 +78,7 @@ impl Problem {
             code: "upstream_unreachable",
             title: "Upstream unreachable",
             detail: format!("{attempts} connection attempt(s) failed"),
+            retry_after_ms: None,
         }
     }
     /// 504: the member stopped answering within `read_timeout`.
@@ -60,6 +88,7 @@ impl Problem {
             code: "upstream_timeout",
             title: "Upstream timed out",
             detail: "the member did not answer within read_timeout".into(),
+            retry_after_ms: None,
         }
     }
     /// 502: the member broke the exchange after the connection was made.
@@ -70,6 +99,7 @@ impl Problem {
             title: "Upstream error",
             detail: "the exchange with the member failed after connecting; it was not retried"
                 .into(),
+            retry_after_ms: None,
         }
     }
     /// 400: the request could not be read.
@@ -79,6 +109,7 @@ impl Problem {
             code: "bad_request",
             title: "Bad request",
             detail: "the request could not be read".into(),
+            retry_after_ms: None,
         }
     }
     /// 500: a bug in sluice.
@@ -88,19 +119,23 @@ impl Problem {
             code: "internal",
             title: "Internal error",
             detail: "sluice failed to handle the request".into(),
+            retry_after_ms: None,
         }
     }
 }
 
 /// The response head and body for `p` on `route`.
 pub fn render(p: &Problem, route: Option<&str>) -> (ResponseHeader, Bytes) {
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "type": format!("urn:sluice:error:{}", p.code),
         "title": p.title,
         "status": p.status,
         "detail": p.detail,
         "route": route,
     });
+    if let Some(ms) = p.retry_after_ms {
+        body["retry_after_ms"] = ms.into();
+    }
     let body = Bytes::from(body.to_string());
     let mut h = ResponseHeader::build(p.status, Some(4)).expect("valid status");
     // These names and values are static and valid; inserting them cannot fail.

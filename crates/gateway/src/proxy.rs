@@ -13,7 +13,7 @@
 //! 6. `logging` writes the access log and the metrics.
 
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -30,26 +30,139 @@ use pingora::{ErrorType, HTTPStatus};
 
 use crate::metrics::{Metrics, NO_ROUTE};
 use crate::problem::{self, Problem};
-use crate::table::{Route, Table};
+use sluice_limiter::{Acquire, Outcome, QuotaStore, StoreError};
+
+use crate::config::{OnStoreError, QuotaKey};
+use crate::table::{Route, RouteQuota, Table};
 
 /// The proxy service. Cheap to share: everything lives behind `Arc`s.
 pub struct Gateway {
     table: Arc<ArcSwap<Table>>,
     metrics: Arc<Metrics>,
     in_flight: Arc<AtomicUsize>,
+    quotas: Arc<dyn QuotaStore>,
 }
 
 impl Gateway {
-    /// A gateway serving whatever table is current in `table`.
+    /// A gateway serving whatever table is current in `table`, with quotas kept in `quotas`.
     pub fn new(
         table: Arc<ArcSwap<Table>>,
         metrics: Arc<Metrics>,
         in_flight: Arc<AtomicUsize>,
+        quotas: Arc<dyn QuotaStore>,
     ) -> Self {
         Gateway {
             table,
             metrics,
             in_flight,
+            quotas,
+        }
+    }
+}
+
+/// What the quota says about one request.
+enum Verdict {
+    /// Go on; add this `RateLimit` header to the response (none when the store failed open).
+    Admit(Option<HeaderValue>),
+    /// Answer 429, with these `RateLimit` and `Retry-After` values.
+    Refuse(Problem, HeaderValue, u64),
+    /// Answer 503: the store failed and the route fails closed.
+    Unavailable,
+}
+
+/// Store failures are logged at most once a second: during an outage every request fails the
+/// same way, and the metric counts them all.
+static LAST_STORE_WARNING: AtomicU64 = AtomicU64::new(0);
+
+fn warn_store_error(route: &str, error: &StoreError) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST_STORE_WARNING.swap(now, Ordering::Relaxed) != now {
+        tracing::warn!(target: "sluice::quota", route, %error, "quota store failed; applying on_store_error");
+    }
+}
+
+/// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room.
+fn ratelimit_header(quota: &RouteQuota, outcome: &Outcome) -> Option<HeaderValue> {
+    let i = outcome.tightest()?;
+    let w = &outcome.windows[i];
+    let value = format!(
+        "\"{}\";r={};t={}",
+        quota.windows[i].name,
+        w.remaining,
+        w.reset_us.div_ceil(1_000_000)
+    );
+    HeaderValue::from_str(&value).ok()
+}
+
+impl Gateway {
+    async fn check_quota(
+        &self,
+        session: &Session,
+        route: &Route,
+        quota: &RouteQuota,
+        path: &str,
+    ) -> Verdict {
+        let req = session.req_header();
+        let ip;
+        let key: &str = match &quota.key {
+            QuotaKey::Route => "route",
+            QuotaKey::Header(name) => req
+                .headers
+                .get(name.as_str())
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or(""),
+            QuotaKey::ClientIp => {
+                ip = session
+                    .client_addr()
+                    .and_then(|a| a.as_inet())
+                    .map(|a| a.ip().to_string())
+                    .unwrap_or_default();
+                &ip
+            }
+        };
+        let cost = quota.cost(path, req.method.as_str());
+        let asked = Acquire {
+            route: &route.name,
+            key,
+            windows: &quota.windows,
+            cost,
+            at_us: None,
+        };
+        match self.quotas.acquire(asked).await {
+            Ok(outcome) if outcome.admitted => Verdict::Admit(ratelimit_header(quota, &outcome)),
+            Ok(outcome) => {
+                let mut refused_by = "";
+                for (i, w) in outcome.windows.iter().enumerate() {
+                    if w.remaining < cost {
+                        quota.rejections[i].inc();
+                        if refused_by.is_empty() {
+                            refused_by = &quota.windows[i].name;
+                        }
+                    }
+                }
+                let retry_ms = outcome.retry_after_us.div_ceil(1000);
+                let retry_after_s = outcome.retry_after_us.div_ceil(1_000_000).max(1);
+                let header = ratelimit_header(quota, &outcome)
+                    .unwrap_or_else(|| HeaderValue::from_static(""));
+                Verdict::Refuse(
+                    Problem::quota_exceeded(refused_by, retry_ms),
+                    header,
+                    retry_after_s,
+                )
+            }
+            Err(e) => {
+                self.metrics
+                    .store_errors
+                    .with_label_values(&["quota"])
+                    .inc();
+                warn_store_error(&route.name, &e);
+                match quota.on_store_error {
+                    OnStoreError::Open => Verdict::Admit(None),
+                    OnStoreError::Closed => Verdict::Unavailable,
+                }
+            }
         }
     }
 }
@@ -108,6 +221,8 @@ pub struct RequestCtx {
     /// Path and authority of an absolute-form request (`GET http://host/path`), whose
     /// `uri` Pingora leaves as the bare path.
     absolute: Option<(http::uri::Authority, http::uri::PathAndQuery)>,
+    /// The `RateLimit` header for the response of an admitted request.
+    ratelimit: Option<HeaderValue>,
     _in_flight: InFlight,
 }
 
@@ -214,6 +329,7 @@ impl ProxyHttp for Gateway {
             attempts: 0,
             failure: None,
             absolute: None,
+            ratelimit: None,
             _in_flight: InFlight(self.in_flight.clone()),
         }
     }
@@ -244,13 +360,37 @@ impl ProxyHttp for Gateway {
             };
             table.router.find(host, path, req.method.as_str()).cloned()
         };
-        match found {
-            Some(route) => {
-                ctx.route = Some(route);
+        let Some(route) = found else {
+            self.answer(session, ctx, Problem::no_route()).await?;
+            return Ok(true);
+        };
+        ctx.route = Some(route.clone());
+        // The quota is charged here, once per request, before any member is chosen: retries
+        // happen after this hook and never come back to it.
+        let Some(quota) = &route.quota else {
+            return Ok(false);
+        };
+        let path = match &ctx.absolute {
+            Some((_, p)) => p.path(),
+            None => session.req_header().uri.path(),
+        };
+        match self.check_quota(session, &route, quota, path).await {
+            Verdict::Admit(header) => {
+                ctx.ratelimit = header;
                 Ok(false)
             }
-            None => {
-                self.answer(session, ctx, Problem::no_route()).await?;
+            Verdict::Refuse(problem, ratelimit, retry_after_s) => {
+                let (mut head, body) = problem::render(&problem, Some(&route.name));
+                head.insert_header(header::RETRY_AFTER, retry_after_s)?;
+                head.insert_header("ratelimit-policy", quota.policy.clone())?;
+                head.insert_header("ratelimit", ratelimit)?;
+                session.write_response_header(Box::new(head), false).await?;
+                session.write_response_body(Some(body), true).await?;
+                Ok(true)
+            }
+            Verdict::Unavailable => {
+                self.answer(session, ctx, Problem::store_unavailable())
+                    .await?;
                 Ok(true)
             }
         }
@@ -370,9 +510,15 @@ impl ProxyHttp for Gateway {
         &self,
         _session: &mut Session,
         response: &mut ResponseHeader,
-        _ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx,
     ) -> Result<()> {
         strip_hop_by_hop(response);
+        if let Some(ratelimit) = ctx.ratelimit.take() {
+            if let Some(quota) = ctx.route.as_ref().and_then(|r| r.quota.as_ref()) {
+                response.insert_header("ratelimit-policy", quota.policy.clone())?;
+                response.insert_header("ratelimit", ratelimit)?;
+            }
+        }
         Ok(())
     }
 

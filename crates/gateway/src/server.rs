@@ -16,7 +16,9 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::AdminApi;
-use crate::config::{Config, ConfigErrors};
+use sluice_limiter::{MemoryStore, QuotaStore, RedisStore, RedisStoreConfig};
+
+use crate::config::{Config, ConfigErrors, StateBackend};
 use crate::health::HealthChecks;
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
@@ -87,7 +89,13 @@ pub fn run(config: Config, bytes: Vec<u8>) {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
-    let gateway = Gateway::new(table.clone(), metrics.clone(), in_flight.clone());
+    let quotas = quota_store(&config);
+    let gateway = Gateway::new(
+        table.clone(),
+        metrics.clone(),
+        in_flight.clone(),
+        quotas.clone(),
+    );
     let mut proxy = pingora::proxy::http_proxy_service_with_name(
         &server.configuration,
         gateway,
@@ -106,7 +114,7 @@ pub fn run(config: Config, bytes: Vec<u8>) {
 
     let mut admin = Service::new(
         "sluice admin".to_string(),
-        AdminApi::new(table.clone(), metrics.clone()),
+        AdminApi::new(table.clone(), metrics.clone(), quotas),
     );
     admin.add_tcp(&config.admin.listen.0.to_string());
     admin.threads = Some(1);
@@ -135,6 +143,26 @@ pub fn run(config: Config, bytes: Vec<u8>) {
     server.run(RunArgs {
         shutdown_signal: Box::new(StopSignals { stop: stop_tx }),
     });
+}
+
+/// The quota store the config asks for. The Redis store connects lazily, so the gateway starts
+/// (and applies each route's `on_store_error`) even while Redis is down.
+fn quota_store(config: &Config) -> Arc<dyn QuotaStore> {
+    match (&config.state.backend, &config.state.redis) {
+        (StateBackend::Redis, Some(redis)) => {
+            let url = redis.url.as_ref().map(|u| u.0.clone()).unwrap_or_default();
+            match RedisStore::new(RedisStoreConfig {
+                url,
+                key_prefix: redis.key_prefix.clone(),
+                timeout: redis.timeout.0,
+            }) {
+                Ok(store) => Arc::new(store),
+                // Validation accepted the URL, so this is a client-side bug; fail loudly.
+                Err(e) => panic!("cannot create the Redis client: {e}"),
+            }
+        }
+        _ => Arc::new(MemoryStore::new()),
+    }
 }
 
 /// Turns SIGTERM and SIGINT into Pingora's graceful terminate (its own default makes SIGINT a

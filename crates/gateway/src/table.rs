@@ -13,7 +13,9 @@ use pingora::upstreams::peer::HttpPeer;
 use prometheus::{Histogram, IntCounter, IntGauge};
 use sluice_balancer::{HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Pool, Transition};
 
-use crate::config::{Config, MemberUrl, RouteConfig};
+use sluice_limiter::Window;
+
+use crate::config::{Config, MemberUrl, OnStoreError, QuotaConfig, QuotaKey, RouteConfig};
 use crate::metrics::Metrics;
 use crate::router::{RouteMatch, Router};
 
@@ -44,6 +46,96 @@ pub struct Route {
     pub members: Box<[Member]>,
     /// `sluice_request_duration_seconds{route}`, resolved once.
     pub duration: Histogram,
+    /// The quota gating the route, if any.
+    pub quota: Option<RouteQuota>,
+}
+
+/// A route's quota, ready to apply.
+pub struct RouteQuota {
+    /// The windows, as the store takes them.
+    pub windows: Vec<Window>,
+    /// What one quota counts.
+    pub key: QuotaKey,
+    /// What a request costs when no rule matches.
+    pub default_cost: u64,
+    /// Cost rules, first match wins.
+    pub rules: Vec<CostRule>,
+    /// Policy when the store fails.
+    pub on_store_error: OnStoreError,
+    /// The `RateLimit-Policy` header value, which never changes for a route.
+    pub policy: HeaderValue,
+    /// `sluice_quota_rejections_total{route,window}`, per window.
+    pub rejections: Vec<IntCounter>,
+}
+
+/// A cost rule, ready to match.
+pub struct CostRule {
+    prefix: Box<str>,
+    methods: Box<[Box<str>]>,
+    cost: u64,
+}
+
+impl RouteQuota {
+    /// The cost of a request to `path` with `method`.
+    pub fn cost(&self, path: &str, method: &str) -> u64 {
+        self.rules
+            .iter()
+            .find(|r| {
+                path.starts_with(&*r.prefix)
+                    && (r.methods.is_empty() || r.methods.iter().any(|m| &**m == method))
+            })
+            .map_or(self.default_cost, |r| r.cost)
+    }
+
+    fn build(route: &str, q: &QuotaConfig, metrics: &Metrics) -> RouteQuota {
+        let windows: Vec<Window> = q
+            .windows
+            .iter()
+            .map(|w| Window {
+                name: w.name.0.as_str().into(),
+                limit: w.limit.get(),
+                length_us: u64::try_from(w.window.0.as_micros()).unwrap_or(u64::MAX),
+            })
+            .collect();
+        // Structured-field integers: a window shorter than a second is announced as 1 s.
+        let policy = windows
+            .iter()
+            .map(|w| {
+                format!(
+                    "\"{}\";q={};w={}",
+                    w.name,
+                    w.limit,
+                    w.length_us.div_ceil(1_000_000)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        RouteQuota {
+            rejections: windows
+                .iter()
+                .map(|w| {
+                    metrics
+                        .quota_rejections
+                        .with_label_values(&[route, &w.name])
+                })
+                .collect(),
+            policy: HeaderValue::from_str(&policy).expect("names are tokens, numbers are digits"),
+            windows,
+            key: q.key.clone(),
+            default_cost: q.cost.default.get(),
+            rules: q
+                .cost
+                .rules
+                .iter()
+                .map(|r| CostRule {
+                    prefix: r.path_prefix.0.as_str().into(),
+                    methods: r.methods.iter().map(|m| m.0.as_str().into()).collect(),
+                    cost: r.cost.get(),
+                })
+                .collect(),
+            on_store_error: q.on_store_error,
+        }
+    }
 }
 
 /// What proxying to one member needs.
@@ -150,6 +242,10 @@ async fn build_route(rc: &RouteConfig, metrics: &Arc<Metrics>) -> Route {
             .collect(),
     });
     Route {
+        quota: rc
+            .quota
+            .as_ref()
+            .map(|q| RouteQuota::build(&name, q, metrics)),
         duration: metrics.request_duration.with_label_values(&[&name]),
         pool: Arc::new(Pool::new(specs, policy, observer)),
         members: members.into_boxed_slice(),
