@@ -21,10 +21,21 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 pub use memory::MemoryStore;
-pub use redis_store::{RedisStore, RedisStoreConfig};
+pub use redis_store::{
+    parse_reply, push_quota_args, RedisConnection, RedisStore, RedisStoreConfig,
+};
 
-/// The quota script's source, shared with anything else that needs to run it (benchmarks).
-pub const QUOTA_SCRIPT: &str = include_str!("../../../lua/quota.lua");
+/// The quota library (`lua/quota.lua`): Lua functions that check and record a quota, for
+/// scripts that compose the quota with another policy in one atomic call.
+pub const QUOTA_LIBRARY: &str = include_str!("../../../lua/quota.lua");
+
+/// The script the Redis store runs: the library followed by its driver (`lua/quota_run.lua`).
+pub fn quota_script() -> String {
+    format!(
+        "{QUOTA_LIBRARY}\n{}",
+        include_str!("../../../lua/quota_run.lua")
+    )
+}
 
 /// One window of a quota.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -114,6 +114,12 @@ impl MemoryStore {
 
     /// The decision, synchronously: the memory store never waits on anything but its lock.
     pub fn decide(&self, req: Acquire<'_>) -> Outcome {
+        self.decide_with(req, true)
+    }
+
+    /// The decision; with `record: false` an admissible request is reported but not recorded,
+    /// for callers that still have to find it a member.
+    pub fn decide_with(&self, req: Acquire<'_>, record: bool) -> Outcome {
         let now = req
             .at_us
             .unwrap_or_else(|| self.epoch.elapsed().as_micros() as u64);
@@ -137,11 +143,11 @@ impl MemoryStore {
             Some(state) => state,
             None => keys.entry(req.key.into()).or_default(),
         };
-        decide(state, &req, now)
+        decide(state, &req, now, record)
     }
 }
 
-fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64) -> Outcome {
+fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64, record: bool) -> Outcome {
     state.last_us = now;
     state.longest_us = req.windows.iter().map(|w| w.length_us).max().unwrap_or(0);
     // Windows are few; a linear search by name keeps state across config reloads that
@@ -183,7 +189,7 @@ fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64) -> Outcome {
             .find(|(name, _)| *name == w.name)
             .expect("added above")
             .1;
-        if admitted {
+        if admitted && record {
             log.entries.push_back(Entry {
                 at_us: now,
                 cost: req.cost,

@@ -8,14 +8,14 @@
 //!
 //! All of them expire on their own once idle.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
-use crate::{Acquire, Outcome, QuotaStore, StoreError, WindowState, QUOTA_SCRIPT};
+use crate::{quota_script, Acquire, Outcome, QuotaStore, StoreError, WindowState};
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
@@ -28,48 +28,41 @@ pub struct RedisStoreConfig {
     pub timeout: Duration,
 }
 
-/// Quotas shared by every gateway instance that uses the same Redis.
-pub struct RedisStore {
+/// One multiplexed connection to Redis, shared by every store of a gateway, with the call
+/// discipline they all need: a timeout per call and one retry on a broken connection.
+pub struct RedisConnection {
     client: redis::Client,
     /// Created on first use, inside the runtime that serves requests: the connection manager
     /// drives its connection from a task on the runtime it was created on.
-    connection: OnceLock<Result<ConnectionManager, String>>,
-    script: Script,
-    config: RedisStoreConfig,
+    manager: OnceLock<Result<ConnectionManager, String>>,
+    timeout: Duration,
 }
 
-impl std::fmt::Debug for RedisStore {
+impl std::fmt::Debug for RedisConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("config", &self.config)
+        f.debug_struct("RedisConnection")
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
 
-impl RedisStore {
-    /// A store for `config`; it connects lazily, so it can be built while Redis is down.
-    pub fn new(config: RedisStoreConfig) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| StoreError::Backend(e.to_string()))?;
-        Ok(RedisStore {
+impl RedisConnection {
+    /// A connection to `url`; it connects lazily, so it can be built while Redis is down.
+    pub fn new(url: &str, timeout: Duration) -> Result<RedisConnection, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(RedisConnection {
             client,
-            connection: OnceLock::new(),
-            script: Script::new(QUOTA_SCRIPT),
-            config,
+            manager: OnceLock::new(),
+            timeout,
         })
     }
 
-    /// The script's SHA1, as Redis knows it.
-    pub fn script_sha(&self) -> &str {
-        self.script.get_hash()
-    }
-
-    fn connection(&self) -> Result<ConnectionManager, StoreError> {
-        self.connection
+    fn manager(&self) -> Result<ConnectionManager, StoreError> {
+        self.manager
             .get_or_init(|| {
                 let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.config.timeout))
-                    .set_response_timeout(Some(self.config.timeout))
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout))
                     // A request never waits longer than its own timeout anyway, so keep the
                     // reconnect backoff short: the store is usable again within about
                     // 100 ms of Redis coming back.
@@ -83,30 +76,85 @@ impl RedisStore {
             .map_err(StoreError::Backend)
     }
 
-    /// Runs `call` with the store's timeout, retrying once on a broken connection: after a
-    /// Redis restart the first call on the old connection fails with a broken pipe while the
-    /// manager reconnects, and no client request should fail because of that.
-    async fn with_retry<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
+    /// Runs `call` within the timeout, retrying once on a broken connection: after a Redis
+    /// restart the first call on the old connection fails with a broken pipe while the manager
+    /// reconnects, and no client request should fail because of that.
+    pub async fn run<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
     where
         F: Fn(ConnectionManager) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
         let attempt = async {
-            let first = call(self.connection()?).await;
+            let first = call(self.manager()?).await;
             match first {
-                Err(e) if is_connection_error(&e) => call(self.connection()?).await,
+                Err(e) if is_connection_error(&e) => call(self.manager()?).await,
                 other => other,
             }
             .map_err(|e| StoreError::Backend(e.to_string()))
         };
-        match tokio::time::timeout(self.config.timeout, attempt).await {
+        match tokio::time::timeout(self.timeout, attempt).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout),
         }
     }
 
-    fn key(&self, route: &str, kind: &str, rest: &str) -> String {
-        format!("{}:{{{route}}}:{kind}:{rest}", self.config.key_prefix)
+    /// Whether Redis answers PING within the timeout.
+    pub async fn ping(&self) -> bool {
+        self.run(
+            |mut conn| async move { redis::cmd("PING").query_async::<String>(&mut conn).await },
+        )
+        .await
+        .is_ok()
+    }
+}
+
+/// Quotas shared by every gateway instance that uses the same Redis.
+pub struct RedisStore {
+    connection: Arc<RedisConnection>,
+    script: Script,
+    key_prefix: String,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("key_prefix", &self.key_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// A store with a connection of its own.
+    pub fn new(config: RedisStoreConfig) -> Result<RedisStore, StoreError> {
+        let connection = Arc::new(RedisConnection::new(&config.url, config.timeout)?);
+        Ok(RedisStore::with_connection(connection, &config.key_prefix))
+    }
+
+    /// A store on a shared connection.
+    pub fn with_connection(connection: Arc<RedisConnection>, key_prefix: &str) -> RedisStore {
+        RedisStore {
+            connection,
+            script: Script::new(&quota_script()),
+            key_prefix: key_prefix.to_string(),
+        }
+    }
+
+    /// The script's SHA1, as Redis knows it.
+    pub fn script_sha(&self) -> &str {
+        self.script.get_hash()
+    }
+
+    /// The keys of one quota key: the helper hash, then one log per window.
+    pub fn keys(&self, route: &str, key: &str, windows: &[crate::Window]) -> Vec<String> {
+        let mut keys = Vec::with_capacity(1 + windows.len());
+        keys.push(format!("{}:{{{route}}}:qm:{key}", self.key_prefix));
+        for w in windows {
+            keys.push(format!(
+                "{}:{{{route}}}:q:{}:{key}",
+                self.key_prefix, w.name
+            ));
+        }
+        keys
     }
 }
 
@@ -114,24 +162,30 @@ fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal()
 }
 
+/// Appends the quota arguments (cost, clock, then name, limit, length per window) as the quota
+/// library's drivers read them.
+pub fn push_quota_args(invocation: &mut redis::ScriptInvocation<'_>, req: &Acquire<'_>) {
+    invocation.arg(req.cost);
+    match req.at_us {
+        Some(t) => invocation.arg(t),
+        None => invocation.arg(""),
+    };
+    for w in req.windows {
+        invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
+    }
+}
+
 #[async_trait]
 impl QuotaStore for RedisStore {
     async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         let mut invocation = self.script.prepare_invoke();
-        invocation.key(self.key(req.route, "qm", req.key));
-        for w in req.windows {
-            invocation.key(self.key(req.route, "q", &format!("{}:{}", w.name, req.key)));
+        for key in self.keys(req.route, req.key, req.windows) {
+            invocation.key(key);
         }
-        invocation.arg(req.cost);
-        match req.at_us {
-            Some(t) => invocation.arg(t),
-            None => invocation.arg(""),
-        };
-        for w in req.windows {
-            invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
-        }
+        push_quota_args(&mut invocation, &req);
         let reply: Vec<i64> = self
-            .with_retry(|mut conn| {
+            .connection
+            .run(|mut conn| {
                 let invocation = &invocation;
                 async move { invocation.invoke_async(&mut conn).await }
             })
@@ -140,15 +194,12 @@ impl QuotaStore for RedisStore {
     }
 
     async fn ready(&self) -> bool {
-        self.with_retry(|mut conn| async move {
-            redis::cmd("PING").query_async::<String>(&mut conn).await
-        })
-        .await
-        .is_ok()
+        self.connection.ping().await
     }
 }
 
-fn parse_reply(reply: &[i64], windows: usize) -> Result<Outcome, StoreError> {
+/// Parses `{admitted, retry_after_us, remaining_i, reset_us_i...}` as the quota library replies.
+pub fn parse_reply(reply: &[i64], windows: usize) -> Result<Outcome, StoreError> {
     if reply.len() != 2 + 2 * windows {
         return Err(StoreError::Backend(format!(
             "quota script returned {} values, expected {}",

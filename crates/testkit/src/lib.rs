@@ -116,6 +116,55 @@ impl RedisServer {
     }
 }
 
+impl RedisServer {
+    /// Starts `MONITOR` on a connection of its own; [`Monitor::stop`] returns what it saw.
+    pub fn monitor(&self) -> Monitor {
+        let mut conn = TcpStream::connect(self.addr()).expect("connect for MONITOR");
+        conn.write_all(b"*1\r\n$7\r\nMONITOR\r\n")
+            .expect("send MONITOR");
+        conn.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let reader = std::thread::spawn(move || {
+            let mut seen = String::new();
+            let mut buf = [0u8; 8192];
+            loop {
+                match conn.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+                    Err(_) if flag.load(std::sync::atomic::Ordering::Relaxed) => break,
+                    Err(_) => {}
+                }
+            }
+            seen
+        });
+        // MONITOR answers +OK once it is on; wait a moment so nothing sent after this is missed.
+        std::thread::sleep(Duration::from_millis(100));
+        Monitor { stop, reader }
+    }
+}
+
+/// A running `MONITOR`.
+pub struct Monitor {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    reader: std::thread::JoinHandle<String>,
+}
+
+impl Monitor {
+    /// Stops and returns the commands clients sent, as `(command, source)` pairs, leaving out
+    /// the commands scripts ran inside Redis (shown by MONITOR as coming from `lua`).
+    pub fn stop(self) -> Vec<String> {
+        std::thread::sleep(Duration::from_millis(100));
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let seen = self.reader.join().unwrap_or_default();
+        seen.lines()
+            .filter(|l| l.starts_with('+') && l.contains('[') && !l.contains(" lua]"))
+            .filter_map(|l| l.split('"').nth(1).map(str::to_ascii_uppercase))
+            .collect()
+    }
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
