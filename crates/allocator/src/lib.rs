@@ -19,6 +19,8 @@
 mod memory;
 mod redis_store;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use sluice_limiter::{Acquire, Outcome, StoreError};
 
@@ -53,7 +55,7 @@ pub trait AssignmentStore: Send + Sync + 'static {
     async fn sync(
         &self,
         route: &str,
-        members: &[&str],
+        members: &[Arc<str>],
         excluded: &[&str],
     ) -> Result<(), StoreError>;
 
@@ -63,7 +65,7 @@ pub trait AssignmentStore: Send + Sync + 'static {
     async fn assign(
         &self,
         route: &str,
-        members: &[&str],
+        members: &[Arc<str>],
         excluded: &[&str],
         quota: Option<Acquire<'_>>,
     ) -> Result<Assignment, StoreError>;

@@ -49,8 +49,8 @@ impl Counts {
         self.order.insert((count, id.clone()));
     }
 
-    fn sync(&mut self, members: &[&str], excluded: &Excluded<'_>) {
-        let wanted: HashSet<&str> = members.iter().copied().collect();
+    fn sync(&mut self, members: &[Arc<str>], excluded: &Excluded<'_>) {
+        let wanted: HashSet<&str> = members.iter().map(|m| &**m).collect();
         let leaving: Vec<Arc<str>> = self
             .by_member
             .keys()
@@ -64,8 +64,8 @@ impl Counts {
         }
         let floor = self.least(excluded).map_or(0, |(c, _)| *c);
         for m in members {
-            if !self.by_member.contains_key(*m) {
-                self.set(&Arc::from(*m), floor);
+            if !self.by_member.contains_key(m) {
+                self.set(m, floor);
             }
         }
     }
@@ -118,7 +118,7 @@ impl AssignmentStore for MemoryAllocator {
     async fn sync(
         &self,
         route: &str,
-        members: &[&str],
+        members: &[Arc<str>],
         excluded: &[&str],
     ) -> Result<(), StoreError> {
         let pool = self.pool(route);
@@ -131,7 +131,7 @@ impl AssignmentStore for MemoryAllocator {
     async fn assign(
         &self,
         route: &str,
-        members: &[&str],
+        members: &[Arc<str>],
         excluded: &[&str],
         quota: Option<Acquire<'_>>,
     ) -> Result<Assignment, StoreError> {

@@ -159,13 +159,13 @@ impl AssignmentStore for RedisAllocator {
     async fn sync(
         &self,
         route: &str,
-        members: &[&str],
+        members: &[Arc<str>],
         excluded: &[&str],
     ) -> Result<(), StoreError> {
         let mut leading = vec!["sync"];
         let n = members.len().to_string();
         leading.push(&n);
-        leading.extend_from_slice(members);
+        leading.extend(members.iter().map(|m| &**m));
         let args = Args {
             quota: None,
             leading: &leading,
@@ -179,7 +179,7 @@ impl AssignmentStore for RedisAllocator {
     async fn assign(
         &self,
         route: &str,
-        members: &[&str],
+        members: &[Arc<str>],
         excluded: &[&str],
         quota: Option<Acquire<'_>>,
     ) -> Result<Assignment, StoreError> {

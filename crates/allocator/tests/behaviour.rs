@@ -9,10 +9,18 @@ use sluice_allocator::{Assignment, AssignmentStore, MemoryAllocator, RedisAlloca
 use sluice_limiter::{Acquire, MemoryStore, RedisConnection, Window};
 use sluice_testkit::RedisServer;
 
-const MEMBERS: [&str; 3] = ["http://b.test", "http://a.test", "http://c.test"];
+const MEMBER_IDS: [&str; 3] = ["http://b.test", "http://a.test", "http://c.test"];
+
+fn ids(list: &[&str]) -> Vec<Arc<str>> {
+    list.iter().map(|m| Arc::from(*m)).collect()
+}
 
 async fn pick(store: &dyn AssignmentStore, route: &str, excluded: &[&str]) -> Option<String> {
-    match store.assign(route, &MEMBERS, excluded, None).await.unwrap() {
+    match store
+        .assign(route, &ids(&MEMBER_IDS), excluded, None)
+        .await
+        .unwrap()
+    {
         Assignment::Assigned { member, .. } => Some(member),
         Assignment::NoMember { .. } => None,
         other => panic!("no quota was asked: {other:?}"),
@@ -58,7 +66,7 @@ async fn n_picks_spread_evenly(store: &dyn AssignmentStore) {
 }
 
 async fn an_empty_pool_has_no_member(store: &dyn AssignmentStore) {
-    let got = store.assign("empty", &[], &[], None).await.unwrap();
+    let got = store.assign("empty", &ids(&[]), &[], None).await.unwrap();
     assert_eq!(got, Assignment::NoMember { quota: None });
 }
 
@@ -130,7 +138,7 @@ async fn membership_follows_the_config(store: &dyn AssignmentStore) {
     store
         .sync(
             "members",
-            &["http://a.test", "http://b.test", "http://d.test"],
+            &ids(&["http://a.test", "http://b.test", "http://d.test"]),
             &[],
         )
         .await
@@ -142,7 +150,7 @@ async fn membership_follows_the_config(store: &dyn AssignmentStore) {
     store
         .sync(
             "members",
-            &["http://a.test", "http://b.test", "http://d.test"],
+            &ids(&["http://a.test", "http://b.test", "http://d.test"]),
             &[],
         )
         .await
@@ -153,7 +161,7 @@ async fn membership_follows_the_config(store: &dyn AssignmentStore) {
             store
                 .assign(
                     "members",
-                    &["http://a.test", "http://b.test", "http://d.test"],
+                    &ids(&["http://a.test", "http://b.test", "http://d.test"]),
                     &[],
                     None
                 )
@@ -184,7 +192,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn AssignmentStore) {
     // No eligible member: no quota consumed.
     for t in 0..5 {
         match store
-            .assign("fused", &MEMBERS, &all, Some(q(t)))
+            .assign("fused", &ids(&MEMBER_IDS), &all, Some(q(t)))
             .await
             .unwrap()
         {
@@ -195,7 +203,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn AssignmentStore) {
     for t in 10..12 {
         assert!(matches!(
             store
-                .assign("fused", &MEMBERS, &[], Some(q(t)))
+                .assign("fused", &ids(&MEMBER_IDS), &[], Some(q(t)))
                 .await
                 .unwrap(),
             Assignment::Assigned { quota: Some(_), .. }
@@ -204,7 +212,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn AssignmentStore) {
     // Quota refused: nothing assigned.
     let before = counts(store, "fused").await;
     match store
-        .assign("fused", &MEMBERS, &[], Some(q(20)))
+        .assign("fused", &ids(&MEMBER_IDS), &[], Some(q(20)))
         .await
         .unwrap()
     {
@@ -221,7 +229,10 @@ async fn concurrent_picks_stay_within_one(store: Arc<dyn AssignmentStore>) {
         let store = store.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..50 {
-                store.assign("busy", &MEMBERS, &[], None).await.unwrap();
+                store
+                    .assign("busy", &ids(&MEMBER_IDS), &[], None)
+                    .await
+                    .unwrap();
             }
         }));
     }
@@ -279,11 +290,17 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
         at_us: None,
     };
     // Warm up: the first call syncs the pool and loads the script.
-    store.assign("rt", &MEMBERS, &[], Some(q)).await.unwrap();
+    store
+        .assign("rt", &ids(&MEMBER_IDS), &[], Some(q))
+        .await
+        .unwrap();
     server.command(&["CONFIG", "RESETSTAT"]).unwrap();
     let monitor = server.monitor();
     for _ in 0..100 {
-        store.assign("rt", &MEMBERS, &[], Some(q)).await.unwrap();
+        store
+            .assign("rt", &ids(&MEMBER_IDS), &[], Some(q))
+            .await
+            .unwrap();
     }
     let sent = monitor.stop();
     // commandstats also counts what the script runs inside Redis; MONITOR tells the two apart.
@@ -296,7 +313,10 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
     server.restart();
     for _ in 0..10 {
         assert!(matches!(
-            store.assign("rt", &MEMBERS, &[], Some(q)).await.unwrap(),
+            store
+                .assign("rt", &ids(&MEMBER_IDS), &[], Some(q))
+                .await
+                .unwrap(),
             Assignment::Assigned { .. }
         ));
     }

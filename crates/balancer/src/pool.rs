@@ -50,6 +50,9 @@ pub struct Pool {
     policy: HealthPolicy,
     observer: Arc<dyn HealthObserver>,
     schedule: ArcSwap<Schedule>,
+    /// Indices of the members that are down, kept with the schedule, so that callers that
+    /// exclude them (least-used selection) never scan the whole pool per request.
+    down: ArcSwap<Vec<u32>>,
     cursor: AtomicUsize,
     /// Nanoseconds after `epoch` at which the earliest pending trial becomes due, so that `pick`
     /// looks for trials only when one can actually be claimed.
@@ -81,6 +84,7 @@ impl Pool {
             policy,
             observer,
             schedule: ArcSwap::from_pointee(Schedule::default()),
+            down: ArcSwap::from_pointee(Vec::new()),
             cursor: AtomicUsize::new(0),
             earliest_trial: AtomicU64::new(NO_TRIAL),
             epoch: Instant::now(),
@@ -132,6 +136,20 @@ impl Pool {
             }
         }
         None
+    }
+
+    /// The members that are down, by index; cheap to call on every request.
+    pub fn down_members(&self) -> arc_swap::Guard<Arc<Vec<u32>>> {
+        self.down.load()
+    }
+
+    /// Claims a down member's single trial request if one is due, for selection policies other
+    /// than round-robin (round-robin's `pick` does this itself).
+    pub fn take_due_trial(&self, now: Instant) -> Option<usize> {
+        if self.nanos(now) < self.earliest_trial.load(Ordering::Acquire) {
+            return None;
+        }
+        self.claim_trial(now, &|_| false)
     }
 
     /// Live traffic reached member `index` (a connection was made and a response came back).
@@ -207,6 +225,10 @@ impl Pool {
             .map(|(i, m)| (i as u32, m.weight))
             .collect();
         self.schedule.store(Arc::new(Schedule::new(&healthy)));
+        let down: Vec<u32> = (0..self.members.len() as u32)
+            .filter(|&i| !self.members[i as usize].health.is_up())
+            .collect();
+        self.down.store(Arc::new(down));
         self.refresh_earliest_trial();
     }
 
@@ -293,6 +315,29 @@ mod tests {
             assert_eq!(p.index, 2);
         }
         assert!(pool.pick(now, |_| true).is_none());
+    }
+
+    #[test]
+    fn down_members_and_due_trials_are_visible_to_other_policies() {
+        let policy = HealthPolicy {
+            passive_fall: 1,
+            cooldown: Duration::from_secs(5),
+            active: None,
+        };
+        let (pool, _) = pool(&[1, 1, 1], policy);
+        let t0 = Instant::now();
+        assert!(pool.down_members().is_empty());
+        pool.report_connect_failure(2, t0);
+        assert_eq!(**pool.down_members(), [2]);
+        assert_eq!(pool.take_due_trial(t0 + Duration::from_secs(4)), None);
+        assert_eq!(pool.take_due_trial(t0 + Duration::from_secs(5)), Some(2));
+        assert_eq!(
+            pool.take_due_trial(t0 + Duration::from_secs(6)),
+            None,
+            "one trial"
+        );
+        pool.report_success(2);
+        assert!(pool.down_members().is_empty());
     }
 
     #[test]

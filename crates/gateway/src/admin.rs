@@ -9,9 +9,14 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 use serde_json::json;
 
+use std::collections::HashMap;
+
+use sluice_allocator::AssignmentStore;
 use sluice_limiter::QuotaStore;
 
+use crate::config::Selection;
 use crate::metrics::Metrics;
+use crate::server::Stores;
 use crate::table::Table;
 
 /// Serves the admin endpoints on `admin.listen`.
@@ -19,51 +24,66 @@ pub struct AdminApi {
     table: Arc<ArcSwap<Table>>,
     metrics: Arc<Metrics>,
     quotas: Arc<dyn QuotaStore>,
+    allocator: Arc<dyn AssignmentStore>,
 }
 
 impl AdminApi {
-    /// An admin API over the current table, the metrics and the quota store.
-    pub fn new(
-        table: Arc<ArcSwap<Table>>,
-        metrics: Arc<Metrics>,
-        quotas: Arc<dyn QuotaStore>,
-    ) -> AdminApi {
+    /// An admin API over the current table, the metrics and the state stores.
+    pub fn new(table: Arc<ArcSwap<Table>>, metrics: Arc<Metrics>, stores: &Stores) -> AdminApi {
         AdminApi {
             table,
             metrics,
-            quotas,
+            quotas: stores.quotas.clone(),
+            allocator: stores.allocator.clone(),
         }
     }
 
-    /// The `/status` document.
-    pub fn status(&self) -> serde_json::Value {
-        let table = self.table.load();
-        let routes: Vec<_> = table
-            .routes
-            .iter()
-            .map(|r| {
-                let members: Vec<_> = r
-                    .pool
-                    .members()
-                    .iter()
-                    .map(
-                        |m| json!({"url": &*m.id, "healthy": m.health.is_up(), "weight": m.weight}),
-                    )
-                    .collect();
-                let quota: Vec<_> = r
-                    .quota
-                    .iter()
-                    .flat_map(|q| &q.windows)
-                    .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
-                    .collect();
-                json!({
-                    "name": &*r.name,
-                    "selection": "round_robin",
-                    "members": members,
-                    "quota": quota,
+    /// The `/status` document. Assignment counts of least-used routes come from the store;
+    /// when it cannot answer they are `null`.
+    pub async fn status(&self) -> serde_json::Value {
+        let table = self.table.load_full();
+        let mut routes = Vec::with_capacity(table.routes.len());
+        for r in &table.routes {
+            let least_used = r.selection == Selection::LeastUsed;
+            let counts: Option<HashMap<String, u64>> = if least_used {
+                self.allocator
+                    .counts(&r.name)
+                    .await
+                    .ok()
+                    .map(|c| c.into_iter().collect())
+            } else {
+                None
+            };
+            let members: Vec<_> = r
+                .pool
+                .members()
+                .iter()
+                .map(|m| {
+                    let mut member = json!({"url": &*m.id, "healthy": m.health.is_up()});
+                    if least_used {
+                        member["assignments"] = counts
+                            .as_ref()
+                            .map(|c| c.get(&*m.id).copied().unwrap_or(0))
+                            .into();
+                    } else {
+                        member["weight"] = m.weight.into();
+                    }
+                    member
                 })
-            })
-            .collect();
+                .collect();
+            let quota: Vec<_> = r
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
+                .collect();
+            routes.push(json!({
+                "name": &*r.name,
+                "selection": if least_used { "least_used" } else { "round_robin" },
+                "members": members,
+                "quota": quota,
+            }));
+        }
         json!({
             "version": table.version,
             "loaded_at": table.loaded_at,
@@ -109,7 +129,7 @@ impl ServeHttp for AdminApi {
                 self.metrics.render(),
             ),
             (true, "/status") => {
-                let mut body = serde_json::to_vec_pretty(&self.status()).unwrap_or_default();
+                let mut body = serde_json::to_vec_pretty(&self.status().await).unwrap_or_default();
                 body.push(b'\n');
                 reply(StatusCode::OK, "application/json", body)
             }

@@ -444,6 +444,9 @@ pub struct UpstreamConfig {
     /// Passive checks on live traffic.
     #[serde(default)]
     pub passive: PassiveConfig,
+    /// least_used only: what a restored member's count becomes.
+    #[serde(default)]
+    pub on_restore: Option<OnRestore>,
 }
 
 fn yes() -> bool {
@@ -466,6 +469,19 @@ pub enum Selection {
     /// Smooth weighted round-robin over healthy members, in process.
     #[default]
     RoundRobin,
+    /// The eligible member with the fewest assignments across every instance.
+    LeastUsed,
+}
+
+/// What a least-used member's count becomes when it is restored.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRestore {
+    /// Resume with the old count.
+    #[default]
+    Keep,
+    /// Start at the pool's current minimum among eligible members, so it is not flooded.
+    Min,
 }
 
 /// One member of a pool.
@@ -474,9 +490,16 @@ pub enum Selection {
 pub struct MemberConfig {
     /// `http://host[:port]` or `https://host[:port]`.
     pub url: MemberUrl,
-    /// Round-robin weight.
-    #[serde(default = "one")]
-    pub weight: NonZeroU32,
+    /// Round-robin weight (1 when absent); round_robin only.
+    #[serde(default)]
+    pub weight: Option<NonZeroU32>,
+}
+
+impl MemberConfig {
+    /// The round-robin weight.
+    pub fn weight(&self) -> u32 {
+        self.weight.map_or(1, NonZeroU32::get)
+    }
 }
 
 fn one() -> NonZeroU32 {
@@ -808,16 +831,26 @@ impl Config {
             let up = &route.upstream;
             let mut urls = HashSet::new();
             for (j, member) in up.members.iter().enumerate() {
+                let member_at = at.clone().key("upstream").key("members").index(j);
                 if !urls.insert(&member.url.url) {
                     problems.push((
-                        at.clone()
-                            .key("upstream")
-                            .key("members")
-                            .index(j)
-                            .key("url"),
+                        member_at.clone().key("url"),
                         format!("duplicate member {:?} in this pool", member.url.url),
                     ));
                 }
+                if up.selection == Selection::LeastUsed && member.weight.is_some() {
+                    problems.push((
+                        member_at.key("weight"),
+                        "weight applies to round_robin only; least_used counts assignments"
+                            .to_string(),
+                    ));
+                }
+            }
+            if up.selection == Selection::RoundRobin && up.on_restore.is_some() {
+                problems.push((
+                    at.clone().key("upstream").key("on_restore"),
+                    "on_restore applies to selection: least_used only".to_string(),
+                ));
             }
             if let Some(quota) = &route.quota {
                 let at = at.clone().key("quota");

@@ -16,7 +16,8 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::AdminApi;
-use sluice_limiter::{MemoryStore, QuotaStore, RedisStore, RedisStoreConfig};
+use sluice_allocator::{AssignmentStore, MemoryAllocator, RedisAllocator};
+use sluice_limiter::{MemoryStore, QuotaStore, RedisConnection, RedisStore};
 
 use crate::config::{Config, ConfigErrors, StateBackend};
 use crate::health::HealthChecks;
@@ -50,13 +51,14 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 /// Must not be called from inside a tokio runtime: Pingora makes its own.
 pub fn run(config: Config, bytes: Vec<u8>) {
     let metrics = Arc::new(Metrics::new());
+    let stores = Stores::for_config(&config);
     // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
     // starts its own.
     let table = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a tokio runtime")
-        .block_on(Table::build(&config, &bytes, &metrics));
+        .block_on(Table::build(&config, &bytes, &metrics, &stores.allocator));
     let table = Arc::new(ArcSwap::from_pointee(table));
     let in_flight = Arc::new(AtomicUsize::new(0));
 
@@ -89,13 +91,7 @@ pub fn run(config: Config, bytes: Vec<u8>) {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
-    let quotas = quota_store(&config);
-    let gateway = Gateway::new(
-        table.clone(),
-        metrics.clone(),
-        in_flight.clone(),
-        quotas.clone(),
-    );
+    let gateway = Gateway::new(table.clone(), metrics.clone(), in_flight.clone(), &stores);
     let mut proxy = pingora::proxy::http_proxy_service_with_name(
         &server.configuration,
         gateway,
@@ -114,7 +110,7 @@ pub fn run(config: Config, bytes: Vec<u8>) {
 
     let mut admin = Service::new(
         "sluice admin".to_string(),
-        AdminApi::new(table.clone(), metrics.clone(), quotas),
+        AdminApi::new(table.clone(), metrics.clone(), &stores),
     );
     admin.add_tcp(&config.admin.listen.0.to_string());
     admin.threads = Some(1);
@@ -145,23 +141,44 @@ pub fn run(config: Config, bytes: Vec<u8>) {
     });
 }
 
-/// The quota store the config asks for. The Redis store connects lazily, so the gateway starts
+/// The state stores the config asks for. With Redis, the quota store and the allocator share
+/// one multiplexed connection; in memory, the allocator decides a least-used route's quota in
+/// the same store the quota path uses. The Redis client connects lazily, so the gateway starts
 /// (and applies each route's `on_store_error`) even while Redis is down.
-fn quota_store(config: &Config) -> Arc<dyn QuotaStore> {
-    match (&config.state.backend, &config.state.redis) {
-        (StateBackend::Redis, Some(redis)) => {
-            let url = redis.url.as_ref().map(|u| u.0.clone()).unwrap_or_default();
-            match RedisStore::new(RedisStoreConfig {
-                url,
-                key_prefix: redis.key_prefix.clone(),
-                timeout: redis.timeout.0,
-            }) {
-                Ok(store) => Arc::new(store),
-                // Validation accepted the URL, so this is a client-side bug; fail loudly.
-                Err(e) => panic!("cannot create the Redis client: {e}"),
+pub struct Stores {
+    /// Sliding-window quotas.
+    pub quotas: Arc<dyn QuotaStore>,
+    /// Least-used assignment counts.
+    pub allocator: Arc<dyn AssignmentStore>,
+}
+
+impl Stores {
+    /// The stores for `config`.
+    pub fn for_config(config: &Config) -> Stores {
+        match (&config.state.backend, &config.state.redis) {
+            (StateBackend::Redis, Some(redis)) => {
+                let url = redis.url.as_ref().map(|u| u.0.as_str()).unwrap_or_default();
+                let connection = match RedisConnection::new(url, redis.timeout.0) {
+                    Ok(c) => Arc::new(c),
+                    // Validation accepted the URL, so this is a client-side bug; fail loudly.
+                    Err(e) => panic!("cannot create the Redis client: {e}"),
+                };
+                Stores {
+                    quotas: Arc::new(RedisStore::with_connection(
+                        connection.clone(),
+                        &redis.key_prefix,
+                    )),
+                    allocator: Arc::new(RedisAllocator::new(connection, &redis.key_prefix)),
+                }
+            }
+            _ => {
+                let memory = Arc::new(MemoryStore::new());
+                Stores {
+                    quotas: memory.clone(),
+                    allocator: Arc::new(MemoryAllocator::new(memory)),
+                }
             }
         }
-        _ => Arc::new(MemoryStore::new()),
     }
 }
 

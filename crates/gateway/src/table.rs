@@ -4,8 +4,10 @@
 //! peers with their timeouts, Host header values and metric handles. A request then only clones
 //! a prebuilt peer. The table is swapped in whole, so a request sees one consistent config.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
 
 use http::HeaderValue;
@@ -13,9 +15,12 @@ use pingora::upstreams::peer::HttpPeer;
 use prometheus::{Histogram, IntCounter, IntGauge};
 use sluice_balancer::{HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Pool, Transition};
 
+use sluice_allocator::AssignmentStore;
 use sluice_limiter::Window;
 
-use crate::config::{Config, MemberUrl, OnStoreError, QuotaConfig, QuotaKey, RouteConfig};
+use crate::config::{
+    Config, MemberUrl, OnRestore, OnStoreError, QuotaConfig, QuotaKey, RouteConfig, Selection,
+};
 use crate::metrics::Metrics;
 use crate::router::{RouteMatch, Router};
 
@@ -48,6 +53,26 @@ pub struct Route {
     pub duration: Histogram,
     /// The quota gating the route, if any.
     pub quota: Option<RouteQuota>,
+    /// How members are chosen.
+    pub selection: Selection,
+    /// Member id → index, to map a least-used assignment back to its member.
+    pub index_of: HashMap<Arc<str>, usize>,
+    /// Every member's id, in config order, as the least-used store takes them.
+    pub member_ids: Box<[Arc<str>]>,
+    /// Whether this table's member list has been written to the least-used store. It is
+    /// done on the route's first assignment, from the runtime that serves requests.
+    pub synced: AtomicBool,
+}
+
+impl Route {
+    /// Ids of the members that are down, for least-used exclusion.
+    pub fn down_ids(&self) -> Vec<&str> {
+        self.pool
+            .down_members()
+            .iter()
+            .map(|&i| &*self.pool.members()[i as usize].id)
+            .collect()
+    }
 }
 
 /// A route's quota, ready to apply.
@@ -157,10 +182,15 @@ pub struct Member {
 impl Table {
     /// Builds the table for `config`. Member host names are resolved here, asynchronously, so
     /// that no request ever waits on DNS.
-    pub async fn build(config: &Config, bytes: &[u8], metrics: &Arc<Metrics>) -> Table {
+    pub async fn build(
+        config: &Config,
+        bytes: &[u8],
+        metrics: &Arc<Metrics>,
+        allocator: &Arc<dyn AssignmentStore>,
+    ) -> Table {
         let mut routes = Vec::with_capacity(config.routes.len());
         for rc in &config.routes {
-            routes.push(Arc::new(build_route(rc, metrics).await));
+            routes.push(Arc::new(build_route(rc, metrics, allocator).await));
         }
         let router = Router::new(routes.iter().map(|r| {
             let m = &r.config.matcher;
@@ -182,7 +212,11 @@ impl Table {
     }
 }
 
-async fn build_route(rc: &RouteConfig, metrics: &Arc<Metrics>) -> Route {
+async fn build_route(
+    rc: &RouteConfig,
+    metrics: &Arc<Metrics>,
+    allocator: &Arc<dyn AssignmentStore>,
+) -> Route {
     let name: Arc<str> = rc.name.0.as_str().into();
     let up = &rc.upstream;
     let policy = HealthPolicy {
@@ -215,7 +249,7 @@ async fn build_route(rc: &RouteConfig, metrics: &Arc<Metrics>) -> Route {
             .set(1);
         specs.push(MemberSpec {
             id: m.url.url.as_str().into(),
-            weight: m.weight.get(),
+            weight: m.weight(),
             health: Arc::new(MemberHealth::new()),
         });
         members.push(Member {
@@ -228,7 +262,13 @@ async fn build_route(rc: &RouteConfig, metrics: &Arc<Metrics>) -> Route {
             attempts_error: labels("error"),
         });
     }
+    let restore = (up.selection == Selection::LeastUsed && up.on_restore == Some(OnRestore::Min))
+        .then(|| RestoreToMin {
+            allocator: allocator.clone(),
+            pool: OnceLock::new(),
+        });
     let observer = Arc::new(HealthLog {
+        restore,
         route: name.clone(),
         gauges: up
             .members
@@ -241,13 +281,26 @@ async fn build_route(rc: &RouteConfig, metrics: &Arc<Metrics>) -> Route {
             })
             .collect(),
     });
+    let pool = Arc::new(Pool::new(specs, policy, observer.clone()));
+    if let Some(r) = &observer.restore {
+        let _ = r.pool.set(Arc::downgrade(&pool));
+    }
     Route {
         quota: rc
             .quota
             .as_ref()
             .map(|q| RouteQuota::build(&name, q, metrics)),
         duration: metrics.request_duration.with_label_values(&[&name]),
-        pool: Arc::new(Pool::new(specs, policy, observer)),
+        selection: up.selection,
+        index_of: pool
+            .members()
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.id.clone(), i))
+            .collect(),
+        synced: AtomicBool::new(false),
+        member_ids: pool.members().iter().map(|m| m.id.clone()).collect(),
+        pool,
         members: members.into_boxed_slice(),
         config: rc.clone(),
         name,
@@ -269,8 +322,10 @@ async fn resolve(url: &MemberUrl) -> Option<SocketAddr> {
     }
 }
 
-/// Logs health transitions and mirrors them in `sluice_member_healthy`.
+/// Logs health transitions, mirrors them in `sluice_member_healthy`, and applies the `min`
+/// restore policy of least-used pools.
 struct HealthLog {
+    restore: Option<RestoreToMin>,
     route: Arc<str>,
     gauges: Vec<(Arc<str>, IntGauge)>,
 }
@@ -282,11 +337,45 @@ impl HealthObserver for HealthLog {
         if let Some((_, gauge)) = self.gauges.iter().find(|(id, _)| **id == *member.id) {
             gauge.set(i64::from(up));
         }
+        if let (true, Some(restore)) = (up, &self.restore) {
+            restore.spawn(&self.route, &member.id);
+        }
         if up {
             tracing::info!(target: "sluice::health", route = %self.route, member = %member.id, cause, "member up");
         } else {
             tracing::warn!(target: "sluice::health", route = %self.route, member = %member.id, cause, "member down");
         }
+    }
+}
+
+/// Raises a restored member to the pool's least count, in the background: health transitions
+/// happen on whichever thread noticed them and must not wait for Redis.
+struct RestoreToMin {
+    allocator: Arc<dyn AssignmentStore>,
+    /// Set right after the pool is built (the pool owns this observer, hence `Weak`).
+    pool: OnceLock<Weak<Pool>>,
+}
+
+impl RestoreToMin {
+    fn spawn(&self, route: &Arc<str>, member: &Arc<str>) {
+        let (Ok(runtime), Some(pool)) = (
+            tokio::runtime::Handle::try_current(),
+            self.pool.get().and_then(Weak::upgrade),
+        ) else {
+            return;
+        };
+        let excluded: Vec<String> = pool
+            .down_members()
+            .iter()
+            .map(|&i| pool.members()[i as usize].id.to_string())
+            .collect();
+        let (allocator, route, member) = (self.allocator.clone(), route.clone(), member.clone());
+        runtime.spawn(async move {
+            let excluded: Vec<&str> = excluded.iter().map(String::as_str).collect();
+            if let Err(e) = allocator.restore_to_min(&route, &member, &excluded).await {
+                tracing::warn!(target: "sluice::health", route = %route, member = %member, error = %e, "could not apply on_restore: min");
+            }
+        });
     }
 }
 
