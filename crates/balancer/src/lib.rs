@@ -18,5 +18,5 @@ mod schedule;
 
 pub use health::{HealthPolicy, MemberHealth, Transition};
 pub use pool::{HealthObserver, MemberSpec, Pick, Pool};
-pub use probe::{spawn_active_check, ActiveCheck, Probe, TcpProbe};
+pub use probe::{report_to, spawn_active_check, ActiveCheck, Probe, ProbeReport, TcpProbe};
 pub use schedule::Schedule;

@@ -43,13 +43,22 @@ pub struct ActiveCheck {
     pub timeout: Duration,
 }
 
-/// Spawns the check loop for member `index` of `pool` on the current tokio runtime. The task
-/// runs until aborted through the returned handle; dropping the handle does not stop it.
+/// Where a check loop sends its results. A config reload can point an existing loop at the
+/// member's place in a new pool, so an unchanged member keeps its task and its health.
+pub type ProbeReport = Arc<dyn Fn(bool, Instant) + Send + Sync>;
+
+/// Reports to member `index` of `pool`.
+pub fn report_to(pool: Arc<Pool>, index: usize) -> ProbeReport {
+    Arc::new(move |ok, now| pool.report_probe(index, ok, now))
+}
+
+/// Spawns a check loop on the current tokio runtime: every `check.interval` it runs `probe`
+/// (a run longer than `check.timeout` fails) and hands the result to `report`. The task runs
+/// until aborted through the returned handle; dropping the handle does not stop it.
 pub fn spawn_active_check(
-    pool: Arc<Pool>,
-    index: usize,
     probe: Arc<dyn Probe>,
     check: ActiveCheck,
+    report: ProbeReport,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(check.interval);
@@ -61,7 +70,7 @@ pub fn spawn_active_check(
                 tokio::time::timeout(check.timeout, probe.check()).await,
                 Ok(Ok(()))
             );
-            pool.report_probe(index, ok, Instant::now());
+            report(ok, Instant::now());
         }
     })
 }
@@ -104,7 +113,11 @@ mod tests {
             interval: Duration::from_millis(20),
             timeout: Duration::from_millis(500),
         };
-        let task = spawn_active_check(pool.clone(), 0, Arc::new(TcpProbe { addr }), check);
+        let task = spawn_active_check(
+            Arc::new(TcpProbe { addr }),
+            check,
+            report_to(pool.clone(), 0),
+        );
 
         let deadline = Instant::now() + Duration::from_secs(5);
         while pool.healthy_count() != 0 && Instant::now() < deadline {

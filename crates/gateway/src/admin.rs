@@ -16,6 +16,7 @@ use sluice_limiter::QuotaStore;
 
 use crate::config::Selection;
 use crate::metrics::Metrics;
+use crate::reload::Reloader;
 use crate::server::Stores;
 use crate::table::Table;
 
@@ -25,17 +26,43 @@ pub struct AdminApi {
     metrics: Arc<Metrics>,
     quotas: Arc<dyn QuotaStore>,
     allocator: Arc<dyn AssignmentStore>,
+    reloader: Arc<Reloader>,
 }
 
 impl AdminApi {
     /// An admin API over the current table, the metrics and the state stores.
-    pub fn new(table: Arc<ArcSwap<Table>>, metrics: Arc<Metrics>, stores: &Stores) -> AdminApi {
+    pub fn new(
+        table: Arc<ArcSwap<Table>>,
+        metrics: Arc<Metrics>,
+        stores: &Stores,
+        reloader: Arc<Reloader>,
+    ) -> AdminApi {
         AdminApi {
             table,
             metrics,
             quotas: stores.quotas.clone(),
             allocator: stores.allocator.clone(),
+            reloader,
         }
+    }
+
+    /// With `admin.token_env` set, POST endpoints need `Authorization: Bearer <token>`, the
+    /// token being that variable's value. An unset or empty variable lets no POST through.
+    fn authorized(&self, session: &ServerSession) -> bool {
+        let table = self.table.load();
+        let Some(var) = &table.settings.admin.token_env else {
+            return true;
+        };
+        let Some(token) = std::env::var(var).ok().filter(|t| !t.is_empty()) else {
+            return false;
+        };
+        session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), token.as_bytes()))
     }
 
     /// The `/status` document. Assignment counts of least-used routes come from the store;
@@ -87,10 +114,15 @@ impl AdminApi {
         json!({
             "version": table.version,
             "loaded_at": table.loaded_at,
-            "last_reload_error": null,
+            "last_reload_error": self.reloader.last_error(),
             "routes": routes,
         })
     }
+}
+
+/// Compares without leaking, through timing, how much of a guess was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn reply(status: StatusCode, content_type: &str, body: impl Into<Vec<u8>>) -> Response<Vec<u8>> {
@@ -133,7 +165,28 @@ impl ServeHttp for AdminApi {
                 body.push(b'\n');
                 reply(StatusCode::OK, "application/json", body)
             }
-            (false, "/healthz" | "/readyz" | "/metrics" | "/status") => reply(
+            (false, "/reload") if req.method == http::Method::POST => {
+                if !self.authorized(session) {
+                    return reply(
+                        StatusCode::UNAUTHORIZED,
+                        "application/json",
+                        r#"{"error":"unauthorized: this endpoint needs Authorization: Bearer <token>"}"#,
+                    );
+                }
+                match self.reloader.reload("admin").await {
+                    Ok(version) => reply(
+                        StatusCode::OK,
+                        "application/json",
+                        json!({ "version": version }).to_string(),
+                    ),
+                    Err(error) => reply(
+                        StatusCode::BAD_REQUEST,
+                        "application/json",
+                        json!({ "error": error }).to_string(),
+                    ),
+                }
+            }
+            (_, "/reload") | (false, "/healthz" | "/readyz" | "/metrics" | "/status") => reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "application/json",
                 r#"{"error":"method not allowed"}"#,

@@ -619,7 +619,7 @@ fn default_fall() -> NonZeroU32 {
 }
 
 /// Kind of active check.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckKind {
     /// A TCP connection opens.

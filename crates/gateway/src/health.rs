@@ -1,7 +1,10 @@
 //! Active health checks wired to Pingora: the HTTP probe and the background service that runs
 //! one check task per member.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -10,7 +13,8 @@ use pingora::http::RequestHeader;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use pingora::upstreams::peer::HttpPeer;
-use sluice_balancer::{spawn_active_check, ActiveCheck, Probe, TcpProbe};
+use sluice_balancer::{spawn_active_check, ActiveCheck, Pool, Probe, ProbeReport, TcpProbe};
+use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::config::CheckKind;
@@ -66,64 +70,154 @@ impl Probe for HttpProbe {
     }
 }
 
-/// Starts one check task per member of every route with a `health_check`, on the current
-/// runtime.
-pub fn spawn_checks(table: &Table, connector: &Arc<Connector>) -> Vec<JoinHandle<()>> {
-    let mut tasks = Vec::new();
-    for route in &table.routes {
-        let Some(hc) = &route.config.upstream.health_check else {
-            continue;
-        };
-        let check = ActiveCheck {
-            interval: hc.interval.0,
-            timeout: hc.timeout.0,
-        };
-        for (i, member) in route.members.iter().enumerate() {
-            let Some(peer) = &member.peer else { continue };
-            let probe: Arc<dyn Probe> = match hc.kind {
-                CheckKind::Tcp => Arc::new(TcpProbe {
-                    addr: peer
-                        ._address
-                        .as_inet()
-                        .copied()
-                        .expect("members are TCP peers"),
-                }),
-                CheckKind::Http => Arc::new(HttpProbe {
-                    connector: connector.clone(),
-                    peer: peer.clone(),
-                    path: hc
-                        .path
-                        .as_ref()
-                        .map_or_else(|| "/healthz".to_string(), |p| p.0.clone()),
-                    host: member.url.authority(),
-                }),
-            };
-            tasks.push(spawn_active_check(route.pool.clone(), i, probe, check));
-        }
-    }
-    tasks
+/// What makes a running check the same check after a reload: the same member of the same
+/// route, at the same address, checked the same way. Anything else starts a new task.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct CheckKey {
+    route: Arc<str>,
+    member: Arc<str>,
+    addr: SocketAddr,
+    kind: CheckKind,
+    path: String,
+    interval: Duration,
+    timeout: Duration,
 }
 
-/// The Pingora background service that owns the check tasks.
+/// A running check and where it reports: the member's place in the current table's pool.
+struct Running {
+    target: Arc<ArcSwap<(Arc<Pool>, usize)>>,
+    task: JoinHandle<()>,
+}
+
+/// Keeps exactly one check task per checked member of the current table. On a reload, an
+/// unchanged member keeps its task (and so its health is never reset, nor re-probed in a
+/// burst); its reports simply go to the new table's pool. Checks of members that left stop.
+pub struct HealthSupervisor {
+    connector: Arc<Connector>,
+    /// The runtime of the health service, where tasks live; set when the service starts.
+    runtime: OnceLock<Handle>,
+    running: Mutex<HashMap<CheckKey, Running>>,
+}
+
+impl Default for HealthSupervisor {
+    fn default() -> Self {
+        HealthSupervisor::new()
+    }
+}
+
+impl HealthSupervisor {
+    /// A supervisor with no checks yet.
+    pub fn new() -> HealthSupervisor {
+        HealthSupervisor {
+            connector: Arc::new(Connector::new(None)),
+            runtime: OnceLock::new(),
+            running: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Number of running check tasks.
+    pub fn running(&self) -> usize {
+        self.running.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Makes the running checks match `table`. Before the health service has started this does
+    /// nothing: the service applies the table in force when it starts.
+    pub fn apply(&self, table: &Table) {
+        let Some(runtime) = self.runtime.get() else {
+            return;
+        };
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let mut wanted = HashMap::new();
+        for route in &table.routes {
+            let Some(hc) = &route.config.upstream.health_check else {
+                continue;
+            };
+            let path = hc
+                .path
+                .as_ref()
+                .map_or_else(|| "/healthz".to_string(), |p| p.0.clone());
+            for (i, member) in route.members.iter().enumerate() {
+                let Some(peer) = &member.peer else { continue };
+                let Some(addr) = peer._address.as_inet().copied() else {
+                    continue;
+                };
+                let key = CheckKey {
+                    route: route.name.clone(),
+                    member: route.pool.members()[i].id.clone(),
+                    addr,
+                    kind: hc.kind,
+                    path: path.clone(),
+                    interval: hc.interval.0,
+                    timeout: hc.timeout.0,
+                };
+                let place = Arc::new((route.pool.clone(), i));
+                if let Some(existing) = running.remove(&key) {
+                    existing.target.store(place);
+                    wanted.insert(key, existing);
+                    continue;
+                }
+                let probe: Arc<dyn Probe> = match hc.kind {
+                    CheckKind::Tcp => Arc::new(TcpProbe { addr }),
+                    CheckKind::Http => Arc::new(HttpProbe {
+                        connector: self.connector.clone(),
+                        peer: peer.clone(),
+                        path: path.clone(),
+                        host: member.url.authority(),
+                    }),
+                };
+                let target = Arc::new(ArcSwap::new(place));
+                let sink = target.clone();
+                let report: ProbeReport = Arc::new(move |ok, now| {
+                    let place = sink.load();
+                    place.0.report_probe(place.1, ok, now);
+                });
+                let check = ActiveCheck {
+                    interval: hc.interval.0,
+                    timeout: hc.timeout.0,
+                };
+                let _entered = runtime.enter();
+                let task = spawn_active_check(probe, check, report);
+                wanted.insert(key, Running { target, task });
+            }
+        }
+        // What is left was not wanted any more.
+        for (_, gone) in running.drain() {
+            gone.task.abort();
+        }
+        *running = wanted;
+    }
+
+    fn stop_all(&self) {
+        for (_, r) in self
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+        {
+            r.task.abort();
+        }
+    }
+}
+
+/// The Pingora background service that hosts the check tasks.
 pub struct HealthChecks {
     table: Arc<ArcSwap<Table>>,
+    supervisor: Arc<HealthSupervisor>,
 }
 
 impl HealthChecks {
-    /// Checks for the routes of the current table.
-    pub fn new(table: Arc<ArcSwap<Table>>) -> HealthChecks {
-        HealthChecks { table }
+    /// Checks for whatever table is current, run by `supervisor`.
+    pub fn new(table: Arc<ArcSwap<Table>>, supervisor: Arc<HealthSupervisor>) -> HealthChecks {
+        HealthChecks { table, supervisor }
     }
 }
 
 #[async_trait]
 impl BackgroundService for HealthChecks {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let connector = Arc::new(Connector::new(None));
-        let tasks = spawn_checks(&self.table.load(), &connector);
+        let _ = self.supervisor.runtime.set(Handle::current());
+        self.supervisor.apply(&self.table.load());
         let _ = shutdown.changed().await;
-        for t in tasks {
-            t.abort();
-        }
+        self.supervisor.stop_all();
     }
 }

@@ -14,6 +14,7 @@ pub mod logging;
 pub mod metrics;
 pub mod problem;
 pub mod proxy;
+pub mod reload;
 pub mod router;
 pub mod server;
 pub mod table;

@@ -69,7 +69,11 @@ fn main() -> ExitCode {
     if demo {
         sluice_gateway::demo::start(config.listen[0].0);
     }
-    server::run(config, bytes);
+    let file = match &source {
+        ConfigSource::File(path) => Some(path.to_path_buf()),
+        ConfigSource::Embedded => None,
+    };
+    server::run(config, bytes, file);
     logging::flush();
     ExitCode::SUCCESS
 }

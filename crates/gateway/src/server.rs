@@ -1,7 +1,7 @@
 //! Assembling and running the Pingora server: the proxy service, the admin API and the health
 //! checks, plus a graceful stop that waits for exactly the requests in flight.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -20,9 +20,10 @@ use sluice_allocator::{AssignmentStore, MemoryAllocator, RedisAllocator};
 use sluice_limiter::{MemoryStore, QuotaStore, RedisConnection, RedisStore};
 
 use crate::config::{Config, ConfigErrors, StateBackend};
-use crate::health::HealthChecks;
+use crate::health::{HealthChecks, HealthSupervisor};
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
+use crate::reload::{ReloadTriggers, Reloader};
 use crate::table::Table;
 
 /// The longest a graceful stop waits for requests in flight before it cuts them.
@@ -49,7 +50,7 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 
 /// Runs the gateway in the foreground until SIGTERM or SIGINT, then drains and returns.
 /// Must not be called from inside a tokio runtime: Pingora makes its own.
-pub fn run(config: Config, bytes: Vec<u8>) {
+pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) {
     let metrics = Arc::new(Metrics::new());
     let stores = Stores::for_config(&config);
     // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
@@ -58,8 +59,22 @@ pub fn run(config: Config, bytes: Vec<u8>) {
         .enable_all()
         .build()
         .expect("a tokio runtime")
-        .block_on(Table::build(&config, &bytes, &metrics, &stores.allocator));
+        .block_on(Table::build(
+            &config,
+            &bytes,
+            &metrics,
+            &stores.allocator,
+            None,
+        ));
     let table = Arc::new(ArcSwap::from_pointee(table));
+    let supervisor = Arc::new(HealthSupervisor::new());
+    let reloader = Arc::new(Reloader::new(
+        source,
+        table.clone(),
+        metrics.clone(),
+        stores.allocator.clone(),
+        supervisor.clone(),
+    ));
     let in_flight = Arc::new(AtomicUsize::new(0));
 
     let threads = config
@@ -110,17 +125,23 @@ pub fn run(config: Config, bytes: Vec<u8>) {
 
     let mut admin = Service::new(
         "sluice admin".to_string(),
-        AdminApi::new(table.clone(), metrics.clone(), &stores),
+        AdminApi::new(table.clone(), metrics.clone(), &stores, reloader.clone()),
     );
     admin.add_tcp(&config.admin.listen.0.to_string());
     admin.threads = Some(1);
 
-    let mut checks = background_service("sluice health checks", HealthChecks::new(table.clone()));
+    let mut checks = background_service(
+        "sluice health checks",
+        HealthChecks::new(table.clone(), supervisor),
+    );
     checks.threads = Some(1);
 
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(checks);
+    let mut triggers = background_service("sluice reload triggers", ReloadTriggers::new(reloader));
+    triggers.threads = Some(1);
+    server.add_service(triggers);
 
     let (stop_tx, stop_rx) = mpsc::channel();
     std::thread::Builder::new()

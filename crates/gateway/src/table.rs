@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroUsize;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
@@ -19,7 +20,8 @@ use sluice_allocator::AssignmentStore;
 use sluice_limiter::Window;
 
 use crate::config::{
-    Config, MemberUrl, OnRestore, OnStoreError, QuotaConfig, QuotaKey, RouteConfig, Selection,
+    AdminConfig, Config, ListenAddr, MemberUrl, OnRestore, OnStoreError, QuotaConfig, QuotaKey,
+    RouteConfig, Selection, StateConfig,
 };
 use crate::metrics::Metrics;
 use crate::router::{RouteMatch, Router};
@@ -37,6 +39,8 @@ pub struct Table {
     pub version: String,
     /// When this table was loaded, RFC 3339.
     pub loaded_at: String,
+    /// What only a restart changes.
+    pub settings: Settings,
 }
 
 /// One route, ready to serve.
@@ -47,8 +51,9 @@ pub struct Route {
     pub config: RouteConfig,
     /// Members and their health.
     pub pool: Arc<Pool>,
-    /// Per-member data for proxying, indexed like `pool.members()`.
-    pub members: Box<[Member]>,
+    /// Per-member data for proxying, indexed like `pool.members()`; shared with the previous
+    /// table when the upstream is unchanged.
+    pub members: Arc<[Member]>,
     /// `sluice_request_duration_seconds{route}`, resolved once.
     pub duration: Histogram,
     /// The quota gating the route, if any.
@@ -182,15 +187,26 @@ pub struct Member {
 impl Table {
     /// Builds the table for `config`. Member host names are resolved here, asynchronously, so
     /// that no request ever waits on DNS.
+    ///
+    /// With a `previous` table (a reload), state carries over by route name: a route whose
+    /// upstream is unchanged keeps its pool (health, schedule, round-robin position) and peers
+    /// as they are; a changed one gets a new pool in which every surviving member keeps its
+    /// health, and round-robin goes on from where it was. Quota and least-used state live in
+    /// the stores, keyed by route and window names, so they carry over by themselves.
     pub async fn build(
         config: &Config,
         bytes: &[u8],
         metrics: &Arc<Metrics>,
         allocator: &Arc<dyn AssignmentStore>,
+        previous: Option<&Table>,
     ) -> Table {
+        let prior: HashMap<&str, &Arc<Route>> = previous
+            .map(|t| t.routes.iter().map(|r| (&*r.name, r)).collect())
+            .unwrap_or_default();
         let mut routes = Vec::with_capacity(config.routes.len());
         for rc in &config.routes {
-            routes.push(Arc::new(build_route(rc, metrics, allocator).await));
+            let before = prior.get(rc.name.0.as_str()).copied();
+            routes.push(Arc::new(build_route(rc, metrics, allocator, before).await));
         }
         let router = Router::new(routes.iter().map(|r| {
             let m = &r.config.matcher;
@@ -208,7 +224,40 @@ impl Table {
             routes,
             version: sha256_hex(bytes),
             loaded_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+            settings: Settings::of(config),
         }
+    }
+}
+
+/// The parts of a config that only a restart can change: listeners, threads and the stores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// `listen`.
+    pub listen: Vec<ListenAddr>,
+    /// `admin` (its `token_env` is read at every POST, so changing it needs no restart).
+    pub admin: AdminConfig,
+    /// `threads`.
+    pub threads: Option<NonZeroUsize>,
+    /// `state`.
+    pub state: StateConfig,
+}
+
+impl Settings {
+    fn of(config: &Config) -> Settings {
+        Settings {
+            listen: config.listen.clone(),
+            admin: config.admin.clone(),
+            threads: config.threads,
+            state: config.state.clone(),
+        }
+    }
+
+    /// Whether `other` differs in something only a restart applies.
+    pub fn needs_restart_for(&self, other: &Settings) -> bool {
+        self.listen != other.listen
+            || self.admin.listen != other.admin.listen
+            || self.threads != other.threads
+            || self.state != other.state
     }
 }
 
@@ -216,8 +265,43 @@ async fn build_route(
     rc: &RouteConfig,
     metrics: &Arc<Metrics>,
     allocator: &Arc<dyn AssignmentStore>,
+    before: Option<&Arc<Route>>,
 ) -> Route {
     let name: Arc<str> = rc.name.0.as_str().into();
+    let up = &rc.upstream;
+    let (pool, members) = match before {
+        Some(b) if b.config.upstream == *up => (b.pool.clone(), b.members.clone()),
+        _ => build_pool(&name, rc, metrics, allocator, before).await,
+    };
+    Route {
+        quota: rc
+            .quota
+            .as_ref()
+            .map(|q| RouteQuota::build(&name, q, metrics)),
+        duration: metrics.request_duration.with_label_values(&[&name]),
+        selection: up.selection,
+        index_of: pool
+            .members()
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.id.clone(), i))
+            .collect(),
+        synced: AtomicBool::new(false),
+        member_ids: pool.members().iter().map(|m| m.id.clone()).collect(),
+        pool,
+        members,
+        config: rc.clone(),
+        name,
+    }
+}
+
+async fn build_pool(
+    name: &Arc<str>,
+    rc: &RouteConfig,
+    metrics: &Arc<Metrics>,
+    allocator: &Arc<dyn AssignmentStore>,
+    before: Option<&Arc<Route>>,
+) -> (Arc<Pool>, Arc<[Member]>) {
     let up = &rc.upstream;
     let policy = HealthPolicy {
         passive_fall: up.passive.fall.get(),
@@ -233,7 +317,7 @@ async fn build_route(
         let labels = |outcome: &str| {
             metrics
                 .upstream_attempts
-                .with_label_values(&[&name, &m.url.url, outcome])
+                .with_label_values(&[name, &m.url.url, outcome])
         };
         let peer = resolve(&m.url).await.map(|addr| {
             let mut peer = HttpPeer::new(addr, m.url.tls, m.url.host.clone());
@@ -243,14 +327,18 @@ async fn build_route(
             peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
             peer
         });
+        // A member that survives a reload keeps its health.
+        let health = before
+            .and_then(|b| b.pool.members().iter().find(|s| *s.id == *m.url.url))
+            .map_or_else(|| Arc::new(MemberHealth::new()), |s| s.health.clone());
         metrics
             .member_healthy
-            .with_label_values(&[&name, &m.url.url])
-            .set(1);
+            .with_label_values(&[name, &m.url.url])
+            .set(i64::from(health.is_up()));
         specs.push(MemberSpec {
             id: m.url.url.as_str().into(),
             weight: m.weight(),
-            health: Arc::new(MemberHealth::new()),
+            health,
         });
         members.push(Member {
             host_header: HeaderValue::from_str(&m.url.authority())
@@ -276,7 +364,7 @@ async fn build_route(
             .map(|m| {
                 let gauge = metrics
                     .member_healthy
-                    .with_label_values(&[&name, &m.url.url]);
+                    .with_label_values(&[name, &m.url.url]);
                 (Arc::from(m.url.url.as_str()), gauge)
             })
             .collect(),
@@ -285,26 +373,10 @@ async fn build_route(
     if let Some(r) = &observer.restore {
         let _ = r.pool.set(Arc::downgrade(&pool));
     }
-    Route {
-        quota: rc
-            .quota
-            .as_ref()
-            .map(|q| RouteQuota::build(&name, q, metrics)),
-        duration: metrics.request_duration.with_label_values(&[&name]),
-        selection: up.selection,
-        index_of: pool
-            .members()
-            .iter()
-            .enumerate()
-            .map(|(i, m)| (m.id.clone(), i))
-            .collect(),
-        synced: AtomicBool::new(false),
-        member_ids: pool.members().iter().map(|m| m.id.clone()).collect(),
-        pool,
-        members: members.into_boxed_slice(),
-        config: rc.clone(),
-        name,
+    if let Some(b) = before {
+        pool.resume_at(b.pool.cursor());
     }
+    (pool, members.into())
 }
 
 /// Resolves a member's host once. An IP literal needs no lookup; a name that fails to resolve
@@ -379,7 +451,8 @@ impl RestoreToMin {
     }
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
+/// The hex sha256 of a config file's bytes: its version.
+pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(bytes);
     let mut out = String::with_capacity(64);

@@ -1,0 +1,231 @@
+//! Hot reload (SPEC §5): the file changing on disk, SIGHUP, or `POST /reload`.
+//!
+//! A reload reads and validates the whole file, builds the new table off the hot path (carrying
+//! state over, see [`Table::build`]), and only then swaps it in with `arc-swap`. Requests in
+//! flight keep the table they started with; the next request sees the new one. A file that
+//! fails validation changes nothing: the error is logged, counted, and shown in `/status`.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use notify::{EventKind, RecursiveMode, Watcher};
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use sluice_allocator::AssignmentStore;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::config::Config;
+use crate::health::HealthSupervisor;
+use crate::metrics::Metrics;
+use crate::table::Table;
+
+/// Bursts of file events (an editor's write, rename and chmod) become one reload once the
+/// directory has been quiet this long.
+const DEBOUNCE: Duration = Duration::from_millis(150);
+
+/// Performs reloads, one at a time.
+pub struct Reloader {
+    source: Option<PathBuf>,
+    table: Arc<ArcSwap<Table>>,
+    metrics: Arc<Metrics>,
+    allocator: Arc<dyn AssignmentStore>,
+    supervisor: Arc<HealthSupervisor>,
+    last_error: Mutex<Option<String>>,
+    one_at_a_time: tokio::sync::Mutex<()>,
+}
+
+impl Reloader {
+    /// A reloader for the config file `source` (`None`: the embedded default, which has no file).
+    pub fn new(
+        source: Option<PathBuf>,
+        table: Arc<ArcSwap<Table>>,
+        metrics: Arc<Metrics>,
+        allocator: Arc<dyn AssignmentStore>,
+        supervisor: Arc<HealthSupervisor>,
+    ) -> Reloader {
+        Reloader {
+            source,
+            table,
+            metrics,
+            allocator,
+            supervisor,
+            last_error: Mutex::new(None),
+            one_at_a_time: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The config file, if there is one.
+    pub fn source(&self) -> Option<&Path> {
+        self.source.as_deref()
+    }
+
+    /// The error of the last failed reload, cleared by the next good one.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Reloads the file; `trigger` names what asked (for the log). Returns the version in force
+    /// afterwards, or the validation errors, one `FILE:LINE:COL: PATH: message` per line.
+    pub async fn reload(&self, trigger: &'static str) -> Result<String, String> {
+        let _serial = self.one_at_a_time.lock().await;
+        let Some(path) = &self.source else {
+            return Err(
+                "sluice runs on the embedded default config: there is no file to reload".into(),
+            );
+        };
+        let started = Instant::now();
+        let (config, bytes) = match Config::load(path) {
+            Ok(loaded) => loaded,
+            Err(errors) => return Err(self.failed(trigger, errors.to_string())),
+        };
+        let old = self.table.load_full();
+        if crate::table::sha256_hex(&bytes) == old.version {
+            // Nothing changed (an editor touched the file, or a bad edit was reverted).
+            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            if trigger != "file" {
+                tracing::info!(target: "sluice::reload", trigger, version = %old.version, "config unchanged");
+            }
+            return Ok(old.version.clone());
+        }
+        let new = Table::build(&config, &bytes, &self.metrics, &self.allocator, Some(&old)).await;
+        if new.settings.needs_restart_for(&old.settings) {
+            tracing::warn!(
+                target: "sluice::reload",
+                "listen, admin.listen, threads and state apply at the next restart; the running gateway keeps its own"
+            );
+        }
+        let version = new.version.clone();
+        let routes = new.routes.len();
+        let new = Arc::new(new);
+        self.table.store(new.clone());
+        self.supervisor.apply(&new);
+        forget_departed(&self.metrics, &old, &new);
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.metrics.config_reloads.with_label_values(&["ok"]).inc();
+        tracing::info!(
+            target: "sluice::reload",
+            trigger, version = %version, routes,
+            duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "config reloaded"
+        );
+        Ok(version)
+    }
+
+    fn failed(&self, trigger: &'static str, message: String) -> String {
+        tracing::error!(target: "sluice::reload", trigger, error = %message, "config reload failed; the previous config stays in force");
+        self.metrics
+            .config_reloads
+            .with_label_values(&["error"])
+            .inc();
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(message.clone());
+        message
+    }
+}
+
+/// Drops the metric series of routes and members that left, so dashboards do not show ghosts.
+fn forget_departed(metrics: &Metrics, old: &Table, new: &Table) {
+    for route in &old.routes {
+        let kept = new.routes.iter().find(|r| r.name == route.name);
+        for member in route.pool.members() {
+            let still = kept.is_some_and(|k| k.index_of.contains_key(&member.id));
+            if !still {
+                let _ = metrics
+                    .member_healthy
+                    .remove_label_values(&[&route.name, &member.id]);
+                for outcome in ["ok", "connect_failure", "error"] {
+                    let _ = metrics.upstream_attempts.remove_label_values(&[
+                        &route.name,
+                        &member.id,
+                        outcome,
+                    ]);
+                }
+            }
+        }
+    }
+}
+
+/// The Pingora background service that turns SIGHUP and changes of the file into reloads.
+pub struct ReloadTriggers {
+    reloader: Arc<Reloader>,
+}
+
+impl ReloadTriggers {
+    /// Triggers for `reloader`.
+    pub fn new(reloader: Arc<Reloader>) -> ReloadTriggers {
+        ReloadTriggers { reloader }
+    }
+}
+
+#[async_trait]
+impl BackgroundService for ReloadTriggers {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut hangup = match signal(SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(target: "sluice::reload", error = %e, "cannot listen for SIGHUP");
+                None
+            }
+        };
+        let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        // Watch the directory, not the file: editors and Kubernetes ConfigMaps replace the file
+        // by renaming another over it (ConfigMaps swap a `..data` symlink), which a watch on the
+        // file itself would lose. Any change in the directory leads to a reload, which does
+        // nothing if the file's content is the one in force.
+        let _watcher = self.reloader.source().and_then(|file| {
+            let dir = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let name = file.file_name()?.to_os_string();
+            let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                let Ok(e) = event else { return };
+                // Reads (ours included) are not changes.
+                let changed = matches!(e.kind, EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_));
+                // Other files in the directory (logs, say) are none of our business; a
+                // ConfigMap announces a new version by swapping its `..data` link.
+                let ours = e.paths.iter().any(|p| {
+                    p.file_name().is_some_and(|f| {
+                        f == name.as_os_str() || f.to_string_lossy().starts_with("..data")
+                    })
+                });
+                if changed && ours {
+                    let _ = events_tx.send(());
+                }
+            })
+            .map_err(|e| tracing::warn!(target: "sluice::reload", error = %e, "cannot watch the config file"))
+            .ok()?;
+            watcher
+                .watch(dir, RecursiveMode::NonRecursive)
+                .map_err(|e| tracing::warn!(target: "sluice::reload", error = %e, dir = %dir.display(), "cannot watch the config directory"))
+                .ok()?;
+            Some(watcher)
+        });
+        // A change made between the first load and the watch would otherwise go unnoticed;
+        // a reload of an unchanged file does nothing.
+        if _watcher.is_some() {
+            let _ = self.reloader.reload("file").await;
+        }
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                    let _ = self.reloader.reload("sighup").await;
+                }
+                Some(()) = events.recv() => {
+                    // Wait for the burst to settle, but never longer than a second.
+                    let ceiling = tokio::time::Instant::now() + Duration::from_secs(1);
+                    while tokio::time::Instant::now() < ceiling {
+                        match tokio::time::timeout(DEBOUNCE, events.recv()).await {
+                            Ok(Some(())) => continue,
+                            _ => break,
+                        }
+                    }
+                    let _ = self.reloader.reload("file").await;
+                }
+            }
+        }
+    }
+}

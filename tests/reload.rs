@@ -1,0 +1,367 @@
+//! Hot reload end to end: each trigger, bad files, state that survives, the admin token, and
+//! fifty reloads under steady load without one failed request.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{free_port, request, start_backends, Gateway, HttpClient, Response};
+
+fn url(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+const HEAD: &str = "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 2\n";
+
+/// A route on host `<name>.test` over `members`, with extra YAML under `upstream:` and after it.
+fn route(name: &str, members: &[String], upstream_extra: &str, route_extra: &str) -> String {
+    let mut r = format!(
+        "  - name: {name}\n    match:\n      hosts: [\"{name}.test\"]\n    upstream:\n{upstream_extra}      members:\n"
+    );
+    for m in members {
+        r.push_str(&format!("        - url: \"{m}\"\n"));
+    }
+    r.push_str(route_extra);
+    r
+}
+
+fn config(routes: &[String]) -> String {
+    format!("{HEAD}routes:\n{}", routes.concat())
+}
+
+async fn status_of(gw: &Gateway, host: &str) -> u16 {
+    request(gw.proxy_addr(), "GET", host, "/", &[], b"")
+        .await
+        .status
+}
+
+async fn post_reload(gw: &Gateway, headers: &[(&str, &str)]) -> Response {
+    request(gw.admin_addr(), "POST", "admin", "/reload", headers, b"").await
+}
+
+async fn eventually<F, Fut>(what: &str, f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let ok = support::wait_until_async(Duration::from_secs(10), f).await;
+    assert!(ok, "{what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_trigger_takes_effect() {
+    let backends = start_backends(&["b1"]).await;
+    let m = vec![url(backends[0].local_addr())];
+    let gw = Gateway::start_with_ports(&config(&[route("a", &m, "", "")]));
+    assert_eq!(status_of(&gw, "b.test").await, 404);
+
+    // An atomic rename over the file, as editors and ConfigMaps do.
+    gw.write_config_template(&config(&[route("a", &m, "", ""), route("b", &m, "", "")]));
+    eventually("the renamed file is loaded", || async {
+        status_of(&gw, "b.test").await == 200
+    })
+    .await;
+
+    // An in-place write.
+    std::fs::write(
+        gw.config_path(),
+        config(&[route("a", &m, "", ""), route("c", &m, "", "")])
+            .replace("{PROXY}", &gw.proxy_addr().to_string())
+            .replace("{ADMIN}", &gw.admin_addr().to_string()),
+    )
+    .unwrap();
+    eventually("the rewritten file is loaded", || async {
+        status_of(&gw, "c.test").await == 200
+    })
+    .await;
+    assert_eq!(
+        status_of(&gw, "b.test").await,
+        404,
+        "a removed route answers 404"
+    );
+
+    // SIGHUP. The watcher sees the same change (it also follows a symlinked config to its
+    // target), so whichever comes first loads it; the signal must be handled and logged either
+    // way ("config reloaded" or "config unchanged").
+    gw.write_config_template(&config(&[route("a", &m, "", ""), route("d", &m, "", "")]));
+    gw.signal("HUP");
+    eventually("SIGHUP reloads", || async {
+        status_of(&gw, "d.test").await == 200
+    })
+    .await;
+    assert!(
+        support::wait_until(Duration::from_secs(5), || gw
+            .logs()
+            .contains("\"trigger\":\"sighup\""))
+        .await,
+        "{}",
+        gw.logs()
+    );
+
+    // POST /reload: in force as soon as it returns.
+    gw.write_config_template(&config(&[route("a", &m, "", ""), route("e", &m, "", "")]));
+    let r = post_reload(&gw, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(status_of(&gw, "e.test").await, 200);
+    assert_eq!(status_of(&gw, "d.test").await, 404);
+    let status = gw.status().await;
+    assert_eq!(r.json()["version"], status["version"]);
+    assert!(status["last_reload_error"].is_null());
+    assert!(
+        gw.metric("sluice_config_reloads_total", &[("result", "ok")])
+            .await
+            .unwrap()
+            >= 4.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_file_changes_nothing_and_says_why() {
+    let backends = start_backends(&["b1"]).await;
+    let m = vec![url(backends[0].local_addr())];
+    let good = config(&[route("a", &m, "", "")]);
+    let gw = Gateway::start_with_ports(&good);
+    let version = gw.status().await["version"].clone();
+    let file = gw.config_path().display().to_string();
+    let bad_files = [
+        (
+            "a syntax error",
+            format!("{good}  - name: \"unterminated\n"),
+            "quoted scalar",
+        ),
+        (
+            "an unknown key",
+            good.replace("    upstream:\n", "    upstreams:\n"),
+            "unknown field `upstreams`",
+        ),
+        (
+            "a duplicate route",
+            config(&[route("a", &m, "", ""), route("a", &m, "", "")]),
+            "duplicate route name",
+        ),
+    ];
+    for (i, (what, yaml, expected)) in bad_files.iter().enumerate() {
+        gw.write_config_template(yaml);
+        let r = post_reload(&gw, &[]).await;
+        assert_eq!(r.status, 400, "{what}: {}", r.text());
+        let error = r.json()["error"].as_str().unwrap().to_string();
+        assert!(
+            error.starts_with(&format!("{file}:")),
+            "{what}: FILE:LINE:COL first: {error}"
+        );
+        assert!(error.contains(expected), "{what}: {error}");
+        let status = gw.status().await;
+        assert_eq!(status["version"], version, "{what}: the old config stays");
+        assert_eq!(status["last_reload_error"].as_str(), Some(error.as_str()));
+        assert_eq!(
+            status_of(&gw, "a.test").await,
+            200,
+            "{what}: the old config still serves"
+        );
+        // The file watcher may reload (and fail) on its own too; count at least ours.
+        let errors = gw
+            .metric("sluice_config_reloads_total", &[("result", "error")])
+            .await
+            .unwrap_or(0.0);
+        assert!(errors >= (i + 1) as f64);
+    }
+    assert!(gw.logs().contains("config reload failed"));
+    gw.write_config_template(&good);
+    assert_eq!(post_reload(&gw, &[]).await.status, 200);
+    assert!(gw.status().await["last_reload_error"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_survives_a_reload_that_touches_another_route() {
+    let backends = start_backends(&["alive", "checked"]).await;
+    let alive = url(backends[0].local_addr());
+    let checked = url(backends[1].local_addr());
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let quota = "    quota:\n      windows:\n        - {name: minute, limit: 3, window: 1m}\n";
+    let passive = "      passive:\n        cooldown: 1h\n";
+    let active = "      health_check: {kind: http, path: /healthz, interval: 100ms, timeout: 500ms, rise: 1, fall: 1}\n";
+    let routes = vec![
+        route("q", std::slice::from_ref(&alive), "", quota),
+        route("h", &[dead.clone(), alive.clone()], passive, ""),
+        route("k", std::slice::from_ref(&checked), active, ""),
+    ];
+    let gw = Gateway::start_with_ports(&config(&routes));
+
+    for _ in 0..3 {
+        assert_eq!(status_of(&gw, "q.test").await, 200);
+    }
+    assert_eq!(status_of(&gw, "q.test").await, 429);
+    for _ in 0..2 {
+        assert_eq!(status_of(&gw, "h.test").await, 200);
+    }
+    let failures = [("member", dead.as_str()), ("outcome", "connect_failure")];
+    assert_eq!(
+        gw.metric("sluice_upstream_attempts_total", &failures).await,
+        Some(1.0)
+    );
+    backends[1].set_healthy(false);
+    let down = [("route", "k"), ("member", checked.as_str())];
+    eventually("the active check marks k's member down", || async {
+        gw.metric("sluice_member_healthy", &down).await == Some(0.0)
+    })
+    .await;
+
+    // Touch another route only.
+    let mut more = routes.clone();
+    more.push(route("other", std::slice::from_ref(&alive), "", ""));
+    gw.write_config_template(&config(&more));
+    assert_eq!(post_reload(&gw, &[]).await.status, 200);
+
+    assert_eq!(
+        status_of(&gw, "q.test").await,
+        429,
+        "the filled quota still refuses"
+    );
+    // Right after the reload, health is what it was: no flap back to up.
+    let status = gw.status().await;
+    let members = |name: &str| -> Vec<serde_json::Value> {
+        status["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap()["members"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(members("k")[0]["healthy"], false);
+    assert_eq!(members("h")[0]["healthy"], false);
+    for _ in 0..10 {
+        assert_eq!(status_of(&gw, "h.test").await, 200);
+    }
+    assert_eq!(
+        gw.metric("sluice_upstream_attempts_total", &failures).await,
+        Some(1.0),
+        "no trial traffic to the down member"
+    );
+    assert_eq!(
+        gw.logs().matches("member down").count(),
+        2,
+        "one per member, no flap: {}",
+        gw.logs()
+    );
+    assert!(!gw.logs().contains("member up"));
+
+    // Now change k's own pool (a member added): its surviving member keeps its health too.
+    backends[1].set_healthy(true);
+    eventually("k's member comes back", || async {
+        gw.metric("sluice_member_healthy", &down).await == Some(1.0)
+    })
+    .await;
+    more[2] = route("k", &[checked.clone(), alive.clone()], active, "");
+    gw.write_config_template(&config(&more));
+    assert_eq!(post_reload(&gw, &[]).await.status, 200);
+    assert_eq!(gw.metric("sluice_member_healthy", &down).await, Some(1.0));
+    assert_eq!(gw.logs().matches("member up").count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_reload_needs_the_admin_token_when_one_is_configured() {
+    let backends = start_backends(&["b1"]).await;
+    let m = vec![url(backends[0].local_addr())];
+    // A variable of this test's own; the gateway inherits the test's environment.
+    std::env::set_var("SLUICE_TEST_RELOAD_TOKEN", "s3cret");
+    let yaml = config(&[route("a", &m, "", "")]).replace(
+        "admin:\n  listen: \"{ADMIN}\"\n",
+        "admin:\n  listen: \"{ADMIN}\"\n  token_env: SLUICE_TEST_RELOAD_TOKEN\n",
+    );
+    let gw = Gateway::start_with_ports(&yaml);
+    assert_eq!(post_reload(&gw, &[]).await.status, 401);
+    assert_eq!(
+        post_reload(&gw, &[("Authorization", "Bearer wrong")])
+            .await
+            .status,
+        401
+    );
+    assert_eq!(
+        post_reload(&gw, &[("Authorization", "Bearer s3cret")])
+            .await
+            .status,
+        200
+    );
+    // GET endpoints stay open.
+    assert_eq!(gw.admin("/status").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_reloads_under_load_fail_no_request() {
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let m: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let one_window =
+        "    quota:\n      windows:\n        - {name: minute, limit: 1000000, window: 1m}\n";
+    let two_windows = "    quota:\n      windows:\n        - {name: minute, limit: 1000000, window: 1m}\n        - {name: second, limit: 100000, window: 1s}\n";
+    let a = config(&[
+        route("steady", &m[..2], "", one_window),
+        route("x", &m[..1], "", ""),
+    ]);
+    let b = config(&[
+        route("steady", &m, "", two_windows),
+        route("y", &m[1..], "", ""),
+        route("z", &m[2..], "", ""),
+    ]);
+    let gw = Gateway::start_with_ports(&a);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let (addr, stop, sent) = (gw.proxy_addr(), stop.clone(), sent.clone());
+        clients.push(tokio::spawn(async move {
+            let mut client = HttpClient::connect(addr).await.unwrap();
+            let mut failures = Vec::new();
+            // Bounded: at most 20,000 requests per client.
+            for _ in 0..20_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                match client
+                    .request("POST", "steady.test", "/", &[], b"payload")
+                    .await
+                {
+                    Ok(r) if r.status == 200 => {}
+                    Ok(r) => failures.push(format!("{} {}", r.status, r.text())),
+                    Err(e) => failures.push(e.to_string()),
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+            failures
+        }));
+    }
+    for i in 0..50 {
+        gw.write_config_template(if i % 2 == 0 { &b } else { &a });
+        let r = post_reload(&gw, &[]).await;
+        assert_eq!(r.status, 200, "reload {i}: {}", r.text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for c in clients {
+        failures.extend(c.await.unwrap());
+    }
+    println!(
+        "{} requests during 50 reloads",
+        sent.load(Ordering::Relaxed)
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(sent.load(Ordering::Relaxed) >= 200);
+    assert!(
+        gw.metric("sluice_config_reloads_total", &[("result", "ok")])
+            .await
+            .unwrap()
+            >= 50.0
+    );
+}
