@@ -288,7 +288,15 @@ const CASES: &[Case] = &[
         line: 2,
         column: 12,
         path: "state.backend",
-        message: "backend: redis needs state.redis.url",
+        message: "backend: redis needs state.redis.url or state.redis.cluster",
+    },
+    Case {
+        what: "both a redis url and a cluster",
+        yaml: "state:\n  backend: redis\n  redis:\n    url: \"redis://127.0.0.1:6379\"\n    cluster: [\"redis://127.0.0.1:7001\"]\n",
+        line: 5,
+        column: 14,
+        path: "state.redis.cluster",
+        message: "not both",
     },
     Case {
         what: "a redis url that is not redis://",

@@ -329,3 +329,25 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
         .sum();
     assert_eq!(c, 10);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_allocator_behaves() {
+    let cluster = sluice_testkit::RedisCluster::start();
+    let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    suite(Arc::new(RedisAllocator::new(
+        Arc::new(connection),
+        "sluice",
+    )))
+    .await;
+    let routes = [
+        "ties", "spread", "down", "keep", "min", "members", "fused", "busy",
+    ];
+    let masters: std::collections::HashSet<u16> = routes
+        .iter()
+        .filter_map(|r| cluster.master_of(&format!("{{{r}}}")))
+        .collect();
+    assert!(
+        masters.len() >= 2,
+        "the pools span several masters: {masters:?}"
+    );
+}

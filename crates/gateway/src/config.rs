@@ -112,9 +112,12 @@ pub enum StateBackend {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
-    /// `redis://host:port/db`.
+    /// `redis://host:port/db`, for a single Redis.
     #[serde(default)]
     pub url: Option<RedisUrl>,
+    /// Some nodes of a Redis Cluster (`redis://host:port` each); the rest are discovered.
+    #[serde(default)]
+    pub cluster: Option<Vec<RedisUrl>>,
     /// First part of every key.
     #[serde(default = "default_key_prefix")]
     pub key_prefix: String,
@@ -779,17 +782,26 @@ impl Config {
             }
         }
 
-        if self.state.backend == StateBackend::Redis
-            && self
-                .state
-                .redis
-                .as_ref()
-                .and_then(|r| r.url.as_ref())
-                .is_none()
-        {
+        let redis = self.state.redis.as_ref();
+        let url = redis.and_then(|r| r.url.as_ref());
+        let cluster = redis.and_then(|r| r.cluster.as_ref());
+        if self.state.backend == StateBackend::Redis && url.is_none() && cluster.is_none() {
             problems.push((
                 YamlPath::root().key("state").key("backend"),
-                "backend: redis needs state.redis.url".to_string(),
+                "backend: redis needs state.redis.url or state.redis.cluster".to_string(),
+            ));
+        }
+        if url.is_some() && cluster.is_some() {
+            problems.push((
+                YamlPath::root().key("state").key("redis").key("cluster"),
+                "give either url (one Redis) or cluster (Redis Cluster nodes), not both"
+                    .to_string(),
+            ));
+        }
+        if cluster.is_some_and(|c| c.is_empty()) {
+            problems.push((
+                YamlPath::root().key("state").key("redis").key("cluster"),
+                "cluster needs at least one node".to_string(),
             ));
         }
 

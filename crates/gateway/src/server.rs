@@ -178,8 +178,17 @@ impl Stores {
     pub fn for_config(config: &Config) -> Stores {
         match (&config.state.backend, &config.state.redis) {
             (StateBackend::Redis, Some(redis)) => {
-                let url = redis.url.as_ref().map(|u| u.0.as_str()).unwrap_or_default();
-                let connection = match RedisConnection::new(url, redis.timeout.0) {
+                let connection = match &redis.cluster {
+                    Some(nodes) => {
+                        let nodes: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
+                        RedisConnection::cluster(&nodes, redis.timeout.0)
+                    }
+                    None => {
+                        let url = redis.url.as_ref().map(|u| u.0.as_str()).unwrap_or_default();
+                        RedisConnection::new(url, redis.timeout.0)
+                    }
+                };
+                let connection = match connection {
                     Ok(c) => Arc::new(c),
                     // Validation accepted the URL, so this is a client-side bug; fail loudly.
                     Err(e) => panic!("cannot create the Redis client: {e}"),

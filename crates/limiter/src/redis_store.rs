@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 
 use crate::{quota_script, Acquire, Outcome, QuotaStore, StoreError, WindowState};
@@ -28,13 +30,61 @@ pub struct RedisStoreConfig {
     pub timeout: Duration,
 }
 
-/// One multiplexed connection to Redis, shared by every store of a gateway, with the call
-/// discipline they all need: a timeout per call and one retry on a broken connection.
+/// A connection to a single Redis or to a Redis Cluster. The cluster connection follows
+/// `MOVED` and `ASK`, routes each script call by its keys' slot, and loads a script again on
+/// whichever node answers `NOSCRIPT`; to the stores both look the same.
+#[derive(Clone)]
+pub enum Conn {
+    /// A single Redis, through a reconnecting multiplexed connection.
+    Single(ConnectionManager),
+    /// A Redis Cluster.
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+enum Target {
+    Single(redis::Client),
+    Cluster(Box<ClusterClient>),
+}
+
+/// One connection to Redis (a multiplexed connection, or a cluster connection), shared by
+/// every store of a gateway, with the call discipline they all need: a timeout per call and
+/// one retry on a broken connection.
 pub struct RedisConnection {
-    client: redis::Client,
-    /// Created on first use, inside the runtime that serves requests: the connection manager
-    /// drives its connection from a task on the runtime it was created on.
-    manager: OnceLock<Result<ConnectionManager, String>>,
+    target: Target,
+    /// Created on first use, inside a runtime that lives as long as the gateway: the
+    /// connection is driven by tasks on the runtime it was created on.
+    conn: OnceLock<Result<Conn, String>>,
     timeout: Duration,
 }
 
@@ -47,30 +97,61 @@ impl std::fmt::Debug for RedisConnection {
 }
 
 impl RedisConnection {
-    /// A connection to `url`; it connects lazily, so it can be built while Redis is down.
+    /// A connection to the Redis at `url`; it connects lazily, so it can be built while Redis is
+    /// down.
     pub fn new(url: &str, timeout: Duration) -> Result<RedisConnection, StoreError> {
         let client = redis::Client::open(url).map_err(|e| StoreError::Backend(e.to_string()))?;
         Ok(RedisConnection {
-            client,
-            manager: OnceLock::new(),
+            target: Target::Single(client),
+            conn: OnceLock::new(),
             timeout,
         })
     }
 
-    fn manager(&self) -> Result<ConnectionManager, StoreError> {
-        self.manager
-            .get_or_init(|| {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.timeout))
-                    .set_response_timeout(Some(self.timeout))
-                    // A request never waits longer than its own timeout anyway, so keep the
-                    // reconnect backoff short: the store is usable again within about
-                    // 100 ms of Redis coming back.
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(5))
-                    .set_max_delay(Duration::from_millis(100));
-                ConnectionManager::new_lazy_with_config(self.client.clone(), config)
-                    .map_err(|e| e.to_string())
+    /// A connection to the Redis Cluster that `nodes` (some of its nodes) belong to; it
+    /// discovers the rest, and connects lazily.
+    pub fn cluster(nodes: &[String], timeout: Duration) -> Result<RedisConnection, StoreError> {
+        let client = ClusterClient::builder(nodes.iter().map(String::as_str))
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            // Slot moves and failovers are retried inside the client, within our timeout.
+            .retries(3)
+            .min_retry_wait(10)
+            .max_retry_wait(200)
+            .build()
+            .map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(RedisConnection {
+            target: Target::Cluster(Box::new(client)),
+            conn: OnceLock::new(),
+            timeout,
+        })
+    }
+
+    fn connection(&self) -> Result<Conn, StoreError> {
+        self.conn
+            .get_or_init(|| match &self.target {
+                Target::Single(client) => {
+                    let config = ConnectionManagerConfig::new()
+                        .set_connection_timeout(Some(self.timeout))
+                        .set_response_timeout(Some(self.timeout))
+                        // A request never waits longer than its own timeout anyway, so keep
+                        // the reconnect backoff short: the store is usable again within about
+                        // 100 ms of Redis coming back.
+                        .set_number_of_retries(1)
+                        .set_min_delay(Duration::from_millis(5))
+                        .set_max_delay(Duration::from_millis(100));
+                    ConnectionManager::new_lazy_with_config(client.clone(), config)
+                        .map(Conn::Single)
+                        .map_err(|e| e.to_string())
+                }
+                Target::Cluster(client) => {
+                    let config = ClusterConfig::new()
+                        .set_connection_timeout(self.timeout)
+                        .set_response_timeout(self.timeout);
+                    Ok(Conn::Cluster(
+                        client.get_pending_async_connection_with_config(config),
+                    ))
+                }
             })
             .clone()
             .map_err(StoreError::Backend)
@@ -81,13 +162,13 @@ impl RedisConnection {
     /// reconnects, and no client request should fail because of that.
     pub async fn run<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
     where
-        F: Fn(ConnectionManager) -> Fut,
+        F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
         let attempt = async {
-            let first = call(self.manager()?).await;
+            let first = call(self.connection()?).await;
             match first {
-                Err(e) if is_connection_error(&e) => call(self.manager()?).await,
+                Err(e) if is_connection_error(&e) => call(self.connection()?).await,
                 other => other,
             }
             .map_err(|e| StoreError::Backend(e.to_string()))

@@ -313,3 +313,23 @@ async fn all_windows_or_none() {
         assert_eq!(refused.windows[1].remaining, 700);
     }
 }
+
+/// The same suite on a real Redis Cluster (3 masters, 3 replicas). Routes hash to different
+/// slots, so their keys live on different masters; each script call stays on one.
+#[tokio::test]
+async fn redis_cluster_store_matches_the_model() {
+    let cluster = sluice_testkit::RedisCluster::start();
+    let connection =
+        sluice_limiter::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::with_connection(Arc::new(connection), "sluice");
+    suite(&store, "cluster").await;
+    scenarios(&store).await;
+    let masters: std::collections::HashSet<u16> = ["trace7", "trace1234", "scenario"]
+        .iter()
+        .filter_map(|r| cluster.master_of(&format!("{{{r}}}")))
+        .collect();
+    assert!(
+        masters.len() >= 2,
+        "the routes' keys must span masters: {masters:?}"
+    );
+}

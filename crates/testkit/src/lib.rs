@@ -14,6 +14,7 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -25,15 +26,32 @@ impl RedisServer {
             let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
             l.local_addr().expect("local address").port()
         };
+        RedisServer::start_on(port, &[])
+    }
+
+    /// Starts a server on `port` with extra command-line arguments (kept for restarts).
+    pub fn start_on(port: u16, extra: &[&str]) -> RedisServer {
         let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the redis dir");
         let mut server = RedisServer {
             port,
             dir,
             child: None,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
         };
         server.restart();
         server
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// What the server logged.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
     }
 
     /// `redis://127.0.0.1:<port>/0`.
@@ -63,7 +81,15 @@ impl RedisServer {
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&self.dir)
-            .stdout(Stdio::null())
+            .args(&self.extra)
+            // Kept beside the node's data for post-mortems; removed with it.
+            .stdout(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.dir.join("redis.log"))
+                    .map_or_else(|_| Stdio::null(), Stdio::from),
+            )
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server must be installed (apt-get install redis-server)");
@@ -169,5 +195,194 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A real Redis Cluster on loopback: three masters with one replica each, created with
+/// `redis-cli --cluster create`, torn down (by PID) when dropped.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+/// One line of `CLUSTER NODES`: the node's port, whether it is a live master, and its slot
+/// ranges.
+type NodeView = (u16, bool, Vec<(u16, u16)>);
+
+/// Ports for a cluster node: the node's own and its bus port (+10000) must both be free.
+fn cluster_ports(n: usize) -> Vec<u16> {
+    let mut ports = Vec::new();
+    let mut held = Vec::new();
+    let seed = std::process::id() as u64
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    let mut candidate = 20_000 + (seed % 20_000) as u16;
+    while ports.len() < n {
+        candidate = if candidate >= 40_000 {
+            20_000
+        } else {
+            candidate + 1
+        };
+        let own = TcpListener::bind(("127.0.0.1", candidate));
+        let bus = TcpListener::bind(("127.0.0.1", candidate + 10_000));
+        if let (Ok(a), Ok(b)) = (own, bus) {
+            held.push((a, b));
+            ports.push(candidate);
+        }
+    }
+    ports
+}
+
+impl RedisCluster {
+    /// Starts six nodes and joins them into a cluster (3 masters, 3 replicas); waits until every
+    /// node reports `cluster_state:ok`.
+    pub fn start() -> RedisCluster {
+        let ports = cluster_ports(6);
+        let nodes: Vec<RedisServer> = ports
+            .iter()
+            .map(|&p| {
+                RedisServer::start_on(
+                    p,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "1000",
+                        // Replicas sync at once instead of waiting 5 s for company: a
+                        // replica that never synced cannot be promoted.
+                        "--repl-diskless-sync-delay",
+                        "0",
+                    ],
+                )
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for p in &ports {
+            create.arg(format!("127.0.0.1:{p}"));
+        }
+        let out = create
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli must be installed (it comes with redis-server)");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = RedisCluster { nodes };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let replicas_synced = cluster
+                .nodes
+                .iter()
+                .filter_map(|n| n.command(&["INFO", "replication"]).ok())
+                .filter(|i| i.contains("role:slave"))
+                .filter(|i| {
+                    i.contains("master_link_status:up") && i.contains("master_sync_in_progress:0")
+                })
+                .count()
+                == 3;
+            if replicas_synced
+                && cluster.nodes.iter().all(|n| {
+                    n.command(&["CLUSTER", "INFO"])
+                        .is_ok_and(|i| i.contains("cluster_state:ok"))
+                })
+                && cluster.masters().len() == 3
+            {
+                return cluster;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the cluster did not become ready");
+    }
+
+    /// `redis://127.0.0.1:<port>` of every node, for `state.redis.cluster`.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port()))
+            .collect()
+    }
+
+    /// The nodes, in start order.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// Kills node `i` (SIGKILL), as a crash would.
+    pub fn kill(&mut self, i: usize) {
+        self.nodes[i].kill();
+    }
+
+    /// `CLUSTER NODES`, as a live node sees it.
+    fn topology(&self) -> Vec<NodeView> {
+        for n in &self.nodes {
+            let Ok(raw) = n.command(&["CLUSTER", "NODES"]) else {
+                continue;
+            };
+            let mut out = Vec::new();
+            for line in raw.lines().skip(1) {
+                let fields: Vec<&str> = line.split(' ').collect();
+                if fields.len() < 8 {
+                    continue;
+                }
+                let port = fields[1]
+                    .split('@')
+                    .next()
+                    .and_then(|a| a.rsplit(':').next())
+                    .and_then(|p| p.parse().ok())
+                    .unwrap_or(0);
+                let master = fields[2].contains("master") && !fields[2].contains("fail");
+                let slots = fields[8..]
+                    .iter()
+                    .filter_map(|r| {
+                        let mut it = r.split('-');
+                        let a: u16 = it.next()?.parse().ok()?;
+                        let b: u16 = it.next().map_or(Some(a), |b| b.parse().ok())?;
+                        Some((a, b))
+                    })
+                    .collect();
+                out.push((port, master, slots));
+            }
+            return out;
+        }
+        Vec::new()
+    }
+
+    /// Ports of the masters that serve slots.
+    pub fn masters(&self) -> Vec<u16> {
+        self.topology()
+            .into_iter()
+            .filter(|(_, m, slots)| *m && !slots.is_empty())
+            .map(|(p, _, _)| p)
+            .collect()
+    }
+
+    /// The slot of `key`.
+    pub fn slot(&self, key: &str) -> u16 {
+        self.nodes
+            .iter()
+            .find_map(|n| n.integer(&["CLUSTER", "KEYSLOT", key]))
+            .expect("a node answers CLUSTER KEYSLOT") as u16
+    }
+
+    /// The port of the master serving `key` right now.
+    pub fn master_of(&self, key: &str) -> Option<u16> {
+        let slot = self.slot(key);
+        self.topology()
+            .into_iter()
+            .find(|(_, m, slots)| *m && slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+            .map(|(p, _, _)| p)
+    }
+
+    /// The index (in [`RedisCluster::nodes`]) of the node on `port`.
+    pub fn index_of(&self, port: u16) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n.port() == port)
+            .expect("a node of this cluster")
     }
 }
