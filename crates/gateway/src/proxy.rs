@@ -805,12 +805,12 @@ impl ProxyHttp for Gateway {
             }
             route.duration.observe(elapsed.as_secs_f64());
         }
-        let status_label = http::StatusCode::from_u16(status)
-            .map(|s| s.as_str().to_owned())
-            .unwrap_or_else(|_| "0".into());
+        // A status code's text is static: no allocation for the label.
+        let code = http::StatusCode::from_u16(status).ok();
+        let status_label = code.as_ref().map_or("0", |c| c.as_str());
         self.metrics
             .requests
-            .with_label_values(&[route_name, &status_label])
+            .with_label_values(&[route_name, status_label])
             .inc();
 
         let req = session.req_header();
@@ -841,14 +841,16 @@ impl ProxyHttp for Gateway {
 }
 
 fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
-    let value = match upstream
-        .headers
-        .get("x-forwarded-for")
-        .and_then(|v| v.to_str().ok())
-    {
-        Some(prior) => format!("{prior}, {ip}"),
-        None => ip.to_string(),
-    };
-    let value = HeaderValue::from_str(&value).or_err(ErrorType::InvalidHTTPHeader, "xff")?;
+    use std::io::Write;
+    // One buffer, written in place and handed to the header without another copy.
+    let prior = upstream.headers.get("x-forwarded-for").map(HeaderValue::as_bytes);
+    let mut value = Vec::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
+    if let Some(prior) = prior {
+        value.extend_from_slice(prior);
+        value.extend_from_slice(b", ");
+    }
+    let _ = write!(value, "{ip}");
+    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
+        .or_err(ErrorType::InvalidHTTPHeader, "x-forwarded-for")?;
     upstream.insert_header("x-forwarded-for", value)
 }
