@@ -58,15 +58,10 @@ fn names_on_distinct_masters(cluster: &RedisCluster, n: usize) -> Vec<String> {
 fn pool_counts(cluster: &RedisCluster, route: &str) -> Vec<u64> {
     let key = format!("sluice:{{{route}}}:pool");
     let port = cluster.master_of(&key).unwrap();
-    let node = &cluster.nodes()[cluster.index_of(port)];
-    let reply = node
-        .command(&["ZRANGE", &key, "0", "-1", "WITHSCORES"])
-        .unwrap();
-    let lines: Vec<&str> = reply.split("\r\n").collect();
-    (1..lines.len())
-        .step_by(4)
-        .filter_map(|i| lines.get(i + 3)?.parse::<f64>().ok())
-        .map(|c| c as u64)
+    cluster.nodes()[cluster.index_of(port)]
+        .zrange_with_scores(&key)
+        .into_iter()
+        .map(|(_, c)| c as u64)
         .collect()
 }
 

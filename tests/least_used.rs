@@ -6,13 +6,11 @@ mod support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sluice_testkit::RedisServer;
 use support::{free_port, request, start_backends, Gateway, HttpClient};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn url(addr: SocketAddr) -> String {
     format!("http://{addr}")
@@ -43,20 +41,11 @@ fn spread(counts: impl IntoIterator<Item = u64>) -> u64 {
 
 /// Assignment counts from the pool's sorted set.
 fn redis_counts(redis: &RedisServer) -> HashMap<String, u64> {
-    let reply = redis
-        .command(&["ZRANGE", "sluice:{pool}:pool", "0", "-1", "WITHSCORES"])
-        .unwrap();
-    let lines: Vec<&str> = reply.split("\r\n").collect();
-    let mut out = HashMap::new();
-    let mut i = 1;
-    while i + 3 < lines.len() {
-        out.insert(
-            lines[i + 1].to_string(),
-            lines[i + 3].parse::<f64>().unwrap() as u64,
-        );
-        i += 4;
-    }
-    out
+    redis
+        .zrange_with_scores("sluice:{pool}:pool")
+        .into_iter()
+        .map(|(m, c)| (m, c as u64))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,28 +79,6 @@ async fn memory_least_used_spreads_evenly_and_status_shows_counts() {
     }
 }
 
-/// A member that accepts, reads the request and hangs up: every request to it fails after
-/// connecting, so it stays eligible and its assignments keep counting.
-async fn start_failing_member() -> (SocketAddr, Arc<AtomicU64>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let got = Arc::new(AtomicU64::new(0));
-    let counter = got.clone();
-    tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            let counter = counter.clone();
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                if matches!(conn.read(&mut buf).await, Ok(n) if n > 0) {
-                    counter.fetch_add(1, Ordering::SeqCst);
-                }
-                let _ = conn.shutdown().await;
-            });
-        }
-    });
-    (addr, got)
-}
-
 async fn two_gateways_stay_fair(with_failing_member: bool) {
     let redis = RedisServer::start();
     let n_good = if with_failing_member { 4 } else { 5 };
@@ -119,7 +86,7 @@ async fn two_gateways_stay_fair(with_failing_member: bool) {
     let backends = start_backends(&names[..n_good]).await;
     let mut members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
     let failing = if with_failing_member {
-        let (addr, got) = start_failing_member().await;
+        let (addr, got) = support::start_hang_up_member().await;
         members.push(url(addr));
         Some(got)
     } else {

@@ -4,12 +4,10 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use support::{free_port, request, start_backends, Gateway, HttpClient};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A config with one route `api` on host `api.test` over `members`; `extra` is YAML added under
 /// `upstream:` (6 spaces of indentation).
@@ -269,33 +267,10 @@ async fn connect_failures_are_retried_on_other_members_for_every_method() {
     );
 }
 
-/// A member that reads a request and hangs up without answering, as a crashing server would.
-async fn start_hang_up_server() -> (SocketAddr, Arc<AtomicU64>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let received = Arc::new(AtomicU64::new(0));
-    let counter = received.clone();
-    tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            let counter = counter.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                if let Ok(n) = conn.read(&mut buf).await {
-                    if n > 0 {
-                        counter.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
-                let _ = conn.shutdown().await;
-            });
-        }
-    });
-    (addr, received)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_reached_a_member_is_never_replayed() {
     let backends = start_backends(&["good"]).await;
-    let (crasher, crashed) = start_hang_up_server().await;
+    let (crasher, crashed) = support::start_hang_up_member().await;
     let members = [url(crasher), url(backends[0].local_addr())];
     let gw = Gateway::start_with_ports(&config(&members, "      retries: 3\n"));
 

@@ -407,20 +407,6 @@ async fn redis_restarted_empty_or_flushed_fails_no_request() {
     );
 }
 
-/// Members and scores of a sorted set, from a raw RESP reply to ZRANGE … WITHSCORES.
-fn parse_zrange(reply: &str) -> Vec<(String, f64)> {
-    let lines: Vec<&str> = reply.split("\r\n").collect();
-    let mut out = Vec::new();
-    let mut i = 1; // skip "*N"
-    while i + 3 < lines.len() {
-        let member = lines[i + 1].to_string();
-        let score: f64 = lines[i + 3].parse().unwrap_or(f64::NAN);
-        out.push((member, score));
-        i += 4;
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_sharing_redis_never_exceed_a_window() {
     const WINDOW_US: f64 = 500_000.0;
@@ -442,29 +428,11 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
     let sampler = {
         let (seen, stop, redis_addr) = (seen.clone(), stop.clone(), redis.addr());
         std::thread::spawn(move || {
-            let probe = |args: &[&str]| -> String {
-                use std::io::{Read, Write};
-                let mut c = std::net::TcpStream::connect(redis_addr).unwrap();
-                let mut req = format!("*{}\r\n", args.len());
-                for a in args {
-                    req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-                }
-                req.push_str("*1\r\n$4\r\nQUIT\r\n");
-                c.write_all(req.as_bytes()).unwrap();
-                let mut s = String::new();
-                c.read_to_string(&mut s).unwrap();
-                s
-            };
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let reply = probe(&[
-                    "ZRANGE",
-                    "sluice:{api}:q:short:route",
-                    "0",
-                    "-1",
-                    "WITHSCORES",
-                ]);
+                let log =
+                    sluice_testkit::zrange_with_scores_at(redis_addr, "sluice:{api}:q:short:route");
                 let mut seen = seen.lock().unwrap();
-                for (m, s) in parse_zrange(&reply) {
+                for (m, s) in log {
                     seen.insert(m, s);
                 }
                 drop(seen);

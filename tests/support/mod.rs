@@ -892,3 +892,26 @@ fn parse_sample(line: &str) -> Option<Sample> {
         value,
     })
 }
+
+/// A member that accepts a connection, reads a request and hangs up without answering, as a
+/// crashing server would: the request reached it, so nothing may replay it. Returns its
+/// address and how many requests it received.
+pub async fn start_hang_up_member() -> (SocketAddr, std::sync::Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let received = std::sync::Arc::new(AtomicU64::new(0));
+    let counter = received.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                if matches!(conn.read(&mut buf).await, Ok(n) if n > 0) {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (addr, received)
+}

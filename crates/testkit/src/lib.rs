@@ -110,18 +110,12 @@ impl RedisServer {
     /// Sends one command and returns the raw RESP reply (enough for tests: `INFO`, `MEMORY
     /// USAGE`, `SCRIPT FLUSH`, `ZCARD`...).
     pub fn command(&self, args: &[&str]) -> std::io::Result<String> {
-        let mut conn = TcpStream::connect_timeout(&self.addr(), Duration::from_secs(2))?;
-        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-        let mut req = format!("*{}\r\n", args.len());
-        for a in args {
-            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-        }
-        conn.write_all(req.as_bytes())?;
-        conn.write_all(b"*1\r\n$4\r\nQUIT\r\n")?;
-        let mut reply = String::new();
-        conn.read_to_string(&mut reply)?;
-        // Drop QUIT's "+OK".
-        Ok(reply.strip_suffix("+OK\r\n").unwrap_or(&reply).to_string())
+        command_at(self.addr(), args)
+    }
+
+    /// Members and scores of a sorted set, lowest score first.
+    pub fn zrange_with_scores(&self, key: &str) -> Vec<(String, f64)> {
+        zrange_with_scores_at(self.addr(), key)
     }
 
     /// The integer of a `:N` reply, e.g. from `ZCARD` or `MEMORY USAGE`.
@@ -385,4 +379,36 @@ impl RedisCluster {
             .position(|n| n.port() == port)
             .expect("a node of this cluster")
     }
+}
+
+/// Sends one command to the Redis at `addr` and returns the raw RESP reply.
+pub fn command_at(addr: SocketAddr, args: &[&str]) -> std::io::Result<String> {
+    let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    conn.write_all(req.as_bytes())?;
+    conn.write_all(b"*1\r\n$4\r\nQUIT\r\n")?;
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply)?;
+    // Drop QUIT's "+OK".
+    Ok(reply.strip_suffix("+OK\r\n").unwrap_or(&reply).to_string())
+}
+
+/// Members and scores of the sorted set `key` on the Redis at `addr`, lowest score first.
+pub fn zrange_with_scores_at(addr: SocketAddr, key: &str) -> Vec<(String, f64)> {
+    let reply = command_at(addr, &["ZRANGE", key, "0", "-1", "WITHSCORES"]).unwrap_or_default();
+    // *N, then $len / member / $len / score for each member.
+    let lines: Vec<&str> = reply.split("\r\n").collect();
+    let mut out = Vec::new();
+    let mut i = 1;
+    while i + 3 < lines.len() {
+        if let Ok(score) = lines[i + 3].parse() {
+            out.push((lines[i + 1].to_string(), score));
+        }
+        i += 4;
+    }
+    out
 }
