@@ -843,7 +843,10 @@ impl ProxyHttp for Gateway {
 fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
     use std::io::Write;
     // One buffer, written in place and handed to the header without another copy.
-    let prior = upstream.headers.get("x-forwarded-for").map(HeaderValue::as_bytes);
+    let prior = upstream
+        .headers
+        .get("x-forwarded-for")
+        .map(HeaderValue::as_bytes);
     let mut value = Vec::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
     if let Some(prior) = prior {
         value.extend_from_slice(prior);
