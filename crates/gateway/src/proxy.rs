@@ -825,18 +825,22 @@ impl ProxyHttp for Gateway {
             ),
         };
         let member = ctx.member().map_or("", |m| m.url.url.as_str());
-        tracing::info!(
-            target: "sluice::access",
-            route = route_name,
-            method = req.method.as_str(),
+        crate::logging::access(&crate::logging::AccessLine {
+            route: route_name,
+            method: req.method.as_str(),
             authority,
             path,
             status,
             member,
-            attempts = ctx.attempts,
-            duration_ms = elapsed.as_secs_f64() * 1000.0,
-            error = e.map(|e| e.etype().as_str()),
-        );
+            attempts: ctx.attempts,
+            duration_ms: elapsed.as_secs_f64() * 1000.0,
+            // Our own failures say what they were; others name Pingora's error type.
+            error: match ctx.failure {
+                Some(Failure::Unreachable) => Some("upstream_unreachable"),
+                Some(Failure::NoMember) => Some("no_member"),
+                None => e.map(|e| e.etype().as_str()),
+            },
+        });
     }
 }
 
