@@ -162,25 +162,31 @@ impl Gateway {
             .expect("config has no admin.listen socket address");
         let proxy_addr = yaml_addr(config_yaml, &["listen"])
             .or_else(|| yaml_addr(config_yaml, &["proxy", "listen"]));
-        Gateway::launch(config_yaml, proxy_addr, admin_addr)
+        Gateway::launch(config_yaml, proxy_addr, admin_addr, &[])
     }
 
     /// Replaces `{PROXY}` and `{ADMIN}` in `template` with `127.0.0.1:<free
     /// port>` and starts the gateway like [`Gateway::start`].
     pub fn start_with_ports(template: &str) -> Gateway {
+        Gateway::start_with_ports_and_env(template, &[])
+    }
+
+    /// Like [`Gateway::start_with_ports`], with extra environment variables for the process.
+    pub fn start_with_ports_and_env(template: &str, env: &[(&str, &str)]) -> Gateway {
         let [proxy_port, admin_port] = free_ports::<2>();
         let proxy_addr = SocketAddr::from(([127, 0, 0, 1], proxy_port));
         let admin_addr = SocketAddr::from(([127, 0, 0, 1], admin_port));
         let config = template
             .replace("{PROXY}", &proxy_addr.to_string())
             .replace("{ADMIN}", &admin_addr.to_string());
-        Gateway::launch(&config, Some(proxy_addr), admin_addr)
+        Gateway::launch(&config, Some(proxy_addr), admin_addr, env)
     }
 
     fn launch(
         config_yaml: &str,
         proxy_addr: Option<SocketAddr>,
         admin_addr: SocketAddr,
+        env: &[(&str, &str)],
     ) -> Gateway {
         let dir = TempDir::new("sluice-e2e");
         let config_path = dir.path().join("sluice.yaml");
@@ -193,6 +199,7 @@ impl Gateway {
             .arg("run")
             .arg("-c")
             .arg(&config_path)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr)
