@@ -740,9 +740,32 @@ impl Config {
 
     /// Parses and validates `text`; `file` names it in error messages.
     pub fn parse(file: &str, text: &str) -> Result<Config, ConfigErrors> {
-        let config: Config =
-            serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text))
-                .map_err(|e| ConfigErrors(vec![from_serde(file, text, &e)]))?;
+        // Tracking the YAML path of every node doubles the cost of parsing a large file, and
+        // only an error needs it: parse plainly, and again with paths when that fails.
+        let config: Config = match serde_yaml::from_str(text) {
+            Ok(config) => config,
+            Err(plain) => {
+                let traced = serde_path_to_error::deserialize::<_, Config>(
+                    serde_yaml::Deserializer::from_str(text),
+                );
+                let error = match traced {
+                    Err(e) => from_serde(file, text, &e),
+                    // The same text fails the same way; should it not, report the plain error.
+                    Ok(_) => {
+                        let (line, column) =
+                            plain.location().map_or((0, 0), |l| (l.line(), l.column()));
+                        ConfigError {
+                            file: file.to_string(),
+                            line,
+                            column,
+                            path: ".".into(),
+                            message: plain.to_string(),
+                        }
+                    }
+                };
+                return Err(ConfigErrors(vec![error]));
+            }
+        };
         let problems = config.validate();
         if problems.is_empty() {
             return Ok(config);

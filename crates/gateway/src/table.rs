@@ -56,14 +56,14 @@ pub struct Route {
     pub members: Arc<[Member]>,
     /// `sluice_request_duration_seconds{route}`, resolved once.
     pub duration: Histogram,
-    /// The quota gating the route, if any.
-    pub quota: Option<RouteQuota>,
+    /// The quota gating the route, if any; shared with the previous table when unchanged.
+    pub quota: Option<Arc<RouteQuota>>,
     /// How members are chosen.
     pub selection: Selection,
     /// Member id → index, to map a least-used assignment back to its member.
-    pub index_of: HashMap<Arc<str>, usize>,
+    pub index_of: Arc<HashMap<Arc<str>, usize>>,
     /// Every member's id, in config order, as the least-used store takes them.
-    pub member_ids: Box<[Arc<str>]>,
+    pub member_ids: Arc<[Arc<str>]>,
     /// Whether this table's member list has been written to the least-used store. It is
     /// done on the route's first assignment, from the runtime that serves requests.
     pub synced: AtomicBool,
@@ -269,25 +269,42 @@ async fn build_route(
 ) -> Route {
     let name: Arc<str> = rc.name.0.as_str().into();
     let up = &rc.upstream;
-    let (pool, members) = match before {
-        Some(b) if b.config.upstream == *up => (b.pool.clone(), b.members.clone()),
-        _ => build_pool(&name, rc, metrics, allocator, before).await,
+    // What did not change is shared with the previous table, not built again: a reload that
+    // touches one route of ten thousand costs little more than that one route.
+    let (pool, members, index_of, member_ids) = match before {
+        Some(b) if b.config.upstream == *up => (
+            b.pool.clone(),
+            b.members.clone(),
+            b.index_of.clone(),
+            b.member_ids.clone(),
+        ),
+        _ => {
+            let (pool, members) = build_pool(&name, rc, metrics, allocator, before).await;
+            let index_of = pool
+                .members()
+                .iter()
+                .enumerate()
+                .map(|(i, m)| (m.id.clone(), i))
+                .collect();
+            let member_ids = pool.members().iter().map(|m| m.id.clone()).collect();
+            (pool, members, Arc::new(index_of), member_ids)
+        }
+    };
+    let quota = match (before, &rc.quota) {
+        (Some(b), Some(q)) if b.config.quota.as_ref() == Some(q) => b.quota.clone(),
+        (_, Some(q)) => Some(Arc::new(RouteQuota::build(&name, q, metrics))),
+        (_, None) => None,
     };
     Route {
-        quota: rc
-            .quota
-            .as_ref()
-            .map(|q| RouteQuota::build(&name, q, metrics)),
-        duration: metrics.request_duration.with_label_values(&[&name]),
+        quota,
+        duration: match before {
+            Some(b) => b.duration.clone(),
+            None => metrics.request_duration.with_label_values(&[&name]),
+        },
         selection: up.selection,
-        index_of: pool
-            .members()
-            .iter()
-            .enumerate()
-            .map(|(i, m)| (m.id.clone(), i))
-            .collect(),
+        index_of,
         synced: AtomicBool::new(false),
-        member_ids: pool.members().iter().map(|m| m.id.clone()).collect(),
+        member_ids,
         pool,
         members,
         config: rc.clone(),
