@@ -7,8 +7,10 @@
 //! of Pingora; this crate is the only place the two meet.
 
 pub mod admin;
+mod admission;
 pub mod config;
 pub mod demo;
+pub mod headers;
 pub mod health;
 pub mod logging;
 pub mod metrics;

@@ -12,14 +12,13 @@
 //! 5. `fail_to_proxy` turns our own failures into problem+json answers;
 //! 6. `logging` writes the access log and the metrics.
 
-use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use http::header::{self, HeaderName};
+use http::header;
 use http::{HeaderValue, Method};
 use pingora::modules::http::HttpModules;
 use pingora::prelude::*;
@@ -28,23 +27,24 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{ErrorType, HTTPStatus};
 
+use crate::headers::{absolute_form, append_forwarded_for, strip_hop_by_hop};
 use crate::metrics::{Metrics, NO_ROUTE};
 use crate::problem::{self, Problem};
 use crate::server::Stores;
-use sluice_allocator::{Assignment, AssignmentStore};
+use sluice_allocator::AssignmentStore;
 use sluice_balancer::Pick;
-use sluice_limiter::{Acquire, Outcome, QuotaStore, StoreError};
+use sluice_limiter::QuotaStore;
 
-use crate::config::{OnStoreError, QuotaKey, Selection};
-use crate::table::{Route, RouteQuota, Table};
+use crate::config::Selection;
+use crate::table::{Route, Table};
 
 /// The proxy service. Cheap to share: everything lives behind `Arc`s.
 pub struct Gateway {
     table: Arc<ArcSwap<Table>>,
-    metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
     in_flight: Arc<AtomicUsize>,
-    quotas: Arc<dyn QuotaStore>,
-    allocator: Arc<dyn AssignmentStore>,
+    pub(crate) quotas: Arc<dyn QuotaStore>,
+    pub(crate) allocator: Arc<dyn AssignmentStore>,
 }
 
 impl Gateway {
@@ -65,288 +65,6 @@ impl Gateway {
     }
 }
 
-/// What the quota says about one request.
-enum Verdict {
-    /// Go on; add this `RateLimit` header to the response (none when the store failed open).
-    Admit(Option<HeaderValue>),
-    /// Answer 429, with these `RateLimit` and `Retry-After` values.
-    Refuse(Problem, HeaderValue, u64),
-    /// Answer 503: the store failed and the route fails closed.
-    Unavailable,
-    /// Answer 503: no member is eligible (the quota recorded nothing).
-    NoMember,
-}
-
-/// Store failures are logged at most once a second: during an outage every request fails the
-/// same way, and the metric counts them all.
-static LAST_STORE_WARNING: AtomicU64 = AtomicU64::new(0);
-
-fn warn_store_error(route: &str, error: &StoreError, what: &str) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    if LAST_STORE_WARNING.swap(now, Ordering::Relaxed) != now {
-        tracing::warn!(target: "sluice::store", route, %error, "state store failed; {what}");
-    }
-}
-
-/// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room.
-fn ratelimit_header(quota: &RouteQuota, outcome: &Outcome) -> Option<HeaderValue> {
-    let i = outcome.tightest()?;
-    let w = &outcome.windows[i];
-    let value = format!(
-        "\"{}\";r={};t={}",
-        quota.windows[i].name,
-        w.remaining,
-        w.reset_us.div_ceil(1_000_000)
-    );
-    HeaderValue::from_str(&value).ok()
-}
-
-/// The quota key of a request: `route`, a header's value, or the client address. Only the
-/// client address needs a buffer of its own.
-fn quota_key<'a>(session: &'a Session, quota: &RouteQuota, buf: &'a mut String) -> &'a str {
-    match &quota.key {
-        QuotaKey::Route => "route",
-        QuotaKey::Header(name) => session
-            .req_header()
-            .headers
-            .get(name.as_str())
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or(""),
-        QuotaKey::ClientIp => {
-            if let Some(ip) = session
-                .client_addr()
-                .and_then(|a| a.as_inet())
-                .map(|a| a.ip())
-            {
-                *buf = ip.to_string();
-            }
-            buf
-        }
-    }
-}
-
-/// What a quota outcome means for the request.
-fn verdict(quota: &RouteQuota, cost: u64, outcome: &Outcome) -> Verdict {
-    if outcome.admitted {
-        return Verdict::Admit(ratelimit_header(quota, outcome));
-    }
-    let mut refused_by = "";
-    for (i, w) in outcome.windows.iter().enumerate() {
-        if w.remaining < cost {
-            quota.rejections[i].inc();
-            if refused_by.is_empty() {
-                refused_by = &quota.windows[i].name;
-            }
-        }
-    }
-    let retry_ms = outcome.retry_after_us.div_ceil(1000);
-    let retry_after_s = outcome.retry_after_us.div_ceil(1_000_000).max(1);
-    let header = ratelimit_header(quota, outcome).unwrap_or_else(|| HeaderValue::from_static(""));
-    Verdict::Refuse(
-        Problem::quota_exceeded(refused_by, retry_ms),
-        header,
-        retry_after_s,
-    )
-}
-
-impl Gateway {
-    /// The verdict of the route's store failing, by the quota's `on_store_error` (open when the
-    /// route has no quota: only selection is at stake then, and it falls back).
-    fn store_failed(&self, route: &Route, op: &str, e: &StoreError) -> Verdict {
-        self.metrics.store_errors.with_label_values(&[op]).inc();
-        warn_store_error(&route.name, e, "applying on_store_error");
-        match route.quota.as_ref().map(|q| q.on_store_error) {
-            Some(OnStoreError::Closed) => Verdict::Unavailable,
-            _ => Verdict::Admit(None),
-        }
-    }
-
-    async fn check_quota(
-        &self,
-        session: &Session,
-        route: &Route,
-        quota: &RouteQuota,
-        path: &str,
-    ) -> Verdict {
-        let mut buf = String::new();
-        let key = quota_key(session, quota, &mut buf);
-        let cost = quota.cost(path, session.req_header().method.as_str());
-        let asked = Acquire {
-            route: &route.name,
-            key,
-            windows: &quota.windows,
-            cost,
-            at_us: None,
-        };
-        match self.quotas.acquire(asked).await {
-            Ok(outcome) => verdict(quota, cost, &outcome),
-            Err(e) => self.store_failed(route, "quota", &e),
-        }
-    }
-
-    /// Writes the member list of this table to the least-used store, once per route and table.
-    async fn ensure_synced(&self, route: &Route) {
-        if route.synced.load(Ordering::Acquire) {
-            return;
-        }
-        let down = route.down_ids();
-        if self
-            .allocator
-            .sync(&route.name, &route.member_ids, &down)
-            .await
-            .is_ok()
-        {
-            route.synced.store(true, Ordering::Release);
-        }
-    }
-
-    /// The first member of a least-used request, and its quota, in one store call. Returns the
-    /// verdict; on admission `ctx.chosen` holds the member (or `ctx.fallback` is set).
-    async fn first_assignment(
-        &self,
-        session: &Session,
-        ctx: &mut RequestCtx,
-        route: &Route,
-        path: &str,
-    ) -> Verdict {
-        // A passive-only pool gives a due member its trial here, like round-robin does.
-        if let Some(index) = route.pool.take_due_trial(Instant::now()) {
-            ctx.chosen = Some(Pick { index, trial: true });
-            return match &route.quota {
-                Some(q) => self.check_quota(session, route, q, path).await,
-                None => Verdict::Admit(None),
-            };
-        }
-        self.ensure_synced(route).await;
-        let down = route.down_ids();
-        let mut buf = String::new();
-        let asked = route.quota.as_ref().map(|q| {
-            let key = quota_key(session, q, &mut buf);
-            let cost = q.cost(path, session.req_header().method.as_str());
-            (q, cost, key)
-        });
-        let acquire = asked.map(|(q, cost, key)| Acquire {
-            route: &route.name,
-            key,
-            windows: &q.windows,
-            cost,
-            at_us: None,
-        });
-        match self
-            .allocator
-            .assign(&route.name, &route.member_ids, &down, acquire)
-            .await
-        {
-            Ok(Assignment::Assigned { member, quota }) => {
-                // A member this table does not know (another instance synced a newer list
-                // a moment ago) is counted; this request takes round-robin instead.
-                ctx.chosen = route.index_of.get(member.as_str()).map(|&index| Pick {
-                    index,
-                    trial: false,
-                });
-                Verdict::Admit(match (&route.quota, quota) {
-                    (Some(q), Some(o)) => ratelimit_header(q, &o),
-                    _ => None,
-                })
-            }
-            Ok(Assignment::NoMember { quota }) => {
-                ctx.failure = Some(Failure::NoMember);
-                ctx.ratelimit = match (&route.quota, quota) {
-                    (Some(q), Some(o)) => ratelimit_header(q, &o),
-                    _ => None,
-                };
-                Verdict::NoMember
-            }
-            Ok(Assignment::QuotaRefused(outcome)) => {
-                let (q, cost, _) = asked.expect("a refusal implies a quota");
-                verdict(q, cost, &outcome)
-            }
-            Err(e) => {
-                ctx.fallback = true;
-                self.metrics
-                    .selection_fallbacks
-                    .with_label_values(&[&route.name])
-                    .inc();
-                self.store_failed(route, "select", &e)
-            }
-        }
-    }
-
-    /// A least-used retry: a new assignment, excluding the members this request tried.
-    async fn next_assignment(&self, ctx: &mut RequestCtx, route: &Route) -> Option<Option<usize>> {
-        let mut excluded = route.down_ids();
-        for i in ctx.tried.iter() {
-            excluded.push(&route.pool.members()[i].id);
-        }
-        match self
-            .allocator
-            .assign(&route.name, &route.member_ids, &excluded, None)
-            .await
-        {
-            Ok(Assignment::Assigned { member, .. }) => {
-                Some(route.index_of.get(member.as_str()).copied())
-            }
-            Ok(_) => Some(None),
-            Err(e) => {
-                self.metrics
-                    .store_errors
-                    .with_label_values(&["select"])
-                    .inc();
-                self.metrics
-                    .selection_fallbacks
-                    .with_label_values(&[&route.name])
-                    .inc();
-                warn_store_error(&route.name, &e, "falling back to round-robin");
-                None
-            }
-        }
-    }
-
-    /// Answers a verdict that ends the request; returns whether it did.
-    async fn answer_verdict(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        verdict: Verdict,
-    ) -> Result<bool> {
-        let route = ctx.route.clone().expect("set before any verdict");
-        match verdict {
-            Verdict::Admit(header) => {
-                ctx.ratelimit = header;
-                Ok(false)
-            }
-            Verdict::Refuse(problem, ratelimit, retry_after_s) => {
-                let (mut head, body) = problem::render(&problem, Some(&route.name));
-                head.insert_header(header::RETRY_AFTER, retry_after_s)?;
-                if let Some(q) = &route.quota {
-                    head.insert_header("ratelimit-policy", q.policy.clone())?;
-                }
-                head.insert_header("ratelimit", ratelimit)?;
-                session.write_response_header(Box::new(head), false).await?;
-                session.write_response_body(Some(body), true).await?;
-                Ok(true)
-            }
-            Verdict::Unavailable => {
-                self.answer(session, ctx, Problem::store_unavailable())
-                    .await?;
-                Ok(true)
-            }
-            Verdict::NoMember => {
-                let (mut head, body) = problem::render(&Problem::no_member(), Some(&route.name));
-                if let (Some(q), Some(r)) = (&route.quota, ctx.ratelimit.take()) {
-                    head.insert_header("ratelimit-policy", q.policy.clone())?;
-                    head.insert_header("ratelimit", r)?;
-                }
-                session.write_response_header(Box::new(head), false).await?;
-                session.write_response_body(Some(body), true).await?;
-                Ok(true)
-            }
-        }
-    }
-}
-
 /// Counts a request as in flight from its first hook to the drop of its context, so a graceful
 /// stop can wait for exactly the requests that started.
 pub struct InFlight(Arc<AtomicUsize>);
@@ -361,7 +79,7 @@ impl Drop for InFlight {
 /// allocation per request; past it, the oldest entries are forgotten, which at worst lets a
 /// very long retry chain revisit a member that the pool has meanwhile marked down anyway.
 #[derive(Default)]
-struct Tried {
+pub(crate) struct Tried {
     members: [u32; 8],
     len: usize,
 }
@@ -374,7 +92,7 @@ impl Tried {
     fn contains(&self, index: usize) -> bool {
         self.members[..self.len.min(self.members.len())].contains(&(index as u32))
     }
-    fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = usize> + '_ {
         self.members[..self.len.min(self.members.len())]
             .iter()
             .map(|&i| i as usize)
@@ -383,7 +101,7 @@ impl Tried {
 
 /// Why the gateway itself answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Failure {
+pub(crate) enum Failure {
     /// Every eligible member failed to connect, or none was left to try.
     Unreachable,
     /// The pool had no eligible member for the first attempt.
@@ -393,25 +111,25 @@ enum Failure {
 /// Per-request state.
 pub struct RequestCtx {
     started: Instant,
-    route: Option<Arc<Route>>,
+    pub(crate) route: Option<Arc<Route>>,
     /// The member of the current attempt.
     member: Option<usize>,
     /// The current attempt is a down member's single trial.
     trial: bool,
     /// The current attempt's outcome was reported to the pool.
     reported: bool,
-    tried: Tried,
+    pub(crate) tried: Tried,
     attempts: u32,
-    failure: Option<Failure>,
+    pub(crate) failure: Option<Failure>,
     /// Path and authority of an absolute-form request (`GET http://host/path`), whose
     /// `uri` Pingora leaves as the bare path.
     absolute: Option<(http::uri::Authority, http::uri::PathAndQuery)>,
     /// The `RateLimit` header for the response of an admitted request.
-    ratelimit: Option<HeaderValue>,
+    pub(crate) ratelimit: Option<HeaderValue>,
     /// A member chosen before `upstream_peer`: a least-used assignment or a trial.
-    chosen: Option<Pick>,
+    pub(crate) chosen: Option<Pick>,
     /// The least-used store failed: this request uses round-robin.
-    fallback: bool,
+    pub(crate) fallback: bool,
     _in_flight: InFlight,
 }
 
@@ -421,78 +139,13 @@ impl RequestCtx {
     }
 }
 
-static HOP_BY_HOP: [HeaderName; 7] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHORIZATION,
-    header::PROXY_AUTHENTICATE,
-    header::TE,
-    header::UPGRADE,
-];
-
-/// Pingora's request and response heads keep a case map beside their `HeaderMap`, so headers
-/// must be removed through their own methods.
-trait HeaderEdit {
-    fn header_map(&self) -> &http::HeaderMap;
-    fn remove(&mut self, name: &str);
-}
-
-impl HeaderEdit for RequestHeader {
-    fn header_map(&self) -> &http::HeaderMap {
-        &self.headers
-    }
-    fn remove(&mut self, name: &str) {
-        self.remove_header(name);
-    }
-}
-
-impl HeaderEdit for ResponseHeader {
-    fn header_map(&self) -> &http::HeaderMap {
-        &self.headers
-    }
-    fn remove(&mut self, name: &str) {
-        self.remove_header(name);
-    }
-}
-
-/// Removes the hop-by-hop headers of RFC 9110 §7.6.1, including those named in `Connection`.
-/// `Transfer-Encoding` and `Trailer` are left to Pingora, which owns message framing.
-fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
-    // Cloning a parsed HeaderValue bumps a reference count; it does not copy.
-    if let Some(listed) = head.header_map().get(header::CONNECTION).cloned() {
-        if let Ok(listed) = listed.to_str() {
-            for name in listed.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-                let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
-                    || name.eq_ignore_ascii_case("trailer");
-                if !is_framing {
-                    head.remove(name);
-                }
-            }
-        }
-    }
-    for name in &HOP_BY_HOP {
-        if head.header_map().contains_key(name) {
-            head.remove(name.as_str());
-        }
-    }
-}
-
-/// Splits the authority and path out of an absolute-form request target.
-fn absolute_form(raw: &[u8]) -> Option<(http::uri::Authority, http::uri::PathAndQuery)> {
-    if !(raw.starts_with(b"http://") || raw.starts_with(b"https://")) {
-        return None;
-    }
-    let uri = http::Uri::try_from(raw).ok()?;
-    let parts = uri.into_parts();
-    let path = parts
-        .path_and_query
-        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-    Some((parts.authority?, path))
-}
-
 impl Gateway {
-    async fn answer(&self, session: &mut Session, ctx: &RequestCtx, p: Problem) -> Result<()> {
+    pub(crate) async fn answer(
+        &self,
+        session: &mut Session,
+        ctx: &RequestCtx,
+        p: Problem,
+    ) -> Result<()> {
         let route = ctx.route.as_ref().map(|r| &*r.name);
         let (header, body) = problem::render(&p, route);
         session
@@ -842,22 +495,4 @@ impl ProxyHttp for Gateway {
             },
         });
     }
-}
-
-fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
-    use std::io::Write;
-    // One buffer, written in place and handed to the header without another copy.
-    let prior = upstream
-        .headers
-        .get("x-forwarded-for")
-        .map(HeaderValue::as_bytes);
-    let mut value = Vec::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
-    if let Some(prior) = prior {
-        value.extend_from_slice(prior);
-        value.extend_from_slice(b", ");
-    }
-    let _ = write!(value, "{ip}");
-    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
-        .or_err(ErrorType::InvalidHTTPHeader, "x-forwarded-for")?;
-    upstream.insert_header("x-forwarded-for", value)
 }

@@ -1,0 +1,142 @@
+//! Header handling on the way through: hop-by-hop headers, `X-Forwarded-For`, and reading the
+//! target of an absolute-form (forward-proxy) request.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderName};
+use http::HeaderValue;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::*;
+use pingora::ErrorType;
+
+/// The hop-by-hop headers of RFC 9110 §7.6.1 that sluice removes, besides those `Connection`
+/// names.
+static HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::UPGRADE,
+];
+
+/// Pingora's request and response heads keep a case map beside their `HeaderMap`, so headers
+/// must be removed through their own methods.
+pub(crate) trait HeaderEdit {
+    fn header_map(&self) -> &http::HeaderMap;
+    fn remove(&mut self, name: &str);
+}
+
+impl HeaderEdit for RequestHeader {
+    fn header_map(&self) -> &http::HeaderMap {
+        &self.headers
+    }
+    fn remove(&mut self, name: &str) {
+        self.remove_header(name);
+    }
+}
+
+impl HeaderEdit for ResponseHeader {
+    fn header_map(&self) -> &http::HeaderMap {
+        &self.headers
+    }
+    fn remove(&mut self, name: &str) {
+        self.remove_header(name);
+    }
+}
+
+/// Removes the hop-by-hop headers of RFC 9110 §7.6.1, including those named in `Connection`.
+/// `Transfer-Encoding` and `Trailer` are left to Pingora, which owns message framing.
+pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
+    // Cloning a parsed HeaderValue bumps a reference count; it does not copy.
+    if let Some(listed) = head.header_map().get(header::CONNECTION).cloned() {
+        if let Ok(listed) = listed.to_str() {
+            for name in listed.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
+                    || name.eq_ignore_ascii_case("trailer");
+                if !is_framing {
+                    head.remove(name);
+                }
+            }
+        }
+    }
+    for name in &HOP_BY_HOP {
+        if head.header_map().contains_key(name) {
+            head.remove(name.as_str());
+        }
+    }
+}
+
+/// Splits the authority and path out of an absolute-form request target.
+pub(crate) fn absolute_form(raw: &[u8]) -> Option<(http::uri::Authority, http::uri::PathAndQuery)> {
+    if !(raw.starts_with(b"http://") || raw.starts_with(b"https://")) {
+        return None;
+    }
+    let uri = http::Uri::try_from(raw).ok()?;
+    let parts = uri.into_parts();
+    let path = parts
+        .path_and_query
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    Some((parts.authority?, path))
+}
+
+pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
+    use std::io::Write;
+    // One buffer, written in place and handed to the header without another copy.
+    let prior = upstream
+        .headers
+        .get("x-forwarded-for")
+        .map(HeaderValue::as_bytes);
+    let mut value = Vec::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
+    if let Some(prior) = prior {
+        value.extend_from_slice(prior);
+        value.extend_from_slice(b", ");
+    }
+    let _ = write!(value, "{ip}");
+    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
+        .or_err(ErrorType::InvalidHTTPHeader, "x-forwarded-for")?;
+    upstream.insert_header("x-forwarded-for", value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absolute_form_targets_are_split() {
+        let (authority, path) = absolute_form(b"http://api.test:8080/v1/x?q=1").unwrap();
+        assert_eq!(authority.as_str(), "api.test:8080");
+        assert_eq!(path.as_str(), "/v1/x?q=1");
+        let (_, root) = absolute_form(b"https://api.test").unwrap();
+        assert_eq!(root.as_str(), "/");
+        assert!(absolute_form(b"/v1/x").is_none());
+    }
+
+    #[test]
+    fn hop_by_hop_headers_go_and_framing_stays() {
+        let mut req = RequestHeader::build("GET", b"/", None).unwrap();
+        for (k, v) in [
+            ("connection", "keep-alive, x-private, transfer-encoding"),
+            ("x-private", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic x"),
+            ("transfer-encoding", "chunked"),
+            ("x-kept", "yes"),
+        ] {
+            req.insert_header(k, v).unwrap();
+        }
+        strip_hop_by_hop(&mut req);
+        let mut left: Vec<&str> = req.headers.keys().map(|k| k.as_str()).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["transfer-encoding", "x-kept"]);
+    }
+
+    #[test]
+    fn forwarded_for_is_appended() {
+        let mut req = RequestHeader::build("GET", b"/", None).unwrap();
+        append_forwarded_for(&mut req, "10.0.0.1".parse().unwrap()).unwrap();
+        append_forwarded_for(&mut req, "::1".parse().unwrap()).unwrap();
+        assert_eq!(req.headers["x-forwarded-for"], "10.0.0.1, ::1");
+    }
+}
