@@ -28,7 +28,10 @@ static ACCESS: OnceLock<(NonBlocking, LogFormat)> = OnceLock::new();
 /// Installs the global subscriber. `RUST_LOG` overrides the default filter, which keeps
 /// Pingora's own chatter to warnings.
 pub fn init(format: LogFormat) {
-    let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
+    // The writer thread drains its queue, then flushes: buffered, the lines of a busy moment
+    // leave in one write(2) instead of one each, and a quiet gateway still writes at once.
+    let stderr = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
+    let (writer, guard) = tracing_appender::non_blocking(stderr);
     *GUARD.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
     let _ = ACCESS.set((writer.clone(), format));
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
