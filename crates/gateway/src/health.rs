@@ -115,11 +115,6 @@ impl HealthSupervisor {
         }
     }
 
-    /// Number of running check tasks.
-    pub fn running(&self) -> usize {
-        self.running.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
     /// Makes the running checks match `table`. Before the health service has started this does
     /// nothing: the service applies the table in force when it starts.
     pub fn apply(&self, table: &Table) {

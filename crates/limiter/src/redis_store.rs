@@ -220,11 +220,6 @@ impl RedisStore {
         }
     }
 
-    /// The script's SHA1, as Redis knows it.
-    pub fn script_sha(&self) -> &str {
-        self.script.get_hash()
-    }
-
     /// The keys of one quota key: the helper hash, then one log per window.
     pub fn keys(&self, route: &str, key: &str, windows: &[crate::Window]) -> Vec<String> {
         let mut keys = Vec::with_capacity(1 + windows.len());
