@@ -11,21 +11,18 @@ use serde_json::json;
 
 use std::collections::HashMap;
 
-use sluice_allocator::AssignmentStore;
-use sluice_limiter::QuotaStore;
+use sluice_state::StateStore;
 
 use crate::config::Selection;
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
-use crate::server::Stores;
 use crate::table::Table;
 
 /// Serves the admin endpoints on `admin.listen`.
 pub struct AdminApi {
     table: Arc<ArcSwap<Table>>,
     metrics: Arc<Metrics>,
-    quotas: Arc<dyn QuotaStore>,
-    allocator: Arc<dyn AssignmentStore>,
+    state: Arc<dyn StateStore>,
     reloader: Arc<Reloader>,
 }
 
@@ -34,14 +31,13 @@ impl AdminApi {
     pub fn new(
         table: Arc<ArcSwap<Table>>,
         metrics: Arc<Metrics>,
-        stores: &Stores,
+        state: Arc<dyn StateStore>,
         reloader: Arc<Reloader>,
     ) -> AdminApi {
         AdminApi {
             table,
             metrics,
-            quotas: stores.quotas.clone(),
-            allocator: stores.allocator.clone(),
+            state,
             reloader,
         }
     }
@@ -73,7 +69,7 @@ impl AdminApi {
         for r in &table.routes {
             let least_used = r.selection == Selection::LeastUsed;
             let counts: Option<HashMap<String, u64>> = if least_used {
-                self.allocator
+                self.state
                     .counts(&r.name)
                     .await
                     .ok()
@@ -106,7 +102,11 @@ impl AdminApi {
                 .collect();
             routes.push(json!({
                 "name": &*r.name,
-                "selection": if least_used { "least_used" } else { "round_robin" },
+                "selection": match r.selection {
+                    Selection::RoundRobin => "round_robin",
+                    Selection::LeastUsed => "least_used",
+                    Selection::Priority => "priority",
+                },
                 "members": members,
                 "quota": quota,
             }));
@@ -145,7 +145,7 @@ impl ServeHttp for AdminApi {
             // A config is loaded by the time this service listens; what is left to check is
             // the store (always ready in memory, a PING for Redis).
             (true, "/readyz") => {
-                if self.quotas.ready().await {
+                if self.state.ready().await {
                     reply(StatusCode::OK, "text/plain", "ready\n")
                 } else {
                     reply(

@@ -474,6 +474,8 @@ pub enum Selection {
     RoundRobin,
     /// The eligible member with the fewest assignments across every instance.
     LeastUsed,
+    /// The first healthy member in list order; later members are backups.
+    Priority,
 }
 
 /// What a least-used member's count becomes when it is restored.
@@ -873,15 +875,15 @@ impl Config {
                         format!("duplicate member {:?} in this pool", member.url.url),
                     ));
                 }
-                if up.selection == Selection::LeastUsed && member.weight.is_some() {
+                if up.selection != Selection::RoundRobin && member.weight.is_some() {
                     problems.push((
                         member_at.key("weight"),
-                        "weight applies to round_robin only; least_used counts assignments"
+                        "weight applies to round_robin only; least_used counts assignments and priority follows list order"
                             .to_string(),
                     ));
                 }
             }
-            if up.selection == Selection::RoundRobin && up.on_restore.is_some() {
+            if up.selection != Selection::LeastUsed && up.on_restore.is_some() {
                 problems.push((
                     at.clone().key("upstream").key("on_restore"),
                     "on_restore applies to selection: least_used only".to_string(),

@@ -1,13 +1,17 @@
 //! sluice-gateway: the sluice egress gateway.
 //!
-//! This crate wires the policy crates into a Pingora proxy service. It owns the config
-//! ([`config`]), routing ([`router`]), the table a request runs on ([`table`]), the
-//! `ProxyHttp` implementation ([`proxy`]), the admin API ([`admin`]), health probes over
-//! Pingora's connector ([`health`]) and process life ([`server`]). The balancer knows nothing
-//! of Pingora; this crate is the only place the two meet.
+//! This crate wires the policy crates into a Pingora proxy service; it is the only place they
+//! meet Pingora. A request reads top to bottom in [`request`]: admission (route, quota and
+//! first member, decided by the route's selection policy), forwarding, answers and
+//! accounting. Around it:
+//! - [`config`]: the YAML schema and its validation; [`router`]: request → route;
+//! - [`table`]: a config made ready to serve, swapped whole on reload ([`reload`]);
+//! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
+//! - [`health`]: member health, its carry-over across reloads, and active checks;
+//! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
+//! - [`server`]: process life.
 
 pub mod admin;
-mod admission;
 pub mod config;
 pub mod demo;
 pub mod headers;
@@ -15,8 +19,10 @@ pub mod health;
 pub mod logging;
 pub mod metrics;
 pub mod problem;
-pub mod proxy;
+pub mod quota;
 pub mod reload;
+pub mod request;
 pub mod router;
 pub mod server;
+pub mod state;
 pub mod table;

@@ -73,7 +73,13 @@ fn main() -> ExitCode {
         ConfigSource::File(path) => Some(path.to_path_buf()),
         ConfigSource::Embedded => None,
     };
-    server::run(config, bytes, file);
+    let result = server::run(config, bytes, file);
     logging::flush();
-    ExitCode::SUCCESS
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("sluice: {error}");
+            ExitCode::from(1)
+        }
+    }
 }

@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use notify::{EventKind, RecursiveMode, Watcher};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use sluice_allocator::AssignmentStore;
+use sluice_state::StateStore;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::config::Config;
@@ -31,7 +31,7 @@ pub struct Reloader {
     source: Option<PathBuf>,
     table: Arc<ArcSwap<Table>>,
     metrics: Arc<Metrics>,
-    allocator: Arc<dyn AssignmentStore>,
+    state: Arc<dyn StateStore>,
     supervisor: Arc<HealthSupervisor>,
     last_error: Mutex<Option<String>>,
     one_at_a_time: tokio::sync::Mutex<()>,
@@ -43,14 +43,14 @@ impl Reloader {
         source: Option<PathBuf>,
         table: Arc<ArcSwap<Table>>,
         metrics: Arc<Metrics>,
-        allocator: Arc<dyn AssignmentStore>,
+        state: Arc<dyn StateStore>,
         supervisor: Arc<HealthSupervisor>,
     ) -> Reloader {
         Reloader {
             source,
             table,
             metrics,
-            allocator,
+            state,
             supervisor,
             last_error: Mutex::new(None),
             one_at_a_time: tokio::sync::Mutex::new(()),
@@ -104,7 +104,7 @@ impl Reloader {
             Ok(config) => config,
             Err(errors) => return Err(self.failed(trigger, errors.to_string())),
         };
-        let new = Table::build(&config, &bytes, &self.metrics, &self.allocator, Some(&old)).await;
+        let new = Table::build(&config, &bytes, &self.metrics, &self.state, Some(&old)).await;
         if new.settings.needs_restart_for(&old.settings) {
             tracing::warn!(
                 target: "sluice::reload",
@@ -149,7 +149,7 @@ fn forget_departed(metrics: &Metrics, old: &Table, new: &Table) {
     for route in &old.routes {
         let kept = by_name.get(&*route.name);
         for member in route.pool.members() {
-            let still = kept.is_some_and(|k| k.index_of.contains_key(&member.id));
+            let still = kept.is_some_and(|k| k.pool.members().iter().any(|m| m.id == member.id));
             if !still {
                 let _ = metrics
                     .member_healthy

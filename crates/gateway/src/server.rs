@@ -16,14 +16,11 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::AdminApi;
-use sluice_allocator::{AssignmentStore, MemoryAllocator, RedisAllocator};
-use sluice_limiter::{MemoryStore, QuotaStore, RedisConnection, RedisStore};
-
-use crate::config::{Config, ConfigErrors, StateBackend};
+use crate::config::{Config, ConfigErrors};
 use crate::health::{HealthChecks, HealthSupervisor};
 use crate::metrics::Metrics;
-use crate::proxy::Gateway;
 use crate::reload::{ReloadTriggers, Reloader};
+use crate::request::Gateway;
 use crate::table::Table;
 
 /// The longest a graceful stop waits for requests in flight before it cuts them.
@@ -49,30 +46,25 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 }
 
 /// Runs the gateway in the foreground until SIGTERM or SIGINT, then drains and returns.
-/// Must not be called from inside a tokio runtime: Pingora makes its own.
-pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) {
+/// Must not be called from inside a tokio runtime: Pingora makes its own. An error means the
+/// gateway could not start.
+pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
-    let stores = Stores::for_config(&config);
+    let state = crate::state::open(&config)?;
     // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
     // starts its own.
     let table = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a tokio runtime")
-        .block_on(Table::build(
-            &config,
-            &bytes,
-            &metrics,
-            &stores.allocator,
-            None,
-        ));
+        .block_on(Table::build(&config, &bytes, &metrics, &state, None));
     let table = Arc::new(ArcSwap::from_pointee(table));
     let supervisor = Arc::new(HealthSupervisor::new());
     let reloader = Arc::new(Reloader::new(
         source,
         table.clone(),
         metrics.clone(),
-        stores.allocator.clone(),
+        state.clone(),
         supervisor.clone(),
     ));
     let in_flight = Arc::new(AtomicUsize::new(0));
@@ -106,7 +98,12 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
-    let gateway = Gateway::new(table.clone(), metrics.clone(), in_flight.clone(), &stores);
+    let gateway = Gateway::new(
+        table.clone(),
+        metrics.clone(),
+        in_flight.clone(),
+        state.clone(),
+    );
     let mut proxy = pingora::proxy::http_proxy_service_with_name(
         &server.configuration,
         gateway,
@@ -125,7 +122,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) {
 
     let mut admin = Service::new(
         "sluice admin".to_string(),
-        AdminApi::new(table.clone(), metrics.clone(), &stores, reloader.clone()),
+        AdminApi::new(table.clone(), metrics.clone(), state, reloader.clone()),
     );
     admin.add_tcp(&config.admin.listen.0.to_string());
     admin.threads = Some(1);
@@ -160,56 +157,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) {
     server.run(RunArgs {
         shutdown_signal: Box::new(StopSignals { stop: stop_tx }),
     });
-}
-
-/// The state stores the config asks for. With Redis, the quota store and the allocator share
-/// one multiplexed connection; in memory, the allocator decides a least-used route's quota in
-/// the same store the quota path uses. The Redis client connects lazily, so the gateway starts
-/// (and applies each route's `on_store_error`) even while Redis is down.
-pub struct Stores {
-    /// Sliding-window quotas.
-    pub quotas: Arc<dyn QuotaStore>,
-    /// Least-used assignment counts.
-    pub allocator: Arc<dyn AssignmentStore>,
-}
-
-impl Stores {
-    /// The stores for `config`.
-    pub fn for_config(config: &Config) -> Stores {
-        match (&config.state.backend, &config.state.redis) {
-            (StateBackend::Redis, Some(redis)) => {
-                let connection = match &redis.cluster {
-                    Some(nodes) => {
-                        let nodes: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
-                        RedisConnection::cluster(&nodes, redis.timeout.0)
-                    }
-                    None => {
-                        let url = redis.url.as_ref().map(|u| u.0.as_str()).unwrap_or_default();
-                        RedisConnection::new(url, redis.timeout.0)
-                    }
-                };
-                let connection = match connection {
-                    Ok(c) => Arc::new(c),
-                    // Validation accepted the URL, so this is a client-side bug; fail loudly.
-                    Err(e) => panic!("cannot create the Redis client: {e}"),
-                };
-                Stores {
-                    quotas: Arc::new(RedisStore::with_connection(
-                        connection.clone(),
-                        &redis.key_prefix,
-                    )),
-                    allocator: Arc::new(RedisAllocator::new(connection, &redis.key_prefix)),
-                }
-            }
-            _ => {
-                let memory = Arc::new(MemoryStore::new());
-                Stores {
-                    quotas: memory.clone(),
-                    allocator: Arc::new(MemoryAllocator::new(memory)),
-                }
-            }
-        }
-    }
+    Ok(())
 }
 
 /// Turns SIGTERM and SIGINT into Pingora's graceful terminate (its own default makes SIGINT a

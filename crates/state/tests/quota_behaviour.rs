@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_limiter::{
-    Acquire, MemoryStore, Outcome, QuotaStore, RedisStore, RedisStoreConfig, Window, WindowState,
+use sluice_state::{
+    Acquire, MemoryStore, Outcome, RedisStore, RedisStoreConfig, StateStore, Window, WindowState,
 };
 use sluice_testkit::RedisServer;
 
@@ -154,7 +154,7 @@ fn trace(seed: u64, len: usize) -> Vec<Step> {
 
 /// Replays a trace on `store` and the model; returns (mismatches, admitted, refused).
 async fn replay(
-    store: &dyn QuotaStore,
+    store: &dyn StateStore,
     route: &str,
     seed: u64,
     len: usize,
@@ -190,7 +190,7 @@ async fn replay(
     (mismatches, admitted, refused)
 }
 
-async fn suite(store: &dyn QuotaStore, name: &str) {
+async fn suite(store: &dyn StateStore, name: &str) {
     for seed in [7, 1234] {
         let (mismatches, admitted, refused) =
             replay(store, &format!("trace{seed}"), seed, 10_000).await;
@@ -227,7 +227,7 @@ async fn redis_store_matches_the_model() {
 }
 
 /// Scenario checks that read better spelled out than as a trace; both stores.
-async fn scenarios(store: &dyn QuotaStore) {
+async fn scenarios(store: &dyn StateStore) {
     let w = vec![Window {
         name: "w".into(),
         limit: 10,
@@ -292,8 +292,8 @@ async fn scenarios_hold_for_redis() {
 async fn all_windows_or_none() {
     let server = RedisServer::start();
     for store in [
-        Arc::new(MemoryStore::new()) as Arc<dyn QuotaStore>,
-        Arc::new(redis_store(&server)) as Arc<dyn QuotaStore>,
+        Arc::new(MemoryStore::new()) as Arc<dyn StateStore>,
+        Arc::new(redis_store(&server)) as Arc<dyn StateStore>,
     ] {
         let w = windows();
         let ask = |cost, at| Acquire {
@@ -320,7 +320,7 @@ async fn all_windows_or_none() {
 async fn redis_cluster_store_matches_the_model() {
     let cluster = sluice_testkit::RedisCluster::start();
     let connection =
-        sluice_limiter::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+        sluice_state::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
     let store = RedisStore::with_connection(Arc::new(connection), "sluice");
     suite(&store, "cluster").await;
     scenarios(&store).await;

@@ -1,4 +1,5 @@
-//! The in-process store: the same sliding logs as the Redis script, on a monotonic clock.
+//! Sliding-window quota logs in process: the same logs as the Redis script keeps, on a
+//! monotonic clock. Part of [`crate::MemoryStore`].
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
@@ -7,9 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use async_trait::async_trait;
-
-use crate::{Acquire, Outcome, QuotaStore, StoreError, WindowState};
+use crate::{Acquire, Outcome, WindowState};
 
 /// Independent shards, so that requests for different keys rarely meet on a lock.
 const SHARDS: usize = 64;
@@ -70,24 +69,24 @@ struct Shard {
     routes: HashMap<Arc<str>, HashMap<Box<str>, KeyState>>,
 }
 
-/// Quotas for a single gateway instance.
+/// Every quota log of one gateway instance.
 #[derive(Debug)]
-pub struct MemoryStore {
+pub(crate) struct QuotaLogs {
     shards: Box<[Mutex<Shard>]>,
     epoch: Instant,
     calls: AtomicU64,
 }
 
-impl Default for MemoryStore {
+impl Default for QuotaLogs {
     fn default() -> Self {
-        MemoryStore::new()
+        QuotaLogs::new()
     }
 }
 
-impl MemoryStore {
-    /// An empty store.
-    pub fn new() -> MemoryStore {
-        MemoryStore {
+impl QuotaLogs {
+    /// No logs yet.
+    pub(crate) fn new() -> QuotaLogs {
+        QuotaLogs {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             epoch: Instant::now(),
             calls: AtomicU64::new(0),
@@ -95,7 +94,7 @@ impl MemoryStore {
     }
 
     /// Number of quota keys held, across all routes (for tests and status).
-    pub fn keys(&self) -> usize {
+    pub(crate) fn keys(&self) -> usize {
         self.shards
             .iter()
             .map(|s| {
@@ -112,14 +111,21 @@ impl MemoryStore {
         &self.shards[(h.finish() as usize) % self.shards.len()]
     }
 
-    /// The decision, synchronously: the memory store never waits on anything but its lock.
-    pub fn decide(&self, req: Acquire<'_>) -> Outcome {
-        self.decide_with(req, true)
+    /// Decides on one request and records it if admitted.
+    pub(crate) fn decide(&self, req: Acquire<'_>) -> Outcome {
+        self.decide_then(req, || Some(())).0
     }
 
-    /// The decision; with `record: false` an admissible request is reported but not recorded,
-    /// for callers that still have to find it a member.
-    pub fn decide_with(&self, req: Acquire<'_>, record: bool) -> Outcome {
+    /// Decides on one request; when every window admits it, asks `then` (under the key's lock,
+    /// so nothing can slip in between) and records the request only if `then` returns `Some`.
+    /// This is how a least-used assignment and its quota become one atomic step: the quota is
+    /// never charged for a request that found no member, and never left uncharged for one
+    /// that did.
+    pub(crate) fn decide_then<T>(
+        &self,
+        req: Acquire<'_>,
+        then: impl FnOnce() -> Option<T>,
+    ) -> (Outcome, Option<T>) {
         let now = req
             .at_us
             .unwrap_or_else(|| self.epoch.elapsed().as_micros() as u64);
@@ -143,11 +149,16 @@ impl MemoryStore {
             Some(state) => state,
             None => keys.entry(req.key.into()).or_default(),
         };
-        decide(state, &req, now, record)
+        decide(state, &req, now, then)
     }
 }
 
-fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64, record: bool) -> Outcome {
+fn decide<T>(
+    state: &mut KeyState,
+    req: &Acquire<'_>,
+    now: u64,
+    then: impl FnOnce() -> Option<T>,
+) -> (Outcome, Option<T>) {
     state.last_us = now;
     state.longest_us = req.windows.iter().map(|w| w.length_us).max().unwrap_or(0);
     // Windows are few; a linear search by name keeps state across config reloads that
@@ -182,6 +193,8 @@ fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64, record: bool) -> Ou
             retry_after_us = retry_after_us.max(wait);
         }
     }
+    let taken = if admitted { then() } else { None };
+    let record = taken.is_some();
     for w in req.windows {
         let log = &mut state
             .logs
@@ -189,7 +202,7 @@ fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64, record: bool) -> Ou
             .find(|(name, _)| *name == w.name)
             .expect("added above")
             .1;
-        if admitted && record {
+        if record {
             log.entries.push_back(Entry {
                 at_us: now,
                 cost: req.cost,
@@ -204,11 +217,12 @@ fn decide(state: &mut KeyState, req: &Acquire<'_>, now: u64, record: bool) -> Ou
                 .map_or(0, |e| (e.at_us + w.length_us).saturating_sub(now)),
         });
     }
-    Outcome {
+    let outcome = Outcome {
         admitted,
         retry_after_us,
         windows,
-    }
+    };
+    (outcome, taken)
 }
 
 /// Drops keys whose every entry has left its window.
@@ -217,13 +231,6 @@ fn sweep(shard: &mut Shard, now: u64) {
         keys.retain(|_, s| s.last_us + s.longest_us > now);
     }
     shard.routes.retain(|_, keys| !keys.is_empty());
-}
-
-#[async_trait]
-impl QuotaStore for MemoryStore {
-    async fn acquire(&self, request: Acquire<'_>) -> Result<Outcome, StoreError> {
-        Ok(self.decide(request))
-    }
 }
 
 #[cfg(test)]
@@ -239,9 +246,40 @@ mod tests {
         }]
     }
 
+    /// What makes a least-used assignment and its quota one step: `then` runs while the key's
+    /// lock is held, so no other decision on the key can come between the check and the record.
+    #[test]
+    fn then_runs_under_the_key_lock() {
+        let logs = QuotaLogs::new();
+        let w = windows();
+        let req = Acquire {
+            route: "r",
+            key: "k",
+            windows: &w,
+            cost: 1,
+            at_us: Some(0),
+        };
+        let (outcome, held) =
+            logs.decide_then(req, || Some(logs.shard("r", "k").try_lock().is_err()));
+        assert!(outcome.admitted);
+        assert_eq!(
+            held,
+            Some(true),
+            "the key's shard is locked while `then` runs"
+        );
+        // A refused `then` records nothing.
+        let (_, none) = logs.decide_then(req, || None::<()>);
+        assert_eq!(none, None);
+        assert_eq!(
+            logs.decide(req).windows[0].remaining,
+            8,
+            "two recorded, not three"
+        );
+    }
+
     #[test]
     fn idle_keys_are_swept() {
-        let store = MemoryStore::new();
+        let store = QuotaLogs::new();
         let w = windows();
         for i in 0..100 {
             let key = format!("k{i}");

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use sluice_limiter::{Acquire, QuotaStore, RedisStore, RedisStoreConfig, StoreError, Window};
+use sluice_state::{Acquire, RedisStore, RedisStoreConfig, StateStore, StoreError, Window};
 use sluice_testkit::RedisServer;
 
 fn store(server: &RedisServer, timeout: Duration) -> RedisStore {

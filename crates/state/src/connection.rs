@@ -1,34 +1,19 @@
-//! The shared store: the quota script in Redis, one `EVALSHA` per request.
+//! The one connection to Redis that a gateway holds, and the call discipline every store
+//! operation follows: a timeout per call, and one retry after a broken connection.
 //!
-//! Every key of a route starts with `<prefix>:{<route>}:`. The hash tag puts all of a route's
-//! keys in one Redis Cluster slot, so the script, which touches several of them, runs unchanged
-//! on a cluster:
-//! - `<prefix>:{<route>}:q:<window>:<quota key>` — a window's log;
-//! - `<prefix>:{<route>}:qm:<quota key>` — the helper hash (entry sequence, running totals).
-//!
-//! All of them expire on their own once idle.
+//! A single Redis is reached through a reconnecting multiplexed connection, a cluster through
+//! the cluster client. Both connect lazily, so a gateway starts (and applies each route's
+//! `on_store_error`) while Redis is down.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script};
+use redis::RedisError;
 
-use crate::{quota_script, Acquire, Outcome, QuotaStore, StoreError, WindowState};
-
-/// How to reach Redis.
-#[derive(Debug, Clone)]
-pub struct RedisStoreConfig {
-    /// `redis://host:port/db`.
-    pub url: String,
-    /// First part of every key.
-    pub key_prefix: String,
-    /// Time allowed for one call, retry included; past it the caller's policy applies.
-    pub timeout: Duration,
-}
+use crate::StoreError;
 
 /// A connection to a single Redis or to a Redis Cluster. The cluster connection follows
 /// `MOVED` and `ASK`, routes each script call by its keys' slot, and loads a script again on
@@ -189,110 +174,6 @@ impl RedisConnection {
     }
 }
 
-/// Quotas shared by every gateway instance that uses the same Redis.
-pub struct RedisStore {
-    connection: Arc<RedisConnection>,
-    script: Script,
-    key_prefix: String,
-}
-
-impl std::fmt::Debug for RedisStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("key_prefix", &self.key_prefix)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RedisStore {
-    /// A store with a connection of its own.
-    pub fn new(config: RedisStoreConfig) -> Result<RedisStore, StoreError> {
-        let connection = Arc::new(RedisConnection::new(&config.url, config.timeout)?);
-        Ok(RedisStore::with_connection(connection, &config.key_prefix))
-    }
-
-    /// A store on a shared connection.
-    pub fn with_connection(connection: Arc<RedisConnection>, key_prefix: &str) -> RedisStore {
-        RedisStore {
-            connection,
-            script: Script::new(&quota_script()),
-            key_prefix: key_prefix.to_string(),
-        }
-    }
-
-    /// The keys of one quota key: the helper hash, then one log per window.
-    pub fn keys(&self, route: &str, key: &str, windows: &[crate::Window]) -> Vec<String> {
-        let mut keys = Vec::with_capacity(1 + windows.len());
-        keys.push(format!("{}:{{{route}}}:qm:{key}", self.key_prefix));
-        for w in windows {
-            keys.push(format!(
-                "{}:{{{route}}}:q:{}:{key}",
-                self.key_prefix, w.name
-            ));
-        }
-        keys
-    }
-}
-
 fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal()
-}
-
-/// Appends the quota arguments (cost, clock, then name, limit, length per window) as the quota
-/// library's drivers read them.
-pub fn push_quota_args(invocation: &mut redis::ScriptInvocation<'_>, req: &Acquire<'_>) {
-    invocation.arg(req.cost);
-    match req.at_us {
-        Some(t) => invocation.arg(t),
-        None => invocation.arg(""),
-    };
-    for w in req.windows {
-        invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
-    }
-}
-
-#[async_trait]
-impl QuotaStore for RedisStore {
-    async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
-        let mut invocation = self.script.prepare_invoke();
-        for key in self.keys(req.route, req.key, req.windows) {
-            invocation.key(key);
-        }
-        push_quota_args(&mut invocation, &req);
-        let reply: Vec<i64> = self
-            .connection
-            .run(|mut conn| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut conn).await }
-            })
-            .await?;
-        parse_reply(&reply, req.windows.len())
-    }
-
-    async fn ready(&self) -> bool {
-        self.connection.ping().await
-    }
-}
-
-/// Parses `{admitted, retry_after_us, remaining_i, reset_us_i...}` as the quota library replies.
-pub fn parse_reply(reply: &[i64], windows: usize) -> Result<Outcome, StoreError> {
-    if reply.len() != 2 + 2 * windows {
-        return Err(StoreError::Backend(format!(
-            "quota script returned {} values, expected {}",
-            reply.len(),
-            2 + 2 * windows
-        )));
-    }
-    let non_negative = |v: i64| v.max(0) as u64;
-    Ok(Outcome {
-        admitted: reply[0] == 1,
-        retry_after_us: non_negative(reply[1]),
-        windows: reply[2..]
-            .chunks_exact(2)
-            .map(|c| WindowState {
-                remaining: non_negative(c[0]),
-                reset_us: non_negative(c[1]),
-            })
-            .collect(),
-    })
 }

@@ -1,12 +1,12 @@
 //! One behavioural suite for both allocators: the same expectations, run against
-//! [`MemoryAllocator`] and [`RedisAllocator`] (a real `redis-server`).
+//! [`MemoryStore`] and [`RedisStore`] (a real `redis-server`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_allocator::{Assignment, AssignmentStore, MemoryAllocator, RedisAllocator};
-use sluice_limiter::{Acquire, MemoryStore, RedisConnection, Window};
+use sluice_state::{Acquire, Window};
+use sluice_state::{Assignment, MemoryStore, RedisConnection, RedisStore, StateStore};
 use sluice_testkit::RedisServer;
 
 const MEMBER_IDS: [&str; 3] = ["http://b.test", "http://a.test", "http://c.test"];
@@ -15,7 +15,7 @@ fn ids(list: &[&str]) -> Vec<Arc<str>> {
     list.iter().map(|m| Arc::from(*m)).collect()
 }
 
-async fn pick(store: &dyn AssignmentStore, route: &str, excluded: &[&str]) -> Option<String> {
+async fn pick(store: &dyn StateStore, route: &str, excluded: &[&str]) -> Option<String> {
     match store
         .assign(route, &ids(&MEMBER_IDS), excluded, None)
         .await
@@ -27,11 +27,11 @@ async fn pick(store: &dyn AssignmentStore, route: &str, excluded: &[&str]) -> Op
     }
 }
 
-async fn counts(store: &dyn AssignmentStore, route: &str) -> HashMap<String, u64> {
+async fn counts(store: &dyn StateStore, route: &str) -> HashMap<String, u64> {
     store.counts(route).await.unwrap().into_iter().collect()
 }
 
-async fn ties_go_to_the_lexically_smallest(store: &dyn AssignmentStore) {
+async fn ties_go_to_the_lexically_smallest(store: &dyn StateStore) {
     // Config order is b, a, c; ids decide.
     let order: Vec<String> = futures_join(store, "ties", 6).await;
     assert_eq!(
@@ -47,7 +47,7 @@ async fn ties_go_to_the_lexically_smallest(store: &dyn AssignmentStore) {
     );
 }
 
-async fn futures_join(store: &dyn AssignmentStore, route: &str, n: usize) -> Vec<String> {
+async fn futures_join(store: &dyn StateStore, route: &str, n: usize) -> Vec<String> {
     let mut v = Vec::new();
     for _ in 0..n {
         v.push(pick(store, route, &[]).await.unwrap());
@@ -55,7 +55,7 @@ async fn futures_join(store: &dyn AssignmentStore, route: &str, n: usize) -> Vec
     v
 }
 
-async fn n_picks_spread_evenly(store: &dyn AssignmentStore) {
+async fn n_picks_spread_evenly(store: &dyn StateStore) {
     for _ in 0..301 {
         pick(store, "spread", &[]).await.unwrap();
     }
@@ -65,12 +65,12 @@ async fn n_picks_spread_evenly(store: &dyn AssignmentStore) {
     assert_eq!(c.values().sum::<u64>(), 301);
 }
 
-async fn an_empty_pool_has_no_member(store: &dyn AssignmentStore) {
+async fn an_empty_pool_has_no_member(store: &dyn StateStore) {
     let got = store.assign("empty", &ids(&[]), &[], None).await.unwrap();
     assert_eq!(got, Assignment::NoMember { quota: None });
 }
 
-async fn down_members_are_never_chosen_and_keep_their_count(store: &dyn AssignmentStore) {
+async fn down_members_are_never_chosen_and_keep_their_count(store: &dyn StateStore) {
     for _ in 0..3 {
         pick(store, "down", &[]).await;
     }
@@ -92,7 +92,7 @@ async fn down_members_are_never_chosen_and_keep_their_count(store: &dyn Assignme
     assert_eq!(pick(store, "down", &all).await, None);
 }
 
-async fn restore_keep_resumes_the_old_count(store: &dyn AssignmentStore) {
+async fn restore_keep_resumes_the_old_count(store: &dyn StateStore) {
     pick(store, "keep", &[]).await;
     let down = ["http://a.test"];
     for _ in 0..20 {
@@ -103,7 +103,7 @@ async fn restore_keep_resumes_the_old_count(store: &dyn AssignmentStore) {
     assert!(next.iter().all(|m| m == "http://a.test"), "{next:?}");
 }
 
-async fn restore_min_gets_no_burst(store: &dyn AssignmentStore) {
+async fn restore_min_gets_no_burst(store: &dyn StateStore) {
     pick(store, "min", &[]).await;
     let down = ["http://a.test"];
     for _ in 0..20 {
@@ -130,7 +130,7 @@ async fn restore_min_gets_no_burst(store: &dyn AssignmentStore) {
     assert_eq!(counts(store, "min").await["http://b.test"], 12);
 }
 
-async fn membership_follows_the_config(store: &dyn AssignmentStore) {
+async fn membership_follows_the_config(store: &dyn StateStore) {
     for _ in 0..9 {
         pick(store, "members", &[]).await;
     }
@@ -175,7 +175,7 @@ async fn membership_follows_the_config(store: &dyn AssignmentStore) {
     }
 }
 
-async fn quota_first_and_nothing_half_done(store: &dyn AssignmentStore) {
+async fn quota_first_and_nothing_half_done(store: &dyn StateStore) {
     let windows = vec![Window {
         name: "w".into(),
         limit: 2,
@@ -223,7 +223,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn AssignmentStore) {
     assert_eq!(before.values().sum::<u64>(), 2);
 }
 
-async fn concurrent_picks_stay_within_one(store: Arc<dyn AssignmentStore>) {
+async fn concurrent_picks_stay_within_one(store: Arc<dyn StateStore>) {
     let mut tasks = Vec::new();
     for _ in 0..32 {
         let store = store.clone();
@@ -245,7 +245,57 @@ async fn concurrent_picks_stay_within_one(store: Arc<dyn AssignmentStore>) {
     assert_eq!(c.values().sum::<u64>(), 1600);
 }
 
-async fn suite(store: Arc<dyn AssignmentStore>) {
+/// Fused assignments and plain quota calls on one quota key, at once: every request admitted
+/// by either path is counted, so exactly `limit` get through. (The memory store once checked
+/// the quota, then recorded it in a second call whose answer it ignored; a plain call that
+/// slipped in between got a request assigned but never counted.)
+async fn quota_and_assignment_are_one_step(store: Arc<dyn StateStore>) {
+    const LIMIT: u64 = 300;
+    let windows: &'static [Window] = Box::leak(Box::new([Window {
+        name: "w".into(),
+        limit: LIMIT,
+        length_us: 3_600_000_000,
+    }]));
+    let q = move || Acquire {
+        route: "onestep",
+        key: "route",
+        windows,
+        cost: 1,
+        at_us: None,
+    };
+    let mut tasks = Vec::new();
+    for fused in [true, false].into_iter().cycle().take(16) {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u64;
+            for _ in 0..60 {
+                let ok = if fused {
+                    matches!(
+                        store
+                            .assign("onestep", &ids(&MEMBER_IDS), &[], Some(q()))
+                            .await
+                            .unwrap(),
+                        Assignment::Assigned { .. }
+                    )
+                } else {
+                    store.acquire(q()).await.unwrap().admitted
+                };
+                admitted += u64::from(ok);
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(admitted, LIMIT, "960 attempts against a limit of {LIMIT}");
+    let last = store.acquire(q()).await.unwrap();
+    assert!(!last.admitted);
+    assert_eq!(last.windows[0].remaining, 0);
+}
+
+async fn suite(store: Arc<dyn StateStore>) {
     ties_go_to_the_lexically_smallest(&*store).await;
     n_picks_spread_evenly(&*store).await;
     an_empty_pool_has_no_member(&*store).await;
@@ -254,17 +304,18 @@ async fn suite(store: Arc<dyn AssignmentStore>) {
     restore_min_gets_no_burst(&*store).await;
     membership_follows_the_config(&*store).await;
     quota_first_and_nothing_half_done(&*store).await;
+    quota_and_assignment_are_one_step(store.clone()).await;
     concurrent_picks_stay_within_one(store).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_allocator_behaves() {
-    suite(Arc::new(MemoryAllocator::new(Arc::new(MemoryStore::new())))).await;
+    suite(Arc::new(MemoryStore::new())).await;
 }
 
-fn redis_allocator(server: &RedisServer) -> RedisAllocator {
+fn redis_allocator(server: &RedisServer) -> RedisStore {
     let connection = RedisConnection::new(&server.url(), Duration::from_secs(2)).unwrap();
-    RedisAllocator::new(Arc::new(connection), "sluice")
+    RedisStore::with_connection(Arc::new(connection), "sluice")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -334,13 +385,13 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
 async fn redis_cluster_allocator_behaves() {
     let cluster = sluice_testkit::RedisCluster::start();
     let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
-    suite(Arc::new(RedisAllocator::new(
+    suite(Arc::new(RedisStore::with_connection(
         Arc::new(connection),
         "sluice",
     )))
     .await;
     let routes = [
-        "ties", "spread", "down", "keep", "min", "members", "fused", "busy",
+        "ties", "spread", "down", "keep", "min", "members", "fused", "busy", "onestep",
     ];
     let masters: std::collections::HashSet<u16> = routes
         .iter()
@@ -349,5 +400,86 @@ async fn redis_cluster_allocator_behaves() {
     assert!(
         masters.len() >= 2,
         "the pools span several masters: {masters:?}"
+    );
+}
+
+/// Polls a future that never waits (the memory store's never do) to completion.
+fn now<F: std::future::Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("the memory store never waits"),
+    }
+}
+
+/// The race of `quota_and_assignment_are_one_step`, made tight: two threads released together
+/// thousands of times, one assigning with the quota and one charging the same quota key
+/// directly, on a fresh key with a limit of 1 each round. Exactly one of them may win a round.
+#[test]
+fn memory_fused_assignment_and_plain_quota_never_both_win() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const ROUNDS: u64 = 20_000;
+    let store = MemoryStore::new();
+    let windows = [Window {
+        name: "w".into(),
+        limit: 1,
+        length_us: 3_600_000_000,
+    }];
+    let members = ids(&MEMBER_IDS);
+    let arrived = AtomicU64::new(0);
+    let keys: Vec<String> = (0..ROUNDS).map(|i| format!("k{i}")).collect();
+    let wins: Vec<Vec<bool>> = std::thread::scope(|s| {
+        let run = |fused: bool| {
+            let (store, windows, members, arrived, keys) =
+                (&store, &windows, &members, &arrived, &keys);
+            move || {
+                let mut won = Vec::with_capacity(ROUNDS as usize);
+                for (round, key) in keys.iter().enumerate() {
+                    arrived.fetch_add(1, Ordering::AcqRel);
+                    // Spin, for a tight start; yield now and then, so that a loaded machine
+                    // still schedules the other thread.
+                    let mut spins = 0u32;
+                    while arrived.load(Ordering::Acquire) < 2 * (round as u64 + 1) {
+                        spins += 1;
+                        if spins.is_multiple_of(256) {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    let q = Acquire {
+                        route: "race",
+                        key,
+                        windows,
+                        cost: 1,
+                        at_us: None,
+                    };
+                    won.push(if fused {
+                        matches!(
+                            now(store.assign("race", members, &[], Some(q))).unwrap(),
+                            Assignment::Assigned { .. }
+                        )
+                    } else {
+                        now(store.acquire(q)).unwrap().admitted
+                    });
+                }
+                won
+            }
+        };
+        let a = s.spawn(run(true));
+        let b = s.spawn(run(false));
+        vec![a.join().unwrap(), b.join().unwrap()]
+    });
+    let both = (0..ROUNDS as usize)
+        .filter(|&i| wins[0][i] && wins[1][i])
+        .count();
+    let neither = (0..ROUNDS as usize)
+        .filter(|&i| !wins[0][i] && !wins[1][i])
+        .count();
+    assert_eq!(
+        (both, neither),
+        (0, 0),
+        "rounds where both won (over-admission) or neither did"
     );
 }

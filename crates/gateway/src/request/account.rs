@@ -1,0 +1,66 @@
+//! Accounting: the last step of every request, whatever its fate. It writes the access-log
+//! line and the request's metrics.
+
+use http::header;
+use pingora::prelude::*;
+use pingora::proxy::Session;
+
+use super::{Failure, Gateway, RequestCtx};
+use crate::metrics::NO_ROUTE;
+
+pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ctx: &RequestCtx) {
+    let elapsed = ctx.started.elapsed();
+    let status = session
+        .response_written()
+        .map(|r| r.status.as_u16())
+        .unwrap_or(0);
+    let route_name = ctx.route.as_ref().map_or(NO_ROUTE, |r| &*r.name);
+
+    if let Some(route) = &ctx.route {
+        if let Some(member) = ctx.member() {
+            match (e, ctx.failure) {
+                (_, Some(Failure::Unreachable | Failure::NoMember)) => {}
+                (None, _) => member.attempts_ok.inc(),
+                (Some(_), _) => member.attempts_error.inc(),
+            }
+            route.duration.observe(elapsed.as_secs_f64());
+        }
+    }
+    // A status code's text is static: no allocation for the label.
+    let code = http::StatusCode::from_u16(status).ok();
+    let status_label = code.as_ref().map_or("0", |c| c.as_str());
+    gateway
+        .metrics
+        .requests
+        .with_label_values(&[route_name, status_label])
+        .inc();
+
+    let req = session.req_header();
+    let (authority, path) = match &ctx.absolute {
+        Some((a, p)) => (a.as_str(), p.path()),
+        None => (
+            req.headers
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .unwrap_or(""),
+            req.uri.path(),
+        ),
+    };
+    let member = ctx.member().map_or("", |m| m.url.url.as_str());
+    crate::logging::access(&crate::logging::AccessLine {
+        route: route_name,
+        method: req.method.as_str(),
+        authority,
+        path,
+        status,
+        member,
+        attempts: ctx.tried.count() as u32,
+        duration_ms: elapsed.as_secs_f64() * 1000.0,
+        // Our own failures say what they were; others name Pingora's error type.
+        error: match ctx.failure {
+            Some(Failure::Unreachable) => Some("upstream_unreachable"),
+            Some(Failure::NoMember) => Some("no_member"),
+            None => e.map(|e| e.etype().as_str()),
+        },
+    });
+}

@@ -1,0 +1,135 @@
+//! What the client gets back: the gateway's own problem+json answers, the fix-ups of a
+//! member's response, and — in one place — the `RateLimit` headers of
+//! draft-ietf-httpapi-ratelimit-headers.
+
+use http::{header, HeaderValue};
+use pingora::http::ResponseHeader;
+use pingora::prelude::*;
+use pingora::proxy::{FailToProxy, Session};
+use pingora::ErrorType;
+use sluice_state::{Outcome, Window};
+
+use super::{Failure, RequestCtx};
+use crate::headers::strip_hop_by_hop;
+use crate::problem::{self, Problem};
+use crate::quota::RouteQuota;
+
+/// `"<name>";q=<limit>;w=<seconds>, …` for every window. Structured-field integers have no
+/// fractions, so a window shorter than a second is announced as 1 s.
+pub(crate) fn ratelimit_policy(windows: &[Window]) -> HeaderValue {
+    let text = windows
+        .iter()
+        .map(|w| {
+            format!(
+                "\"{}\";q={};w={}",
+                w.name,
+                w.limit,
+                w.length_us.div_ceil(1_000_000)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room.
+pub(crate) fn ratelimit(quota: &RouteQuota, outcome: &Outcome) -> Option<HeaderValue> {
+    let i = outcome.tightest()?;
+    let w = outcome.windows.get(i)?;
+    let value = format!(
+        "\"{}\";r={};t={}",
+        quota.windows.get(i)?.name,
+        w.remaining,
+        w.reset_us.div_ceil(1_000_000)
+    );
+    HeaderValue::from_str(&value).ok()
+}
+
+/// Adds the route's `RateLimit-Policy` and the request's `RateLimit` to a response head.
+fn add_ratelimit(head: &mut ResponseHeader, quota: &RouteQuota, value: HeaderValue) -> Result<()> {
+    head.insert_header("ratelimit-policy", quota.policy.clone())?;
+    head.insert_header("ratelimit", value)
+}
+
+/// Sends a gateway-made answer, with the request's `RateLimit` headers when it has them.
+pub(crate) async fn problem(session: &mut Session, ctx: &mut RequestCtx, p: Problem) -> Result<()> {
+    let route = ctx.route.as_deref();
+    let (mut head, body) = problem::render(&p, route.map(|r| &*r.name));
+    if let (Some(quota), Some(value)) =
+        (route.and_then(|r| r.quota.as_deref()), ctx.ratelimit.take())
+    {
+        add_ratelimit(&mut head, quota, value)?;
+    }
+    if let Some(retry_after_ms) = p.retry_after_ms {
+        // Whole seconds, rounded up, at least 1 (SPEC §3).
+        head.insert_header(header::RETRY_AFTER, retry_after_ms.div_ceil(1000).max(1))?;
+    }
+    session.write_response_header(Box::new(head), false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+/// The 429 for a quota refusal: the first window that refused names it, and each window that
+/// refused counts it.
+pub(crate) fn quota_refusal(quota: &RouteQuota, cost: u64, outcome: &Outcome) -> Problem {
+    let mut refused_by = "";
+    for (i, w) in outcome.windows.iter().enumerate() {
+        if w.remaining < cost {
+            if let Some(counter) = quota.rejections.get(i) {
+                counter.inc();
+            }
+            if refused_by.is_empty() {
+                refused_by = quota.windows.get(i).map_or("", |w| &w.name);
+            }
+        }
+    }
+    Problem::quota_exceeded(refused_by, outcome.retry_after_us.div_ceil(1000))
+}
+
+/// Fixes up a member's response head on its way to the client.
+pub(crate) fn response_headers(response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
+    strip_hop_by_hop(response);
+    if let (Some(quota), Some(value)) = (
+        ctx.route.as_ref().and_then(|r| r.quota.as_deref()),
+        ctx.ratelimit.take(),
+    ) {
+        add_ratelimit(response, quota, value)?;
+    }
+    Ok(())
+}
+
+/// Turns a failure to proxy into the gateway's own answer, when one can still be sent.
+pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+    let attempts = ctx.tried.count() as u32;
+    let problem = match ctx.failure {
+        Some(Failure::NoMember) => Some(Problem::no_member()),
+        Some(Failure::Unreachable) if attempts > 0 => Some(Problem::unreachable(attempts)),
+        _ => match e.esource() {
+            ErrorSource::Upstream => Some(match e.etype() {
+                ErrorType::ReadTimedout | ErrorType::WriteTimedout => Problem::upstream_timeout(),
+                _ => Problem::upstream_error(),
+            }),
+            ErrorSource::Downstream => match e.etype() {
+                // The client is gone; there is nobody to answer.
+                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => None,
+                _ => Some(Problem::bad_request()),
+            },
+            _ => Some(Problem::internal()),
+        },
+    };
+    let status = match problem {
+        // Once a response has started, all we can do is cut the connection.
+        Some(p) if session.response_written().is_none() => {
+            let status = p.status;
+            if let Err(err) = self::problem(session, ctx, p).await {
+                tracing::debug!(error = %err, "could not send the error response");
+            }
+            status
+        }
+        Some(p) => p.status,
+        None => 0,
+    };
+    FailToProxy {
+        error_code: status,
+        can_reuse_downstream: false,
+    }
+}

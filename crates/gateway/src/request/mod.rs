@@ -1,0 +1,242 @@
+//! The request path of SPEC §3, top to bottom. Each Pingora hook makes one call:
+//!
+//! 1. [`admit`] (`request_filter`): find the route, then let the route's selection policy
+//!    decide the quota and the first member together — or answer 404, 405, 429 or 503;
+//! 2. [`forward::next_peer`] (`upstream_peer`): the member of this attempt, or after a connect
+//!    failure an untried one, within the route's retries;
+//! 3. `connected_to_upstream` and `fail_to_connect` report the attempt's outcome through its
+//!    [`select::Attempt`] guard. A connect failure may be retried for every method, since
+//!    nothing was sent; `error_while_proxy` forbids any retry once connected, since the
+//!    request may have reached the member, and for a paid API a replayed GET costs money
+//!    just like a replayed POST;
+//! 4. [`forward::request_headers`] and [`answer::response_headers`] fix up the heads;
+//! 5. [`answer::failure`] (`fail_to_proxy`) turns failures into problem+json answers;
+//! 6. [`account::finish`] (`logging`) writes the access log and the metrics.
+//!
+//! What a request holds is in [`RequestCtx`], and everything it holds that others wait on
+//! (the in-flight count, a down member's trial) is a guard released on drop, so a request
+//! that ends early cannot leak it.
+
+mod account;
+pub(crate) mod admit;
+pub(crate) mod answer;
+mod forward;
+pub(crate) mod select;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use http::HeaderValue;
+use pingora::modules::http::HttpModules;
+use pingora::prelude::*;
+use pingora::protocols::Digest;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::upstreams::peer::HttpPeer;
+use sluice_state::StateStore;
+
+use crate::metrics::Metrics;
+use crate::table::{Member, Route, Table};
+use select::{Attempt, Tried};
+
+/// The proxy service. Cheap to share: everything lives behind `Arc`s.
+pub struct Gateway {
+    table: Arc<ArcSwap<Table>>,
+    metrics: Arc<Metrics>,
+    in_flight: Arc<AtomicUsize>,
+    state: Arc<dyn StateStore>,
+}
+
+impl Gateway {
+    /// A gateway serving whatever table is current in `table`, with its shared state in `state`.
+    pub fn new(
+        table: Arc<ArcSwap<Table>>,
+        metrics: Arc<Metrics>,
+        in_flight: Arc<AtomicUsize>,
+        state: Arc<dyn StateStore>,
+    ) -> Self {
+        Gateway {
+            table,
+            metrics,
+            in_flight,
+            state,
+        }
+    }
+}
+
+/// Counts a request as in flight from its first hook to the drop of its context, so a graceful
+/// stop can wait for exactly the requests that started.
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn enter(count: &Arc<AtomicUsize>) -> InFlight {
+        count.fetch_add(1, Ordering::AcqRel);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why the gateway itself answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// Every eligible member failed to connect, or none was left to try.
+    Unreachable,
+    /// The pool had no eligible member for the first attempt.
+    NoMember,
+}
+
+/// Per-request state.
+pub struct RequestCtx {
+    started: Instant,
+    /// The route, on the table the request started with.
+    route: Option<Arc<Route>>,
+    /// The first member, chosen at admission; taken by the first attempt.
+    first: Option<Attempt>,
+    /// The attempt in progress.
+    current: Option<Attempt>,
+    /// Every member tried.
+    tried: Tried,
+    failure: Option<Failure>,
+    /// Path and authority of an absolute-form request (`GET http://host/path`), whose
+    /// `uri` Pingora leaves as the bare path.
+    absolute: Option<(http::uri::Authority, http::uri::PathAndQuery)>,
+    /// The `RateLimit` header value for the answer.
+    ratelimit: Option<HeaderValue>,
+    _in_flight: InFlight,
+}
+
+impl RequestCtx {
+    /// The member of the latest attempt.
+    fn member(&self) -> Option<&Member> {
+        self.route.as_ref()?.members.get(self.tried.last()?)
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            started: Instant::now(),
+            route: None,
+            first: None,
+            current: None,
+            tried: Tried::default(),
+            failure: None,
+            absolute: None,
+            ratelimit: None,
+            _in_flight: InFlight::enter(&self.in_flight),
+        }
+    }
+
+    // No compression or other downstream modules: they cost time on every request.
+    fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        admit::admit(self, session, ctx).await
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
+        forward::next_peer(self, ctx).await
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        _reused: bool,
+        _peer: &HttpPeer,
+        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
+        _digest: Option<&Digest>,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        if let Some(attempt) = &mut ctx.current {
+            attempt.connected();
+            // An earlier attempt's connect failure is no longer what happened to the request.
+            ctx.failure = None;
+        }
+        Ok(())
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        if let Some(mut attempt) = ctx.current.take() {
+            if let Some(member) = ctx.member() {
+                member.attempts_connect_failure.inc();
+            }
+            attempt.failed_to_connect();
+            // Nothing reached the member, so trying another is safe for every method.
+            // next_peer enforces the retry budget and the choice of an untried member.
+            e.set_retry(true);
+            ctx.failure = Some(Failure::Unreachable);
+        }
+        e
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        forward::request_headers(session, upstream, ctx)
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        answer::response_headers(response, ctx)
+    }
+
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
+        answer::failure(session, e, ctx).await
+    }
+
+    fn error_while_proxy(
+        &self,
+        _peer: &HttpPeer,
+        _session: &mut Session,
+        mut e: Box<Error>,
+        _ctx: &mut RequestCtx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        // Pingora's default replays idempotent requests that fail on a reused connection.
+        // Those bytes may have reached the member, so sluice never replays them.
+        e.set_retry(false);
+        e
+    }
+
+    // Failures are logged once, in the access log, with their cause.
+    fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, _error: &Error) -> bool {
+        true
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        account::finish(self, session, e, ctx);
+    }
+}

@@ -1,0 +1,120 @@
+//! `least_used`: the member with the fewest assignments across every gateway instance, picked
+//! and counted in the state store in one atomic step, fused with the route's quota.
+//!
+//! When the store cannot answer, the request falls back to round-robin in process: a store
+//! outage must not stop traffic that the quota policy lets through.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_balancer::Pool;
+use sluice_state::{Acquire, Assignment, StateStore};
+
+use super::{charge, Admission, Attempt, RoundRobin, Selector, Tried};
+
+/// Least-used over a pool whose counts live in the state store.
+pub(crate) struct LeastUsed {
+    route: Arc<str>,
+    pool: Arc<Pool>,
+    /// Every member's id, in config order, as the store takes them.
+    ids: Arc<[Arc<str>]>,
+    /// Member id → index, to map the store's answer back to a member.
+    index_of: HashMap<Arc<str>, usize>,
+    /// Whether this table's member list has been written to the store. It is done on the
+    /// route's first assignment, from the runtime that serves requests.
+    synced: AtomicBool,
+}
+
+impl LeastUsed {
+    pub(crate) fn new(route: Arc<str>, pool: Arc<Pool>) -> LeastUsed {
+        let ids: Arc<[Arc<str>]> = pool.members().iter().map(|m| m.id.clone()).collect();
+        let index_of = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (id.clone(), i))
+            .collect();
+        LeastUsed {
+            route,
+            pool,
+            ids,
+            index_of,
+            synced: AtomicBool::new(false),
+        }
+    }
+
+    /// Ids of the members that are down, for exclusion.
+    fn down_ids(&self) -> Vec<&str> {
+        self.pool
+            .down_members()
+            .iter()
+            .map(|&i| &*self.ids[i as usize])
+            .collect()
+    }
+
+    /// Writes this table's member list to the store, once per route and table.
+    async fn ensure_synced(&self, state: &dyn StateStore) {
+        if self.synced.load(Ordering::Acquire) {
+            return;
+        }
+        let down = self.down_ids();
+        if state.sync(&self.route, &self.ids, &down).await.is_ok() {
+            self.synced.store(true, Ordering::Release);
+        }
+    }
+
+    /// The attempt for a member the store named. A member this table does not know (another
+    /// instance synced a newer list a moment ago) was counted there; this request takes
+    /// round-robin instead.
+    fn attempt_for(&self, member: &str, tried: &Tried) -> Option<Attempt> {
+        match self.index_of.get(member) {
+            Some(&index) => Some(Attempt::new(self.pool.clone(), index, false)),
+            None => RoundRobin::pick(&self.pool, tried),
+        }
+    }
+}
+
+impl Selector for LeastUsed {
+    async fn admit(&self, state: &dyn StateStore, quota: Option<Acquire<'_>>) -> Admission {
+        // A passive-only pool gives a due member its trial here, as round-robin does. The
+        // quota is charged after the claim; a refusal drops the attempt, which gives the trial
+        // back.
+        if let Some(index) = self.pool.take_due_trial(Instant::now()) {
+            let trial = Attempt::new(self.pool.clone(), index, true);
+            return charge(state, quota, Some(trial)).await;
+        }
+        self.ensure_synced(state).await;
+        let down = self.down_ids();
+        match state.assign(&self.route, &self.ids, &down, quota).await {
+            Ok(Assignment::Assigned { member, quota }) => Admission::Admitted {
+                first: self.attempt_for(&member, &Tried::default()),
+                quota,
+            },
+            Ok(Assignment::NoMember { quota }) => Admission::NoMember { quota },
+            Ok(Assignment::QuotaRefused(outcome)) => Admission::QuotaRefused(outcome),
+            Err(error) => Admission::StoreFailed {
+                error,
+                first: None,
+                fallback: true,
+            },
+        }
+    }
+
+    async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
+        if tried.fallback {
+            return RoundRobin::pick(&self.pool, tried);
+        }
+        let mut excluded = self.down_ids();
+        excluded.extend(tried.iter().map(|i| &*self.ids[i]));
+        match state.assign(&self.route, &self.ids, &excluded, None).await {
+            Ok(Assignment::Assigned { member, .. }) => self.attempt_for(&member, tried),
+            Ok(_) => None,
+            Err(error) => {
+                tracing::debug!(route = %self.route, %error, "least-used retry falls back to round-robin");
+                tried.fallback = true;
+                RoundRobin::pick(&self.pool, tried)
+            }
+        }
+    }
+}

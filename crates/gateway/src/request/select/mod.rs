@@ -1,0 +1,284 @@
+//! Selection: which member a request goes to, decided together with the route's quota.
+//!
+//! Each route holds one [`Policy`], chosen once when the table is built. A policy answers two
+//! questions, both through the [`Selector`] trait:
+//! - [`Selector::admit`]: may this request go, and to which member first? The quota and the
+//!   first pick are decided together, in one store call where the policy needs the store, so
+//!   that a request is charged only when it has somewhere to go;
+//! - [`Selector::next`]: after a connect failure, which untried member next?
+//!
+//! What every policy shares lives here: [`Attempt`], the guard of one try of one member, which
+//! reports its outcome to the pool's health and gives back a down member's trial if the request
+//! ends without using it; and [`Tried`], the members a request has tried.
+//!
+//! A new policy is one new file that implements [`Selector`], plus one arm in [`Policy`].
+
+mod least_used;
+mod priority;
+mod round_robin;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_balancer::Pool;
+use sluice_state::{Acquire, Outcome, StateStore, StoreError};
+
+use crate::config::Selection;
+
+pub(crate) use least_used::LeastUsed;
+pub(crate) use priority::Priority;
+pub(crate) use round_robin::RoundRobin;
+
+/// What admission decided about a request.
+pub(crate) enum Admission {
+    /// The request goes on. `first` is its first member, when the policy picked it here; a
+    /// request without one picks in [`Selector::next`]. `quota` is the route quota's state
+    /// after charging the request.
+    Admitted {
+        first: Option<Attempt>,
+        quota: Option<Outcome>,
+    },
+    /// The route's quota refused the request; nothing was charged or assigned.
+    QuotaRefused(Outcome),
+    /// No member is eligible; nothing was charged.
+    NoMember { quota: Option<Outcome> },
+    /// The store failed; the route's `on_store_error` decides. `first` is the member already
+    /// chosen in process, if any; `fallback` tells that selection itself fell back to
+    /// round-robin (least-used), which is counted apart.
+    StoreFailed {
+        error: StoreError,
+        first: Option<Attempt>,
+        fallback: bool,
+    },
+}
+
+/// What one policy does. Implementations know the route's pool; the state store and the
+/// request's quota ask are given per call.
+pub(crate) trait Selector {
+    /// Decides the quota and the first member of a request.
+    async fn admit(&self, state: &dyn StateStore, quota: Option<Acquire<'_>>) -> Admission;
+
+    /// The member of the next attempt, skipping those `tried`; `None` when none is left.
+    async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt>;
+}
+
+/// The selection policy of one route: enum dispatch, so that a request pays no allocation or
+/// virtual call to reach it.
+pub(crate) enum Policy {
+    RoundRobin(RoundRobin),
+    LeastUsed(LeastUsed),
+    Priority(Priority),
+}
+
+macro_rules! each_policy {
+    ($self:ident, $p:ident => $body:expr) => {
+        match $self {
+            Policy::RoundRobin($p) => $body,
+            Policy::LeastUsed($p) => $body,
+            Policy::Priority($p) => $body,
+        }
+    };
+}
+
+impl Policy {
+    /// The policy `selection` names, over `pool`.
+    pub(crate) fn new(selection: Selection, route: &Arc<str>, pool: &Arc<Pool>) -> Policy {
+        match selection {
+            Selection::RoundRobin => Policy::RoundRobin(RoundRobin::new(pool.clone())),
+            Selection::LeastUsed => Policy::LeastUsed(LeastUsed::new(route.clone(), pool.clone())),
+            Selection::Priority => Policy::Priority(Priority::new(pool.clone())),
+        }
+    }
+
+    pub(crate) async fn admit(
+        &self,
+        state: &dyn StateStore,
+        quota: Option<Acquire<'_>>,
+    ) -> Admission {
+        each_policy!(self, p => p.admit(state, quota).await)
+    }
+
+    pub(crate) async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
+        each_policy!(self, p => p.next(state, tried).await)
+    }
+}
+
+/// One try of one member: the request's claim on it, until the try's outcome is known.
+///
+/// A down member's single trial request is a claim on the whole member: nobody else may try
+/// it until this request reports. If the request ends first (refused by its quota, the client
+/// gone, an error before connecting), dropping the attempt gives the trial back, so the member
+/// is tried again by the next request rather than waiting forever.
+pub(crate) struct Attempt {
+    pool: Arc<Pool>,
+    index: usize,
+    trial: bool,
+    settled: bool,
+}
+
+impl Attempt {
+    pub(crate) fn new(pool: Arc<Pool>, index: usize, trial: bool) -> Attempt {
+        Attempt {
+            pool,
+            index,
+            trial,
+            settled: false,
+        }
+    }
+
+    /// The member's index in the route's pool.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The connection is made: the member is reachable, which is all passive health asks.
+    pub(crate) fn connected(&mut self) {
+        if !self.settled {
+            self.settled = true;
+            self.pool.report_success(self.index);
+        }
+    }
+
+    /// The connection failed or timed out: nothing was sent, so another member may be tried.
+    pub(crate) fn failed_to_connect(&mut self) {
+        if !self.settled {
+            self.settled = true;
+            self.pool.report_connect_failure(self.index, Instant::now());
+        }
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if self.trial && !self.settled {
+            self.pool.release_trial(self.index, Instant::now());
+        }
+    }
+}
+
+/// The members a request has tried, and whether its least-used selection fell back to
+/// round-robin. Retries are few, so a small inline array avoids an allocation per request;
+/// past it, the oldest entries are forgotten, which at worst lets a very long retry chain
+/// revisit a member that the pool has meanwhile marked down anyway.
+#[derive(Default)]
+pub(crate) struct Tried {
+    members: [u32; 8],
+    len: usize,
+    /// The least-used store failed for this request: it goes on with round-robin.
+    pub(crate) fallback: bool,
+}
+
+impl Tried {
+    pub(crate) fn push(&mut self, index: usize) {
+        self.members[self.len % self.members.len()] = index as u32;
+        self.len += 1;
+    }
+
+    pub(crate) fn contains(&self, index: usize) -> bool {
+        self.members[..self.len.min(self.members.len())].contains(&(index as u32))
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.members[..self.len.min(self.members.len())]
+            .iter()
+            .map(|&i| i as usize)
+    }
+
+    /// The member of the latest attempt.
+    pub(crate) fn last(&self) -> Option<usize> {
+        let n = self.members.len();
+        (self.len > 0).then(|| self.members[(self.len - 1) % n] as usize)
+    }
+
+    /// How many attempts were made.
+    pub(crate) fn count(&self) -> usize {
+        self.len
+    }
+}
+
+/// Charges the route quota for a member already chosen in process; gives the member back (by
+/// dropping the attempt) when the quota refuses or fails.
+pub(crate) async fn charge(
+    state: &dyn StateStore,
+    quota: Option<Acquire<'_>>,
+    attempt: Option<Attempt>,
+) -> Admission {
+    let Some(first) = attempt else {
+        return Admission::NoMember { quota: None };
+    };
+    let Some(ask) = quota else {
+        return Admission::Admitted {
+            first: Some(first),
+            quota: None,
+        };
+    };
+    match state.acquire(ask).await {
+        Ok(outcome) if outcome.admitted => Admission::Admitted {
+            first: Some(first),
+            quota: Some(outcome),
+        },
+        Ok(outcome) => Admission::QuotaRefused(outcome),
+        Err(error) => Admission::StoreFailed {
+            error,
+            first: Some(first),
+            fallback: false,
+        },
+    }
+    // A refused request drops `first` here, which gives back a claimed trial.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_balancer::{HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Transition};
+    use std::time::Duration;
+
+    struct Quiet;
+    impl HealthObserver for Quiet {
+        fn health_changed(&self, _: &MemberSpec, _: Transition, _: &'static str) {}
+    }
+
+    /// A passive-only pool of one member, down and due for its trial.
+    fn pool_with_a_due_trial() -> Arc<Pool> {
+        let policy = HealthPolicy {
+            passive_fall: 1,
+            cooldown: Duration::ZERO,
+            active: None,
+        };
+        let pool = Arc::new(Pool::new(
+            vec![MemberSpec {
+                id: "m".into(),
+                weight: 1,
+                health: Arc::new(MemberHealth::new()),
+            }],
+            policy,
+            Arc::new(Quiet),
+        ));
+        pool.report_connect_failure(0, Instant::now());
+        pool
+    }
+
+    #[test]
+    fn a_dropped_attempt_gives_its_trial_back() {
+        let pool = pool_with_a_due_trial();
+        let index = pool
+            .take_due_trial(Instant::now())
+            .expect("the trial is due");
+        drop(Attempt::new(pool.clone(), index, true));
+        assert_eq!(
+            pool.take_due_trial(Instant::now()),
+            Some(0),
+            "the next request gets the trial"
+        );
+    }
+
+    #[test]
+    fn a_settled_attempt_keeps_its_outcome() {
+        let pool = pool_with_a_due_trial();
+        let index = pool.take_due_trial(Instant::now()).unwrap();
+        let mut attempt = Attempt::new(pool.clone(), index, true);
+        attempt.connected();
+        drop(attempt);
+        assert_eq!(pool.healthy_count(), 1, "the trial succeeded");
+    }
+}

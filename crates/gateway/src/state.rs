@@ -1,0 +1,32 @@
+//! Opens the state store the config asks for: in memory, or shared through Redis (a single
+//! Redis or a Redis Cluster).
+
+use std::sync::Arc;
+
+use sluice_state::{MemoryStore, RedisConnection, RedisStore, StateStore};
+
+use crate::config::{Config, StateBackend};
+
+/// The state store for `config`. The Redis client connects lazily, so the gateway starts (and
+/// applies each route's `on_store_error`) even while Redis is down; only a URL the client
+/// cannot use at all is an error here.
+pub fn open(config: &Config) -> Result<Arc<dyn StateStore>, String> {
+    let (StateBackend::Redis, Some(redis)) = (&config.state.backend, &config.state.redis) else {
+        return Ok(Arc::new(MemoryStore::new()));
+    };
+    let connection = match &redis.cluster {
+        Some(nodes) => {
+            let nodes: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
+            RedisConnection::cluster(&nodes, redis.timeout.0)
+        }
+        None => {
+            let url = redis.url.as_ref().map(|u| u.0.as_str()).unwrap_or_default();
+            RedisConnection::new(url, redis.timeout.0)
+        }
+    }
+    .map_err(|e| format!("cannot use the Redis of state.redis: {e}"))?;
+    Ok(Arc::new(RedisStore::with_connection(
+        Arc::new(connection),
+        &redis.key_prefix,
+    )))
+}

@@ -1,0 +1,75 @@
+//! The Redis key schema (SPEC §6), in one place.
+//!
+//! Every key of a route starts with `<prefix>:{<route>}:`. The hash tag puts all of a route's
+//! keys in one Redis Cluster slot, so a script that touches several of them (the quota's logs
+//! and the pool, in the fused call) runs unchanged on a cluster:
+//! - `…:pool` — the least-used sorted set;
+//! - `…:q:<window>:<quota key>` — a window's log;
+//! - `…:qm:<quota key>` — the quota key's helper hash (entry sequence, running totals).
+//!
+//! Quota logs and helpers expire on their own once idle.
+
+use crate::Window;
+
+/// Names the keys of every route under one prefix.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    /// Keys under `prefix` (`state.redis.key_prefix`).
+    pub fn new(prefix: &str) -> Keys {
+        Keys {
+            prefix: prefix.to_string(),
+        }
+    }
+
+    /// The least-used pool of `route`.
+    pub fn pool(&self, route: &str) -> String {
+        format!("{}:{{{route}}}:pool", self.prefix)
+    }
+
+    /// The helper hash of one quota key.
+    pub fn quota_meta(&self, route: &str, key: &str) -> String {
+        format!("{}:{{{route}}}:qm:{key}", self.prefix)
+    }
+
+    /// The log of one window of one quota key.
+    pub fn quota_log(&self, route: &str, window: &str, key: &str) -> String {
+        format!("{}:{{{route}}}:q:{window}:{key}", self.prefix)
+    }
+
+    /// The keys the quota scripts take, in their order: the helper hash, then one log per window.
+    pub fn quota(&self, route: &str, key: &str, windows: &[Window]) -> Vec<String> {
+        let mut keys = Vec::with_capacity(2 + windows.len());
+        keys.push(self.quota_meta(route, key));
+        keys.extend(windows.iter().map(|w| self.quota_log(route, &w.name, key)));
+        keys
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_of_a_route_shares_its_hash_tag() {
+        let keys = Keys::new("sluice");
+        let w = [Window {
+            name: "burst".into(),
+            limit: 1,
+            length_us: 1,
+        }];
+        let mut all = keys.quota("api", "tenant-a", &w);
+        all.push(keys.pool("api"));
+        assert_eq!(
+            all,
+            [
+                "sluice:{api}:qm:tenant-a",
+                "sluice:{api}:q:burst:tenant-a",
+                "sluice:{api}:pool"
+            ]
+        );
+    }
+}

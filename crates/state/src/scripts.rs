@@ -1,0 +1,212 @@
+//! The Lua scripts in `lua/`, and the protocol the Redis backend speaks with them: how each
+//! script is assembled from its libraries, how arguments are laid out, and how replies are read.
+//!
+//! The libraries (`quota.lua`, `allocator.lua`) define functions; each driver (`*_run.lua`)
+//! is appended to the libraries it uses, so one `EVALSHA` composes several policies
+//! atomically. Replies are checked, never trusted: a reply of the wrong shape (another
+//! program's script under our SHA, a Redis proxy that mangles arrays) is a [`StoreError`], not
+//! a panic.
+
+use redis::{Script, ScriptInvocation, Value};
+
+use crate::{Acquire, Assignment, Outcome, StoreError, WindowState};
+
+/// The quota library: functions that check and record a quota.
+pub const QUOTA_LIBRARY: &str = include_str!("../../../lua/quota.lua");
+/// The least-used library: functions that pick, count, sync and restore pool members.
+pub const ALLOCATOR_LIBRARY: &str = include_str!("../../../lua/allocator.lua");
+const QUOTA_DRIVER: &str = include_str!("../../../lua/quota_run.lua");
+const ALLOCATOR_DRIVER: &str = include_str!("../../../lua/allocator_run.lua");
+const FUSED_DRIVER: &str = include_str!("../../../lua/fused_run.lua");
+
+/// The three scripts a Redis store runs.
+pub struct Scripts {
+    /// One request against one quota key.
+    pub quota: Script,
+    /// Least-used `assign`, `sync` and `restore` on one pool.
+    pub allocator: Script,
+    /// Quota and least-used assignment in one atomic call.
+    pub fused: Script,
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Scripts::new()
+    }
+}
+
+impl Scripts {
+    /// Assembles every script. Their SHAs are computed over these exact bytes.
+    pub fn new() -> Scripts {
+        Scripts {
+            quota: Script::new(&quota_source()),
+            allocator: Script::new(&format!("{ALLOCATOR_LIBRARY}\n{ALLOCATOR_DRIVER}")),
+            fused: Script::new(&format!(
+                "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{FUSED_DRIVER}"
+            )),
+        }
+    }
+}
+
+/// The source of the quota script: the library followed by its driver.
+pub fn quota_source() -> String {
+    format!("{QUOTA_LIBRARY}\n{QUOTA_DRIVER}")
+}
+
+/// Appends the quota arguments (cost, clock, then name, limit, length per window), as the quota
+/// library's drivers read them.
+pub fn push_quota_args(invocation: &mut ScriptInvocation<'_>, req: &Acquire<'_>) {
+    invocation.arg(req.cost);
+    match req.at_us {
+        Some(t) => invocation.arg(t),
+        None => invocation.arg(""),
+    };
+    for w in req.windows {
+        invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
+    }
+}
+
+/// Appends a list of excluded member ids, count first, as `pool_excluded` reads it.
+pub fn push_excluded(invocation: &mut ScriptInvocation<'_>, excluded: &[&str]) {
+    invocation.arg(excluded.len());
+    for e in excluded {
+        invocation.arg(*e);
+    }
+}
+
+/// Parses `{admitted, retry_after_us, remaining_i, reset_us_i...}` as the quota library replies.
+pub fn parse_quota(reply: &[i64], windows: usize) -> Result<Outcome, StoreError> {
+    if reply.len() != 2 + 2 * windows {
+        return Err(StoreError::Backend(format!(
+            "quota script returned {} values, expected {}",
+            reply.len(),
+            2 + 2 * windows
+        )));
+    }
+    let non_negative = |v: i64| v.max(0) as u64;
+    Ok(Outcome {
+        admitted: reply[0] == 1,
+        retry_after_us: non_negative(reply[1]),
+        windows: reply[2..]
+            .chunks_exact(2)
+            .map(|c| WindowState {
+                remaining: non_negative(c[0]),
+                reset_us: non_negative(c[1]),
+            })
+            .collect(),
+    })
+}
+
+fn unexpected(reply: &Value) -> StoreError {
+    StoreError::Backend(format!("unexpected allocator reply {reply:?}"))
+}
+
+/// `{status, member, quota reply...}` → an assignment, or `None` when the pool must be synced
+/// first. `windows` is the quota's window count, for fused calls.
+pub fn parse_assignment(
+    reply: &Value,
+    windows: Option<usize>,
+) -> Result<Option<Assignment>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(unexpected(reply));
+    };
+    let int = |v: &Value| match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    };
+    let status = items
+        .first()
+        .and_then(int)
+        .ok_or_else(|| unexpected(reply))?;
+    if status == 3 {
+        return Ok(None);
+    }
+    let member = match items.get(1) {
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(Value::SimpleString(s)) => s.clone(),
+        _ => String::new(),
+    };
+    let quota = match windows {
+        Some(n) => {
+            let rest = items.get(2..).unwrap_or_default();
+            let numbers: Vec<i64> = rest.iter().filter_map(int).collect();
+            if numbers.len() != rest.len() {
+                return Err(unexpected(reply));
+            }
+            Some(parse_quota(&numbers, n)?)
+        }
+        None => None,
+    };
+    Ok(match status {
+        1 if !member.is_empty() => Some(Assignment::Assigned { member, quota }),
+        2 => Some(Assignment::NoMember { quota }),
+        0 => Some(Assignment::QuotaRefused(
+            quota.ok_or_else(|| unexpected(reply))?,
+        )),
+        _ => return Err(unexpected(reply)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_replies_are_errors_not_panics() {
+        let shapes = [
+            Value::Nil,
+            Value::Int(1),
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Int(0)]),
+            Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(1)]),
+            Value::Array(vec![Value::Int(9), Value::SimpleString("m".into())]),
+            Value::Array(vec![
+                Value::Int(1),
+                Value::SimpleString("m".into()),
+                Value::SimpleString("x".into()),
+            ]),
+        ];
+        for windows in [None, Some(0), Some(1), Some(2)] {
+            for reply in &shapes {
+                // Whatever it says, it must not panic; the shapes above are all malformed for
+                // fused calls.
+                let parsed = parse_assignment(reply, windows);
+                if windows.is_some() {
+                    assert!(parsed.is_err(), "{reply:?} with {windows:?} → {parsed:?}");
+                }
+            }
+        }
+        assert!(parse_quota(&[1], 0).is_err());
+        assert!(parse_quota(&[1, 0, 5], 1).is_err());
+    }
+
+    #[test]
+    fn well_formed_replies_parse() {
+        let reply = Value::Array(vec![
+            Value::Int(1),
+            Value::BulkString(b"http://a".to_vec()),
+            Value::Int(1),
+            Value::Int(0),
+            Value::Int(4),
+            Value::Int(1000),
+        ]);
+        let a = parse_assignment(&reply, Some(1)).unwrap().unwrap();
+        assert_eq!(
+            a,
+            Assignment::Assigned {
+                member: "http://a".into(),
+                quota: Some(Outcome {
+                    admitted: true,
+                    retry_after_us: 0,
+                    windows: vec![WindowState {
+                        remaining: 4,
+                        reset_us: 1000
+                    }]
+                })
+            }
+        );
+        let resync = Value::Array(vec![Value::Int(3), Value::SimpleString(String::new())]);
+        assert_eq!(parse_assignment(&resync, None).unwrap(), None);
+    }
+}
