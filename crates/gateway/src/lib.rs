@@ -20,3 +20,4 @@ pub mod reload;
 pub mod router;
 pub mod server;
 pub mod table;
+pub mod target;
