@@ -26,3 +26,4 @@ pub mod router;
 pub mod server;
 pub mod state;
 pub mod table;
+pub mod target;
