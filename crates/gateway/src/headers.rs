@@ -1,5 +1,4 @@
-//! Header handling on the way through: hop-by-hop headers, `X-Forwarded-For`, and reading the
-//! target of an absolute-form (forward-proxy) request.
+//! Header handling on the way through: hop-by-hop headers and `X-Forwarded-For`.
 
 use std::net::IpAddr;
 
@@ -68,19 +67,6 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
     }
 }
 
-/// Splits the authority and path out of an absolute-form request target.
-pub(crate) fn absolute_form(raw: &[u8]) -> Option<(http::uri::Authority, http::uri::PathAndQuery)> {
-    if !(raw.starts_with(b"http://") || raw.starts_with(b"https://")) {
-        return None;
-    }
-    let uri = http::Uri::try_from(raw).ok()?;
-    let parts = uri.into_parts();
-    let path = parts
-        .path_and_query
-        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-    Some((parts.authority?, path))
-}
-
 pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
     use std::io::Write;
     // One buffer, written in place and handed to the header without another copy.
@@ -102,16 +88,6 @@ pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn absolute_form_targets_are_split() {
-        let (authority, path) = absolute_form(b"http://api.test:8080/v1/x?q=1").unwrap();
-        assert_eq!(authority.as_str(), "api.test:8080");
-        assert_eq!(path.as_str(), "/v1/x?q=1");
-        let (_, root) = absolute_form(b"https://api.test").unwrap();
-        assert_eq!(root.as_str(), "/");
-        assert!(absolute_form(b"/v1/x").is_none());
-    }
 
     #[test]
     fn hop_by_hop_headers_go_and_framing_stays() {

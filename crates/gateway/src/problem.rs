@@ -112,6 +112,26 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 400: the request target cannot be routed as sent (see [`crate::target`]).
+    pub fn bad_target(reject: crate::target::Reject) -> Problem {
+        Problem {
+            status: 400,
+            code: reject.code(),
+            title: "Bad request target",
+            detail: reject.reason().into(),
+            retry_after_ms: None,
+        }
+    }
+    /// 400: an `https://` target on a route whose members would get it in cleartext.
+    pub fn cleartext_https() -> Problem {
+        Problem {
+            status: 400,
+            code: "https_in_cleartext",
+            title: "https target on a cleartext route",
+            detail: "an https:// target would reach this route's members in cleartext; send it through a CONNECT tunnel (HTTPS_PROXY), or route it to https members".into(),
+            retry_after_ms: None,
+        }
+    }
     /// 500: a bug in sluice.
     pub fn internal() -> Problem {
         Problem {

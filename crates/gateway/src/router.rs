@@ -84,19 +84,24 @@ impl<T> Router<T> {
     /// Finds the route for a request. `host` may carry a port and any case; `path` is the
     /// origin-form path (a query string is harmless: prefixes never contain `?`).
     pub fn find(&self, host: &str, path: &str, method: &str) -> Option<&T> {
-        let host = normalize_host(host);
+        self.find_normalized(&normalize_host(host), path, method)
+    }
+
+    /// Like [`Router::find`], for a host already in the form routes match (see
+    /// [`crate::target::Target::host`]).
+    pub fn find_normalized(&self, host: &str, path: &str, method: &str) -> Option<&T> {
         fn pick<'a, T>(bucket: &'a [Candidate<T>], path: &str, method: &str) -> Option<&'a T> {
             bucket
                 .iter()
                 .find(|c| c.accepts(path, method))
                 .map(|c| &c.target)
         }
-        if let Some(t) = self.exact.get(&*host).and_then(|b| pick(b, path, method)) {
+        if let Some(t) = self.exact.get(host).and_then(|b| pick(b, path, method)) {
             return Some(t);
         }
         // The most specific wildcard first: for a.b.example.com, try b.example.com, then
         // example.com, then com.
-        let mut rest: &str = &host;
+        let mut rest: &str = host;
         while let Some(dot) = rest.find('.') {
             rest = &rest[dot + 1..];
             if let Some(t) = self.wildcard.get(rest).and_then(|b| pick(b, path, method)) {

@@ -1,7 +1,6 @@
 //! Accounting: the last step of every request, whatever its fate. It writes the access-log
 //! line and the request's metrics.
 
-use http::header;
 use pingora::prelude::*;
 use pingora::proxy::Session;
 
@@ -36,16 +35,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
         .inc();
 
     let req = session.req_header();
-    let (authority, path) = match &ctx.absolute {
-        Some((a, p)) => (a.as_str(), p.path()),
-        None => (
-            req.headers
-                .get(header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .unwrap_or(""),
-            req.uri.path(),
-        ),
-    };
+    let (authority, path) = ctx.target.authority_and_path(req);
     let member = ctx.member().map_or("", |m| m.url.url.as_str());
     crate::logging::access(&crate::logging::AccessLine {
         route: route_name,

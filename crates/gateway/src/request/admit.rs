@@ -10,10 +10,10 @@ use pingora::proxy::Session;
 use sluice_state::{Acquire, StoreError};
 
 use super::select::Admission;
-use super::{answer, Failure, Gateway, RequestCtx};
+use super::{answer, Failure, Forward, Gateway, RequestCtx};
 use crate::config::OnStoreError;
-use crate::headers::absolute_form;
 use crate::problem::Problem;
+use crate::target::{self, Scheme};
 
 /// Store failures are logged at most once a second: during an outage every request fails the
 /// same way, and the metric counts them all.
@@ -41,29 +41,43 @@ pub(crate) async fn admit(
         return Ok(true);
     }
 
-    // Route: by host, path and method, on the table this request keeps to its end.
-    let absolute = absolute_form(req.raw_path());
-    let (host, path) = match &absolute {
-        Some((authority, path)) => (authority.as_str(), path.path()),
-        None => (
-            req.headers
-                .get(header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .unwrap_or(""),
-            req.uri.path(),
-        ),
+    // What the request addresses, read once: the host to route on and the normalized path
+    // that is routed, charged and forwarded (what is charged is what is served).
+    let host_header = req
+        .headers
+        .get(header::HOST)
+        .map(|h| h.as_bytes())
+        .or_else(|| req.uri.authority().map(|a| a.as_str().as_bytes()));
+    let target = match target::parse(&req.method, req.version, req.raw_path(), host_header) {
+        Ok(target) => target,
+        Err(reject) => {
+            answer::problem(session, ctx, Problem::bad_target(reject)).await?;
+            return Ok(true);
+        }
     };
+
+    ctx.target = Forward::of(&target);
+
+    // Route: by host, path and method, on the table this request keeps to its end.
     let table = gateway.table.load();
-    let Some(route) = table.router.find(host, path, req.method.as_str()).cloned() else {
-        ctx.absolute = absolute;
+    let method = req.method.as_str();
+    let Some(route) = table
+        .router
+        .find_normalized(&target.host, &target.path, method)
+        .cloned()
+    else {
         answer::problem(session, ctx, Problem::no_route()).await?;
         return Ok(true);
     };
+    if target.scheme == Some(Scheme::Https) && !route.members.iter().all(|m| m.url.tls) {
+        ctx.route = Some(route);
+        answer::problem(session, ctx, Problem::cleartext_https()).await?;
+        return Ok(true);
+    }
     let cost = route
         .quota
         .as_deref()
-        .map_or(0, |q| q.cost(path, req.method.as_str()));
-    ctx.absolute = absolute;
+        .map_or(0, |q| q.cost(&target.path, method));
     ctx.route = Some(route.clone());
 
     // Quota and first member, decided together. This is the only place a request is charged:

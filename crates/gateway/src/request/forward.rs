@@ -73,11 +73,13 @@ pub(crate) fn request_headers(
     };
     strip_hop_by_hop(upstream);
     let preserve_host = route.config.upstream.preserve_host;
-    if let Some((authority, path)) = &ctx.absolute {
-        // Members expect origin-form targets; only proxies take absolute URIs.
-        upstream.set_uri(http::Uri::from(path.clone()));
+    // Members expect origin-form targets, normalized as routed and charged.
+    if let Some(uri) = &ctx.target.uri {
+        upstream.set_uri(http::Uri::from(uri.clone()));
+    }
+    if let Some(authority) = &ctx.target.authority {
         if preserve_host && !upstream.headers.contains_key(header::HOST) {
-            let host = HeaderValue::from_str(authority.as_str())
+            let host = HeaderValue::from_str(authority)
                 .or_err(ErrorType::InvalidHTTPHeader, "authority")?;
             upstream.insert_header(header::HOST, host)?;
         }

@@ -104,12 +104,54 @@ pub struct RequestCtx {
     /// Every member tried.
     tried: Tried,
     failure: Option<Failure>,
-    /// Path and authority of an absolute-form request (`GET http://host/path`), whose
-    /// `uri` Pingora leaves as the bare path.
-    absolute: Option<(http::uri::Authority, http::uri::PathAndQuery)>,
+    /// How the request's target goes upstream, when it differs from what the client sent.
+    target: Forward,
     /// The `RateLimit` header value for the answer.
     ratelimit: Option<HeaderValue>,
     _in_flight: InFlight,
+}
+
+/// What the member is sent instead of the client's target, read from [`crate::target`]: the
+/// origin-form target when the client used absolute form or its path was normalized, and the
+/// authority of an absolute-form request (for `Host`, and the log). Empty in the common case,
+/// an origin-form request with a normal path, which costs no allocation.
+#[derive(Default)]
+pub(crate) struct Forward {
+    /// The authority of an absolute-form request (`GET http://host/path`).
+    authority: Option<Box<str>>,
+    /// The origin-form target to send, when it is not the client's own.
+    uri: Option<http::uri::PathAndQuery>,
+}
+
+impl Forward {
+    fn of(target: &crate::target::Target<'_>) -> Forward {
+        use crate::target::Form;
+        let absolute = target.form == Form::Absolute;
+        let uri = (absolute || target.rewritten)
+            .then(|| http::uri::PathAndQuery::try_from(&*target.origin_form()).ok())
+            .flatten();
+        Forward {
+            authority: absolute.then(|| target.authority.into()),
+            uri,
+        }
+    }
+
+    /// The authority and path for the log: as routed.
+    fn authority_and_path<'a>(&'a self, req: &'a RequestHeader) -> (&'a str, &'a str) {
+        let authority = match &self.authority {
+            Some(a) => a,
+            None => req
+                .headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .unwrap_or(""),
+        };
+        let path = match &self.uri {
+            Some(uri) => uri.path(),
+            None => req.uri.path(),
+        };
+        (authority, path)
+    }
 }
 
 impl RequestCtx {
@@ -131,7 +173,7 @@ impl ProxyHttp for Gateway {
             current: None,
             tried: Tried::default(),
             failure: None,
-            absolute: None,
+            target: Forward::default(),
             ratelimit: None,
             _in_flight: InFlight::enter(&self.in_flight),
         }
