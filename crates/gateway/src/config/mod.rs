@@ -2,7 +2,7 @@
 //!
 //! Every field type checks itself while it is parsed (durations, URLs, names, addresses), so
 //! serde_yaml reports the exact line and column. Rules that span several fields run afterwards
-//! and find their position again with [`locate`]. Either way a mistake reads
+//! and find their position again by path (see `position`). Either way a mistake reads
 //! `FILE:LINE:COL: PATH: message`, with PATH the YAML path such as
 //! `routes[1].upstream.members[0].url`.
 //!
@@ -17,34 +17,30 @@ use std::fmt;
 use std::num::NonZeroUsize;
 use std::path::Path;
 
+use serde::de::IgnoredAny;
 use serde::Deserialize;
+use serde_yaml::Value;
 
-use position::Segment;
 pub use position::{locate, YamlPath};
+use position::{Positions, Segment};
 pub use schema::*;
 
 /// The config sluice runs on when none is given: three local demo upstreams behind one
 /// round-robin route. `sluice demo` starts those upstreams too.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../../../../configs/default.yaml");
 
-/// The whole configuration file.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+/// The whole configuration file, as [`Config::parse`] returns it once every rule has passed.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// Proxy listeners.
-    #[serde(default = "default_listen")]
     pub listen: Vec<ListenAddr>,
     /// Worker threads of the proxy service; the number of cores when absent.
-    #[serde(default)]
     pub threads: Option<NonZeroUsize>,
     /// The admin API.
-    #[serde(default)]
     pub admin: AdminConfig,
     /// Where shared state lives.
-    #[serde(default)]
     pub state: StateConfig,
     /// The routes, matched as SPEC §3 says.
-    #[serde(default)]
     pub routes: Vec<RouteConfig>,
 }
 
@@ -115,105 +111,211 @@ impl Config {
 
     /// Parses and validates `text`; `file` names it in error messages.
     pub fn parse(file: &str, text: &str) -> Result<Config, ConfigErrors> {
-        // Tracking the YAML path of every node doubles the cost of parsing a large file, and
-        // only an error needs it: parse plainly, and again with paths when that fails.
-        let config: Config = match serde_yaml::from_str(text) {
-            Ok(config) => config,
-            Err(plain) => {
-                let traced = serde_path_to_error::deserialize::<_, Config>(
-                    serde_yaml::Deserializer::from_str(text),
-                );
-                let error = match traced {
-                    Err(e) => from_serde(file, text, &e),
-                    // The same text fails the same way; should it not, report the plain error.
-                    Ok(_) => {
-                        let (line, column) =
-                            plain.location().map_or((0, 0), |l| (l.line(), l.column()));
-                        ConfigError {
-                            file: file.to_string(),
-                            line,
-                            column,
-                            path: ".".into(),
-                            message: plain.to_string(),
-                        }
-                    }
+        // A valid file, the common case, costs one serde_yaml pass and no bookkeeping: paths
+        // and positions are worked out only once the file is known to be wrong.
+        let plain = match serde_yaml::from_str::<Document<RouteConfig>>(text) {
+            Ok(Document {
+                listen,
+                threads,
+                admin,
+                state,
+                routes: Some(routes),
+            }) => {
+                let config = Config {
+                    listen,
+                    threads,
+                    admin,
+                    state,
+                    routes,
                 };
-                return Err(ConfigErrors(vec![error]));
+                let problems = config.validate();
+                if problems.is_empty() {
+                    return Ok(config);
+                }
+                let positions = Positions::of(text);
+                return Err(ConfigErrors(
+                    problems
+                        .into_iter()
+                        .map(|(path, message)| {
+                            let at = positions.nearest(&path);
+                            ConfigError::at(file, at, path.to_string(), message)
+                        })
+                        .collect(),
+                ));
             }
+            Ok(_) => None,
+            Err(e) => Some(e),
         };
-        let problems = config.validate();
-        if problems.is_empty() {
-            return Ok(config);
-        }
-        Err(ConfigErrors(
-            problems
-                .into_iter()
-                .map(|(path, message)| {
-                    let (line, column) = locate(text, &path).unwrap_or((0, 0));
-                    ConfigError {
-                        file: file.to_string(),
-                        line,
-                        column,
-                        path: path.to_string(),
-                        message,
-                    }
-                })
-                .collect(),
-        ))
+        Err(ConfigErrors(diagnose(file, text, plain)))
     }
 }
 
-/// Turns a serde error into our format. serde_yaml puts its own (sometimes shorter) path and
-/// the position inside the message, so both are cut out. Errors raised by our field types are
-/// stamped with the position of the enclosing mapping, so those are located again by path.
+/// The file as serde reads it. `routes` is optional here only so that a file without it can be
+/// told apart from `routes: []`: a truncated file read in the middle of a write must not be
+/// taken for a config with no routes. `R` lets the same shape read routes as values, one by
+/// one, when looking for every mistake.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename = "Config", bound = "R: Deserialize<'de>")]
+struct Document<R> {
+    #[serde(default = "default_listen")]
+    listen: Vec<ListenAddr>,
+    #[serde(default)]
+    threads: Option<NonZeroUsize>,
+    #[serde(default)]
+    admin: AdminConfig,
+    #[serde(default)]
+    state: StateConfig,
+    #[serde(default)]
+    routes: Option<Vec<R>>,
+}
+
+const ROUTES_REQUIRED: &str =
+    "write `routes: []` to run with no routes; a config without them is refused so that a truncated file is never taken for an empty one";
+
+/// Every mistake that stops `text` from deserializing, not just the first.
+///
+/// serde stops at the first error, so the file is read as a YAML value, then the top level and
+/// each route are deserialized on their own: a file with ten broken routes gets ten lines.
+/// Cross-field rules only run once everything deserializes (see [`Config::parse`]). Errors come
+/// top level first, then route by route.
+fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<ConfigError> {
+    let traced =
+        serde_path_to_error::deserialize::<_, Value>(serde_yaml::Deserializer::from_str(text));
+    let mut value = match traced {
+        Ok(value) => value,
+        // Not YAML: nothing past the syntax error can be read.
+        Err(e) => {
+            return vec![from_serde(
+                file,
+                &Positions::of(text),
+                &YamlPath::root(),
+                &e,
+            )]
+        }
+    };
+    let positions = Positions::of(text);
+    if value.is_null() {
+        return vec![ConfigError::at(
+            file,
+            Some((1, 1)),
+            ".".into(),
+            format!("the file is empty; {ROUTES_REQUIRED}"),
+        )];
+    }
+    let found = match &value {
+        Value::Mapping(_) => None,
+        Value::Bool(_) => Some("a boolean"),
+        Value::Number(_) => Some("a number"),
+        Value::String(_) => Some("a string"),
+        Value::Sequence(_) => Some("a sequence"),
+        Value::Null => Some("nothing"),
+        Value::Tagged(_) => Some("a tagged value"),
+    };
+    if let Some(found) = found {
+        return vec![ConfigError::at(
+            file,
+            positions.value(&YamlPath::root()),
+            ".".into(),
+            format!("expected a mapping of settings such as `routes:`, found {found}"),
+        )];
+    }
+    let mut errors = Vec::new();
+    let routes = value.as_mapping_mut().and_then(|m| m.remove("routes"));
+    let top = serde_path_to_error::deserialize::<_, Document<IgnoredAny>>(&value);
+    if let Err(e) = top {
+        errors.push(from_serde(file, &positions, &YamlPath::root(), &e));
+    }
+    let at_routes = YamlPath::root().key("routes");
+    match routes {
+        None => errors.push(ConfigError::at(
+            file,
+            positions.value(&YamlPath::root()),
+            ".".into(),
+            format!("no routes key; {ROUTES_REQUIRED}"),
+        )),
+        Some(Value::Null) => errors.push(ConfigError::at(
+            file,
+            positions.value(&at_routes),
+            at_routes.to_string(),
+            format!("routes is empty; {ROUTES_REQUIRED}"),
+        )),
+        Some(Value::Sequence(items)) => {
+            for (i, item) in items.iter().enumerate() {
+                if let Err(e) = serde_path_to_error::deserialize::<_, RouteConfig>(item) {
+                    let at = at_routes.clone().index(i);
+                    errors.push(from_serde(file, &positions, &at, &e));
+                }
+            }
+        }
+        Some(other) => {
+            if let Err(e) = serde_path_to_error::deserialize::<_, Vec<IgnoredAny>>(&other) {
+                errors.push(from_serde(file, &positions, &at_routes, &e));
+            }
+        }
+    }
+    if errors.is_empty() {
+        // The value-by-value reading accepted what the plain one refused; report the plain
+        // error rather than none.
+        if let Some(plain) = plain {
+            let at = plain.location().map(|l| (l.line(), l.column()));
+            errors.push(ConfigError::at(file, at, ".".into(), plain.to_string()));
+        }
+    }
+    errors
+}
+
+impl ConfigError {
+    fn at(file: &str, at: Option<(usize, usize)>, path: String, message: String) -> ConfigError {
+        let (line, column) = at.unwrap_or((0, 0));
+        ConfigError {
+            file: file.to_string(),
+            line,
+            column,
+            path,
+            message,
+        }
+    }
+}
+
+/// Turns a serde error met under `prefix` into our format. serde_yaml puts its own (sometimes
+/// shorter) path and the position inside the message, so both are cut out, and the position
+/// is looked up by path instead: errors raised by our field types are otherwise stamped with
+/// the enclosing mapping, and errors from a YAML value carry no position at all.
 fn from_serde(
     file: &str,
-    text: &str,
+    positions: &Positions,
+    prefix: &YamlPath,
     e: &serde_path_to_error::Error<serde_yaml::Error>,
 ) -> ConfigError {
-    let (mut line, mut column) = e
-        .inner()
-        .location()
-        .map(|l| (l.line(), l.column()))
-        .unwrap_or((0, 0));
+    let own = e.inner().location().map(|l| (l.line(), l.column()));
     let mut message = e.inner().to_string();
-    let position = format!(" at line {line} column {column}");
-    if let Some(at) = message.find(&position) {
-        message.replace_range(at..at + position.len(), "");
+    if let Some((line, column)) = own {
+        let position = format!(" at line {line} column {column}");
+        if let Some(at) = message.find(&position) {
+            message.replace_range(at..at + position.len(), "");
+        }
     }
-    let path = e.path().to_string();
+    let relative = e.path().to_string();
     if let Some((head, rest)) = message.split_once(": ") {
-        if !head.is_empty() && path.starts_with(head) {
+        if !head.is_empty() && relative.starts_with(head) {
             message = rest.to_string();
         }
     }
-    // An unknown key is best shown at the key itself, which is where serde_yaml points.
-    if !message.starts_with("unknown field") {
-        let yaml_path = YamlPath(
-            e.path()
-                .iter()
-                .filter_map(|s| match s {
-                    serde_path_to_error::Segment::Seq { index } => Some(Segment::Index(*index)),
-                    serde_path_to_error::Segment::Map { key } => {
-                        Some(Segment::Key(key.clone().into()))
-                    }
-                    _ => None,
-                })
-                .collect(),
-        );
-        if let Some(at) = locate(text, &yaml_path) {
-            (line, column) = at;
-        }
-    }
-    ConfigError {
-        file: file.to_string(),
-        line,
-        column,
-        path: if path.is_empty() || path == "?" {
-            ".".into()
-        } else {
-            path
-        },
-        message,
-    }
+    let mut path = prefix.clone();
+    path.0.extend(e.path().iter().filter_map(|s| match s {
+        serde_path_to_error::Segment::Seq { index } => Some(Segment::Index(*index)),
+        serde_path_to_error::Segment::Map { key } => Some(Segment::Key(key.clone().into())),
+        _ => None,
+    }));
+    // An unknown key is best shown at the key itself.
+    let at = if message.starts_with("unknown field") {
+        positions.key(&path)
+    } else {
+        positions.value(&path)
+    };
+    let at = at.or(own).or_else(|| positions.nearest(&path));
+    ConfigError::at(file, at, path.to_string(), message)
 }
+
+#[cfg(test)]
+mod tests;

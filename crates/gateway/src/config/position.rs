@@ -1,8 +1,18 @@
-//! YAML paths, and finding the line and column of the node a path names.
+//! YAML paths, and the line and column of the node each path names.
+//!
+//! serde_yaml keeps no positions once a document is parsed, and only an error carries one. The
+//! old way round that re-parsed the whole document once per error, so a file with n mistakes
+//! cost n parses: a 1,000-route file with every name duplicated took 19.5 s to reject.
+//! [`Positions`] instead reads the document's events once with libyaml (the parser serde_yaml
+//! itself runs on, so the marks are exactly the ones its errors carry) and indexes every node
+//! by its path. It is built only when a config is already known to be wrong.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt;
+use std::mem::MaybeUninit;
 
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use unsafe_libyaml as sys;
 
 /// A path into the YAML document.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -10,7 +20,7 @@ pub struct YamlPath(pub(super) Vec<Segment>);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Segment {
-    Key(std::borrow::Cow<'static, str>),
+    Key(Cow<'static, str>),
     Index(usize),
 }
 
@@ -28,6 +38,12 @@ impl YamlPath {
     pub fn index(mut self, i: usize) -> YamlPath {
         self.0.push(Segment::Index(i));
         self
+    }
+    /// The enclosing node; the root is its own parent.
+    fn parent(&self) -> YamlPath {
+        let mut up = self.clone();
+        up.0.pop();
+        up
     }
 }
 
@@ -49,111 +65,270 @@ impl fmt::Display for YamlPath {
 
 /// Finds the line and column of the node at `path`.
 ///
-/// serde_yaml keeps no positions after parsing, but it stamps an error with the position of the
-/// node being read. So we walk the document again, down to the node, and raise an error from
-/// inside it. This runs only when a config is already known to be wrong.
+/// Each call reads the whole document: to place many paths, build [`Positions`] once.
 pub fn locate(text: &str, path: &YamlPath) -> Option<(usize, usize)> {
-    const MARK: &str = "sluice-locate";
-    let err = Locator(&path.0)
-        .deserialize(serde_yaml::Deserializer::from_str(text))
-        .err()?;
-    if !err.to_string().contains(MARK) {
-        return None;
-    }
-    err.location().map(|l| (l.line(), l.column()))
+    Positions::of(text).value(path)
 }
 
-struct Locator<'a>(&'a [Segment]);
+/// A 1-based line and column.
+type At = (usize, usize);
 
-impl<'de> DeserializeSeed<'de> for Locator<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        if self.0.is_empty() {
-            d.deserialize_any(Here)
-        } else {
-            d.deserialize_any(self)
-        }
-    }
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    /// Where the mapping key that leads to the node is written, when there is one.
+    key: Option<At>,
+    /// Where the node itself starts.
+    value: At,
 }
 
-impl<'de> Visitor<'de> for Locator<'_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a node on the path")
+/// Every node of a document, by the display form of its path.
+#[derive(Debug, Default)]
+pub(super) struct Positions {
+    nodes: HashMap<String, Node>,
+}
+
+impl Positions {
+    /// Indexes `text`. A syntax error ends the walk; the nodes before it stay indexed, which is
+    /// what lets a syntax error be shown at the node it broke.
+    pub(super) fn of(text: &str) -> Positions {
+        let mut walk = Walk::default();
+        for_each_event(text, |event, at| walk.event(event, at));
+        Positions { nodes: walk.nodes }
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let Some(Segment::Key(wanted)) = self.0.first() else {
-            return Ok(());
-        };
-        while let Some(key) = map.next_key::<String>()? {
-            if key == **wanted {
-                return map.next_value_seed(Locator(&self.0[1..]));
+
+    /// Where the node at `path` starts.
+    pub(super) fn value(&self, path: &YamlPath) -> Option<At> {
+        self.nodes.get(&path.to_string()).map(|n| n.value)
+    }
+
+    /// Where the key that leads to `path` is written (for a mistake in the key itself).
+    pub(super) fn key(&self, path: &YamlPath) -> Option<At> {
+        self.nodes.get(&path.to_string()).and_then(|n| n.key)
+    }
+
+    /// The position of `path`, or of its nearest ancestor that exists (a missing field is
+    /// best shown at the mapping that lacks it).
+    pub(super) fn nearest(&self, path: &YamlPath) -> Option<At> {
+        let mut path = path.clone();
+        loop {
+            if let Some(at) = self.value(&path) {
+                return Some(at);
             }
-            map.next_value::<IgnoredAny>()?;
-        }
-        Ok(())
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let Some(&Segment::Index(wanted)) = self.0.first() else {
-            return Ok(());
-        };
-        for _ in 0..wanted {
-            if seq.next_element::<IgnoredAny>()?.is_none() {
-                return Ok(());
+            if path.0.is_empty() {
+                return None;
             }
+            path = path.parent();
         }
-        seq.next_element_seed(Locator(&self.0[1..])).map(drop)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
     }
 }
 
-/// Raises the marker error from inside whatever node it is given.
-struct Here;
+/// What the walk needs of one libyaml event.
+enum Event {
+    Scalar(String),
+    /// An alias (`*name`): a node without children.
+    Alias,
+    SequenceStart,
+    MappingStart,
+    End,
+    DocumentEnd,
+}
 
-impl<'de> Visitor<'de> for Here {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any node")
+enum Frame {
+    Sequence {
+        path: String,
+        next: usize,
+    },
+    Mapping {
+        path: String,
+        /// The key just read, waiting for its value; `None` while a key is expected.
+        key: Option<(Option<String>, At)>,
+    },
+    /// A node whose path cannot be written (under a non-scalar key): its children are skipped.
+    Unnamed,
+}
+
+#[derive(Default)]
+struct Walk {
+    stack: Vec<Frame>,
+    nodes: HashMap<String, Node>,
+    done: bool,
+}
+
+impl Walk {
+    fn event(&mut self, event: Event, at: At) {
+        if self.done {
+            return;
+        }
+        let is_container = match event {
+            Event::End => {
+                self.stack.pop();
+                return;
+            }
+            Event::DocumentEnd => {
+                // serde_yaml refuses a second document, so only the first one matters.
+                self.done = true;
+                return;
+            }
+            Event::Scalar(_) | Event::Alias => false,
+            Event::SequenceStart | Event::MappingStart => true,
+        };
+        // Name the new node after its place in the enclosing one.
+        let placed: Option<(String, Option<At>)> = match self.stack.last_mut() {
+            None => Some((".".to_string(), None)),
+            Some(Frame::Unnamed) => None,
+            Some(Frame::Sequence { path, next }) => {
+                let p = format!("{}[{next}]", if path == "." { "" } else { path });
+                *next += 1;
+                Some((p, None))
+            }
+            Some(Frame::Mapping { path, key }) => match key.take() {
+                None => {
+                    // This node is a key.
+                    let name = match &event {
+                        Event::Scalar(s) => Some(s.clone()),
+                        _ => None,
+                    };
+                    *key = Some((name, at));
+                    if is_container {
+                        // A complex key: skip what it holds.
+                        self.stack.push(Frame::Unnamed);
+                    }
+                    return;
+                }
+                Some((None, _)) => None,
+                Some((Some(name), key_at)) => {
+                    let p = if path == "." {
+                        name
+                    } else {
+                        format!("{path}.{name}")
+                    };
+                    Some((p, Some(key_at)))
+                }
+            },
+        };
+        let frame = match placed {
+            Some((path, key)) => {
+                self.nodes
+                    .entry(path.clone())
+                    .or_insert(Node { key, value: at });
+                match event {
+                    Event::SequenceStart => Frame::Sequence { path, next: 0 },
+                    Event::MappingStart => Frame::Mapping { path, key: None },
+                    _ => return,
+                }
+            }
+            None if is_container => Frame::Unnamed,
+            None => return,
+        };
+        self.stack.push(frame);
     }
-    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
-        Err(de::Error::custom("sluice-locate"))
+}
+
+/// Runs libyaml's parser over `text` and hands each event, with where it starts, to `f`.
+///
+/// This is the only unsafe code in the crate. It mirrors serde_yaml's own wrapper
+/// (`serde_yaml::libyaml::parser`): the parser lives in a box because libyaml keeps a pointer
+/// to it, `text` outlives it, every event is deleted after it is read, and the parser is
+/// deleted by a guard even if `f` panics.
+#[allow(unsafe_code)]
+fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
+    struct Parser(Box<MaybeUninit<sys::yaml_parser_t>>);
+    impl Drop for Parser {
+        fn drop(&mut self) {
+            // SAFETY: only built after yaml_parser_initialize succeeded.
+            unsafe { sys::yaml_parser_delete(self.0.as_mut_ptr()) }
+        }
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<(), A::Error> {
-        Err(de::Error::custom("sluice-locate"))
+
+    let mut boxed = Box::new(MaybeUninit::<sys::yaml_parser_t>::uninit());
+    // SAFETY: libyaml initializes the struct it is given; on failure nothing is to be freed.
+    if unsafe { sys::yaml_parser_initialize(boxed.as_mut_ptr()) }.fail {
+        return;
     }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
-        Err(E::custom("sluice-locate"))
+    let mut parser = Parser(boxed);
+    let p = parser.0.as_mut_ptr();
+    // SAFETY: `p` is initialized and boxed (it never moves); `text` outlives `parser`, which
+    // is dropped at the end of this function.
+    unsafe {
+        sys::yaml_parser_set_encoding(p, sys::YAML_UTF8_ENCODING);
+        sys::yaml_parser_set_input_string(p, text.as_ptr(), text.len() as u64);
     }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Err(E::custom("sluice-locate"))
+    loop {
+        let mut raw = MaybeUninit::<sys::yaml_event_t>::uninit();
+        // SAFETY: `p` is a live parser; on success libyaml has filled `raw`, which is read
+        // before yaml_event_delete frees what it points to, and never after.
+        let (event, at) = unsafe {
+            // After a failure nothing is parsed again: libyaml's state is then undefined.
+            if sys::yaml_parser_parse(p, raw.as_mut_ptr()).fail {
+                return;
+            }
+            let e = raw.as_mut_ptr();
+            let mark = (*e).start_mark;
+            let at = (mark.line as usize + 1, mark.column as usize + 1);
+            let event = match (*e).type_ {
+                sys::YAML_SCALAR_EVENT => {
+                    let s = (*e).data.scalar;
+                    let bytes = std::slice::from_raw_parts(s.value, s.length as usize);
+                    Some(Event::Scalar(String::from_utf8_lossy(bytes).into_owned()))
+                }
+                sys::YAML_ALIAS_EVENT => Some(Event::Alias),
+                sys::YAML_SEQUENCE_START_EVENT => Some(Event::SequenceStart),
+                sys::YAML_MAPPING_START_EVENT => Some(Event::MappingStart),
+                sys::YAML_SEQUENCE_END_EVENT | sys::YAML_MAPPING_END_EVENT => Some(Event::End),
+                sys::YAML_DOCUMENT_END_EVENT | sys::YAML_STREAM_END_EVENT => {
+                    Some(Event::DocumentEnd)
+                }
+                _ => None,
+            };
+            let stream_end = (*e).type_ == sys::YAML_STREAM_END_EVENT;
+            sys::yaml_event_delete(e);
+            if stream_end {
+                if let Some(event) = event {
+                    f(event, at);
+                }
+                return;
+            }
+            (event, at)
+        };
+        if let Some(event) = event {
+            f(event, at);
+        }
     }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Err(E::custom("sluice-locate"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_and_flow_nodes_keys_and_sequences() {
+        let text = "listen: [\"a\", \"b\"]\nroutes:\n  - name: x\n    upstream: {retries: 2}\n";
+        let p = Positions::of(text);
+        let at = |s: &str| p.nodes.get(s).map(|n| (n.key, n.value));
+        assert_eq!(at("."), Some((None, (1, 1))));
+        assert_eq!(at("listen"), Some((Some((1, 1)), (1, 9))));
+        assert_eq!(at("listen[1]"), Some((None, (1, 15))));
+        assert_eq!(at("routes"), Some((Some((2, 1)), (3, 3))));
+        assert_eq!(at("routes[0].name"), Some((Some((3, 5)), (3, 11))));
+        assert_eq!(
+            at("routes[0].upstream.retries"),
+            Some((Some((4, 16)), (4, 25)))
+        );
     }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Err(E::custom("sluice-locate"))
+
+    #[test]
+    fn a_syntax_error_keeps_the_nodes_before_it() {
+        let p = Positions::of("a: 1\nb: [1, 2\nc: 3\n");
+        assert_eq!(p.value(&YamlPath::root().key("a")), Some((1, 4)));
+        assert_eq!(p.value(&YamlPath::root().key("b")), Some((2, 4)));
     }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Err(E::custom("sluice-locate"))
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Err(E::custom("sluice-locate"))
+
+    #[test]
+    fn complex_keys_are_skipped_and_nearest_walks_up() {
+        let p = Positions::of("? [k]\n: {x: 1}\nz: {y: 2}\n");
+        assert_eq!(p.value(&YamlPath::root().key("z")), Some((3, 4)));
+        assert_eq!(p.nodes.len(), 3, "{:?}", p.nodes);
+        let missing = YamlPath::root().key("z").key("nope");
+        assert_eq!(p.nearest(&missing), Some((3, 4)));
     }
 }

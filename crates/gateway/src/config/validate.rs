@@ -54,7 +54,9 @@ impl Config {
         let mut claims: HashMap<(HostPattern, &str, Vec<MethodName>), usize> = HashMap::new();
         for (i, route) in self.routes.iter().enumerate() {
             let at = YamlPath::root().key("routes").index(i);
-            if let Some(first) = names.insert(&route.name.0, i) {
+            // Name the first holder: with n copies of a name, every message then points at
+            // the same route.
+            if let Some(&first) = names.get(route.name.0.as_str()) {
                 problems.push((
                     at.clone().key("name"),
                     format!(
@@ -62,6 +64,8 @@ impl Config {
                         route.name.0
                     ),
                 ));
+            } else {
+                names.insert(&route.name.0, i);
             }
             let mut methods = route.matcher.methods.clone();
             methods.sort();
