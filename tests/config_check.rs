@@ -94,7 +94,10 @@ fn run_with_a_broken_config_exits_1_with_the_same_message() {
             .unwrap()
     };
     let (ran, checked) = (run("run"), run("check"));
-    assert_eq!((ran.status.code(), checked.status.code()), (Some(1), Some(1)));
+    assert_eq!(
+        (ran.status.code(), checked.status.code()),
+        (Some(1), Some(1))
+    );
     let stderr = String::from_utf8_lossy(&ran.stderr);
     assert!(
         stderr.starts_with(&format!("{}:1:10: threads: ", file.display())),

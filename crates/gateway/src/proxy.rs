@@ -219,7 +219,9 @@ impl ProxyHttp for Gateway {
         };
         let verdict = match route.selection {
             Selection::LeastUsed => self.first_assignment(session, ctx, &route, path).await,
-            Selection::RoundRobin => match &route.quota {
+            // TODO(pipeline): priority picks the first healthy member in list order; until the
+            // runtime side lands it is served like round_robin.
+            Selection::RoundRobin | Selection::Priority => match &route.quota {
                 Some(quota) => self.check_quota(session, &route, quota, path).await,
                 None => return Ok(false),
             },

@@ -477,6 +477,8 @@ pub enum Selection {
     RoundRobin,
     /// The eligible member with the fewest assignments across every instance.
     LeastUsed,
+    /// The first healthy member in list order; the members after it are backups.
+    Priority,
 }
 
 /// What a least-used member's count becomes when it is restored.

@@ -249,6 +249,27 @@ fn listen_and_state_mistakes() {
 }
 
 #[test]
+fn priority_selection() {
+    let config = parse(
+        "routes:\n  - name: a\n    upstream:\n      selection: priority\n      members:\n        - url: \"http://primary.test\"\n        - url: \"http://backup.test\"\n",
+    );
+    let up = &config.routes[0].upstream;
+    assert_eq!(up.selection, Selection::Priority);
+    assert_eq!(up.members[1].url.host, "backup.test");
+    // Order decides, not weight; and there is no count for on_restore to act on.
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      selection: priority\n      members:\n        - {url: \"http://a.test\", weight: 2}\n",
+        "6:42: routes[0].upstream.members[0].weight",
+        "weight applies to round_robin only; priority follows the list order",
+    );
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      selection: priority\n      on_restore: keep\n",
+        "5:19: routes[0].upstream.on_restore",
+        "applies to selection: least_used only",
+    );
+}
+
+#[test]
 fn numbers_are_read_as_text_where_text_is_expected() {
     // Both readings (plain, and value by value when looking for every mistake) agree, so a
     // route named 2024 is fine and only the real mistake is reported.

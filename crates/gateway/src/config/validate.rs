@@ -99,15 +99,22 @@ impl Config {
                         format!("duplicate member {:?} in this pool", member.url.url),
                     ));
                 }
-                if up.selection == Selection::LeastUsed && member.weight.is_some() {
-                    problems.push((
-                        member_at.key("weight"),
-                        "weight applies to round_robin only; least_used counts assignments"
-                            .to_string(),
-                    ));
+                if member.weight.is_some() {
+                    let why = match up.selection {
+                        Selection::RoundRobin => None,
+                        Selection::LeastUsed => Some("least_used counts assignments"),
+                        Selection::Priority => Some("priority follows the list order"),
+                    };
+                    if let Some(why) = why {
+                        problems.push((
+                            member_at.key("weight"),
+                            format!("weight applies to round_robin only; {why}"),
+                        ));
+                    }
                 }
             }
-            if up.selection == Selection::RoundRobin && up.on_restore.is_some() {
+            // Only least_used keeps a count that a restored member could resume.
+            if up.selection != Selection::LeastUsed && up.on_restore.is_some() {
                 problems.push((
                     at.clone().key("upstream").key("on_restore"),
                     "on_restore applies to selection: least_used only".to_string(),
