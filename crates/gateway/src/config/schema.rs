@@ -142,16 +142,57 @@ pub struct RedisUrl(pub String);
 
 impl<'de> Deserialize<'de> for RedisUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
-        let parsed: Result<http::Uri, _> = s.parse();
-        match parsed {
-            Ok(u) if u.scheme_str() == Some("redis") && u.host().is_some_and(|h| !h.is_empty()) => {
-                Ok(RedisUrl(s))
+        RedisUrl::parse(&scalar(d)?).map_err(de::Error::custom)
+    }
+}
+
+impl RedisUrl {
+    /// Checks `s` with the Redis client's own parser, so that whatever passes here is what the
+    /// client accepts at startup (`redis://host/x` used to pass here and panic at `run`).
+    fn parse(s: &str) -> Result<RedisUrl, String> {
+        use redis::IntoConnectionInfo;
+        let shown = redact(s);
+        let scheme = s
+            .split_once("://")
+            .map(|(scheme, _)| scheme.to_ascii_lowercase());
+        match scheme.as_deref() {
+            Some("redis") => {}
+            // The client is built without a TLS feature, so it would refuse these at startup.
+            Some("rediss") => {
+                return Err(format!(
+                    "invalid redis url {shown:?}: rediss:// (TLS) is not supported yet"
+                ))
             }
-            _ => Err(de::Error::custom(format!(
-                "invalid redis url {s:?}: expected redis://host:port/db"
-            ))),
+            _ => {
+                return Err(format!(
+                    "invalid redis url {shown:?}: expected redis://host:port/db"
+                ))
+            }
         }
+        let url = redis::parse_redis_url(s)
+            .ok_or_else(|| format!("invalid redis url {shown:?}: expected redis://host:port/db"))?;
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(format!("invalid redis url {shown:?}: no host"));
+        }
+        url.into_connection_info().map_err(|e| {
+            let why = e.to_string();
+            let why = why.trim_end_matches(" - InvalidClientConfig");
+            format!("invalid redis url {shown:?}: {why}")
+        })?;
+        Ok(RedisUrl(s.to_string()))
+    }
+}
+
+/// `url` with any user name and password replaced by `***`, for error messages: a config
+/// mistake is printed, logged and shown in `/status`, and must not leak a password.
+pub(super) fn redact(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    match url[start..end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
     }
 }
 
@@ -368,6 +409,9 @@ impl<'de> Deserialize<'de> for HostPattern {
             } else {
                 Err(de::Error::custom(format!("invalid wildcard host {s:?}")))
             }
+        } else if let Some(v6) = ipv6(&lower) {
+            // One spelling for every way of writing the address, the one the router looks up.
+            Ok(HostPattern::Exact(v6.to_string()))
         } else if lower.contains(':') {
             Err(de::Error::custom(format!(
                 "invalid host {s:?}: give the host without a port; ports are ignored when matching"
@@ -380,6 +424,15 @@ impl<'de> Deserialize<'de> for HostPattern {
             )))
         }
     }
+}
+
+/// An IPv6 literal, bare (`::1`) or in brackets (`[::1]`), as a host is written.
+pub(crate) fn ipv6(host: &str) -> Option<std::net::Ipv6Addr> {
+    let bare = match host.strip_prefix('[') {
+        Some(rest) => rest.strip_suffix(']')?,
+        None => host,
+    };
+    bare.parse().ok()
 }
 
 /// A path prefix; must start with `/`.
@@ -517,7 +570,8 @@ fn one() -> NonZeroU32 {
 /// A member URL, checked and split.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MemberUrl {
-    /// The URL as written (trailing slash removed); the member's identity.
+    /// The URL as written, with scheme and host in lowercase and no trailing slash; the
+    /// member's identity.
     pub url: String,
     /// True for https.
     pub tls: bool,
@@ -544,35 +598,53 @@ impl MemberUrl {
     }
 
     fn parse(s: &str) -> Result<MemberUrl, String> {
+        let shown = redact(s);
         let uri: http::Uri = s
             .parse()
-            .map_err(|e| format!("invalid member url {s:?}: {e}"))?;
-        let tls = match uri.scheme_str() {
+            .map_err(|e| format!("invalid member url {shown:?}: {e}"))?;
+        let scheme = uri.scheme_str().map(str::to_ascii_lowercase);
+        let tls = match scheme.as_deref() {
             Some("http") => false,
             Some("https") => true,
             Some(other) => {
                 return Err(format!(
-                    "invalid member url {s:?}: scheme {other:?} is not http or https"
+                    "invalid member url {shown:?}: scheme {other:?} is not http or https"
                 ))
             }
             None => {
                 return Err(format!(
-                    "invalid member url {s:?}: expected http://host[:port] or https://host[:port]"
-                ))
+                "invalid member url {shown:?}: expected http://host[:port] or https://host[:port]"
+            ))
             }
         };
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        if authority.contains('@') {
+            // The URL is the member's name in logs, metrics and /status, so credentials in it
+            // would be published; sluice does not send them anyway.
+            return Err(format!(
+                "invalid member url {shown:?}: credentials in a member url are not supported"
+            ));
+        }
         let host = uri
             .host()
             .filter(|h| !h.is_empty())
-            .ok_or_else(|| format!("invalid member url {s:?}: no host"))?;
+            .ok_or_else(|| format!("invalid member url {shown:?}: no host"))?;
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
             return Err(format!(
-                "invalid member url {s:?}: a member is scheme://host[:port], without a path"
+                "invalid member url {shown:?}: a member is scheme://host[:port], without a path"
             ));
         }
         let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        // Scheme and host are case-insensitive, so `HTTP://A` and `http://a` are one member:
+        // the identity (and the least_used key in the store) is spelled in lowercase. The
+        // port is kept as written, so an existing member keeps its identity.
+        let host = host.to_ascii_lowercase();
+        let url = match uri.port() {
+            Some(p) => format!("{}://{host}:{}", scheme.unwrap_or_default(), p.as_str()),
+            None => format!("{}://{host}", scheme.unwrap_or_default()),
+        };
         Ok(MemberUrl {
-            url: s.trim_end_matches('/').to_string(),
+            url,
             tls,
             host: host
                 .trim_start_matches('[')

@@ -361,3 +361,203 @@ fn a_document_that_is_not_a_mapping_is_an_error() {
     );
     one_error("[1, 2]\n", "1:1: .", "found a sequence");
 }
+
+// Issue 11: what passed `check` and then failed, panicked or misbehaved at `run`.
+
+fn with_redis(redis: &str) -> String {
+    format!("state:\n  backend: redis\n  redis:\n{redis}routes: []\n")
+}
+
+#[test]
+fn redis_urls_are_checked_by_the_client_itself() {
+    // This used to pass `check` and panic at `run`.
+    one_error(
+        &with_redis("    url: \"redis://127.0.0.1/x\"\n"),
+        "4:10: state.redis.url",
+        "invalid redis url \"redis://127.0.0.1/x\": Invalid database number",
+    );
+    one_error(
+        &with_redis("    url: \"rediss://127.0.0.1:6380\"\n"),
+        "4:10: state.redis.url",
+        "rediss:// (TLS) is not supported yet",
+    );
+    one_error(
+        &with_redis("    url: \"redis://\"\n"),
+        "4:10: state.redis.url",
+        "invalid redis url",
+    );
+    let config = parse(&with_redis(
+        "    url: \"redis://user:pw@127.0.0.1:6379/2\"\n",
+    ));
+    let url = config.state.redis.unwrap().url.unwrap();
+    assert_eq!(url.0, "redis://user:pw@127.0.0.1:6379/2");
+}
+
+#[test]
+fn cluster_nodes_must_agree() {
+    one_error(
+        &with_redis(
+            "    cluster: [\"redis://:one@127.0.0.1:7001\", \"redis://:two@127.0.0.1:7002\"]\n",
+        ),
+        "4:14: state.redis.cluster",
+        "Cannot use different password among initial nodes",
+    );
+}
+
+#[test]
+fn passwords_never_appear_in_error_messages() {
+    let cases = [
+        with_redis("    url: \"redis://admin:s3cret@127.0.0.1/x\"\n"),
+        with_redis("    url: \"rediss://:s3cret@127.0.0.1\"\n"),
+        with_redis("    cluster: [\"redis://:s3cret@h:1\", \"redis://:other@h:2\"]\n"),
+        "routes:\n  - name: a\n    upstream:\n      members: [{url: \"http://u:s3cret@a.test\"}]\n"
+            .to_string(),
+        "routes:\n  - name: a\n    upstream:\n      members: [{url: \"ftp://u:s3cret@a.test/x\"}]\n"
+            .to_string(),
+    ];
+    for yaml in &cases {
+        let all = errors(yaml);
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert!(!all[0].contains("s3cret"), "{}", all[0]);
+    }
+    assert!(errors(&cases[0])[0].contains("\"redis://***@127.0.0.1/x\""));
+    assert!(errors(&cases[3])[0].contains("credentials in a member url are not supported"));
+    assert_eq!(
+        super::schema::redact("http://a@b@c/x@y"),
+        "http://***@c/x@y"
+    );
+    assert_eq!(super::schema::redact("redis://h:1/0"), "redis://h:1/0");
+}
+
+#[test]
+fn an_empty_host_list_is_refused() {
+    one_error(
+        "routes:\n  - name: a\n    match: {hosts: []}\n    upstream: {}\n",
+        "3:20: routes[0].match.hosts",
+        "hosts is empty, so the route could never match",
+    );
+}
+
+fn with_window(window: &str, limit: &str) -> String {
+    format!("routes:\n  - name: a\n    upstream: {{}}\n    quota:\n      windows: [{{name: w, limit: {limit}, window: {window}}}]\n")
+}
+
+#[test]
+fn windows_are_between_1ms_and_366d() {
+    one_error(
+        &with_window("500us", "1"),
+        "5:45: routes[0].quota.windows[0].window",
+        "window 500us is shorter than 1ms",
+    );
+    one_error(
+        &with_window("367d", "1"),
+        "5:45: routes[0].quota.windows[0].window",
+        "367d is too long: a window can be at most 366d",
+    );
+    parse(&with_window("1ms", "1"));
+    parse(&with_window("366d", "1"));
+}
+
+#[test]
+fn limits_stay_exact_in_redis_doubles() {
+    one_error(
+        &with_window("1s", "9007199254740993"),
+        "5:34: routes[0].quota.windows[0].limit",
+        "limit 9007199254740993 is too large: at most 2^53",
+    );
+    parse(&with_window("1s", "9007199254740992"));
+}
+
+#[test]
+fn timeouts_intervals_and_cooldowns_are_at_most_a_day() {
+    let yaml = "state:\n  redis: {url: \"redis://h\", timeout: 2d}\nroutes:\n  - name: a\n    upstream:\n      connect_timeout: 25h\n      read_timeout: 1d\n      passive: {cooldown: 30d}\n      health_check: {kind: tcp, interval: 1000d, timeout: 2d}\n";
+    assert_eq!(
+        errors(yaml),
+        [
+            "2:38: state.redis.timeout: 2d is too long: a Redis timeout can be at most 1d",
+            "6:24: routes[0].upstream.connect_timeout: 25h is too long: a timeout can be at most 1d",
+            "8:27: routes[0].upstream.passive.cooldown: 30d is too long: a cooldown can be at most 1d",
+            "9:43: routes[0].upstream.health_check.interval: 1000d is too long: an interval can be at most 1d",
+            "9:59: routes[0].upstream.health_check.timeout: 2d is too long: a timeout can be at most 1d",
+        ]
+    );
+}
+
+#[test]
+fn ipv6_hosts_are_accepted_bare_or_in_brackets() {
+    let config = parse(
+        "routes:\n  - name: a\n    match: {hosts: [\"::1\", \"[2001:DB8:0::A]\"]}\n    upstream: {}\n",
+    );
+    assert_eq!(
+        config.routes[0].matcher.hosts,
+        [
+            HostPattern::Exact("::1".into()),
+            HostPattern::Exact("2001:db8::a".into())
+        ]
+    );
+    // One address, two spellings: the second route could never match.
+    one_error(
+        "routes:\n  - name: a\n    match: {hosts: [\"::1\"]}\n    upstream: {}\n  - name: b\n    match: {hosts: [\"[::1]\"]}\n    upstream: {}\n",
+        "6:12: routes[1].match",
+        "could never match",
+    );
+    one_error(
+        "routes:\n  - name: a\n    match: {hosts: [\"[::1]:8080\"]}\n    upstream: {}\n",
+        "3:21: routes[0].match.hosts[0]",
+        "give the host without a port",
+    );
+}
+
+#[test]
+fn listen_addresses_must_be_real_and_distinct() {
+    // admin.listen not written: its default is blamed at the top of the file.
+    one_error(
+        "listen: [\"127.0.0.1:9901\"]\nroutes: []\n",
+        "1:1: admin.listen",
+        "127.0.0.1:9901 is also listen[0]: the admin API needs an address of its own",
+    );
+    one_error(
+        "listen: [\"127.0.0.1:8080\"]\nadmin: {listen: \"127.0.0.1:8080\"}\nroutes: []\n",
+        "2:17: admin.listen",
+        "is also listen[0]",
+    );
+    one_error(
+        "listen: [\"127.0.0.1:0\"]\nroutes: []\n",
+        "1:10: listen[0]",
+        "port 0 would listen on a random port",
+    );
+    one_error(
+        "admin: {listen: \"[::1]:0\"}\nroutes: []\n",
+        "1:17: admin.listen",
+        "port 0 would listen on a random port",
+    );
+    one_error(
+        "listen: [\"127.0.0.1:8080\", \"127.0.0.1:8080\"]\nroutes: []\n",
+        "1:28: listen[1]",
+        "127.0.0.1:8080 is already listen[0]",
+    );
+}
+
+#[test]
+fn member_urls_are_one_member_however_spelled() {
+    let config = parse(
+        "routes:\n  - name: a\n    upstream:\n      members: [{url: \"HTTP://API.Example.COM:8080/\"}, {url: \"https://[::1]\"}]\n",
+    );
+    let members = &config.routes[0].upstream.members;
+    assert_eq!(members[0].url.url, "http://api.example.com:8080");
+    assert_eq!(members[0].url.host, "api.example.com");
+    assert_eq!(
+        (members[1].url.url.as_str(), members[1].url.host.as_str()),
+        ("https://[::1]", "::1")
+    );
+    for twin in ["http://a.test", "http://a.test:80", "HTTP://A.TEST/"] {
+        let yaml = format!(
+            "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"http://a.test\"\n        - url: \"{twin}\"\n"
+        );
+        one_error(
+            &yaml,
+            "6:16: routes[0].upstream.members[1].url",
+            "in this pool: members[0] is the same",
+        );
+    }
+}

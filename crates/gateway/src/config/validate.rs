@@ -3,10 +3,65 @@
 //! Each problem names the YAML path to blame; the caller turns the path into a line and column.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use super::position::YamlPath;
 use super::schema::*;
 use super::Config;
+
+/// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
+/// a timestamp and a window far inside the stores' u64 microseconds.
+const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
+
+/// The shortest quota window. The stores timestamp requests in microseconds and `/status`
+/// reports windows in whole milliseconds, where a shorter window would read as 0.
+const MIN_WINDOW: Duration = Duration::from_millis(1);
+
+/// The longest timeout, check interval or cooldown: past a day the setting is a typo (`1d`
+/// meant as `1s`?) rather than a plan, and the runtime adds these to instants.
+const MAX_DELAY: Duration = Duration::from_secs(86_400);
+
+/// The largest limit, and so the largest cost (a cost above the smallest limit is refused):
+/// Redis scripts count in doubles, exact only up to 2^53, and the memory store adds a cost to
+/// a total that is at most a limit.
+const MAX_UNITS: u64 = 1 << 53;
+
+/// `d` in the config's own notation, in the largest unit that writes it whole: `366d`, `25h`.
+fn written(d: Duration) -> String {
+    let us = d.as_micros();
+    for (unit, size) in [
+        ("d", 86_400_000_000),
+        ("h", 3_600_000_000),
+        ("m", 60_000_000),
+        ("s", 1_000_000),
+        ("ms", 1_000),
+    ] {
+        if us % size == 0 {
+            return format!("{}{unit}", us / size);
+        }
+    }
+    format!("{us}us")
+}
+
+/// `problems` gains an entry if `d` is longer than `max`.
+fn at_most(
+    problems: &mut Vec<(YamlPath, String)>,
+    at: YamlPath,
+    d: Dur,
+    max: Duration,
+    what: &str,
+) {
+    if d.0 > max {
+        problems.push((
+            at,
+            format!(
+                "{} is too long: {what} can be at most {}",
+                written(d.0),
+                written(max)
+            ),
+        ));
+    }
+}
 
 impl Config {
     /// Rules that span several fields. Each problem names the YAML path to blame.
@@ -17,6 +72,34 @@ impl Config {
                 YamlPath::root().key("listen"),
                 "at least one listen address is required".to_string(),
             ));
+        }
+        let admin_at = YamlPath::root().key("admin").key("listen");
+        if self.admin.listen.0.port() == 0 {
+            problems.push((
+                admin_at.clone(),
+                "port 0 would listen on a random port; give the port to listen on".to_string(),
+            ));
+        }
+        let mut seen = HashMap::new();
+        for (i, addr) in self.listen.iter().enumerate() {
+            let at = YamlPath::root().key("listen").index(i);
+            if addr.0.port() == 0 {
+                problems.push((
+                    at.clone(),
+                    "port 0 would listen on a random port; give the port to listen on".to_string(),
+                ));
+            } else if addr.0 == self.admin.listen.0 {
+                problems.push((
+                    admin_at.clone(),
+                    format!(
+                        "{} is also listen[{i}]: the admin API needs an address of its own",
+                        addr.0
+                    ),
+                ));
+            }
+            if let Some(first) = seen.insert(addr.0, i) {
+                problems.push((at, format!("{} is already listen[{first}]", addr.0)));
+            }
         }
         if let Some(var) = &self.admin.token_env {
             if var.is_empty() {
@@ -43,17 +126,44 @@ impl Config {
                     .to_string(),
             ));
         }
-        if cluster.is_some_and(|c| c.is_empty()) {
-            problems.push((
-                YamlPath::root().key("state").key("redis").key("cluster"),
-                "cluster needs at least one node".to_string(),
-            ));
+        if let Some(nodes) = cluster {
+            let at = YamlPath::root().key("state").key("redis").key("cluster");
+            if nodes.is_empty() {
+                problems.push((at, "cluster needs at least one node".to_string()));
+            } else if let Err(e) =
+                redis::cluster::ClusterClient::new(nodes.iter().map(|n| n.0.as_str()))
+            {
+                // What the client checks across nodes (one password, one database...), so
+                // that `run` cannot fail on what `check` passed. Its messages name no URL.
+                let why = e.to_string();
+                let why = why.trim_end_matches(" - InvalidClientConfig");
+                problems.push((
+                    at,
+                    format!("these nodes cannot form one cluster client: {why}"),
+                ));
+            }
+        }
+        if let Some(redis) = redis {
+            let at = YamlPath::root().key("state").key("redis").key("timeout");
+            at_most(
+                &mut problems,
+                at,
+                redis.timeout,
+                MAX_DELAY,
+                "a Redis timeout",
+            );
         }
 
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut claims: HashMap<(HostPattern, &str, Vec<MethodName>), usize> = HashMap::new();
         for (i, route) in self.routes.iter().enumerate() {
             let at = YamlPath::root().key("routes").index(i);
+            if route.matcher.hosts.is_empty() {
+                problems.push((
+                    at.clone().key("match").key("hosts"),
+                    "hosts is empty, so the route could never match; leave it out, or write [\"*\"], to match any host".to_string(),
+                ));
+            }
             // Name the first holder: with n copies of a name, every message then points at
             // the same route.
             if let Some(&first) = names.get(route.name.0.as_str()) {
@@ -90,14 +200,55 @@ impl Config {
             }
 
             let up = &route.upstream;
-            let mut urls = HashSet::new();
+            let up_at = at.clone().key("upstream");
+            for (d, key, what) in [
+                (up.connect_timeout, "connect_timeout", "a timeout"),
+                (up.read_timeout, "read_timeout", "a timeout"),
+            ] {
+                at_most(&mut problems, up_at.clone().key(key), d, MAX_DELAY, what);
+            }
+            let cooldown_at = up_at.clone().key("passive").key("cooldown");
+            at_most(
+                &mut problems,
+                cooldown_at,
+                up.passive.cooldown,
+                MAX_DELAY,
+                "a cooldown",
+            );
+            if let Some(check) = &up.health_check {
+                let check_at = up_at.clone().key("health_check");
+                at_most(
+                    &mut problems,
+                    check_at.clone().key("interval"),
+                    check.interval,
+                    MAX_DELAY,
+                    "an interval",
+                );
+                at_most(
+                    &mut problems,
+                    check_at.key("timeout"),
+                    check.timeout,
+                    MAX_DELAY,
+                    "a timeout",
+                );
+            }
+            // One member however its URL is spelled: `HTTP://A`, `http://a` and `http://a:80`
+            // reach the same place.
+            let mut members: HashMap<(bool, &str, u16), usize> = HashMap::new();
             for (j, member) in up.members.iter().enumerate() {
-                let member_at = at.clone().key("upstream").key("members").index(j);
-                if !urls.insert(&member.url.url) {
+                let member_at = up_at.clone().key("members").index(j);
+                let u = &member.url;
+                let key = (u.tls, u.host.as_str(), u.port);
+                if let Some(&first) = members.get(&key) {
                     problems.push((
                         member_at.clone().key("url"),
-                        format!("duplicate member {:?} in this pool", member.url.url),
+                        format!(
+                            "duplicate member {:?} in this pool: members[{first}] is the same",
+                            u.url
+                        ),
                     ));
+                } else {
+                    members.insert(key, j);
                 }
                 if member.weight.is_some() {
                     let why = match up.selection {
@@ -130,6 +281,29 @@ impl Config {
                 }
                 let mut window_names = HashSet::new();
                 for (j, w) in quota.windows.iter().enumerate() {
+                    let window_at = at.clone().key("windows").index(j);
+                    if w.window.0 < MIN_WINDOW {
+                        problems.push((
+                            window_at.clone().key("window"),
+                            format!(
+                                "window {} is shorter than 1ms: requests are timestamped in microseconds and windows reported in whole milliseconds, where this one would be 0",
+                                written(w.window.0)
+                            ),
+                        ));
+                    }
+                    at_most(
+                        &mut problems,
+                        window_at.clone().key("window"),
+                        w.window,
+                        MAX_WINDOW,
+                        "a window",
+                    );
+                    if w.limit.get() > MAX_UNITS {
+                        problems.push((
+                            window_at.clone().key("limit"),
+                            format!("limit {} is too large: at most 2^53 ({MAX_UNITS}), as Redis scripts count in doubles", w.limit),
+                        ));
+                    }
                     if !window_names.insert(&w.name.0) {
                         problems.push((
                             at.clone().key("windows").index(j).key("name"),
