@@ -12,8 +12,6 @@ use std::collections::HashMap;
 use std::fmt;
 use std::mem::MaybeUninit;
 
-use unsafe_libyaml as sys;
-
 /// A path into the YAML document.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct YamlPath(pub(super) Vec<Segment>);
@@ -232,17 +230,17 @@ impl Walk {
 /// deleted by a guard even if `f` panics.
 #[allow(unsafe_code)]
 fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
-    struct Parser(Box<MaybeUninit<sys::yaml_parser_t>>);
+    struct Parser(Box<MaybeUninit<unsafe_libyaml::yaml_parser_t>>);
     impl Drop for Parser {
         fn drop(&mut self) {
             // SAFETY: only built after yaml_parser_initialize succeeded.
-            unsafe { sys::yaml_parser_delete(self.0.as_mut_ptr()) }
+            unsafe { unsafe_libyaml::yaml_parser_delete(self.0.as_mut_ptr()) }
         }
     }
 
-    let mut boxed = Box::new(MaybeUninit::<sys::yaml_parser_t>::uninit());
+    let mut boxed = Box::new(MaybeUninit::<unsafe_libyaml::yaml_parser_t>::uninit());
     // SAFETY: libyaml initializes the struct it is given; on failure nothing is to be freed.
-    if unsafe { sys::yaml_parser_initialize(boxed.as_mut_ptr()) }.fail {
+    if unsafe { unsafe_libyaml::yaml_parser_initialize(boxed.as_mut_ptr()) }.fail {
         return;
     }
     let mut parser = Parser(boxed);
@@ -250,38 +248,39 @@ fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
     // SAFETY: `p` is initialized and boxed (it never moves); `text` outlives `parser`, which
     // is dropped at the end of this function.
     unsafe {
-        sys::yaml_parser_set_encoding(p, sys::YAML_UTF8_ENCODING);
-        sys::yaml_parser_set_input_string(p, text.as_ptr(), text.len() as u64);
+        unsafe_libyaml::yaml_parser_set_encoding(p, unsafe_libyaml::YAML_UTF8_ENCODING);
+        unsafe_libyaml::yaml_parser_set_input_string(p, text.as_ptr(), text.len() as u64);
     }
     loop {
-        let mut raw = MaybeUninit::<sys::yaml_event_t>::uninit();
+        let mut raw = MaybeUninit::<unsafe_libyaml::yaml_event_t>::uninit();
         // SAFETY: `p` is a live parser; on success libyaml has filled `raw`, which is read
         // before yaml_event_delete frees what it points to, and never after.
         let (event, at) = unsafe {
             // After a failure nothing is parsed again: libyaml's state is then undefined.
-            if sys::yaml_parser_parse(p, raw.as_mut_ptr()).fail {
+            if unsafe_libyaml::yaml_parser_parse(p, raw.as_mut_ptr()).fail {
                 return;
             }
             let e = raw.as_mut_ptr();
             let mark = (*e).start_mark;
             let at = (mark.line as usize + 1, mark.column as usize + 1);
             let event = match (*e).type_ {
-                sys::YAML_SCALAR_EVENT => {
+                unsafe_libyaml::YAML_SCALAR_EVENT => {
                     let s = (*e).data.scalar;
                     let bytes = std::slice::from_raw_parts(s.value, s.length as usize);
                     Some(Event::Scalar(String::from_utf8_lossy(bytes).into_owned()))
                 }
-                sys::YAML_ALIAS_EVENT => Some(Event::Alias),
-                sys::YAML_SEQUENCE_START_EVENT => Some(Event::SequenceStart),
-                sys::YAML_MAPPING_START_EVENT => Some(Event::MappingStart),
-                sys::YAML_SEQUENCE_END_EVENT | sys::YAML_MAPPING_END_EVENT => Some(Event::End),
-                sys::YAML_DOCUMENT_END_EVENT | sys::YAML_STREAM_END_EVENT => {
+                unsafe_libyaml::YAML_ALIAS_EVENT => Some(Event::Alias),
+                unsafe_libyaml::YAML_SEQUENCE_START_EVENT => Some(Event::SequenceStart),
+                unsafe_libyaml::YAML_MAPPING_START_EVENT => Some(Event::MappingStart),
+                unsafe_libyaml::YAML_SEQUENCE_END_EVENT
+                | unsafe_libyaml::YAML_MAPPING_END_EVENT => Some(Event::End),
+                unsafe_libyaml::YAML_DOCUMENT_END_EVENT | unsafe_libyaml::YAML_STREAM_END_EVENT => {
                     Some(Event::DocumentEnd)
                 }
                 _ => None,
             };
-            let stream_end = (*e).type_ == sys::YAML_STREAM_END_EVENT;
-            sys::yaml_event_delete(e);
+            let stream_end = (*e).type_ == unsafe_libyaml::YAML_STREAM_END_EVENT;
+            unsafe_libyaml::yaml_event_delete(e);
             if stream_end {
                 if let Some(event) = event {
                     f(event, at);

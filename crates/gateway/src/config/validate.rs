@@ -36,7 +36,8 @@ fn written(d: Duration) -> String {
         ("s", 1_000_000),
         ("ms", 1_000),
     ] {
-        if us % size == 0 {
+        // Not is_multiple_of: that needs Rust 1.87, and sluice builds on 1.85.
+        if (us / size) * size == us {
             return format!("{}{unit}", us / size);
         }
     }
