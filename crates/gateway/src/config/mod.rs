@@ -175,7 +175,8 @@ const ROUTES_REQUIRED: &str =
 /// Every mistake that stops `text` from deserializing, not just the first.
 ///
 /// serde stops at the first error, so the file is read as a YAML value, then the top level and
-/// each route are deserialized on their own: a file with ten broken routes gets ten lines.
+/// each route are deserialized on their own (see [`from_value`]): a file with ten broken routes
+/// gets ten lines.
 /// Cross-field rules only run once everything deserializes (see [`Config::parse`]). Errors come
 /// top level first, then route by route.
 fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<ConfigError> {
@@ -221,8 +222,8 @@ fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<Con
     }
     let mut errors = Vec::new();
     let routes = value.as_mapping_mut().and_then(|m| m.remove("routes"));
-    let top = serde_path_to_error::deserialize::<_, Document<IgnoredAny>>(&value);
-    if let Err(e) = top {
+    let root = YamlPath::root();
+    if let Err(e) = from_value::<Document<IgnoredAny>>(&value, &root, &positions) {
         errors.push(from_serde(file, &positions, &YamlPath::root(), &e));
     }
     let at_routes = YamlPath::root().key("routes");
@@ -241,8 +242,8 @@ fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<Con
         )),
         Some(Value::Sequence(items)) => {
             for (i, item) in items.iter().enumerate() {
-                if let Err(e) = serde_path_to_error::deserialize::<_, RouteConfig>(item) {
-                    let at = at_routes.clone().index(i);
+                let at = at_routes.clone().index(i);
+                if let Err(e) = from_value::<RouteConfig>(item, &at, &positions) {
                     errors.push(from_serde(file, &positions, &at, &e));
                 }
             }
@@ -262,6 +263,57 @@ fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<Con
         }
     }
     errors
+}
+
+type TracedError = serde_path_to_error::Error<serde_yaml::Error>;
+
+/// Deserializes `value`, the node at `at`, as the plain reading of the text would.
+///
+/// The two readings differ in one way: the text reader hands a field that wants a string the
+/// scalar as written, so `name: 007` is the name "007", while a YAML value already holds the
+/// number 7 there. Each such refusal is answered by putting the written text back, from
+/// `positions`, and trying again; so only real mistakes are reported, and a route named 007
+/// is not renamed 7.
+fn from_value<T: serde::de::DeserializeOwned>(
+    value: &Value,
+    at: &YamlPath,
+    positions: &Positions,
+) -> Result<T, TracedError> {
+    let mut value = std::borrow::Cow::Borrowed(value);
+    loop {
+        let e = match serde_path_to_error::deserialize::<_, T>(&*value) {
+            Ok(t) => return Ok(t),
+            Err(e) => e,
+        };
+        if !e.inner().to_string().ends_with("expected a string") {
+            return Err(e);
+        }
+        let mut path = at.clone();
+        let mut node = value.to_mut();
+        for segment in e.path().iter() {
+            let next = match segment {
+                serde_path_to_error::Segment::Seq { index } => {
+                    path = path.index(*index);
+                    node.get_mut(*index)
+                }
+                serde_path_to_error::Segment::Map { key } => {
+                    path.0.push(Segment::Key(key.clone().into()));
+                    node.get_mut(key.as_str())
+                }
+                _ => None,
+            };
+            match next {
+                Some(next) => node = next,
+                None => return Err(e),
+            }
+        }
+        match (&*node, positions.text(&path)) {
+            (Value::Number(_) | Value::Bool(_) | Value::Null, Some(text)) => {
+                *node = Value::String(text.to_string());
+            }
+            _ => return Err(e),
+        }
+    }
 }
 
 impl ConfigError {
@@ -285,7 +337,7 @@ fn from_serde(
     file: &str,
     positions: &Positions,
     prefix: &YamlPath,
-    e: &serde_path_to_error::Error<serde_yaml::Error>,
+    e: &TracedError,
 ) -> ConfigError {
     let own = e.inner().location().map(|l| (l.line(), l.column()));
     let mut message = e.inner().to_string();

@@ -71,12 +71,14 @@ pub fn locate(text: &str, path: &YamlPath) -> Option<(usize, usize)> {
 /// A 1-based line and column.
 type At = (usize, usize);
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Node {
     /// Where the mapping key that leads to the node is written, when there is one.
     key: Option<At>,
     /// Where the node itself starts.
     value: At,
+    /// A scalar's text, exactly as written (less quotes and escapes).
+    text: Option<Box<str>>,
 }
 
 /// Every node of a document, by the display form of its path.
@@ -97,6 +99,12 @@ impl Positions {
     /// Where the node at `path` starts.
     pub(super) fn value(&self, path: &YamlPath) -> Option<At> {
         self.nodes.get(&path.to_string()).map(|n| n.value)
+    }
+
+    /// The text of the scalar at `path`, as written: `007` stays `007`, where a YAML value
+    /// would hold the number 7.
+    pub(super) fn text(&self, path: &YamlPath) -> Option<&str> {
+        self.nodes.get(&path.to_string())?.text.as_deref()
     }
 
     /// Where the key that leads to `path` is written (for a mistake in the key itself).
@@ -206,9 +214,15 @@ impl Walk {
         };
         let frame = match placed {
             Some((path, key)) => {
-                self.nodes
-                    .entry(path.clone())
-                    .or_insert(Node { key, value: at });
+                let text = match &event {
+                    Event::Scalar(s) => Some(s.as_str().into()),
+                    _ => None,
+                };
+                self.nodes.entry(path.clone()).or_insert(Node {
+                    key,
+                    value: at,
+                    text,
+                });
                 match event {
                     Event::SequenceStart => Frame::Sequence { path, next: 0 },
                     Event::MappingStart => Frame::Mapping { path, key: None },

@@ -7,46 +7,8 @@ use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::time::Duration;
 
-use serde::de::{self, Deserializer, Visitor};
+use serde::de::{self, Deserializer};
 use serde::Deserialize;
-
-/// Reads any scalar as text, so that `name: 2024` is the name "2024".
-///
-/// A config with mistakes is read a second time from a `serde_yaml::Value` (to find them
-/// all), where a plain `2024` is already a number; reading it as text either way keeps both
-/// readings in agreement.
-fn scalar<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    struct Scalar;
-    impl Visitor<'_> for Scalar {
-        type Value = String;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a string")
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
-            Ok(v)
-        }
-        fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_f64<E: de::Error>(self, v: f64) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-        fn visit_bool<E: de::Error>(self, v: bool) -> Result<String, E> {
-            Ok(v.to_string())
-        }
-    }
-    d.deserialize_any(Scalar)
-}
-
-fn scalar_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    scalar(d).map(Some)
-}
 
 /// A socket address to listen on, such as `127.0.0.1:8080` or `[::1]:8080`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +16,7 @@ pub struct ListenAddr(pub SocketAddr);
 
 impl<'de> Deserialize<'de> for ListenAddr {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         s.parse().map(ListenAddr).map_err(|_| {
             de::Error::custom(format!(
                 "invalid listen address {s:?}: expected IP:PORT, e.g. 127.0.0.1:8080"
@@ -71,7 +33,7 @@ pub struct AdminConfig {
     #[serde(default = "default_admin_listen")]
     pub listen: ListenAddr,
     /// Name of the environment variable holding the bearer token for POST endpoints.
-    #[serde(default, deserialize_with = "scalar_opt")]
+    #[serde(default)]
     pub token_env: Option<String>,
 }
 
@@ -122,7 +84,7 @@ pub struct RedisConfig {
     #[serde(default)]
     pub cluster: Option<Vec<RedisUrl>>,
     /// First part of every key.
-    #[serde(default = "default_key_prefix", deserialize_with = "scalar")]
+    #[serde(default = "default_key_prefix")]
     pub key_prefix: String,
     /// Time allowed for one Redis call; past it the route's `on_store_error` applies.
     #[serde(default = "default_redis_timeout")]
@@ -142,7 +104,7 @@ pub struct RedisUrl(pub String);
 
 impl<'de> Deserialize<'de> for RedisUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        RedisUrl::parse(&scalar(d)?).map_err(de::Error::custom)
+        RedisUrl::parse(&String::deserialize(d)?).map_err(de::Error::custom)
     }
 }
 
@@ -243,7 +205,7 @@ pub enum QuotaKey {
 
 impl<'de> Deserialize<'de> for QuotaKey {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         match s.as_str() {
             "route" => Ok(QuotaKey::Route),
             "client_ip" => Ok(QuotaKey::ClientIp),
@@ -330,7 +292,7 @@ pub struct RouteName(pub String);
 
 impl<'de> Deserialize<'de> for RouteName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         let valid = !s.is_empty()
             && s.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
@@ -390,7 +352,7 @@ pub enum HostPattern {
 
 impl<'de> Deserialize<'de> for HostPattern {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         let lower = s.trim_end_matches('.').to_ascii_lowercase();
         let valid_name = |h: &str| {
             !h.is_empty()
@@ -441,7 +403,7 @@ pub struct PathPrefix(pub String);
 
 impl<'de> Deserialize<'de> for PathPrefix {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         if s.starts_with('/') {
             Ok(PathPrefix(s))
         } else {
@@ -458,7 +420,7 @@ pub struct MethodName(pub String);
 
 impl<'de> Deserialize<'de> for MethodName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         if s.eq_ignore_ascii_case("CONNECT") {
             return Err(de::Error::custom(
                 "CONNECT tunnels are not supported; sluice answers CONNECT with 405",
@@ -657,7 +619,7 @@ impl MemberUrl {
 
 impl<'de> Deserialize<'de> for MemberUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         MemberUrl::parse(&s).map_err(de::Error::custom)
     }
 }
@@ -739,7 +701,7 @@ pub struct Dur(pub Duration);
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = scalar(d)?;
+        let s = String::deserialize(d)?;
         let parsed = humantime::parse_duration(s.trim()).map_err(|e| {
             de::Error::custom(format!(
                 "invalid duration {s:?}: {e}; write it like 250ms, 5s, 1m, 1h or 1d"

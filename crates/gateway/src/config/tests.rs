@@ -270,17 +270,26 @@ fn priority_selection() {
 }
 
 #[test]
-fn numbers_are_read_as_text_where_text_is_expected() {
-    // Both readings (plain, and value by value when looking for every mistake) agree, so a
-    // route named 2024 is fine and only the real mistake is reported.
-    let yaml =
-        "routes:\n  - name: 2024\n    upstream: {}\n  - name: b\n    upstream: {retries: x}\n";
+fn scalars_are_read_as_written_where_text_is_expected() {
+    // A mistake sends the file through a second, value-by-value reading, where a plain 007 is
+    // the number 7. Both readings must agree: the route is "007", and only the real mistake
+    // (the second route's retries) is reported, not the names.
+    let routes = "routes:\n  - name: 007\n    upstream: {}\n  - name: 1e3\n    match: {hosts: [b]}\n    upstream: {}\n  - name: \"true\"\n    match: {hosts: [c]}\n    upstream: {}\n";
+    let config = parse(routes);
+    let names: Vec<&str> = config.routes.iter().map(|r| r.name.0.as_str()).collect();
+    assert_eq!(names, ["007", "1e3", "true"]);
+    let broken =
+        format!("admin: {{token_env: 1}}\n{routes}  - name: 0x1F\n    upstream: {{retries: x}}\n");
     assert_eq!(
-        errors(yaml),
-        ["5:25: routes[1].upstream.retries: invalid type: string \"x\", expected u32"]
+        errors(&broken),
+        ["12:25: routes[3].upstream.retries: invalid type: string \"x\", expected u32"]
     );
-    let config = parse("routes:\n  - name: 2024\n    upstream: {}\n");
-    assert_eq!(config.routes[0].name.0, "2024");
+    // A number where a string is wanted, in a field that takes no number, is still refused.
+    one_error(
+        "routes:\n  - name: a\n    upstream: {members: [{url: 80}]}\n",
+        "3:32: routes[0].upstream.members[0].url",
+        "invalid member url \"80\"",
+    );
 }
 
 // Every mistake at once, and in linear time.
