@@ -176,25 +176,18 @@ const ROUTES_REQUIRED: &str =
 ///
 /// serde stops at the first error, so the file is read as a YAML value, then the top level and
 /// each route are deserialized on their own (see [`from_value`]): a file with ten broken routes
-/// gets ten lines.
-/// Cross-field rules only run once everything deserializes (see [`Config::parse`]). Errors come
-/// top level first, then route by route.
+/// gets ten lines. Cross-field rules only run once everything deserializes (see
+/// [`Config::parse`]). Errors come top level first, then route by route.
 fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<ConfigError> {
+    let positions = Positions::of(text);
+    let root = YamlPath::root();
     let traced =
         serde_path_to_error::deserialize::<_, Value>(serde_yaml::Deserializer::from_str(text));
     let mut value = match traced {
         Ok(value) => value,
         // Not YAML: nothing past the syntax error can be read.
-        Err(e) => {
-            return vec![from_serde(
-                file,
-                &Positions::of(text),
-                &YamlPath::root(),
-                &e,
-            )]
-        }
+        Err(e) => return vec![from_serde(file, &positions, &root, &e)],
     };
-    let positions = Positions::of(text);
     if value.is_null() {
         return vec![ConfigError::at(
             file,
@@ -215,22 +208,21 @@ fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<Con
     if let Some(found) = found {
         return vec![ConfigError::at(
             file,
-            positions.value(&YamlPath::root()),
+            positions.value(&root),
             ".".into(),
             format!("expected a mapping of settings such as `routes:`, found {found}"),
         )];
     }
     let mut errors = Vec::new();
     let routes = value.as_mapping_mut().and_then(|m| m.remove("routes"));
-    let root = YamlPath::root();
     if let Err(e) = from_value::<Document<IgnoredAny>>(&value, &root, &positions) {
-        errors.push(from_serde(file, &positions, &YamlPath::root(), &e));
+        errors.push(from_serde(file, &positions, &root, &e));
     }
-    let at_routes = YamlPath::root().key("routes");
+    let at_routes = root.clone().key("routes");
     match routes {
         None => errors.push(ConfigError::at(
             file,
-            positions.value(&YamlPath::root()),
+            positions.value(&root),
             ".".into(),
             format!("no routes key; {ROUTES_REQUIRED}"),
         )),
