@@ -117,12 +117,26 @@ impl<T> Router<T> {
 pub fn normalize_host(host: &str) -> Cow<'_, str> {
     let without_port = if let Some(v6) = host.strip_prefix('[') {
         v6.split(']').next().unwrap_or(v6)
+    } else if host.bytes().filter(|&b| b == b':').count() > 1 {
+        // A bare IPv6 literal: its last colon is not a port.
+        host
     } else {
         match host.rfind(':') {
             Some(i) if host[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &host[..i],
             _ => host,
         }
     };
+    if without_port.contains(':') {
+        // IPv6 has many spellings of one address; the config stores the canonical one.
+        if let Ok(v6) = without_port.parse::<std::net::Ipv6Addr>() {
+            let canonical = v6.to_string();
+            return if canonical == without_port {
+                Cow::Borrowed(without_port)
+            } else {
+                Cow::Owned(canonical)
+            };
+        }
+    }
     let trimmed = without_port.strip_suffix('.').unwrap_or(without_port);
     if trimmed.bytes().any(|b| b.is_ascii_uppercase()) {
         Cow::Owned(trimmed.to_ascii_lowercase())
@@ -198,6 +212,23 @@ mod tests {
             Some(&"api-v1")
         );
         assert_eq!(r.find("api.example.com.", "/", "GET"), Some(&"api-root"));
+    }
+
+    #[test]
+    fn ipv6_literals_match_with_or_without_brackets_and_port() {
+        // The config stores `::1` however it was written (see HostPattern); requests carry
+        // `[::1]:8080` in Host or in an absolute URI.
+        let r = Router::new([
+            (m(&["::1"], "/", &[]), "loopback"),
+            (m(&["2001:db8::a"], "/", &[]), "doc"),
+        ]);
+        for host in ["[::1]:8080", "[::1]", "::1", "[0:0:0:0:0:0:0:1]:80"] {
+            assert_eq!(r.find(host, "/", "GET"), Some(&"loopback"), "{host}");
+        }
+        for host in ["[2001:DB8::A]:443", "2001:db8:0::a"] {
+            assert_eq!(r.find(host, "/", "GET"), Some(&"doc"), "{host}");
+        }
+        assert_eq!(r.find("[::2]:8080", "/", "GET"), None);
     }
 
     #[test]

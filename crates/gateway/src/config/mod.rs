@@ -1,0 +1,365 @@
+//! The YAML configuration (SPEC §2): types, defaults and validation.
+//!
+//! Every field type checks itself while it is parsed (durations, URLs, names, addresses), so
+//! serde_yaml reports the exact line and column. Rules that span several fields run afterwards
+//! and find their position again by path (see `position`). Either way a mistake reads
+//! `FILE:LINE:COL: PATH: message`, with PATH the YAML path such as
+//! `routes[1].upstream.members[0].url`.
+//!
+//! `schema` holds the serde types, `validate` the cross-field rules and `position` the YAML
+//! paths; everything is re-exported here so that callers only ever name `crate::config::X`.
+
+mod position;
+mod schema;
+mod validate;
+
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::path::Path;
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_yaml::Value;
+
+pub use position::{locate, YamlPath};
+use position::{Positions, Segment};
+pub use schema::*;
+
+/// The config sluice runs on when none is given: three local demo upstreams behind one
+/// round-robin route. `sluice demo` starts those upstreams too.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../../../configs/default.yaml");
+
+/// The whole configuration file, as [`Config::parse`] returns it once every rule has passed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Proxy listeners.
+    pub listen: Vec<ListenAddr>,
+    /// Worker threads of the proxy service; the number of cores when absent.
+    pub threads: Option<NonZeroUsize>,
+    /// The admin API.
+    pub admin: AdminConfig,
+    /// Where shared state lives.
+    pub state: StateConfig,
+    /// The routes, matched as SPEC §3 says.
+    pub routes: Vec<RouteConfig>,
+}
+
+fn default_listen() -> Vec<ListenAddr> {
+    vec![ListenAddr("127.0.0.1:8080".parse().unwrap())]
+}
+
+/// One configuration mistake, printed as `FILE:LINE:COL: PATH: message`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The file, as given on the command line.
+    pub file: String,
+    /// 1-based line; 0 when unknown.
+    pub line: usize,
+    /// 1-based column; 0 when unknown.
+    pub column: usize,
+    /// YAML path such as `routes[1].upstream.members[0].url`; `.` for the document.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}: {}",
+            self.file, self.line, self.column, self.path, self.message
+        )
+    }
+}
+
+/// All the mistakes found in one file; at least one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<(Config, Vec<u8>), ConfigErrors> {
+        let name = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                file: name.clone(),
+                line: 0,
+                column: 0,
+                path: ".".into(),
+                message: format!("cannot read the file: {e}"),
+            }])
+        })?;
+        let text = String::from_utf8_lossy(&bytes);
+        let config = Config::parse(&name, &text)?;
+        Ok((config, bytes))
+    }
+
+    /// Parses and validates `text`; `file` names it in error messages.
+    pub fn parse(file: &str, text: &str) -> Result<Config, ConfigErrors> {
+        // A valid file, the common case, costs one serde_yaml pass and no bookkeeping: paths
+        // and positions are worked out only once the file is known to be wrong.
+        let plain = match serde_yaml::from_str::<Document<RouteConfig>>(text) {
+            Ok(Document {
+                listen,
+                threads,
+                admin,
+                state,
+                routes: Some(routes),
+            }) => {
+                let config = Config {
+                    listen,
+                    threads,
+                    admin,
+                    state,
+                    routes,
+                };
+                let problems = config.validate();
+                if problems.is_empty() {
+                    return Ok(config);
+                }
+                let positions = Positions::of(text);
+                return Err(ConfigErrors(
+                    problems
+                        .into_iter()
+                        .map(|(path, message)| {
+                            let at = positions.nearest(&path);
+                            ConfigError::at(file, at, path.to_string(), message)
+                        })
+                        .collect(),
+                ));
+            }
+            Ok(_) => None,
+            Err(e) => Some(e),
+        };
+        Err(ConfigErrors(diagnose(file, text, plain)))
+    }
+}
+
+/// The file as serde reads it. `routes` is optional here only so that a file without it can be
+/// told apart from `routes: []`: a truncated file read in the middle of a write must not be
+/// taken for a config with no routes. `R` lets the same shape read routes as values, one by
+/// one, when looking for every mistake.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename = "Config", bound = "R: Deserialize<'de>")]
+struct Document<R> {
+    #[serde(default = "default_listen")]
+    listen: Vec<ListenAddr>,
+    #[serde(default)]
+    threads: Option<NonZeroUsize>,
+    #[serde(default)]
+    admin: AdminConfig,
+    #[serde(default)]
+    state: StateConfig,
+    #[serde(default)]
+    routes: Option<Vec<R>>,
+}
+
+const ROUTES_REQUIRED: &str =
+    "write `routes: []` to run with no routes; a config without them is refused so that a truncated file is never taken for an empty one";
+
+/// Every mistake that stops `text` from deserializing, not just the first.
+///
+/// serde stops at the first error, so the file is read as a YAML value, then the top level and
+/// each route are deserialized on their own (see [`from_value`]): a file with ten broken routes
+/// gets ten lines. Cross-field rules only run once everything deserializes (see
+/// [`Config::parse`]). Errors come top level first, then route by route.
+fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<ConfigError> {
+    let positions = Positions::of(text);
+    let root = YamlPath::root();
+    let traced =
+        serde_path_to_error::deserialize::<_, Value>(serde_yaml::Deserializer::from_str(text));
+    let mut value = match traced {
+        Ok(value) => value,
+        // Not YAML: nothing past the syntax error can be read.
+        Err(e) => return vec![from_serde(file, &positions, &root, &e)],
+    };
+    if value.is_null() {
+        return vec![ConfigError::at(
+            file,
+            Some((1, 1)),
+            ".".into(),
+            format!("the file is empty; {ROUTES_REQUIRED}"),
+        )];
+    }
+    let found = match &value {
+        Value::Mapping(_) => None,
+        Value::Bool(_) => Some("a boolean"),
+        Value::Number(_) => Some("a number"),
+        Value::String(_) => Some("a string"),
+        Value::Sequence(_) => Some("a sequence"),
+        Value::Null => Some("nothing"),
+        Value::Tagged(_) => Some("a tagged value"),
+    };
+    if let Some(found) = found {
+        return vec![ConfigError::at(
+            file,
+            positions.value(&root),
+            ".".into(),
+            format!("expected a mapping of settings such as `routes:`, found {found}"),
+        )];
+    }
+    let mut errors = Vec::new();
+    let routes = value.as_mapping_mut().and_then(|m| m.remove("routes"));
+    if let Err(e) = from_value::<Document<IgnoredAny>>(&value, &root, &positions) {
+        errors.push(from_serde(file, &positions, &root, &e));
+    }
+    let at_routes = root.clone().key("routes");
+    match routes {
+        None => errors.push(ConfigError::at(
+            file,
+            positions.value(&root),
+            ".".into(),
+            format!("no routes key; {ROUTES_REQUIRED}"),
+        )),
+        Some(Value::Null) => errors.push(ConfigError::at(
+            file,
+            positions.value(&at_routes),
+            at_routes.to_string(),
+            format!("routes is empty; {ROUTES_REQUIRED}"),
+        )),
+        Some(Value::Sequence(items)) => {
+            for (i, item) in items.iter().enumerate() {
+                let at = at_routes.clone().index(i);
+                if let Err(e) = from_value::<RouteConfig>(item, &at, &positions) {
+                    errors.push(from_serde(file, &positions, &at, &e));
+                }
+            }
+        }
+        Some(other) => {
+            if let Err(e) = serde_path_to_error::deserialize::<_, Vec<IgnoredAny>>(&other) {
+                errors.push(from_serde(file, &positions, &at_routes, &e));
+            }
+        }
+    }
+    if errors.is_empty() {
+        // The value-by-value reading accepted what the plain one refused; report the plain
+        // error rather than none.
+        if let Some(plain) = plain {
+            let at = plain.location().map(|l| (l.line(), l.column()));
+            errors.push(ConfigError::at(file, at, ".".into(), plain.to_string()));
+        }
+    }
+    errors
+}
+
+type TracedError = serde_path_to_error::Error<serde_yaml::Error>;
+
+/// Deserializes `value`, the node at `at`, as the plain reading of the text would.
+///
+/// The two readings differ in one way: the text reader hands a field that wants a string the
+/// scalar as written, so `name: 007` is the name "007", while a YAML value already holds the
+/// number 7 there. Each such refusal is answered by putting the written text back, from
+/// `positions`, and trying again; so only real mistakes are reported, and a route named 007
+/// is not renamed 7.
+fn from_value<T: serde::de::DeserializeOwned>(
+    value: &Value,
+    at: &YamlPath,
+    positions: &Positions,
+) -> Result<T, TracedError> {
+    let mut value = std::borrow::Cow::Borrowed(value);
+    loop {
+        let e = match serde_path_to_error::deserialize::<_, T>(&*value) {
+            Ok(t) => return Ok(t),
+            Err(e) => e,
+        };
+        if !e.inner().to_string().ends_with("expected a string") {
+            return Err(e);
+        }
+        let mut path = at.clone();
+        let mut node = value.to_mut();
+        for segment in e.path().iter() {
+            let next = match segment {
+                serde_path_to_error::Segment::Seq { index } => {
+                    path = path.index(*index);
+                    node.get_mut(*index)
+                }
+                serde_path_to_error::Segment::Map { key } => {
+                    path.0.push(Segment::Key(key.clone().into()));
+                    node.get_mut(key.as_str())
+                }
+                _ => None,
+            };
+            match next {
+                Some(next) => node = next,
+                None => return Err(e),
+            }
+        }
+        match (&*node, positions.text(&path)) {
+            (Value::Number(_) | Value::Bool(_) | Value::Null, Some(text)) => {
+                *node = Value::String(text.to_string());
+            }
+            _ => return Err(e),
+        }
+    }
+}
+
+impl ConfigError {
+    fn at(file: &str, at: Option<(usize, usize)>, path: String, message: String) -> ConfigError {
+        let (line, column) = at.unwrap_or((0, 0));
+        ConfigError {
+            file: file.to_string(),
+            line,
+            column,
+            path,
+            message,
+        }
+    }
+}
+
+/// Turns a serde error met under `prefix` into our format. serde_yaml puts its own (sometimes
+/// shorter) path and the position inside the message, so both are cut out, and the position
+/// is looked up by path instead: errors raised by our field types are otherwise stamped with
+/// the enclosing mapping, and errors from a YAML value carry no position at all.
+fn from_serde(
+    file: &str,
+    positions: &Positions,
+    prefix: &YamlPath,
+    e: &TracedError,
+) -> ConfigError {
+    let own = e.inner().location().map(|l| (l.line(), l.column()));
+    let mut message = e.inner().to_string();
+    if let Some((line, column)) = own {
+        let position = format!(" at line {line} column {column}");
+        if let Some(at) = message.find(&position) {
+            message.replace_range(at..at + position.len(), "");
+        }
+    }
+    let relative = e.path().to_string();
+    if let Some((head, rest)) = message.split_once(": ") {
+        if !head.is_empty() && relative.starts_with(head) {
+            message = rest.to_string();
+        }
+    }
+    let mut path = prefix.clone();
+    path.0.extend(e.path().iter().filter_map(|s| match s {
+        serde_path_to_error::Segment::Seq { index } => Some(Segment::Index(*index)),
+        serde_path_to_error::Segment::Map { key } => Some(Segment::Key(key.clone().into())),
+        _ => None,
+    }));
+    // An unknown key is best shown at the key itself.
+    let at = if message.starts_with("unknown field") {
+        positions.key(&path)
+    } else {
+        positions.value(&path)
+    };
+    let at = at.or(own).or_else(|| positions.nearest(&path));
+    ConfigError::at(file, at, path.to_string(), message)
+}
+
+#[cfg(test)]
+mod tests;

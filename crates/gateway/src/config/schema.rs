@@ -1,0 +1,717 @@
+//! The serde types of the YAML file (SPEC §2).
+//!
+//! Each field type checks itself while it is parsed, so a bad value is reported at its own line
+//! and column rather than at the enclosing mapping.
+
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroU64};
+use std::time::Duration;
+
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+
+/// A socket address to listen on, such as `127.0.0.1:8080` or `[::1]:8080`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenAddr(pub SocketAddr);
+
+impl<'de> Deserialize<'de> for ListenAddr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map(ListenAddr).map_err(|_| {
+            de::Error::custom(format!(
+                "invalid listen address {s:?}: expected IP:PORT, e.g. 127.0.0.1:8080"
+            ))
+        })
+    }
+}
+
+/// `admin:` — the admin API.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Where the admin API listens; loopback by default, since it exposes internals.
+    #[serde(default = "default_admin_listen")]
+    pub listen: ListenAddr,
+    /// Name of the environment variable holding the bearer token for POST endpoints.
+    #[serde(default)]
+    pub token_env: Option<String>,
+}
+
+fn default_admin_listen() -> ListenAddr {
+    ListenAddr("127.0.0.1:9901".parse().unwrap())
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: default_admin_listen(),
+            token_env: None,
+        }
+    }
+}
+
+/// `state:` — where quota and least-used state lives.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StateConfig {
+    /// `memory` (one instance) or `redis` (shared by every instance).
+    #[serde(default)]
+    pub backend: StateBackend,
+    /// How to reach Redis; required with `backend: redis`.
+    #[serde(default)]
+    pub redis: Option<RedisConfig>,
+}
+
+/// The state backend.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum StateBackend {
+    /// In-process state, for a single instance.
+    #[default]
+    Memory,
+    /// Redis, shared by every gateway instance that points at it.
+    Redis,
+}
+
+/// `state.redis:` — the shared store.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    /// `redis://host:port/db`, for a single Redis.
+    #[serde(default)]
+    pub url: Option<RedisUrl>,
+    /// Some nodes of a Redis Cluster (`redis://host:port` each); the rest are discovered.
+    #[serde(default)]
+    pub cluster: Option<Vec<RedisUrl>>,
+    /// First part of every key.
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: String,
+    /// Time allowed for one Redis call; past it the route's `on_store_error` applies.
+    #[serde(default = "default_redis_timeout")]
+    pub timeout: Dur,
+}
+
+fn default_key_prefix() -> String {
+    "sluice".into()
+}
+fn default_redis_timeout() -> Dur {
+    Dur(Duration::from_millis(50))
+}
+
+/// A `redis://` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisUrl(pub String);
+
+impl<'de> Deserialize<'de> for RedisUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        RedisUrl::parse(&String::deserialize(d)?).map_err(de::Error::custom)
+    }
+}
+
+impl RedisUrl {
+    /// Checks `s` with the Redis client's own parser, so that whatever passes here is what the
+    /// client accepts at startup (`redis://host/x` used to pass here and panic at `run`).
+    fn parse(s: &str) -> Result<RedisUrl, String> {
+        use redis::IntoConnectionInfo;
+        let shown = redact(s);
+        let scheme = s
+            .split_once("://")
+            .map(|(scheme, _)| scheme.to_ascii_lowercase());
+        match scheme.as_deref() {
+            Some("redis") => {}
+            // The client is built without a TLS feature, so it would refuse these at startup.
+            Some("rediss") => {
+                return Err(format!(
+                    "invalid redis url {shown:?}: rediss:// (TLS) is not supported yet"
+                ))
+            }
+            _ => {
+                return Err(format!(
+                    "invalid redis url {shown:?}: expected redis://host:port/db"
+                ))
+            }
+        }
+        let url = redis::parse_redis_url(s)
+            .ok_or_else(|| format!("invalid redis url {shown:?}: expected redis://host:port/db"))?;
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(format!("invalid redis url {shown:?}: no host"));
+        }
+        url.into_connection_info().map_err(|e| {
+            let why = e.to_string();
+            let why = why.trim_end_matches(" - InvalidClientConfig");
+            format!("invalid redis url {shown:?}: {why}")
+        })?;
+        Ok(RedisUrl(s.to_string()))
+    }
+}
+
+/// `url` with any user name and password replaced by `***`, for error messages: a config
+/// mistake is printed, logged and shown in `/status`, and must not leak a password.
+pub(super) fn redact(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    match url[start..end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
+    }
+}
+
+/// One route.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Unique name, `[A-Za-z0-9_-]+`; it appears in logs, metrics and Redis keys.
+    pub name: RouteName,
+    /// Which requests the route takes.
+    #[serde(rename = "match", default)]
+    pub matcher: MatchConfig,
+    /// Where they go.
+    pub upstream: UpstreamConfig,
+    /// The sliding-window quota that gates the route.
+    #[serde(default)]
+    pub quota: Option<QuotaConfig>,
+}
+
+/// `quota:` — a sliding-window quota.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaConfig {
+    /// What one quota counts: the whole route, each value of a header, or each client address.
+    #[serde(default)]
+    pub key: QuotaKey,
+    /// Every window must admit a request.
+    pub windows: Vec<WindowConfig>,
+    /// What a request costs.
+    #[serde(default)]
+    pub cost: CostConfig,
+    /// What to do when the store cannot answer.
+    #[serde(default)]
+    pub on_store_error: OnStoreError,
+}
+
+/// `quota.key`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum QuotaKey {
+    /// One quota for the whole route.
+    #[default]
+    Route,
+    /// One quota per value of this header (lowercased name). Requests without it share one.
+    Header(String),
+    /// One quota per client IP address.
+    ClientIp,
+}
+
+impl<'de> Deserialize<'de> for QuotaKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "route" => Ok(QuotaKey::Route),
+            "client_ip" => Ok(QuotaKey::ClientIp),
+            _ => match s.strip_prefix("header:") {
+                Some("") => Err(de::Error::custom(
+                    "quota key \"header:\" needs a header name, e.g. header:X-Tenant",
+                )),
+                Some(name) => http::HeaderName::from_bytes(name.as_bytes())
+                    .map(|h| QuotaKey::Header(h.as_str().to_string()))
+                    .map_err(|_| de::Error::custom(format!("invalid header name {name:?}"))),
+                None => Err(de::Error::custom(format!(
+                    "invalid quota key {s:?}: expected route, header:<Name> or client_ip"
+                ))),
+            },
+        }
+    }
+}
+
+/// One window of a quota.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WindowConfig {
+    /// Unique within the quota; appears in headers, metrics and Redis keys.
+    pub name: RouteName,
+    /// Units admitted in any interval of length `window`.
+    pub limit: NonZeroU64,
+    /// The window's length.
+    pub window: Dur,
+}
+
+/// `quota.cost`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CostConfig {
+    /// Cost of a request no rule matches.
+    #[serde(default = "one_unit")]
+    pub default: NonZeroU64,
+    /// The first matching rule gives the cost.
+    #[serde(default)]
+    pub rules: Vec<CostRule>,
+}
+
+impl Default for CostConfig {
+    fn default() -> Self {
+        CostConfig {
+            default: one_unit(),
+            rules: Vec::new(),
+        }
+    }
+}
+
+fn one_unit() -> NonZeroU64 {
+    NonZeroU64::MIN
+}
+
+/// A cost rule: by path prefix and method.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CostRule {
+    /// Matches paths starting with this (default `/`).
+    #[serde(default = "root_prefix")]
+    pub path_prefix: PathPrefix,
+    /// Matches these methods (default: all).
+    #[serde(default)]
+    pub methods: Vec<MethodName>,
+    /// The cost.
+    pub cost: NonZeroU64,
+}
+
+/// `quota.on_store_error`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    /// Admit the request, uncounted.
+    #[default]
+    Open,
+    /// Refuse it with 503 `store_unavailable`.
+    Closed,
+}
+
+/// A route name: `[A-Za-z0-9_-]+`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RouteName(pub String);
+
+impl<'de> Deserialize<'de> for RouteName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let valid = !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if valid {
+            Ok(RouteName(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid route name {s:?}: use letters, digits, '_' and '-' only"
+            )))
+        }
+    }
+}
+
+/// `match:` — hosts, path prefix and methods.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MatchConfig {
+    /// Exact hosts and `*.suffix` wildcards; `*` (the default) matches any host.
+    #[serde(default = "any_host")]
+    pub hosts: Vec<HostPattern>,
+    /// The longest matching prefix wins.
+    #[serde(default = "root_prefix")]
+    pub path_prefix: PathPrefix,
+    /// Allowed methods; empty means all.
+    #[serde(default)]
+    pub methods: Vec<MethodName>,
+}
+
+impl Default for MatchConfig {
+    fn default() -> Self {
+        MatchConfig {
+            hosts: any_host(),
+            path_prefix: root_prefix(),
+            methods: Vec::new(),
+        }
+    }
+}
+
+fn any_host() -> Vec<HostPattern> {
+    vec![HostPattern::Any]
+}
+
+fn root_prefix() -> PathPrefix {
+    PathPrefix("/".into())
+}
+
+/// A host pattern, lowercased.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum HostPattern {
+    /// `*`: any host.
+    Any,
+    /// `api.example.com`.
+    Exact(String),
+    /// `*.example.com`, stored as `example.com`: any subdomain, not the domain itself.
+    Wildcard(String),
+}
+
+impl<'de> Deserialize<'de> for HostPattern {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let lower = s.trim_end_matches('.').to_ascii_lowercase();
+        let valid_name = |h: &str| {
+            !h.is_empty()
+                && h.split('.').all(|label| {
+                    !label.is_empty()
+                        && label
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                })
+        };
+        if lower == "*" {
+            Ok(HostPattern::Any)
+        } else if let Some(suffix) = lower.strip_prefix("*.") {
+            if valid_name(suffix) {
+                Ok(HostPattern::Wildcard(suffix.to_string()))
+            } else {
+                Err(de::Error::custom(format!("invalid wildcard host {s:?}")))
+            }
+        } else if let Some(v6) = ipv6(&lower) {
+            // One spelling for every way of writing the address, the one the router looks up.
+            Ok(HostPattern::Exact(v6.to_string()))
+        } else if lower.contains(':') {
+            Err(de::Error::custom(format!(
+                "invalid host {s:?}: give the host without a port; ports are ignored when matching"
+            )))
+        } else if valid_name(&lower) {
+            Ok(HostPattern::Exact(lower))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid host {s:?}: expected a DNS name, an IP address, \"*.domain\" or \"*\""
+            )))
+        }
+    }
+}
+
+/// An IPv6 literal, bare (`::1`) or in brackets (`[::1]`), as a host is written.
+pub(crate) fn ipv6(host: &str) -> Option<std::net::Ipv6Addr> {
+    let bare = match host.strip_prefix('[') {
+        Some(rest) => rest.strip_suffix(']')?,
+        None => host,
+    };
+    bare.parse().ok()
+}
+
+/// A path prefix; must start with `/`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PathPrefix(pub String);
+
+impl<'de> Deserialize<'de> for PathPrefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.starts_with('/') {
+            Ok(PathPrefix(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid path_prefix {s:?}: it must start with '/'"
+            )))
+        }
+    }
+}
+
+/// An HTTP method name, uppercase.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MethodName(pub String);
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.eq_ignore_ascii_case("CONNECT") {
+            return Err(de::Error::custom(
+                "CONNECT tunnels are not supported; sluice answers CONNECT with 405",
+            ));
+        }
+        let token = !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if token {
+            Ok(MethodName(s.to_ascii_uppercase()))
+        } else {
+            Err(de::Error::custom(format!("invalid method {s:?}")))
+        }
+    }
+}
+
+/// `upstream:` — the pool and how to talk to it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// How a member is chosen.
+    #[serde(default)]
+    pub selection: Selection,
+    /// The pool; may be empty (the route then answers 503).
+    #[serde(default)]
+    pub members: Vec<MemberConfig>,
+    /// Send the client's Host upstream (true) or the member's authority (false).
+    #[serde(default = "yes")]
+    pub preserve_host: bool,
+    /// Time allowed to open a connection (TCP and TLS).
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout: Dur,
+    /// Time allowed between two reads from the member.
+    #[serde(default = "default_read_timeout")]
+    pub read_timeout: Dur,
+    /// More attempts on other members after a connect failure or connect timeout.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Active checks; without them only passive checks run.
+    #[serde(default)]
+    pub health_check: Option<HealthCheckConfig>,
+    /// Passive checks on live traffic.
+    #[serde(default)]
+    pub passive: PassiveConfig,
+    /// least_used only: what a restored member's count becomes.
+    #[serde(default)]
+    pub on_restore: Option<OnRestore>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_connect_timeout() -> Dur {
+    Dur(Duration::from_secs(2))
+}
+fn default_read_timeout() -> Dur {
+    Dur(Duration::from_secs(30))
+}
+fn default_retries() -> u32 {
+    2
+}
+
+/// Member selection policy.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// Smooth weighted round-robin over healthy members, in process.
+    #[default]
+    RoundRobin,
+    /// The eligible member with the fewest assignments across every instance.
+    LeastUsed,
+    /// The first healthy member in list order; the members after it are backups.
+    Priority,
+}
+
+/// What a least-used member's count becomes when it is restored.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRestore {
+    /// Resume with the old count.
+    #[default]
+    Keep,
+    /// Start at the pool's current minimum among eligible members, so it is not flooded.
+    Min,
+}
+
+/// One member of a pool.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemberConfig {
+    /// `http://host[:port]` or `https://host[:port]`.
+    pub url: MemberUrl,
+    /// Round-robin weight (1 when absent); round_robin only.
+    #[serde(default)]
+    pub weight: Option<NonZeroU32>,
+}
+
+impl MemberConfig {
+    /// The round-robin weight.
+    pub fn weight(&self) -> u32 {
+        self.weight.map_or(1, NonZeroU32::get)
+    }
+}
+
+fn one() -> NonZeroU32 {
+    NonZeroU32::MIN
+}
+
+/// A member URL, checked and split.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MemberUrl {
+    /// The URL as written, with scheme and host in lowercase and no trailing slash; the
+    /// member's identity.
+    pub url: String,
+    /// True for https.
+    pub tls: bool,
+    /// Host name or IP address, without brackets.
+    pub host: String,
+    /// Port, explicit or the scheme's default.
+    pub port: u16,
+}
+
+impl MemberUrl {
+    /// `host:port` as it goes in a Host header (brackets around IPv6 literals).
+    pub fn authority(&self) -> String {
+        let default_port = if self.tls { 443 } else { 80 };
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        if self.port == default_port {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
+    }
+
+    fn parse(s: &str) -> Result<MemberUrl, String> {
+        let shown = redact(s);
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| format!("invalid member url {shown:?}: {e}"))?;
+        let scheme = uri.scheme_str().map(str::to_ascii_lowercase);
+        let tls = match scheme.as_deref() {
+            Some("http") => false,
+            Some("https") => true,
+            Some(other) => {
+                return Err(format!(
+                    "invalid member url {shown:?}: scheme {other:?} is not http or https"
+                ))
+            }
+            None => {
+                return Err(format!(
+                "invalid member url {shown:?}: expected http://host[:port] or https://host[:port]"
+            ))
+            }
+        };
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        if authority.contains('@') {
+            // The URL is the member's name in logs, metrics and /status, so credentials in it
+            // would be published; sluice does not send them anyway.
+            return Err(format!(
+                "invalid member url {shown:?}: credentials in a member url are not supported"
+            ));
+        }
+        let host = uri
+            .host()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| format!("invalid member url {shown:?}: no host"))?;
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(format!(
+                "invalid member url {shown:?}: a member is scheme://host[:port], without a path"
+            ));
+        }
+        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        // Scheme and host are case-insensitive, so `HTTP://A` and `http://a` are one member:
+        // the identity (and the least_used key in the store) is spelled in lowercase. The
+        // port is kept as written, so an existing member keeps its identity.
+        let host = host.to_ascii_lowercase();
+        let url = match uri.port() {
+            Some(p) => format!("{}://{host}:{}", scheme.unwrap_or_default(), p.as_str()),
+            None => format!("{}://{host}", scheme.unwrap_or_default()),
+        };
+        Ok(MemberUrl {
+            url,
+            tls,
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            port,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for MemberUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        MemberUrl::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+/// `health_check:` — active checks.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheckConfig {
+    /// tcp: a connection opens; http: a GET of `path` answers 2xx.
+    pub kind: CheckKind,
+    /// Path for http checks.
+    #[serde(default)]
+    pub path: Option<PathPrefix>,
+    /// Time between probes.
+    #[serde(default = "default_interval")]
+    pub interval: Dur,
+    /// A slower probe fails.
+    #[serde(default = "default_check_timeout")]
+    pub timeout: Dur,
+    /// Consecutive successes to mark a member up.
+    #[serde(default = "default_rise")]
+    pub rise: NonZeroU32,
+    /// Consecutive failures to mark it down.
+    #[serde(default = "default_fall")]
+    pub fall: NonZeroU32,
+}
+
+fn default_interval() -> Dur {
+    Dur(Duration::from_secs(2))
+}
+fn default_check_timeout() -> Dur {
+    Dur(Duration::from_secs(1))
+}
+fn default_rise() -> NonZeroU32 {
+    NonZeroU32::new(2).unwrap()
+}
+fn default_fall() -> NonZeroU32 {
+    NonZeroU32::new(3).unwrap()
+}
+
+/// Kind of active check.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckKind {
+    /// A TCP connection opens.
+    Tcp,
+    /// An HTTP GET answers 2xx.
+    Http,
+}
+
+/// `passive:` — ejection on live traffic.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveConfig {
+    /// Consecutive connect failures that mark a member down.
+    #[serde(default = "one")]
+    pub fall: NonZeroU32,
+    /// Without active checks: time until a down member gets one trial request.
+    #[serde(default = "default_cooldown")]
+    pub cooldown: Dur,
+}
+
+fn default_cooldown() -> Dur {
+    Dur(Duration::from_secs(10))
+}
+
+impl Default for PassiveConfig {
+    fn default() -> Self {
+        PassiveConfig {
+            fall: one(),
+            cooldown: default_cooldown(),
+        }
+    }
+}
+
+/// A positive duration written as `250ms`, `5s`, `1m`, `1h` or `1d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let parsed = humantime::parse_duration(s.trim()).map_err(|e| {
+            de::Error::custom(format!(
+                "invalid duration {s:?}: {e}; write it like 250ms, 5s, 1m, 1h or 1d"
+            ))
+        })?;
+        if parsed.is_zero() {
+            return Err(de::Error::custom(format!(
+                "invalid duration {s:?}: it must be greater than zero"
+            )));
+        }
+        Ok(Dur(parsed))
+    }
+}

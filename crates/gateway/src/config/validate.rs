@@ -1,0 +1,348 @@
+//! Rules that span several fields, run once every field has parsed.
+//!
+//! Each problem names the YAML path to blame; the caller turns the path into a line and column.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use super::position::YamlPath;
+use super::schema::*;
+use super::Config;
+
+/// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
+/// a timestamp and a window far inside the stores' u64 microseconds.
+const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
+
+/// The shortest quota window. The stores timestamp requests in microseconds and `/status`
+/// reports windows in whole milliseconds, where a shorter window would read as 0.
+const MIN_WINDOW: Duration = Duration::from_millis(1);
+
+/// The longest timeout, check interval or cooldown: past a day the setting is a typo (`1d`
+/// meant as `1s`?) rather than a plan, and the runtime adds these to instants.
+const MAX_DELAY: Duration = Duration::from_secs(86_400);
+
+/// The largest limit, and so the largest cost (a cost above the smallest limit is refused):
+/// Redis scripts count in doubles, exact only up to 2^53, and the memory store adds a cost to
+/// a total that is at most a limit.
+const MAX_UNITS: u64 = 1 << 53;
+
+/// `d` in the config's own notation, in the largest unit that writes it whole: `366d`, `25h`.
+fn written(d: Duration) -> String {
+    let us = d.as_micros();
+    for (unit, size) in [
+        ("d", 86_400_000_000),
+        ("h", 3_600_000_000),
+        ("m", 60_000_000),
+        ("s", 1_000_000),
+        ("ms", 1_000),
+    ] {
+        // Not is_multiple_of: that needs Rust 1.87, and sluice builds on 1.85.
+        if (us / size) * size == us {
+            return format!("{}{unit}", us / size);
+        }
+    }
+    format!("{us}us")
+}
+
+/// `problems` gains an entry if `d` is longer than `max`.
+fn at_most(
+    problems: &mut Vec<(YamlPath, String)>,
+    at: YamlPath,
+    d: Dur,
+    max: Duration,
+    what: &str,
+) {
+    if d.0 > max {
+        problems.push((
+            at,
+            format!(
+                "{} is too long: {what} can be at most {}",
+                written(d.0),
+                written(max)
+            ),
+        ));
+    }
+}
+
+impl Config {
+    /// Rules that span several fields. Each problem names the YAML path to blame.
+    pub(super) fn validate(&self) -> Vec<(YamlPath, String)> {
+        let mut problems = Vec::new();
+        if self.listen.is_empty() {
+            problems.push((
+                YamlPath::root().key("listen"),
+                "at least one listen address is required".to_string(),
+            ));
+        }
+        let admin_at = YamlPath::root().key("admin").key("listen");
+        if self.admin.listen.0.port() == 0 {
+            problems.push((
+                admin_at.clone(),
+                "port 0 would listen on a random port; give the port to listen on".to_string(),
+            ));
+        }
+        let mut seen = HashMap::new();
+        for (i, addr) in self.listen.iter().enumerate() {
+            let at = YamlPath::root().key("listen").index(i);
+            if addr.0.port() == 0 {
+                problems.push((
+                    at.clone(),
+                    "port 0 would listen on a random port; give the port to listen on".to_string(),
+                ));
+            } else if addr.0 == self.admin.listen.0 {
+                problems.push((
+                    admin_at.clone(),
+                    format!(
+                        "{} is also listen[{i}]: the admin API needs an address of its own",
+                        addr.0
+                    ),
+                ));
+            }
+            if let Some(first) = seen.insert(addr.0, i) {
+                problems.push((at, format!("{} is already listen[{first}]", addr.0)));
+            }
+        }
+        if let Some(var) = &self.admin.token_env {
+            if var.is_empty() {
+                problems.push((
+                    YamlPath::root().key("admin").key("token_env"),
+                    "token_env must name an environment variable".to_string(),
+                ));
+            }
+        }
+
+        let redis = self.state.redis.as_ref();
+        let url = redis.and_then(|r| r.url.as_ref());
+        let cluster = redis.and_then(|r| r.cluster.as_ref());
+        if self.state.backend == StateBackend::Redis && url.is_none() && cluster.is_none() {
+            problems.push((
+                YamlPath::root().key("state").key("backend"),
+                "backend: redis needs state.redis.url or state.redis.cluster".to_string(),
+            ));
+        }
+        if url.is_some() && cluster.is_some() {
+            problems.push((
+                YamlPath::root().key("state").key("redis").key("cluster"),
+                "give either url (one Redis) or cluster (Redis Cluster nodes), not both"
+                    .to_string(),
+            ));
+        }
+        if let Some(nodes) = cluster {
+            let at = YamlPath::root().key("state").key("redis").key("cluster");
+            if nodes.is_empty() {
+                problems.push((at, "cluster needs at least one node".to_string()));
+            } else if let Err(e) =
+                redis::cluster::ClusterClient::new(nodes.iter().map(|n| n.0.as_str()))
+            {
+                // What the client checks across nodes (one password, one database...), so
+                // that `run` cannot fail on what `check` passed. Its messages name no URL.
+                let why = e.to_string();
+                let why = why.trim_end_matches(" - InvalidClientConfig");
+                problems.push((
+                    at,
+                    format!("these nodes cannot form one cluster client: {why}"),
+                ));
+            }
+        }
+        if let Some(redis) = redis {
+            let at = YamlPath::root().key("state").key("redis").key("timeout");
+            at_most(
+                &mut problems,
+                at,
+                redis.timeout,
+                MAX_DELAY,
+                "a Redis timeout",
+            );
+        }
+
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        let mut claims: HashMap<(HostPattern, &str, Vec<MethodName>), usize> = HashMap::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            let at = YamlPath::root().key("routes").index(i);
+            if route.matcher.hosts.is_empty() {
+                problems.push((
+                    at.clone().key("match").key("hosts"),
+                    "hosts is empty, so the route could never match; leave it out, or write [\"*\"], to match any host".to_string(),
+                ));
+            }
+            // Name the first holder: with n copies of a name, every message then points at
+            // the same route.
+            if let Some(&first) = names.get(route.name.0.as_str()) {
+                problems.push((
+                    at.clone().key("name"),
+                    format!(
+                        "duplicate route name {:?}: routes[{first}] already has it",
+                        route.name.0
+                    ),
+                ));
+            } else {
+                names.insert(&route.name.0, i);
+            }
+            let mut methods = route.matcher.methods.clone();
+            methods.sort();
+            methods.dedup();
+            for host in &route.matcher.hosts {
+                let key = (
+                    host.clone(),
+                    route.matcher.path_prefix.0.as_str(),
+                    methods.clone(),
+                );
+                if let Some(&first) = claims.get(&key) {
+                    problems.push((
+                        at.clone().key("match"),
+                        format!(
+                            "routes[{first}] ({}) has the same host, path_prefix and methods, so this route could never match",
+                            self.routes[first].name.0
+                        ),
+                    ));
+                    break;
+                }
+                claims.insert(key, i);
+            }
+
+            let up = &route.upstream;
+            let up_at = at.clone().key("upstream");
+            for (d, key, what) in [
+                (up.connect_timeout, "connect_timeout", "a timeout"),
+                (up.read_timeout, "read_timeout", "a timeout"),
+            ] {
+                at_most(&mut problems, up_at.clone().key(key), d, MAX_DELAY, what);
+            }
+            let cooldown_at = up_at.clone().key("passive").key("cooldown");
+            at_most(
+                &mut problems,
+                cooldown_at,
+                up.passive.cooldown,
+                MAX_DELAY,
+                "a cooldown",
+            );
+            if let Some(check) = &up.health_check {
+                let check_at = up_at.clone().key("health_check");
+                at_most(
+                    &mut problems,
+                    check_at.clone().key("interval"),
+                    check.interval,
+                    MAX_DELAY,
+                    "an interval",
+                );
+                at_most(
+                    &mut problems,
+                    check_at.key("timeout"),
+                    check.timeout,
+                    MAX_DELAY,
+                    "a timeout",
+                );
+            }
+            // One member however its URL is spelled: `HTTP://A`, `http://a` and `http://a:80`
+            // reach the same place.
+            let mut members: HashMap<(bool, &str, u16), usize> = HashMap::new();
+            for (j, member) in up.members.iter().enumerate() {
+                let member_at = up_at.clone().key("members").index(j);
+                let u = &member.url;
+                let key = (u.tls, u.host.as_str(), u.port);
+                if let Some(&first) = members.get(&key) {
+                    problems.push((
+                        member_at.clone().key("url"),
+                        format!(
+                            "duplicate member {:?} in this pool: members[{first}] is the same",
+                            u.url
+                        ),
+                    ));
+                } else {
+                    members.insert(key, j);
+                }
+                if member.weight.is_some() {
+                    let why = match up.selection {
+                        Selection::RoundRobin => None,
+                        Selection::LeastUsed => Some("least_used counts assignments"),
+                        Selection::Priority => Some("priority follows the list order"),
+                    };
+                    if let Some(why) = why {
+                        problems.push((
+                            member_at.key("weight"),
+                            format!("weight applies to round_robin only; {why}"),
+                        ));
+                    }
+                }
+            }
+            // Only least_used keeps a count that a restored member could resume.
+            if up.selection != Selection::LeastUsed && up.on_restore.is_some() {
+                problems.push((
+                    at.clone().key("upstream").key("on_restore"),
+                    "on_restore applies to selection: least_used only".to_string(),
+                ));
+            }
+            if let Some(quota) = &route.quota {
+                let at = at.clone().key("quota");
+                if quota.windows.is_empty() {
+                    problems.push((
+                        at.clone().key("windows"),
+                        "a quota needs at least one window".to_string(),
+                    ));
+                }
+                let mut window_names = HashSet::new();
+                for (j, w) in quota.windows.iter().enumerate() {
+                    let window_at = at.clone().key("windows").index(j);
+                    if w.window.0 < MIN_WINDOW {
+                        problems.push((
+                            window_at.clone().key("window"),
+                            format!(
+                                "window {} is shorter than 1ms: requests are timestamped in microseconds and windows reported in whole milliseconds, where this one would be 0",
+                                written(w.window.0)
+                            ),
+                        ));
+                    }
+                    at_most(
+                        &mut problems,
+                        window_at.clone().key("window"),
+                        w.window,
+                        MAX_WINDOW,
+                        "a window",
+                    );
+                    if w.limit.get() > MAX_UNITS {
+                        problems.push((
+                            window_at.clone().key("limit"),
+                            format!("limit {} is too large: at most 2^53 ({MAX_UNITS}), as Redis scripts count in doubles", w.limit),
+                        ));
+                    }
+                    if !window_names.insert(&w.name.0) {
+                        problems.push((
+                            at.clone().key("windows").index(j).key("name"),
+                            format!("duplicate window name {:?}", w.name.0),
+                        ));
+                    }
+                }
+                if let Some(smallest) = quota.windows.iter().map(|w| w.limit.get()).min() {
+                    let too_costly = |cost: u64| {
+                        format!(
+                            "cost {cost} exceeds the smallest window limit {smallest}: no such request could ever pass"
+                        )
+                    };
+                    if quota.cost.default.get() > smallest {
+                        problems.push((
+                            at.clone().key("cost").key("default"),
+                            too_costly(quota.cost.default.get()),
+                        ));
+                    }
+                    for (j, rule) in quota.cost.rules.iter().enumerate() {
+                        if rule.cost.get() > smallest {
+                            problems.push((
+                                at.clone().key("cost").key("rules").index(j).key("cost"),
+                                too_costly(rule.cost.get()),
+                            ));
+                        }
+                    }
+                }
+            }
+            if let Some(check) = &up.health_check {
+                if check.kind == CheckKind::Tcp && check.path.is_some() {
+                    problems.push((
+                        at.clone().key("upstream").key("health_check").key("path"),
+                        "path applies to kind: http only".to_string(),
+                    ));
+                }
+            }
+        }
+        problems
+    }
+}
