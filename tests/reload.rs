@@ -332,7 +332,14 @@ async fn fifty_reloads_under_load_fail_no_request() {
         gw.write_config_template(if i % 2 == 0 { &b } else { &a });
         let r = post_reload(&gw, &[]).await;
         assert_eq!(r.status, 200, "reload {i}: {}", r.text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Let traffic flow on this config before the next reload: wait for requests, not for
+        // a moment, so every config in the series really serves some.
+        let after_reload = sent.load(Ordering::Relaxed);
+        let flowed = support::wait_until(Duration::from_secs(10), || {
+            sent.load(Ordering::Relaxed) >= after_reload + 8
+        })
+        .await;
+        assert!(flowed, "requests flow after reload {i}");
     }
     stop.store(true, Ordering::Relaxed);
     let mut failures = Vec::new();
