@@ -433,3 +433,50 @@ async fn status_lists_routes_and_member_health() {
     assert_eq!(gw.admin("/healthz").await.status, 200);
     assert_eq!(gw.admin("/readyz").await.status, 200);
 }
+
+/// The config builder of the tests writes only what `sluice check` accepts, for every option it
+/// has: a typo in a key there would otherwise surface as a confusing failure elsewhere.
+#[test]
+fn every_option_of_the_test_config_builder_passes_sluice_check() {
+    use support::{HealthCheck, Quota, State};
+    let full = Route::new("full")
+        .hosts(&["full.test", "*.full.test"])
+        .path_prefix("/v1/")
+        .methods(&["GET", "POST"])
+        .weighted_member("http://127.0.0.1:9", 2)
+        .member("https://localhost:8443")
+        .preserve_host(false)
+        .connect_timeout("1s")
+        .read_timeout("5s")
+        .retries(1)
+        .health_check(HealthCheck::fast_http("1s", 2, 3))
+        .passive(Passive::cooldown("10s").fall(2))
+        .quota(
+            Quota::window("burst", 10, "1s")
+                .and_window("daily", 1000, "1d")
+                .key("header:X-Tenant")
+                .cost_default(2)
+                .cost_rule("/v1/search", &["GET"], 5)
+                .cost_rule("/v1/heavy", &[], 10)
+                .on_store_error("closed"),
+        );
+    let least_used = Route::new("lu")
+        .least_used()
+        .on_restore("min")
+        .members(["http://127.0.0.1:10", "http://127.0.0.1:11"])
+        .health_check(HealthCheck::tcp().interval("2s"));
+    let empty = Route::new("empty");
+    let states = [
+        State::memory(),
+        State::redis("redis://127.0.0.1:6379/0").timeout("50ms"),
+        State::cluster(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002"]),
+    ];
+    for state in states {
+        let config = Config::new()
+            .threads(2)
+            .admin_token_env("SLUICE_TEST_TOKEN")
+            .state(state)
+            .routes([full.clone(), least_used.clone(), empty.clone()]);
+        assert_eq!(config.check(), Ok(()), "{}", config.yaml());
+    }
+}

@@ -159,6 +159,30 @@ impl Config {
         serde_yaml::to_string(self).expect("a test config serialises")
     }
 
+    /// Runs `sluice check` on this config (placeholders filled with free ports) and returns its
+    /// verdict: `Ok` if it printed `ok`, else what it wrote on stderr.
+    pub fn check(&self) -> Result<(), String> {
+        let dir = super::TempDir::new("sluice-builder-check");
+        let file = dir.path().join("sluice.yaml");
+        let [proxy, admin] = super::free_ports::<2>();
+        let yaml = self
+            .yaml()
+            .replace("{PROXY}", &format!("127.0.0.1:{proxy}"))
+            .replace("{ADMIN}", &format!("127.0.0.1:{admin}"));
+        std::fs::write(&file, yaml).expect("write the config");
+        let out = std::process::Command::new(super::sluice_binary())
+            .args(["check", "-c"])
+            .arg(&file)
+            .output()
+            .expect("run sluice check");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if out.status.success() && stdout.trim() == "ok" {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
     /// Starts a gateway on this config, on free ports ([`Gateway::start_with_ports`]).
     pub fn start(&self) -> Gateway {
         Gateway::start_with_ports(&self.yaml())
