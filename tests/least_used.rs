@@ -1,37 +1,34 @@
-//! Least-used selection end to end: the spread, `/status` counts, fairness across two gateways
-//! sharing Redis (also with a member that fails every request), one Redis command per request,
-//! and the round-robin fallback when Redis is gone.
+//! Least-used selection end to end: the spread, `/status` counts, fairness across every gateway
+//! sharing the store (also with a member that fails every request), down members, restore
+//! policies, and, on Redis only, one Redis command per request and the round-robin fallback
+//! when Redis is gone.
 
 mod support;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sluice_testkit::RedisServer;
-use support::{free_port, request, start_backends, Gateway, HttpClient};
+use support::{
+    dead_url, request, start_backends, url, Backend, Config, Gateway, HealthCheck, HttpClient,
+    Passive, Quota, Route, State, Store,
+};
 
-fn url(addr: SocketAddr) -> String {
-    format!("http://{addr}")
-}
+// Every behaviour that does not need Redis itself runs on both stores; the Redis-only ones
+// below say why.
+on_both_stores!(
+    spreads_evenly_and_status_shows_counts,
+    concurrent_clients_keep_counts_within_one,
+    failed_requests_still_count_so_a_failing_member_stays_within_one,
+    down_members_are_skipped_and_no_member_costs_no_quota,
+    on_restore_min_gives_a_revived_member_no_burst,
+    on_restore_keep_lets_a_revived_member_catch_up,
+);
 
-fn config(state: &str, members: &[String], extra: &str) -> String {
-    let mut yaml = format!(
-        "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\n{state}routes:\n  - name: pool\n    match:\n      hosts: [\"pool.test\"]\n    upstream:\n      selection: least_used\n      retries: 2\n      members:\n"
-    );
-    for m in members {
-        yaml.push_str(&format!("        - url: \"{m}\"\n"));
-    }
-    yaml.push_str(extra);
-    yaml
-}
-
-fn redis_state(redis: &RedisServer) -> String {
-    format!(
-        "state:\n  backend: redis\n  redis:\n    url: \"{}\"\n    timeout: 1s\n",
-        redis.url()
-    )
+/// The least-used route `pool` (host `pool.test`) over `members`, with two retries.
+fn pool(members: &[String]) -> Route {
+    Route::new("pool").least_used().retries(2).members(members)
 }
 
 fn spread(counts: impl IntoIterator<Item = u64>) -> u64 {
@@ -48,11 +45,27 @@ fn redis_counts(redis: &RedisServer) -> HashMap<String, u64> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_least_used_spreads_evenly_and_status_shows_counts() {
+/// Assignment counts as `/status` shows them, by member URL.
+async fn status_counts(gw: &Gateway) -> HashMap<String, u64> {
+    let status = gw.status().await;
+    status["routes"][0]["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .map(|m| {
+            (
+                m["url"].as_str().expect("url").to_string(),
+                m["assignments"].as_u64().expect("assignments"),
+            )
+        })
+        .collect()
+}
+
+async fn spreads_evenly_and_status_shows_counts(backend: Backend) {
+    let store = Store::start(backend);
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let gw = Gateway::start_with_ports(&config("", &members, ""));
+    let gw = Config::new().store(&store).route(pool(&members)).start();
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..30 {
         assert_eq!(
@@ -74,13 +87,21 @@ async fn memory_least_used_spreads_evenly_and_status_shows_counts() {
     let status = gw.status().await;
     let route = &status["routes"][0];
     assert_eq!(route["selection"], "least_used");
-    for m in route["members"].as_array().unwrap() {
+    let shown = route["members"].as_array().unwrap();
+    assert_eq!(shown.len(), 3);
+    for m in shown {
         assert_eq!(m["assignments"], 10, "{m}");
+    }
+    if let Some(redis) = store.redis() {
+        assert_eq!(redis_counts(redis), status_counts(&gw).await);
     }
 }
 
-async fn two_gateways_stay_fair(with_failing_member: bool) {
-    let redis = RedisServer::start();
+/// 32 concurrent clients on every gateway that shares the store (one on memory, two on
+/// Redis), 5,120 requests in all; with `with_failing_member`, one member hangs up on every
+/// request it gets.
+async fn clients_stay_fair(backend: Backend, with_failing_member: bool) {
+    let store = Store::start(backend);
     let n_good = if with_failing_member { 4 } else { 5 };
     let names = ["m1", "m2", "m3", "m4", "m5"];
     let backends = start_backends(&names[..n_good]).await;
@@ -92,16 +113,12 @@ async fn two_gateways_stay_fair(with_failing_member: bool) {
     } else {
         None
     };
-    let yaml = config(&redis_state(&redis), &members, "");
-    let gateways = [
-        Gateway::start_with_ports(&yaml),
-        Gateway::start_with_ports(&yaml),
-    ];
+    let config = Config::new().store(&store).route(pool(&members));
+    let gateways: Vec<Gateway> = (0..store.instances()).map(|_| config.start()).collect();
 
-    // 32 concurrent clients, 16 per gateway, 5,120 requests in all.
     let mut tasks = Vec::new();
     for c in 0..32 {
-        let addr = gateways[c % 2].proxy_addr();
+        let addr = gateways[c % gateways.len()].proxy_addr();
         tasks.push(tokio::spawn(async move {
             let mut statuses = HashMap::new();
             for _ in 0..160 {
@@ -121,45 +138,227 @@ async fn two_gateways_stay_fair(with_failing_member: bool) {
             *statuses.entry(s).or_default() += n;
         }
     }
-    let counts = redis_counts(&redis);
+    let counts = status_counts(&gateways[0]).await;
     let mut received: Vec<u64> = backends.iter().map(|b| b.proxied_requests()).collect();
     if let Some(got) = &failing {
         received.push(got.load(Ordering::SeqCst));
     }
-    println!("statuses {statuses:?}; redis counts {counts:?}; received {received:?}");
+    println!("statuses {statuses:?}; counts {counts:?}; received {received:?}");
+    if let Some(redis) = store.redis() {
+        assert_eq!(
+            redis_counts(redis),
+            counts,
+            "/status shows the Redis counts"
+        );
+        for gw in &gateways[1..] {
+            assert_eq!(status_counts(gw).await, counts, "every gateway sees them");
+        }
+    }
     assert_eq!(counts.len(), members.len());
     assert_eq!(
         counts.values().sum::<u64>(),
         5120,
         "every request is one assignment"
     );
-    assert!(
-        spread(counts.values().copied()) <= 1,
-        "redis counts {counts:?}"
-    );
+    assert!(spread(counts.values().copied()) <= 1, "counts {counts:?}");
     assert!(
         spread(received.iter().copied()) <= 1,
         "received {received:?}"
     );
+    assert_eq!(
+        received.iter().sum::<u64>(),
+        5120,
+        "every request reached exactly one member"
+    );
     if with_failing_member {
+        assert!(received[4] > 0);
         assert_eq!(
             statuses.get(&502).copied(),
             Some(received[4]),
             "failures are not retried"
         );
+        assert_eq!(statuses.get(&200).copied(), Some(5120 - received[4]));
     } else {
         assert_eq!(statuses.get(&200).copied(), Some(5120));
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_gateways_sharing_redis_keep_counts_within_one() {
-    two_gateways_stay_fair(false).await;
+async fn concurrent_clients_keep_counts_within_one(backend: Backend) {
+    clients_stay_fair(backend, false).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_requests_still_count_so_a_failing_member_stays_within_one() {
-    two_gateways_stay_fair(true).await;
+async fn failed_requests_still_count_so_a_failing_member_stays_within_one(backend: Backend) {
+    clients_stay_fair(backend, true).await;
+}
+
+async fn down_members_are_skipped_and_no_member_costs_no_quota(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["alive"]).await;
+    let dead = dead_url();
+    let members = [dead.clone(), url(backends[0].local_addr())];
+    let gw = Config::new()
+        .store(&store)
+        .route(
+            pool(&members)
+                .passive(Passive::cooldown("1h"))
+                .quota(Quota::window("minute", 100, "1m")),
+        )
+        .start();
+    // Whichever member is the lexically smaller, connect failures are retried on a new
+    // assignment and the dead member is ejected.
+    for _ in 0..10 {
+        let r = request(gw.proxy_addr(), "POST", "pool.test", "/", &[], b"x").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(backends[0].proxied_requests(), 10);
+    let status = gw.status().await;
+    let dead_member = status["routes"][0]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["url"] == dead.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(dead_member["healthy"], false);
+    assert!(
+        dead_member["assignments"].as_u64().unwrap() <= 1,
+        "ejected after one failure"
+    );
+
+    // With every member down: 503 no_member, and the quota is not charged.
+    backends[0].stop().await;
+    // A pooled connection may serve one more request; the next connect fails and ejects it.
+    // Every request answered otherwise than 503 was admitted, and charged.
+    let mut charged = 10;
+    let mut r = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
+    for _ in 0..5 {
+        if r.status == 503 {
+            break;
+        }
+        charged += 1;
+        r = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
+    }
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("no_member"));
+    // A route with a quota reports it on every response, this one included, so compare real
+    // values: two absent headers would prove nothing.
+    let remaining = |r: &support::Response| -> u64 {
+        let header = r
+            .header("ratelimit")
+            .unwrap_or_else(|| panic!("a 503 on a quota route carries RateLimit: {:?}", r.headers));
+        header
+            .split(';')
+            .find_map(|p| p.trim().strip_prefix("r="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no r= in RateLimit: {header}"))
+    };
+    assert_eq!(remaining(&r), 100 - charged, "nothing charged for the 503");
+    let again = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
+    assert_eq!(again.status, 503);
+    assert_eq!(remaining(&again), 100 - charged, "no quota consumed");
+}
+
+/// Takes the second of two members down with its active check, sends 20 requests, brings it
+/// back, and returns how many of the next 10 requests it took, and every backend's total.
+async fn restored_member_after_an_outage(
+    backend: Backend,
+    on_restore: &'static str,
+) -> (u64, Vec<u64>) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["steady", "flaky"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let gw = Config::new()
+        .store(&store)
+        .route(
+            pool(&members)
+                .on_restore(on_restore)
+                .health_check(HealthCheck::fast_http("100ms", 1, 1)),
+        )
+        .start();
+    let flaky = members[1].clone();
+    let healthy = |want: f64| {
+        let (gw, flaky) = (&gw, flaky.clone());
+        async move {
+            support::wait_until_async(Duration::from_secs(10), || {
+                let flaky = flaky.clone();
+                async move {
+                    gw.metric("sluice_member_healthy", &[("member", &flaky)])
+                        .await
+                        == Some(want)
+                }
+            })
+            .await
+        }
+    };
+    backends[1].set_healthy(false);
+    assert!(healthy(0.0).await, "the active check takes the member down");
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..20 {
+        assert_eq!(
+            client
+                .request("GET", "pool.test", "/", &[], b"")
+                .await
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    backends[1].set_healthy(true);
+    // The pool marks the member eligible before the gauge says "up", so from here on it can be
+    // chosen; `min` then raises its count in a background task: wait for the count, not for
+    // a moment. (`keep` changes nothing, so there is nothing to wait for.)
+    assert!(healthy(1.0).await, "and brings it back");
+    if on_restore == "min" {
+        let raised = support::wait_until_async(Duration::from_secs(10), || async {
+            status_counts(&gw).await.get(&flaky) == Some(&20)
+        })
+        .await;
+        assert!(
+            raised,
+            "min raises the revived member to the least count: {:?}",
+            status_counts(&gw).await
+        );
+    }
+    let before = backends[1].proxied_requests();
+    for _ in 0..10 {
+        assert_eq!(
+            client
+                .request("GET", "pool.test", "/", &[], b"")
+                .await
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    (
+        backends[1].proxied_requests() - before,
+        backends.iter().map(|b| b.proxied_requests()).collect(),
+    )
+}
+
+async fn on_restore_min_gives_a_revived_member_no_burst(backend: Backend) {
+    let (revived_share, totals) = restored_member_after_an_outage(backend, "min").await;
+    assert_eq!(
+        revived_share, 5,
+        "an even share of the next ten: {totals:?}"
+    );
+}
+
+async fn on_restore_keep_lets_a_revived_member_catch_up(backend: Backend) {
+    let (revived_share, totals) = restored_member_after_an_outage(backend, "keep").await;
+    assert_eq!(
+        revived_share, 10,
+        "it resumes from its old count and takes them all: {totals:?}"
+    );
+}
+
+// Redis-only: what Redis is sent, and what happens when Redis goes away.
+
+fn redis_pool_gateway(redis: &RedisServer, route: Route) -> Gateway {
+    Config::new()
+        .state(State::redis(redis.url()))
+        .route(route)
+        .start()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,8 +366,10 @@ async fn one_redis_command_per_request_on_a_quota_and_least_used_route() {
     let redis = RedisServer::start();
     let backends = start_backends(&["b1", "b2"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let quota = "    quota:\n      windows:\n        - {name: minute, limit: 10000, window: 1m}\n";
-    let gw = Gateway::start_with_ports(&config(&redis_state(&redis), &members, quota));
+    let gw = redis_pool_gateway(
+        &redis,
+        pool(&members).quota(Quota::window("minute", 10000, "1m")),
+    );
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     // Warm up: the first request syncs the pool and loads the script.
     for _ in 0..3 {
@@ -212,7 +413,7 @@ async fn redis_outage_falls_back_to_round_robin_without_failing_a_request() {
     let mut redis = RedisServer::start();
     let backends = start_backends(&["b1", "b2"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let gw = Gateway::start_with_ports(&config(&redis_state(&redis), &members, ""));
+    let gw = redis_pool_gateway(&redis, pool(&members));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..4 {
         assert_eq!(
@@ -270,131 +471,4 @@ async fn redis_outage_falls_back_to_round_robin_without_failing_a_request() {
             200
         );
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn down_members_are_skipped_and_no_member_costs_no_quota() {
-    let backends = start_backends(&["alive"]).await;
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let members = [dead.clone(), url(backends[0].local_addr())];
-    let quota = "    quota:\n      windows:\n        - {name: minute, limit: 100, window: 1m}\n";
-    let gw = Gateway::start_with_ports(&config(
-        "",
-        &members,
-        &format!("      passive:\n        cooldown: 1h\n{quota}"),
-    ));
-    // The dead member is the lexically smaller... or not; either way connect failures are
-    // retried on a new assignment and the member is ejected.
-    for _ in 0..10 {
-        let r = request(gw.proxy_addr(), "POST", "pool.test", "/", &[], b"x").await;
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-    assert_eq!(backends[0].proxied_requests(), 10);
-    let status = gw.status().await;
-    let dead_member = status["routes"][0]["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["url"] == dead.as_str())
-        .unwrap()
-        .clone();
-    assert_eq!(dead_member["healthy"], false);
-    assert!(
-        dead_member["assignments"].as_u64().unwrap() <= 1,
-        "ejected after one failure"
-    );
-
-    // With every member down: 503 no_member, and the quota is not charged.
-    backends[0].stop().await;
-    // A pooled connection may serve one more request; the next connect fails and ejects it.
-    let mut r = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
-    for _ in 0..5 {
-        if r.status == 503 {
-            break;
-        }
-        r = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
-    }
-    assert_eq!(r.status, 503, "{}", r.text());
-    assert_eq!(r.header("x-sluice-error"), Some("no_member"));
-    let remaining_before = r.header("ratelimit").map(str::to_string);
-    let again = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
-    assert_eq!(
-        again.header("ratelimit").map(str::to_string),
-        remaining_before,
-        "no quota consumed"
-    );
-}
-
-async fn restored_member_after_an_outage(on_restore: &str) -> (u64, Vec<u64>) {
-    let backends = start_backends(&["steady", "flaky"]).await;
-    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let checks = format!(
-        "      on_restore: {on_restore}\n      health_check:\n        kind: http\n        path: /healthz\n        interval: 100ms\n        timeout: 500ms\n        rise: 1\n        fall: 1\n"
-    );
-    let gw = Gateway::start_with_ports(&config("", &members, &checks));
-    let flaky = members[1].clone();
-    let healthy = |want: f64| {
-        let (gw, flaky) = (&gw, flaky.clone());
-        async move {
-            support::wait_until_async(Duration::from_secs(10), || {
-                let flaky = flaky.clone();
-                async move {
-                    gw.metric("sluice_member_healthy", &[("member", &flaky)])
-                        .await
-                        == Some(want)
-                }
-            })
-            .await
-        }
-    };
-    backends[1].set_healthy(false);
-    assert!(healthy(0.0).await, "the active check takes the member down");
-    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-    for _ in 0..20 {
-        assert_eq!(
-            client
-                .request("GET", "pool.test", "/", &[], b"")
-                .await
-                .unwrap()
-                .status,
-            200
-        );
-    }
-    backends[1].set_healthy(true);
-    assert!(healthy(1.0).await, "and brings it back");
-    // The restore hook runs in the background; give it a moment.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let before = backends[1].proxied_requests();
-    for _ in 0..10 {
-        assert_eq!(
-            client
-                .request("GET", "pool.test", "/", &[], b"")
-                .await
-                .unwrap()
-                .status,
-            200
-        );
-    }
-    (
-        backends[1].proxied_requests() - before,
-        backends.iter().map(|b| b.proxied_requests()).collect(),
-    )
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_restore_min_gives_a_revived_member_no_burst() {
-    let (revived_share, totals) = restored_member_after_an_outage("min").await;
-    assert_eq!(
-        revived_share, 5,
-        "an even share of the next ten: {totals:?}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_restore_keep_lets_a_revived_member_catch_up() {
-    let (revived_share, totals) = restored_member_after_an_outage("keep").await;
-    assert_eq!(
-        revived_share, 10,
-        "it resumes from its old count and takes them all: {totals:?}"
-    );
 }

@@ -6,33 +6,32 @@ mod support;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sluice_echo::EchoServer;
-use support::{free_port, request, start_backends, Gateway, HttpClient};
+use support::{
+    free_port, request, start_backends, url, Config, Gateway, HealthCheck, HttpClient, Passive,
+    Route,
+};
 
-fn url(addr: SocketAddr) -> String {
-    format!("http://{addr}")
+/// A gateway (two proxy threads) with one route `api` on host `api.test` over `members`,
+/// with two retries, and whatever `more` adds.
+fn start(members: &[String], more: impl FnOnce(Route) -> Route) -> Gateway {
+    Config::new()
+        .threads(2)
+        .route(more(Route::new("api").retries(2).members(members)))
+        .start()
 }
 
-fn config(members: &[String], extra: &str) -> String {
-    let mut yaml = String::from(
-        "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 2\nroutes:\n  - name: api\n    match:\n      hosts: [\"api.test\"]\n    upstream:\n      retries: 2\n      members:\n",
-    );
-    for m in members {
-        yaml.push_str(&format!("        - url: \"{m}\"\n"));
-    }
-    yaml.push_str(extra);
-    yaml
+fn active_check() -> HealthCheck {
+    HealthCheck::fast_http("100ms", 2, 2)
 }
-
-const ACTIVE_CHECK: &str = "      health_check:\n        kind: http\n        path: /healthz\n        interval: 100ms\n        timeout: 500ms\n        rise: 2\n        fall: 2\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_killed_under_load_fails_no_request_and_comes_back() {
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let gw = Gateway::start_with_ports(&config(&members, ACTIVE_CHECK));
+    let gw = start(&members, |r| r.health_check(active_check()));
     let victim_addr = backends[1].local_addr();
     let victim = members[1].clone();
 
@@ -119,11 +118,10 @@ async fn without_active_checks_a_down_member_gets_one_trial_after_cooldown() {
     let port = free_port();
     let late: SocketAddr = ([127, 0, 0, 1], port).into();
     let members = [url(late), url(backends[0].local_addr())];
-    let gw = Gateway::start_with_ports(&config(
-        &members,
-        "      passive:\n        fall: 1\n        cooldown: 1s\n",
-    ));
-    // The first request tries the absent member, fails to connect, and is retried.
+    let gw = start(&members, |r| r.passive(Passive::cooldown("1s").fall(1)));
+    // The first request tries the absent member, fails to connect, and is retried. The member
+    // is ejected during it, so its cooldown ends no earlier than 1 s after `first_sent`.
+    let first_sent = Instant::now();
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 200);
     assert_eq!(
@@ -133,20 +131,37 @@ async fn without_active_checks_a_down_member_gets_one_trial_after_cooldown() {
     );
 
     let comeback = EchoServer::start("late", late).await.unwrap();
-    // During the cooldown nothing goes to the down member.
-    for _ in 0..5 {
-        assert_eq!(
-            request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
-                .await
-                .json()["upstream"],
-            "steady"
+    // Send requests until one reaches the revived member: that one is the trial. Every request
+    // before it must have gone to `steady`, and the trial cannot come before the cooldown is
+    // over. Neither check depends on how fast the machine is: a delay only moves `answered`
+    // later.
+    let cooldown_over_at_the_earliest = first_sent + Duration::from_secs(1);
+    let deadline = first_sent + Duration::from_secs(15);
+    let mut within_cooldown = 0;
+    loop {
+        let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+        let answered = Instant::now();
+        assert_eq!(r.status, 200, "{}", r.text());
+        if r.json()["upstream"] == "late" {
+            assert!(
+                answered >= cooldown_over_at_the_earliest,
+                "a trial request before the cooldown was over"
+            );
+            break;
+        }
+        assert_eq!(r.json()["upstream"], "steady");
+        if answered < cooldown_over_at_the_earliest {
+            within_cooldown += 1;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no trial request within 15 s of a 1 s cooldown"
         );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(comeback.proxied_requests(), 0);
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    // The first request after the cooldown is the trial; it succeeds and restores the member.
-    let trial = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
-    assert_eq!(trial.json()["upstream"], "late");
+    println!("{within_cooldown} requests went to steady during the cooldown");
+    assert_eq!(comeback.proxied_requests(), 1, "one trial request");
+    // The trial succeeded and restored the member.
     assert_eq!(
         gw.metric("sluice_member_healthy", &[("member", &members[0])])
             .await,
@@ -164,7 +179,7 @@ async fn without_active_checks_a_down_member_gets_one_trial_after_cooldown() {
 
 async fn in_flight_requests_finish_on(signal: &str) {
     let backends = start_backends(&["slow"]).await;
-    let mut gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let mut gw = start(&[url(backends[0].local_addr())], |r| r);
     let mut requests = Vec::new();
     for _ in 0..6 {
         let addr = gw.proxy_addr();
@@ -214,7 +229,7 @@ async fn sigint_is_as_graceful_as_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_log_has_one_json_line_per_request() {
     let backends = start_backends(&["b1"]).await;
-    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let gw = start(&[url(backends[0].local_addr())], |r| r);
     request(
         gw.proxy_addr(),
         "POST",

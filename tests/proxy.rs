@@ -3,44 +3,28 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::{free_port, request, start_backends, Gateway, HttpClient};
+use support::{
+    dead_url, request, start_backends, url, Config, Gateway, HttpClient, Passive, Route,
+};
 
-/// A config with one route `api` on host `api.test` over `members`; `extra` is YAML added under
-/// `upstream:` (6 spaces of indentation).
-fn config(members: &[String], extra: &str) -> String {
-    let mut yaml = String::from(
-        "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes:\n  - name: api\n    match:\n      hosts: [\"api.test\"]\n    upstream:\n",
-    );
-    if members.is_empty() {
-        yaml.push_str("      members: []\n");
-    } else {
-        yaml.push_str("      members:\n");
-        for m in members {
-            yaml.push_str(&format!("        - url: \"{m}\"\n"));
-        }
-    }
-    yaml.push_str(extra);
-    yaml
+/// A gateway with one route `api` on host `api.test`.
+fn start(route: Route) -> Gateway {
+    Config::new().route(route).start()
 }
 
-fn url(addr: SocketAddr) -> String {
-    format!("http://{addr}")
-}
-
-/// A port where nothing listens.
-fn dead_url() -> String {
-    format!("http://127.0.0.1:{}", free_port())
+/// The route `api` over `members`.
+fn api(members: &[String]) -> Route {
+    Route::new("api").members(members)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_spreads_requests_evenly_across_three_backends() {
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let gw = Gateway::start_with_ports(&config(&members, ""));
+    let gw = start(api(&members));
 
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..300 {
@@ -61,14 +45,11 @@ async fn round_robin_spreads_requests_evenly_across_three_backends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_share_requests_in_proportion() {
     let backends = start_backends(&["heavy", "light"]).await;
-    let extra = "";
-    let mut yaml = config(&[], extra).replace("      members: []\n", "");
-    yaml.push_str(&format!(
-        "      members:\n        - {{url: \"{}\", weight: 3}}\n        - {{url: \"{}\", weight: 1}}\n",
-        url(backends[0].local_addr()),
-        url(backends[1].local_addr())
-    ));
-    let gw = Gateway::start_with_ports(&yaml);
+    let gw = start(
+        Route::new("api")
+            .weighted_member(url(backends[0].local_addr()), 3)
+            .weighted_member(url(backends[1].local_addr()), 1),
+    );
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..400 {
         assert_eq!(
@@ -87,7 +68,7 @@ async fn weights_share_requests_in_proportion() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forward_proxy_form_and_gateway_form_route_alike() {
     let backends = start_backends(&["b1"]).await;
-    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let gw = start(api(&[url(backends[0].local_addr())]));
 
     // What `curl -x http://sluice http://api.test/v1/items?q=1` sends.
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
@@ -135,7 +116,7 @@ async fn forward_proxy_form_and_gateway_form_route_alike() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forward_proxy_form_works_with_real_curl() {
     let backends = start_backends(&["b1"]).await;
-    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let gw = start(api(&[url(backends[0].local_addr())]));
     let proxy = format!("http://{}", gw.proxy_addr());
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("curl")
@@ -166,8 +147,7 @@ async fn forward_proxy_form_works_with_real_curl() {
 async fn headers_are_fixed_up_on_the_way() {
     let backends = start_backends(&["b1"]).await;
     let member = backends[0].local_addr();
-    let yaml = config(&[url(member)], "      preserve_host: false\n");
-    let gw = Gateway::start_with_ports(&yaml);
+    let gw = start(api(&[url(member)]).preserve_host(false));
 
     let r = request(
         gw.proxy_addr(),
@@ -206,7 +186,7 @@ async fn headers_are_fixed_up_on_the_way() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_host_gets_a_404_problem_and_no_member_is_contacted() {
     let backends = start_backends(&["b1"]).await;
-    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let gw = start(api(&[url(backends[0].local_addr())]));
     let r = request(gw.proxy_addr(), "GET", "nope.test", "/x", &[], b"").await;
     assert_eq!(r.status, 404);
     assert_eq!(r.header("content-type"), Some("application/problem+json"));
@@ -223,7 +203,7 @@ async fn unknown_host_gets_a_404_problem_and_no_member_is_contacted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_is_answered_405() {
     let backends = start_backends(&["b1"]).await;
-    let gw = Gateway::start_with_ports(&config(&[url(backends[0].local_addr())], ""));
+    let gw = start(api(&[url(backends[0].local_addr())]));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     client
         .write_raw(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
@@ -241,7 +221,7 @@ async fn connect_failures_are_retried_on_other_members_for_every_method() {
     let backends = start_backends(&["alive"]).await;
     let dead = dead_url();
     let members = [dead.clone(), url(backends[0].local_addr())];
-    let gw = Gateway::start_with_ports(&config(&members, "      retries: 2\n"));
+    let gw = start(api(&members).retries(2));
 
     for i in 0..20 {
         let method = if i % 2 == 0 { "POST" } else { "GET" };
@@ -272,7 +252,7 @@ async fn a_request_that_reached_a_member_is_never_replayed() {
     let backends = start_backends(&["good"]).await;
     let (crasher, crashed) = support::start_hang_up_member().await;
     let members = [url(crasher), url(backends[0].local_addr())];
-    let gw = Gateway::start_with_ports(&config(&members, "      retries: 3\n"));
+    let gw = start(api(&members).retries(3));
 
     let (mut ok, mut failed) = (0, 0);
     for i in 0..20 {
@@ -314,10 +294,11 @@ async fn a_request_that_reached_a_member_is_never_replayed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_members_down_gives_502_after_attempts_then_503() {
     let members = [dead_url(), dead_url()];
-    let gw = Gateway::start_with_ports(&config(
-        &members,
-        "      retries: 2\n      passive:\n        fall: 1\n        cooldown: 1h\n",
-    ));
+    let gw = start(
+        api(&members)
+            .retries(2)
+            .passive(Passive::cooldown("1h").fall(1)),
+    );
     let first = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(first.status, 502, "{}", first.text());
     assert_eq!(first.header("x-sluice-error"), Some("upstream_unreachable"));
@@ -334,7 +315,7 @@ async fn all_members_down_gives_502_after_attempts_then_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_pool_answers_503_no_member() {
-    let gw = Gateway::start_with_ports(&config(&[], ""));
+    let gw = start(api(&[]));
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 503);
     assert_eq!(r.header("x-sluice-error"), Some("no_member"));
@@ -344,7 +325,7 @@ async fn an_empty_pool_answers_503_no_member() {
 async fn metrics_agree_with_the_requests_sent() {
     let backends = start_backends(&["b1", "b2"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let gw = Gateway::start_with_ports(&config(&members, ""));
+    let gw = start(api(&members));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..25 {
         assert_eq!(
@@ -429,7 +410,7 @@ fn metrics_blocking(gw: &Gateway) -> String {
 async fn status_lists_routes_and_member_health() {
     let backends = start_backends(&["b1"]).await;
     let members = [url(backends[0].local_addr()), dead_url()];
-    let gw = Gateway::start_with_ports(&config(&members, ""));
+    let gw = start(api(&members));
     // Two requests: round-robin tries the dead member once, which ejects it.
     for _ in 0..2 {
         assert_eq!(
@@ -451,4 +432,51 @@ async fn status_lists_routes_and_member_health() {
     assert_eq!(route["members"][1]["healthy"], false);
     assert_eq!(gw.admin("/healthz").await.status, 200);
     assert_eq!(gw.admin("/readyz").await.status, 200);
+}
+
+/// The config builder of the tests writes only what `sluice check` accepts, for every option it
+/// has: a typo in a key there would otherwise surface as a confusing failure elsewhere.
+#[test]
+fn every_option_of_the_test_config_builder_passes_sluice_check() {
+    use support::{HealthCheck, Quota, State};
+    let full = Route::new("full")
+        .hosts(&["full.test", "*.full.test"])
+        .path_prefix("/v1/")
+        .methods(&["GET", "POST"])
+        .weighted_member("http://127.0.0.1:9", 2)
+        .member("https://localhost:8443")
+        .preserve_host(false)
+        .connect_timeout("1s")
+        .read_timeout("5s")
+        .retries(1)
+        .health_check(HealthCheck::fast_http("1s", 2, 3))
+        .passive(Passive::cooldown("10s").fall(2))
+        .quota(
+            Quota::window("burst", 10, "1s")
+                .and_window("daily", 1000, "1d")
+                .key("header:X-Tenant")
+                .cost_default(2)
+                .cost_rule("/v1/search", &["GET"], 5)
+                .cost_rule("/v1/heavy", &[], 10)
+                .on_store_error("closed"),
+        );
+    let least_used = Route::new("lu")
+        .least_used()
+        .on_restore("min")
+        .members(["http://127.0.0.1:10", "http://127.0.0.1:11"])
+        .health_check(HealthCheck::tcp().interval("2s"));
+    let empty = Route::new("empty");
+    let states = [
+        State::memory(),
+        State::redis("redis://127.0.0.1:6379/0").timeout("50ms"),
+        State::cluster(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002"]),
+    ];
+    for state in states {
+        let config = Config::new()
+            .threads(2)
+            .admin_token_env("SLUICE_TEST_TOKEN")
+            .state(state)
+            .routes([full.clone(), least_used.clone(), empty.clone()]);
+        assert_eq!(config.check(), Ok(()), "{}", config.yaml());
+    }
 }

@@ -3,33 +3,28 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{free_port, request, start_backends, Gateway, HttpClient, Response};
+use support::{
+    dead_url, request, start_backends, url, Config, Gateway, HealthCheck, HttpClient, Passive,
+    Quota, Response, Route,
+};
 
-fn url(addr: SocketAddr) -> String {
-    format!("http://{addr}")
+/// A config (two proxy threads) with `routes`, as YAML with `{PROXY}` and `{ADMIN}` left in.
+fn config(routes: &[Route]) -> String {
+    Config::new().threads(2).routes(routes.to_vec()).yaml()
 }
 
-const HEAD: &str = "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 2\n";
-
-/// A route on host `<name>.test` over `members`, with extra YAML under `upstream:` and after it.
-fn route(name: &str, members: &[String], upstream_extra: &str, route_extra: &str) -> String {
-    let mut r = format!(
-        "  - name: {name}\n    match:\n      hosts: [\"{name}.test\"]\n    upstream:\n{upstream_extra}      members:\n"
-    );
-    for m in members {
-        r.push_str(&format!("        - url: \"{m}\"\n"));
-    }
-    r.push_str(route_extra);
-    r
+/// Route `name` on host `<name>.test` over `members`.
+fn route(name: &str, members: &[String]) -> Route {
+    Route::new(name).members(members)
 }
 
-fn config(routes: &[String]) -> String {
-    format!("{HEAD}routes:\n{}", routes.concat())
+/// The fast active check of route `k`.
+fn active() -> HealthCheck {
+    HealthCheck::fast_http("100ms", 1, 1)
 }
 
 async fn status_of(gw: &Gateway, host: &str) -> u16 {
@@ -55,11 +50,11 @@ where
 async fn each_trigger_takes_effect() {
     let backends = start_backends(&["b1"]).await;
     let m = vec![url(backends[0].local_addr())];
-    let gw = Gateway::start_with_ports(&config(&[route("a", &m, "", "")]));
+    let gw = Gateway::start_with_ports(&config(&[route("a", &m)]));
     assert_eq!(status_of(&gw, "b.test").await, 404);
 
     // An atomic rename over the file, as editors and ConfigMaps do.
-    gw.write_config_template(&config(&[route("a", &m, "", ""), route("b", &m, "", "")]));
+    gw.write_config_template(&config(&[route("a", &m), route("b", &m)]));
     eventually("the renamed file is loaded", || async {
         status_of(&gw, "b.test").await == 200
     })
@@ -68,7 +63,7 @@ async fn each_trigger_takes_effect() {
     // An in-place write.
     std::fs::write(
         gw.config_path(),
-        config(&[route("a", &m, "", ""), route("c", &m, "", "")])
+        config(&[route("a", &m), route("c", &m)])
             .replace("{PROXY}", &gw.proxy_addr().to_string())
             .replace("{ADMIN}", &gw.admin_addr().to_string()),
     )
@@ -86,7 +81,7 @@ async fn each_trigger_takes_effect() {
     // SIGHUP. The watcher sees the same change (it also follows a symlinked config to its
     // target), so whichever comes first loads it; the signal must be handled and logged either
     // way ("config reloaded" or "config unchanged").
-    gw.write_config_template(&config(&[route("a", &m, "", ""), route("d", &m, "", "")]));
+    gw.write_config_template(&config(&[route("a", &m), route("d", &m)]));
     gw.signal("HUP");
     eventually("SIGHUP reloads", || async {
         status_of(&gw, "d.test").await == 200
@@ -102,7 +97,7 @@ async fn each_trigger_takes_effect() {
     );
 
     // POST /reload: in force as soon as it returns.
-    gw.write_config_template(&config(&[route("a", &m, "", ""), route("e", &m, "", "")]));
+    gw.write_config_template(&config(&[route("a", &m), route("e", &m)]));
     let r = post_reload(&gw, &[]).await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(status_of(&gw, "e.test").await, 200);
@@ -122,24 +117,25 @@ async fn each_trigger_takes_effect() {
 async fn a_bad_file_changes_nothing_and_says_why() {
     let backends = start_backends(&["b1"]).await;
     let m = vec![url(backends[0].local_addr())];
-    let good = config(&[route("a", &m, "", "")]);
+    let good = config(&[route("a", &m)]);
     let gw = Gateway::start_with_ports(&good);
     let version = gw.status().await["version"].clone();
     let file = gw.config_path().display().to_string();
     let bad_files = [
+        // These two are about the text itself, so they edit the YAML.
         (
             "a syntax error",
-            format!("{good}  - name: \"unterminated\n"),
+            good.replacen("name: a", "name: \"a", 1),
             "quoted scalar",
         ),
         (
             "an unknown key",
-            good.replace("    upstream:\n", "    upstreams:\n"),
+            good.replacen("upstream:", "upstreams:", 1),
             "unknown field `upstreams`",
         ),
         (
             "a duplicate route",
-            config(&[route("a", &m, "", ""), route("a", &m, "", "")]),
+            config(&[route("a", &m), route("a", &m)]),
             "duplicate route name",
         ),
     ];
@@ -179,14 +175,11 @@ async fn state_survives_a_reload_that_touches_another_route() {
     let backends = start_backends(&["alive", "checked"]).await;
     let alive = url(backends[0].local_addr());
     let checked = url(backends[1].local_addr());
-    let dead = format!("http://127.0.0.1:{}", free_port());
-    let quota = "    quota:\n      windows:\n        - {name: minute, limit: 3, window: 1m}\n";
-    let passive = "      passive:\n        cooldown: 1h\n";
-    let active = "      health_check: {kind: http, path: /healthz, interval: 100ms, timeout: 500ms, rise: 1, fall: 1}\n";
+    let dead = dead_url();
     let routes = vec![
-        route("q", std::slice::from_ref(&alive), "", quota),
-        route("h", &[dead.clone(), alive.clone()], passive, ""),
-        route("k", std::slice::from_ref(&checked), active, ""),
+        route("q", std::slice::from_ref(&alive)).quota(Quota::window("minute", 3, "1m")),
+        route("h", &[dead.clone(), alive.clone()]).passive(Passive::cooldown("1h")),
+        route("k", std::slice::from_ref(&checked)).health_check(active()),
     ];
     let gw = Gateway::start_with_ports(&config(&routes));
 
@@ -211,7 +204,7 @@ async fn state_survives_a_reload_that_touches_another_route() {
 
     // Touch another route only.
     let mut more = routes.clone();
-    more.push(route("other", std::slice::from_ref(&alive), "", ""));
+    more.push(route("other", std::slice::from_ref(&alive)));
     gw.write_config_template(&config(&more));
     assert_eq!(post_reload(&gw, &[]).await.status, 200);
 
@@ -257,7 +250,7 @@ async fn state_survives_a_reload_that_touches_another_route() {
         gw.metric("sluice_member_healthy", &down).await == Some(1.0)
     })
     .await;
-    more[2] = route("k", &[checked.clone(), alive.clone()], active, "");
+    more[2] = route("k", &[checked.clone(), alive.clone()]).health_check(active());
     gw.write_config_template(&config(&more));
     assert_eq!(post_reload(&gw, &[]).await.status, 200);
     assert_eq!(gw.metric("sluice_member_healthy", &down).await, Some(1.0));
@@ -270,11 +263,11 @@ async fn post_reload_needs_the_admin_token_when_one_is_configured() {
     let m = vec![url(backends[0].local_addr())];
     // A variable of this test's own; the gateway inherits the test's environment.
     std::env::set_var("SLUICE_TEST_RELOAD_TOKEN", "s3cret");
-    let yaml = config(&[route("a", &m, "", "")]).replace(
-        "admin:\n  listen: \"{ADMIN}\"\n",
-        "admin:\n  listen: \"{ADMIN}\"\n  token_env: SLUICE_TEST_RELOAD_TOKEN\n",
-    );
-    let gw = Gateway::start_with_ports(&yaml);
+    let gw = Config::new()
+        .threads(2)
+        .admin_token_env("SLUICE_TEST_RELOAD_TOKEN")
+        .route(route("a", &m))
+        .start();
     assert_eq!(post_reload(&gw, &[]).await.status, 401);
     assert_eq!(
         post_reload(&gw, &[("Authorization", "Bearer wrong")])
@@ -296,17 +289,16 @@ async fn post_reload_needs_the_admin_token_when_one_is_configured() {
 async fn fifty_reloads_under_load_fail_no_request() {
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let m: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
-    let one_window =
-        "    quota:\n      windows:\n        - {name: minute, limit: 1000000, window: 1m}\n";
-    let two_windows = "    quota:\n      windows:\n        - {name: minute, limit: 1000000, window: 1m}\n        - {name: second, limit: 100000, window: 1s}\n";
+    let one_window = Quota::window("minute", 1_000_000, "1m");
+    let two_windows = one_window.clone().and_window("second", 100_000, "1s");
     let a = config(&[
-        route("steady", &m[..2], "", one_window),
-        route("x", &m[..1], "", ""),
+        route("steady", &m[..2]).quota(one_window),
+        route("x", &m[..1]),
     ]);
     let b = config(&[
-        route("steady", &m, "", two_windows),
-        route("y", &m[1..], "", ""),
-        route("z", &m[2..], "", ""),
+        route("steady", &m).quota(two_windows),
+        route("y", &m[1..]),
+        route("z", &m[2..]),
     ]);
     let gw = Gateway::start_with_ports(&a);
 
@@ -340,7 +332,14 @@ async fn fifty_reloads_under_load_fail_no_request() {
         gw.write_config_template(if i % 2 == 0 { &b } else { &a });
         let r = post_reload(&gw, &[]).await;
         assert_eq!(r.status, 200, "reload {i}: {}", r.text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Let traffic flow on this config before the next reload: wait for requests, not for
+        // a moment, so every config in the series really serves some.
+        let after_reload = sent.load(Ordering::Relaxed);
+        let flowed = support::wait_until(Duration::from_secs(10), || {
+            sent.load(Ordering::Relaxed) >= after_reload + 8
+        })
+        .await;
+        assert!(flowed, "requests flow after reload {i}");
     }
     stop.store(true, Ordering::Relaxed);
     let mut failures = Vec::new();

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::{free_port, request, Gateway};
+use support::{free_port, request, Config, Gateway, Passive, Route};
 
 /// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
 fn openssl(dir: &Path, args: &[&str]) {
@@ -127,10 +127,18 @@ impl Drop for TlsServer {
     }
 }
 
+/// One route `api` on host `api.test` over the https `member`: no retry, and a member that
+/// fails stays down for the test.
 fn config(member: &str) -> String {
-    format!(
-        "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match:\n      hosts: [\"api.test\"]\n    upstream:\n      preserve_host: false\n      retries: 0\n      passive:\n        cooldown: 1h\n      members:\n        - url: \"{member}\"\n"
-    )
+    Config::new()
+        .route(
+            Route::new("api")
+                .member(member)
+                .preserve_host(false)
+                .retries(0)
+                .passive(Passive::cooldown("1h")),
+        )
+        .yaml()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

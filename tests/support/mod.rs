@@ -10,6 +10,14 @@
 // Each test binary compiles its own copy of this module and uses only part of it.
 #![allow(dead_code)]
 
+pub mod config;
+pub mod store;
+
+#[allow(unused_imports)]
+pub use config::{Config, HealthCheck, Passive, Quota, Route, State};
+#[allow(unused_imports)]
+pub use store::{Backend, Store};
+
 use std::fs;
 use std::future::Future;
 use std::io::{self, Read, Write};
@@ -48,6 +56,16 @@ pub fn free_ports<const N: usize>() -> [u16; N] {
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
         .collect();
     std::array::from_fn(|i| listeners[i].local_addr().expect("local_addr").port())
+}
+
+/// `http://<addr>`: a member URL for a backend.
+pub fn url(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+/// A member URL where nothing listens (a port that was free a moment ago).
+pub fn dead_url() -> String {
+    format!("http://127.0.0.1:{}", free_port())
 }
 
 /// Starts one echo backend per name, each on a free port of 127.0.0.1.

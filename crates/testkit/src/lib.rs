@@ -138,47 +138,108 @@ impl RedisServer {
 
 impl RedisServer {
     /// Starts `MONITOR` on a connection of its own; [`Monitor::stop`] returns what it saw.
+    ///
+    /// Returns once Redis has confirmed the monitor (`+OK`): every command Redis runs after
+    /// that is in the stream, so nothing the test sends next can be missed.
     pub fn monitor(&self) -> Monitor {
+        static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let mut conn = TcpStream::connect(self.addr()).expect("connect for MONITOR");
         conn.write_all(b"*1\r\n$7\r\nMONITOR\r\n")
             .expect("send MONITOR");
-        conn.set_read_timeout(Some(Duration::from_millis(200)))
+        conn.set_read_timeout(Some(MONITOR_READ_TIMEOUT))
             .expect("timeout");
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let reader = std::thread::spawn(move || {
-            let mut seen = String::new();
-            let mut buf = [0u8; 8192];
-            loop {
-                match conn.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
-                    Err(_) if flag.load(std::sync::atomic::Ordering::Relaxed) => break,
-                    Err(_) => {}
-                }
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + MONITOR_DEADLINE;
+        while !seen.starts_with(b"+OK\r\n") {
+            assert!(
+                Instant::now() < deadline,
+                "MONITOR on port {} was not confirmed: {:?}",
+                self.port,
+                String::from_utf8_lossy(&seen)
+            );
+            let mut buf = [0u8; 512];
+            match conn.read(&mut buf) {
+                Ok(0) => panic!("Redis closed the MONITOR connection"),
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+                Err(_) => {}
             }
-            seen
-        });
-        // MONITOR answers +OK once it is on; wait a moment so nothing sent after this is missed.
-        std::thread::sleep(Duration::from_millis(100));
-        Monitor { stop, reader }
+        }
+        let marker = format!(
+            "sluice-monitor-end-{}-{}-{}",
+            std::process::id(),
+            self.port,
+            MONITORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let stop_requested = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
+        let reader = {
+            let (marker, stop_requested) = (marker.clone(), stop_requested.clone());
+            let mut seen = String::from_utf8_lossy(&seen).into_owned();
+            std::thread::spawn(move || {
+                // Reads until the marker shows up. Before `stop` there is no bound (a test may
+                // monitor for a long time); after it, at most MONITOR_DEADLINE.
+                let mut buf = [0u8; 8192];
+                loop {
+                    if seen.contains(&marker) {
+                        return (seen, true);
+                    }
+                    let given_up = stop_requested
+                        .lock()
+                        .unwrap()
+                        .is_some_and(|at: Instant| at.elapsed() > MONITOR_DEADLINE);
+                    if given_up {
+                        return (seen, false);
+                    }
+                    match conn.read(&mut buf) {
+                        Ok(0) => return (seen, false),
+                        Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+                        Err(_) => {}
+                    }
+                }
+            })
+        };
+        Monitor {
+            addr: self.addr(),
+            marker,
+            stop_requested,
+            reader,
+        }
     }
 }
 
+/// How long a `MONITOR` read blocks before the reader looks at its deadline again.
+const MONITOR_READ_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// How long `MONITOR` may take to confirm, and to show the end marker after [`Monitor::stop`].
+const MONITOR_DEADLINE: Duration = Duration::from_secs(10);
+
 /// A running `MONITOR`.
 pub struct Monitor {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    reader: std::thread::JoinHandle<String>,
+    addr: SocketAddr,
+    /// Sent as `PING <marker>` by [`Monitor::stop`]: once the stream shows it, it has shown
+    /// every command Redis ran before it.
+    marker: String,
+    stop_requested: std::sync::Arc<std::sync::Mutex<Option<Instant>>>,
+    reader: std::thread::JoinHandle<(String, bool)>,
 }
 
 impl Monitor {
-    /// Stops and returns the commands clients sent, as `(command, source)` pairs, leaving out
-    /// the commands scripts ran inside Redis (shown by MONITOR as coming from `lua`).
+    /// Stops and returns the names of the commands clients sent, in order, leaving out the
+    /// commands scripts ran inside Redis (shown by MONITOR as coming from `lua`).
+    ///
+    /// Every command Redis ran before this call is included: Redis runs commands one at a time
+    /// and feeds each to the monitors as it runs it, so the stream is read up to a marker
+    /// command sent now, not for a while.
     pub fn stop(self) -> Vec<String> {
-        std::thread::sleep(Duration::from_millis(100));
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let seen = self.reader.join().unwrap_or_default();
+        *self.stop_requested.lock().unwrap() = Some(Instant::now());
+        command_at(self.addr, &["PING", &self.marker]).expect("send the MONITOR end marker");
+        let (seen, complete) = self.reader.join().expect("the MONITOR reader");
+        assert!(
+            complete,
+            "MONITOR on {} never showed the end marker within {MONITOR_DEADLINE:?}",
+            self.addr
+        );
         seen.lines()
+            .take_while(|l| !l.contains(&self.marker))
             .filter(|l| l.starts_with('+') && l.contains('[') && !l.contains(" lua]"))
             .filter_map(|l| l.split('"').nth(1).map(str::to_ascii_uppercase))
             .collect()
@@ -372,6 +433,33 @@ impl RedisCluster {
             .map(|(p, _, _)| p)
     }
 
+    /// The port of a replica of the master on `master_port`, as that master reports it.
+    pub fn replica_of(&self, master_port: u16) -> Option<u16> {
+        let info = self.nodes[self.index_of(master_port)]
+            .command(&["INFO", "replication"])
+            .ok()?;
+        info.lines()
+            .filter(|l| l.starts_with("slave"))
+            .find_map(|l| l.split(',').find_map(|f| f.strip_prefix("port=")))
+            .and_then(|p| p.parse().ok())
+    }
+
+    /// The integer reply of a read command run on the replica on `port` (after `READONLY`,
+    /// without which a cluster replica redirects reads to its master).
+    pub fn replica_integer(&self, port: u16, args: &[&str]) -> Option<i64> {
+        let reply = commands_at(
+            self.nodes[self.index_of(port)].addr(),
+            &[&["READONLY"], args],
+        )
+        .ok()?;
+        reply
+            .strip_prefix("+OK\r\n")?
+            .strip_prefix(':')?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// The index (in [`RedisCluster::nodes`]) of the node on `port`.
     pub fn index_of(&self, port: u16) -> usize {
         self.nodes
@@ -383,11 +471,21 @@ impl RedisCluster {
 
 /// Sends one command to the Redis at `addr` and returns the raw RESP reply.
 pub fn command_at(addr: SocketAddr, args: &[&str]) -> std::io::Result<String> {
+    commands_at(addr, &[args])
+}
+
+/// Sends several commands on one connection, in order, and returns their raw RESP replies,
+/// concatenated. For what needs a connection state, e.g. `READONLY` before reading a key on a
+/// cluster replica.
+pub fn commands_at(addr: SocketAddr, commands: &[&[&str]]) -> std::io::Result<String> {
     let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut req = format!("*{}\r\n", args.len());
-    for a in args {
-        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    let mut req = String::new();
+    for args in commands {
+        req.push_str(&format!("*{}\r\n", args.len()));
+        for a in *args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
     }
     conn.write_all(req.as_bytes())?;
     conn.write_all(b"*1\r\n$4\r\nQUIT\r\n")?;
