@@ -6,7 +6,8 @@
 Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2),
 WARMUP (2s), SLUICE_THREADS (1), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it
 is), SLUICE_BIN_DIR (a directory holding a release sluice; no build), KEEP (0; 1 keeps the
-work directory with configs, logs and wrk outputs).
+work directory with configs, logs and wrk outputs), DOC (docs/BENCHMARKS.md: the file --write
+rewrites).
 
 Everything runs on 127.0.0.1: two nginx backends answering a fixed "ok\\n"; nginx and HAProxy
 as reverse proxies over both (one worker / one thread, upstream keepalive); and sluice over
@@ -169,6 +170,7 @@ def main(argv: list[str]) -> int:
     warmup = knobs.str("WARMUP", "2s")
     sluice_threads = knobs.int("SLUICE_THREADS", 1, minimum=1)
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
+    doc_path = Path(knobs.str("DOC", str(common.DOC)))
     wrk.seconds(duration), wrk.seconds(warmup)  # fail early on a bad duration
     command_line = f"{knobs.line(KNOB_NAMES)} scripts/bench" + (" --write" if opts.write else "")
 
@@ -188,8 +190,8 @@ def main(argv: list[str]) -> int:
         procs.cleanup()
     print(report)
     if opts.write:
-        doc.replace_section(common.DOC, START_MARK, END_MARK, report)
-        procs.log(f"wrote the wrk section of {common.DOC}")
+        doc.replace_section(doc_path, START_MARK, END_MARK, report)
+        procs.log(f"wrote the wrk section of {doc_path}")
     return 0
 
 
