@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Sequence
+from typing import Sequence
 
 
 class Failure(Exception):
@@ -43,8 +43,8 @@ class Procs:
         log(self.name, message)
 
     # --- starting and stopping ------------------------------------------------------------
-    def start(self, argv: Sequence[str], *, out: Path | None = None, env: dict | None = None,
-              cwd: Path | None = None, stdout: int | IO | None = None) -> subprocess.Popen:
+    def start(self, argv: Sequence[str], *, out: Path | None = None,
+              env: dict | None = None) -> subprocess.Popen:
         """Starts ARGV in the background, its stdout and stderr appended to OUT (or discarded).
 
         Appending (O_APPEND) lets a driver truncate a log file between runs while the process
@@ -56,9 +56,8 @@ class Procs:
             sink = subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL,
-                stdout=sink if stdout is None else stdout, stderr=sink,
-                env=env, cwd=cwd, process_group=0)
+                list(argv), stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, env=env,
+                process_group=0)
         finally:
             if out is not None:
                 sink.close()  # the child holds its own descriptor

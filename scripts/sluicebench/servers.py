@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -252,16 +251,3 @@ def populate_pool(port: int, key: str, size: int) -> None:
     if rcli(port, "ZCARD", key).strip() != str(size):
         raise Failure(f"pool {key} does not hold {size} members")
 
-
-def json_lines(path: Path, needle: str) -> list[dict]:
-    """The JSON log lines of PATH that contain NEEDLE, parsed (unparsable ones skipped)."""
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text(errors="replace").splitlines():
-        if needle in line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
