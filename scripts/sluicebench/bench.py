@@ -177,12 +177,12 @@ def main(argv: list[str]) -> int:
     common.require("bench", ["wrk", "nginx", "haproxy"],
                    "sudo apt-get install -y wrk nginx-light haproxy")
     procs = Procs("bench", keep)
-    if rounds < 3:
-        procs.log(f"warning: ROUNDS={rounds}; use at least 3 for figures worth reporting")
-    has_status = nginx_has_stub_status()
-    if not has_status:
-        procs.log("warning: this nginx lacks stub_status; backend connection counts will be missing")
     try:
+        if rounds < 3:
+            procs.log(f"warning: ROUNDS={rounds}; use at least 3 for figures worth reporting")
+        has_status = nginx_has_stub_status()
+        if not has_status:
+            procs.log("warning: this nginx lacks stub_status; backend connection counts will be missing")
         sluice = common.sluice_binary("bench", knobs)
         report = run(procs, sluice, rounds, duration, connections, wrk_threads, warmup,
                      sluice_threads, has_status, command_line)
