@@ -21,6 +21,7 @@ missing_tools() {
 # now_ms: sets NOW_MS, the wall clock in milliseconds (bash 5's EPOCHREALTIME: no fork).
 now_ms() {
   local t=${EPOCHREALTIME//[.,]/}
+  # shellcheck disable=SC2034 # read by the sourcing script
   NOW_MS=$((10#$t / 1000))
 }
 
@@ -56,6 +57,7 @@ free_port() {
     case "$USED_PORTS" in *" $port "*) continue ;; esac
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
       USED_PORTS+="$port "
+      # shellcheck disable=SC2034 # read by the sourcing script
       FREE_PORT=$port
       return 0
     fi
