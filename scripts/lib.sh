@@ -11,11 +11,11 @@ die() {
 
 # missing_tools TOOL...: prints the tools that are not on PATH (nothing when all are).
 missing_tools() {
-  local tool out=()
+  local tool absent=()
   for tool in "$@"; do
-    command -v "$tool" >/dev/null 2>&1 || out+=("$tool")
+    command -v "$tool" >/dev/null 2>&1 || absent+=("$tool")
   done
-  echo "${out[*]}"
+  echo "${absent[*]}"
 }
 
 # now_ms: sets NOW_MS, the wall clock in milliseconds (bash 5's EPOCHREALTIME: no fork).
