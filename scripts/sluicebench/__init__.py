@@ -1,0 +1,26 @@
+"""sluice's benchmark drivers: scripts/bench, scripts/bench-state and scripts/profile.
+
+Those three entry points are thin wrappers around ``python3 -m sluicebench COMMAND`` (run with
+``scripts/`` on ``sys.path``). Layout:
+
+    procs.py      process lifecycle: one work directory, every child registered and stopped by
+                  PID on exit (Ctrl-C and SIGTERM included), free ports, waiting for listeners,
+                  CPU time from /proc
+    stats.py      medians, per-round ratios, the order of targets in a round, number formatting
+    wrk.py        running wrk and parsing its output
+    doc.py        rewriting a marked section of docs/BENCHMARKS.md
+    common.py     knobs (environment variables), required tools, locating or building binaries
+    servers.py    the nginx backends, sluice and redis-server, as every benchmark starts them
+    bench.py      scripts/bench: wrk against direct, nginx, HAProxy and sluice
+    state.py      scripts/bench-state: the shared helpers of its parts and the doc section;
+                  quota.py, least_used.py, reload.py and cluster.py are its parts
+    profile.py    scripts/profile: callgrind instruction counts per request
+
+Why Python and not a Rust xtask: these drivers start external programs (nginx, HAProxy, wrk,
+redis-server, valgrind), parse their text output and write Markdown; that is what a scripting
+language with subprocess and re in its standard library does in the fewest lines. An xtask
+would have to be compiled before it could run, on a 2-core machine where a release build of
+the workspace already takes minutes, and would pull crates in for what the standard library of
+Python does here. Python 3.11, standard library only, so nothing needs installing beyond the
+tools being measured.
+"""

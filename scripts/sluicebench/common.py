@@ -1,0 +1,124 @@
+"""Knobs, required tools, binaries and the facts every report starts with."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .procs import Failure, log
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+
+
+class Knobs:
+    """Settings read from the environment, each with its default; remembers what was read so
+    a report can print the command line that reproduces it."""
+
+    def __init__(self) -> None:
+        self.used: dict[str, str] = {}
+
+    def str(self, name: str, default: str) -> str:
+        value = os.environ.get(name, default)
+        self.used[name] = value
+        return value
+
+    def int(self, name: str, default: int, minimum: int = 0) -> int:
+        raw = self.str(name, str(default))
+        if not re.fullmatch(r"\d+", raw) or int(raw) < minimum:
+            raise Failure(f"{name} must be an integer of at least {minimum}, not {raw!r}")
+        return int(raw)
+
+    def choice(self, name: str, default: str, allowed: Sequence[str]) -> str:
+        value = self.str(name, default)
+        if value not in allowed:
+            raise Failure(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+        return value
+
+    def line(self, names: Sequence[str]) -> str:
+        """ "A=1 B=2" for NAMES, quoting values with spaces (as a shell would need)."""
+        out = []
+        for n in names:
+            v = self.used[n]
+            out.append(f'{n}="{v}"' if " " in v else f"{n}={v}")
+        return " ".join(out)
+
+
+def require(name: str, tools: Sequence[str], debian: str) -> None:
+    """Fails, naming what is missing, unless every tool is on PATH. The drivers install
+    nothing themselves."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        raise Failure(f"missing: {' '.join(missing)}. On Debian: {debian}")
+
+
+def sluice_binary(name: str, knobs: Knobs, bins: Sequence[str] = ("--bin", "sluice")) -> Path:
+    """The release sluice binary: from SLUICE_BIN_DIR if set; otherwise built with cargo
+    (unless BUILD=0) into ${CARGO_TARGET_DIR:-target}/release."""
+    bin_dir = os.environ.get("SLUICE_BIN_DIR")
+    build = knobs.choice("BUILD", "1", ("0", "1"))
+    if bin_dir:
+        path = Path(bin_dir) / "sluice"
+    else:
+        target = Path(os.environ.get("CARGO_TARGET_DIR", "target"))
+        if not target.is_absolute():
+            target = ROOT / target
+        if build == "1":
+            if shutil.which("cargo") is None:
+                raise Failure("cargo is missing: install a Rust toolchain, or set BUILD=0 or SLUICE_BIN_DIR")
+            log(name, f"building: cargo build --release {' '.join(bins)}")
+            # Bounded like everything else: a clean release build takes ~5 minutes here.
+            # cargo's own output goes to stderr, like the driver's progress lines: stdout is the report.
+            subprocess.run(["cargo", "build", "--release", *bins], cwd=ROOT, check=True,
+                           stdout=sys.stderr, timeout=3600)
+        path = target / "release" / "sluice"
+    if not os.access(path, os.X_OK):
+        raise Failure(f"no executable {path} (build it, or set SLUICE_BIN_DIR)")
+    return path
+
+
+def git_revision() -> str:
+    """ "7488ba8" or "7488ba8 (with uncommitted changes)" """
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=30).stdout.strip() or "?"
+        dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD"],
+                               capture_output=True, timeout=30).returncode != 0
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def version_of(argv: Sequence[str], pattern: str, template: str) -> str:
+    """A tool's version, read from the first match of PATTERN in what ARGV prints."""
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    m = re.search(pattern, p.stdout + p.stderr)
+    return m.expand(template) if m else "?"
+
+
+def wrk_version() -> str:
+    return version_of(["wrk", "-v"], r"^(\S+) (\S+)", r"\1 \2")
+
+
+def nginx_version() -> str:
+    return version_of(["nginx", "-v"], r"nginx version: (\S+)", r"\1")
+
+
+def haproxy_version() -> str:
+    return version_of(["haproxy", "-v"], r"HAProxy version (\S+)", r"HAProxy \1")
+
+
+def redis_version() -> str:
+    return version_of(["redis-server", "--version"], r"v=(\S+)", r"Redis \1")
+
+
+def nproc() -> int:
+    return len(os.sched_getaffinity(0))

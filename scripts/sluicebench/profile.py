@@ -1,0 +1,207 @@
+"""scripts/profile: where sluice spends its instructions, one callgrind profile under wrk.
+
+  scripts/profile              build, profile, print a summary (instructions per request,
+                               top functions, cost grouped by component)
+
+Knobs (environment): REQUEST_SECONDS (5), CONNECTIONS (8), LOG (on | off, default on),
+BUILD (1; 0 profiles ${CARGO_TARGET_DIR:-target}/release/sluice as it is), SLUICE_BIN_DIR (a
+directory holding a release sluice; no build), KEEP (0; 1 keeps the work directory with
+callgrind.out for callgrind_annotate / kcachegrind).
+
+sluice (threads: 1, one round_robin route over two nginx backends answering "ok\\n") runs under
+`valgrind --tool=callgrind --instr-atstart=no`. After an unrecorded warm-up, instrumentation is
+switched on for one `wrk -t1 -cCONNECTIONS -dREQUEST_SECONDS` run and the counters are dumped;
+instructions per request = instructions in that window / requests wrk completed. Callgrind
+counts user-space instructions only: syscalls and the kernel are not in these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+from . import common, wrk
+from .procs import Failure, Procs
+from .servers import start_backends, start_sluice
+
+# Self cost grouped by the function the instructions ran in (code inlined into a function
+# counts as that function's). First match wins; matched against the function name, except the
+# "other libc" rule, against the whole "file:function".
+GROUPS = [
+    (r"tracing|serde_json|logging|sharded_slab|crossbeam|zmij|itoa",
+     "tracing / JSON access log (tracing*, serde_json, the log channel)"),
+    (r"prometheus|metrics", "prometheus metrics"),
+    (r"^(malloc|free|realloc|calloc|cfree|_int_[a-z_]+|malloc_consolidate|unlink_chunk[a-z.0-9]*"
+     r"|tcache[a-z_]*|posix_memalign|_mid_memalign.*)$|__rust_alloc|__rust_dealloc|__rust_realloc"
+     r"|__rdl_|alloc::raw_vec|alloc::alloc::", "allocation (glibc malloc, Rust alloc glue)"),
+    (r"memmove|memcpy|memset|memcmp|bcmp", "memcpy / memmove / memset"),
+    (r"^<?sluice_", "sluice code (crates/*)"),
+    (r"pingora_pool|connectors", "Pingora upstream connection pool / connector"),
+    (r"httparse|pingora_http|(^|[<( ])(http|bytes)::",
+     "HTTP headers (httparse, http::HeaderMap, pingora_http, bytes)"),
+    (r"pingora", "other Pingora (proxy state machine, HTTP/1 sessions)"),
+    (r"tokio|mio::", "tokio runtime / mio"),
+    (r"fmt|std::io::Write|String", "core::fmt / io::Write"),
+    (r"time|clock_gettime|Instant", "clock (Instant::now and friends)"),
+    (r"hashbrown|hash", "hashing / hash maps"),
+    (r"core::str", "UTF-8 validation (core::str)"),
+]
+# Inclusive listings leave these out: they include everything.
+WRAPPERS = re.compile(r"run_endpoint|process_new|LocalKey|PROGRAM TOTALS|std::rt|std::sys"
+                      r"|start_thread|clone3|0x|__libc_start")
+
+
+def function_of(location: str) -> str:
+    return location.split(":", 1)[1] if ":" in location else location
+
+
+def group(location: str) -> str:
+    fn = function_of(location)
+    for pattern, name in GROUPS:
+        if re.search(pattern, fn):
+            return name
+    return "other libc" if location.startswith("./") else "other"
+
+
+def rows(annotated: str, requests: int, root: Path) -> list[tuple[float, str]]:
+    """callgrind_annotate's rows, "1,234 (12.34%)  file:function [object]", as (instructions
+    per request, "file:function"), with the object and long path prefixes dropped."""
+    out = []
+    listing = started = False
+    for line in annotated.splitlines():
+        if "file:function" in line:
+            listing = True
+            continue
+        if listing and re.fullmatch(r"-+", line):
+            if started:
+                break
+            started = True
+            continue
+        m = re.match(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)$", line) if listing and started else None
+        if not m:
+            continue
+        where = re.sub(r" \[[^]]*\]$", "", m.group(2))
+        where = re.sub(r"^.*index\.crates\.io-[0-9a-f]+/", "", where)
+        where = re.sub(r"^/rustc/[0-9a-f]+/library/", "rust/", where)
+        where = where.removeprefix(f"{root}/")
+        out.append((int(m.group(1).replace(",", "")) / requests, where))
+    return out
+
+
+def by_function(rows_: list[tuple[float, str]], pattern: str, limit: int) -> list[str]:
+    """One line per function (callgrind splits a function by the source file of its inlined
+    code: keep the largest of its lines), the LIMIT most costly matching PATTERN."""
+    best: dict[str, float] = {}
+    for cost, where in rows_:
+        fn = function_of(where)
+        if re.search(pattern, fn) and cost > best.get(fn, -1):
+            best[fn] = cost
+    top = sorted(best.items(), key=lambda kv: -kv[1])[:limit]
+    return [f"    {cost:7.0f}  {fn[:160]}" for fn, cost in top]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
+    knobs = common.Knobs()
+    seconds = knobs.int("REQUEST_SECONDS", 5, minimum=1)
+    connections = knobs.int("CONNECTIONS", 8, minimum=1)
+    log_on = knobs.choice("LOG", "on", ("on", "off")) == "on"
+    keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
+    common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
+                   "sudo apt-get install -y valgrind wrk nginx-light")
+    procs = Procs("profile", keep)
+    try:
+        sluice = common.sluice_binary("profile", knobs)
+        print(profile(procs, sluice, seconds, connections, log_on))
+    finally:
+        procs.cleanup()
+    return 0
+
+
+def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: bool) -> str:
+    backends = start_backends(procs)
+    port, admin = procs.free_port(), procs.free_port()
+    # Config and log in different directories: sluice watches its config's directory.
+    cfg = procs.work / "conf" / "sluice.yaml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text(f"""listen: ["127.0.0.1:{port}"]
+threads: 1
+admin:
+  listen: "127.0.0.1:{admin}"
+routes:
+  - name: bench
+    match:
+      hosts: ["*"]
+    upstream:
+      selection: round_robin
+      members:
+{backends.members_yaml("        ")}""")
+    procs.log(f"starting sluice under callgrind (access log {'on' if log_on else 'off'})")
+    s = start_sluice(procs, sluice, "sluice", cfg, port, admin, None if log_on else "warn",
+                     timeout=120, wrapper=["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                                           f"--callgrind-out-file={procs.work}/callgrind.out.%p"])
+    url = f"http://127.0.0.1:{port}/"
+    base = wrk.args(1, connections)
+    procs.log(f"warm-up (not recorded): wrk -t1 -c{connections} -d3s {url}")
+    wrk.run(procs, url, base, "3s", latency=False)
+    procs.run(["callgrind_control", "-i", "on", str(s.pid)], timeout=60)
+    procs.log(f"recorded: wrk -t1 -c{connections} -d{seconds}s {url}")
+    out = wrk.run(procs, url, base, f"{seconds}s", latency=False)
+    procs.run(["callgrind_control", "--dump=measured", str(s.pid)], timeout=120)
+    procs.run(["callgrind_control", "-i", "off", str(s.pid)], timeout=60)
+    if out.errors:
+        procs.log(f"wrk reported errors: {out.errors}")
+
+    # The explicit dump is the first numbered file; wait for valgrind to finish writing it.
+    dump = None
+    for _ in range(100):
+        dumps = sorted(procs.work.glob(f"callgrind.out.{s.pid}.*"))
+        if dumps:
+            dump = dumps[0]
+            break
+        time.sleep(0.1)
+    if dump is None:
+        raise Failure("no callgrind dump appeared")
+    time.sleep(1)
+
+    annotate = ["callgrind_annotate", "--threshold=100", "--auto=no"]
+    self_txt = procs.run([*annotate, str(dump)], timeout=600)
+    incl_txt = procs.run([*annotate, "--inclusive=yes", str(dump)], timeout=600)
+    totals = [line.split()[0] for line in self_txt.splitlines() if "PROGRAM TOTALS" in line]
+    if not totals or not out.requests:
+        raise Failure(f"could not read the totals (dump {dump})")
+    total = int(totals[0].replace(",", ""))
+    self_rows = rows(self_txt, out.requests, common.ROOT)
+    incl_rows = rows(incl_txt, out.requests, common.ROOT)
+
+    lines = [
+        f"sluice {common.git_revision()}, access log {'on' if log_on else 'off'}, threads: 1,",
+        f"wrk -t1 -c{connections} -d{seconds}s: {out.requests} requests in the recorded window;",
+        f"{total} instructions, {total / out.requests:.0f} per request (user space, all threads).",
+        "",
+        "Top functions, self instructions per request (source file:function):",
+        "",
+        *[f"    {cost:7.0f}  {where[:160]}" for cost, where in self_rows[:15]],
+        "",
+        "Top functions, inclusive instructions per request (tokio and service wrappers left out):",
+        "",
+        *[line for line in by_function(incl_rows, r"^[^t]|^t[^o]", 60) if not WRAPPERS.search(line)][:30],
+        "",
+        "sluice's own functions, inclusive instructions per request:",
+        "",
+        *by_function(incl_rows, r"sluice", 15),
+        "",
+        "Self instructions per request, grouped:",
+        "",
+    ]
+    grouped: dict[str, float] = {}
+    for cost, where in self_rows:
+        grouped[group(where)] = grouped.get(group(where), 0) + cost
+    all_ = sum(grouped.values()) or 1
+    for name, cost in sorted(grouped.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {cost:8.0f}  {100 * cost / all_:5.1f}%  {name}")
+    return "\n".join(lines)

@@ -1,0 +1,270 @@
+"""scripts/bench-state: benchmarks of sluice's shared state: quotas and least-used in Redis,
+hot reload, Redis Cluster.
+
+  scripts/bench-state [PART...] [--write]
+
+PART is quota, least-used, reload or cluster (default: all four, in that order). --write also
+replaces each part's section of docs/BENCHMARKS.md (between <!-- bench:state:start --> and
+<!-- bench:state:end -->, one sub-section per part, so parts can be run one at a time).
+
+  quota       wrk against three routes of one sluice (no quota, quota at cost 1, at cost 100);
+              redis-benchmark EVALSHA of the quota script at cost 1 and 100 (calls/s and
+              usec_per_call); Redis memory per admitted request (MEMORY USAGE / entries).
+  least-used  wrk against round_robin, least_used (memory), least_used (Redis) and
+              quota + least_used (Redis) routes; the allocator (and fused) script at pool
+              sizes 10 and 10,000.
+  reload      POST /reload duration (sluice's log) and round trip for 100, 1,000 and 10,000
+              routes; request p99 during a reload storm against none.
+  cluster     quota + least_used on one Redis against a 3-master Redis Cluster (wrk), and the
+              Redis-side ceiling with redis-benchmark on 1, 2 and 3 masters at once.
+
+Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2), WARMUP (2s),
+SLUICE_THREADS (1), RB_REQUESTS (200000), RB_CLIENTS (50), MEM_REQUESTS (10000), RELOADS (5),
+RELOAD_SIZES ("100 1000 10000"), STORM_ROUTES (1000), STORM_INTERVAL (0.1), SCALE_SECONDS (5),
+ROUTES_PER_MASTER (2), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it is),
+SLUICE_BIN_DIR (a directory holding a release sluice; no build), WAIT_QUIET (1: first wait,
+polling every 20 s for at most 30 minutes, until no other wrk, cargo bench or valgrind runs),
+DOC (docs/BENCHMARKS.md), KEEP (0; 1 keeps the work directory).
+
+Everything runs on 127.0.0.1 and stops, by PID, on exit (Ctrl-C included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from . import common, doc, stats, wrk
+from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms
+from .servers import Backends, evalsha_stats, rcli, start_backends
+
+START_MARK = "<!-- bench:state:start -->"
+END_MARK = "<!-- bench:state:end -->"
+PARTS = ["quota", "least-used", "reload", "cluster"]
+WRK_KNOBS = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS"]
+# What the fused and quota scripts are called with: a window "w" no benchmark ever fills.
+BIG_WINDOW = ["w", "1000000000000", "3600000000"]
+QUOTA_YAML = "    quota:\n      windows:\n        - { name: w, limit: 1000000000000, window: 1h }\n"
+
+
+class Run:
+    """What the parts share: settings, the processes, the backends, and wrk results by
+    (target, round)."""
+
+    def __init__(self, procs: Procs, knobs: common.Knobs, sluice: Path, write: bool, doc_path: Path):
+        self.procs, self.knobs, self.sluice, self.write, self.doc = procs, knobs, sluice, write, doc_path
+        self.rounds = knobs.int("ROUNDS", 3, minimum=1)
+        self.duration = knobs.str("DURATION", "10s")
+        self.connections = knobs.int("CONNECTIONS", 64, minimum=1)
+        self.wrk_threads = knobs.int("WRK_THREADS", 2, minimum=1)
+        self.warmup = knobs.str("WARMUP", "2s")
+        self.sluice_threads = knobs.int("SLUICE_THREADS", 1, minimum=1)
+        self.rb_requests = knobs.int("RB_REQUESTS", 200000, minimum=1)
+        self.rb_clients = knobs.int("RB_CLIENTS", 50, minimum=1)
+        wrk.seconds(self.duration), wrk.seconds(self.warmup)  # fail early on a bad duration
+        self._backends: Optional[Backends] = None
+        self.res: dict[tuple[str, int], dict] = {}
+        self.call_rate: dict[tuple[str, int, int], float] = {}
+        self.wrk_cmd: dict[str, str] = {}
+        self.orders: dict[str, str] = {}
+        self.label: dict[str, str] = {}
+
+    def log(self, message: str) -> None:
+        self.procs.log(message)
+
+    @property
+    def work(self) -> Path:
+        return self.procs.work
+
+    @property
+    def backends(self) -> Backends:
+        """The two nginx backends, started by the first part that needs them."""
+        if self._backends is None:
+            self._backends = start_backends(self.procs)
+        return self._backends
+
+    def knob_line(self, *extra: str) -> str:
+        return self.knobs.line(WRK_KNOBS + list(extra))
+
+    def command(self, part: str, *extra: str) -> str:
+        return f"{self.knob_line(*extra)} scripts/bench-state {part}" + (" --write" if self.write else "")
+
+    def header(self) -> str:
+        return (f"Run on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, sluice {common.git_revision()}, "
+                f"`nproc` = {common.nproc()}, {common.redis_version()}, {common.wrk_version()}.")
+
+    # --- wrk ---------------------------------------------------------------------------------
+    def wrk_run(self, id: str, r: int, port: int, host: Optional[str] = None,
+                lua: Optional[Path] = None, cpu: Sequence[int] = (),
+                redis_ports: Sequence[int] = ()) -> None:
+        """A warm-up, then the recorded run against 127.0.0.1:PORT with Host HOST (or the wrk
+        script LUA). Records req/s, latencies, the CPU of the CPU pids per request, and EVALSHA
+        calls on REDIS_PORTS per request."""
+        if lua is not None:
+            args = wrk.args(self.wrk_threads, self.connections, script=str(lua))
+            shown = f"-s {lua.name}"
+        else:
+            args = wrk.args(self.wrk_threads, self.connections, headers=[f"Host: {host}"])
+            shown = f"-H 'Host: {host}'"
+        self.wrk_cmd[id] = (f"wrk -t{self.wrk_threads} -c{self.connections} {shown} "
+                            f"-d{self.duration} --latency http://127.0.0.1:PORT/")
+        url = f"http://127.0.0.1:{port}/"
+        wrk.run(self.procs, url, args, self.warmup, latency=False)
+        before = cpu_ticks(cpu) if cpu else 0
+        calls0 = {p: evalsha_stats(p)[0] for p in redis_ports}
+        t0 = now_ms()
+        out = wrk.run(self.procs, url, args, self.duration)
+        t1 = now_ms()
+        after = cpu_ticks(cpu) if cpu else 0
+        calls = 0
+        for p in redis_ports:
+            d = evalsha_stats(p)[0] - calls0[p]
+            calls += d
+            self.call_rate[id, r, p] = d * 1000 / (t1 - t0)
+        (self.work / f"wrk-{id}-{r}.txt").write_text(out.text)
+        row = {"rps": out.rps, "p50": out.p50_ms, "p99": out.p99_ms, "errors": out.errors,
+               "cpu": (after - before) / CLK_TCK * 1e6 / out.requests if cpu else None,
+               "calls": calls / out.requests if redis_ports else None}
+        self.res[id, r] = row
+        self.log(f"round {r} {id}: {out.rps:.0f} req/s, p50 {stats.fmt(out.p50_ms, '.3f')} ms, "
+                 f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, sluice CPU {stats.fmt(row['cpu'], '.1f')} µs/req, "
+                 f"EVALSHA/req {stats.fmt(row['calls'], '.2f')} {out.errors}")
+
+    def per(self, id: str, what: str) -> list:
+        return [self.res.get((id, r), {}).get(what) for r in range(1, self.rounds + 1)]
+
+    def med(self, id: str, what: str) -> Optional[float]:
+        return stats.median(self.per(id, what))
+
+    def ratio(self, what: str, a: str, b: str) -> str:
+        return stats.fmt_ratio(self.per(a, what), self.per(b, what))
+
+    def ratio_num(self, what: str, a: str, b: str) -> Optional[float]:
+        return stats.median(stats.ratios(self.per(a, what), self.per(b, what)))
+
+    def run_rounds(self, part: str, runner: Callable[[str, int], None], ids: Sequence[str]) -> None:
+        """ROUNDS rounds; RUNNER(id, round) runs one target."""
+        orders = []
+        for r in range(1, self.rounds + 1):
+            order = stats.order_of(r, ids)
+            orders.append(f"round {r}: {' '.join(order)}; ")
+            self.log(f"{part} round {r}/{self.rounds}: {' '.join(order)}")
+            for id in order:
+                runner(id, r)
+        self.orders[part] = "".join(orders)
+
+    def wrk_table(self, ids: Sequence[str]) -> list[str]:
+        out = ["| target | req/s | p50 ms | p99 ms | sluice CPU µs/req | EVALSHA per request | req/s per round | p99 ms per round |",
+               "|---|---:|---:|---:|---:|---:|---|---|"]
+        for id in ids:
+            out.append(
+                f"| {self.label[id]} | {stats.fmt(self.med(id, 'rps'))} | {stats.fmt(self.med(id, 'p50'), '.3f')} "
+                f"| {stats.fmt(self.med(id, 'p99'), '.3f')} | {stats.fmt(self.med(id, 'cpu'), '.1f')} "
+                f"| {stats.fmt(self.med(id, 'calls'), '.2f')} "
+                f"| {', '.join(stats.fmt(v) for v in self.per(id, 'rps'))} "
+                f"| {', '.join(stats.fmt(v, '.2f') for v in self.per(id, 'p99'))} |")
+        return out
+
+    def wrk_errors(self, ids: Sequence[str]) -> str:
+        out = " ".join(f"{id} round {r}: {self.res[id, r]['errors']}" for id in ids
+                       for r in range(1, self.rounds + 1)
+                       if (id, r) in self.res and self.res[id, r]["errors"])
+        return out or "none"
+
+    # --- redis-benchmark -------------------------------------------------------------------
+    def rb_measure(self, port: int, n: int, clients: int, *cmd: str) -> tuple[float, float, int, int]:
+        """CONFIG RESETSTAT, one redis-benchmark run: (calls/s, µs per call in Redis, calls, failed)."""
+        rcli(port, "CONFIG", "RESETSTAT")
+        out = self.procs.run(["redis-benchmark", "-p", str(port), "-n", str(n), "-c", str(clients),
+                              "--csv", *cmd], timeout=1800)
+        lines = [l.replace('"', "") for l in out.replace("\r", "").splitlines() if l.strip()]
+        if len(lines) < 2:
+            raise Failure(f"could not read redis-benchmark's output: {out}")
+        rps = float(lines[1].split(",")[1])
+        calls, usec, failed = evalsha_stats(port)
+        return rps, (usec / calls if calls else 0.0), calls, failed
+
+
+def when(x: Optional[float], test: Callable[[float], bool], yes: str, no: str) -> str:
+    """YES if X passes TEST, else NO (a missing X fails)."""
+    return yes if x is not None and test(x) else no
+
+
+def wait_quiet(run_log: Callable[[str], None]) -> None:
+    """Waits (at most 30 minutes) until no other benchmark runs, which would skew the figures."""
+    pattern = "wrk |cargo bench|valgrind|callgrind"
+    for _ in range(90):
+        p = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, timeout=30)
+        if not p.stdout.strip():
+            return
+        run_log(f"another benchmark runs ({' '.join(p.stdout.split())}); waiting 20 s")
+        time.sleep(20)
+    run_log("warning: other benchmarks still run after 30 minutes; going on anyway")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench-state", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("parts", nargs="*", metavar="PART",
+                        help="quota, least-used, reload or cluster (default: all four)")
+    parser.add_argument("--write", action="store_true",
+                        help="replace the parts' sections of docs/BENCHMARKS.md with the report")
+    opts = parser.parse_args(argv)
+    for part in opts.parts:
+        if part not in PARTS:
+            parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
+    parts = opts.parts or PARTS
+
+    knobs = common.Knobs()
+    doc_path = Path(knobs.str("DOC", str(common.DOC)))
+    keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
+    common.require("bench-state", ["wrk", "nginx", "curl", "redis-server", "redis-cli", "redis-benchmark"],
+                   "sudo apt-get install -y wrk nginx-light curl redis-server")
+    procs = Procs("bench-state", keep)
+    reports: dict[str, str] = {}
+    try:
+        if knobs.choice("WAIT_QUIET", "1", ("0", "1")) == "1":
+            wait_quiet(procs.log)
+        sluice = common.sluice_binary("bench-state", knobs, bins=("--bins",))
+        run = Run(procs, knobs, sluice, opts.write, doc_path)
+        if run.rounds < 3:
+            procs.log(f"warning: ROUNDS={run.rounds}; use at least 3 for figures worth reporting")
+        from . import cluster, least_used, quota, reload
+        modules = {"quota": quota, "least-used": least_used, "reload": reload, "cluster": cluster}
+        for part in parts:
+            procs.log(f"=== part: {part} ===")
+            reports[part] = modules[part].run(run)
+            print(reports[part])
+            print(flush=True)
+    finally:
+        procs.cleanup()
+
+    if opts.write:
+        write_doc(doc_path, reports)
+        procs.log(f"wrote the state section of {doc_path}")
+    return 0
+
+
+def write_doc(doc_path: Path, reports: dict[str, str]) -> None:
+    """Rebuilds the section: this run's parts, and what the file held for the others."""
+    body = [
+        "## Shared state, reload and Redis Cluster (`scripts/bench-state`)",
+        "",
+        "Everything on 127.0.0.1 on one shared machine (client, gateway, backends and Redis on the same cores): compare",
+        "the ratios taken within one run, not the absolute figures. Each part can be rerun alone",
+        "(`scripts/bench-state quota|least-used|reload|cluster --write`).",
+    ]
+    for part in PARTS:
+        start, end = f"<!-- bench:state:{part}:start -->", f"<!-- bench:state:{part}:end -->"
+        old = doc.section(doc_path, start, end)
+        body += ["", start]
+        if part in reports:
+            body.append(reports[part])
+        elif old is not None:
+            body.append(old)
+        body.append(end)
+    doc.replace_section(doc_path, START_MARK, END_MARK, "\n".join(body))
