@@ -364,3 +364,87 @@ async fn fifty_reloads_under_load_fail_no_request() {
             >= 50.0
     );
 }
+
+/// An editor that truncates the file and rewrites it in place, in small chunks, once made the
+/// watcher load an empty file (`routes: []`, every request 404) or half a file (one route
+/// missing). Every rewrite here is slow and chunked, under load; no request may fail, and
+/// every finished rewrite must still be picked up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_in_place_rewrites_under_load_fail_no_request() {
+    use std::io::Write;
+    let backends = start_backends(&["b1", "b2"]).await;
+    let m: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    // Many routes, so that a torn file is missing some; clients use the first and the last.
+    let version = |limit: u64| {
+        let mut routes = vec![route("first", &m).quota(Quota::window("minute", limit, "1m"))];
+        for i in 0..30 {
+            routes.push(route(&format!("r{i}"), &m[..1]));
+        }
+        routes.push(route("last", &m[1..]));
+        config(&routes)
+    };
+    let gw = Gateway::start_with_ports(&version(1_000_000));
+    // The file as the gateway wrote it, with its real ports, for in-place rewrites.
+    let live = std::fs::read_to_string(gw.config_path()).unwrap();
+    assert!(live.contains("1000000"));
+    let template = live.replace("1000000", "LIMIT");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for host in ["first.test", "last.test"] {
+        let (addr, stop) = (gw.proxy_addr(), stop.clone());
+        clients.push(tokio::spawn(async move {
+            let mut client = HttpClient::connect(addr).await.unwrap();
+            let mut failures = Vec::new();
+            for _ in 0..50_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                match client.request("GET", host, "/", &[], b"").await {
+                    Ok(r) if r.status == 200 => {}
+                    Ok(r) => failures.push(format!("{host}: {} {}", r.status, r.text())),
+                    Err(e) => failures.push(format!("{host}: {e}")),
+                }
+            }
+            failures
+        }));
+    }
+    for round in 0..4u64 {
+        let text = template.replace("LIMIT", &(1_000_000 + (round + 1) % 2).to_string());
+        let path = gw.config_path();
+        // Truncate, then write a line at a time with a pause between writes that is shorter
+        // than the watcher's quiet period, as a script echoing line by line would. Many of
+        // the partial files are valid YAML with routes missing.
+        tokio::task::spawn_blocking(move || {
+            let mut file = std::fs::File::create(&path).unwrap();
+            for line in text.split_inclusive('\n') {
+                file.write_all(line.as_bytes()).unwrap();
+                file.flush().unwrap();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+        .await
+        .unwrap();
+        let written = std::fs::read(gw.config_path()).unwrap();
+        let want = {
+            use sha2::Digest;
+            let d = sha2::Sha256::digest(&written);
+            d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        };
+        eventually("the finished rewrite is loaded", || async {
+            gw.status().await["version"] == want.as_str()
+        })
+        .await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for c in clients {
+        failures.extend(c.await.unwrap());
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+}

@@ -23,8 +23,15 @@ use crate::metrics::Metrics;
 use crate::table::Table;
 
 /// Bursts of file events (an editor's write, rename and chmod) become one reload once the
-/// directory has been quiet this long.
-const DEBOUNCE: Duration = Duration::from_millis(150);
+/// file has been quiet this long.
+const QUIET: Duration = Duration::from_millis(250);
+
+/// A file that never goes quiet (rewritten in a loop) is still read after this long, so
+/// reloads cannot be starved; the stability check below still refuses a moving file.
+const QUIET_CEILING: Duration = Duration::from_secs(30);
+
+/// How many times a file that changes between two reads is waited for before giving up.
+const STABLE_TRIES: u32 = 20;
 
 /// Performs reloads, one at a time.
 pub struct Reloader {
@@ -80,7 +87,15 @@ impl Reloader {
             );
         };
         let started = Instant::now();
-        let bytes = match std::fs::read(path) {
+        // A file event may come while an editor is still writing in place; a parse of half a
+        // file can be valid YAML with routes missing. So a file-triggered reload applies only
+        // bytes that two reads, a quiet period apart, agree on.
+        let read = if trigger == "file" {
+            read_stable(path).await
+        } else {
+            std::fs::read(path).map_err(|e| e.to_string())
+        };
+        let bytes = match read {
             Ok(bytes) => bytes,
             Err(e) => {
                 let message = format!("{}:0:0: .: cannot read the file: {e}", path.display());
@@ -97,12 +112,15 @@ impl Reloader {
             }
             return Ok(old.version.clone());
         }
-        let config = match Config::parse(
-            &path.display().to_string(),
-            &String::from_utf8_lossy(&bytes),
-        ) {
-            Ok(config) => config,
-            Err(errors) => return Err(self.failed(trigger, errors.to_string())),
+        // Parsing ten thousand routes takes a while: off the runtime, so that neither the admin
+        // API (a POST /reload) nor the watcher's runtime stalls meanwhile.
+        let name = path.display().to_string();
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let parsed = tokio::task::spawn_blocking(move || Config::parse(&name, &text)).await;
+        let config = match parsed {
+            Ok(Ok(config)) => config,
+            Ok(Err(errors)) => return Err(self.failed(trigger, errors.to_string())),
+            Err(e) => return Err(self.failed(trigger, format!("the config parser failed: {e}"))),
         };
         let new = Table::build(&config, &bytes, &self.metrics, &self.state, Some(&old)).await;
         if new.settings.needs_restart_for(&old.settings) {
@@ -139,6 +157,21 @@ impl Reloader {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(message.clone());
         message
     }
+}
+
+/// Reads `path` until two reads a quiet period apart agree: the bytes of a file nobody is
+/// writing any more. Gives up (an error, so the old config stays) if it keeps changing.
+async fn read_stable(path: &Path) -> Result<Vec<u8>, String> {
+    let mut before = std::fs::read(path).map_err(|e| e.to_string())?;
+    for _ in 0..STABLE_TRIES {
+        tokio::time::sleep(QUIET).await;
+        let now = std::fs::read(path).map_err(|e| e.to_string())?;
+        if now == before {
+            return Ok(now);
+        }
+        before = now;
+    }
+    Err("the file kept changing while it was read; the previous config stays in force".into())
 }
 
 /// Drops the metric series of routes and members that left, so dashboards do not show ghosts.
@@ -231,10 +264,11 @@ impl BackgroundService for ReloadTriggers {
                     let _ = self.reloader.reload("sighup").await;
                 }
                 Some(()) = events.recv() => {
-                    // Wait for the burst to settle, but never longer than a second.
-                    let ceiling = tokio::time::Instant::now() + Duration::from_secs(1);
+                    // Wait until the file has been quiet for a while: an editor writing in
+                    // place sends an event per write.
+                    let ceiling = tokio::time::Instant::now() + QUIET_CEILING;
                     while tokio::time::Instant::now() < ceiling {
-                        match tokio::time::timeout(DEBOUNCE, events.recv()).await {
+                        match tokio::time::timeout(QUIET, events.recv()).await {
                             Ok(Some(())) => continue,
                             _ => break,
                         }
