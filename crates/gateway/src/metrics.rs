@@ -28,6 +28,8 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// `sluice_selection_fallbacks_total{route}`
     pub selection_fallbacks: IntCounterVec,
+    /// `sluice_quota_keys_refused_total{route}`
+    pub quota_keys_refused: IntCounterVec,
 }
 
 impl Metrics {
@@ -55,6 +57,11 @@ impl Metrics {
             "sluice_quota_rejections_total",
             "Requests refused by a quota window.",
             &["route", "window"],
+        );
+        let quota_keys_refused = counter(
+            "sluice_quota_keys_refused_total",
+            "Requests with a new quota key refused because their route holds as many keys as the memory store keeps.",
+            &["route"],
         );
         let config_reloads = counter(
             "sluice_config_reloads_total",
@@ -107,6 +114,7 @@ impl Metrics {
             config_reloads,
             store_errors,
             selection_fallbacks,
+            quota_keys_refused,
         }
     }
 

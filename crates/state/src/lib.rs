@@ -124,6 +124,9 @@ pub enum StoreError {
     Timeout,
     /// The store answered with an error, or the connection failed.
     Backend(String),
+    /// The route holds as many quota keys as the memory store allows; a request with a new key
+    /// is not decided.
+    TooManyKeys,
 }
 
 impl fmt::Display for StoreError {
@@ -131,6 +134,11 @@ impl fmt::Display for StoreError {
         match self {
             StoreError::Timeout => f.write_str("state store timed out"),
             StoreError::Backend(e) => write!(f, "state store failed: {e}"),
+            StoreError::TooManyKeys => write!(
+                f,
+                "the route holds {} quota keys, the most the memory store keeps per route",
+                memory_quota::MAX_KEYS_PER_ROUTE
+            ),
         }
     }
 }

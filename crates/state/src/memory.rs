@@ -28,7 +28,7 @@ impl MemoryStore {
     }
 
     /// The quota decision, synchronously: memory never waits on anything but its locks.
-    pub fn decide(&self, req: Acquire<'_>) -> Outcome {
+    pub fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         self.quotas.decide(req)
     }
 }
@@ -36,7 +36,7 @@ impl MemoryStore {
 #[async_trait]
 impl StateStore for MemoryStore {
     async fn acquire(&self, request: Acquire<'_>) -> Result<Outcome, StoreError> {
-        Ok(self.decide(request))
+        self.decide(request)
     }
 
     async fn assign(
@@ -75,7 +75,7 @@ impl StateStore for MemoryStore {
         // The quota goes first, and records the request in the same step as the assignment,
         // under the quota key's lock (the pool's lock is held too): nothing can be admitted
         // between the check and the record.
-        let (outcome, member) = self.quotas.decide_then(q, take);
+        let (outcome, member) = self.quotas.decide_then(q, take)?;
         Ok(match member {
             Some(id) => Assignment::Assigned {
                 member: id.to_string(),

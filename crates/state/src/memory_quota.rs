@@ -8,10 +8,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::{Acquire, Outcome, WindowState};
+use crate::{Acquire, Outcome, StoreError, WindowState};
 
 /// Independent shards, so that requests for different keys rarely meet on a lock.
 const SHARDS: usize = 64;
+
+/// The most quota keys one route may hold in memory, over all shards. A client that chooses its
+/// key (`key: header:X-Tenant`) could otherwise grow the store without bound. Past it, keys
+/// whose entries have all left their windows are dropped first; if the route is still full,
+/// a request with a new key is refused as a store failure (the route's `on_store_error`
+/// decides), rather than forgetting a key that still holds admitted requests, which would let
+/// its owner be admitted again.
+pub const MAX_KEYS_PER_ROUTE: usize = 100_000;
+
+/// The same bound per shard: keys spread evenly over the shards by their hash.
+const MAX_KEYS_PER_SHARD: usize = MAX_KEYS_PER_ROUTE.div_ceil(SHARDS);
 
 /// Once in this many calls, one shard (in turn) drops its idle keys. Every shard is swept once
 /// per `SWEEP_EVERY × SHARDS` calls, whichever keys the traffic hits, which bounds the memory held
@@ -112,8 +123,9 @@ impl QuotaLogs {
     }
 
     /// Decides on one request and records it if admitted.
-    pub(crate) fn decide(&self, req: Acquire<'_>) -> Outcome {
-        self.decide_then(req, || Some(())).0
+    pub(crate) fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
+        self.decide_then(req, || Some(()))
+            .map(|(outcome, _)| outcome)
     }
 
     /// Decides on one request; when every window admits it, asks `then` (under the key's lock,
@@ -125,7 +137,7 @@ impl QuotaLogs {
         &self,
         req: Acquire<'_>,
         then: impl FnOnce() -> Option<T>,
-    ) -> (Outcome, Option<T>) {
+    ) -> Result<(Outcome, Option<T>), StoreError> {
         let now = req
             .at_us
             .unwrap_or_else(|| self.epoch.elapsed().as_micros() as u64);
@@ -145,11 +157,17 @@ impl QuotaLogs {
             Some(keys) => keys,
             None => shard.routes.entry(req.route.into()).or_default(),
         };
+        if !keys.contains_key(req.key) && keys.len() >= MAX_KEYS_PER_SHARD {
+            keys.retain(|_, s| s.last_us + s.longest_us > now);
+            if keys.len() >= MAX_KEYS_PER_SHARD {
+                return Err(StoreError::TooManyKeys);
+            }
+        }
         let state = match keys.get_mut(req.key) {
             Some(state) => state,
             None => keys.entry(req.key.into()).or_default(),
         };
-        decide(state, &req, now, then)
+        Ok(decide(state, &req, now, then))
     }
 }
 
@@ -259,8 +277,9 @@ mod tests {
             cost: 1,
             at_us: Some(0),
         };
-        let (outcome, held) =
-            logs.decide_then(req, || Some(logs.shard("r", "k").try_lock().is_err()));
+        let (outcome, held) = logs
+            .decide_then(req, || Some(logs.shard("r", "k").try_lock().is_err()))
+            .unwrap();
         assert!(outcome.admitted);
         assert_eq!(
             held,
@@ -268,13 +287,48 @@ mod tests {
             "the key's shard is locked while `then` runs"
         );
         // A refused `then` records nothing.
-        let (_, none) = logs.decide_then(req, || None::<()>);
+        let (_, none) = logs.decide_then(req, || None::<()>).unwrap();
         assert_eq!(none, None);
         assert_eq!(
-            logs.decide(req).windows[0].remaining,
+            logs.decide(req).unwrap().windows[0].remaining,
             8,
             "two recorded, not three"
         );
+    }
+
+    #[test]
+    fn a_route_holds_a_bounded_number_of_keys() {
+        let store = QuotaLogs::new();
+        let w = windows();
+        fn ask<'a>(w: &'a [Window], key: &'a str, at_us: u64) -> Acquire<'a> {
+            Acquire {
+                route: "r",
+                key,
+                windows: w,
+                cost: 1,
+                at_us: Some(at_us),
+            }
+        }
+        let mut refused = 0;
+        for i in 0..(MAX_KEYS_PER_ROUTE + 5_000) {
+            match store.decide(ask(&w, &format!("k{i}"), 0)) {
+                Ok(o) => assert!(o.admitted),
+                Err(StoreError::TooManyKeys) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(refused > 0, "nothing refused");
+        assert!(store.keys() <= MAX_KEYS_PER_SHARD * SHARDS);
+        // Other routes are not affected, and a key already held still answers.
+        assert!(store
+            .decide(Acquire {
+                route: "other",
+                ..ask(&w, "k1", 0)
+            })
+            .is_ok());
+        assert!(store.decide(ask(&w, "k1", 0)).is_ok());
+        // Once the entries have left their windows, new keys take the idle ones' place.
+        assert!(store.decide(ask(&w, "fresh", 10_000)).is_ok());
     }
 
     #[test]
@@ -283,7 +337,7 @@ mod tests {
         let w = windows();
         for i in 0..100 {
             let key = format!("k{i}");
-            store.decide(Acquire {
+            let _ = store.decide(Acquire {
                 route: "r",
                 key: &key,
                 windows: &w,
@@ -294,7 +348,7 @@ mod tests {
         assert_eq!(store.keys(), 100);
         // Calls on one key, long after the window, make every shard sweep in turn.
         for _ in 0..(SWEEP_EVERY * SHARDS as u64) {
-            store.decide(Acquire {
+            let _ = store.decide(Acquire {
                 route: "r",
                 key: "k0",
                 windows: &w,

@@ -131,6 +131,13 @@ pub(crate) async fn admit(
         } => {
             let op = if fallback { "select" } else { "quota" };
             gateway.metrics.store_errors.with_label_values(&[op]).inc();
+            if matches!(error, StoreError::TooManyKeys) {
+                gateway
+                    .metrics
+                    .quota_keys_refused
+                    .with_label_values(&[&route.name])
+                    .inc();
+            }
             if fallback {
                 ctx.tried.fallback = true;
                 route.selection_fallbacks.inc();
