@@ -5,8 +5,9 @@
 //! the cluster client. Both connect lazily, so a gateway starts (and applies each route's
 //! `on_store_error`) while Redis is down.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
@@ -71,6 +72,12 @@ pub struct RedisConnection {
     /// connection is driven by tasks on the runtime it was created on.
     conn: OnceLock<Result<Conn, String>>,
     timeout: Duration,
+    /// Since when (microseconds after `epoch`, plus one; 0 when Redis answers) every call has
+    /// met a broken or refused connection. Within a timeout of it, calls wait for Redis to come
+    /// back; past it, Redis is taken as down and calls fail at their first refusal, so an outage
+    /// costs each request one attempt rather than a whole timeout.
+    down_since: AtomicU64,
+    epoch: Instant,
 }
 
 impl std::fmt::Debug for RedisConnection {
@@ -90,6 +97,8 @@ impl RedisConnection {
             target: Target::Single(client),
             conn: OnceLock::new(),
             timeout,
+            down_since: AtomicU64::new(0),
+            epoch: Instant::now(),
         })
     }
 
@@ -109,6 +118,8 @@ impl RedisConnection {
             target: Target::Cluster(Box::new(client)),
             conn: OnceLock::new(),
             timeout,
+            down_since: AtomicU64::new(0),
+            epoch: Instant::now(),
         })
     }
 
@@ -142,26 +153,54 @@ impl RedisConnection {
             .map_err(StoreError::Backend)
     }
 
-    /// Runs `call` within the timeout, retrying once on a broken connection: after a Redis
-    /// restart the first call on the old connection fails with a broken pipe while the manager
-    /// reconnects, and no client request should fail because of that.
+    /// Runs `call` within the timeout, retrying on a broken or refused connection until the
+    /// timeout: after a Redis restart the first call on the old connection fails with a broken
+    /// pipe while the manager reconnects, and a call made while Redis is starting is refused.
+    /// No client request should fail because of a restart that ends within the timeout.
+    /// Nothing is retried once Redis has answered, so a script never runs twice.
     pub async fn run<T, F, Fut>(&self, call: F) -> Result<T, StoreError>
     where
         F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
         let attempt = async {
-            let first = call(self.connection()?).await;
-            match first {
-                Err(e) if is_connection_error(&e) => call(self.connection()?).await,
-                other => other,
+            let mut pause = Duration::from_millis(2);
+            loop {
+                match call(self.connection()?).await {
+                    Err(e) if is_connection_error(&e) => {
+                        if self.down_for() > self.timeout {
+                            return Err(StoreError::Backend(e.to_string()));
+                        }
+                        // The manager reconnects in the background; give it a moment, a little
+                        // longer each time. The outer timeout ends the loop.
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(50));
+                    }
+                    other => {
+                        self.down_since.store(0, Ordering::Relaxed);
+                        return other.map_err(|e| StoreError::Backend(e.to_string()));
+                    }
+                }
             }
-            .map_err(|e| StoreError::Backend(e.to_string()))
         };
         match tokio::time::timeout(self.timeout, attempt).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout),
         }
+    }
+
+    /// How long every call has met a broken or refused connection; starts the count if none has.
+    fn down_for(&self) -> Duration {
+        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX - 1) + 1;
+        let since =
+            match self
+                .down_since
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => now,
+                Err(since) => since,
+            };
+        Duration::from_micros(now.saturating_sub(since))
     }
 
     /// Whether Redis answers PING within the timeout.

@@ -52,6 +52,31 @@ async fn a_restarted_empty_redis_fails_no_call() {
     }
 }
 
+/// Redis is down when the call starts and back 300 ms later, well within the store's timeout:
+/// the call waits for it rather than failing, so a route with `on_store_error: closed` does not
+/// answer 503 for a restart that ends in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_made_while_redis_restarts_waits_for_it_within_the_timeout() {
+    let mut server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(5));
+    let w = one_window(1000);
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    server.kill();
+    let restarted = std::thread::spawn(move || {
+        // The outage being simulated, not a wait for a condition.
+        std::thread::sleep(Duration::from_millis(300));
+        server.restart();
+        server
+    });
+    for i in 0..3 {
+        assert!(
+            acquire(&store, &w, 1).await.unwrap(),
+            "call {i} during the restart"
+        );
+    }
+    let _server = restarted.join().unwrap();
+}
+
 #[tokio::test]
 async fn script_flush_is_transparent() {
     let server = RedisServer::start();
