@@ -20,6 +20,7 @@ pub mod logging;
 pub mod metrics;
 pub mod problem;
 pub mod quota;
+pub mod ratelimit;
 pub mod reload;
 pub mod request;
 pub mod router;

@@ -115,7 +115,7 @@ impl RouteQuota {
                         .with_label_values(&[route, &w.name])
                 })
                 .collect(),
-            policy: crate::request::answer::ratelimit_policy(&windows),
+            policy: crate::ratelimit::policy(&windows),
             windows,
             key: q.key.clone(),
             default_cost: q.cost.default.get(),

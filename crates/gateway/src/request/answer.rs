@@ -1,48 +1,22 @@
-//! What the client gets back: the gateway's own problem+json answers, the fix-ups of a
-//! member's response, and — in one place — the `RateLimit` headers of
-//! draft-ietf-httpapi-ratelimit-headers.
+//! What the client gets back: the gateway's own problem+json answers, and the fix-ups of a
+//! member's response, including the `RateLimit` headers (their syntax is in
+//! [`crate::ratelimit`]).
 
 use http::{header, HeaderValue};
 use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, Session};
 use pingora::ErrorType;
-use sluice_state::{Outcome, Window};
+use sluice_state::Outcome;
 
 use super::{Failure, RequestCtx};
 use crate::headers::strip_hop_by_hop;
 use crate::problem::{self, Problem};
 use crate::quota::RouteQuota;
 
-/// `"<name>";q=<limit>;w=<seconds>, …` for every window. Structured-field integers have no
-/// fractions, so a window shorter than a second is announced as 1 s.
-pub(crate) fn ratelimit_policy(windows: &[Window]) -> HeaderValue {
-    let text = windows
-        .iter()
-        .map(|w| {
-            format!(
-                "\"{}\";q={};w={}",
-                w.name,
-                w.limit,
-                w.length_us.div_ceil(1_000_000)
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
-    HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
-}
-
-/// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room.
+/// The `RateLimit` item of a request on a route with a quota.
 pub(crate) fn ratelimit(quota: &RouteQuota, outcome: &Outcome) -> Option<HeaderValue> {
-    let i = outcome.tightest()?;
-    let w = outcome.windows.get(i)?;
-    let value = format!(
-        "\"{}\";r={};t={}",
-        quota.windows.get(i)?.name,
-        w.remaining,
-        w.reset_us.div_ceil(1_000_000)
-    );
-    HeaderValue::from_str(&value).ok()
+    crate::ratelimit::item(&quota.windows, outcome)
 }
 
 /// Adds the route's `RateLimit-Policy` and the request's `RateLimit` to a response head.
