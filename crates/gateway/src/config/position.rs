@@ -280,7 +280,12 @@ fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
             let event = match (*e).type_ {
                 unsafe_libyaml::YAML_SCALAR_EVENT => {
                     let s = (*e).data.scalar;
-                    let bytes = std::slice::from_raw_parts(s.value, s.length as usize);
+                    // from_raw_parts needs a non-null pointer even for an empty slice.
+                    let bytes = if s.value.is_null() {
+                        &[][..]
+                    } else {
+                        std::slice::from_raw_parts(s.value, s.length as usize)
+                    };
                     Some(Event::Scalar(String::from_utf8_lossy(bytes).into_owned()))
                 }
                 unsafe_libyaml::YAML_ALIAS_EVENT => Some(Event::Alias),
