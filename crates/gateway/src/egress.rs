@@ -5,8 +5,9 @@
 //! metadata endpoint at 169.254.169.254, the private network behind it. This module decides,
 //! and knows nothing of Pingora; the tunnel and proxy code call it.
 //!
-//! - [`Guard`] (from the `egress:` config) classifies one address: [`Guard::check_ip`], and
-//!   one CONNECT port: [`Guard::check_connect_port`].
+//! - [`Guard`] (from the config) classifies one address: [`Guard::check_ip`]; one address and
+//!   port, which must not be sluice's own listener either: [`Guard::check_addr`]; and one
+//!   CONNECT port: [`Guard::check_connect_port`].
 //! - [`Resolver`] resolves names (system `/etc/resolv.conf` and `/etc/hosts`, cached as the
 //!   records' TTLs say): [`Resolver::lookup`] for any name, [`Resolver::resolve_checked`] for a
 //!   client-chosen destination.
@@ -35,6 +36,15 @@
 //! address and, for the forms above, the IPv4 address it carries: `allow_cidrs: [10.20.0.0/16]`
 //! also allows `::ffff:10.20.0.1`, and `deny: [198.51.100.0/24]` also denies `2002:c633:6401::`.
 //!
+//! # sluice's own listeners
+//!
+//! Built from the whole config, the guard also refuses the proxy and admin listeners (a
+//! listener on `0.0.0.0` or `::` as every loopback address on its port), even with `deny: []`
+//! and whatever `allow_cidrs` say, as Smokescreen refuses self-connections: a client could
+//! otherwise make sluice tunnel to itself, again and again. A wildcard listener reached through
+//! one of the host's own interface addresses is not recognised (that would need the interface
+//! list); with `deny: [private]` those are usually private addresses, denied anyway.
+//!
 //! # Names
 //!
 //! A name is resolved to *all* its addresses (A and AAAA), and refused if *any* of them is
@@ -56,7 +66,7 @@ use hickory_resolver::proto::xfer::Protocol;
 use hickory_resolver::{Hosts, TokioResolver};
 use ipnet::IpNet;
 
-use crate::config::{DenyEntry, EgressConfig};
+use crate::config::{Config, DenyEntry, EgressConfig};
 
 /// A class of addresses that `deny: [private]` refuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -287,6 +297,8 @@ pub enum Rule {
     },
     /// It is in a CIDR of `deny`.
     Cidr(IpNet),
+    /// It is sluice's own listener (this one): a tunnel to it would loop through sluice.
+    OwnListener(SocketAddr),
 }
 
 /// An address the guard refuses, and why.
@@ -307,6 +319,7 @@ impl Denial {
         match self.rule {
             Rule::Class { class, .. } => class.name().to_string(),
             Rule::Cidr(net) => net.to_string(),
+            Rule::OwnListener(_) => "own-listener".to_string(),
         }
     }
 }
@@ -321,6 +334,11 @@ impl fmt::Display for Denial {
         match self.rule {
             Rule::Class { class, rfc } => write!(f, " is {} ({rfc})", class.name()),
             Rule::Cidr(net) => write!(f, " is in egress.deny {net}"),
+            Rule::OwnListener(own) => write!(
+                f,
+                " port {} is sluice's own listener {own}: a tunnel to it would loop",
+                own.port()
+            ),
         }
     }
 }
@@ -364,6 +382,8 @@ pub struct Guard {
     allow: Vec<IpNet>,
     /// `connect_ports`.
     connect_ports: Vec<u16>,
+    /// sluice's own listeners, which no client may make it connect to.
+    own: Vec<SocketAddr>,
 }
 
 impl Default for Guard {
@@ -380,6 +400,7 @@ impl From<&EgressConfig> for Guard {
             deny: Vec::new(),
             allow: config.allow_cidrs.iter().map(|c| c.0).collect(),
             connect_ports: config.connect_ports.iter().map(|p| p.get()).collect(),
+            own: Vec::new(),
         };
         for entry in &config.deny {
             match entry {
@@ -391,7 +412,23 @@ impl From<&EgressConfig> for Guard {
     }
 }
 
+impl From<&Config> for Guard {
+    /// The guard of `egress`, which also knows the proxy and admin listeners as sluice's own.
+    fn from(config: &Config) -> Self {
+        let listeners = config.listen.iter().map(|l| l.0);
+        Guard::from(&config.egress).with_own_listeners(listeners.chain([config.admin.listen.0]))
+    }
+}
+
 impl Guard {
+    /// The same guard, refusing also to connect to `listeners`, sluice's own addresses: a
+    /// client could otherwise make sluice connect to itself, again and again. A listener on
+    /// `0.0.0.0` or `::` counts as every loopback address on its port.
+    pub fn with_own_listeners(mut self, listeners: impl IntoIterator<Item = SocketAddr>) -> Self {
+        self.own.extend(listeners);
+        self
+    }
+
     /// True when `deny` is empty, so that every address is allowed (ports are still checked).
     pub fn is_off(&self) -> bool {
         !self.private && self.deny.is_empty()
@@ -436,6 +473,32 @@ impl Guard {
             }
         }
         Ok(Allowed::NotDenied)
+    }
+
+    /// May sluice connect to `addr` for a client? [`Guard::check_ip`], and not one of sluice's
+    /// own listeners, even with `deny: []` and whatever `allow_cidrs` say: a loop is never
+    /// wanted.
+    pub fn check_addr(&self, addr: SocketAddr) -> Result<Allowed, Denial> {
+        let ip = addr.ip();
+        let carried = match ip {
+            IpAddr::V6(v6) => embedded(v6).map(|e| IpAddr::V4(e.v4)),
+            IpAddr::V4(_) => None,
+        };
+        let reaches = |own: &SocketAddr| {
+            own.port() == addr.port()
+                && [Some(ip), carried].into_iter().flatten().any(|ip| {
+                    ip == own.ip()
+                        || (own.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified()))
+                })
+        };
+        if let Some(own) = self.own.iter().find(|own| reaches(own)) {
+            return Err(Denial {
+                addr: ip,
+                via: None,
+                rule: Rule::OwnListener(*own),
+            });
+        }
+        self.check_ip(ip)
     }
 
     /// May a CONNECT target `port`?
@@ -649,7 +712,8 @@ impl Resolver {
     }
 
     /// The addresses to connect to for a client-chosen `host:port`: every address of `host`,
-    /// refused if *any* of them is denied. Connect to these, and only these: resolving again
+    /// refused if *any* of them is denied ([`Guard::check_addr`]: sluice's own listeners
+    /// included). Connect to these, and only these: resolving again
     /// would let the name's owner answer differently the second time. An IP literal is checked
     /// without any lookup. The CONNECT port is checked apart, by
     /// [`Guard::check_connect_port`].
@@ -664,9 +728,10 @@ impl Resolver {
             .addrs
             .into_iter()
             .map(|ip| {
+                let addr = SocketAddr::new(ip, port);
                 guard
-                    .check_ip(ip)
-                    .map(|_| SocketAddr::new(ip, port))
+                    .check_addr(addr)
+                    .map(|_| addr)
                     .map_err(Refusal::Denied)
             })
             .collect()

@@ -626,3 +626,75 @@ async fn answers_are_kept_for_their_ttl_and_no_longer() {
         "the expired answer should be asked again"
     );
 }
+
+#[test]
+fn sluice_never_connects_to_its_own_listeners() {
+    let config = Config::parse(
+        "t.yaml",
+        "listen: [\"127.0.0.1:8080\", \"0.0.0.0:3128\"]\nadmin: {listen: \"[::1]:9901\"}\negress: {deny: [], connect_ports: [443, 8080, 3128, 9901]}\nroutes: []\n",
+    )
+    .unwrap();
+    let g = Guard::from(&config);
+    let own = |s: &str| match g.check_addr(s.parse().unwrap()) {
+        Err(Denial {
+            rule: Rule::OwnListener(l),
+            ..
+        }) => Some(l.to_string()),
+        Ok(_) => None,
+        Err(d) => panic!("{s}: {d}"),
+    };
+    // Even with the address checks off.
+    assert_eq!(own("127.0.0.1:8080").as_deref(), Some("127.0.0.1:8080"));
+    assert_eq!(
+        own("[::ffff:127.0.0.1]:8080").as_deref(),
+        Some("127.0.0.1:8080")
+    );
+    assert_eq!(own("127.0.0.1:8081"), None);
+    assert_eq!(own("127.0.0.2:8080"), None);
+    // A wildcard listener is every loopback address on its port.
+    assert_eq!(own("127.0.0.1:3128").as_deref(), Some("0.0.0.0:3128"));
+    assert_eq!(own("127.9.9.9:3128").as_deref(), Some("0.0.0.0:3128"));
+    assert_eq!(own("[::1]:3128").as_deref(), Some("0.0.0.0:3128"));
+    assert_eq!(own("0.0.0.0:3128").as_deref(), Some("0.0.0.0:3128"));
+    assert_eq!(own("8.8.8.8:3128"), None);
+    // The admin listener too.
+    assert_eq!(own("[::1]:9901").as_deref(), Some("[::1]:9901"));
+    assert_eq!(own("127.0.0.1:9901"), None);
+
+    // allow_cidrs do not open them either, and the message says why.
+    let config = Config::parse(
+        "t.yaml",
+        "listen: [\"10.1.2.3:8080\"]\negress: {allow_cidrs: [10.0.0.0/8]}\nroutes: []\n",
+    )
+    .unwrap();
+    let g = Guard::from(&config);
+    let d = g.check_addr("10.1.2.3:8080".parse().unwrap()).unwrap_err();
+    assert_eq!(d.reason(), "own-listener");
+    assert_eq!(
+        d.to_string(),
+        "10.1.2.3 port 8080 is sluice's own listener 10.1.2.3:8080: a tunnel to it would loop"
+    );
+    assert!(g.check_addr("10.1.2.3:443".parse().unwrap()).is_ok());
+}
+
+#[tokio::test]
+async fn resolve_checked_refuses_sluices_own_listener() {
+    let config = Config::parse(
+        "t.yaml",
+        "listen: [\"127.0.0.1:8080\"]\negress: {deny: []}\nroutes: []\n",
+    )
+    .unwrap();
+    let g = Guard::from(&config);
+    let resolver = Resolver::new(&[], "127.0.0.1 me.test\n");
+    assert!(matches!(
+        resolver.resolve_checked(&g, "me.test", 8080).await,
+        Err(Refusal::Denied(Denial {
+            rule: Rule::OwnListener(_),
+            ..
+        }))
+    ));
+    assert_eq!(
+        resolver.resolve_checked(&g, "me.test", 8081).await,
+        Ok(vec!["127.0.0.1:8081".parse().unwrap()])
+    );
+}
