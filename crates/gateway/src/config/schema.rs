@@ -717,7 +717,7 @@ impl<'de> Deserialize<'de> for Dur {
 }
 
 /// `egress:` — the guard on destinations the client chooses (SPEC §7), made ready to use by
-/// [`crate::egress::Guard::from`].
+/// [`crate::egress::Guard`]`::from`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EgressConfig {

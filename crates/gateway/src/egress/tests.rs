@@ -517,22 +517,22 @@ async fn one_denied_address_refuses_the_whole_name() {
 struct Stub {
     addr: SocketAddr,
     queries: Arc<std::sync::atomic::AtomicUsize>,
+    records: Arc<std::sync::Mutex<Vec<(String, Ipv4Addr, u32)>>>,
 }
 
 impl Stub {
-    async fn start(records: &[(&str, Ipv4Addr, u32)]) -> Stub {
+    async fn start(records_given: &[(&str, Ipv4Addr, u32)]) -> Stub {
         let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let addr = socket.local_addr().unwrap();
         let queries = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let records: Vec<(String, Ipv4Addr, u32)> = records
-            .iter()
-            .map(|(n, a, t)| (n.to_string(), *a, *t))
-            .collect();
+        let records = Arc::new(std::sync::Mutex::new(Vec::new()));
         let counter = queries.clone();
+        let table = records.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 512];
             while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                if let Some((qtype, answer)) = Stub::answer(&buf[..n], &records) {
+                let answer = Stub::answer(&buf[..n], &table.lock().unwrap());
+                if let Some((qtype, answer)) = answer {
                     if qtype == 1 {
                         counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     }
@@ -540,7 +540,21 @@ impl Stub {
                 }
             }
         });
-        Stub { addr, queries }
+        let stub = Stub {
+            addr,
+            queries,
+            records,
+        };
+        stub.set(records_given);
+        stub
+    }
+
+    /// From now on, answer with `records`.
+    fn set(&self, records: &[(&str, Ipv4Addr, u32)]) {
+        *self.records.lock().unwrap() = records
+            .iter()
+            .map(|(n, a, t)| (n.to_string(), *a, *t))
+            .collect();
     }
 
     fn answer(query: &[u8], records: &[(String, Ipv4Addr, u32)]) -> Option<(u16, Vec<u8>)> {
@@ -697,4 +711,22 @@ async fn resolve_checked_refuses_sluices_own_listener() {
         resolver.resolve_checked(&g, "me.test", 8081).await,
         Ok(vec!["127.0.0.1:8081".parse().unwrap()])
     );
+}
+
+#[tokio::test]
+async fn every_answer_is_checked_however_briefly_it_lives() {
+    // A name whose owner answers with a public address and a zero TTL, then rebinds it to
+    // loopback: the second answer is checked as the first was, and refused.
+    let stub = Stub::start(&[("rebind.test", Ipv4Addr::new(8, 8, 8, 8), 0)]).await;
+    let resolver = Resolver::new(&[stub.addr], "");
+    let g = Guard::default();
+    assert_eq!(
+        resolver.resolve_checked(&g, "rebind.test", 443).await,
+        Ok(vec!["8.8.8.8:443".parse().unwrap()])
+    );
+    stub.set(&[("rebind.test", Ipv4Addr::LOCALHOST, 0)]);
+    match resolver.resolve_checked(&g, "rebind.test", 443).await {
+        Err(Refusal::Denied(d)) => assert_eq!(d.addr, ip("127.0.0.1")),
+        other => panic!("expected a denial, got {other:?}"),
+    }
 }
