@@ -8,12 +8,14 @@
 //! - [`table`]: a config made ready to serve, swapped whole on reload ([`reload`]);
 //! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
+//! - [`egress`]: the guard on destinations the client chooses, and the resolver behind it;
 //! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
 //! - [`server`]: process life.
 
 pub mod admin;
 pub mod config;
 pub mod demo;
+pub mod egress;
 pub mod headers;
 pub mod health;
 pub mod logging;

@@ -4,7 +4,7 @@
 //! and column rather than at the enclosing mapping.
 
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::{NonZeroU16, NonZeroU32, NonZeroU64};
 use std::time::Duration;
 
 use serde::de::{self, Deserializer};
@@ -713,5 +713,102 @@ impl<'de> Deserialize<'de> for Dur {
             )));
         }
         Ok(Dur(parsed))
+    }
+}
+
+/// `egress:` — the guard on destinations the client chooses (SPEC §7), made ready to use by
+/// [`crate::egress::Guard`]`::from`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EgressConfig {
+    /// What is denied: `private` (the non-global classes) and CIDRs; `[]` turns the address
+    /// checks off.
+    #[serde(default = "default_deny")]
+    pub deny: Vec<DenyEntry>,
+    /// Exceptions to `deny`: an address in one of these is allowed, whatever `deny` says.
+    #[serde(default)]
+    pub allow_cidrs: Vec<Cidr>,
+    /// The ports a CONNECT may target; `[]` refuses every CONNECT.
+    #[serde(default = "default_connect_ports")]
+    pub connect_ports: Vec<NonZeroU16>,
+}
+
+fn default_deny() -> Vec<DenyEntry> {
+    vec![DenyEntry::Private]
+}
+
+fn default_connect_ports() -> Vec<NonZeroU16> {
+    vec![NonZeroU16::new(443).unwrap()]
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        EgressConfig {
+            deny: default_deny(),
+            allow_cidrs: Vec::new(),
+            connect_ports: default_connect_ports(),
+        }
+    }
+}
+
+/// One entry of `egress.deny`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenyEntry {
+    /// `private`: every address that is not globally reachable (see `crate::egress`).
+    Private,
+    /// A CIDR such as `198.51.100.0/24`, or a single address.
+    Cidr(Cidr),
+}
+
+impl<'de> Deserialize<'de> for DenyEntry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s == "private" {
+            return Ok(DenyEntry::Private);
+        }
+        if !s.contains(['.', ':']) {
+            return Err(de::Error::custom(format!(
+                "invalid deny entry {s:?}: expected private, a CIDR such as 198.51.100.0/24, or an IP address"
+            )));
+        }
+        Cidr::parse(&s)
+            .map(DenyEntry::Cidr)
+            .map_err(de::Error::custom)
+    }
+}
+
+/// A CIDR (`10.20.0.0/16`, `fd00::/8`), or a single address standing for itself (`/32`,
+/// `/128`). Host bits after the prefix are refused: `10.0.0.1/8` is more likely a typo than a
+/// way to write `10.0.0.0/8`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Cidr(pub ipnet::IpNet);
+
+impl Cidr {
+    fn parse(s: &str) -> Result<Cidr, String> {
+        let net = match s.parse::<ipnet::IpNet>() {
+            Ok(net) => net,
+            Err(_) => match s.parse::<std::net::IpAddr>() {
+                Ok(ip) => ipnet::IpNet::from(ip),
+                Err(_) => {
+                    return Err(format!(
+                        "invalid CIDR {s:?}: expected ADDRESS/PREFIX such as 10.20.0.0/16 or fd00::/8, or one address"
+                    ))
+                }
+            },
+        };
+        if net.addr() != net.network() {
+            return Err(format!(
+                "invalid CIDR {s:?}: bits are set after the /{} prefix; did you mean {}?",
+                net.prefix_len(),
+                net.trunc()
+            ));
+        }
+        Ok(Cidr(net))
+    }
+}
+
+impl<'de> Deserialize<'de> for Cidr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Cidr::parse(&String::deserialize(d)?).map_err(de::Error::custom)
     }
 }

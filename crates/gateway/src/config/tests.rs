@@ -570,3 +570,80 @@ fn member_urls_are_one_member_however_spelled() {
         );
     }
 }
+
+#[test]
+fn egress_defaults_and_a_full_section() {
+    let config = parse("routes: []\n");
+    assert_eq!(config.egress, EgressConfig::default());
+    assert_eq!(config.egress.deny, vec![DenyEntry::Private]);
+    assert_eq!(
+        config.egress.connect_ports,
+        vec![std::num::NonZeroU16::new(443).unwrap()]
+    );
+    let config = parse(
+        "egress:\n  deny: [private, 198.51.100.0/24, \"2001:db8::/32\", 192.0.2.7]\n  allow_cidrs: [10.20.0.0/16, \"fd00::/8\"]\n  connect_ports: [443, 8443]\nroutes: []\n",
+    );
+    let cidr = |s: &str| Cidr(s.parse().unwrap());
+    assert_eq!(
+        config.egress.deny,
+        vec![
+            DenyEntry::Private,
+            DenyEntry::Cidr(cidr("198.51.100.0/24")),
+            DenyEntry::Cidr(cidr("2001:db8::/32")),
+            DenyEntry::Cidr(cidr("192.0.2.7/32")),
+        ]
+    );
+    assert_eq!(
+        config.egress.allow_cidrs,
+        vec![cidr("10.20.0.0/16"), cidr("fd00::/8")]
+    );
+    assert_eq!(config.egress.connect_ports.len(), 2);
+    assert!(parse("egress: {deny: []}\nroutes: []\n")
+        .egress
+        .deny
+        .is_empty());
+}
+
+#[test]
+fn egress_mistakes() {
+    one_error(
+        "egress:\n  allow_cidrs: [10.20.0.0/33]\nroutes: []\n",
+        "2:17: egress.allow_cidrs[0]",
+        "invalid CIDR \"10.20.0.0/33\"",
+    );
+    one_error(
+        "egress:\n  allow_cidrs: [\"10.0.0.1/8\"]\nroutes: []\n",
+        "2:17: egress.allow_cidrs[0]",
+        "bits are set after the /8 prefix; did you mean 10.0.0.0/8?",
+    );
+    one_error(
+        "egress:\n  deny: [privat]\nroutes: []\n",
+        "2:10: egress.deny[0]",
+        "invalid deny entry \"privat\": expected private, a CIDR",
+    );
+    one_error(
+        "egress:\n  deny: [private, \"fd00::1/8\"]\nroutes: []\n",
+        "2:19: egress.deny[1]",
+        "did you mean fd00::/8?",
+    );
+    one_error(
+        "egress:\n  connect_ports: [443, 0]\nroutes: []\n",
+        "2:24: egress.connect_ports[1]",
+        "expected a nonzero u16",
+    );
+    one_error(
+        "egress:\n  connect_ports: [70000]\nroutes: []\n",
+        "2:19: egress.connect_ports[0]",
+        "expected a nonzero u16",
+    );
+    one_error(
+        "egress:\n  allow: [10.0.0.0/8]\nroutes: []\n",
+        "2:3: egress.allow",
+        "unknown field `allow`",
+    );
+    one_error(
+        "egress:\n  deny: [private, 10.1.0.0/16]\n  allow_cidrs: [10.0.0.0/8]\nroutes: []\n",
+        "2:19: egress.deny[1]",
+        "10.1.0.0/16 is inside allow_cidrs[0] (10.0.0.0/8), and allow_cidrs win over deny",
+    );
+}

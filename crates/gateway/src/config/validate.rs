@@ -155,6 +155,28 @@ impl Config {
             );
         }
 
+        // allow_cidrs always win over deny (crate::egress), so a deny CIDR inside an allowed one
+        // would do nothing; say so rather than let the reader believe it denies.
+        for (i, entry) in self.egress.deny.iter().enumerate() {
+            let DenyEntry::Cidr(denied) = entry else {
+                continue;
+            };
+            if let Some(j) = self
+                .egress
+                .allow_cidrs
+                .iter()
+                .position(|allowed| allowed.0.contains(&denied.0))
+            {
+                problems.push((
+                    YamlPath::root().key("egress").key("deny").index(i),
+                    format!(
+                        "{} is inside allow_cidrs[{j}] ({}), and allow_cidrs win over deny, so this entry denies nothing",
+                        denied.0, self.egress.allow_cidrs[j].0
+                    ),
+                ));
+            }
+        }
+
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut claims: HashMap<(HostPattern, &str, Vec<MethodName>), usize> = HashMap::new();
         for (i, route) in self.routes.iter().enumerate() {

@@ -1,0 +1,760 @@
+//! The egress guard: may sluice connect to a destination the *client* chose (SPEC §7)?
+//!
+//! A `direct` member, or a CONNECT, sends traffic wherever the client says. Without a guard an
+//! internal client could reach anything the gateway can: its loopback services, the cloud
+//! metadata endpoint at 169.254.169.254, the private network behind it. This module decides,
+//! and knows nothing of Pingora; the tunnel and proxy code call it.
+//!
+//! - [`Guard`] (from the config) classifies one address: [`Guard::check_ip`]; one address and
+//!   port, which must not be sluice's own listener either: [`Guard::check_addr`]; and one
+//!   CONNECT port: [`Guard::check_connect_port`].
+//! - [`Resolver`] resolves names (system `/etc/resolv.conf` and `/etc/hosts`, cached as the
+//!   records' TTLs say): [`Resolver::lookup`] for any name, [`Resolver::resolve_checked`] for a
+//!   client-chosen destination.
+//!
+//! # What `private` denies
+//!
+//! Every range of IANA's IPv4 and IPv6 special-purpose registries that is not globally
+//! reachable, listed one by one in [`V4_CLASSES`] and [`V6_CLASSES`] with their RFCs, plus
+//! every IPv6 address outside 2000::/3 (no global unicast is allocated there). IPv6 forms
+//! that carry an IPv4 address — IPv4-mapped `::ffff:0:0/96`, IPv4-translated `::ffff:0:0:0/96`,
+//! IPv4-compatible `::/96`, NAT64 `64:ff9b::/96`, 6to4 `2002::/16` and Teredo `2001::/32` — are
+//! judged by the IPv4 address they carry, so `::ffff:127.0.0.1`, `64:ff9b::a9fe:a9fe` and
+//! `2002:7f00:1::` are denied exactly as 127.0.0.1 and 169.254.169.254 are, while
+//! `64:ff9b::808:808` (8.8.8.8 through a NAT64 gateway) is allowed as 8.8.8.8 is. The local-use
+//! NAT64 prefix `64:ff9b:1::/48` (RFC 8215) is denied whole: its operator chooses where the IPv4
+//! address sits (RFC 6052 allows four layouts), so it cannot be read reliably.
+//!
+//! Smokescreen (Stripe's egress proxy, the model here) denies every embedding form outright.
+//! sluice reads through them instead, so that NAT64 on an IPv6-only host keeps working, and
+//! proves by property test that each form of an IPv4 address gets that address's verdict.
+//!
+//! # Precedence
+//!
+//! `allow_cidrs` always win: an address inside one is allowed whatever `deny` says (no
+//! "most specific rule" contest: Smokescreen's users found that one surprising). CIDRs match the
+//! address and, for the forms above, the IPv4 address it carries: `allow_cidrs: [10.20.0.0/16]`
+//! also allows `::ffff:10.20.0.1`, and `deny: [198.51.100.0/24]` also denies `2002:c633:6401::`.
+//!
+//! # sluice's own listeners
+//!
+//! Built from the whole config, the guard also refuses the proxy and admin listeners (a
+//! listener on `0.0.0.0` or `::` as every loopback address on its port), even with `deny: []`
+//! and whatever `allow_cidrs` say, as Smokescreen refuses self-connections: a client could
+//! otherwise make sluice tunnel to itself, again and again. A wildcard listener reached through
+//! one of the host's own interface addresses is not recognised (that would need the interface
+//! list); with `deny: [private]` those are usually private addresses, denied anyway.
+//!
+//! # Names
+//!
+//! A name is resolved to *all* its addresses (A and AAAA), and refused if *any* of them is
+//! denied: whoever controls the name's DNS can mix a public address with a private one, and
+//! which one a connection ends up using is not something to bet on. The addresses that passed
+//! are returned, and the caller connects to exactly those: resolving again to connect would let
+//! a DNS answer with a short TTL change between the check and the connection (DNS rebinding).
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, LazyLock};
+use std::time::Instant;
+
+use hickory_resolver::config::{
+    LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts,
+};
+use hickory_resolver::name_server::TokioConnectionProvider;
+use hickory_resolver::proto::xfer::Protocol;
+use hickory_resolver::{Hosts, TokioResolver};
+use ipnet::IpNet;
+
+use crate::config::{Config, DenyEntry, EgressConfig};
+
+/// A class of addresses that `deny: [private]` refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Class {
+    /// 0.0.0.0, `::`: "any address"; connecting to it reaches the host itself.
+    Unspecified,
+    /// 0.0.0.0/8: "this network".
+    ThisNetwork,
+    /// 127.0.0.0/8, `::1`.
+    Loopback,
+    /// RFC 1918: 10/8, 172.16/12, 192.168/16.
+    Private,
+    /// 100.64.0.0/10, carrier-grade NAT shared space (also Alibaba's metadata service).
+    Cgnat,
+    /// 169.254.0.0/16 (cloud metadata at 169.254.169.254), fe80::/10.
+    LinkLocal,
+    /// 192.0.0.0/24, IETF protocol assignments (Oracle's metadata at 192.0.0.192).
+    IetfProtocol,
+    /// TEST-NET-1/2/3, 2001:db8::/32, 3fff::/20.
+    Documentation,
+    /// 198.18.0.0/15, 2001:2::/48.
+    Benchmarking,
+    /// 192.88.99.0/24, the withdrawn 6to4 relay anycast.
+    Relay6to4,
+    /// 224.0.0.0/4, ff00::/8.
+    Multicast,
+    /// 255.255.255.255.
+    Broadcast,
+    /// 240.0.0.0/4, and IPv6 outside 2000::/3 not otherwise named.
+    Reserved,
+    /// 100::/64, discard-only.
+    Discard,
+    /// 2001:10::/28, the withdrawn ORCHID.
+    Orchid,
+    /// 64:ff9b:1::/48, local-use IPv4/IPv6 translation.
+    LocalTranslation,
+    /// 5f00::/16, segment-routing SIDs.
+    Srv6,
+    /// fc00::/7, unique local addresses.
+    UniqueLocal,
+    /// fec0::/10, the withdrawn site-local.
+    SiteLocal,
+}
+
+impl Class {
+    /// The class's name as logs show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::Unspecified => "unspecified",
+            Class::ThisNetwork => "this-network",
+            Class::Loopback => "loopback",
+            Class::Private => "private",
+            Class::Cgnat => "cgnat",
+            Class::LinkLocal => "link-local",
+            Class::IetfProtocol => "ietf-protocol",
+            Class::Documentation => "documentation",
+            Class::Benchmarking => "benchmarking",
+            Class::Relay6to4 => "6to4-relay",
+            Class::Multicast => "multicast",
+            Class::Broadcast => "broadcast",
+            Class::Reserved => "reserved",
+            Class::Discard => "discard",
+            Class::Orchid => "orchid",
+            Class::LocalTranslation => "local-nat64",
+            Class::Srv6 => "srv6-sid",
+            Class::UniqueLocal => "unique-local",
+            Class::SiteLocal => "site-local",
+        }
+    }
+}
+
+/// One denied range: where, which class, and the RFC that sets it apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// The range.
+    pub net: IpNet,
+    /// Its class.
+    pub class: Class,
+    /// The RFC that defines it.
+    pub rfc: &'static str,
+}
+
+/// The IPv4 ranges of `private`, the first match naming the class. From IANA's IPv4
+/// special-purpose address registry, every entry not globally reachable; the globally reachable
+/// ones (AS112 192.31.196.0/24 and 192.175.48.0/24, AMT 192.52.193.0/24) stay allowed.
+pub const V4_CLASSES: &[(&str, Class, &str)] = &[
+    ("0.0.0.0/32", Class::Unspecified, "RFC 1122"),
+    ("0.0.0.0/8", Class::ThisNetwork, "RFC 791"),
+    ("10.0.0.0/8", Class::Private, "RFC 1918"),
+    ("100.64.0.0/10", Class::Cgnat, "RFC 6598"),
+    ("127.0.0.0/8", Class::Loopback, "RFC 1122"),
+    ("169.254.0.0/16", Class::LinkLocal, "RFC 3927"),
+    ("172.16.0.0/12", Class::Private, "RFC 1918"),
+    // Whole, although 192.0.0.9 and 192.0.0.10 (PCP and TURN anycast) are global: nothing a
+    // client should tunnel to, and Oracle Cloud's metadata service is 192.0.0.192.
+    ("192.0.0.0/24", Class::IetfProtocol, "RFC 6890"),
+    ("192.0.2.0/24", Class::Documentation, "RFC 5737"),
+    ("192.88.99.0/24", Class::Relay6to4, "RFC 7526"),
+    ("192.168.0.0/16", Class::Private, "RFC 1918"),
+    ("198.18.0.0/15", Class::Benchmarking, "RFC 2544"),
+    ("198.51.100.0/24", Class::Documentation, "RFC 5737"),
+    ("203.0.113.0/24", Class::Documentation, "RFC 5737"),
+    ("224.0.0.0/4", Class::Multicast, "RFC 5771"),
+    ("255.255.255.255/32", Class::Broadcast, "RFC 919"),
+    ("240.0.0.0/4", Class::Reserved, "RFC 1112"),
+];
+
+/// The IPv6 ranges of `private`, besides the forms that carry an IPv4 address (judged by that
+/// address, see [`Embedded`]) and the catch-all "outside 2000::/3". From IANA's IPv6
+/// special-purpose address registry; its globally reachable entries (2001:1::1/128,
+/// 2001:1::2/128, 2001:3::/32, 2001:4:112::/48, 2001:20::/28, 2001:30::/28) stay allowed.
+pub const V6_CLASSES: &[(&str, Class, &str)] = &[
+    ("::/128", Class::Unspecified, "RFC 4291"),
+    ("::1/128", Class::Loopback, "RFC 4291"),
+    ("64:ff9b:1::/48", Class::LocalTranslation, "RFC 8215"),
+    ("100::/64", Class::Discard, "RFC 6666"),
+    ("2001:2::/48", Class::Benchmarking, "RFC 5180"),
+    ("2001:10::/28", Class::Orchid, "RFC 4843"),
+    ("2001:db8::/32", Class::Documentation, "RFC 3849"),
+    ("3fff::/20", Class::Documentation, "RFC 9637"),
+    ("5f00::/16", Class::Srv6, "RFC 9602"),
+    ("fc00::/7", Class::UniqueLocal, "RFC 4193"),
+    ("fe80::/10", Class::LinkLocal, "RFC 4291"),
+    ("fec0::/10", Class::SiteLocal, "RFC 3879"),
+    ("ff00::/8", Class::Multicast, "RFC 4291"),
+];
+
+/// Global unicast IPv6 is allocated from here only (RFC 4291 §2.4, IANA's IPv6 address space).
+const V6_GLOBAL_UNICAST: (u128, u8) = (0x2000 << 112, 3);
+
+fn table(entries: &[(&str, Class, &'static str)]) -> Vec<Range> {
+    entries
+        .iter()
+        .map(|&(net, class, rfc)| Range {
+            net: net.parse().expect("a valid CIDR in the table"),
+            class,
+            rfc,
+        })
+        .collect()
+}
+
+static V4_TABLE: LazyLock<Vec<Range>> = LazyLock::new(|| table(V4_CLASSES));
+static V6_TABLE: LazyLock<Vec<Range>> = LazyLock::new(|| table(V6_CLASSES));
+
+/// An IPv6 form that carries an IPv4 address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Form {
+    /// `::ffff:a.b.c.d` (RFC 4291): a dual-stack socket connects to a.b.c.d itself.
+    Mapped,
+    /// `::ffff:0:a.b.c.d` (RFC 2765, SIIT).
+    Translated,
+    /// `::a.b.c.d` (RFC 4291, deprecated).
+    Compatible,
+    /// `64:ff9b::a.b.c.d` (RFC 6052): a NAT64 gateway connects to a.b.c.d.
+    Nat64,
+    /// `2002:AABB:CCDD::/48` (RFC 3056): a 6to4 relay sends to aa.bb.cc.dd.
+    SixToFour,
+    /// `2001:0:SSSS:SSSS:FLAGS:PORT:CCCC:CCCC` (RFC 4380): the client's IPv4 address is the
+    /// last 32 bits inverted; a Teredo relay sends to it.
+    Teredo,
+}
+
+impl Form {
+    fn name(self) -> &'static str {
+        match self {
+            Form::Mapped => "IPv4-mapped",
+            Form::Translated => "IPv4-translated",
+            Form::Compatible => "IPv4-compatible",
+            Form::Nat64 => "NAT64",
+            Form::SixToFour => "6to4",
+            Form::Teredo => "Teredo",
+        }
+    }
+}
+
+/// The IPv4 address an IPv6 address carries, and how.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Embedded {
+    /// How it is carried.
+    pub form: Form,
+    /// The address carried.
+    pub v4: Ipv4Addr,
+}
+
+/// The IPv4 address `ip` carries, if it is one of the forms of [`Form`]. `::` and `::1` are
+/// not IPv4-compatible addresses but themselves (RFC 4291).
+pub fn embedded(ip: Ipv6Addr) -> Option<Embedded> {
+    let bits = u128::from(ip);
+    let s = ip.segments();
+    let low = Ipv4Addr::from(bits as u32);
+    let form = if bits >> 32 == 0xffff {
+        Form::Mapped
+    } else if bits >> 32 == 0xffff_0000 {
+        Form::Translated
+    } else if bits >> 32 == 0 {
+        if bits <= 1 {
+            return None;
+        }
+        Form::Compatible
+    } else if bits >> 32 == 0x0064_ff9b_0000_0000_0000_0000 {
+        Form::Nat64
+    } else if s[0] == 0x2002 {
+        let v4 = Ipv4Addr::from((u32::from(s[1]) << 16) | u32::from(s[2]));
+        return Some(Embedded {
+            form: Form::SixToFour,
+            v4,
+        });
+    } else if s[0] == 0x2001 && s[1] == 0 {
+        return Some(Embedded {
+            form: Form::Teredo,
+            v4: Ipv4Addr::from(!(bits as u32)),
+        });
+    } else {
+        return None;
+    };
+    Some(Embedded { form, v4: low })
+}
+
+/// Why an address was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// It is in a class of `private`.
+    Class {
+        /// The class.
+        class: Class,
+        /// The RFC that sets the range apart.
+        rfc: &'static str,
+    },
+    /// It is in a CIDR of `deny`.
+    Cidr(IpNet),
+    /// It is sluice's own listener (this one): a tunnel to it would loop through sluice.
+    OwnListener(SocketAddr),
+}
+
+/// An address the guard refuses, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Denial {
+    /// The address asked about.
+    pub addr: IpAddr,
+    /// The IPv4 address it carries, when that is what was denied.
+    pub via: Option<Embedded>,
+    /// The rule that denies it.
+    pub rule: Rule,
+}
+
+impl Denial {
+    /// A short name of the rule for logs and metrics: the class (`loopback`, `cgnat`...) or the
+    /// CIDR of `deny`.
+    pub fn reason(&self) -> String {
+        match self.rule {
+            Rule::Class { class, .. } => class.name().to_string(),
+            Rule::Cidr(net) => net.to_string(),
+            Rule::OwnListener(_) => "own-listener".to_string(),
+        }
+    }
+}
+
+impl fmt::Display for Denial {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.addr)?;
+        if let Some(e) = self.via {
+            write!(f, " carries {} ({})", e.v4, e.form.name())?;
+            write!(f, ", which")?;
+        }
+        match self.rule {
+            Rule::Class { class, rfc } => write!(f, " is {} ({rfc})", class.name()),
+            Rule::Cidr(net) => write!(f, " is in egress.deny {net}"),
+            Rule::OwnListener(own) => write!(
+                f,
+                " port {} is sluice's own listener {own}: a tunnel to it would loop",
+                own.port()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Denial {}
+
+/// Why an address was allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allowed {
+    /// `deny` is empty: the address checks are off.
+    GuardOff,
+    /// It is inside this CIDR of `allow_cidrs`.
+    AllowCidr(IpNet),
+    /// Nothing in `deny` matches it.
+    NotDenied,
+}
+
+/// A CONNECT to a port outside `connect_ports`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortDenied {
+    /// The port asked for.
+    pub port: u16,
+}
+
+impl fmt::Display for PortDenied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "port {} is not in egress.connect_ports", self.port)
+    }
+}
+
+impl std::error::Error for PortDenied {}
+
+/// The egress guard, built from the `egress:` config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Guard {
+    /// `deny` holds `private`.
+    private: bool,
+    /// The CIDRs of `deny`.
+    deny: Vec<IpNet>,
+    /// `allow_cidrs`.
+    allow: Vec<IpNet>,
+    /// `connect_ports`.
+    connect_ports: Vec<u16>,
+    /// sluice's own listeners, which no client may make it connect to.
+    own: Vec<SocketAddr>,
+}
+
+impl Default for Guard {
+    /// The default config: `deny: [private]`, no exceptions, CONNECT to port 443 only.
+    fn default() -> Self {
+        Guard::from(&EgressConfig::default())
+    }
+}
+
+impl From<&EgressConfig> for Guard {
+    fn from(config: &EgressConfig) -> Self {
+        let mut guard = Guard {
+            private: false,
+            deny: Vec::new(),
+            allow: config.allow_cidrs.iter().map(|c| c.0).collect(),
+            connect_ports: config.connect_ports.iter().map(|p| p.get()).collect(),
+            own: Vec::new(),
+        };
+        for entry in &config.deny {
+            match entry {
+                DenyEntry::Private => guard.private = true,
+                DenyEntry::Cidr(c) => guard.deny.push(c.0),
+            }
+        }
+        guard
+    }
+}
+
+impl From<&Config> for Guard {
+    /// The guard of `egress`, which also knows the proxy and admin listeners as sluice's own.
+    fn from(config: &Config) -> Self {
+        let listeners = config.listen.iter().map(|l| l.0);
+        Guard::from(&config.egress).with_own_listeners(listeners.chain([config.admin.listen.0]))
+    }
+}
+
+impl Guard {
+    /// The same guard, refusing also to connect to `listeners`, sluice's own addresses: a
+    /// client could otherwise make sluice connect to itself, again and again. A listener on
+    /// `0.0.0.0` or `::` counts as every loopback address on its port.
+    pub fn with_own_listeners(mut self, listeners: impl IntoIterator<Item = SocketAddr>) -> Self {
+        self.own.extend(listeners);
+        self
+    }
+
+    /// True when `deny` is empty, so that every address is allowed (ports are still checked).
+    pub fn is_off(&self) -> bool {
+        !self.private && self.deny.is_empty()
+    }
+
+    /// May sluice connect to `ip` for a client? Allowed with the reason, or the [`Denial`].
+    pub fn check_ip(&self, ip: IpAddr) -> Result<Allowed, Denial> {
+        if self.is_off() {
+            return Ok(Allowed::GuardOff);
+        }
+        let via = match ip {
+            IpAddr::V4(_) => None,
+            IpAddr::V6(v6) => embedded(v6),
+        };
+        let carried = via.map(|e| IpAddr::V4(e.v4));
+        let matches = |net: &IpNet| net.contains(&ip) || carried.is_some_and(|c| net.contains(&c));
+        if let Some(net) = self.allow.iter().find(|n| matches(n)) {
+            return Ok(Allowed::AllowCidr(*net));
+        }
+        if let Some(net) = self.deny.iter().find(|n| matches(n)) {
+            let via = via.filter(|_| !net.contains(&ip));
+            return Err(Denial {
+                addr: ip,
+                via,
+                rule: Rule::Cidr(*net),
+            });
+        }
+        if self.private {
+            let (judged, via) = match via {
+                Some(e) => (IpAddr::V4(e.v4), Some(e)),
+                None => (ip, None),
+            };
+            if let Some(range) = class_of(judged) {
+                return Err(Denial {
+                    addr: ip,
+                    via,
+                    rule: Rule::Class {
+                        class: range.class,
+                        rfc: range.rfc,
+                    },
+                });
+            }
+        }
+        Ok(Allowed::NotDenied)
+    }
+
+    /// May sluice connect to `addr` for a client? [`Guard::check_ip`], and not one of sluice's
+    /// own listeners, even with `deny: []` and whatever `allow_cidrs` say: a loop is never
+    /// wanted.
+    pub fn check_addr(&self, addr: SocketAddr) -> Result<Allowed, Denial> {
+        let ip = addr.ip();
+        let carried = match ip {
+            IpAddr::V6(v6) => embedded(v6).map(|e| IpAddr::V4(e.v4)),
+            IpAddr::V4(_) => None,
+        };
+        let reaches = |own: &SocketAddr| {
+            own.port() == addr.port()
+                && [Some(ip), carried].into_iter().flatten().any(|ip| {
+                    ip == own.ip()
+                        || (own.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified()))
+                })
+        };
+        if let Some(own) = self.own.iter().find(|own| reaches(own)) {
+            return Err(Denial {
+                addr: ip,
+                via: None,
+                rule: Rule::OwnListener(*own),
+            });
+        }
+        self.check_ip(ip)
+    }
+
+    /// May a CONNECT target `port`?
+    pub fn check_connect_port(&self, port: u16) -> Result<(), PortDenied> {
+        if self.connect_ports.contains(&port) {
+            Ok(())
+        } else {
+            Err(PortDenied { port })
+        }
+    }
+}
+
+/// The class of `private` that `ip` falls in, not looking through embedding forms.
+fn class_of(ip: IpAddr) -> Option<Range> {
+    match ip {
+        IpAddr::V4(_) => V4_TABLE.iter().find(|r| r.net.contains(&ip)).copied(),
+        IpAddr::V6(v6) => V6_TABLE
+            .iter()
+            .find(|r| r.net.contains(&ip))
+            .copied()
+            .or_else(|| {
+                let (prefix, len) = V6_GLOBAL_UNICAST;
+                let outside = (u128::from(v6) ^ prefix) >> (128 - len) != 0;
+                outside.then(|| Range {
+                    net: IpNet::new(ip, 128).expect("a /128"),
+                    class: Class::Reserved,
+                    rfc: "RFC 4291",
+                })
+            }),
+    }
+}
+
+/// The addresses of a name, and until when they hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    /// Every address, A and AAAA records together, each once, in the resolver's order.
+    pub addrs: Vec<IpAddr>,
+    /// When the shortest TTL among the records runs out: ask again after this. `None` for an
+    /// IP literal, which never changes.
+    pub valid_until: Option<Instant>,
+}
+
+/// A name that could not be turned into addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupError {
+    /// The name exists in no form, or has no A or AAAA records.
+    NoAddresses {
+        /// The name.
+        host: String,
+    },
+    /// The lookup failed: no name server answered, a timeout, a malformed name...
+    Failed {
+        /// The name.
+        host: String,
+        /// The resolver's message.
+        message: String,
+    },
+}
+
+impl fmt::Display for LookupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LookupError::NoAddresses { host } => write!(f, "{host} has no IP address"),
+            LookupError::Failed { host, message } => {
+                write!(f, "cannot resolve {host}: {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LookupError {}
+
+/// Why a client-chosen destination was refused by [`Resolver::resolve_checked`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// One of its addresses is denied (SPEC §7: 403 `destination_denied`).
+    Denied(Denial),
+    /// It has no address.
+    NoAddresses {
+        /// The name.
+        host: String,
+    },
+    /// It could not be resolved.
+    LookupFailed {
+        /// The name.
+        host: String,
+        /// The resolver's message.
+        message: String,
+    },
+}
+
+impl From<LookupError> for Refusal {
+    fn from(e: LookupError) -> Self {
+        match e {
+            LookupError::NoAddresses { host } => Refusal::NoAddresses { host },
+            LookupError::Failed { host, message } => Refusal::LookupFailed { host, message },
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::Denied(d) => write!(f, "destination denied: {d}"),
+            Refusal::NoAddresses { host } => write!(f, "{host} has no IP address"),
+            Refusal::LookupFailed { host, message } => {
+                write!(f, "cannot resolve {host}: {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+/// The resolver for egress: the system's name servers and `/etc/hosts`, A and AAAA together,
+/// with a cache that keeps each answer for its records' TTL. Cheap to clone (one cache); make
+/// one per process so the cache outlives config reloads.
+#[derive(Clone)]
+pub struct Resolver {
+    inner: Arc<TokioResolver>,
+}
+
+impl fmt::Debug for Resolver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Resolver").finish_non_exhaustive()
+    }
+}
+
+/// Entries the cache keeps; hickory's default, 32, is too few for a gateway.
+const CACHE_SIZE: usize = 4096;
+
+impl Resolver {
+    /// The system's resolver: `/etc/resolv.conf` (name servers, search domains, timeouts) and
+    /// `/etc/hosts`, both read once, here. Fails if `/etc/resolv.conf` cannot be read.
+    pub fn from_system() -> Result<Resolver, String> {
+        let mut builder = TokioResolver::builder_tokio()
+            .map_err(|e| format!("cannot read the system resolver config: {e}"))?;
+        tune(builder.options_mut());
+        Ok(Resolver {
+            inner: Arc::new(builder.build()),
+        })
+    }
+
+    /// A resolver that asks `name_servers` (UDP, then TCP for truncated answers) and knows
+    /// `hosts` (in `/etc/hosts` syntax) and `localhost` (RFC 6761); with no name server it
+    /// knows only those. For tests, local resolver stubs, and hosts whose egress DNS is not
+    /// the system's.
+    pub fn new(name_servers: &[SocketAddr], hosts: &str) -> Resolver {
+        let mut table = Hosts::default();
+        // Reading from a string cannot fail; lines it cannot parse are skipped.
+        let _ = table.read_hosts_conf(hosts.as_bytes());
+        let servers: Vec<NameServerConfig> = name_servers
+            .iter()
+            .flat_map(|&addr| {
+                [
+                    NameServerConfig::new(addr, Protocol::Udp),
+                    NameServerConfig::new(addr, Protocol::Tcp),
+                ]
+            })
+            .collect();
+        let mut builder = TokioResolver::builder_with_config(
+            ResolverConfig::from_parts(None, Vec::new(), servers),
+            TokioConnectionProvider::default(),
+        );
+        tune(builder.options_mut());
+        builder.options_mut().use_hosts_file = ResolveHosts::Never;
+        let mut resolver = builder.build();
+        resolver.set_hosts(Arc::new(table));
+        Resolver {
+            inner: Arc::new(resolver),
+        }
+    }
+
+    /// Every address of `host` (a name, or an IP literal with or without brackets, which is
+    /// returned as is), and until when they hold. No guard here: member names, which the
+    /// operator wrote, use this too, to be resolved again when `valid_until` passes.
+    pub async fn lookup(&self, host: &str) -> Result<Lookup, LookupError> {
+        if let Some(ip) = literal(host) {
+            return Ok(Lookup {
+                addrs: vec![ip],
+                valid_until: None,
+            });
+        }
+        let found = self.inner.lookup_ip(host).await.map_err(|e| {
+            if e.is_no_records_found() || e.is_nx_domain() {
+                LookupError::NoAddresses {
+                    host: host.to_string(),
+                }
+            } else {
+                LookupError::Failed {
+                    host: host.to_string(),
+                    message: e.to_string(),
+                }
+            }
+        })?;
+        let mut addrs = Vec::new();
+        for ip in found.iter() {
+            if !addrs.contains(&ip) {
+                addrs.push(ip);
+            }
+        }
+        if addrs.is_empty() {
+            return Err(LookupError::NoAddresses {
+                host: host.to_string(),
+            });
+        }
+        Ok(Lookup {
+            addrs,
+            valid_until: Some(found.valid_until()),
+        })
+    }
+
+    /// The addresses to connect to for a client-chosen `host:port`: every address of `host`,
+    /// refused if *any* of them is denied ([`Guard::check_addr`]: sluice's own listeners
+    /// included). Connect to these, and only these: resolving again
+    /// would let the name's owner answer differently the second time. An IP literal is checked
+    /// without any lookup. The CONNECT port is checked apart, by
+    /// [`Guard::check_connect_port`].
+    pub async fn resolve_checked(
+        &self,
+        guard: &Guard,
+        host: &str,
+        port: u16,
+    ) -> Result<Vec<SocketAddr>, Refusal> {
+        let lookup = self.lookup(host).await?;
+        lookup
+            .addrs
+            .into_iter()
+            .map(|ip| {
+                let addr = SocketAddr::new(ip, port);
+                guard
+                    .check_addr(addr)
+                    .map(|_| addr)
+                    .map_err(Refusal::Denied)
+            })
+            .collect()
+    }
+}
+
+/// The resolver options egress needs on top of the system's.
+fn tune(options: &mut ResolverOpts) {
+    // Every address, so that every address is checked (the system default, IPv4 then IPv6,
+    // would hide the AAAA records whenever there are A records).
+    options.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
+    options.cache_size = CACHE_SIZE;
+    options.use_hosts_file = ResolveHosts::Always;
+}
+
+/// `host` as an IP address, if it is one: `10.0.0.1`, `::1` or `[::1]`.
+fn literal(host: &str) -> Option<IpAddr> {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    bare.parse().ok()
+}
+
+#[cfg(test)]
+mod tests;
