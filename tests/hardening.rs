@@ -105,3 +105,207 @@ async fn targets_that_cannot_be_routed_safely_get_400() {
         200
     );
 }
+
+// --- downstream limits ---
+//
+// Issue 11: bounds on client connections (limits:), bind failures, upstream write timeouts, the
+// admin API's POST guard, pipelining, request head size and truncated responses.
+
+mod downstream_limits {
+    use std::time::{Duration, Instant};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::support::{self, request, start_backends, Gateway, HttpClient};
+    use super::url;
+
+    /// Generous: the limits under test are 1–2 s, and a loaded machine must not fail the test.
+    const DEADLINE: Duration = Duration::from_secs(20);
+
+    /// A gateway with one route `api` to `member`, the given `limits:` body (indented lines)
+    /// and extra `upstream:` lines.
+    fn start(member: &str, limits: &str, upstream: &str) -> Gateway {
+        Gateway::start_with_ports(&config(member, limits, upstream))
+    }
+
+    fn config(member: &str, limits: &str, upstream: &str) -> String {
+        let limits = if limits.is_empty() {
+            String::new()
+        } else {
+            format!("limits:\n{limits}")
+        };
+        format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\n{limits}routes:\n  - name: api\n    upstream:\n      members:\n        - url: \"{member}\"\n{upstream}"
+        )
+    }
+
+    /// Reads until the peer closes the connection (EOF or reset) or `within` passes; true if it
+    /// closed. Whatever the peer sends before closing is returned through `got`.
+    async fn closed_within(stream: &mut TcpStream, within: Duration, got: &mut Vec<u8>) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut chunk = [0u8; 4096];
+        loop {
+            match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+                Err(_) => return false,
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    /// A keep-alive connection left idle after its request, and a connection that never sends
+    /// anything, are both closed once `limits.idle_timeout` passes. They used to stay open
+    /// forever (Pingora's keep-alive after an HTTP/1.1 request has no timer).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_are_closed_after_the_idle_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "  idle_timeout: 1s\n", "");
+
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        assert!(
+            client.wait_closed(DEADLINE).await,
+            "an idle keep-alive connection stayed open"
+        );
+
+        let mut silent = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        let mut got = Vec::new();
+        assert!(
+            closed_within(&mut silent, DEADLINE, &mut got).await,
+            "a connection that never sent a request stayed open"
+        );
+        assert!(
+            got.is_empty(),
+            "an idle connection is closed without an answer"
+        );
+        let closed = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "idle_timeout")],
+            )
+            .await;
+        assert_eq!(closed, Some(2.0));
+    }
+
+    /// Slowloris: a head trickled one header line every half second never completes, and every
+    /// read is well within any per-read timeout. The whole head must arrive within
+    /// `limits.header_timeout`, so the connection is closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_head_trickled_line_by_line_is_cut_at_the_header_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  idle_timeout: 30s\n  header_timeout: 2s\n",
+            "",
+        );
+        let mut stream = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: api.test\r\n")
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let mut got = Vec::new();
+        let mut closed = false;
+        while started.elapsed() < DEADLINE {
+            if stream.write_all(b"X-Slow: 1\r\n").await.is_err()
+                || closed_within(&mut stream, Duration::from_millis(500), &mut got).await
+            {
+                closed = true;
+                break;
+            }
+        }
+        assert!(
+            closed,
+            "a head still incomplete after {DEADLINE:?} kept its connection"
+        );
+        assert_eq!(backends[0].requests(), 0);
+        let cut = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "header_timeout")],
+            )
+            .await;
+        assert_eq!(cut, Some(1.0));
+        // A head that arrives in time is served as before.
+        assert_eq!(
+            request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+                .await
+                .status,
+            200
+        );
+    }
+
+    /// At `limits.max_connections` a new client gets a 503 and is closed at once, while the admin
+    /// API, outside the cap, still answers; a slot freed is usable again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_the_connection_cap_new_clients_are_refused_and_admin_still_answers() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "  max_connections: 3\n", "");
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+            let r = client
+                .request("GET", "api.test", "/", &[], b"")
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200);
+            held.push(client);
+        }
+
+        let mut extra = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        let mut got = Vec::new();
+        assert!(
+            closed_within(&mut extra, DEADLINE, &mut got).await,
+            "a connection over the cap was kept open"
+        );
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 503 "), "{got:?}");
+        assert!(
+            got.contains("x-sluice-error: too_many_connections"),
+            "{got:?}"
+        );
+
+        assert_eq!(gw.admin("/healthz").await.status, 200);
+        assert_eq!(
+            gw.metric(
+                "sluice_connections_closed_total",
+                &[("reason", "max_connections")]
+            )
+            .await,
+            Some(1.0)
+        );
+
+        drop(held.pop());
+        let freed = support::wait_until_async(DEADLINE, || async {
+            support::try_request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+                .await
+                .is_ok_and(|r| r.status == 200)
+        })
+        .await;
+        assert!(freed, "a closed connection did not give its slot back");
+    }
+
+    /// The start logs the open-file limits it found and set.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_open_file_limit_is_raised_and_logged() {
+        let gw = Gateway::start_with_ports(
+            "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes: []\n",
+        );
+        assert!(gw.wait_for_log("open-file limit", DEADLINE).await);
+        let line = gw
+            .log_json()
+            .into_iter()
+            .find(|l| l.to_string().contains("open-file limit"))
+            .unwrap();
+        let text = line.to_string();
+        assert!(
+            text.contains("nofile_soft") && text.contains("nofile_hard"),
+            "{text}"
+        );
+    }
+}

@@ -9,13 +9,14 @@
 //! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
-//! - [`server`]: process life.
+//! - [`server`]: process life; [`limits`]: bounds on client connections.
 
 pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod headers;
 pub mod health;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod problem;

@@ -2,7 +2,7 @@
 //! in one process.
 
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Label value for requests that matched no route.
@@ -28,6 +28,11 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// `sluice_selection_fallbacks_total{route}`
     pub selection_fallbacks: IntCounterVec,
+    /// `sluice_connections_closed_total{reason}`: client connections sluice closed on a
+    /// limit: `idle_timeout`, `header_timeout` or `max_connections`.
+    pub connections_closed: IntCounterVec,
+    /// `sluice_connections_open`: client connections open on the proxy listeners.
+    pub connections_open: IntGauge,
 }
 
 impl Metrics {
@@ -71,6 +76,19 @@ impl Metrics {
             "Requests routed by in-process round-robin because the least-used store failed.",
             &["route"],
         );
+        let connections_closed = counter(
+            "sluice_connections_closed_total",
+            "Client connections closed by a limit, by reason.",
+            &["reason"],
+        );
+        let connections_open = IntGauge::new(
+            "sluice_connections_open",
+            "Client connections open on the proxy listeners.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(connections_open.clone()))
+            .expect("unique metric");
         let request_duration = HistogramVec::new(
             HistogramOpts::new(
                 "sluice_request_duration_seconds",
@@ -107,6 +125,8 @@ impl Metrics {
             config_reloads,
             store_errors,
             selection_fallbacks,
+            connections_closed,
+            connections_open,
         }
     }
 

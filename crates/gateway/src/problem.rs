@@ -132,6 +132,17 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 503: `limits.max_connections` client connections are open.
+    pub fn too_many_connections() -> Problem {
+        Problem {
+            status: 503,
+            code: "too_many_connections",
+            title: "Too many connections",
+            detail: "the gateway holds limits.max_connections client connections; try again later"
+                .into(),
+            retry_after_ms: None,
+        }
+    }
     /// 500: a bug in sluice.
     pub fn internal() -> Problem {
         Problem {

@@ -18,6 +18,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::admin::AdminApi;
 use crate::config::{Config, ConfigErrors};
 use crate::health::{HealthChecks, HealthSupervisor};
+use crate::limits::LimitedApp;
 use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
 use crate::request::Gateway;
@@ -49,6 +50,7 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 /// Must not be called from inside a tokio runtime: Pingora makes its own. An error means the
 /// gateway could not start.
 pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<(), String> {
+    let limits = crate::limits::prepare(&config.limits);
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
     // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
@@ -104,17 +106,15 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         in_flight.clone(),
         state.clone(),
     );
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(
-        &server.configuration,
-        gateway,
-        "sluice proxy",
+    let mut app = pingora::proxy::http_proxy(&server.configuration, gateway);
+    let mut options = HttpServerOptions::default();
+    // Let CONNECT reach our request_filter, which answers it with problem+json.
+    options.allow_connect_method_proxying = true;
+    app.server_options = Some(options);
+    let mut proxy = Service::new(
+        "sluice proxy".to_string(),
+        LimitedApp::new(app, limits, &metrics),
     );
-    if let Some(app) = proxy.app_logic_mut() {
-        let mut options = HttpServerOptions::default();
-        // Let CONNECT reach our request_filter, which answers it with problem+json.
-        options.allow_connect_method_proxying = true;
-        app.server_options = Some(options);
-    }
     for addr in &config.listen {
         proxy.add_tcp(&addr.0.to_string());
     }

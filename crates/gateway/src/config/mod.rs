@@ -40,6 +40,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// Where shared state lives.
     pub state: StateConfig,
+    /// Bounds on client connections.
+    pub limits: LimitsConfig,
     /// The routes, matched as SPEC §3 says.
     pub routes: Vec<RouteConfig>,
 }
@@ -119,6 +121,7 @@ impl Config {
                 threads,
                 admin,
                 state,
+                limits,
                 routes: Some(routes),
             }) => {
                 let config = Config {
@@ -126,6 +129,7 @@ impl Config {
                     threads,
                     admin,
                     state,
+                    limits,
                     routes,
                 };
                 let problems = config.validate();
@@ -165,6 +169,8 @@ struct Document<R> {
     admin: AdminConfig,
     #[serde(default)]
     state: StateConfig,
+    #[serde(default)]
+    limits: LimitsConfig,
     #[serde(default)]
     routes: Option<Vec<R>>,
 }

@@ -50,6 +50,44 @@ impl Default for AdminConfig {
     }
 }
 
+/// `limits:` — what the proxy listeners let one client connection, and all of them together,
+/// hold. nginx and Envoy bound all of these by default; Pingora bounds none of them by itself
+/// (see `crate::limits`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Most client connections open at once on the proxy listeners; past it new ones are
+    /// answered 503 and closed. Absent: half of what the open-file limit leaves after a reserve,
+    /// since every client connection may need an upstream one too.
+    #[serde(default)]
+    pub max_connections: Option<NonZeroU32>,
+    /// How long a client connection may wait, idle, for its next request (nginx
+    /// `keepalive_timeout`); the first request of a connection included.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: Dur,
+    /// How long a request head may take to arrive whole, from its first byte (nginx
+    /// `client_header_timeout`, but for the whole head, not per read).
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout: Dur,
+}
+
+fn default_idle_timeout() -> Dur {
+    Dur(Duration::from_secs(60))
+}
+fn default_header_timeout() -> Dur {
+    Dur(Duration::from_secs(30))
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_connections: None,
+            idle_timeout: default_idle_timeout(),
+            header_timeout: default_header_timeout(),
+        }
+    }
+}
+
 /// `state:` — where quota and least-used state lives.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

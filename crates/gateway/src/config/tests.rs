@@ -570,3 +570,47 @@ fn member_urls_are_one_member_however_spelled() {
         );
     }
 }
+
+#[test]
+fn limits_have_defaults_and_are_checked() {
+    let config = parse("routes: []\n");
+    assert_eq!(config.limits, LimitsConfig::default());
+    assert_eq!(
+        config.limits.idle_timeout.0,
+        std::time::Duration::from_secs(60)
+    );
+    assert_eq!(
+        config.limits.header_timeout.0,
+        std::time::Duration::from_secs(30)
+    );
+    assert_eq!(config.limits.max_connections, None);
+
+    let config = parse(
+        "limits:\n  max_connections: 100\n  idle_timeout: 5s\n  header_timeout: 2s\nroutes: []\n",
+    );
+    assert_eq!(config.limits.max_connections.map(|n| n.get()), Some(100));
+    assert_eq!(
+        config.limits.idle_timeout.0,
+        std::time::Duration::from_secs(5)
+    );
+    assert_eq!(
+        config.limits.header_timeout.0,
+        std::time::Duration::from_secs(2)
+    );
+
+    one_error(
+        "limits:\n  idle_timeout: 2d\nroutes: []\n",
+        "2:17: limits.idle_timeout",
+        "at most 1d",
+    );
+    one_error(
+        "limits:\n  max_connections: 0\nroutes: []\n",
+        "2:20: limits.max_connections",
+        "",
+    );
+    one_error(
+        "limits:\n  idle: 1s\nroutes: []\n",
+        "2:3: limits.idle",
+        "unknown field",
+    );
+}

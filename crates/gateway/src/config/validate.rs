@@ -111,6 +111,20 @@ impl Config {
             }
         }
 
+        let limits_at = YamlPath::root().key("limits");
+        for (d, key) in [
+            (self.limits.idle_timeout, "idle_timeout"),
+            (self.limits.header_timeout, "header_timeout"),
+        ] {
+            at_most(
+                &mut problems,
+                limits_at.clone().key(key),
+                d,
+                MAX_DELAY,
+                "a timeout",
+            );
+        }
+
         let redis = self.state.redis.as_ref();
         let url = redis.and_then(|r| r.url.as_ref());
         let cluster = redis.and_then(|r| r.cluster.as_ref());

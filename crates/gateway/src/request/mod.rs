@@ -182,6 +182,16 @@ impl ProxyHttp for Gateway {
     // No compression or other downstream modules: they cost time on every request.
     fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
 
+    // The head is parsed: the connection's header timer stops (see crate::limits).
+    async fn early_request_filter(
+        &self,
+        session: &mut Session,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        crate::limits::head_parsed(session.as_downstream());
+        Ok(())
+    }
+
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         admit::admit(self, session, ctx).await
     }
