@@ -290,6 +290,30 @@ mod downstream_limits {
         assert!(freed, "a closed connection did not give its slot back");
     }
 
+    /// Five pipelined requests on one connection get five answers, in order. Pingora's default
+    /// answered the first with `Connection: keep-alive`, then closed the connection and silently
+    /// dropped the other four.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipelined_requests_are_all_answered_in_order() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "", "");
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let mut batch = String::new();
+        for i in 0..5 {
+            batch.push_str(&format!("GET /p{i} HTTP/1.1\r\nHost: api.test\r\n\r\n"));
+        }
+        client.write_raw(batch.as_bytes()).await.unwrap();
+        for i in 0..5 {
+            let r = client
+                .read_response(false)
+                .await
+                .unwrap_or_else(|e| panic!("answer {i} of 5: {e}"));
+            assert_eq!(r.status, 200);
+            assert_eq!(r.json()["target"], format!("/p{i}"));
+        }
+        assert_eq!(backends[0].proxied_requests(), 5);
+    }
+
     /// The start logs the open-file limits it found and set.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_open_file_limit_is_raised_and_logged() {

@@ -254,6 +254,9 @@ where
                 .server_options()
                 .and_then(|o| o.keepalive_request_limit),
         );
+        // Answer pipelined requests one after the other (RFC 9112 §9.3.2) instead of closing
+        // the connection after the first answer and dropping the rest, Pingora's default.
+        session.set_pipelining_enabled(true);
         let mut result = self.inner.process_new_http(session, shutdown).await;
         while let Some((stream, settings)) = result.map(|r| r.consume()) {
             phase.store(WAITING, Ordering::Release);
