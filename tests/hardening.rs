@@ -314,6 +314,62 @@ mod downstream_limits {
         assert_eq!(backends[0].proxied_requests(), 5);
     }
 
+    /// Request heads above `limits.max_header_bytes` (64 KiB by default) get `431
+    /// header_too_large` and reach no member; 100 KB and 900 KB heads used to be forwarded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn oversized_request_heads_get_431() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "", "");
+        for size in [100_000, 900_000] {
+            let value = "a".repeat(size);
+            let r = request(
+                gw.proxy_addr(),
+                "GET",
+                "api.test",
+                "/",
+                &[("X-Big", &value)],
+                b"",
+            )
+            .await;
+            assert_eq!(
+                (r.status, r.header("x-sluice-error")),
+                (431, Some("header_too_large")),
+                "{size}-byte header"
+            );
+            assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        }
+        assert_eq!(backends[0].requests(), 0);
+        let value = "a".repeat(60_000);
+        let r = request(
+            gw.proxy_addr(),
+            "GET",
+            "api.test",
+            "/",
+            &[("X-Big", &value)],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200, "a 60 KB head is within the default");
+
+        // The limit is configurable.
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  max_header_bytes: 200000\n",
+            "",
+        );
+        let value = "a".repeat(100_000);
+        let r = request(
+            gw.proxy_addr(),
+            "GET",
+            "api.test",
+            "/",
+            &[("X-Big", &value)],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+
     /// The start logs the open-file limits it found and set.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_open_file_limit_is_raised_and_logged() {

@@ -132,6 +132,16 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 431: the request head is larger than `limits.max_header_bytes`.
+    pub fn header_too_large(size: usize, limit: usize) -> Problem {
+        Problem {
+            status: 431,
+            code: "header_too_large",
+            title: "Request header fields too large",
+            detail: format!("the request head is {size} bytes; limits.max_header_bytes is {limit}"),
+            retry_after_ms: None,
+        }
+    }
     /// 503: `limits.max_connections` client connections are open.
     pub fn too_many_connections() -> Problem {
         Problem {

@@ -105,6 +105,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         metrics.clone(),
         in_flight.clone(),
         state.clone(),
+        config.limits.max_header_bytes.get() as usize,
     );
     let mut app = pingora::proxy::http_proxy(&server.configuration, gateway);
     let mut options = HttpServerOptions::default();

@@ -69,6 +69,10 @@ pub struct LimitsConfig {
     /// `client_header_timeout`, but for the whole head, not per read).
     #[serde(default = "default_header_timeout")]
     pub header_timeout: Dur,
+    /// The largest request head (request line and headers), in bytes; a larger one is answered
+    /// `431 header_too_large`.
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: NonZeroU32,
 }
 
 fn default_idle_timeout() -> Dur {
@@ -77,6 +81,9 @@ fn default_idle_timeout() -> Dur {
 fn default_header_timeout() -> Dur {
     Dur(Duration::from_secs(30))
 }
+fn default_max_header_bytes() -> NonZeroU32 {
+    NonZeroU32::new(64 * 1024).unwrap()
+}
 
 impl Default for LimitsConfig {
     fn default() -> Self {
@@ -84,6 +91,7 @@ impl Default for LimitsConfig {
             max_connections: None,
             idle_timeout: default_idle_timeout(),
             header_timeout: default_header_timeout(),
+            max_header_bytes: default_max_header_bytes(),
         }
     }
 }

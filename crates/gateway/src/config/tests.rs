@@ -583,10 +583,11 @@ fn limits_have_defaults_and_are_checked() {
         config.limits.header_timeout.0,
         std::time::Duration::from_secs(30)
     );
+    assert_eq!(config.limits.max_header_bytes.get(), 65536);
     assert_eq!(config.limits.max_connections, None);
 
     let config = parse(
-        "limits:\n  max_connections: 100\n  idle_timeout: 5s\n  header_timeout: 2s\nroutes: []\n",
+        "limits:\n  max_connections: 100\n  idle_timeout: 5s\n  header_timeout: 2s\n  max_header_bytes: 8192\nroutes: []\n",
     );
     assert_eq!(config.limits.max_connections.map(|n| n.get()), Some(100));
     assert_eq!(
@@ -597,7 +598,13 @@ fn limits_have_defaults_and_are_checked() {
         config.limits.header_timeout.0,
         std::time::Duration::from_secs(2)
     );
+    assert_eq!(config.limits.max_header_bytes.get(), 8192);
 
+    one_error(
+        "limits:\n  max_header_bytes: 2000000\nroutes: []\n",
+        "2:21: limits.max_header_bytes",
+        "Pingora reads at most 1048575 bytes",
+    );
     one_error(
         "limits:\n  idle_timeout: 2d\nroutes: []\n",
         "2:17: limits.idle_timeout",

@@ -26,6 +26,10 @@ const MAX_DELAY: Duration = Duration::from_secs(86_400);
 /// a total that is at most a limit.
 const MAX_UNITS: u64 = 1 << 53;
 
+/// Pingora's own ceiling on a request head (`MAX_HEADER_SIZE`, pingora-core 0.9.1
+/// src/protocols/http/v1/common.rs:30); past it Pingora answers 400 before sluice sees the request.
+const MAX_HEADER_BYTES: u32 = 1_048_575;
+
 /// `d` in the config's own notation, in the largest unit that writes it whole: `366d`, `25h`.
 fn written(d: Duration) -> String {
     let us = d.as_micros();
@@ -123,6 +127,15 @@ impl Config {
                 MAX_DELAY,
                 "a timeout",
             );
+        }
+        if self.limits.max_header_bytes.get() > MAX_HEADER_BYTES {
+            problems.push((
+                limits_at.key("max_header_bytes"),
+                format!(
+                    "{} is too large: Pingora reads at most {MAX_HEADER_BYTES} bytes of request head",
+                    self.limits.max_header_bytes
+                ),
+            ));
         }
 
         let redis = self.state.redis.as_ref();

@@ -47,6 +47,8 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     in_flight: Arc<AtomicUsize>,
     state: Arc<dyn StateStore>,
+    /// `limits.max_header_bytes`.
+    max_header_bytes: usize,
 }
 
 impl Gateway {
@@ -56,12 +58,14 @@ impl Gateway {
         metrics: Arc<Metrics>,
         in_flight: Arc<AtomicUsize>,
         state: Arc<dyn StateStore>,
+        max_header_bytes: usize,
     ) -> Self {
         Gateway {
             table,
             metrics,
             in_flight,
             state,
+            max_header_bytes,
         }
     }
 }
