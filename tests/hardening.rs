@@ -112,12 +112,15 @@ async fn targets_that_cannot_be_routed_safely_get_400() {
 // admin API's POST guard, pipelining, request head size and truncated responses.
 
 mod downstream_limits {
+    use std::io::Read;
+    use std::net::SocketAddr;
+    use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    use super::support::{self, request, start_backends, Gateway, HttpClient};
+    use super::support::{self, request, start_backends, Gateway, HttpClient, TempDir};
     use super::url;
 
     /// Generous: the limits under test are 1–2 s, and a loaded machine must not fail the test.
@@ -288,6 +291,67 @@ mod downstream_limits {
         })
         .await;
         assert!(freed, "a closed connection did not give its slot back");
+    }
+
+    /// Runs `sluice run` on `config_yaml` and waits for it to exit; None if it is still running
+    /// after `within` (then it is killed).
+    fn run_until_exit(config_yaml: &str, within: Duration) -> Option<(i32, String)> {
+        let dir = TempDir::new("sluice-bind");
+        let config = dir.path().join("sluice.yaml");
+        std::fs::write(&config, config_yaml).unwrap();
+        let mut child = Command::new(support::sluice_binary())
+            .arg("run")
+            .arg("-c")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+        status.map(|s| (s.code().unwrap_or(-1), stderr))
+    }
+
+    /// With the proxy port, or the admin port, taken, sluice exits 1 at once with a message naming
+    /// the address. It used to log "started", retry for 30 s, panic a thread and stay up with
+    /// `/healthz` answering 200.
+    #[test]
+    fn a_taken_port_stops_the_start_with_exit_1() {
+        for taken in ["listen", "admin.listen"] {
+            let occupant = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let busy = occupant.local_addr().unwrap();
+            let free = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+            let (proxy, admin) = match taken {
+                "listen" => (busy, free),
+                _ => (free, busy),
+            };
+            let yaml = format!(
+                "listen: [\"{proxy}\"]\nadmin:\n  listen: \"{admin}\"\nthreads: 1\nroutes: []\n"
+            );
+            let (code, stderr) =
+                run_until_exit(&yaml, Duration::from_secs(10)).unwrap_or_else(|| {
+                    panic!("{taken} {busy} taken: sluice was still running after 10 s")
+                });
+            assert_eq!(code, 1, "{taken} taken: {stderr}");
+            assert!(
+                stderr.contains(&format!("cannot listen on {busy} ({taken})")),
+                "{taken} taken: {stderr}"
+            );
+            drop(occupant);
+        }
     }
 
     /// Five pipelined requests on one connection get five answers, in order. Pingora's default

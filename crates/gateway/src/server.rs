@@ -50,6 +50,8 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 /// Must not be called from inside a tokio runtime: Pingora makes its own. An error means the
 /// gateway could not start.
 pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<(), String> {
+    // Before anything else starts: a port that is taken must stop the process at once.
+    check_listeners(&config)?;
     let limits = crate::limits::prepare(&config.limits);
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
@@ -158,6 +160,32 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     server.run(RunArgs {
         shutdown_signal: Box::new(StopSignals { stop: stop_tx }),
     });
+    Ok(())
+}
+
+/// Binds every listen address once, and lets go at once, so that a taken port stops the start
+/// with a message naming it. Pingora itself retries a taken port for 30 s, then panics a thread
+/// and leaves the process up, answering `/healthz` with no proxy listening
+/// (pingora-core 0.9.1 src/listeners/l4.rs:243-287, src/services/listening.rs:293). The socket
+/// is set up as Pingora sets up its own (SO_REUSEADDR), so a port in TIME_WAIT is no failure.
+/// A port taken in the instant between this check and Pingora's bind still meets Pingora's
+/// behaviour.
+fn check_listeners(config: &Config) -> Result<(), String> {
+    let proxy = config.listen.iter().map(|l| (l.0, "listen"));
+    let admin = std::iter::once((config.admin.listen.0, "admin.listen"));
+    for (addr, what) in proxy.chain(admin) {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        };
+        socket
+            .and_then(|s| {
+                s.set_reuseaddr(true)?;
+                s.bind(addr)
+            })
+            .map_err(|e| format!("cannot listen on {addr} ({what}): {e}"))?;
+    }
     Ok(())
 }
 
