@@ -118,7 +118,7 @@ mod downstream_limits {
     use std::time::{Duration, Instant};
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpStream;
+    use tokio::net::{TcpListener, TcpStream};
 
     use super::support::{self, request, start_backends, Gateway, HttpClient, TempDir};
     use super::url;
@@ -352,6 +352,80 @@ mod downstream_limits {
             );
             drop(occupant);
         }
+    }
+
+    /// A member that reads the request head and then stops reading: the upload is cut after
+    /// `write_timeout` (then, as Pingora does, sluice waits up to `read_timeout` for an early
+    /// answer from the member) with `504 upstream_timeout` and an access-log line. Without a write
+    /// timeout the blocked write pinned the request and both connections for minutes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_member_that_stops_reading_an_upload_gets_a_504_after_write_timeout() {
+        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let member_addr = member.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut conn, _)) = member.accept().await {
+                let mut head = [0u8; 1024];
+                let _ = conn.read(&mut head).await;
+                // Keep the connection open and never read again.
+                held.push(conn);
+            }
+        });
+        let gw = start(
+            &url(member_addr),
+            "",
+            "      read_timeout: 2s\n      write_timeout: 1s\n",
+        );
+
+        let body_len = 16 * 1024 * 1024;
+        let client = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        let (mut rx, mut tx) = client.into_split();
+        tokio::spawn(async move {
+            let head = format!(
+                "POST /upload HTTP/1.1\r\nHost: api.test\r\nContent-Length: {body_len}\r\n\r\n"
+            );
+            let _ = tx.write_all(head.as_bytes()).await;
+            let chunk = vec![b'x'; 64 * 1024];
+            for _ in 0..body_len / chunk.len() {
+                if tx.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+            // Hold the write half until the test ends.
+            std::future::pending::<()>().await;
+        });
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let answered = tokio::time::timeout(DEADLINE, async {
+            loop {
+                match rx.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                }
+                if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(
+            answered.is_ok(),
+            "no answer {DEADLINE:?} after the member stopped reading"
+        );
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 504 "), "{got:?}");
+        assert!(got.contains("x-sluice-error: upstream_timeout"), "{got:?}");
+        assert!(
+            gw.wait_for_log("\"path\":\"/upload\"", DEADLINE).await,
+            "no access-log line"
+        );
+        let line = gw
+            .log_json()
+            .into_iter()
+            .find(|l| l["path"] == "/upload")
+            .expect("access-log line");
+        assert_eq!(line["status"], 504, "{line}");
+        assert!(line["error"].is_string(), "{line}");
     }
 
     /// Five pipelined requests on one connection get five answers, in order. Pingora's default

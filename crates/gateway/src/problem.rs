@@ -132,6 +132,13 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 504: the member stopped reading the request for `write_timeout`.
+    pub fn upstream_write_timeout() -> Problem {
+        Problem {
+            detail: "the member stopped reading the request for write_timeout".into(),
+            ..Problem::upstream_timeout()
+        }
+    }
     /// 431: the request head is larger than `limits.max_header_bytes`.
     pub fn header_too_large(size: usize, limit: usize) -> Problem {
         Problem {

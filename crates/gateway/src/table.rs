@@ -216,6 +216,7 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
             peer.options.connection_timeout = Some(up.connect_timeout.0);
             peer.options.total_connection_timeout = Some(up.connect_timeout.0);
             peer.options.read_timeout = Some(up.read_timeout.0);
+            peer.options.write_timeout = Some(up.write_timeout.0);
             peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
             peer
         });

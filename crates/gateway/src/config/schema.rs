@@ -502,6 +502,9 @@ pub struct UpstreamConfig {
     /// Time allowed between two reads from the member.
     #[serde(default = "default_read_timeout")]
     pub read_timeout: Dur,
+    /// Time allowed for one write to the member (a member that stops reading an upload).
+    #[serde(default = "default_read_timeout")]
+    pub write_timeout: Dur,
     /// More attempts on other members after a connect failure or connect timeout.
     #[serde(default = "default_retries")]
     pub retries: u32,

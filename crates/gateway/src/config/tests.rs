@@ -621,3 +621,15 @@ fn limits_have_defaults_and_are_checked() {
         "unknown field",
     );
 }
+
+#[test]
+fn write_timeout_defaults_to_the_read_timeout_default() {
+    let config = parse("routes:\n  - name: a\n    upstream:\n      members: []\n");
+    let up = &config.routes[0].upstream;
+    assert_eq!(up.write_timeout, up.read_timeout);
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      write_timeout: 2d\n      members: []\n",
+        "4:22: routes[0].upstream.write_timeout",
+        "at most 1d",
+    );
+}

@@ -232,6 +232,7 @@ impl Config {
             for (d, key, what) in [
                 (up.connect_timeout, "connect_timeout", "a timeout"),
                 (up.read_timeout, "read_timeout", "a timeout"),
+                (up.write_timeout, "write_timeout", "a timeout"),
             ] {
                 at_most(&mut problems, up_at.clone().key(key), d, MAX_DELAY, what);
             }
