@@ -508,6 +508,77 @@ mod downstream_limits {
         assert_eq!(r.status, 200);
     }
 
+    /// `POST /reload` with a token configured: the token must match exactly. The old compare
+    /// trimmed what the client sent, so `Bearer  s3cret` (or a padded token) passed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_admin_token_must_match_exactly() {
+        let template = "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\n  token_env: SLUICE_TEST_TOKEN\nthreads: 1\nroutes: []\n";
+        let gw = Gateway::start_with_ports_and_env(template, &[("SLUICE_TEST_TOKEN", "s3cret")]);
+        let post = |auth: &'static str| {
+            let addr = gw.admin_addr();
+            async move {
+                request(
+                    addr,
+                    "POST",
+                    "admin",
+                    "/reload",
+                    &[("Authorization", auth)],
+                    b"",
+                )
+                .await
+                .status
+            }
+        };
+        assert_eq!(post("Bearer  s3cret").await, 401);
+        assert_eq!(post("Bearer s3cret\t x").await, 401);
+        assert_eq!(post("Bearer s3cre").await, 401);
+        assert_eq!(post("Bearer s3cret").await, 200);
+    }
+
+    /// Without a token, a POST needs the `X-Sluice-Admin` header, which a cross-site HTML form
+    /// cannot send: a page on another site can no longer make a visitor's browser reload the
+    /// gateway.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admin_post_without_a_token_needs_the_admin_header() {
+        let template =
+            "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes: []\n";
+        let gw = Gateway::start_with_ports(template);
+        let form = [("Content-Type", "application/x-www-form-urlencoded")];
+        let r = request(gw.admin_addr(), "POST", "admin", "/reload", &form, b"a=1").await;
+        assert_eq!(r.status, 403, "{}", r.text());
+        let r = request(
+            gw.admin_addr(),
+            "POST",
+            "admin",
+            "/reload",
+            &[("X-Sluice-Admin", "1")],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+
+    /// An admin API on a non-loopback address without a token is warned about at start.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exposed_admin_without_a_token_is_warned_about() {
+        let [proxy, admin] = support::free_ports::<2>();
+        let yaml = format!(
+            "listen: [\"127.0.0.1:{proxy}\"]\nadmin:\n  listen: \"0.0.0.0:{admin}\"\nthreads: 1\nroutes: []\n"
+        );
+        let gw = Gateway::start(&yaml);
+        assert!(
+            gw.wait_for_log("non-loopback address without admin.token_env", DEADLINE)
+                .await,
+            "{}",
+            gw.logs()
+        );
+        let loopback = Gateway::start_with_ports(
+            "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes: []\n",
+        );
+        assert!(loopback.wait_for_log("sluice started", DEADLINE).await);
+        assert!(!loopback.logs().contains("non-loopback"));
+    }
+
     /// The start logs the open-file limits it found and set.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_open_file_limit_is_raised_and_logged() {

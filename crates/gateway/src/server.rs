@@ -52,6 +52,7 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<(), String> {
     // Before anything else starts: a port that is taken must stop the process at once.
     check_listeners(&config)?;
+    warn_if_admin_exposed(&config);
     let limits = crate::limits::prepare(&config.limits);
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
@@ -187,6 +188,19 @@ fn check_listeners(config: &Config) -> Result<(), String> {
             .map_err(|e| format!("cannot listen on {addr} ({what}): {e}"))?;
     }
     Ok(())
+}
+
+/// The admin API can reload the config and shows its internals: say so when it listens beyond
+/// this machine with no token.
+fn warn_if_admin_exposed(config: &Config) {
+    let admin = config.admin.listen.0;
+    if !admin.ip().is_loopback() && config.admin.token_env.is_none() {
+        tracing::warn!(
+            target: "sluice::server",
+            admin = %admin,
+            "the admin API listens on a non-loopback address without admin.token_env: anyone who can reach it can POST /reload"
+        );
+    }
 }
 
 /// Turns SIGTERM and SIGINT into Pingora's graceful terminate (its own default makes SIGINT a
