@@ -508,6 +508,55 @@ mod downstream_limits {
         assert_eq!(r.status, 200);
     }
 
+    /// A member that announces 1000 bytes, sends 10 and closes: the client's connection is cut
+    /// (it cannot be told otherwise once the head is sent), and the access log and the metrics
+    /// say the attempt failed, instead of a clean 200.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_response_cut_mid_body_is_logged_and_counted_as_an_error() {
+        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let member_addr = member.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = member.accept().await {
+                tokio::spawn(async move {
+                    let mut head = [0u8; 4096];
+                    let _ = conn.read(&mut head).await;
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789")
+                        .await;
+                    let _ = conn.shutdown().await;
+                });
+            }
+        });
+        let member = url(member_addr);
+        let gw = start(&member, "", "");
+        let outcome =
+            support::try_request(gw.proxy_addr(), "GET", "api.test", "/cut", &[], b"").await;
+        assert!(outcome.is_err(), "the client must see the cut: {outcome:?}");
+
+        assert!(gw.wait_for_log("\"path\":\"/cut\"", DEADLINE).await);
+        let logs = gw.logs();
+        let line = logs
+            .lines()
+            .find(|l| l.contains("\"path\":\"/cut\""))
+            .unwrap();
+        assert!(line.contains("\"error\":\"upstream_truncated\""), "{line}");
+        let errors = gw
+            .metric(
+                "sluice_upstream_attempts_total",
+                &[("route", "api"), ("member", &member), ("outcome", "error")],
+            )
+            .await;
+        assert_eq!(errors, Some(1.0));
+        let ok = gw
+            .metric(
+                "sluice_upstream_attempts_total",
+                &[("route", "api"), ("member", &member), ("outcome", "ok")],
+            )
+            .await
+            .unwrap_or(0.0);
+        assert_eq!(ok, 0.0);
+    }
+
     /// `POST /reload` with a token configured: the token must match exactly. The old compare
     /// trimmed what the client sent, so `Bearer  s3cret` (or a padded token) passed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
