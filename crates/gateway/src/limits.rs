@@ -281,7 +281,10 @@ pub struct LimitedStream {
     phase: Arc<AtomicU8>,
     /// The phase `timer` was armed for.
     armed: u8,
-    timer: Option<Pin<Box<Sleep>>>,
+    /// One timer per connection, reset at each phase change (no allocation per request).
+    timer: Pin<Box<Sleep>>,
+    /// Whether `timer` counts for the current phase.
+    timing: bool,
     idle_timeout: Duration,
     header_timeout: Duration,
     closed_idle: IntCounter,
@@ -304,7 +307,8 @@ impl LimitedStream {
             inner,
             phase: Arc::new(AtomicU8::new(WAITING)),
             armed: UNARMED,
-            timer: None,
+            timer: Box::pin(tokio::time::sleep(app.limits.idle_timeout)),
+            timing: false,
             idle_timeout: app.limits.idle_timeout,
             header_timeout: app.limits.header_timeout,
             closed_idle: app.closed_idle.clone(),
@@ -320,17 +324,23 @@ impl LimitedStream {
             return;
         }
         self.armed = phase;
-        self.timer = match phase {
-            WAITING => Some(Box::pin(tokio::time::sleep(self.idle_timeout))),
-            IN_HEAD => Some(Box::pin(tokio::time::sleep(self.header_timeout))),
+        let limit = match phase {
+            WAITING => Some(self.idle_timeout),
+            IN_HEAD => Some(self.header_timeout),
             _ => None,
         };
+        self.timing = limit.is_some();
+        if let Some(limit) = limit {
+            self.timer
+                .as_mut()
+                .reset(tokio::time::Instant::now() + limit);
+        }
     }
 
     /// What a read returns once the current phase's timer has fired: end of stream for an idle
     /// connection (Pingora then closes it quietly), an error for a head that is late.
     fn expired(&mut self) -> io::Result<()> {
-        self.timer = None;
+        self.timing = false;
         if self.armed == WAITING {
             self.closed_idle.inc();
             Ok(())
@@ -353,7 +363,7 @@ impl AsyncRead for LimitedStream {
         let this = self.get_mut();
         this.follow_phase();
         // Checked before reading too: a client that trickles bytes keeps every read ready.
-        if this.timer.as_ref().is_some_and(|t| t.is_elapsed()) {
+        if this.timing && this.timer.is_elapsed() {
             return Poll::Ready(this.expired());
         }
         let before = buf.filled().len();
@@ -371,11 +381,7 @@ impl AsyncRead for LimitedStream {
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
-                let fired = match &mut this.timer {
-                    Some(timer) => timer.as_mut().poll(cx).is_ready(),
-                    None => false,
-                };
-                if fired {
+                if this.timing && this.timer.as_mut().poll(cx).is_ready() {
                     Poll::Ready(this.expired())
                 } else {
                     Poll::Pending
