@@ -136,3 +136,545 @@ async fn long_quota_key_values_are_hashed_into_short_keys() {
         names.iter().map(|k| k.len()).collect::<Vec<_>>()
     );
 }
+
+// --- downstream limits ---
+//
+// Issue 11: bounds on client connections (limits:), bind failures, upstream write timeouts, the
+// admin API's POST guard, pipelining, request head size and truncated responses.
+
+mod downstream_limits {
+    use std::io::Read;
+    use std::net::SocketAddr;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::support::{self, request, start_backends, Gateway, HttpClient, TempDir};
+    use super::url;
+
+    /// Generous: the limits under test are 1–2 s, and a loaded machine must not fail the test.
+    const DEADLINE: Duration = Duration::from_secs(20);
+
+    /// A gateway with one route `api` to `member`, the given `limits:` body (indented lines)
+    /// and extra `upstream:` lines.
+    fn start(member: &str, limits: &str, upstream: &str) -> Gateway {
+        Gateway::start_with_ports(&config(member, limits, upstream))
+    }
+
+    fn config(member: &str, limits: &str, upstream: &str) -> String {
+        let limits = if limits.is_empty() {
+            String::new()
+        } else {
+            format!("limits:\n{limits}")
+        };
+        format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\n{limits}routes:\n  - name: api\n    upstream:\n      members:\n        - url: \"{member}\"\n{upstream}"
+        )
+    }
+
+    /// Reads until the peer closes the connection (EOF or reset) or `within` passes; true if it
+    /// closed. Whatever the peer sends before closing is returned through `got`.
+    async fn closed_within(stream: &mut TcpStream, within: Duration, got: &mut Vec<u8>) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut chunk = [0u8; 4096];
+        loop {
+            match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+                Err(_) => return false,
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    /// A keep-alive connection left idle after its request, and a connection that never sends
+    /// anything, are both closed once `limits.idle_timeout` passes. They used to stay open
+    /// forever (Pingora's keep-alive after an HTTP/1.1 request has no timer).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_are_closed_after_the_idle_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "  idle_timeout: 1s\n", "");
+
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        assert!(
+            client.wait_closed(DEADLINE).await,
+            "an idle keep-alive connection stayed open"
+        );
+
+        let mut silent = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        let mut got = Vec::new();
+        assert!(
+            closed_within(&mut silent, DEADLINE, &mut got).await,
+            "a connection that never sent a request stayed open"
+        );
+        assert!(
+            got.is_empty(),
+            "an idle connection is closed without an answer"
+        );
+        let closed = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "idle_timeout")],
+            )
+            .await;
+        assert_eq!(closed, Some(2.0));
+    }
+
+    /// Slowloris: a head trickled one header line every half second never completes, and every
+    /// read is well within any per-read timeout. The whole head must arrive within
+    /// `limits.header_timeout`, so the connection is closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_head_trickled_line_by_line_is_cut_at_the_header_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  idle_timeout: 30s\n  header_timeout: 2s\n",
+            "",
+        );
+        let mut stream = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: api.test\r\n")
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let mut got = Vec::new();
+        let mut closed = false;
+        while started.elapsed() < DEADLINE {
+            if stream.write_all(b"X-Slow: 1\r\n").await.is_err()
+                || closed_within(&mut stream, Duration::from_millis(500), &mut got).await
+            {
+                closed = true;
+                break;
+            }
+        }
+        assert!(
+            closed,
+            "a head still incomplete after {DEADLINE:?} kept its connection"
+        );
+        assert_eq!(backends[0].requests(), 0);
+        let cut = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "header_timeout")],
+            )
+            .await;
+        assert_eq!(cut, Some(1.0));
+        // A head that arrives in time is served as before.
+        assert_eq!(
+            request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+                .await
+                .status,
+            200
+        );
+    }
+
+    /// At `limits.max_connections` a new client gets a 503 and is closed at once, while the admin
+    /// API, outside the cap, still answers; a slot freed is usable again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_the_connection_cap_new_clients_are_refused_and_admin_still_answers() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "  max_connections: 3\n", "");
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+            let r = client
+                .request("GET", "api.test", "/", &[], b"")
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200);
+            held.push(client);
+        }
+
+        let mut extra = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        let mut got = Vec::new();
+        assert!(
+            closed_within(&mut extra, DEADLINE, &mut got).await,
+            "a connection over the cap was kept open"
+        );
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 503 "), "{got:?}");
+        assert!(
+            got.contains("x-sluice-error: too_many_connections"),
+            "{got:?}"
+        );
+
+        assert_eq!(gw.admin("/healthz").await.status, 200);
+        assert_eq!(
+            gw.metric(
+                "sluice_connections_closed_total",
+                &[("reason", "max_connections")]
+            )
+            .await,
+            Some(1.0)
+        );
+
+        drop(held.pop());
+        let freed = support::wait_until_async(DEADLINE, || async {
+            support::try_request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"")
+                .await
+                .is_ok_and(|r| r.status == 200)
+        })
+        .await;
+        assert!(freed, "a closed connection did not give its slot back");
+    }
+
+    /// Runs `sluice run` on `config_yaml` and waits for it to exit; None if it is still running
+    /// after `within` (then it is killed).
+    fn run_until_exit(config_yaml: &str, within: Duration) -> Option<(i32, String)> {
+        let dir = TempDir::new("sluice-bind");
+        let config = dir.path().join("sluice.yaml");
+        std::fs::write(&config, config_yaml).unwrap();
+        let mut child = Command::new(support::sluice_binary())
+            .arg("run")
+            .arg("-c")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+        status.map(|s| (s.code().unwrap_or(-1), stderr))
+    }
+
+    /// With the proxy port, or the admin port, taken, sluice exits 1 at once with a message naming
+    /// the address. It used to log "started", retry for 30 s, panic a thread and stay up with
+    /// `/healthz` answering 200.
+    #[test]
+    fn a_taken_port_stops_the_start_with_exit_1() {
+        for taken in ["listen", "admin.listen"] {
+            let occupant = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let busy = occupant.local_addr().unwrap();
+            let free = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+            let (proxy, admin) = match taken {
+                "listen" => (busy, free),
+                _ => (free, busy),
+            };
+            let yaml = format!(
+                "listen: [\"{proxy}\"]\nadmin:\n  listen: \"{admin}\"\nthreads: 1\nroutes: []\n"
+            );
+            let (code, stderr) =
+                run_until_exit(&yaml, Duration::from_secs(10)).unwrap_or_else(|| {
+                    panic!("{taken} {busy} taken: sluice was still running after 10 s")
+                });
+            assert_eq!(code, 1, "{taken} taken: {stderr}");
+            assert!(
+                stderr.contains(&format!("cannot listen on {busy} ({taken})")),
+                "{taken} taken: {stderr}"
+            );
+            drop(occupant);
+        }
+    }
+
+    /// A member that reads the request head and then stops reading: the upload is cut after
+    /// `write_timeout` (then, as Pingora does, sluice waits up to `read_timeout` for an early
+    /// answer from the member) with `504 upstream_timeout` and an access-log line. Without a write
+    /// timeout the blocked write pinned the request and both connections for minutes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_member_that_stops_reading_an_upload_gets_a_504_after_write_timeout() {
+        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let member_addr = member.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut conn, _)) = member.accept().await {
+                let mut head = [0u8; 1024];
+                let _ = conn.read(&mut head).await;
+                // Keep the connection open and never read again.
+                held.push(conn);
+            }
+        });
+        let gw = start(
+            &url(member_addr),
+            "",
+            "      read_timeout: 2s\n      write_timeout: 1s\n",
+        );
+
+        let body_len = 16 * 1024 * 1024;
+        let client = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+        let (mut rx, mut tx) = client.into_split();
+        tokio::spawn(async move {
+            let head = format!(
+                "POST /upload HTTP/1.1\r\nHost: api.test\r\nContent-Length: {body_len}\r\n\r\n"
+            );
+            let _ = tx.write_all(head.as_bytes()).await;
+            let chunk = vec![b'x'; 64 * 1024];
+            for _ in 0..body_len / chunk.len() {
+                if tx.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+            // Hold the write half until the test ends.
+            std::future::pending::<()>().await;
+        });
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let answered = tokio::time::timeout(DEADLINE, async {
+            loop {
+                match rx.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                }
+                if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(
+            answered.is_ok(),
+            "no answer {DEADLINE:?} after the member stopped reading"
+        );
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 504 "), "{got:?}");
+        assert!(got.contains("x-sluice-error: upstream_timeout"), "{got:?}");
+        assert!(
+            gw.wait_for_log("\"path\":\"/upload\"", DEADLINE).await,
+            "no access-log line"
+        );
+        let line = gw
+            .log_json()
+            .into_iter()
+            .find(|l| l["path"] == "/upload")
+            .expect("access-log line");
+        assert_eq!(line["status"], 504, "{line}");
+        assert!(line["error"].is_string(), "{line}");
+    }
+
+    /// Five pipelined requests on one connection get five answers, in order. Pingora's default
+    /// answered the first with `Connection: keep-alive`, then closed the connection and silently
+    /// dropped the other four.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipelined_requests_are_all_answered_in_order() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "", "");
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let mut batch = String::new();
+        for i in 0..5 {
+            batch.push_str(&format!("GET /p{i} HTTP/1.1\r\nHost: api.test\r\n\r\n"));
+        }
+        client.write_raw(batch.as_bytes()).await.unwrap();
+        for i in 0..5 {
+            let r = client
+                .read_response(false)
+                .await
+                .unwrap_or_else(|e| panic!("answer {i} of 5: {e}"));
+            assert_eq!(r.status, 200);
+            assert_eq!(r.json()["target"], format!("/p{i}"));
+        }
+        assert_eq!(backends[0].proxied_requests(), 5);
+    }
+
+    /// Request heads above `limits.max_header_bytes` (64 KiB by default) get `431
+    /// header_too_large` and reach no member; 100 KB and 900 KB heads used to be forwarded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn oversized_request_heads_get_431() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(&url(backends[0].local_addr()), "", "");
+        for size in [100_000, 900_000] {
+            let value = "a".repeat(size);
+            let r = request(
+                gw.proxy_addr(),
+                "GET",
+                "api.test",
+                "/",
+                &[("X-Big", &value)],
+                b"",
+            )
+            .await;
+            assert_eq!(
+                (r.status, r.header("x-sluice-error")),
+                (431, Some("header_too_large")),
+                "{size}-byte header"
+            );
+            assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        }
+        assert_eq!(backends[0].requests(), 0);
+        let value = "a".repeat(60_000);
+        let r = request(
+            gw.proxy_addr(),
+            "GET",
+            "api.test",
+            "/",
+            &[("X-Big", &value)],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200, "a 60 KB head is within the default");
+
+        // The limit is configurable.
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  max_header_bytes: 200000\n",
+            "",
+        );
+        let value = "a".repeat(100_000);
+        let r = request(
+            gw.proxy_addr(),
+            "GET",
+            "api.test",
+            "/",
+            &[("X-Big", &value)],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+
+    /// A member that announces 1000 bytes, sends 10 and closes: the client's connection is cut
+    /// (it cannot be told otherwise once the head is sent), and the access log and the metrics
+    /// say the attempt failed, instead of a clean 200.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_response_cut_mid_body_is_logged_and_counted_as_an_error() {
+        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let member_addr = member.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = member.accept().await {
+                tokio::spawn(async move {
+                    let mut head = [0u8; 4096];
+                    let _ = conn.read(&mut head).await;
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n0123456789")
+                        .await;
+                    let _ = conn.shutdown().await;
+                });
+            }
+        });
+        let member = url(member_addr);
+        let gw = start(&member, "", "");
+        let outcome =
+            support::try_request(gw.proxy_addr(), "GET", "api.test", "/cut", &[], b"").await;
+        assert!(outcome.is_err(), "the client must see the cut: {outcome:?}");
+
+        assert!(gw.wait_for_log("\"path\":\"/cut\"", DEADLINE).await);
+        let logs = gw.logs();
+        let line = logs
+            .lines()
+            .find(|l| l.contains("\"path\":\"/cut\""))
+            .unwrap();
+        assert!(line.contains("\"error\":\"upstream_truncated\""), "{line}");
+        let errors = gw
+            .metric(
+                "sluice_upstream_attempts_total",
+                &[("route", "api"), ("member", &member), ("outcome", "error")],
+            )
+            .await;
+        assert_eq!(errors, Some(1.0));
+        let ok = gw
+            .metric(
+                "sluice_upstream_attempts_total",
+                &[("route", "api"), ("member", &member), ("outcome", "ok")],
+            )
+            .await
+            .unwrap_or(0.0);
+        assert_eq!(ok, 0.0);
+    }
+
+    /// `POST /reload` with a token configured: the token must match exactly. The old compare
+    /// trimmed what the client sent, so `Bearer  s3cret` (or a padded token) passed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_admin_token_must_match_exactly() {
+        let template = "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\n  token_env: SLUICE_TEST_TOKEN\nthreads: 1\nroutes: []\n";
+        let gw = Gateway::start_with_ports_and_env(template, &[("SLUICE_TEST_TOKEN", "s3cret")]);
+        let post = |auth: &'static str| {
+            let addr = gw.admin_addr();
+            async move {
+                request(
+                    addr,
+                    "POST",
+                    "admin",
+                    "/reload",
+                    &[("Authorization", auth)],
+                    b"",
+                )
+                .await
+                .status
+            }
+        };
+        assert_eq!(post("Bearer  s3cret").await, 401);
+        assert_eq!(post("Bearer s3cret\t x").await, 401);
+        assert_eq!(post("Bearer s3cre").await, 401);
+        assert_eq!(post("Bearer s3cret").await, 200);
+    }
+
+    /// Without a token, a POST needs the `X-Sluice-Admin` header, which a cross-site HTML form
+    /// cannot send: a page on another site can no longer make a visitor's browser reload the
+    /// gateway.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admin_post_without_a_token_needs_the_admin_header() {
+        let template =
+            "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes: []\n";
+        let gw = Gateway::start_with_ports(template);
+        let form = [("Content-Type", "application/x-www-form-urlencoded")];
+        let r = request(gw.admin_addr(), "POST", "admin", "/reload", &form, b"a=1").await;
+        assert_eq!(r.status, 403, "{}", r.text());
+        let r = request(
+            gw.admin_addr(),
+            "POST",
+            "admin",
+            "/reload",
+            &[("X-Sluice-Admin", "1")],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+
+    /// An admin API on a non-loopback address without a token is warned about at start.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exposed_admin_without_a_token_is_warned_about() {
+        let [proxy, admin] = support::free_ports::<2>();
+        let yaml = format!(
+            "listen: [\"127.0.0.1:{proxy}\"]\nadmin:\n  listen: \"0.0.0.0:{admin}\"\nthreads: 1\nroutes: []\n"
+        );
+        let gw = Gateway::start(&yaml);
+        assert!(
+            gw.wait_for_log("non-loopback address without admin.token_env", DEADLINE)
+                .await,
+            "{}",
+            gw.logs()
+        );
+        let loopback = Gateway::start_with_ports(
+            "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes: []\n",
+        );
+        assert!(loopback.wait_for_log("sluice started", DEADLINE).await);
+        assert!(!loopback.logs().contains("non-loopback"));
+    }
+
+    /// The start logs the open-file limits it found and set.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_open_file_limit_is_raised_and_logged() {
+        let gw = Gateway::start_with_ports(
+            "listen: [\"{PROXY}\"]\nadmin:\n  listen: \"{ADMIN}\"\nthreads: 1\nroutes: []\n",
+        );
+        assert!(gw.wait_for_log("open-file limit", DEADLINE).await);
+        let line = gw
+            .log_json()
+            .into_iter()
+            .find(|l| l.to_string().contains("open-file limit"))
+            .unwrap();
+        let text = line.to_string();
+        assert!(
+            text.contains("nofile_soft") && text.contains("nofile_hard"),
+            "{text}"
+        );
+    }
+}

@@ -33,8 +33,11 @@ async fn status_of(gw: &Gateway, host: &str) -> u16 {
         .status
 }
 
+/// `POST /reload`, with the header a POST needs when no admin token is configured.
 async fn post_reload(gw: &Gateway, headers: &[(&str, &str)]) -> Response {
-    request(gw.admin_addr(), "POST", "admin", "/reload", headers, b"").await
+    let mut headers = headers.to_vec();
+    headers.push(("X-Sluice-Admin", "1"));
+    request(gw.admin_addr(), "POST", "admin", "/reload", &headers, b"").await
 }
 
 async fn eventually<F, Fut>(what: &str, f: F)

@@ -147,9 +147,12 @@ impl Drop for TempDir {
     }
 }
 
-/// Path of the gateway binary built by cargo for this test target.
+/// Path of the gateway binary built by cargo for this test target, or `$SLUICE_TEST_BINARY`
+/// (to run a test against another build, e.g. to check that it fails before a fix).
 pub fn sluice_binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
+    std::env::var_os("SLUICE_TEST_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_sluice")))
 }
 
 /// A running `sluice run -c <file>` process.

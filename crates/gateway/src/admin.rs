@@ -8,6 +8,7 @@ use http::{Response, StatusCode};
 use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 use serde_json::json;
+use subtle::ConstantTimeEq;
 
 use std::collections::HashMap;
 
@@ -42,23 +43,34 @@ impl AdminApi {
         }
     }
 
-    /// With `admin.token_env` set, POST endpoints need `Authorization: Bearer <token>`, the
-    /// token being that variable's value. An unset or empty variable lets no POST through.
-    fn authorized(&self, session: &ServerSession) -> bool {
+    /// Whether a POST may run. With `admin.token_env` set, it needs `Authorization: Bearer
+    /// <token>`, the token being that variable's value, compared exactly and in constant time
+    /// (an unset or empty variable lets no POST through). Without a token it needs the header
+    /// `X-Sluice-Admin`: a browser sends no custom header cross-site without a CORS preflight,
+    /// which this API never grants, so a page on another site cannot make a visitor's browser
+    /// reload the gateway (a plain HTML form can send a POST, but not that header).
+    /// Returns the refusal to send, or None when the POST may run.
+    fn refusal(&self, session: &ServerSession) -> Option<Response<Vec<u8>>> {
         let table = self.table.load();
+        let headers = &session.req_header().headers;
         let Some(var) = &table.settings.admin.token_env else {
-            return true;
+            return (!headers.contains_key(ADMIN_HEADER)).then(|| reply(
+                StatusCode::FORBIDDEN,
+                "application/json",
+                r#"{"error":"forbidden: POST endpoints need the header X-Sluice-Admin (e.g. X-Sluice-Admin: 1), or configure admin.token_env"}"#,
+            ));
         };
-        let Some(token) = std::env::var(var).ok().filter(|t| !t.is_empty()) else {
-            return false;
-        };
-        session
-            .req_header()
-            .headers
+        let token = std::env::var(var).ok();
+        let given = headers
             .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), token.as_bytes()))
+            .map(|v| v.as_bytes());
+        (!bearer_matches(given, token.as_deref())).then(|| {
+            reply(
+                StatusCode::UNAUTHORIZED,
+                "application/json",
+                r#"{"error":"unauthorized: this endpoint needs Authorization: Bearer <token>"}"#,
+            )
+        })
     }
 
     /// The `/status` document. Assignment counts of least-used routes come from the store;
@@ -120,9 +132,19 @@ impl AdminApi {
     }
 }
 
-/// Compares without leaking, through timing, how much of a guess was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The header a POST needs when no admin token is configured (see `AdminApi::authorized`).
+const ADMIN_HEADER: &str = "x-sluice-admin";
+
+/// Whether an `Authorization` value is `Bearer <token>`, byte for byte (no trimming: a padded
+/// token is another token), compared in constant time. No token, or an empty one, matches
+/// nothing.
+fn bearer_matches(authorization: Option<&[u8]>, token: Option<&str>) -> bool {
+    let Some(token) = token.filter(|t| !t.is_empty()) else {
+        return false;
+    };
+    authorization
+        .and_then(|v| v.strip_prefix(b"Bearer "))
+        .is_some_and(|given| bool::from(given.ct_eq(token.as_bytes())))
 }
 
 fn reply(status: StatusCode, content_type: &str, body: impl Into<Vec<u8>>) -> Response<Vec<u8>> {
@@ -166,12 +188,8 @@ impl ServeHttp for AdminApi {
                 reply(StatusCode::OK, "application/json", body)
             }
             (false, "/reload") if req.method == http::Method::POST => {
-                if !self.authorized(session) {
-                    return reply(
-                        StatusCode::UNAUTHORIZED,
-                        "application/json",
-                        r#"{"error":"unauthorized: this endpoint needs Authorization: Bearer <token>"}"#,
-                    );
+                if let Some(refusal) = self.refusal(session) {
+                    return refusal;
                 }
                 match self.reloader.reload("admin").await {
                     Ok(version) => reply(
@@ -197,5 +215,29 @@ impl ServeHttp for AdminApi {
                 r#"{"error":"not found"}"#,
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_matches;
+
+    #[test]
+    fn only_the_exact_token_matches() {
+        let token = Some("s3cret");
+        assert!(bearer_matches(Some(b"Bearer s3cret"), token));
+        for wrong in [
+            &b"Bearer s3cret "[..],
+            b"Bearer  s3cret",
+            b"Bearer s3cret\t",
+            b"Bearer s3cre",
+            b"bearer s3cret",
+            b"s3cret",
+        ] {
+            assert!(!bearer_matches(Some(wrong), token), "{wrong:?}");
+        }
+        assert!(!bearer_matches(None, token));
+        assert!(!bearer_matches(Some(b"Bearer "), Some("")));
+        assert!(!bearer_matches(Some(b"Bearer x"), None));
     }
 }

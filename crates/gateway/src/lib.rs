@@ -10,7 +10,7 @@
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`egress`]: the guard on destinations the client chooses, and the resolver behind it;
 //! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
-//! - [`server`]: process life.
+//! - [`server`]: process life; [`limits`]: bounds on client connections.
 
 pub mod admin;
 pub mod config;
@@ -18,6 +18,7 @@ pub mod demo;
 pub mod egress;
 pub mod headers;
 pub mod health;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod problem;

@@ -2,7 +2,7 @@
 //! in one process.
 
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Label value for requests that matched no route.
@@ -30,6 +30,11 @@ pub struct Metrics {
     pub selection_fallbacks: IntCounterVec,
     /// `sluice_quota_keys_refused_total{route}`
     pub quota_keys_refused: IntCounterVec,
+    /// `sluice_connections_closed_total{reason}`: client connections sluice closed on a
+    /// limit: `idle_timeout`, `header_timeout` or `max_connections`.
+    pub connections_closed: IntCounterVec,
+    /// `sluice_connections_open`: client connections open on the proxy listeners.
+    pub connections_open: IntGauge,
 }
 
 impl Metrics {
@@ -78,6 +83,19 @@ impl Metrics {
             "Requests routed by in-process round-robin because the least-used store failed.",
             &["route"],
         );
+        let connections_closed = counter(
+            "sluice_connections_closed_total",
+            "Client connections closed by a limit, by reason.",
+            &["reason"],
+        );
+        let connections_open = IntGauge::new(
+            "sluice_connections_open",
+            "Client connections open on the proxy listeners.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(connections_open.clone()))
+            .expect("unique metric");
         let request_duration = HistogramVec::new(
             HistogramOpts::new(
                 "sluice_request_duration_seconds",
@@ -115,6 +133,8 @@ impl Metrics {
             store_errors,
             selection_fallbacks,
             quota_keys_refused,
+            connections_closed,
+            connections_open,
         }
     }
 

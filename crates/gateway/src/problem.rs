@@ -132,6 +132,34 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 504: the member stopped reading the request for `write_timeout`.
+    pub fn upstream_write_timeout() -> Problem {
+        Problem {
+            detail: "the member stopped reading the request for write_timeout".into(),
+            ..Problem::upstream_timeout()
+        }
+    }
+    /// 431: the request head is larger than `limits.max_header_bytes`.
+    pub fn header_too_large(size: usize, limit: usize) -> Problem {
+        Problem {
+            status: 431,
+            code: "header_too_large",
+            title: "Request header fields too large",
+            detail: format!("the request head is {size} bytes; limits.max_header_bytes is {limit}"),
+            retry_after_ms: None,
+        }
+    }
+    /// 503: `limits.max_connections` client connections are open.
+    pub fn too_many_connections() -> Problem {
+        Problem {
+            status: 503,
+            code: "too_many_connections",
+            title: "Too many connections",
+            detail: "the gateway holds limits.max_connections client connections; try again later"
+                .into(),
+            retry_after_ms: None,
+        }
+    }
     /// 500: a bug in sluice.
     pub fn internal() -> Problem {
         Problem {

@@ -126,7 +126,7 @@ impl Reloader {
         if new.settings.needs_restart_for(&old.settings) {
             tracing::warn!(
                 target: "sluice::reload",
-                "listen, admin.listen, threads and state apply at the next restart; the running gateway keeps its own"
+                "listen, admin.listen, threads, state and limits apply at the next restart; the running gateway keeps its own"
             );
         }
         let version = new.version.clone();

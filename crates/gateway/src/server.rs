@@ -18,6 +18,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::admin::AdminApi;
 use crate::config::{Config, ConfigErrors};
 use crate::health::{HealthChecks, HealthSupervisor};
+use crate::limits::LimitedApp;
 use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
 use crate::request::Gateway;
@@ -49,6 +50,10 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 /// Must not be called from inside a tokio runtime: Pingora makes its own. An error means the
 /// gateway could not start.
 pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<(), String> {
+    // Before anything else starts: a port that is taken must stop the process at once.
+    check_listeners(&config)?;
+    warn_if_admin_exposed(&config);
+    let limits = crate::limits::prepare(&config.limits);
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
     // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
@@ -103,18 +108,17 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         metrics.clone(),
         in_flight.clone(),
         state.clone(),
+        config.limits.max_header_bytes.get() as usize,
     );
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(
-        &server.configuration,
-        gateway,
-        "sluice proxy",
+    let mut app = pingora::proxy::http_proxy(&server.configuration, gateway);
+    let mut options = HttpServerOptions::default();
+    // Let CONNECT reach our request_filter, which answers it with problem+json.
+    options.allow_connect_method_proxying = true;
+    app.server_options = Some(options);
+    let mut proxy = Service::new(
+        "sluice proxy".to_string(),
+        LimitedApp::new(app, limits, &metrics),
     );
-    if let Some(app) = proxy.app_logic_mut() {
-        let mut options = HttpServerOptions::default();
-        // Let CONNECT reach our request_filter, which answers it with problem+json.
-        options.allow_connect_method_proxying = true;
-        app.server_options = Some(options);
-    }
     for addr in &config.listen {
         proxy.add_tcp(&addr.0.to_string());
     }
@@ -158,6 +162,45 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         shutdown_signal: Box::new(StopSignals { stop: stop_tx }),
     });
     Ok(())
+}
+
+/// Binds every listen address once, and lets go at once, so that a taken port stops the start
+/// with a message naming it. Pingora itself retries a taken port for 30 s, then panics a thread
+/// and leaves the process up, answering `/healthz` with no proxy listening
+/// (pingora-core 0.9.1 src/listeners/l4.rs:243-287, src/services/listening.rs:293). The socket
+/// is set up as Pingora sets up its own (SO_REUSEADDR), so a port in TIME_WAIT is no failure.
+/// A port taken in the instant between this check and Pingora's bind still meets Pingora's
+/// behaviour.
+fn check_listeners(config: &Config) -> Result<(), String> {
+    let proxy = config.listen.iter().map(|l| (l.0, "listen"));
+    let admin = std::iter::once((config.admin.listen.0, "admin.listen"));
+    for (addr, what) in proxy.chain(admin) {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        };
+        socket
+            .and_then(|s| {
+                s.set_reuseaddr(true)?;
+                s.bind(addr)
+            })
+            .map_err(|e| format!("cannot listen on {addr} ({what}): {e}"))?;
+    }
+    Ok(())
+}
+
+/// The admin API can reload the config and shows its internals: say so when it listens beyond
+/// this machine with no token.
+fn warn_if_admin_exposed(config: &Config) {
+    let admin = config.admin.listen.0;
+    if !admin.ip().is_loopback() && config.admin.token_env.is_none() {
+        tracing::warn!(
+            target: "sluice::server",
+            admin = %admin,
+            "the admin API listens on a non-loopback address without admin.token_env: anyone who can reach it can POST /reload"
+        );
+    }
 }
 
 /// Turns SIGTERM and SIGINT into Pingora's graceful terminate (its own default makes SIGINT a

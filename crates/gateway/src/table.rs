@@ -17,7 +17,7 @@ use sluice_balancer::Pool;
 use sluice_state::StateStore;
 
 use crate::config::{
-    AdminConfig, Config, ListenAddr, MemberUrl, RouteConfig, Selection, StateConfig,
+    AdminConfig, Config, LimitsConfig, ListenAddr, MemberUrl, RouteConfig, Selection, StateConfig,
 };
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
@@ -136,6 +136,8 @@ pub struct Settings {
     pub threads: Option<NonZeroUsize>,
     /// `state`.
     pub state: StateConfig,
+    /// `limits`.
+    pub limits: LimitsConfig,
 }
 
 impl Settings {
@@ -145,6 +147,7 @@ impl Settings {
             admin: config.admin.clone(),
             threads: config.threads,
             state: config.state.clone(),
+            limits: config.limits.clone(),
         }
     }
 
@@ -154,6 +157,7 @@ impl Settings {
             || self.admin.listen != other.admin.listen
             || self.threads != other.threads
             || self.state != other.state
+            || self.limits != other.limits
     }
 }
 
@@ -212,6 +216,7 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
             peer.options.connection_timeout = Some(up.connect_timeout.0);
             peer.options.total_connection_timeout = Some(up.connect_timeout.0);
             peer.options.read_timeout = Some(up.read_timeout.0);
+            peer.options.write_timeout = Some(up.write_timeout.0);
             peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
             peer
         });

@@ -42,6 +42,8 @@ pub struct Config {
     pub state: StateConfig,
     /// The guard on destinations the client chooses (SPEC §7).
     pub egress: EgressConfig,
+    /// Bounds on client connections.
+    pub limits: LimitsConfig,
     /// The routes, matched as SPEC §3 says.
     pub routes: Vec<RouteConfig>,
 }
@@ -122,6 +124,7 @@ impl Config {
                 admin,
                 state,
                 egress,
+                limits,
                 routes: Some(routes),
             }) => {
                 let config = Config {
@@ -130,6 +133,7 @@ impl Config {
                     admin,
                     state,
                     egress,
+                    limits,
                     routes,
                 };
                 let problems = config.validate();
@@ -171,6 +175,8 @@ struct Document<R> {
     state: StateConfig,
     #[serde(default)]
     egress: EgressConfig,
+    #[serde(default)]
+    limits: LimitsConfig,
     #[serde(default)]
     routes: Option<Vec<R>>,
 }

@@ -50,6 +50,52 @@ impl Default for AdminConfig {
     }
 }
 
+/// `limits:` — what the proxy listeners let one client connection, and all of them together,
+/// hold. nginx and Envoy bound all of these by default; Pingora bounds none of them by itself
+/// (see `crate::limits`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Most client connections open at once on the proxy listeners; past it new ones are
+    /// answered 503 and closed. Absent: half of what the open-file limit leaves after a reserve,
+    /// since every client connection may need an upstream one too.
+    #[serde(default)]
+    pub max_connections: Option<NonZeroU32>,
+    /// How long a client connection may wait, idle, for its next request (nginx
+    /// `keepalive_timeout`); the first request of a connection included.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: Dur,
+    /// How long a request head may take to arrive whole, from its first byte (nginx
+    /// `client_header_timeout`, but for the whole head, not per read).
+    #[serde(default = "default_header_timeout")]
+    pub header_timeout: Dur,
+    /// The largest request head (request line and headers), in bytes; a larger one is answered
+    /// `431 header_too_large`.
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: NonZeroU32,
+}
+
+fn default_idle_timeout() -> Dur {
+    Dur(Duration::from_secs(60))
+}
+fn default_header_timeout() -> Dur {
+    Dur(Duration::from_secs(30))
+}
+fn default_max_header_bytes() -> NonZeroU32 {
+    NonZeroU32::new(64 * 1024).unwrap()
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_connections: None,
+            idle_timeout: default_idle_timeout(),
+            header_timeout: default_header_timeout(),
+            max_header_bytes: default_max_header_bytes(),
+        }
+    }
+}
+
 /// `state:` — where quota and least-used state lives.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -456,6 +502,9 @@ pub struct UpstreamConfig {
     /// Time allowed between two reads from the member.
     #[serde(default = "default_read_timeout")]
     pub read_timeout: Dur,
+    /// Time allowed for one write to the member (a member that stops reading an upload).
+    #[serde(default = "default_read_timeout")]
+    pub write_timeout: Dur,
     /// More attempts on other members after a connect failure or connect timeout.
     #[serde(default = "default_retries")]
     pub retries: u32,

@@ -647,3 +647,66 @@ fn egress_mistakes() {
         "10.1.0.0/16 is inside allow_cidrs[0] (10.0.0.0/8), and allow_cidrs win over deny",
     );
 }
+
+#[test]
+fn limits_have_defaults_and_are_checked() {
+    let config = parse("routes: []\n");
+    assert_eq!(config.limits, LimitsConfig::default());
+    assert_eq!(
+        config.limits.idle_timeout.0,
+        std::time::Duration::from_secs(60)
+    );
+    assert_eq!(
+        config.limits.header_timeout.0,
+        std::time::Duration::from_secs(30)
+    );
+    assert_eq!(config.limits.max_header_bytes.get(), 65536);
+    assert_eq!(config.limits.max_connections, None);
+
+    let config = parse(
+        "limits:\n  max_connections: 100\n  idle_timeout: 5s\n  header_timeout: 2s\n  max_header_bytes: 8192\nroutes: []\n",
+    );
+    assert_eq!(config.limits.max_connections.map(|n| n.get()), Some(100));
+    assert_eq!(
+        config.limits.idle_timeout.0,
+        std::time::Duration::from_secs(5)
+    );
+    assert_eq!(
+        config.limits.header_timeout.0,
+        std::time::Duration::from_secs(2)
+    );
+    assert_eq!(config.limits.max_header_bytes.get(), 8192);
+
+    one_error(
+        "limits:\n  max_header_bytes: 2000000\nroutes: []\n",
+        "2:21: limits.max_header_bytes",
+        "Pingora reads at most 1048575 bytes",
+    );
+    one_error(
+        "limits:\n  idle_timeout: 2d\nroutes: []\n",
+        "2:17: limits.idle_timeout",
+        "at most 1d",
+    );
+    one_error(
+        "limits:\n  max_connections: 0\nroutes: []\n",
+        "2:20: limits.max_connections",
+        "",
+    );
+    one_error(
+        "limits:\n  idle: 1s\nroutes: []\n",
+        "2:3: limits.idle",
+        "unknown field",
+    );
+}
+
+#[test]
+fn write_timeout_defaults_to_the_read_timeout_default() {
+    let config = parse("routes:\n  - name: a\n    upstream:\n      members: []\n");
+    let up = &config.routes[0].upstream;
+    assert_eq!(up.write_timeout, up.read_timeout);
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      write_timeout: 2d\n      members: []\n",
+        "4:22: routes[0].upstream.write_timeout",
+        "at most 1d",
+    );
+}

@@ -26,6 +26,10 @@ const MAX_DELAY: Duration = Duration::from_secs(86_400);
 /// a total that is at most a limit.
 const MAX_UNITS: u64 = 1 << 53;
 
+/// Pingora's own ceiling on a request head (`MAX_HEADER_SIZE`, pingora-core 0.9.1
+/// src/protocols/http/v1/common.rs:30); past it Pingora answers 400 before sluice sees the request.
+const MAX_HEADER_BYTES: u32 = 1_048_575;
+
 /// `d` in the config's own notation, in the largest unit that writes it whole: `366d`, `25h`.
 fn written(d: Duration) -> String {
     let us = d.as_micros();
@@ -109,6 +113,29 @@ impl Config {
                     "token_env must name an environment variable".to_string(),
                 ));
             }
+        }
+
+        let limits_at = YamlPath::root().key("limits");
+        for (d, key) in [
+            (self.limits.idle_timeout, "idle_timeout"),
+            (self.limits.header_timeout, "header_timeout"),
+        ] {
+            at_most(
+                &mut problems,
+                limits_at.clone().key(key),
+                d,
+                MAX_DELAY,
+                "a timeout",
+            );
+        }
+        if self.limits.max_header_bytes.get() > MAX_HEADER_BYTES {
+            problems.push((
+                limits_at.key("max_header_bytes"),
+                format!(
+                    "{} is too large: Pingora reads at most {MAX_HEADER_BYTES} bytes of request head",
+                    self.limits.max_header_bytes
+                ),
+            ));
         }
 
         let redis = self.state.redis.as_ref();
@@ -227,6 +254,7 @@ impl Config {
             for (d, key, what) in [
                 (up.connect_timeout, "connect_timeout", "a timeout"),
                 (up.read_timeout, "read_timeout", "a timeout"),
+                (up.write_timeout, "write_timeout", "a timeout"),
             ] {
                 at_most(&mut problems, up_at.clone().key(key), d, MAX_DELAY, what);
             }

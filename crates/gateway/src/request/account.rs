@@ -7,6 +7,13 @@ use pingora::proxy::Session;
 use super::{Failure, Gateway, RequestCtx};
 use crate::metrics::NO_ROUTE;
 
+/// Whether the member's response was cut after its head reached the client (a body shorter
+/// than its `Content-Length`, a connection closed mid-chunk). The status already sent says
+/// nothing of it; the client can only see its connection cut.
+fn truncated(session: &Session, e: &Error) -> bool {
+    session.response_written().is_some() && e.esource() == &ErrorSource::Upstream
+}
+
 pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ctx: &RequestCtx) {
     let elapsed = ctx.started.elapsed();
     let status = session
@@ -50,7 +57,10 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
         error: match ctx.failure {
             Some(Failure::Unreachable) => Some("upstream_unreachable"),
             Some(Failure::NoMember) => Some("no_member"),
-            None => e.map(|e| e.etype().as_str()),
+            None => e.map(|e| match truncated(session, e) {
+                true => "upstream_truncated",
+                false => e.etype().as_str(),
+            }),
         },
     });
 }

@@ -28,12 +28,27 @@ pub(crate) fn warn_store_error(route: &str, error: &StoreError, what: &str) {
     }
 }
 
+/// A 431 for a request head larger than `limits.max_header_bytes`. Pingora reads heads of up
+/// to 1 MiB (and answers 400 past that) before any hook runs, so this is the first place the
+/// size can be checked.
+fn oversized_head(gateway: &Gateway, session: &Session) -> Option<Problem> {
+    let size = session.as_http1()?.get_headers_raw_bytes().len();
+    let limit = gateway.max_header_bytes;
+    (size > limit).then(|| Problem::header_too_large(size, limit))
+}
+
 /// Admits the request or answers it. Returns whether the request was answered here.
 pub(crate) async fn admit(
     gateway: &Gateway,
     session: &mut Session,
     ctx: &mut RequestCtx,
 ) -> Result<bool> {
+    if let Some(p) = oversized_head(gateway, session) {
+        // What follows the head cannot be trusted to be framed as the client meant: close.
+        session.set_keepalive(None);
+        answer::problem(session, ctx, p).await?;
+        return Ok(true);
+    }
     let req = session.req_header();
     if req.method == Method::CONNECT {
         let p = Problem::method_not_allowed("CONNECT tunnels are not supported by sluice");

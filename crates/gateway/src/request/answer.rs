@@ -79,7 +79,8 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
         Some(Failure::Unreachable) if attempts > 0 => Some(Problem::unreachable(attempts)),
         _ => match e.esource() {
             ErrorSource::Upstream => Some(match e.etype() {
-                ErrorType::ReadTimedout | ErrorType::WriteTimedout => Problem::upstream_timeout(),
+                ErrorType::ReadTimedout => Problem::upstream_timeout(),
+                ErrorType::WriteTimedout => Problem::upstream_write_timeout(),
                 _ => Problem::upstream_error(),
             }),
             ErrorSource::Downstream => match e.etype() {

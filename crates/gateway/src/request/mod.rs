@@ -47,6 +47,8 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     in_flight: Arc<AtomicUsize>,
     state: Arc<dyn StateStore>,
+    /// `limits.max_header_bytes`.
+    max_header_bytes: usize,
 }
 
 impl Gateway {
@@ -56,12 +58,14 @@ impl Gateway {
         metrics: Arc<Metrics>,
         in_flight: Arc<AtomicUsize>,
         state: Arc<dyn StateStore>,
+        max_header_bytes: usize,
     ) -> Self {
         Gateway {
             table,
             metrics,
             in_flight,
             state,
+            max_header_bytes,
         }
     }
 }
@@ -181,6 +185,16 @@ impl ProxyHttp for Gateway {
 
     // No compression or other downstream modules: they cost time on every request.
     fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
+
+    // The head is parsed: the connection's header timer stops (see crate::limits).
+    async fn early_request_filter(
+        &self,
+        session: &mut Session,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        crate::limits::head_parsed(session.as_downstream());
+        Ok(())
+    }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         admit::admit(self, session, ctx).await

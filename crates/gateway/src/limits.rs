@@ -1,0 +1,488 @@
+//! Bounds on client connections (`limits:`): how many may be open, how long one may sit idle
+//! between requests, and how long a request head may take to arrive whole.
+//!
+//! Pingora 0.9 bounds none of these by itself:
+//! - it accepts every connection it is offered, until the process runs out of file
+//!   descriptors (and then the admin listener and upstream connections fail too);
+//! - after a first HTTP/1.1 request it keeps a connection open with *no* idle timeout
+//!   (`respect_keepalive` sets an infinite keep-alive, pingora-core 0.9.1
+//!   src/protocols/http/v1/server.rs:798-815, and `read_request_buf` then reads without a timer,
+//!   :225-228);
+//! - its header timeouts are per read (:220-240), so a client that trickles a header line
+//!   every few seconds holds a connection forever (slowloris).
+//!
+//! So the proxy service is wrapped here in [`LimitedApp`], a `ServerApp` that runs Pingora's own
+//! HTTP/1 connection loop (the blanket `ServerApp for HttpServerApp` of pingora-core
+//! src/apps/mod.rs:262-366, minus h2c and TLS ALPN, which sluice's plain-TCP listeners never
+//! use) around the proxy app, on a [`LimitedStream`]:
+//! - a connection first takes a slot of [`LimitedApp`]'s count; at `max_connections` it gets a
+//!   `503` and is closed at once;
+//! - the stream itself runs the idle and header timers, since only it sees when bytes arrive.
+//!   Between requests the idle timer runs; the first byte of a head starts the header timer,
+//!   and the proxy's first hook stops it ([`head_parsed`]) once Pingora has parsed the head.
+//!   Reading and answering the request are then bounded by the route's timeouts, as before.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use pingora::apps::{HttpServerApp, ServerApp};
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::raw_connect::ProxyDigest;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
+    TimingDigest, UniqueID, UniqueIDType, ALPN,
+};
+use pingora::server::ShutdownWatch;
+use prometheus::{IntCounter, IntGauge};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::Sleep;
+
+use crate::config::LimitsConfig;
+use crate::metrics::Metrics;
+
+/// File descriptors kept out of the connection cap's share: the admin listener and its
+/// clients, Redis, health checks, the config watcher, logs and Pingora's own.
+const RESERVED_FDS: u64 = 256;
+
+/// The limits in force, fixed at start.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most client connections open at once.
+    pub max_connections: usize,
+    /// Longest wait for the next request on an idle connection.
+    pub idle_timeout: Duration,
+    /// Longest time from the first byte of a request head to its end.
+    pub header_timeout: Duration,
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit, logs both, and works out the limits in
+/// force: without `max_connections`, half of what the descriptors allow after a reserve, since
+/// each client connection may hold an upstream connection too.
+pub fn prepare(config: &LimitsConfig) -> Limits {
+    let before = rlimit::Resource::NOFILE.get().ok();
+    let soft = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(soft) => soft,
+        Err(e) => {
+            tracing::warn!(target: "sluice::server", error = %e, "cannot raise the open-file limit (RLIMIT_NOFILE)");
+            before.map_or(1024, |(soft, _)| soft)
+        }
+    };
+    let hard = before.map_or(soft, |(_, hard)| hard);
+    let share = usize::try_from(soft.saturating_sub(RESERVED_FDS) / 2)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    let max_connections = match config.max_connections {
+        Some(n) => {
+            let n = n.get() as usize;
+            if n > share {
+                tracing::warn!(
+                    target: "sluice::server",
+                    max_connections = n,
+                    open_files = soft,
+                    "limits.max_connections is more than the open-file limit leaves room for (two descriptors per client connection, {RESERVED_FDS} in reserve): at the cap, accepts or upstream connections may fail"
+                );
+            }
+            n
+        }
+        None => share,
+    };
+    tracing::info!(
+        target: "sluice::server",
+        nofile_soft_before = before.map(|(soft, _)| soft),
+        nofile_soft = soft,
+        nofile_hard = hard,
+        max_connections,
+        "open-file limit"
+    );
+    Limits {
+        max_connections,
+        idle_timeout: config.idle_timeout.0,
+        header_timeout: config.header_timeout.0,
+    }
+}
+
+/// Tells the connection that its request head has been parsed, which stops the header timer.
+/// Called from the proxy's first hook. Does nothing on a stream that is not a [`LimitedStream`].
+pub fn head_parsed(session: &ServerSession) {
+    if let Some(stream) = session
+        .stream()
+        .and_then(|s| s.as_any().downcast_ref::<LimitedStream>())
+    {
+        stream.phase.store(IN_REQUEST, Ordering::Release);
+    }
+}
+
+/// Where a connection is in its life, shared by the stream (which sees bytes arrive), the
+/// proxy's hook (which sees a head parsed) and the connection loop (which sees a request end).
+const WAITING: u8 = 0;
+/// The first bytes of a head have arrived; the header timer runs.
+const IN_HEAD: u8 = 1;
+/// The head is parsed; sluice runs no timer of its own.
+const IN_REQUEST: u8 = 2;
+/// No timer armed yet.
+const UNARMED: u8 = u8::MAX;
+
+/// The proxy app, behind the connection cap and the idle and header timers.
+pub struct LimitedApp<A> {
+    inner: Arc<A>,
+    limits: Limits,
+    open: Arc<AtomicUsize>,
+    gauge: IntGauge,
+    closed_idle: IntCounter,
+    closed_head: IntCounter,
+    refused: IntCounter,
+    /// When a refusal was last logged, in seconds since start; refusals come in floods.
+    refusal_logged: AtomicU64,
+    started: Instant,
+}
+
+impl<A> LimitedApp<A> {
+    /// Wraps `inner`.
+    pub fn new(inner: A, limits: Limits, metrics: &Metrics) -> LimitedApp<A> {
+        let closed = |reason: &str| metrics.connections_closed.with_label_values(&[reason]);
+        LimitedApp {
+            inner: Arc::new(inner),
+            limits,
+            open: Arc::new(AtomicUsize::new(0)),
+            gauge: metrics.connections_open.clone(),
+            closed_idle: closed("idle_timeout"),
+            closed_head: closed("header_timeout"),
+            refused: closed("max_connections"),
+            refusal_logged: AtomicU64::new(u64::MAX),
+            started: Instant::now(),
+        }
+    }
+
+    /// Takes a connection slot, or None at the cap.
+    fn take_slot(&self) -> Option<Slot> {
+        let mut open = self.open.load(Ordering::Relaxed);
+        loop {
+            if open >= self.limits.max_connections {
+                return None;
+            }
+            match self.open.compare_exchange_weak(
+                open,
+                open + 1,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    self.gauge.inc();
+                    return Some(Slot {
+                        open: self.open.clone(),
+                        gauge: self.gauge.clone(),
+                    });
+                }
+                Err(now) => open = now,
+            }
+        }
+    }
+
+    /// Answers a connection over the cap with a 503 and closes it, without reading anything:
+    /// the point is to spend as little as possible on it.
+    async fn refuse(&self, mut stream: Stream) {
+        self.refused.inc();
+        let now = self.started.elapsed().as_secs();
+        if self.refusal_logged.swap(now, Ordering::Relaxed) != now {
+            tracing::warn!(
+                target: "sluice::server",
+                max_connections = self.limits.max_connections,
+                "connection refused: limits.max_connections client connections are open (logged at most once a second)"
+            );
+        }
+        let (_, body) =
+            crate::problem::render(&crate::problem::Problem::too_many_connections(), None);
+        let head = format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nx-sluice-error: too_many_connections\r\nretry-after: 1\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let write = async {
+            stream.write_all(head.as_bytes()).await?;
+            stream.write_all(&body).await?;
+            stream.flush().await
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+        Shutdown::shutdown(&mut *stream).await;
+    }
+}
+
+/// One open client connection, counted until dropped.
+struct Slot {
+    open: Arc<AtomicUsize>,
+    gauge: IntGauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+        self.gauge.dec();
+    }
+}
+
+#[async_trait]
+impl<A> ServerApp for LimitedApp<A>
+where
+    A: HttpServerApp + Send + Sync + 'static,
+{
+    async fn process_new(
+        self: &Arc<Self>,
+        stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let Some(slot) = self.take_slot() else {
+            self.refuse(stream).await;
+            return None;
+        };
+        let stream = LimitedStream::new(stream, slot, self);
+        let phase = stream.phase.clone();
+        let mut session = ServerSession::new_http1(Box::new(stream));
+        // Pingora's own keep-alive timer is per read; sluice's idle timer is the one that
+        // counts, and this one only backs it up.
+        session.set_keepalive(if *shutdown.borrow() {
+            None
+        } else {
+            Some(self.limits.idle_timeout.as_secs().max(1) + 1)
+        });
+        session.set_keepalive_reuses_remaining(
+            self.inner
+                .server_options()
+                .and_then(|o| o.keepalive_request_limit),
+        );
+        // Answer pipelined requests one after the other (RFC 9112 §9.3.2) instead of closing
+        // the connection after the first answer and dropping the rest, Pingora's default.
+        session.set_pipelining_enabled(true);
+        let mut result = self.inner.process_new_http(session, shutdown).await;
+        while let Some((stream, settings)) = result.map(|r| r.consume()) {
+            phase.store(WAITING, Ordering::Release);
+            let mut session = ServerSession::new_http1(stream);
+            if let Some(settings) = settings {
+                settings.apply_to_session(&mut session);
+            }
+            result = self.inner.process_new_http(session, shutdown).await;
+        }
+        None
+    }
+
+    async fn cleanup(&self) {
+        self.inner.http_cleanup().await;
+    }
+}
+
+/// A client connection that runs sluice's idle and header timers, and holds its slot of the
+/// connection count until it is dropped.
+pub struct LimitedStream {
+    inner: Stream,
+    phase: Arc<AtomicU8>,
+    /// The phase `timer` was armed for.
+    armed: u8,
+    /// One timer per connection, reset at each phase change (no allocation per request).
+    timer: Pin<Box<Sleep>>,
+    /// Whether `timer` counts for the current phase.
+    timing: bool,
+    idle_timeout: Duration,
+    header_timeout: Duration,
+    closed_idle: IntCounter,
+    closed_head: IntCounter,
+    _slot: Slot,
+}
+
+impl std::fmt::Debug for LimitedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LimitedStream")
+            .field("inner", &self.inner)
+            .field("phase", &self.phase)
+            .finish()
+    }
+}
+
+impl LimitedStream {
+    fn new<A>(inner: Stream, slot: Slot, app: &LimitedApp<A>) -> LimitedStream {
+        LimitedStream {
+            inner,
+            phase: Arc::new(AtomicU8::new(WAITING)),
+            armed: UNARMED,
+            timer: Box::pin(tokio::time::sleep(app.limits.idle_timeout)),
+            timing: false,
+            idle_timeout: app.limits.idle_timeout,
+            header_timeout: app.limits.header_timeout,
+            closed_idle: app.closed_idle.clone(),
+            closed_head: app.closed_head.clone(),
+            _slot: slot,
+        }
+    }
+
+    /// Arms the timer of the current phase when the phase changed since it was last armed.
+    fn follow_phase(&mut self) {
+        let phase = self.phase.load(Ordering::Acquire);
+        if phase == self.armed {
+            return;
+        }
+        self.armed = phase;
+        let limit = match phase {
+            WAITING => Some(self.idle_timeout),
+            IN_HEAD => Some(self.header_timeout),
+            _ => None,
+        };
+        self.timing = limit.is_some();
+        if let Some(limit) = limit {
+            self.timer
+                .as_mut()
+                .reset(tokio::time::Instant::now() + limit);
+        }
+    }
+
+    /// What a read returns once the current phase's timer has fired: end of stream for an idle
+    /// connection (Pingora then closes it quietly), an error for a head that is late.
+    fn expired(&mut self) -> io::Result<()> {
+        self.timing = false;
+        if self.armed == WAITING {
+            self.closed_idle.inc();
+            Ok(())
+        } else {
+            self.closed_head.inc();
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the request head did not arrive within limits.header_timeout",
+            ))
+        }
+    }
+}
+
+impl AsyncRead for LimitedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.follow_phase();
+        // Checked before reading too: a client that trickles bytes keeps every read ready.
+        if this.timing && this.timer.is_elapsed() {
+            return Poll::Ready(this.expired());
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before
+                    && this
+                        .phase
+                        .compare_exchange(WAITING, IN_HEAD, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                {
+                    // The first bytes of a head: the whole head must now arrive in time.
+                    this.follow_phase();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                if this.timing && this.timer.as_mut().poll(cx).is_ready() {
+                    Poll::Ready(this.expired())
+                } else {
+                    Poll::Pending
+                }
+            }
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for LimitedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[async_trait]
+impl Shutdown for LimitedStream {
+    async fn shutdown(&mut self) {
+        Shutdown::shutdown(&mut *self.inner).await
+    }
+}
+
+impl UniqueID for LimitedStream {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+// The proxy listeners are plain TCP, so `get_ssl` keeps its default (None).
+impl Ssl for LimitedStream {
+    fn get_ssl_digest(&self) -> Option<Arc<pingora::protocols::tls::SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for LimitedStream {
+    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+
+    fn get_read_pending_time(&self) -> Duration {
+        self.inner.get_read_pending_time()
+    }
+
+    fn get_write_pending_time(&self) -> Duration {
+        self.inner.get_write_pending_time()
+    }
+}
+
+impl GetProxyDigest for LimitedStream {
+    fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+
+    fn set_proxy_digest(&mut self, digest: ProxyDigest) {
+        self.inner.set_proxy_digest(digest)
+    }
+}
+
+impl GetSocketDigest for LimitedStream {
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+
+    fn set_socket_digest(&mut self, digest: SocketDigest) {
+        self.inner.set_socket_digest(digest)
+    }
+}
+
+#[async_trait]
+impl Peek for LimitedStream {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
