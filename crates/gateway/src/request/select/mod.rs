@@ -317,4 +317,43 @@ mod tests {
         drop(attempt);
         assert_eq!(pool.healthy_count(), 1, "the trial succeeded");
     }
+
+    fn three_members() -> Arc<Members> {
+        let specs = (0..3)
+            .map(|i| MemberSpec {
+                id: format!("m{i}").into(),
+                weight: 1,
+                health: Arc::new(MemberHealth::new()),
+            })
+            .collect();
+        Arc::new(Members::new(
+            specs,
+            HealthPolicy::default(),
+            Arc::new(Quiet),
+        ))
+    }
+
+    #[test]
+    fn a_replacing_policy_goes_on_from_the_previous_position() {
+        let route: Arc<str> = "r".into();
+        let pool = three_members();
+        let old = Policy::new(Selection::RoundRobin, &route, &pool, None);
+        let schedule = old.schedule().unwrap().clone();
+        schedule.pick(Instant::now(), |_| false);
+        schedule.pick(Instant::now(), |_| false);
+
+        let same = Policy::new(Selection::RoundRobin, &route, &pool, Some(&old));
+        assert!(
+            Arc::ptr_eq(same.schedule().unwrap(), &schedule),
+            "an unchanged member set keeps its schedule, shared with requests of the old table"
+        );
+
+        let moved = Policy::new(Selection::LeastUsed, &route, &three_members(), Some(&same));
+        let fallback = moved.schedule().unwrap();
+        assert!(!Arc::ptr_eq(fallback, &schedule));
+        assert_eq!(fallback.cursor(), 2, "a new member set goes on from there");
+
+        let priority = Policy::new(Selection::Priority, &route, &pool, Some(&moved));
+        assert!(priority.schedule().is_none(), "priority needs no schedule");
+    }
 }
