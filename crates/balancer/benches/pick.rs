@@ -1,4 +1,5 @@
-//! `Pool::pick` on the request path, and the schedule rebuild a health change triggers.
+//! `WeightedRoundRobin::pick` on the request path, and the schedule rebuild a health change
+//! triggers.
 //!
 //! Run: `cargo bench -p sluice-balancer --bench pick -- --warm-up-time 1 --measurement-time 3`.
 //! Every `pick` measured here includes one `Instant::now()`, as on the request path; the
@@ -10,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use sluice_balancer::{
-    HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Pool, Schedule, Transition,
+    HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Members, Schedule, Transition,
+    WeightedRoundRobin,
 };
 
 const SIZES: [usize; 3] = [3, 100, 10_000];
@@ -44,7 +46,7 @@ impl Weights {
     }
 }
 
-fn pool(n: usize, weights: Weights) -> Pool {
+fn pool(n: usize, weights: Weights) -> Arc<WeightedRoundRobin> {
     let members = (0..n)
         .map(|i| MemberSpec {
             id: format!("http://10.0.{}.{}:80", i / 256, i % 256).into(),
@@ -58,11 +60,11 @@ fn pool(n: usize, weights: Weights) -> Pool {
         cooldown: Duration::from_secs(24 * 3600),
         active: None,
     };
-    Pool::new(members, policy, Arc::new(Quiet))
+    WeightedRoundRobin::new(Arc::new(Members::new(members, policy, Arc::new(Quiet))))
 }
 
 /// Marks every tenth member down (at least one), through the same passive path live traffic uses.
-fn mark_tenth_down(pool: &Pool) -> usize {
+fn mark_tenth_down(pool: &Members) -> usize {
     let n = pool.members().len();
     let down = (n / 10).max(1);
     let now = Instant::now();
@@ -83,7 +85,7 @@ fn bench_pick(c: &mut Criterion) {
                 |b| b.iter(|| black_box(p.pick(Instant::now(), |_| false))),
             );
             let p = pool(n, weights);
-            mark_tenth_down(&p);
+            mark_tenth_down(p.members());
             group.bench_function(
                 BenchmarkId::new(format!("{}/tenth_down", weights.name()), n),
                 |b| b.iter(|| black_box(p.pick(Instant::now(), |_| false))),

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio::task::JoinHandle;
 
-use crate::pool::Pool;
+use crate::members::Members;
 
 /// One way of asking a member whether it is healthy. The gateway implements HTTP probes over
 /// its own connector; [`TcpProbe`] is the simplest kind.
@@ -48,7 +48,7 @@ pub struct ActiveCheck {
 pub type ProbeReport = Arc<dyn Fn(bool, Instant) + Send + Sync>;
 
 /// Reports to member `index` of `pool`.
-pub fn report_to(pool: Arc<Pool>, index: usize) -> ProbeReport {
+pub fn report_to(pool: Arc<Members>, index: usize) -> ProbeReport {
     Arc::new(move |ok, now| pool.report_probe(index, ok, now))
 }
 
@@ -96,7 +96,7 @@ mod tests {
         drop(listener);
 
         let recorder = Arc::new(Recorder::default());
-        let pool = Arc::new(Pool::new(
+        let pool = Arc::new(Members::new(
             vec![MemberSpec {
                 id: "m".into(),
                 weight: 1,

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use http::HeaderValue;
 use pingora::upstreams::peer::HttpPeer;
 use prometheus::{Histogram, IntCounter};
-use sluice_balancer::Pool;
+use sluice_balancer::Members;
 use sluice_state::StateStore;
 
 use crate::config::{
@@ -48,7 +48,7 @@ pub struct Route {
     /// The route as configured.
     pub config: RouteConfig,
     /// Members and their health.
-    pub pool: Arc<Pool>,
+    pub pool: Arc<Members>,
     /// Per-member data for proxying, indexed like `pool.members()`; shared with the previous
     /// table when the upstream is unchanged.
     pub members: Arc<[Member]>,
@@ -193,7 +193,7 @@ async fn build_route(
         selection: up.selection,
         // A new policy per table: least-used writes this table's member list to the store on
         // the route's first request.
-        policy: Policy::new(up.selection, &name, &pool),
+        policy: Policy::new(up.selection, &name, &pool, before.map(|b| &b.policy)),
         pool,
         members,
         config: rc.clone(),

@@ -13,7 +13,7 @@ use pingora::http::RequestHeader;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use pingora::upstreams::peer::HttpPeer;
-use sluice_balancer::{spawn_active_check, ActiveCheck, Pool, Probe, ProbeReport, TcpProbe};
+use sluice_balancer::{spawn_active_check, ActiveCheck, Members, Probe, ProbeReport, TcpProbe};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
@@ -85,7 +85,7 @@ struct CheckKey {
 
 /// A running check and where it reports: the member's place in the current table's pool.
 struct Running {
-    target: Arc<ArcSwap<(Arc<Pool>, usize)>>,
+    target: Arc<ArcSwap<(Arc<Members>, usize)>>,
     task: JoinHandle<()>,
 }
 

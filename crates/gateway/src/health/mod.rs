@@ -2,9 +2,10 @@
 //! reload, what happens when a member goes up or down, and the active checks.
 //!
 //! The balancer crate owns the state machine ([`sluice_balancer::MemberHealth`]) and the
-//! healthy set behind round-robin ([`Pool`]); this module wires them to the gateway:
-//! - [`pool_for`] builds a route's pool, with each surviving member's health and the
-//!   round-robin position carried over from the table it replaces;
+//! member set that every selection policy reads ([`Members`]); this module wires them to the
+//! gateway:
+//! - [`pool_for`] builds a route's pool, with each surviving member's health carried over from
+//!   the table it replaces (its round-robin position is the selection policy's to carry);
 //! - [`HealthLog`] logs transitions, mirrors them in `sluice_member_healthy`, and applies
 //!   least-used's `on_restore: min`;
 //! - [`checks`] runs one active check task per checked member, across reloads.
@@ -14,7 +15,9 @@ pub mod checks;
 use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus::IntGauge;
-use sluice_balancer::{HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Pool, Transition};
+use sluice_balancer::{
+    HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Members, Transition,
+};
 use sluice_state::StateStore;
 
 use crate::config::{OnRestore, RouteConfig, Selection};
@@ -24,14 +27,14 @@ use crate::table::Route;
 pub use checks::{HealthChecks, HealthSupervisor};
 
 /// The pool of a route's members. A member that survives a reload (same id in the route it
-/// replaces) keeps its health, and round-robin goes on from where it was.
+/// replaces) keeps its health.
 pub(crate) fn pool_for(
     name: &Arc<str>,
     rc: &RouteConfig,
     metrics: &Metrics,
     state: &Arc<dyn StateStore>,
     before: Option<&Route>,
-) -> Arc<Pool> {
+) -> Arc<Members> {
     let up = &rc.upstream;
     let policy = HealthPolicy {
         passive_fall: up.passive.fall.get(),
@@ -70,12 +73,9 @@ pub(crate) fn pool_for(
         route: name.clone(),
         gauges,
     });
-    let pool = Arc::new(Pool::new(specs, policy, observer.clone()));
+    let pool = Arc::new(Members::new(specs, policy, observer.clone()));
     if let Some(r) = &observer.restore {
         let _ = r.pool.set(Arc::downgrade(&pool));
-    }
-    if let Some(b) = before {
-        pool.resume_at(b.pool.cursor());
     }
     pool
 }
@@ -111,7 +111,7 @@ impl HealthObserver for HealthLog {
 struct RestoreToMin {
     state: Arc<dyn StateStore>,
     /// Set right after the pool is built (the pool owns this observer, hence `Weak`).
-    pool: OnceLock<Weak<Pool>>,
+    pool: OnceLock<Weak<Members>>,
 }
 
 impl RestoreToMin {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_balancer::Pool;
+use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_state::{Acquire, Assignment, StateStore};
 
 use super::{charge, Admission, Attempt, RoundRobin, Selector, Tried};
@@ -17,7 +17,10 @@ use super::{charge, Admission, Attempt, RoundRobin, Selector, Tried};
 /// Least-used over a pool whose counts live in the state store.
 pub(crate) struct LeastUsed {
     route: Arc<str>,
-    pool: Arc<Pool>,
+    pool: Arc<Members>,
+    /// Round-robin over the same members, for when the store cannot answer; only this needs
+    /// a schedule.
+    fallback: RoundRobin,
     /// Every member's id, in config order, as the store takes them.
     ids: Arc<[Arc<str>]>,
     /// Member id → index, to map the store's answer back to a member.
@@ -28,7 +31,7 @@ pub(crate) struct LeastUsed {
 }
 
 impl LeastUsed {
-    pub(crate) fn new(route: Arc<str>, pool: Arc<Pool>) -> LeastUsed {
+    pub(crate) fn new(route: Arc<str>, pool: Arc<Members>, fallback: RoundRobin) -> LeastUsed {
         let ids: Arc<[Arc<str>]> = pool.members().iter().map(|m| m.id.clone()).collect();
         let index_of = ids
             .iter()
@@ -38,10 +41,16 @@ impl LeastUsed {
         LeastUsed {
             route,
             pool,
+            fallback,
             ids,
             index_of,
             synced: AtomicBool::new(false),
         }
+    }
+
+    /// The fallback's schedule, whose position a replacing table carries on from.
+    pub(crate) fn schedule(&self) -> &Arc<WeightedRoundRobin> {
+        self.fallback.schedule()
     }
 
     /// Ids of the members that are down, for exclusion.
@@ -70,7 +79,7 @@ impl LeastUsed {
     fn attempt_for(&self, member: &str, tried: &Tried) -> Option<Attempt> {
         match self.index_of.get(member) {
             Some(&index) => Some(Attempt::new(self.pool.clone(), index, false)),
-            None => RoundRobin::pick(&self.pool, tried),
+            None => self.fallback.pick(tried),
         }
     }
 }
@@ -103,7 +112,7 @@ impl Selector for LeastUsed {
 
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
         if tried.fallback {
-            return RoundRobin::pick(&self.pool, tried);
+            return self.fallback.pick(tried);
         }
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
@@ -113,7 +122,7 @@ impl Selector for LeastUsed {
             Err(error) => {
                 tracing::debug!(route = %self.route, %error, "least-used retry falls back to round-robin");
                 tried.fallback = true;
-                RoundRobin::pick(&self.pool, tried)
+                self.fallback.pick(tried)
             }
         }
     }

@@ -20,7 +20,7 @@ mod round_robin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_balancer::Pool;
+use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_state::{Acquire, Outcome, StateStore, StoreError};
 
 use crate::config::Selection;
@@ -81,12 +81,30 @@ macro_rules! each_policy {
 }
 
 impl Policy {
-    /// The policy `selection` names, over `pool`.
-    pub(crate) fn new(selection: Selection, route: &Arc<str>, pool: &Arc<Pool>) -> Policy {
+    /// The policy `selection` names, over `pool`. `before` is the route's policy in the table
+    /// this one replaces: round-robin goes on from where it was.
+    pub(crate) fn new(
+        selection: Selection,
+        route: &Arc<str>,
+        pool: &Arc<Members>,
+        before: Option<&Policy>,
+    ) -> Policy {
+        let round_robin = || RoundRobin::new(schedule_for(pool, before));
         match selection {
-            Selection::RoundRobin => Policy::RoundRobin(RoundRobin::new(pool.clone())),
-            Selection::LeastUsed => Policy::LeastUsed(LeastUsed::new(route.clone(), pool.clone())),
+            Selection::RoundRobin => Policy::RoundRobin(round_robin()),
+            Selection::LeastUsed => {
+                Policy::LeastUsed(LeastUsed::new(route.clone(), pool.clone(), round_robin()))
+            }
             Selection::Priority => Policy::Priority(Priority::new(pool.clone())),
+        }
+    }
+
+    /// The round-robin schedule this policy picks from, least-used's fallback included.
+    fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
+        match self {
+            Policy::RoundRobin(p) => Some(p.schedule()),
+            Policy::LeastUsed(p) => Some(p.schedule()),
+            Policy::Priority(_) => None,
         }
     }
 
@@ -103,6 +121,24 @@ impl Policy {
     }
 }
 
+/// The round-robin schedule over `pool`. A table that keeps the previous table's member set
+/// (its upstream is unchanged) keeps its schedule too, so requests of both tables share one
+/// cursor; a new member set gets a new schedule that goes on from the old position, so a
+/// reload does not send the next requests to the first members again.
+fn schedule_for(pool: &Arc<Members>, before: Option<&Policy>) -> Arc<WeightedRoundRobin> {
+    let before = before.and_then(Policy::schedule);
+    match before {
+        Some(b) if Arc::ptr_eq(b.members(), pool) => b.clone(),
+        _ => {
+            let schedule = WeightedRoundRobin::new(pool.clone());
+            if let Some(b) = before {
+                schedule.resume_at(b.cursor());
+            }
+            schedule
+        }
+    }
+}
+
 /// One try of one member: the request's claim on it, until the try's outcome is known.
 ///
 /// A down member's single trial request is a claim on the whole member: nobody else may try
@@ -110,14 +146,14 @@ impl Policy {
 /// gone, an error before connecting), dropping the attempt gives the trial back, so the member
 /// is tried again by the next request rather than waiting forever.
 pub(crate) struct Attempt {
-    pool: Arc<Pool>,
+    pool: Arc<Members>,
     index: usize,
     trial: bool,
     settled: bool,
 }
 
 impl Attempt {
-    pub(crate) fn new(pool: Arc<Pool>, index: usize, trial: bool) -> Attempt {
+    pub(crate) fn new(pool: Arc<Members>, index: usize, trial: bool) -> Attempt {
         Attempt {
             pool,
             index,
@@ -239,13 +275,13 @@ mod tests {
     }
 
     /// A passive-only pool of one member, down and due for its trial.
-    fn pool_with_a_due_trial() -> Arc<Pool> {
+    fn pool_with_a_due_trial() -> Arc<Members> {
         let policy = HealthPolicy {
             passive_fall: 1,
             cooldown: Duration::ZERO,
             active: None,
         };
-        let pool = Arc::new(Pool::new(
+        let pool = Arc::new(Members::new(
             vec![MemberSpec {
                 id: "m".into(),
                 weight: 1,
@@ -280,5 +316,44 @@ mod tests {
         attempt.connected();
         drop(attempt);
         assert_eq!(pool.healthy_count(), 1, "the trial succeeded");
+    }
+
+    fn three_members() -> Arc<Members> {
+        let specs = (0..3)
+            .map(|i| MemberSpec {
+                id: format!("m{i}").into(),
+                weight: 1,
+                health: Arc::new(MemberHealth::new()),
+            })
+            .collect();
+        Arc::new(Members::new(
+            specs,
+            HealthPolicy::default(),
+            Arc::new(Quiet),
+        ))
+    }
+
+    #[test]
+    fn a_replacing_policy_goes_on_from_the_previous_position() {
+        let route: Arc<str> = "r".into();
+        let pool = three_members();
+        let old = Policy::new(Selection::RoundRobin, &route, &pool, None);
+        let schedule = old.schedule().unwrap().clone();
+        schedule.pick(Instant::now(), |_| false);
+        schedule.pick(Instant::now(), |_| false);
+
+        let same = Policy::new(Selection::RoundRobin, &route, &pool, Some(&old));
+        assert!(
+            Arc::ptr_eq(same.schedule().unwrap(), &schedule),
+            "an unchanged member set keeps its schedule, shared with requests of the old table"
+        );
+
+        let moved = Policy::new(Selection::LeastUsed, &route, &three_members(), Some(&same));
+        let fallback = moved.schedule().unwrap();
+        assert!(!Arc::ptr_eq(fallback, &schedule));
+        assert_eq!(fallback.cursor(), 2, "a new member set goes on from there");
+
+        let priority = Policy::new(Selection::Priority, &route, &pool, Some(&moved));
+        assert!(priority.schedule().is_none(), "priority needs no schedule");
     }
 }

@@ -5,18 +5,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_balancer::Pool;
+use sluice_balancer::Members;
 use sluice_state::{Acquire, StateStore};
 
 use super::{charge, Admission, Attempt, Selector, Tried};
 
 /// Priority over a pool; the quota, if any, is charged in the store.
 pub(crate) struct Priority {
-    pool: Arc<Pool>,
+    pool: Arc<Members>,
 }
 
 impl Priority {
-    pub(crate) fn new(pool: Arc<Pool>) -> Priority {
+    pub(crate) fn new(pool: Arc<Members>) -> Priority {
         Priority { pool }
     }
 
