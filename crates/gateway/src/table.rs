@@ -17,7 +17,7 @@ use sluice_balancer::Pool;
 use sluice_state::StateStore;
 
 use crate::config::{
-    AdminConfig, Config, ListenAddr, MemberUrl, RouteConfig, Selection, StateConfig,
+    AdminConfig, Config, ListenAddr, MemberKind, MemberUrl, RouteConfig, Selection, StateConfig,
 };
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
@@ -66,8 +66,10 @@ pub struct Route {
 
 /// What proxying to one member needs.
 pub struct Member {
-    /// The member's URL.
+    /// The member's URL: its identity (for a proxy, without credentials).
     pub url: MemberUrl,
+    /// Origin, proxy or direct.
+    pub kind: MemberKind,
     /// The prebuilt peer; `None` when the member's host did not resolve.
     pub peer: Option<HttpPeer>,
     /// Host header value for `preserve_host: false`.
@@ -207,7 +209,12 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
                 .upstream_attempts
                 .with_label_values(&[name, &m.url.url, outcome])
         };
-        let peer = resolve(&m.url).await.map(|addr| {
+        // A direct member has no address of its own: each request resolves its target.
+        let address = match m.kind {
+            MemberKind::Direct => None,
+            _ => resolve(&m.url).await,
+        };
+        let peer = address.map(|addr| {
             let mut peer = HttpPeer::new(addr, m.url.tls, m.url.host.clone());
             peer.options.connection_timeout = Some(up.connect_timeout.0);
             peer.options.total_connection_timeout = Some(up.connect_timeout.0);
@@ -219,6 +226,7 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
             host_header: HeaderValue::from_str(&m.url.authority())
                 .unwrap_or_else(|_| HeaderValue::from_static("invalid")),
             url: m.url.clone(),
+            kind: m.kind.clone(),
             peer,
             attempts_ok: labels("ok"),
             attempts_connect_failure: labels("connect_failure"),
