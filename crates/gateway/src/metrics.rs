@@ -28,6 +28,11 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// `sluice_selection_fallbacks_total{route}`
     pub selection_fallbacks: IntCounterVec,
+    /// `sluice_tunnels_active{route}`: CONNECT tunnels open now.
+    pub tunnels_active: IntGaugeVec,
+    /// `sluice_tunnel_bytes_total{route,direction}`: bytes carried by tunnels; direction is
+    /// `up` (client to member) or `down`.
+    pub tunnel_bytes: IntCounterVec,
 }
 
 impl Metrics {
@@ -71,6 +76,19 @@ impl Metrics {
             "Requests routed by in-process round-robin because the least-used store failed.",
             &["route"],
         );
+        let tunnel_bytes = counter(
+            "sluice_tunnel_bytes_total",
+            "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
+            &["route", "direction"],
+        );
+        let tunnels_active = IntGaugeVec::new(
+            Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
+            &["route"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(tunnels_active.clone()))
+            .expect("unique metric");
         let request_duration = HistogramVec::new(
             HistogramOpts::new(
                 "sluice_request_duration_seconds",
@@ -107,6 +125,8 @@ impl Metrics {
             config_reloads,
             store_errors,
             selection_fallbacks,
+            tunnels_active,
+            tunnel_bytes,
         }
     }
 

@@ -22,6 +22,7 @@ use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
 use crate::request::Gateway;
 use crate::table::Table;
+use crate::tunnel::{Front, Tunnels};
 
 /// The longest a graceful stop waits for requests in flight before it cuts them.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
@@ -104,17 +105,20 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         in_flight.clone(),
         state.clone(),
     );
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(
-        &server.configuration,
-        gateway,
-        "sluice proxy",
+    // CONNECT tunnels (crate::tunnel): the listeners' app looks at each new connection first
+    // and hands anything but a CONNECT to Pingora's HttpProxy, unchanged.
+    let mut http = pingora::proxy::http_proxy(&server.configuration, gateway);
+    let mut options = HttpServerOptions::default();
+    // A CONNECT later on a kept-alive connection reaches request_filter, which answers 405.
+    options.allow_connect_method_proxying = true;
+    http.server_options = Some(options);
+    let tunnels = Tunnels::new(
+        table.clone(),
+        metrics.clone(),
+        in_flight.clone(),
+        state.clone(),
     );
-    if let Some(app) = proxy.app_logic_mut() {
-        let mut options = HttpServerOptions::default();
-        // Let CONNECT reach our request_filter, which answers it with problem+json.
-        options.allow_connect_method_proxying = true;
-        app.server_options = Some(options);
-    }
+    let mut proxy = Service::new("sluice proxy".to_string(), Front::new(http, tunnels));
     for addr in &config.listen {
         proxy.add_tcp(&addr.0.to_string());
     }

@@ -52,5 +52,6 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
             Some(Failure::NoMember) => Some("no_member"),
             None => e.map(|e| e.etype().as_str()),
         },
+        tunnel: None,
     });
 }

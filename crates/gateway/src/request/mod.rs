@@ -71,7 +71,7 @@ impl Gateway {
 pub struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
-    fn enter(count: &Arc<AtomicUsize>) -> InFlight {
+    pub(crate) fn enter(count: &Arc<AtomicUsize>) -> InFlight {
         count.fetch_add(1, Ordering::AcqRel);
         InFlight(count.clone())
     }
