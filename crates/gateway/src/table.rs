@@ -18,6 +18,7 @@ use sluice_state::StateStore;
 
 use crate::config::{
     AdminConfig, Config, ListenAddr, MemberKind, MemberUrl, RouteConfig, Selection, StateConfig,
+    UpstreamConfig,
 };
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
@@ -214,14 +215,7 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
             MemberKind::Direct => None,
             _ => resolve(&m.url).await,
         };
-        let peer = address.map(|addr| {
-            let mut peer = HttpPeer::new(addr, m.url.tls, m.url.host.clone());
-            peer.options.connection_timeout = Some(up.connect_timeout.0);
-            peer.options.total_connection_timeout = Some(up.connect_timeout.0);
-            peer.options.read_timeout = Some(up.read_timeout.0);
-            peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
-            peer
-        });
+        let peer = address.map(|addr| peer_for(addr, m.url.tls, m.url.host.clone(), up));
         members.push(Member {
             host_header: HeaderValue::from_str(&m.url.authority())
                 .unwrap_or_else(|_| HeaderValue::from_static("invalid")),
@@ -234,6 +228,16 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
         });
     }
     members.into()
+}
+
+/// A Pingora peer at `addr` with the upstream's timeouts; `sni` is the TLS server name.
+pub(crate) fn peer_for(addr: SocketAddr, tls: bool, sni: String, up: &UpstreamConfig) -> HttpPeer {
+    let mut peer = HttpPeer::new(addr, tls, sni);
+    peer.options.connection_timeout = Some(up.connect_timeout.0);
+    peer.options.total_connection_timeout = Some(up.connect_timeout.0);
+    peer.options.read_timeout = Some(up.read_timeout.0);
+    peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
+    peer
 }
 
 /// Resolves a member's host once. An IP literal needs no lookup; a name that fails to resolve

@@ -11,7 +11,7 @@ use sluice_state::{Acquire, StateStore, StoreError};
 
 use super::select::{Admission, Attempt};
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
-use crate::config::OnStoreError;
+use crate::config::{MemberKind, OnStoreError};
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::table::Route;
@@ -78,10 +78,16 @@ pub(crate) async fn admit(
         answer::problem(session, ctx, Problem::no_route()).await?;
         return Ok(true);
     };
-    if target.scheme == Some(Scheme::Https) && !route.members.iter().all(|m| m.url.tls) {
+    // A direct member reaches an https:// target with TLS itself; a proxy would get it in
+    // cleartext.
+    let tls_to_target = |m: &crate::table::Member| m.url.tls || m.kind == MemberKind::Direct;
+    if target.scheme == Some(Scheme::Https) && !route.members.iter().all(tls_to_target) {
         ctx.route = Some(route);
         answer::problem(session, ctx, Problem::cleartext_https()).await?;
         return Ok(true);
+    }
+    if route.members.iter().any(|m| m.kind.reaches_target()) {
+        ctx.target.dest = Some(super::Dest::of(&target));
     }
     let cost = route
         .quota
