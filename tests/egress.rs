@@ -574,3 +574,62 @@ async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
     assert_eq!(lines.len(), 1, "{lines:#?}");
     assert_eq!(lines[0]["status"], 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_through_a_direct_member_reaches_the_clients_target() {
+    let backends = start_backends(&["a", "b"]).await;
+    let gw = Config::new()
+        .route(Route::new("d").hosts(&["127.0.0.1"]).direct_member())
+        .start();
+    // The client names the destination; the direct member goes where it says.
+    for b in &backends {
+        let addr = b.local_addr();
+        let (ok, out, err) = curl(
+            vec![
+                "-x".into(),
+                format!("http://{}", gw.proxy_addr()),
+                format!("http://{addr}/x?y=1"),
+            ],
+            vec![],
+        )
+        .await;
+        assert!(ok, "{err}");
+        let json: serde_json::Value = serde_json::from_str(&out).expect(&out);
+        assert_eq!(json["target"], "/x?y=1");
+        assert_eq!(json["headers"]["host"], addr.to_string());
+    }
+    assert_eq!(backends[0].requests(), 1);
+    assert_eq!(backends[1].requests(), 1);
+    // A target nobody listens on is the target's failure: the member stays healthy.
+    let dead = support::dead_url().replace("http://", "");
+    let (_, out, _) = curl(
+        vec![
+            "-o".into(),
+            "/dev/null".into(),
+            "-w".into(),
+            "%{http_code}".into(),
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            format!("http://{dead}/"),
+        ],
+        vec![],
+    )
+    .await;
+    assert_eq!(out, "502");
+    let status = gw.status().await;
+    assert_eq!(
+        status["routes"][0]["members"][0]["healthy"], true,
+        "{status}"
+    );
+    let addr = backends[0].local_addr();
+    let (ok, _, err) = curl(
+        vec![
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            format!("http://{addr}/"),
+        ],
+        vec![],
+    )
+    .await;
+    assert!(ok, "{err}");
+}
