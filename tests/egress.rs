@@ -633,3 +633,26 @@ async fn plain_http_through_a_direct_member_reaches_the_clients_target() {
     .await;
     assert!(ok, "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_with_no_bytes_for_read_timeout_is_closed() {
+    let backends = start_backends(&["b"]).await;
+    let target = backends[0].local_addr().to_string();
+    let gw = Config::new()
+        .route(
+            Route::new("idle")
+                .hosts(&["127.0.0.1"])
+                .direct_member()
+                .read_timeout("1s"),
+        )
+        .start();
+    let (mut tunnel, r) = connect(&gw, &target).await;
+    assert_eq!(r.status, 200);
+    let r = tunnel.request("GET", &target, "/", &[], b"").await.unwrap();
+    assert_eq!(r.status, 200);
+    // Then silence both ways: sluice closes the tunnel.
+    assert!(tunnel.wait_closed(WAIT).await, "the idle tunnel stays open");
+    let lines = wait_tunnel_lines(&gw, 1).await;
+    assert_eq!(lines[0]["error"], "idle_timeout", "{lines:#?}");
+    assert!(lines[0]["bytes_down"].as_u64().unwrap() > 0);
+}
