@@ -656,3 +656,43 @@ async fn a_tunnel_with_no_bytes_for_read_timeout_is_closed() {
     assert_eq!(lines[0]["error"], "idle_timeout", "{lines:#?}");
     assert!(lines[0]["bytes_down"].as_u64().unwrap() > 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_reaches_a_tls_origin_with_https_proxy_set() {
+    let dir = TempDir::new("egress-python");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let gw = Config::new()
+        .route(Route::new("web").hosts(&["localhost"]).direct_member())
+        .start();
+    // The standard library's client: it reads HTTPS_PROXY and tunnels with CONNECT.
+    let script = format!(
+        "import ssl, urllib.request\n\
+         ctx = ssl.create_default_context(cafile={ca:?})\n\
+         with urllib.request.urlopen('https://localhost:{port}/', context=ctx, timeout=20) as r:\n\
+         \x20   print(r.status)\n",
+        ca = dir.path().join("ca.pem").display().to_string(),
+    );
+    let proxy = format!("http://{}", gw.proxy_addr());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .args(["-c", &script])
+            .env_remove("NO_PROXY")
+            .env_remove("no_proxy")
+            .env("HTTPS_PROXY", &proxy)
+            .env("https_proxy", &proxy)
+            .output()
+            .expect("python3 must be installed")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "200");
+    let lines = wait_tunnel_lines(&gw, 1).await;
+    assert_eq!(lines[0]["status"], 200);
+    assert_eq!(lines[0]["authority"], format!("localhost:{port}"));
+}
