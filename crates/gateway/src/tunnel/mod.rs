@@ -333,9 +333,8 @@ impl Tunnels {
             .requests
             .with_label_values(&[route_name, status.as_ref().map_or("0", |s| s.as_str())])
             .inc();
-        if let Some(route) = &end.route {
-            route.duration.observe(elapsed.as_secs_f64());
-        }
+        // sluice_request_duration_seconds is left to requests: a tunnel's lifetime (minutes,
+        // often) would drown their latencies. The access line has it.
         let member = end
             .route
             .as_ref()
