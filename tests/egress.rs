@@ -696,3 +696,29 @@ async fn python_reaches_a_tls_origin_with_https_proxy_set() {
     assert_eq!(lines[0]["status"], 200);
     assert_eq!(lines[0]["authority"], format!("localhost:{port}"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_sent_right_behind_the_connect_head_go_up_first() {
+    let backends = start_backends(&["b"]).await;
+    let target = backends[0].local_addr().to_string();
+    let gw = Config::new()
+        .route(Route::new("eager").hosts(&["127.0.0.1"]).direct_member())
+        .start();
+    // A client that does not wait for the 200 (as some TLS stacks do with their ClientHello).
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(
+            format!(
+                "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n\
+                 GET /eager HTTP/1.1\r\nHost: {target}\r\nContent-Length: 0\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    assert_eq!(r.status, 200);
+    let r = client.read_response(false).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["target"], "/eager");
+}
