@@ -201,9 +201,14 @@ async fn unknown_host_gets_a_404_problem_and_no_member_is_contacted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connect_is_answered_405() {
+async fn connect_is_answered_405_with_allow_where_it_cannot_tunnel() {
     let backends = start_backends(&["b1"]).await;
-    let gw = start(api(&[url(backends[0].local_addr())]));
+    let member = url(backends[0].local_addr());
+    let gw = Config::new()
+        .route(api(std::slice::from_ref(&member)).methods(&["GET", "POST"]))
+        .route(Route::new("open").member(member.clone()))
+        .start();
+    // A route whose methods leave CONNECT out.
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     client
         .write_raw(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
@@ -212,8 +217,26 @@ async fn connect_is_answered_405() {
     let r = client.read_response(false).await.unwrap();
     assert_eq!(r.status, 405);
     assert_eq!(r.header("x-sluice-error"), Some("method_not_allowed"));
+    assert_eq!(r.header("allow"), Some("GET, POST"));
     assert_eq!(r.json()["status"], 405);
-    assert_eq!(backends[0].requests(), 0);
+
+    // A CONNECT after a request on a kept-alive connection: Pingora owns the connection by
+    // then, so it cannot become a tunnel (see crate::tunnel).
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let r = client
+        .request("GET", "open.test", "/", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    client
+        .write_raw(b"CONNECT open.test:443 HTTP/1.1\r\nHost: open.test:443\r\n\r\n")
+        .await
+        .unwrap();
+    let r = client.read_response(false).await.unwrap();
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("x-sluice-error"), Some("method_not_allowed"));
+    assert!(r.header("allow").is_some_and(|a| a.contains("GET")));
+    assert_eq!(backends[0].proxied_requests(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -237,9 +237,25 @@ struct Upstream {
 
 #[derive(Debug, Clone, Serialize)]
 struct Member {
-    url: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    proxy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    direct: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     weight: Option<u32>,
+}
+
+impl Member {
+    fn url(url: String, weight: Option<u32>) -> Member {
+        Member {
+            url: Some(url),
+            proxy: None,
+            direct: None,
+            weight,
+        }
+    }
 }
 
 impl Route {
@@ -287,8 +303,27 @@ impl Route {
 
     /// Adds a member.
     pub fn member(mut self, url: impl Into<String>) -> Route {
+        self.upstream.members.push(Member::url(url.into(), None));
+        self
+    }
+
+    /// Adds a `proxy:` member: a forward proxy at `url` (`http://[user:pass@]host:port`).
+    pub fn proxy_member(mut self, url: impl Into<String>) -> Route {
         self.upstream.members.push(Member {
-            url: url.into(),
+            url: None,
+            proxy: Some(url.into()),
+            direct: None,
+            weight: None,
+        });
+        self
+    }
+
+    /// Adds a `direct: true` member: the client's own target.
+    pub fn direct_member(mut self) -> Route {
+        self.upstream.members.push(Member {
+            url: None,
+            proxy: None,
+            direct: Some(true),
             weight: None,
         });
         self
@@ -301,10 +336,9 @@ impl Route {
 
     /// Adds a member with a round-robin `weight`.
     pub fn weighted_member(mut self, url: impl Into<String>, weight: u32) -> Route {
-        self.upstream.members.push(Member {
-            url: url.into(),
-            weight: Some(weight),
-        });
+        self.upstream
+            .members
+            .push(Member::url(url.into(), Some(weight)));
         self
     }
 

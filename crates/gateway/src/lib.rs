@@ -31,3 +31,4 @@ pub mod server;
 pub mod state;
 pub mod table;
 pub mod target;
+pub mod tunnel;

@@ -140,9 +140,17 @@ pub struct LimitedApp<A> {
     /// When a refusal was last logged, in seconds since start; refusals come in floods.
     refusal_logged: AtomicU64,
     started: Instant,
+    /// Where a connection that opens with a CONNECT goes, instead of Pingora's HTTP loop.
+    tunnels: Option<crate::tunnel::Tunnels>,
 }
 
 impl<A> LimitedApp<A> {
+    /// Sends each connection that opens with a CONNECT to `tunnels`.
+    pub fn with_tunnels(mut self, tunnels: crate::tunnel::Tunnels) -> LimitedApp<A> {
+        self.tunnels = Some(tunnels);
+        self
+    }
+
     /// Wraps `inner`.
     pub fn new(inner: A, limits: Limits, metrics: &Metrics) -> LimitedApp<A> {
         let closed = |reason: &str| metrics.connections_closed.with_label_values(&[reason]);
@@ -156,6 +164,7 @@ impl<A> LimitedApp<A> {
             refused: closed("max_connections"),
             refusal_logged: AtomicU64::new(u64::MAX),
             started: Instant::now(),
+            tunnels: None,
         }
     }
 
@@ -239,6 +248,23 @@ where
             self.refuse(stream).await;
             return None;
         };
+        let mut stream = stream;
+        if let Some(tunnels) = &self.tunnels {
+            // A tunnel holds its connection slot (`slot` lives to the end of this function)
+            // for as long as it is open. A new connection that sends nothing is idle.
+            let within = self.limits.idle_timeout.min(self.limits.header_timeout);
+            match crate::tunnel::opens_with_connect(&mut stream, within).await {
+                Some(true) => {
+                    tunnels.serve(stream).await;
+                    return None;
+                }
+                Some(false) => {}
+                None => {
+                    self.closed_idle.inc();
+                    return None;
+                }
+            }
+        }
         let stream = LimitedStream::new(stream, slot, self);
         let phase = stream.phase.clone();
         let mut session = ServerSession::new_http1(Box::new(stream));

@@ -75,6 +75,8 @@ pub struct AccessLine<'a> {
     pub duration_ms: f64,
     /// What failed, if anything.
     pub error: Option<&'a str>,
+    /// A CONNECT tunnel's bytes: up (client to member) and down.
+    pub tunnel: Option<(u64, u64)>,
 }
 
 thread_local! {
@@ -119,6 +121,9 @@ pub fn access(line: &AccessLine<'_>) {
                     buf.push_str(",\"error\":");
                     json_str(buf, e);
                 }
+                if let Some((up, down)) = line.tunnel {
+                    let _ = write!(buf, ",\"bytes_up\":{up},\"bytes_down\":{down}");
+                }
                 buf.push_str(",\"target\":\"sluice::access\"}\n");
             }
             LogFormat::Text => {
@@ -129,6 +134,9 @@ pub fn access(line: &AccessLine<'_>) {
                 );
                 if let Some(e) = line.error {
                     let _ = write!(buf, " error={e}");
+                }
+                if let Some((up, down)) = line.tunnel {
+                    let _ = write!(buf, " bytes_up={up} bytes_down={down}");
                 }
                 buf.push('\n');
             }

@@ -35,6 +35,11 @@ pub struct Metrics {
     pub connections_closed: IntCounterVec,
     /// `sluice_connections_open`: client connections open on the proxy listeners.
     pub connections_open: IntGauge,
+    /// `sluice_tunnels_active{route}`: CONNECT tunnels open now.
+    pub tunnels_active: IntGaugeVec,
+    /// `sluice_tunnel_bytes_total{route,direction}`: bytes carried by tunnels; direction is
+    /// `up` (client to member) or `down`.
+    pub tunnel_bytes: IntCounterVec,
 }
 
 impl Metrics {
@@ -96,6 +101,19 @@ impl Metrics {
         registry
             .register(Box::new(connections_open.clone()))
             .expect("unique metric");
+        let tunnel_bytes = counter(
+            "sluice_tunnel_bytes_total",
+            "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
+            &["route", "direction"],
+        );
+        let tunnels_active = IntGaugeVec::new(
+            Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
+            &["route"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(tunnels_active.clone()))
+            .expect("unique metric");
         let request_duration = HistogramVec::new(
             HistogramOpts::new(
                 "sluice_request_duration_seconds",
@@ -135,6 +153,8 @@ impl Metrics {
             quota_keys_refused,
             connections_closed,
             connections_open,
+            tunnels_active,
+            tunnel_bytes,
         }
     }
 

@@ -81,6 +81,16 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 502: every proxy member tried answered the tunnel's CONNECT with a non-2xx status.
+    pub fn proxy_refused(attempts: u32) -> Problem {
+        Problem {
+            status: 502,
+            code: "proxy_refused",
+            title: "Proxy refused the tunnel",
+            detail: format!("{attempts} proxy member(s) refused the CONNECT"),
+            retry_after_ms: None,
+        }
+    }
     /// 504: the member stopped answering within `read_timeout`.
     pub fn upstream_timeout() -> Problem {
         Problem {

@@ -71,23 +71,32 @@ impl RouteQuota {
     /// The quota key of a request: `route`, a header's value, or the client address. Only the
     /// client address and long header values need a buffer of their own.
     pub(crate) fn key_of<'a>(&self, session: &'a Session, buf: &'a mut String) -> &'a str {
+        let client = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
+        self.key_for(&session.req_header().headers, client, buf)
+    }
+
+    /// [`RouteQuota::key_of`] from a request's headers and client address, for requests that
+    /// Pingora does not parse (CONNECT tunnels).
+    pub(crate) fn key_for<'a>(
+        &self,
+        headers: &'a http::HeaderMap,
+        client: Option<std::net::IpAddr>,
+        buf: &'a mut String,
+    ) -> &'a str {
         match &self.key {
             QuotaKey::Route => "route",
             QuotaKey::Header(name) => {
-                let value = session
-                    .req_header()
-                    .headers
+                let value = headers
                     .get(name.as_str())
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("");
                 bounded_key(value, buf)
             }
             QuotaKey::ClientIp => {
-                if let Some(ip) = session
-                    .client_addr()
-                    .and_then(|a| a.as_inet())
-                    .map(|a| a.ip())
-                {
+                if let Some(ip) = client {
                     *buf = ip.to_string();
                 }
                 buf

@@ -90,10 +90,27 @@ impl<T> Router<T> {
     /// Like [`Router::find`], for a host already in the form routes match (see
     /// [`crate::target::Target::host`]).
     pub fn find_normalized(&self, host: &str, path: &str, method: &str) -> Option<&T> {
-        fn pick<'a, T>(bucket: &'a [Candidate<T>], path: &str, method: &str) -> Option<&'a T> {
+        self.find_with(host, path, Some(method))
+    }
+
+    /// The route a request would take if its method were allowed: for the `Allow` header of
+    /// a 405.
+    pub fn find_any_method(&self, host: &str, path: &str) -> Option<&T> {
+        self.find_with(host, path, None)
+    }
+
+    fn find_with(&self, host: &str, path: &str, method: Option<&str>) -> Option<&T> {
+        fn pick<'a, T>(
+            bucket: &'a [Candidate<T>],
+            path: &str,
+            method: Option<&str>,
+        ) -> Option<&'a T> {
             bucket
                 .iter()
-                .find(|c| c.accepts(path, method))
+                .find(|c| match method {
+                    Some(method) => c.accepts(path, method),
+                    None => path.starts_with(&*c.prefix),
+                })
                 .map(|c| &c.target)
         }
         if let Some(t) = self.exact.get(host).and_then(|b| pick(b, path, method)) {

@@ -23,6 +23,7 @@ use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
 use crate::request::Gateway;
 use crate::table::Table;
+use crate::tunnel::Tunnels;
 
 /// The longest a graceful stop waits for requests in flight before it cuts them.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
@@ -110,14 +111,23 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         state.clone(),
         config.limits.max_header_bytes.get() as usize,
     );
-    let mut app = pingora::proxy::http_proxy(&server.configuration, gateway);
+    let mut http = pingora::proxy::http_proxy(&server.configuration, gateway);
     let mut options = HttpServerOptions::default();
-    // Let CONNECT reach our request_filter, which answers it with problem+json.
+    // A CONNECT later on a kept-alive connection reaches request_filter, which answers 405.
     options.allow_connect_method_proxying = true;
-    app.server_options = Some(options);
+    http.server_options = Some(options);
+    // CONNECT tunnels (crate::tunnel): each new connection is looked at first, and anything
+    // but a CONNECT goes to Pingora's HttpProxy, unchanged; both run inside the connection
+    // limits.
+    let tunnels = Tunnels::new(
+        table.clone(),
+        metrics.clone(),
+        in_flight.clone(),
+        state.clone(),
+    );
     let mut proxy = Service::new(
         "sluice proxy".to_string(),
-        LimitedApp::new(app, limits, &metrics),
+        LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels),
     );
     for addr in &config.listen {
         proxy.add_tcp(&addr.0.to_string());

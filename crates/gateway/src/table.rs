@@ -17,7 +17,8 @@ use sluice_balancer::Members;
 use sluice_state::StateStore;
 
 use crate::config::{
-    AdminConfig, Config, LimitsConfig, ListenAddr, MemberUrl, RouteConfig, Selection, StateConfig,
+    AdminConfig, Config, LimitsConfig, ListenAddr, MemberKind, MemberUrl, RouteConfig, Selection,
+    StateConfig, UpstreamConfig,
 };
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
@@ -66,8 +67,10 @@ pub struct Route {
 
 /// What proxying to one member needs.
 pub struct Member {
-    /// The member's URL.
+    /// The member's URL: its identity (for a proxy, without credentials).
     pub url: MemberUrl,
+    /// Origin, proxy or direct.
+    pub kind: MemberKind,
     /// The prebuilt peer; `None` when the member's host did not resolve.
     pub peer: Option<HttpPeer>,
     /// Host header value for `preserve_host: false`.
@@ -211,19 +214,17 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
                 .upstream_attempts
                 .with_label_values(&[name, &m.url.url, outcome])
         };
-        let peer = resolve(&m.url).await.map(|addr| {
-            let mut peer = HttpPeer::new(addr, m.url.tls, m.url.host.clone());
-            peer.options.connection_timeout = Some(up.connect_timeout.0);
-            peer.options.total_connection_timeout = Some(up.connect_timeout.0);
-            peer.options.read_timeout = Some(up.read_timeout.0);
-            peer.options.write_timeout = Some(up.write_timeout.0);
-            peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
-            peer
-        });
+        // A direct member has no address of its own: each request resolves its target.
+        let address = match m.kind {
+            MemberKind::Direct => None,
+            _ => resolve(&m.url).await,
+        };
+        let peer = address.map(|addr| peer_for(addr, m.url.tls, m.url.host.clone(), up));
         members.push(Member {
             host_header: HeaderValue::from_str(&m.url.authority())
                 .unwrap_or_else(|_| HeaderValue::from_static("invalid")),
             url: m.url.clone(),
+            kind: m.kind.clone(),
             peer,
             attempts_ok: labels("ok"),
             attempts_connect_failure: labels("connect_failure"),
@@ -231,6 +232,17 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
         });
     }
     members.into()
+}
+
+/// A Pingora peer at `addr` with the upstream's timeouts; `sni` is the TLS server name.
+pub(crate) fn peer_for(addr: SocketAddr, tls: bool, sni: String, up: &UpstreamConfig) -> HttpPeer {
+    let mut peer = HttpPeer::new(addr, tls, sni);
+    peer.options.connection_timeout = Some(up.connect_timeout.0);
+    peer.options.total_connection_timeout = Some(up.connect_timeout.0);
+    peer.options.read_timeout = Some(up.read_timeout.0);
+    peer.options.write_timeout = Some(up.write_timeout.0);
+    peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
+    peer
 }
 
 /// Resolves a member's host once. An IP literal needs no lookup; a name that fails to resolve

@@ -467,11 +467,6 @@ pub struct MethodName(pub String);
 impl<'de> Deserialize<'de> for MethodName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        if s.eq_ignore_ascii_case("CONNECT") {
-            return Err(de::Error::custom(
-                "CONNECT tunnels are not supported; sluice answers CONNECT with 405",
-            ));
-        }
         let token = !s.is_empty()
             && s.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
@@ -556,15 +551,219 @@ pub enum OnRestore {
     Min,
 }
 
-/// One member of a pool.
+/// One member of a pool (SPEC §7): an origin server (`url:`), a forward proxy the client's
+/// target is reached through (`proxy:`), or the client's target itself (`direct: true`).
+///
+/// `url` is the member's identity and address whatever its kind, so that logs, metrics,
+/// `/status`, health and the least-used store need not care: the origin's URL, the proxy's URL
+/// without its credentials, or `direct` (no address: the target is the client's).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "RawMember")]
 pub struct MemberConfig {
-    /// `http://host[:port]` or `https://host[:port]`.
+    /// The member's identity and, for origins and proxies, where to connect.
     pub url: MemberUrl,
+    /// What the member is.
+    pub kind: MemberKind,
     /// Round-robin weight (1 when absent); round_robin only.
-    #[serde(default)]
     pub weight: Option<NonZeroU32>,
+}
+
+/// What a member is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemberKind {
+    /// An origin server: requests and tunnels go to its host and port.
+    Origin,
+    /// A forward proxy: plain HTTP goes to it in absolute form, tunnels as `CONNECT`.
+    Proxy {
+        /// `Proxy-Authorization: Basic …` from the URL's credentials, marked sensitive (its
+        /// `Debug` does not show it).
+        authorization: Option<http::HeaderValue>,
+    },
+    /// The client's own target.
+    Direct,
+}
+
+impl MemberKind {
+    /// Whether the member is the server the request names (proxy and direct), rather than an
+    /// origin that stands in for it.
+    pub fn reaches_target(&self) -> bool {
+        !matches!(self, MemberKind::Origin)
+    }
+}
+
+/// A member as written: exactly one of `url`, `proxy` and `direct: true`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMember {
+    #[serde(default)]
+    url: Option<MemberUrl>,
+    #[serde(default)]
+    proxy: Option<ProxyUrl>,
+    #[serde(default)]
+    direct: Option<bool>,
+    #[serde(default)]
+    weight: Option<NonZeroU32>,
+}
+
+impl TryFrom<RawMember> for MemberConfig {
+    type Error = String;
+    fn try_from(raw: RawMember) -> Result<Self, String> {
+        let direct = raw.direct == Some(true);
+        let (url, kind) = match (raw.url, raw.proxy, direct) {
+            (Some(url), None, false) => (url, MemberKind::Origin),
+            (None, Some(p), false) => (
+                p.url,
+                MemberKind::Proxy {
+                    authorization: p.authorization,
+                },
+            ),
+            (None, None, true) => (MemberUrl::direct(), MemberKind::Direct),
+            (None, None, false) if raw.direct == Some(false) => {
+                return Err("direct: false is not a member; give url, proxy or direct: true".into())
+            }
+            (None, None, false) => {
+                return Err("a member needs one of url, proxy or direct: true".into())
+            }
+            _ => return Err("a member is one of url, proxy or direct: true, not several".into()),
+        };
+        Ok(MemberConfig {
+            url,
+            kind,
+            weight: raw.weight,
+        })
+    }
+}
+
+/// `proxy:` — `http://[user[:password]@]host:port`, checked and split. The credentials only
+/// ever leave as a `Proxy-Authorization` header value; the URL kept is without them.
+#[derive(Clone, PartialEq)]
+pub struct ProxyUrl {
+    /// The proxy's identity and address, without credentials.
+    pub url: MemberUrl,
+    /// `Basic base64(user:password)`, when the URL has credentials.
+    pub authorization: Option<http::HeaderValue>,
+}
+
+impl std::fmt::Debug for ProxyUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyUrl")
+            .field("url", &self.url.url)
+            .field("credentials", &self.authorization.is_some())
+            .finish()
+    }
+}
+
+impl ProxyUrl {
+    fn parse(s: &str) -> Result<ProxyUrl, String> {
+        let shown = redact(s);
+        let Some(rest) = s
+            .strip_prefix("http://")
+            .or_else(|| s.strip_prefix("HTTP://"))
+        else {
+            return Err(format!(
+                "invalid proxy url {shown:?}: expected http://[user:password@]host:port (an https:// proxy is not supported yet)"
+            ));
+        };
+        let (userinfo, hostport) = match rest.rfind('@') {
+            Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+            None => (None, rest),
+        };
+        let hostport = hostport.strip_suffix('/').unwrap_or(hostport);
+        let url = MemberUrl::parse(&format!("http://{hostport}")).map_err(|_| {
+            format!("invalid proxy url {shown:?}: expected http://[user:password@]host:port")
+        })?;
+        if hostport
+            .parse::<http::uri::Authority>()
+            .map_or(true, |a| a.port().is_none())
+        {
+            return Err(format!(
+                "invalid proxy url {shown:?}: give the proxy's port, e.g. http://host:3128"
+            ));
+        }
+        let authorization = match userinfo {
+            None => None,
+            Some(info) => {
+                let (user, password) = info.split_once(':').unwrap_or((info, ""));
+                let user = expand_env(&percent_decode(user))
+                    .map_err(|v| format!("invalid proxy url {shown:?}: {v}"))?;
+                let password = expand_env(&percent_decode(password))
+                    .map_err(|v| format!("invalid proxy url {shown:?}: {v}"))?;
+                let token = base64(format!("{user}:{password}").as_bytes());
+                let mut value = http::HeaderValue::from_str(&format!("Basic {token}"))
+                    .map_err(|_| format!("invalid proxy url {shown:?}: bad credentials"))?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        Ok(ProxyUrl { url, authorization })
+    }
+}
+
+impl<'de> Deserialize<'de> for ProxyUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ProxyUrl::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+/// `%XX` escapes decoded, as in URL userinfo; a bad escape stays as written.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `${NAME}` replaced by the environment variable NAME, so a password need not be written in
+/// the file. An unset variable is an error that names it (never its value).
+fn expand_env(s: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let Some(end) = rest[start..].find('}') else {
+            return Err("unterminated ${ in the credentials".into());
+        };
+        let name = &rest[start + 2..start + end];
+        match std::env::var(name) {
+            Ok(v) => out.push_str(&v),
+            Err(_) => return Err(format!("environment variable {name} is not set")),
+        }
+        rest = &rest[start + end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Standard base64 with padding (RFC 4648 §4), for `Proxy-Authorization: Basic`.
+pub(crate) fn base64(input: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+    for chunk in input.chunks(3) {
+        let n = (u32::from(chunk[0]) << 16)
+            | (u32::from(*chunk.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*chunk.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 impl MemberConfig {
@@ -593,6 +792,16 @@ pub struct MemberUrl {
 }
 
 impl MemberUrl {
+    /// The identity of a `direct` member: it has no address of its own.
+    pub fn direct() -> MemberUrl {
+        MemberUrl {
+            url: "direct".into(),
+            tls: false,
+            host: String::new(),
+            port: 0,
+        }
+    }
+
     /// `host:port` as it goes in a Host header (brackets around IPv6 literals).
     pub fn authority(&self) -> String {
         let default_port = if self.tls { 443 } else { 80 };

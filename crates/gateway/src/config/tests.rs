@@ -203,11 +203,6 @@ fn route_and_match_mistakes() {
         "give the host without a port",
     );
     one_error(
-        "routes:\n  - name: a\n    match:\n      methods: [GET, CONNECT]\n    upstream: {}\n",
-        "4:22: routes[0].match.methods[1]",
-        "CONNECT tunnels are not supported",
-    );
-    one_error(
         "routes:\n  - name: a\n    match:\n      path_prefix: v1/\n    upstream: {}\n",
         "4:20: routes[0].match.path_prefix",
         "must start with '/'",
@@ -708,5 +703,182 @@ fn write_timeout_defaults_to_the_read_timeout_default() {
         "routes:\n  - name: a\n    upstream:\n      write_timeout: 2d\n      members: []\n",
         "4:22: routes[0].upstream.write_timeout",
         "at most 1d",
+    );
+}
+
+// SPEC §7: member kinds.
+
+fn pool(members: &str) -> String {
+    format!("routes:\n  - name: a\n    upstream:\n      members:\n{members}")
+}
+
+#[test]
+fn connect_is_a_method_routes_may_allow() {
+    let config = parse(
+        "routes:\n  - name: a\n    match:\n      methods: [GET, connect]\n    upstream: {}\n",
+    );
+    let methods: Vec<_> = config.routes[0]
+        .matcher
+        .methods
+        .iter()
+        .map(|m| m.0.as_str())
+        .collect();
+    assert_eq!(methods, ["GET", "CONNECT"]);
+}
+
+#[test]
+fn members_are_origins_proxies_or_direct() {
+    let config = parse(&pool(
+        "        - proxy: \"http://us%40r:p%3Ass@Proxy.Test:3128\"\n        - proxy: \"http://10.0.0.6:3128/\"\n        - direct: true\n",
+    ));
+    let m = &config.routes[0].upstream.members;
+    assert_eq!(
+        m[0].url.url, "http://proxy.test:3128",
+        "no credentials in the identity"
+    );
+    assert_eq!(
+        (m[0].url.host.as_str(), m[0].url.port),
+        ("proxy.test", 3128)
+    );
+    match &m[0].kind {
+        MemberKind::Proxy {
+            authorization: Some(v),
+        } => {
+            // base64("us@r:p:ss")
+            assert_eq!(v.to_str().unwrap(), "Basic dXNAcjpwOnNz");
+            assert!(v.is_sensitive());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        m[1].kind,
+        MemberKind::Proxy {
+            authorization: None
+        }
+    );
+    assert_eq!(m[1].url.url, "http://10.0.0.6:3128");
+    assert_eq!(m[2].kind, MemberKind::Direct);
+    assert_eq!(m[2].url.url, "direct");
+    let shown = format!("{:?}", config.routes[0].upstream);
+    assert!(
+        !shown.contains("p:ss") && !shown.contains("dXNAcjpwOnNz"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn a_proxy_password_can_come_from_the_environment() {
+    std::env::set_var("SLUICE_TEST_PROXY_PASS", "s3cret");
+    let config = parse(&pool(
+        "        - proxy: \"http://user:${SLUICE_TEST_PROXY_PASS}@127.0.0.1:3128\"\n",
+    ));
+    let MemberKind::Proxy {
+        authorization: Some(v),
+    } = &config.routes[0].upstream.members[0].kind
+    else {
+        panic!("a proxy with credentials")
+    };
+    assert_eq!(
+        v.to_str().unwrap(),
+        format!("Basic {}", base64(b"user:s3cret"))
+    );
+    one_error(
+        &pool("        - proxy: \"http://user:${SLUICE_TEST_UNSET_VAR}@127.0.0.1:3128\"\n"),
+        "5:18: routes[0].upstream.members[0].proxy",
+        "environment variable SLUICE_TEST_UNSET_VAR is not set",
+    );
+}
+
+#[test]
+fn bad_members_are_shown_at_the_member() {
+    let at = "5:11: routes[0].upstream.members[0]";
+    one_error(
+        &pool("        - weight: 2\n"),
+        at,
+        "a member needs one of url, proxy or direct: true",
+    );
+    one_error(
+        &pool("        - direct: false\n"),
+        at,
+        "direct: false is not a member",
+    );
+    one_error(
+        &pool("        - url: \"http://a.test\"\n          direct: true\n"),
+        at,
+        "not several",
+    );
+    one_error(
+        &pool("        - url: \"http://a.test\"\n          proxy: \"http://b.test:3128\"\n"),
+        at,
+        "not several",
+    );
+    one_error(
+        &pool("        - direct: yes please\n"),
+        "5:19: routes[0].upstream.members[0].direct",
+        "invalid type",
+    );
+    one_error(
+        &pool("        - drect: true\n"),
+        "5:11: routes[0].upstream.members[0].drect",
+        "unknown field",
+    );
+}
+
+#[test]
+fn bad_proxy_urls_never_show_the_password() {
+    let at = "5:18: routes[0].upstream.members[0].proxy";
+    for (url, message) in [
+        (
+            "https://u:hunter2@p.test:3128",
+            "an https:// proxy is not supported yet",
+        ),
+        (
+            "socks5://u:hunter2@p.test:1080",
+            "expected http://[user:password@]host:port",
+        ),
+        ("http://u:hunter2@p.test", "give the proxy's port"),
+        (
+            "http://u:hunter2@:3128",
+            "expected http://[user:password@]host:port",
+        ),
+        (
+            "http://u:hunter2@p.test:3128/path",
+            "expected http://[user:password@]host:port",
+        ),
+    ] {
+        let all = errors(&pool(&format!("        - proxy: \"{url}\"\n")));
+        assert!(
+            all.len() == 1 && all[0].starts_with(at) && all[0].contains(message),
+            "{url}: {all:#?}"
+        );
+        assert!(!all[0].contains("hunter2"), "{}", all[0]);
+        assert!(
+            all[0].contains("u:***@p.test") || all[0].contains("***@"),
+            "{}",
+            all[0]
+        );
+    }
+}
+
+#[test]
+fn a_pool_does_not_mix_origins_with_proxy_or_direct_members() {
+    one_error(
+        &pool("        - url: \"http://a.test\"\n        - direct: true\n"),
+        "6:11: routes[0].upstream.members[1]",
+        "a pool holds origins (url) only, or proxy and direct members only: members[0] is an origin (url)",
+    );
+    one_error(
+        &pool("        - proxy: \"http://p.test:3128\"\n        - url: \"http://a.test\"\n"),
+        "6:11: routes[0].upstream.members[1]",
+        "members[0] is a proxy or direct member",
+    );
+    // Proxies and direct members mix: both reach the client's target.
+    parse(&pool(
+        "        - proxy: \"http://p.test:3128\"\n        - direct: true\n",
+    ));
+    one_error(
+        &pool("        - direct: true\n        - direct: true\n"),
+        "6:19: routes[0].upstream.members[1].direct",
+        "duplicate member \"direct\"",
     );
 }

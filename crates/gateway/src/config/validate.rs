@@ -291,8 +291,13 @@ impl Config {
                 let u = &member.url;
                 let key = (u.tls, u.host.as_str(), u.port);
                 if let Some(&first) = members.get(&key) {
+                    let key = match member.kind {
+                        MemberKind::Origin => member_at.clone().key("url"),
+                        MemberKind::Proxy { .. } => member_at.clone().key("proxy"),
+                        MemberKind::Direct => member_at.clone().key("direct"),
+                    };
                     problems.push((
-                        member_at.clone().key("url"),
+                        key,
                         format!(
                             "duplicate member {:?} in this pool: members[{first}] is the same",
                             u.url
@@ -314,6 +319,20 @@ impl Config {
                         ));
                     }
                 }
+            }
+            // Origins stand in for the target; proxy and direct members reach the target the
+            // client named. One pool cannot mean both.
+            let origin = up.members.iter().position(|m| m.kind == MemberKind::Origin);
+            let egress = up.members.iter().position(|m| m.kind.reaches_target());
+            if let (Some(o), Some(e)) = (origin, egress) {
+                problems.push((
+                    up_at.clone().key("members").index(o.max(e)),
+                    format!(
+                        "a pool holds origins (url) only, or proxy and direct members only: members[{}] is {}",
+                        o.min(e),
+                        if o < e { "an origin (url)" } else { "a proxy or direct member" }
+                    ),
+                ));
             }
             // Only least_used keeps a count that a restored member could resume.
             if up.selection != Selection::LeastUsed && up.on_restore.is_some() {

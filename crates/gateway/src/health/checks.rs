@@ -17,7 +17,7 @@ use sluice_balancer::{spawn_active_check, ActiveCheck, Members, Probe, ProbeRepo
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::config::CheckKind;
+use crate::config::{CheckKind, MemberKind};
 use crate::table::Table;
 
 /// `GET path` answered 2xx, over the same connector code as live traffic, so https members are
@@ -151,7 +151,12 @@ impl HealthSupervisor {
                     wanted.insert(key, existing);
                     continue;
                 }
-                let probe: Arc<dyn Probe> = match hc.kind {
+                // A forward proxy has no path of its own to GET: it is probed by connecting.
+                let kind = match member.kind {
+                    MemberKind::Proxy { .. } => CheckKind::Tcp,
+                    _ => hc.kind,
+                };
+                let probe: Arc<dyn Probe> = match kind {
                     CheckKind::Tcp => Arc::new(TcpProbe { addr }),
                     CheckKind::Http => Arc::new(HttpProbe {
                         connector: self.connector.clone(),

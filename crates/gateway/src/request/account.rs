@@ -62,5 +62,6 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
                 false => e.etype().as_str(),
             }),
         },
+        tunnel: None,
     });
 }

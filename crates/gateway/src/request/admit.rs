@@ -4,15 +4,17 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use http::{header, Method};
+use http::{header, HeaderValue, Method};
 use pingora::prelude::*;
 use pingora::proxy::Session;
-use sluice_state::{Acquire, StoreError};
+use sluice_state::{Acquire, StateStore, StoreError};
 
-use super::select::Admission;
+use super::select::{Admission, Attempt};
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
-use crate::config::OnStoreError;
+use crate::config::{MemberKind, OnStoreError};
+use crate::metrics::Metrics;
 use crate::problem::Problem;
+use crate::table::Route;
 use crate::target::{self, Scheme};
 
 /// Store failures are logged at most once a second: during an outage every request fails the
@@ -51,8 +53,15 @@ pub(crate) async fn admit(
     }
     let req = session.req_header();
     if req.method == Method::CONNECT {
-        let p = Problem::method_not_allowed("CONNECT tunnels are not supported by sluice");
-        answer::problem(session, ctx, p).await?;
+        // A CONNECT that opens a connection never gets here: crate::tunnel takes it first.
+        // One that follows other requests on a kept-alive connection cannot become a tunnel
+        // once Pingora owns the connection, so it is refused; the client retries on a new
+        // connection, as curl and every HTTPS_PROXY client do for a CONNECT.
+        let p = Problem::method_not_allowed(
+            "CONNECT opens a tunnel only as the first request of a connection",
+        );
+        let allow = HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS");
+        answer::problem_with_allow(session, ctx, p, allow).await?;
         return Ok(true);
     }
 
@@ -84,10 +93,16 @@ pub(crate) async fn admit(
         answer::problem(session, ctx, Problem::no_route()).await?;
         return Ok(true);
     };
-    if target.scheme == Some(Scheme::Https) && !route.members.iter().all(|m| m.url.tls) {
+    // A direct member reaches an https:// target with TLS itself; a proxy would get it in
+    // cleartext.
+    let tls_to_target = |m: &crate::table::Member| m.url.tls || m.kind == MemberKind::Direct;
+    if target.scheme == Some(Scheme::Https) && !route.members.iter().all(tls_to_target) {
         ctx.route = Some(route);
         answer::problem(session, ctx, Problem::cleartext_https()).await?;
         return Ok(true);
+    }
+    if route.members.iter().any(|m| m.kind.reaches_target()) {
+        ctx.target.dest = Some(super::Dest::of(&target));
     }
     let cost = route
         .quota
@@ -98,63 +113,121 @@ pub(crate) async fn admit(
     // Quota and first member, decided together. This is the only place a request is charged:
     // retries happen after this hook and never come back to it.
     let mut key_buf = String::new();
+    let key = route
+        .quota
+        .as_deref()
+        .map_or("", |q| q.key_of(session, &mut key_buf));
+    let verdict = decide(&*gateway.state, &gateway.metrics, &route, key, cost).await;
+    match verdict {
+        Verdict::Go {
+            first,
+            ratelimit,
+            fallback,
+        } => {
+            ctx.first = first;
+            ctx.ratelimit = ratelimit;
+            ctx.tried.fallback = fallback;
+            Ok(false)
+        }
+        Verdict::Answer {
+            problem,
+            ratelimit,
+            no_member,
+        } => {
+            ctx.ratelimit = ratelimit;
+            if no_member {
+                ctx.failure = Some(Failure::NoMember);
+            }
+            answer::problem(session, ctx, problem).await?;
+            Ok(true)
+        }
+    }
+}
+
+/// What admission decided about a request, apart from how the answer is sent: shared by
+/// requests and CONNECT tunnels, so both are charged and assigned the same way.
+pub(crate) enum Verdict {
+    /// The request goes on, to `first` when the policy picked it here.
+    Go {
+        first: Option<Attempt>,
+        /// The `RateLimit` header value for the answer.
+        ratelimit: Option<HeaderValue>,
+        /// least_used fell back to round-robin for this request.
+        fallback: bool,
+    },
+    /// The gateway answers itself: 429, 503.
+    Answer {
+        problem: Problem,
+        ratelimit: Option<HeaderValue>,
+        /// The answer is `no_member` (for the access log).
+        no_member: bool,
+    },
+}
+
+/// Charges `cost` to the route's quota under `key` and picks the first member, in one step of
+/// the route's policy.
+pub(crate) async fn decide(
+    state: &dyn StateStore,
+    metrics: &Metrics,
+    route: &Route,
+    key: &str,
+    cost: u64,
+) -> Verdict {
     let acquire = route.quota.as_deref().map(|q| Acquire {
         route: &route.name,
-        key: q.key_of(session, &mut key_buf),
+        key,
         windows: &q.windows,
         cost,
         at_us: None,
     });
-    let admission = route.policy.admit(&*gateway.state, acquire).await;
+    let admission = route.policy.admit(state, acquire).await;
 
     let quota = route.quota.as_deref();
+    let ratelimit_of = |outcome: Option<&sluice_state::Outcome>| {
+        quota
+            .zip(outcome)
+            .and_then(|(q, o)| answer::ratelimit(q, o))
+    };
     match admission {
         Admission::Admitted {
             first,
             quota: outcome,
-        } => {
-            ctx.first = first;
-            ctx.ratelimit = quota
-                .zip(outcome.as_ref())
-                .and_then(|(q, o)| answer::ratelimit(q, o));
-            Ok(false)
-        }
+        } => Verdict::Go {
+            first,
+            ratelimit: ratelimit_of(outcome.as_ref()),
+            fallback: false,
+        },
         Admission::QuotaRefused(outcome) => {
             // Only a route with a quota is ever refused.
-            let p = match quota {
-                Some(q) => {
-                    ctx.ratelimit = answer::ratelimit(q, &outcome);
-                    answer::quota_refusal(q, cost, &outcome)
-                }
+            let problem = match quota {
+                Some(q) => answer::quota_refusal(q, cost, &outcome),
                 None => Problem::internal(),
             };
-            answer::problem(session, ctx, p).await?;
-            Ok(true)
+            Verdict::Answer {
+                problem,
+                ratelimit: ratelimit_of(Some(&outcome)),
+                no_member: false,
+            }
         }
-        Admission::NoMember { quota: outcome } => {
-            ctx.failure = Some(Failure::NoMember);
-            ctx.ratelimit = quota
-                .zip(outcome.as_ref())
-                .and_then(|(q, o)| answer::ratelimit(q, o));
-            answer::problem(session, ctx, Problem::no_member()).await?;
-            Ok(true)
-        }
+        Admission::NoMember { quota: outcome } => Verdict::Answer {
+            problem: Problem::no_member(),
+            ratelimit: ratelimit_of(outcome.as_ref()),
+            no_member: true,
+        },
         Admission::StoreFailed {
             error,
             first,
             fallback,
         } => {
             let op = if fallback { "select" } else { "quota" };
-            gateway.metrics.store_errors.with_label_values(&[op]).inc();
+            metrics.store_errors.with_label_values(&[op]).inc();
             if matches!(error, StoreError::TooManyKeys) {
-                gateway
-                    .metrics
+                metrics
                     .quota_keys_refused
                     .with_label_values(&[&route.name])
                     .inc();
             }
             if fallback {
-                ctx.tried.fallback = true;
                 route.selection_fallbacks.inc();
             }
             // Open when the route has no quota: only selection is at stake then, and it fell
@@ -162,8 +235,11 @@ pub(crate) async fn admit(
             match quota.map(|q| q.on_store_error) {
                 Some(OnStoreError::Closed) => {
                     warn_store_error(&route.name, &error, "the route fails closed");
-                    answer::problem(session, ctx, Problem::store_unavailable()).await?;
-                    Ok(true)
+                    Verdict::Answer {
+                        problem: Problem::store_unavailable(),
+                        ratelimit: None,
+                        no_member: false,
+                    }
                 }
                 _ => {
                     warn_store_error(
@@ -171,8 +247,11 @@ pub(crate) async fn admit(
                         &error,
                         "admitting the request (on_store_error: open)",
                     );
-                    ctx.first = first;
-                    Ok(false)
+                    Verdict::Go {
+                        first,
+                        ratelimit: None,
+                        fallback,
+                    }
                 }
             }
         }

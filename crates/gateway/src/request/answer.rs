@@ -27,8 +27,30 @@ fn add_ratelimit(head: &mut ResponseHeader, quota: &RouteQuota, value: HeaderVal
 
 /// Sends a gateway-made answer, with the request's `RateLimit` headers when it has them.
 pub(crate) async fn problem(session: &mut Session, ctx: &mut RequestCtx, p: Problem) -> Result<()> {
+    problem_and(session, ctx, p, None).await
+}
+
+/// [`problem`] for a 405, with its `Allow` header (RFC 9110 §15.5.6).
+pub(crate) async fn problem_with_allow(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    p: Problem,
+    allow: HeaderValue,
+) -> Result<()> {
+    problem_and(session, ctx, p, Some(allow)).await
+}
+
+async fn problem_and(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    p: Problem,
+    allow: Option<HeaderValue>,
+) -> Result<()> {
     let route = ctx.route.as_deref();
     let (mut head, body) = problem::render(&p, route.map(|r| &*r.name));
+    if let Some(allow) = allow {
+        head.insert_header(header::ALLOW, allow)?;
+    }
     if let (Some(quota), Some(value)) =
         (route.and_then(|r| r.quota.as_deref()), ctx.ratelimit.take())
     {

@@ -7,8 +7,12 @@ use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{ErrorType, HTTPStatus};
 
-use super::{Failure, Gateway, RequestCtx};
+use std::net::{IpAddr, SocketAddr};
+
+use super::{Dest, Failure, Gateway, RequestCtx};
+use crate::config::MemberKind;
 use crate::headers::{append_forwarded_for, strip_hop_by_hop};
+use crate::table::{peer_for, Route};
 
 /// The peer of the next attempt: the member admission chose, or after a connect failure, an
 /// untried one from the route's policy, within the route's retry budget.
@@ -48,6 +52,21 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
         let index = attempt.index();
         ctx.tried.push(index);
         let member = &route.members[index];
+        if member.kind == MemberKind::Direct {
+            match direct_peer(&route, ctx.target.dest.as_ref()).await {
+                Some(peer) => {
+                    ctx.current = Some(attempt);
+                    return Ok(Box::new(peer));
+                }
+                None => {
+                    // The client's target does not resolve: not the member's fault, so its
+                    // health is not touched.
+                    member.attempts_connect_failure.inc();
+                    drop(attempt);
+                    continue;
+                }
+            }
+        }
         match &member.peer {
             Some(peer) => {
                 ctx.current = Some(attempt);
@@ -60,6 +79,30 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
             }
         }
     }
+}
+
+/// A peer at the client's own destination, for a `direct` member.
+async fn direct_peer(route: &Route, dest: Option<&Dest>) -> Option<HttpPeer> {
+    let dest = dest?;
+    // egress guard: check target before connecting
+    let addr = match dest.host.parse::<IpAddr>() {
+        Ok(ip) => SocketAddr::new(ip, dest.port),
+        Err(_) => {
+            let lookup = tokio::net::lookup_host((&*dest.host, dest.port));
+            let timeout = route.config.upstream.connect_timeout.0;
+            tokio::time::timeout(timeout, lookup)
+                .await
+                .ok()?
+                .ok()?
+                .next()?
+        }
+    };
+    Some(peer_for(
+        addr,
+        dest.tls,
+        dest.host.to_string(),
+        &route.config.upstream,
+    ))
 }
 
 /// Fixes up the request head on its way to the member.
@@ -84,10 +127,31 @@ pub(crate) fn request_headers(
             upstream.insert_header(header::HOST, host)?;
         }
     }
-    if !preserve_host {
-        if let Some(m) = ctx.member() {
-            upstream.insert_header(header::HOST, m.host_header.clone())?;
+    match ctx.member().map(|m| &m.kind) {
+        Some(MemberKind::Proxy { authorization }) => {
+            // A forward proxy gets the absolute form, and sluice's own credentials for it.
+            let dest = ctx.target.dest.as_ref();
+            let authority = dest.map_or("", |d| &d.authority);
+            let mut target = String::with_capacity(8 + authority.len() + 64);
+            target.push_str("http://");
+            target.push_str(authority);
+            match &ctx.target.uri {
+                Some(uri) => target.push_str(uri.as_str()),
+                None => target.push_str(upstream.uri.path_and_query().map_or("/", |p| p.as_str())),
+            }
+            upstream.set_raw_path(target.as_bytes())?;
+            if let Some(auth) = authorization {
+                upstream.insert_header(header::PROXY_AUTHORIZATION, auth.clone())?;
+            }
         }
+        // Proxy and direct members reach the client's own target: its Host stays.
+        Some(MemberKind::Direct) => {}
+        Some(MemberKind::Origin) if !preserve_host => {
+            if let Some(m) = ctx.member() {
+                upstream.insert_header(header::HOST, m.host_header.clone())?;
+            }
+        }
+        _ => {}
     }
     if let Some(ip) = session
         .client_addr()

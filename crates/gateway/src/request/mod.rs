@@ -37,6 +37,7 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use sluice_state::StateStore;
 
+use crate::config::MemberKind;
 use crate::metrics::Metrics;
 use crate::table::{Member, Route, Table};
 use select::{Attempt, Tried};
@@ -75,7 +76,7 @@ impl Gateway {
 pub struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
-    fn enter(count: &Arc<AtomicUsize>) -> InFlight {
+    pub(crate) fn enter(count: &Arc<AtomicUsize>) -> InFlight {
         count.fetch_add(1, Ordering::AcqRel);
         InFlight(count.clone())
     }
@@ -125,6 +126,31 @@ pub(crate) struct Forward {
     authority: Option<Box<str>>,
     /// The origin-form target to send, when it is not the client's own.
     uri: Option<http::uri::PathAndQuery>,
+    /// The client's own destination, on routes whose members reach it (`proxy`, `direct`).
+    dest: Option<Dest>,
+}
+
+/// Where the client's request is headed, for `proxy` and `direct` members.
+pub(crate) struct Dest {
+    /// Host as routed: lowercase, IPv6 without brackets.
+    host: Box<str>,
+    port: u16,
+    /// The target is `https://`: a direct member connects with TLS.
+    tls: bool,
+    /// `host[:port]` as sent, for the absolute form a proxy gets.
+    authority: Box<str>,
+}
+
+impl Dest {
+    fn of(target: &crate::target::Target<'_>) -> Dest {
+        let tls = target.scheme == Some(crate::target::Scheme::Https);
+        Dest {
+            host: (*target.host).into(),
+            port: target.port.unwrap_or(if tls { 443 } else { 80 }),
+            tls,
+            authority: target.authority.into(),
+        }
+    }
 }
 
 impl Forward {
@@ -137,6 +163,7 @@ impl Forward {
         Forward {
             authority: absolute.then(|| target.authority.into()),
             uri,
+            dest: None,
         }
     }
 
@@ -237,7 +264,12 @@ impl ProxyHttp for Gateway {
             if let Some(member) = ctx.member() {
                 member.attempts_connect_failure.inc();
             }
-            attempt.failed_to_connect();
+            if ctx.member().is_some_and(|m| m.kind == MemberKind::Direct) {
+                // The client's target failed, not the member: its health is not touched.
+                drop(attempt);
+            } else {
+                attempt.failed_to_connect();
+            }
             // Nothing reached the member, so trying another is safe for every method.
             // next_peer enforces the retry budget and the choice of an untried member.
             e.set_retry(true);

@@ -1,0 +1,191 @@
+//! The tunnel's HTTP/1 heads: the client's CONNECT, and what sluice answers to it.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Version};
+use pingora::protocols::Stream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::problem::{self, Problem};
+use crate::table::Route;
+
+/// The longest CONNECT head sluice reads.
+const MAX_HEAD: usize = 16 * 1024;
+/// The most header fields in it.
+const MAX_HEADERS: usize = 64;
+/// Time allowed for the whole head to arrive.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A CONNECT request head.
+pub(super) struct Head {
+    pub(super) version: Version,
+    /// The request target: `host:port`.
+    pub(super) authority: String,
+    pub(super) headers: HeaderMap,
+    /// Bytes the client sent after the head without waiting for the answer (a TLS
+    /// ClientHello, say): they go up first once the tunnel is open.
+    pub(super) early: Bytes,
+}
+
+/// Reads the CONNECT head. `Err(None)` when the client left or was too slow; `Err(Some(p))`
+/// when it sent something that is not a CONNECT head sluice can serve.
+pub(super) async fn read(stream: &mut Stream) -> Result<Head, Option<Problem>> {
+    let mut buf = BytesMut::with_capacity(1024);
+    let read = async {
+        loop {
+            match stream.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return Err(None),
+                Ok(_) => {}
+            }
+            if let Some(head) = parse(&mut buf)? {
+                return Ok(head);
+            }
+            if buf.len() > MAX_HEAD {
+                return Err(Some(Problem::bad_request()));
+            }
+        }
+    };
+    tokio::time::timeout(HEAD_TIMEOUT, read)
+        .await
+        .unwrap_or(Err(None))
+}
+
+/// The head, once `buf` holds all of it.
+fn parse(buf: &mut BytesMut) -> Result<Option<Head>, Option<Problem>> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut fields);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(Some(Problem::bad_request())),
+    };
+    if req.method != Some("CONNECT") {
+        return Err(Some(Problem::bad_request()));
+    }
+    let version = match req.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    let authority = req.path.unwrap_or_default().to_string();
+    let mut headers = HeaderMap::with_capacity(req.headers.len());
+    for f in req.headers.iter() {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(f.name.as_bytes()),
+            HeaderValue::from_bytes(f.value),
+        ) else {
+            return Err(Some(Problem::bad_request()));
+        };
+        headers.append(name, value);
+    }
+    let early = buf.split_off(len).freeze();
+    Ok(Some(Head {
+        version,
+        authority,
+        headers,
+        early,
+    }))
+}
+
+/// Answers the CONNECT with a gateway-made problem and closes the connection.
+pub(super) async fn answer(
+    stream: &mut Stream,
+    p: &Problem,
+    route: Option<&Route>,
+    ratelimit: Option<HeaderValue>,
+    allow: Option<HeaderValue>,
+) {
+    let (mut head, body) = problem::render(p, route.map(|r| &*r.name));
+    let mut extra: Vec<(HeaderName, HeaderValue)> = Vec::new();
+    if let (Some(q), Some(value)) = (route.and_then(|r| r.quota.as_deref()), ratelimit) {
+        extra.push((
+            HeaderName::from_static("ratelimit-policy"),
+            q.policy.clone(),
+        ));
+        extra.push((HeaderName::from_static("ratelimit"), value));
+    }
+    if let Some(ms) = p.retry_after_ms {
+        // Whole seconds, rounded up, at least 1 (SPEC §3).
+        extra.push((header::RETRY_AFTER, ms.div_ceil(1000).max(1).into()));
+    }
+    if let Some(allow) = allow {
+        extra.push((header::ALLOW, allow));
+    }
+    extra.push((header::CONNECTION, HeaderValue::from_static("close")));
+    for (name, value) in extra {
+        let _ = head.insert_header(name, value);
+    }
+    let mut out = BytesMut::with_capacity(512 + body.len());
+    status_line(
+        &mut out,
+        head.status.as_u16(),
+        head.status.canonical_reason(),
+    );
+    for (name, value) in head.headers.iter() {
+        field(&mut out, name, value);
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&body);
+    let _ = stream.write_all(&out).await;
+    let _ = stream.flush().await;
+    let _ = stream.shutdown().await;
+}
+
+/// Sends `200 Connection Established`, with the route's RateLimit headers. False when the
+/// client is gone.
+pub(super) async fn established(
+    stream: &mut Stream,
+    route: &Route,
+    ratelimit: Option<HeaderValue>,
+) -> bool {
+    let mut out = BytesMut::with_capacity(256);
+    status_line(&mut out, 200, Some("Connection Established"));
+    if let (Some(q), Some(value)) = (route.quota.as_deref(), ratelimit) {
+        field(
+            &mut out,
+            &HeaderName::from_static("ratelimit-policy"),
+            &q.policy,
+        );
+        field(&mut out, &HeaderName::from_static("ratelimit"), &value);
+    }
+    out.extend_from_slice(b"\r\n");
+    stream.write_all(&out).await.is_ok() && stream.flush().await.is_ok()
+}
+
+fn status_line(out: &mut BytesMut, status: u16, reason: Option<&str>) {
+    out.extend_from_slice(format!("HTTP/1.1 {status} {}\r\n", reason.unwrap_or("")).as_bytes());
+}
+
+fn field(out: &mut BytesMut, name: &HeaderName, value: &HeaderValue) {
+    out.extend_from_slice(name.as_str().as_bytes());
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_head_and_its_early_bytes() {
+        let mut buf = BytesMut::from(
+            &b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\nX-Tenant: a\r\n\r\n\x16\x03\x01"[..],
+        );
+        let head = parse(&mut buf).unwrap().unwrap();
+        assert_eq!(head.authority, "api.test:443");
+        assert_eq!(head.version, Version::HTTP_11);
+        assert_eq!(head.headers["x-tenant"], "a");
+        assert_eq!(&head.early[..], b"\x16\x03\x01");
+    }
+
+    #[test]
+    fn a_partial_head_waits_and_a_bad_one_is_refused() {
+        assert!(parse(&mut BytesMut::from(
+            &b"CONNECT api.test:443 HTTP/1.1\r\nHost"[..]
+        ))
+        .unwrap()
+        .is_none());
+        assert!(parse(&mut BytesMut::from(&b"CONNECT a b c\r\n\r\n"[..])).is_err());
+    }
+}

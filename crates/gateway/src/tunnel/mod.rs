@@ -1,0 +1,346 @@
+//! CONNECT tunnels (SPEC §7): what `HTTPS_PROXY` clients send for every `https://` URL.
+//!
+//! Why this lives outside the Pingora proxy: Pingora 0.9 cannot hand a ProxyHttp hook the raw
+//! downstream connection. `allow_connect_method_proxying` only forwards a CONNECT as if it were
+//! a plain request (to a member that would have to tunnel it itself), and Pingora has no
+//! upstream CONNECT through a TCP forward proxy (cloudflare/pingora#224, #290; its
+//! `HttpPeer.proxy` is a Unix socket). So the listening service's app ([`crate::limits::LimitedApp`]) looks at
+//! the first bytes of each new connection, handles a CONNECT itself, and hands anything else to
+//! Pingora's `HttpProxy` with the [`Gateway`](crate::request::Gateway) hooks, unchanged.
+//!
+//! The look is a peek: Pingora's own TCP stream reads the 8 bytes and rewinds them (the way it
+//! peeks for the h2c preface), so a plain request reaches Pingora byte for byte, through no
+//! wrapper, and the plain-HTTP path pays one small read and nothing per later read.
+//!
+//! Only a CONNECT that opens its connection becomes a tunnel. One sent later on a kept-alive
+//! connection reaches Pingora, which owns the connection by then; `request_filter` refuses it
+//! with `405` and an `Allow` header, and clients retry on a new connection. curl, Python, Node
+//! and Go clients always open a new connection for a CONNECT.
+//!
+//! A tunnel takes the same steps as a request, through the same code:
+//! - routing by the target's host ([`crate::target::parse`] reads the authority form), with the
+//!   path `/`, so a route's `path_prefix` other than `/` never takes tunnels; the route's
+//!   `methods` must allow `CONNECT` (else `405` with `Allow`);
+//! - quota and first member in one step of the route's policy
+//!   ([`crate::request::admit::decide`]): charged once per tunnel, `cost.default` or a rule
+//!   with `methods: [CONNECT]`, and one least-used assignment per tunnel;
+//! - a failed connection, or a `proxy` member's non-2xx answer to our CONNECT, is a connect
+//!   failure: nothing of the client's was sent, so the next member comes from the policy
+//!   within `retries`, as for requests.
+//!
+//! Then `200 Connection Established`, and bytes are copied both ways ([`pump`]) until both
+//! sides close, one fails, or `read_timeout` passes with no byte either way. A tunnel counts as
+//! in flight, so a graceful stop lets it run until the drain ends; the process then exits,
+//! which closes it.
+
+mod head;
+mod open;
+mod pump;
+
+use std::net::IpAddr;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use http::{HeaderValue, Method};
+use pingora::protocols::Stream;
+use sluice_state::StateStore;
+
+use crate::metrics::{Metrics, NO_ROUTE};
+use crate::problem::Problem;
+use crate::request::admit::{decide, Verdict};
+use crate::request::select::Tried;
+use crate::request::InFlight;
+use crate::table::{Route, Table};
+use crate::target;
+
+/// Whether a new connection opens with a CONNECT: a peek, so that a plain request reaches
+/// Pingora byte for byte. `None` when the client sent fewer than 8 bytes within `within`, or
+/// left: there is no request to serve.
+pub async fn opens_with_connect(stream: &mut Stream, within: Duration) -> Option<bool> {
+    let mut first = [0u8; 8];
+    match tokio::time::timeout(within, stream.try_peek(&mut first)).await {
+        Ok(Ok(true)) => Some(first == *b"CONNECT "),
+        // A stream that cannot peek: Pingora then reads it all itself.
+        Ok(Ok(false)) => Some(false),
+        _ => None,
+    }
+}
+
+/// What tunnels share with the request path: the table, metrics, the in-flight count and the
+/// state store.
+pub struct Tunnels {
+    table: Arc<ArcSwap<Table>>,
+    metrics: Arc<Metrics>,
+    in_flight: Arc<AtomicUsize>,
+    state: Arc<dyn StateStore>,
+}
+
+impl Tunnels {
+    /// Tunnels over the same table, metrics, in-flight count and store as the proxy.
+    pub fn new(
+        table: Arc<ArcSwap<Table>>,
+        metrics: Arc<Metrics>,
+        in_flight: Arc<AtomicUsize>,
+        state: Arc<dyn StateStore>,
+    ) -> Tunnels {
+        Tunnels {
+            table,
+            metrics,
+            in_flight,
+            state,
+        }
+    }
+
+    /// Serves one connection that opens with a CONNECT, to its end.
+    pub(crate) async fn serve(&self, mut client: Stream) {
+        let started = Instant::now();
+        let _in_flight = InFlight::enter(&self.in_flight);
+        let client_ip = client
+            .get_socket_digest()
+            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
+        let mut end = End::default();
+        let authority = match head::read(&mut client).await {
+            Ok(head) => {
+                self.tunnel(&mut client, &head, client_ip, &mut end).await;
+                head.authority
+            }
+            Err(Some(problem)) => {
+                end.status = problem.status;
+                head::answer(&mut client, &problem, None, None, None).await;
+                String::new()
+            }
+            // The client left before its head was complete.
+            Err(None) => String::new(),
+        };
+        self.account(&end, &authority, started.elapsed());
+    }
+
+    /// Routes, admits, connects and pumps one tunnel; `end` says what happened.
+    async fn tunnel(
+        &self,
+        client: &mut Stream,
+        head: &head::Head,
+        client_ip: Option<IpAddr>,
+        end: &mut End,
+    ) {
+        let host = head.headers.get(http::header::HOST).map(|h| h.as_bytes());
+        let target = match target::parse(
+            &Method::CONNECT,
+            head.version,
+            head.authority.as_bytes(),
+            host,
+        ) {
+            Ok(t) => t,
+            Err(reject) => {
+                let p = Problem::bad_target(reject);
+                end.status = p.status;
+                head::answer(client, &p, None, None, None).await;
+                return;
+            }
+        };
+        let table = self.table.load();
+        let Some(route) = table
+            .router
+            .find_normalized(&target.host, "/", "CONNECT")
+            .cloned()
+        else {
+            let (p, allow) = match table.router.find_any_method(&target.host, "/") {
+                Some(r) => {
+                    end.route = Some(r.clone());
+                    (
+                        Problem::method_not_allowed("this route's methods do not include CONNECT"),
+                        allow_header(r),
+                    )
+                }
+                None => (Problem::no_route(), None),
+            };
+            end.status = p.status;
+            head::answer(client, &p, end.route.as_deref(), None, allow).await;
+            return;
+        };
+        end.route = Some(route.clone());
+
+        let quota = route.quota.as_deref();
+        let cost = quota.map_or(0, |q| q.cost("/", "CONNECT"));
+        let mut key_buf = String::new();
+        let key = quota.map_or("", |q| q.key_for(&head.headers, client_ip, &mut key_buf));
+        let (first, ratelimit, fallback) =
+            match decide(&*self.state, &self.metrics, &route, key, cost).await {
+                Verdict::Go {
+                    first,
+                    ratelimit,
+                    fallback,
+                } => (first, ratelimit, fallback),
+                Verdict::Answer {
+                    problem,
+                    ratelimit,
+                    no_member,
+                } => {
+                    end.status = problem.status;
+                    if no_member {
+                        end.error = Some("no_member");
+                    }
+                    head::answer(client, &problem, Some(&route), ratelimit, None).await;
+                    return;
+                }
+            };
+
+        // Attempts: the admitted member, then untried ones from the policy, within retries.
+        let up = &route.config.upstream;
+        let mut tried = Tried::default();
+        tried.fallback = fallback;
+        let mut next = first;
+        let mut all_refused = true;
+        let upstream = loop {
+            if tried.count() > up.retries as usize {
+                break None;
+            }
+            let attempt = match next.take() {
+                Some(a) => Some(a),
+                None => {
+                    let fell_back = tried.fallback;
+                    let a = route.policy.next(&*self.state, &mut tried).await;
+                    if tried.fallback && !fell_back {
+                        self.metrics
+                            .store_errors
+                            .with_label_values(&["select"])
+                            .inc();
+                        route.selection_fallbacks.inc();
+                    }
+                    a
+                }
+            };
+            let Some(mut attempt) = attempt else {
+                break None;
+            };
+            let index = attempt.index();
+            tried.push(index);
+            end.member = Some(index);
+            let member = &route.members[index];
+            match open::connect(member, &target, up).await {
+                Ok(conn) => {
+                    attempt.connected();
+                    break Some(conn);
+                }
+                Err(failure) => {
+                    member.attempts_connect_failure.inc();
+                    all_refused &= failure.refused;
+                    tracing::debug!(target: "sluice::tunnel", route = %route.name, member = %member.url.url, %failure, "tunnel attempt failed");
+                    if member.kind == crate::config::MemberKind::Direct {
+                        // The client's target failed, not the member: health is not touched.
+                        drop(attempt);
+                    } else {
+                        attempt.failed_to_connect();
+                    }
+                }
+            }
+        };
+        end.attempts = tried.count() as u32;
+        let Some(upstream) = upstream else {
+            let attempts = tried.count() as u32;
+            let (p, code) = if attempts == 0 {
+                (Problem::no_member(), "no_member")
+            } else if all_refused {
+                (Problem::proxy_refused(attempts), "proxy_refused")
+            } else {
+                (Problem::unreachable(attempts), "upstream_unreachable")
+            };
+            end.status = p.status;
+            end.error = Some(code);
+            head::answer(client, &p, Some(&route), ratelimit, None).await;
+            return;
+        };
+        if let Some(m) = end.member.map(|i| &route.members[i]) {
+            m.attempts_ok.inc();
+        }
+
+        if !head::established(client, &route, ratelimit).await {
+            end.error = Some("client_gone");
+            return;
+        }
+        end.status = 200;
+        let active = self
+            .metrics
+            .tunnels_active
+            .with_label_values(&[&route.name]);
+        active.inc();
+        let counters = pump::Counters {
+            up: self
+                .metrics
+                .tunnel_bytes
+                .with_label_values(&[&route.name, "up"]),
+            down: self
+                .metrics
+                .tunnel_bytes
+                .with_label_values(&[&route.name, "down"]),
+        };
+        let pumped = pump::pump(
+            client,
+            upstream.stream,
+            &head.early,
+            &upstream.early,
+            up.read_timeout.0,
+            &counters,
+        )
+        .await;
+        active.dec();
+        end.bytes = Some((pumped.up, pumped.down));
+        end.error = pumped.ended;
+    }
+
+    /// The tunnel's access line and request metric.
+    fn account(&self, end: &End, authority: &str, elapsed: Duration) {
+        let route_name = end.route.as_ref().map_or(NO_ROUTE, |r| &*r.name);
+        let status = http::StatusCode::from_u16(end.status).ok();
+        self.metrics
+            .requests
+            .with_label_values(&[route_name, status.as_ref().map_or("0", |s| s.as_str())])
+            .inc();
+        // sluice_request_duration_seconds is left to requests: a tunnel's lifetime (minutes,
+        // often) would drown their latencies. The access line has it.
+        let member = end
+            .route
+            .as_ref()
+            .zip(end.member)
+            .and_then(|(r, i)| r.members.get(i))
+            .map_or("", |m| m.url.url.as_str());
+        crate::logging::access(&crate::logging::AccessLine {
+            route: route_name,
+            method: "CONNECT",
+            authority,
+            path: "",
+            status: end.status,
+            member,
+            attempts: end.attempts,
+            duration_ms: elapsed.as_secs_f64() * 1000.0,
+            error: end.error,
+            tunnel: end.bytes,
+        });
+    }
+}
+
+/// How a tunnel ended, for its access line.
+#[derive(Default)]
+struct End {
+    route: Option<Arc<Route>>,
+    status: u16,
+    member: Option<usize>,
+    attempts: u32,
+    error: Option<&'static str>,
+    bytes: Option<(u64, u64)>,
+}
+
+/// `Allow` for a route that does not allow CONNECT: its methods (it has some, or it would
+/// allow CONNECT).
+fn allow_header(route: &Route) -> Option<HeaderValue> {
+    let methods: Vec<&str> = route
+        .config
+        .matcher
+        .methods
+        .iter()
+        .map(|m| m.0.as_str())
+        .collect();
+    HeaderValue::from_str(&methods.join(", ")).ok()
+}

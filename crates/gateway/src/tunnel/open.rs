@@ -1,0 +1,174 @@
+//! Opening the member side of a tunnel, by member kind.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::config::{MemberKind, UpstreamConfig};
+use crate::table::Member;
+use crate::target::Target;
+
+/// The most bytes of a proxy's answer to CONNECT that sluice reads.
+const MAX_PROXY_HEAD: usize = 16 * 1024;
+
+/// An open member side.
+pub(super) struct Upstream {
+    pub(super) stream: TcpStream,
+    /// Bytes a proxy sent after its `200` head: they go down first.
+    pub(super) early: Bytes,
+}
+
+/// Why an attempt failed. Nothing of the client's was sent in any case.
+pub(super) struct Failure {
+    /// A proxy answered our CONNECT with a non-2xx status (else: no connection).
+    pub(super) refused: bool,
+    what: String,
+}
+
+impl Failure {
+    fn unreachable(what: impl Into<String>) -> Failure {
+        Failure {
+            refused: false,
+            what: what.into(),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.what)
+    }
+}
+
+/// Opens the member side of a tunnel to `target`:
+/// - an origin: a connection to the member's own host and port;
+/// - `direct`: a connection to the target;
+/// - `proxy`: a connection to the proxy, then `CONNECT target` through it, with the URL's
+///   credentials as `Proxy-Authorization: Basic`; a non-2xx answer is a refusal.
+pub(super) async fn connect(
+    member: &Member,
+    target: &Target<'_>,
+    up: &UpstreamConfig,
+) -> Result<Upstream, Failure> {
+    let port = target.port.unwrap_or(443);
+    match &member.kind {
+        MemberKind::Origin => {
+            let stream = tcp(member_address(member)?, up).await?;
+            Ok(Upstream {
+                stream,
+                early: Bytes::new(),
+            })
+        }
+        MemberKind::Direct => {
+            // egress guard: check target before connecting
+            let lookup = tokio::net::lookup_host((&*target.host, port));
+            let addrs: Vec<SocketAddr> =
+                match tokio::time::timeout(up.connect_timeout.0, lookup).await {
+                    Ok(Ok(addrs)) => addrs.collect(),
+                    Ok(Err(e)) => {
+                        return Err(Failure::unreachable(format!(
+                            "{} does not resolve: {e}",
+                            target.host
+                        )))
+                    }
+                    Err(_) => return Err(Failure::unreachable("name lookup timed out")),
+                };
+            let mut last = Failure::unreachable(format!("{} has no address", target.host));
+            for addr in addrs {
+                match tcp(addr, up).await {
+                    Ok(stream) => {
+                        return Ok(Upstream {
+                            stream,
+                            early: Bytes::new(),
+                        })
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        }
+        MemberKind::Proxy { authorization } => {
+            let mut stream = tcp(member_address(member)?, up).await?;
+            let authority = if target.host.contains(':') {
+                format!("[{}]:{port}", target.host)
+            } else {
+                format!("{}:{port}", target.host)
+            };
+            let mut head = format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n");
+            if let Some(auth) = authorization {
+                head.push_str("Proxy-Authorization: ");
+                head.push_str(auth.to_str().unwrap_or_default());
+                head.push_str("\r\n");
+            }
+            head.push_str("\r\n");
+            let answer = async {
+                stream
+                    .write_all(head.as_bytes())
+                    .await
+                    .map_err(|e| Failure::unreachable(format!("proxy write: {e}")))?;
+                proxy_answer(&mut stream).await
+            };
+            // The proxy connects to the target before it answers, so its answer gets the
+            // route's read_timeout.
+            let early = tokio::time::timeout(up.read_timeout.0, answer)
+                .await
+                .map_err(|_| Failure::unreachable("the proxy did not answer CONNECT in time"))??;
+            Ok(Upstream { stream, early })
+        }
+    }
+}
+
+/// The member's resolved address (origins and proxies).
+fn member_address(member: &Member) -> Result<SocketAddr, Failure> {
+    member
+        .peer
+        .as_ref()
+        .and_then(|p| p._address.as_inet().copied())
+        .ok_or_else(|| Failure::unreachable("the member's host did not resolve"))
+}
+
+async fn tcp(addr: SocketAddr, up: &UpstreamConfig) -> Result<TcpStream, Failure> {
+    match tokio::time::timeout(up.connect_timeout.0, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok(s)
+        }
+        Ok(Err(e)) => Err(Failure::unreachable(format!("connect {addr}: {e}"))),
+        Err(_) => Err(Failure::unreachable(format!("connect {addr}: timed out"))),
+    }
+}
+
+/// Reads the proxy's answer head: the bytes after it when it is 2xx, a refusal otherwise.
+async fn proxy_answer(stream: &mut TcpStream) -> Result<Bytes, Failure> {
+    let mut buf = BytesMut::with_capacity(1024);
+    loop {
+        let n = stream
+            .read_buf(&mut buf)
+            .await
+            .map_err(|e| Failure::unreachable(format!("proxy read: {e}")))?;
+        if n == 0 {
+            return Err(Failure::unreachable(
+                "the proxy closed before answering CONNECT",
+            ));
+        }
+        let mut fields = [httparse::EMPTY_HEADER; 64];
+        let mut res = httparse::Response::new(&mut fields);
+        match res.parse(&buf) {
+            Ok(httparse::Status::Complete(len)) => {
+                let status = res.code.unwrap_or(0);
+                if (200..300).contains(&status) {
+                    return Ok(buf.split_off(len).freeze());
+                }
+                return Err(Failure {
+                    refused: true,
+                    what: format!("the proxy answered CONNECT with {status}"),
+                });
+            }
+            Ok(httparse::Status::Partial) if buf.len() <= MAX_PROXY_HEAD => {}
+            _ => return Err(Failure::unreachable("the proxy's answer is not HTTP")),
+        }
+    }
+}

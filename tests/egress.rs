@@ -1,0 +1,724 @@
+//! SPEC §7 end to end: real clients (curl) using sluice as their HTTPS proxy, CONNECT tunnels to
+//! real TLS origins (`openssl s_server`, with a CA made per test), and real forward proxies
+//! (Debian's `tinyproxy`) as `proxy` members.
+
+mod support;
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use support::{free_port, start_backends, Config, Gateway, HttpClient, Quota, Route, TempDir};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl must be installed");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `ca.pem`, and `server.pem`/`server.key` signed by it for localhost and 127.0.0.1.
+fn make_certificates(dir: &Path) {
+    let subj_ca = ["-subj", "/CN=sluice egress test CA"];
+    openssl(
+        dir,
+        &[
+            &[
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ][..],
+            &subj_ca,
+            &["-keyout", "ca.key", "-out", "ca.pem"],
+        ]
+        .concat(),
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=origin",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ],
+    );
+}
+
+/// A child process killed on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_listening(port: u16, child: &mut Child, what: &str) {
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let _ = child.kill();
+    panic!("{what} did not listen on {port}");
+}
+
+/// `openssl s_server -www` on 127.0.0.1: a TLS origin answering GET with a status page.
+fn tls_origin(dir: &Path) -> (Process, u16) {
+    let port = free_port();
+    let mut child = Command::new("openssl")
+        .args([
+            "s_server",
+            "-accept",
+            &format!("127.0.0.1:{port}"),
+            "-www",
+            "-quiet",
+        ])
+        .args(["-cert", "server.pem", "-key", "server.key"])
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("openssl s_server");
+    wait_listening(port, &mut child, "openssl s_server");
+    (Process(child), port)
+}
+
+/// Debian's tinyproxy in the foreground, logging every request line to a file.
+struct Tinyproxy {
+    _process: Process,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Tinyproxy {
+    fn start(dir: &Path, name: &str, basic_auth: Option<(&str, &str)>) -> Tinyproxy {
+        let port = free_port();
+        let conf = dir.join(format!("{name}.conf"));
+        let log = dir.join(format!("{name}.log"));
+        let mut text = format!(
+            "Port {port}\nListen 127.0.0.1\nTimeout 30\nLogLevel Info\nMaxClients 64\nAllow 127.0.0.1\n"
+        );
+        if let Some((user, pass)) = basic_auth {
+            text.push_str(&format!("BasicAuth {user} {pass}\n"));
+        }
+        fs::write(&conf, text).unwrap();
+        let mut child = Command::new("tinyproxy")
+            .arg("-d")
+            .arg("-c")
+            .arg(&conf)
+            .stdin(Stdio::null())
+            .stdout(fs::File::create(&log).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("tinyproxy must be installed");
+        wait_listening(port, &mut child, "tinyproxy");
+        Tinyproxy {
+            _process: Process(child),
+            port,
+            log,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The request lines tinyproxy received that start with `prefix` (e.g. `CONNECT `).
+    fn requests(&self, prefix: &str) -> Vec<String> {
+        let text = fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| l.split_once("Request (file descriptor ").map(|(_, r)| r))
+            .filter_map(|r| r.split_once("): ").map(|(_, line)| line.to_string()))
+            .filter(|line| line.starts_with(prefix))
+            .collect()
+    }
+
+    async fn wait_requests(&self, prefix: &str, n: usize) -> usize {
+        support::wait_until(WAIT, || self.requests(prefix).len() >= n).await;
+        self.requests(prefix).len()
+    }
+}
+
+/// A forward proxy that answers every CONNECT with `status`, counting them.
+async fn refusing_proxy(status: u16) -> (SocketAddr, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(AtomicU64::new(0));
+    let seen = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if head.starts_with(b"CONNECT ") {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+                let answer = format!(
+                    "HTTP/1.1 {status} Refused\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    (addr, count)
+}
+
+/// curl with `args` and `env`, and none of the caller's proxy settings; returns whether it
+/// succeeded, and its stdout and stderr.
+async fn curl(args: Vec<String>, env: Vec<(String, String)>) -> (bool, String, String) {
+    tokio::task::spawn_blocking(move || {
+        let mut cmd = Command::new("curl");
+        for var in [
+            "http_proxy",
+            "https_proxy",
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "all_proxy",
+            "ALL_PROXY",
+            "no_proxy",
+            "NO_PROXY",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.args(["-sS", "--max-time", "20"]).args(&args).envs(env);
+        let out = cmd.output().expect("curl must be installed");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+    .await
+    .unwrap()
+}
+
+/// `curl -x sluice https://localhost:port/` trusting the test CA: the HTTP status, or a panic
+/// with curl's error.
+async fn curl_https_via(gw: &Gateway, dir: &Path, host: &str, port: u16) -> String {
+    let (ok, out, err) = curl(
+        vec![
+            "-o".into(),
+            "/dev/null".into(),
+            "-w".into(),
+            "%{http_code}".into(),
+            "--cacert".into(),
+            dir.join("ca.pem").display().to_string(),
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            format!("https://{host}:{port}/"),
+        ],
+        vec![],
+    )
+    .await;
+    assert!(ok, "curl failed: {err}\n{}", gw.logs());
+    out
+}
+
+/// Access lines of tunnels.
+fn tunnel_lines(gw: &Gateway) -> Vec<serde_json::Value> {
+    gw.log_json()
+        .into_iter()
+        .filter(|l| l["target"] == "sluice::access" && l["method"] == "CONNECT")
+        .collect()
+}
+
+async fn wait_tunnel_lines(gw: &Gateway, n: usize) -> Vec<serde_json::Value> {
+    support::wait_until(WAIT, || tunnel_lines(gw).len() >= n).await;
+    tunnel_lines(gw)
+}
+
+/// Opens a CONNECT to `authority` through the gateway and reads the answer's head.
+async fn connect(gw: &Gateway, authority: &str) -> (HttpClient, support::Response) {
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    (client, r)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_reaches_a_tls_origin_through_a_direct_route() {
+    let dir = TempDir::new("egress-direct");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let gw = Config::new()
+        .route(Route::new("web").hosts(&["localhost"]).direct_member())
+        .start();
+
+    assert_eq!(
+        curl_https_via(&gw, dir.path(), "localhost", port).await,
+        "200"
+    );
+    // The same with HTTPS_PROXY in the environment instead of -x.
+    let (ok, out, err) = curl(
+        vec![
+            "-o".into(),
+            "/dev/null".into(),
+            "-w".into(),
+            "%{http_code}".into(),
+            "--cacert".into(),
+            dir.path().join("ca.pem").display().to_string(),
+            format!("https://localhost:{port}/"),
+        ],
+        vec![("HTTPS_PROXY".into(), format!("http://{}", gw.proxy_addr()))],
+    )
+    .await;
+    assert!(ok && out == "200", "{out} {err}");
+
+    let lines = wait_tunnel_lines(&gw, 2).await;
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    for l in &lines {
+        assert_eq!(l["route"], "web");
+        assert_eq!(l["status"], 200);
+        assert_eq!(l["member"], "direct");
+        assert_eq!(l["authority"], format!("localhost:{port}"));
+        assert!(l["bytes_up"].as_u64().unwrap() > 0, "{l}");
+        assert!(l["bytes_down"].as_u64().unwrap() > 0, "{l}");
+        assert!(l["duration_ms"].is_number());
+    }
+    let up: u64 = lines.iter().map(|l| l["bytes_up"].as_u64().unwrap()).sum();
+    let down: u64 = lines
+        .iter()
+        .map(|l| l["bytes_down"].as_u64().unwrap())
+        .sum();
+    let metric = |direction: &str| {
+        let gw = &gw;
+        let direction = direction.to_string();
+        async move {
+            gw.metric(
+                "sluice_tunnel_bytes_total",
+                &[("route", "web"), ("direction", &direction)],
+            )
+            .await
+        }
+    };
+    assert_eq!(metric("up").await, Some(up as f64));
+    assert_eq!(metric("down").await, Some(down as f64));
+    assert_eq!(
+        gw.metric("sluice_tunnels_active", &[("route", "web")])
+            .await,
+        Some(0.0)
+    );
+    assert_eq!(
+        gw.metric(
+            "sluice_requests_total",
+            &[("route", "web"), ("status", "200")]
+        )
+        .await,
+        Some(2.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_members_carry_tunnels_and_plain_http_least_used_exactly() {
+    const PASSWORD: &str = "pr0xy-s3cret";
+    let dir = TempDir::new("egress-proxies");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let backends = start_backends(&["plain"]).await;
+    let plain = backends[0].local_addr();
+    let with_auth = Tinyproxy::start(dir.path(), "auth", Some(("sluice", PASSWORD)));
+    let open = Tinyproxy::start(dir.path(), "open", None);
+    let gw = Config::new()
+        .route(
+            Route::new("egress")
+                .hosts(&["localhost", "127.0.0.1"])
+                .least_used()
+                .proxy_member(format!(
+                    "http://sluice:{PASSWORD}@127.0.0.1:{}",
+                    with_auth.port
+                ))
+                .proxy_member(open.url()),
+        )
+        .start();
+
+    for _ in 0..6 {
+        assert_eq!(
+            curl_https_via(&gw, dir.path(), "localhost", port).await,
+            "200"
+        );
+    }
+    // least_used: one assignment per tunnel, so exactly 3 CONNECTs each.
+    let connect_line = format!("CONNECT localhost:{port} ");
+    assert_eq!(with_auth.wait_requests(&connect_line, 3).await, 3);
+    assert_eq!(open.wait_requests(&connect_line, 3).await, 3);
+
+    // Plain http:// through the same members: absolute form at the proxy, then the origin.
+    for i in 0..4 {
+        let (ok, out, err) = curl(
+            vec![
+                "-x".into(),
+                format!("http://{}", gw.proxy_addr()),
+                format!("http://127.0.0.1:{}/plain/{i}?q=1", plain.port()),
+            ],
+            vec![],
+        )
+        .await;
+        assert!(ok, "{err}");
+        let json: serde_json::Value = serde_json::from_str(&out).expect(&out);
+        assert_eq!(json["upstream"], "plain");
+        assert_eq!(json["target"], format!("/plain/{i}?q=1"));
+    }
+    let get_line = format!("GET http://127.0.0.1:{}/plain/", plain.port());
+    assert_eq!(with_auth.wait_requests(&get_line, 2).await, 2);
+    assert_eq!(open.wait_requests(&get_line, 2).await, 2);
+    assert_eq!(backends[0].requests(), 4);
+
+    // The password is nowhere to be read: not in logs, /status or /metrics, not even encoded.
+    let encoded = {
+        // base64("sluice:pr0xy-s3cret"), as Proxy-Authorization carries it.
+        "c2x1aWNlOnByMHh5LXMzY3JldA=="
+    };
+    let status = gw.status().await.to_string();
+    let metrics = gw.metrics().await;
+    for (what, text) in [
+        ("logs", gw.logs()),
+        ("/status", status.clone()),
+        ("/metrics", metrics),
+    ] {
+        assert!(!text.contains(PASSWORD), "{what} shows the password");
+        assert!(
+            !text.contains(encoded),
+            "{what} shows the encoded credentials"
+        );
+    }
+    assert!(
+        status.contains(&format!("\"http://127.0.0.1:{}\"", with_auth.port)),
+        "{status}"
+    );
+    let lines = wait_tunnel_lines(&gw, 6).await;
+    assert!(lines.iter().all(|l| l["status"] == 200));
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l["member"] == format!("http://127.0.0.1:{}", with_auth.port))
+            .count(),
+        3
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quota_is_charged_once_per_tunnel() {
+    let backends = start_backends(&["b"]).await;
+    let target = backends[0].local_addr().to_string();
+    let gw = Config::new()
+        .route(
+            Route::new("q")
+                .hosts(&["127.0.0.1"])
+                .direct_member()
+                .quota(Quota::window("minute", 2, "1m")),
+        )
+        .start();
+
+    let (mut first, r) = connect(&gw, &target).await;
+    assert_eq!(r.status, 200);
+    assert!(r.header("ratelimit").is_some());
+    // Several requests in one tunnel are one charge.
+    for _ in 0..3 {
+        let r = first.request("GET", &target, "/", &[], b"").await.unwrap();
+        assert_eq!(r.status, 200);
+    }
+    let (_second, r) = connect(&gw, &target).await;
+    assert_eq!(r.status, 200);
+    let (_third, r) = connect(&gw, &target).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-sluice-error"), Some("quota_exceeded"));
+    let retry_after: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    assert_eq!(backends[0].requests(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_refuses_connect_is_retried_on_another() {
+    let dir = TempDir::new("egress-refusals");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let good = Tinyproxy::start(dir.path(), "good", None);
+    // Wrong credentials: this one answers 407.
+    let strict = Tinyproxy::start(dir.path(), "strict", Some(("sluice", "right")));
+    let (refuser, refused) = refusing_proxy(502).await;
+    let gw = Config::new()
+        .route(
+            Route::new("r407")
+                .hosts(&["localhost"])
+                .proxy_member(format!("http://sluice:wrong@127.0.0.1:{}", strict.port))
+                .proxy_member(good.url())
+                .retries(1),
+        )
+        .route(
+            Route::new("r502")
+                .hosts(&["127.0.0.1"])
+                .proxy_member(format!("http://{refuser}"))
+                .proxy_member(good.url())
+                .retries(1),
+        )
+        .route(
+            Route::new("none")
+                .hosts(&["none.test"])
+                .proxy_member(format!("http://{refuser}")),
+        )
+        .start();
+
+    for _ in 0..4 {
+        assert_eq!(
+            curl_https_via(&gw, dir.path(), "localhost", port).await,
+            "200"
+        );
+        assert_eq!(
+            curl_https_via(&gw, dir.path(), "127.0.0.1", port).await,
+            "200"
+        );
+    }
+    // Round-robin starts with the refusing member, so each refused at least once.
+    assert!(strict.wait_requests("CONNECT ", 1).await >= 1);
+    assert!(refused.load(Ordering::SeqCst) >= 1);
+    assert_eq!(good.wait_requests("CONNECT ", 8).await, 8);
+
+    // When every member refuses: 502 proxy_refused.
+    let before = refused.load(Ordering::SeqCst);
+    let (_c, r) = connect(&gw, "none.test:443").await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.header("x-sluice-error"), Some("proxy_refused"));
+    assert_eq!(refused.load(Ordering::SeqCst), before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
+    let backends = start_backends(&["b"]).await;
+    let target = backends[0].local_addr().to_string();
+    let mut gw = Config::new()
+        .route(Route::new("t").hosts(&["127.0.0.1"]).direct_member())
+        .start();
+    let (mut tunnel, r) = connect(&gw, &target).await;
+    assert_eq!(r.status, 200);
+    let r = tunnel
+        .request("GET", &target, "/before", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+
+    gw.sigterm();
+    assert!(gw.wait_for_log("stopping", WAIT).await);
+    // Draining: the tunnel still carries requests, and the gateway waits for it.
+    let r = tunnel
+        .request("GET", &target, "/during", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["target"], "/during");
+    assert!(gw.is_running());
+
+    drop(tunnel);
+    let status = gw.wait_exit_async(WAIT).await.expect("the gateway exits");
+    assert!(status.success(), "{status:?}");
+    let lines = tunnel_lines(&gw);
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert_eq!(lines[0]["status"], 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_through_a_direct_member_reaches_the_clients_target() {
+    let backends = start_backends(&["a", "b"]).await;
+    let gw = Config::new()
+        .route(Route::new("d").hosts(&["127.0.0.1"]).direct_member())
+        .start();
+    // The client names the destination; the direct member goes where it says.
+    for b in &backends {
+        let addr = b.local_addr();
+        let (ok, out, err) = curl(
+            vec![
+                "-x".into(),
+                format!("http://{}", gw.proxy_addr()),
+                format!("http://{addr}/x?y=1"),
+            ],
+            vec![],
+        )
+        .await;
+        assert!(ok, "{err}");
+        let json: serde_json::Value = serde_json::from_str(&out).expect(&out);
+        assert_eq!(json["target"], "/x?y=1");
+        assert_eq!(json["headers"]["host"], addr.to_string());
+    }
+    assert_eq!(backends[0].requests(), 1);
+    assert_eq!(backends[1].requests(), 1);
+    // A target nobody listens on is the target's failure: the member stays healthy.
+    let dead = support::dead_url().replace("http://", "");
+    let (_, out, _) = curl(
+        vec![
+            "-o".into(),
+            "/dev/null".into(),
+            "-w".into(),
+            "%{http_code}".into(),
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            format!("http://{dead}/"),
+        ],
+        vec![],
+    )
+    .await;
+    assert_eq!(out, "502");
+    let status = gw.status().await;
+    assert_eq!(
+        status["routes"][0]["members"][0]["healthy"], true,
+        "{status}"
+    );
+    let addr = backends[0].local_addr();
+    let (ok, _, err) = curl(
+        vec![
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            format!("http://{addr}/"),
+        ],
+        vec![],
+    )
+    .await;
+    assert!(ok, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_with_no_bytes_for_read_timeout_is_closed() {
+    let backends = start_backends(&["b"]).await;
+    let target = backends[0].local_addr().to_string();
+    let gw = Config::new()
+        .route(
+            Route::new("idle")
+                .hosts(&["127.0.0.1"])
+                .direct_member()
+                .read_timeout("1s"),
+        )
+        .start();
+    let (mut tunnel, r) = connect(&gw, &target).await;
+    assert_eq!(r.status, 200);
+    let r = tunnel.request("GET", &target, "/", &[], b"").await.unwrap();
+    assert_eq!(r.status, 200);
+    // Then silence both ways: sluice closes the tunnel.
+    assert!(tunnel.wait_closed(WAIT).await, "the idle tunnel stays open");
+    let lines = wait_tunnel_lines(&gw, 1).await;
+    assert_eq!(lines[0]["error"], "idle_timeout", "{lines:#?}");
+    assert!(lines[0]["bytes_down"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_reaches_a_tls_origin_with_https_proxy_set() {
+    let dir = TempDir::new("egress-python");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let gw = Config::new()
+        .route(Route::new("web").hosts(&["localhost"]).direct_member())
+        .start();
+    // The standard library's client: it reads HTTPS_PROXY and tunnels with CONNECT.
+    let script = format!(
+        "import ssl, urllib.request\n\
+         ctx = ssl.create_default_context(cafile={ca:?})\n\
+         with urllib.request.urlopen('https://localhost:{port}/', context=ctx, timeout=20) as r:\n\
+         \x20   print(r.status)\n",
+        ca = dir.path().join("ca.pem").display().to_string(),
+    );
+    let proxy = format!("http://{}", gw.proxy_addr());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .args(["-c", &script])
+            .env_remove("NO_PROXY")
+            .env_remove("no_proxy")
+            .env("HTTPS_PROXY", &proxy)
+            .env("https_proxy", &proxy)
+            .output()
+            .expect("python3 must be installed")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "200");
+    let lines = wait_tunnel_lines(&gw, 1).await;
+    assert_eq!(lines[0]["status"], 200);
+    assert_eq!(lines[0]["authority"], format!("localhost:{port}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_sent_right_behind_the_connect_head_go_up_first() {
+    let backends = start_backends(&["b"]).await;
+    let target = backends[0].local_addr().to_string();
+    let gw = Config::new()
+        .route(Route::new("eager").hosts(&["127.0.0.1"]).direct_member())
+        .start();
+    // A client that does not wait for the 200 (as some TLS stacks do with their ClientHello).
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(
+            format!(
+                "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n\
+                 GET /eager HTTP/1.1\r\nHost: {target}\r\nContent-Length: 0\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    assert_eq!(r.status, 200);
+    let r = client.read_response(false).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["target"], "/eager");
+}
