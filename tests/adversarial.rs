@@ -210,6 +210,27 @@ async fn content_length_with_transfer_encoding_smuggles_nothing() {
     }
 }
 
+/// A `Connection` field that names `Content-Length` makes sluice drop that field on the way up;
+/// the body, a whole request here, must still reach the member as a body (Pingora re-frames it
+/// as chunked), never as a second request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_listed_content_length_smuggles_nothing() {
+    let fx = Fixture::start().await;
+    for listed in [
+        "content-length",
+        "keep-alive, Content-Length",
+        "transfer-encoding",
+    ] {
+        let raw = format!(
+            "POST /a HTTP/1.1\r\nHost: api.test\r\nConnection: {listed}\r\nContent-Length: {}\r\n\r\n{SMUGGLED}",
+            SMUGGLED.len()
+        );
+        let p = fx.probe(listed, raw.as_bytes()).await;
+        let echo = p.assert_forwarded_once("/a");
+        assert_eq!(echo["body_len"], SMUGGLED.len(), "{listed}");
+    }
+}
+
 /// Lengths that disagree or are not a plain decimal are refused; no member is contacted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflicting_or_malformed_content_lengths_are_refused() {
@@ -621,4 +642,20 @@ async fn an_oversized_header_block_gets_431() {
     let mut p = fx.probe("a 100 KiB header field", raw.as_bytes()).await;
     assert_eq!(p.status(), Some(431));
     p.assert_refused().await;
+}
+
+/// Several `X-Forwarded-For` fields are one list (RFC 9110 §5.3), but only the first reaches
+/// the member, with the peer appended: `1.1.1.1` then `2.2.2.2` goes up as
+/// `1.1.1.1, 127.0.0.1`. See also `headers::proptests::forwarded_for_keeps_every_prior_field`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "defect: X-Forwarded-For fields after the first are dropped"]
+async fn every_x_forwarded_for_field_is_kept() {
+    let fx = Fixture::start().await;
+    let raw = "GET /a HTTP/1.1\r\nHost: api.test\r\nX-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\n\r\n";
+    let p = fx.probe("two X-Forwarded-For fields", raw.as_bytes()).await;
+    let echo = p.assert_forwarded_once("/a");
+    assert_eq!(
+        echo["headers"]["x-forwarded-for"],
+        "1.1.1.1, 2.2.2.2, 127.0.0.1"
+    );
 }
