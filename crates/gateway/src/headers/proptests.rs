@@ -219,7 +219,9 @@ proptest! {
     /// RFC 9110 §5.3: several `Connection` fields are one list. `strip_hop_by_hop` reads only
     /// the first: after `Connection: keep-alive` then `Connection: x-private`, `X-Private` stays.
     /// On requests Pingora 0.9 strips every nominated field itself, which masks this end to end;
-    /// responses go through `strip_hop_by_hop` alone.
+    /// responses go through `strip_hop_by_hop` alone, and a member's second `Connection` field
+    /// does leak what it names to the client (`tests/adversarial.rs`,
+    /// `every_connection_field_of_a_members_answer_counts`).
     #[test]
     #[ignore = "defect: only the first Connection field's names are stripped"]
     fn every_connection_field_counts(fields in head(2..=3)) {
