@@ -575,6 +575,126 @@ async fn lenient_shapes_are_forwarded_as_one_request() {
     }
 }
 
+/// Random mutations of three well-formed requests (bytes that matter to framing inserted,
+/// ranges deleted, lines duplicated) never make a member receive a request whose answer the
+/// client did not get: after each case, the member's request count has risen by exactly the
+/// number of its answers the client read. Each case ends with a `Connection: close` request of
+/// its own, so the gateway serves everything it will serve and then closes. (A client that
+/// half-closes instead is taken for gone: Pingora drops the exchange, even after the member
+/// answered.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutated_requests_never_smuggle() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config as Cases, TestRunner};
+
+    let fx = Fixture::start().await;
+    let bases: [&[u8]; 3] = [
+        b"POST /a HTTP/1.1\r\nHost: api.test\r\nContent-Length: 5\r\n\r\nhello",
+        b"POST /a HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        b"GET /a HTTP/1.1\r\nHost: api.test\r\nX-A: 1\r\n\r\n",
+    ];
+    let pieces: &[&[u8]] = &[
+        b" ",
+        b"\t",
+        b"\r",
+        b"\n",
+        b"\r\n",
+        b":",
+        b",",
+        b"0",
+        b"\0",
+        b"chunked",
+        b"Content-Length: 0\r\n",
+        b"Content-Length: 50\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+        b"Host: other.test\r\n",
+        b"0\r\n\r\n",
+        SMUGGLED.as_bytes(),
+    ];
+    #[derive(Debug, Clone)]
+    enum Edit {
+        Insert(prop::sample::Index, usize),
+        Delete(prop::sample::Index, usize),
+        Duplicate(prop::sample::Index, prop::sample::Index),
+    }
+    let edit = prop_oneof![
+        (any::<prop::sample::Index>(), 0..pieces.len()).prop_map(|(at, p)| Edit::Insert(at, p)),
+        (any::<prop::sample::Index>(), 1usize..8).prop_map(|(at, n)| Edit::Delete(at, n)),
+        (any::<prop::sample::Index>(), any::<prop::sample::Index>())
+            .prop_map(|(a, b)| Edit::Duplicate(a, b)),
+    ];
+    let strategy = (0..bases.len(), prop::collection::vec(edit, 1..4));
+    let apply = |base: usize, edits: &[Edit]| {
+        let mut bytes = bases[base].to_vec();
+        for e in edits {
+            match e {
+                Edit::Insert(at, p) => {
+                    let at = at.index(bytes.len() + 1);
+                    bytes.splice(at..at, pieces[*p].iter().copied());
+                }
+                Edit::Delete(at, n) if !bytes.is_empty() => {
+                    let at = at.index(bytes.len());
+                    bytes.drain(at..(at + n).min(bytes.len()));
+                }
+                Edit::Duplicate(a, b) if !bytes.is_empty() => {
+                    let (a, b) = (a.index(bytes.len()), b.index(bytes.len()));
+                    let copy = bytes[a.min(b)..a.max(b)].to_vec();
+                    bytes.splice(a.max(b)..a.max(b), copy);
+                }
+                _ => {}
+            }
+        }
+        bytes
+    };
+    // A quarter of proptest's case count: each case is a connection to a real gateway.
+    let cases = (Cases::default().cases / 4).max(1);
+    let mut runner = TestRunner::new(Cases {
+        cases,
+        ..Cases::default()
+    });
+    let handle = tokio::runtime::Handle::current();
+    let result = tokio::task::block_in_place(|| {
+        runner.run(&strategy, |(base, edits)| {
+            let raw = apply(base, &edits);
+            let (answered, forwarded, reset) = handle.block_on(async {
+                let before = fx.member_requests();
+                let mut client = HttpClient::connect(fx.addr()).await.unwrap();
+                // One write: the gateway may close after a refusal, and bytes arriving after that
+                // would make the kernel reset the connection, destroying answers already sent.
+                let mut all = raw.clone();
+                all.extend_from_slice(
+                    b"GET /end HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n",
+                );
+                let _ = client.write_raw(&all).await;
+                let (mut answered, mut reset) = (0, false);
+                // Bounded: the input holds at most a handful of requests. A body that swallows
+                // the last request leaves the gateway waiting for more; the bound ends that.
+                for _ in 0..8 {
+                    match tokio::time::timeout(Duration::from_secs(2), client.read_response(false))
+                        .await
+                    {
+                        Ok(Ok(r)) => answered += u64::from(r.header("x-upstream").is_some()),
+                        Ok(Err(e)) => {
+                            reset = e.kind() == std::io::ErrorKind::ConnectionReset;
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                fx.assert_still_serving("a mutated request").await;
+                (answered, fx.member_requests() - before - 1, reset)
+            });
+            // A reset may have destroyed answers the gateway did send: nothing to conclude.
+            prop_assume!(!reset);
+            prop_assert_eq!(forwarded, answered, "{:?}", String::from_utf8_lossy(&raw));
+            Ok(())
+        })
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Known gaps, kept visible: run with `cargo test --test adversarial -- --ignored`.
 // ---------------------------------------------------------------------------------------------
