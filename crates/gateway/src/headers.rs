@@ -86,6 +86,9 @@ pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> 
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -249,23 +249,24 @@ where
             return None;
         };
         let mut stream = stream;
+        let mut first = Vec::new();
         if let Some(tunnels) = &self.tunnels {
             // A tunnel holds its connection slot (`slot` lives to the end of this function)
             // for as long as it is open. A new connection that sends nothing is idle.
             let within = self.limits.idle_timeout.min(self.limits.header_timeout);
-            match crate::tunnel::opens_with_connect(&mut stream, within).await {
-                Some(true) => {
-                    tunnels.serve(stream).await;
+            match crate::tunnel::first_bytes(&mut stream, within).await {
+                Some((bytes, true)) => {
+                    tunnels.serve(stream, bytes).await;
                     return None;
                 }
-                Some(false) => {}
+                Some((bytes, false)) => first = bytes,
                 None => {
                     self.closed_idle.inc();
                     return None;
                 }
             }
         }
-        let stream = LimitedStream::new(stream, slot, self);
+        let stream = LimitedStream::new(stream, slot, self, first);
         let phase = stream.phase.clone();
         let mut session = ServerSession::new_http1(Box::new(stream));
         // Pingora's own keep-alive timer is per read; sluice's idle timer is the one that
@@ -304,6 +305,10 @@ where
 /// connection count until it is dropped.
 pub struct LimitedStream {
     inner: Stream,
+    /// Bytes read off `inner` before it was wrapped, replayed first; `first_at` of them are
+    /// served already.
+    first: Vec<u8>,
+    first_at: usize,
     phase: Arc<AtomicU8>,
     /// The phase `timer` was armed for.
     armed: u8,
@@ -328,10 +333,15 @@ impl std::fmt::Debug for LimitedStream {
 }
 
 impl LimitedStream {
-    fn new<A>(inner: Stream, slot: Slot, app: &LimitedApp<A>) -> LimitedStream {
+    /// `first`: bytes already read off `inner` (to look for a CONNECT), served first.
+    fn new<A>(inner: Stream, slot: Slot, app: &LimitedApp<A>, first: Vec<u8>) -> LimitedStream {
+        // Bytes already read are the start of a head: its deadline runs from now.
+        let phase = if first.is_empty() { WAITING } else { IN_HEAD };
         LimitedStream {
             inner,
-            phase: Arc::new(AtomicU8::new(WAITING)),
+            first,
+            first_at: 0,
+            phase: Arc::new(AtomicU8::new(phase)),
             armed: UNARMED,
             timer: Box::pin(tokio::time::sleep(app.limits.idle_timeout)),
             timing: false,
@@ -387,6 +397,16 @@ impl AsyncRead for LimitedStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.first_at < this.first.len() {
+            let n = buf.remaining().min(this.first.len() - this.first_at);
+            buf.put_slice(&this.first[this.first_at..this.first_at + n]);
+            this.first_at += n;
+            if this.first_at == this.first.len() {
+                this.first = Vec::new();
+                this.first_at = 0;
+            }
+            return Poll::Ready(Ok(()));
+        }
         this.follow_phase();
         // Checked before reading too: a client that trickles bytes keeps every read ready.
         if this.timing && this.timer.is_elapsed() {

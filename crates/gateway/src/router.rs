@@ -163,6 +163,9 @@ pub fn normalize_host(host: &str) -> Cow<'_, str> {
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

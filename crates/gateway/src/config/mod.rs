@@ -375,3 +375,6 @@ fn from_serde(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod proptests;

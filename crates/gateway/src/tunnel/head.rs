@@ -30,9 +30,14 @@ pub(super) struct Head {
 
 /// Reads the CONNECT head. `Err(None)` when the client left or was too slow; `Err(Some(p))`
 /// when it sent something that is not a CONNECT head sluice can serve.
-pub(super) async fn read(stream: &mut Stream) -> Result<Head, Option<Problem>> {
-    let mut buf = BytesMut::with_capacity(1024);
+/// `first` holds what was already read of the connection.
+pub(super) async fn read(stream: &mut Stream, first: Vec<u8>) -> Result<Head, Option<Problem>> {
+    let mut buf = BytesMut::with_capacity(first.len().max(1024));
+    buf.extend_from_slice(&first);
     let read = async {
+        if let Some(head) = parse(&mut buf)? {
+            return Ok(head);
+        }
         loop {
             match stream.read_buf(&mut buf).await {
                 Ok(0) | Err(_) => return Err(None),

@@ -55,17 +55,30 @@ use crate::request::InFlight;
 use crate::table::{Route, Table};
 use crate::target;
 
-/// Whether a new connection opens with a CONNECT: a peek, so that a plain request reaches
-/// Pingora byte for byte. `None` when the client sent fewer than 8 bytes within `within`, or
-/// left: there is no request to serve.
-pub async fn opens_with_connect(stream: &mut Stream, within: Duration) -> Option<bool> {
-    let mut first = [0u8; 8];
-    match tokio::time::timeout(within, stream.try_peek(&mut first)).await {
-        Ok(Ok(true)) => Some(first == *b"CONNECT "),
-        // A stream that cannot peek: Pingora then reads it all itself.
-        Ok(Ok(false)) => Some(false),
-        _ => None,
-    }
+/// The first bytes of a new connection, and whether they open a CONNECT. Reads until the
+/// bytes can no longer be the start of `CONNECT ` (one read, for nearly every request) or are
+/// it; the caller replays them in front of the stream. `None` when the client sent nothing
+/// decisive within `within`, or left: there is no request to serve.
+pub async fn first_bytes(stream: &mut Stream, within: Duration) -> Option<(Vec<u8>, bool)> {
+    use tokio::io::AsyncReadExt;
+    const CONNECT: &[u8] = b"CONNECT ";
+    let read = async {
+        let mut buf = Vec::with_capacity(1024);
+        loop {
+            match stream.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => {}
+            }
+            let n = buf.len().min(CONNECT.len());
+            if buf[..n] != CONNECT[..n] {
+                return Some((buf, false));
+            }
+            if n == CONNECT.len() {
+                return Some((buf, true));
+            }
+        }
+    };
+    tokio::time::timeout(within, read).await.ok().flatten()
 }
 
 /// What tunnels share with the request path: the table, metrics, the in-flight count and the
@@ -94,14 +107,14 @@ impl Tunnels {
     }
 
     /// Serves one connection that opens with a CONNECT, to its end.
-    pub(crate) async fn serve(&self, mut client: Stream) {
+    pub(crate) async fn serve(&self, mut client: Stream, first: Vec<u8>) {
         let started = Instant::now();
         let _in_flight = InFlight::enter(&self.in_flight);
         let client_ip = client
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
         let mut end = End::default();
-        let authority = match head::read(&mut client).await {
+        let authority = match head::read(&mut client, first).await {
             Ok(head) => {
                 self.tunnel(&mut client, &head, client_ip, &mut end).await;
                 head.authority
