@@ -48,15 +48,20 @@ impl HeaderEdit for ResponseHeader {
 /// Removes the hop-by-hop headers of RFC 9110 §7.6.1, including those named in `Connection`.
 /// `Transfer-Encoding` and `Trailer` are left to Pingora, which owns message framing.
 pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
-    // Cloning a parsed HeaderValue bumps a reference count; it does not copy.
-    if let Some(listed) = head.header_map().get(header::CONNECTION).cloned() {
-        if let Ok(listed) = listed.to_str() {
-            for name in listed.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-                let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
-                    || name.eq_ignore_ascii_case("trailer");
-                if !is_framing {
-                    head.remove(name);
-                }
+    // Several `Connection` fields are one list (RFC 9110 §5.3): every one of them names
+    // fields to remove. The common case has one field or none, so the values are taken only
+    // when there is one (cloning a parsed HeaderValue bumps a reference count; no copy).
+    let mut values = head.header_map().get_all(header::CONNECTION).iter();
+    let first = values.next().cloned();
+    // Empty, and so no allocation, unless there are several fields.
+    let rest: Vec<HeaderValue> = values.cloned().collect();
+    for value in first.iter().chain(rest.iter()) {
+        let Ok(value) = value.to_str() else { continue };
+        for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
+                || name.eq_ignore_ascii_case("trailer");
+            if !is_framing {
+                head.remove(name);
             }
         }
     }
@@ -67,16 +72,16 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
     }
 }
 
+/// Appends the client's address to `X-Forwarded-For`. Several fields are one list (RFC 9110
+/// §5.3), so they become one field, in order, with the address last.
 pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
     use std::io::Write;
     // One buffer, written in place and handed to the header without another copy.
-    let prior = upstream
-        .headers
-        .get("x-forwarded-for")
-        .map(HeaderValue::as_bytes);
-    let mut value = Vec::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
-    if let Some(prior) = prior {
-        value.extend_from_slice(prior);
+    let prior = upstream.headers.get_all("x-forwarded-for");
+    let prior_len: usize = prior.iter().map(|p| p.len() + 2).sum();
+    let mut value = Vec::with_capacity(prior_len + 39);
+    for p in prior.iter() {
+        value.extend_from_slice(p.as_bytes());
         value.extend_from_slice(b", ");
     }
     let _ = write!(value, "{ip}");

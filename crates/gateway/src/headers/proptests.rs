@@ -223,7 +223,6 @@ proptest! {
     /// does leak what it names to the client (`tests/adversarial.rs`,
     /// `every_connection_field_of_a_members_answer_counts`).
     #[test]
-    #[ignore = "defect: only the first Connection field's names are stripped"]
     fn every_connection_field_counts(fields in head(2..=3)) {
         check_stripped(&fields)?;
     }
@@ -231,7 +230,6 @@ proptest! {
     /// RFC 9110 §5.3 again: several `X-Forwarded-For` fields are one list. Today the first is
     /// kept, the peer appended to it, and the others dropped.
     #[test]
-    #[ignore = "defect: X-Forwarded-For fields after the first are dropped"]
     fn forwarded_for_keeps_every_prior_field(
         prior in prop::collection::vec("[0-9.]{1,15}", 2..4),
         peer in ip(),
