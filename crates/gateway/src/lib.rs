@@ -13,6 +13,7 @@
 //! - [`server`]: process life; [`limits`]: bounds on client connections.
 
 pub mod admin;
+pub mod checks;
 pub mod config;
 pub mod demo;
 pub mod egress;
@@ -27,8 +28,12 @@ pub mod ratelimit;
 pub mod reload;
 pub mod request;
 pub mod router;
+pub mod select;
 pub mod server;
 pub mod state;
 pub mod table;
 pub mod target;
 pub mod tunnel;
+
+#[cfg(test)]
+mod architecture;

@@ -17,8 +17,8 @@ use pingora::services::background::BackgroundService;
 use sluice_state::StateStore;
 use tokio::signal::unix::{signal, SignalKind};
 
+use crate::checks::HealthSupervisor;
 use crate::config::Config;
-use crate::health::HealthSupervisor;
 use crate::metrics::Metrics;
 use crate::table::Table;
 

@@ -16,8 +16,8 @@ use pingora::services::listening::Service;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::admin::AdminApi;
+use crate::checks::{HealthChecks, HealthSupervisor};
 use crate::config::{Config, ConfigErrors};
-use crate::health::{HealthChecks, HealthSupervisor};
 use crate::limits::LimitedApp;
 use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
@@ -110,7 +110,8 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         in_flight.clone(),
         state.clone(),
         config.limits.max_header_bytes.get() as usize,
-    );
+    )
+    .on_head_parsed(crate::limits::head_parsed);
     let mut http = pingora::proxy::http_proxy(&server.configuration, gateway);
     let mut options = HttpServerOptions::default();
     // A CONNECT later on a kept-alive connection reaches request_filter, which answers 405.

@@ -22,8 +22,8 @@ use crate::config::{
 };
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
-use crate::request::select::Policy;
 use crate::router::{RouteMatch, Router};
+use crate::select::Policy;
 
 /// How long an idle pooled connection to a member is kept.
 const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -177,7 +177,7 @@ async fn build_route(
     let (pool, members) = match before {
         Some(b) if b.config.upstream == *up => (b.pool.clone(), b.members.clone()),
         _ => {
-            let pool = crate::health::pool_for(&name, rc, metrics, state, before.map(|b| &**b));
+            let pool = crate::health::pool_for(&name, rc, metrics, state, before.map(|b| &*b.pool));
             (pool, build_members(&name, rc, metrics).await)
         }
     };

@@ -1,5 +1,5 @@
 //! Member health, in one place: the pool a route's members share, how health carries over a
-//! reload, what happens when a member goes up or down, and the active checks.
+//! reload, and what happens when a member goes up or down.
 //!
 //! The balancer crate owns the state machine ([`sluice_balancer::MemberHealth`]) and the
 //! member set that every selection policy reads ([`Members`]); this module wires them to the
@@ -7,10 +7,10 @@
 //! - [`pool_for`] builds a route's pool, with each surviving member's health carried over from
 //!   the table it replaces (its round-robin position is the selection policy's to carry);
 //! - [`HealthLog`] logs transitions, mirrors them in `sluice_member_healthy`, and applies
-//!   least-used's `on_restore: min`;
-//! - [`checks`] runs one active check task per checked member, across reloads.
-
-pub mod checks;
+//!   least-used's `on_restore: min`.
+//!
+//! The active checks themselves, which probe members over Pingora's connector, are in
+//! [`crate::checks`]: they read the table, which is built from this module.
 
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -22,9 +22,6 @@ use sluice_state::StateStore;
 
 use crate::config::{OnRestore, RouteConfig, Selection};
 use crate::metrics::Metrics;
-use crate::table::Route;
-
-pub use checks::{HealthChecks, HealthSupervisor};
 
 /// The pool of a route's members. A member that survives a reload (same id in the route it
 /// replaces) keeps its health.
@@ -33,7 +30,7 @@ pub(crate) fn pool_for(
     rc: &RouteConfig,
     metrics: &Metrics,
     state: &Arc<dyn StateStore>,
-    before: Option<&Route>,
+    before: Option<&Members>,
 ) -> Arc<Members> {
     let up = &rc.upstream;
     let policy = HealthPolicy {
@@ -51,7 +48,7 @@ pub(crate) fn pool_for(
         .map(|m| {
             let id: Arc<str> = m.url.url.as_str().into();
             let health = before
-                .and_then(|b| b.pool.members().iter().find(|s| s.id == id))
+                .and_then(|b| b.members().iter().find(|s| s.id == id))
                 .map_or_else(|| Arc::new(MemberHealth::new()), |s| s.health.clone());
             let gauge = metrics.member_healthy.with_label_values(&[name, &id]);
             gauge.set(i64::from(health.is_up()));

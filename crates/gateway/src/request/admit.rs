@@ -9,11 +9,11 @@ use pingora::prelude::*;
 use pingora::proxy::Session;
 use sluice_state::{Acquire, StateStore, StoreError};
 
-use super::select::{Admission, Attempt};
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
 use crate::config::{MemberKind, OnStoreError};
 use crate::metrics::Metrics;
 use crate::problem::Problem;
+use crate::select::{Admission, Attempt};
 use crate::table::Route;
 use crate::target::{self, Scheme};
 

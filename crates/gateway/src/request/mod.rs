@@ -21,7 +21,6 @@ mod account;
 pub(crate) mod admit;
 pub(crate) mod answer;
 mod forward;
-pub(crate) mod select;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -32,6 +31,7 @@ use async_trait::async_trait;
 use http::HeaderValue;
 use pingora::modules::http::HttpModules;
 use pingora::prelude::*;
+use pingora::protocols::http::ServerSession;
 use pingora::protocols::Digest;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
@@ -39,8 +39,8 @@ use sluice_state::StateStore;
 
 use crate::config::MemberKind;
 use crate::metrics::Metrics;
+use crate::select::{Attempt, Tried};
 use crate::table::{Member, Route, Table};
-use select::{Attempt, Tried};
 
 /// The proxy service. Cheap to share: everything lives behind `Arc`s.
 pub struct Gateway {
@@ -50,6 +50,8 @@ pub struct Gateway {
     state: Arc<dyn StateStore>,
     /// `limits.max_header_bytes`.
     max_header_bytes: usize,
+    /// Called once a request head is parsed; see [`Gateway::on_head_parsed`].
+    head_parsed: fn(&ServerSession),
 }
 
 impl Gateway {
@@ -67,7 +69,15 @@ impl Gateway {
             in_flight,
             state,
             max_header_bytes,
+            head_parsed: |_| {},
         }
+    }
+
+    /// Tells the connection layer when a request head has been parsed (it stops the
+    /// connection's header timer).
+    pub fn on_head_parsed(mut self, hook: fn(&ServerSession)) -> Self {
+        self.head_parsed = hook;
+        self
     }
 }
 
@@ -213,13 +223,14 @@ impl ProxyHttp for Gateway {
     // No compression or other downstream modules: they cost time on every request.
     fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
 
-    // The head is parsed: the connection's header timer stops (see crate::limits).
+    // The head is parsed: the connection's header timer stops (the hook comes from the
+    // connection layer, `limits`, which this module does not know).
     async fn early_request_filter(
         &self,
         session: &mut Session,
         _ctx: &mut RequestCtx,
     ) -> Result<()> {
-        crate::limits::head_parsed(session.as_downstream());
+        (self.head_parsed)(session.as_downstream());
         Ok(())
     }
 

@@ -50,8 +50,8 @@ use sluice_state::StateStore;
 use crate::metrics::{Metrics, NO_ROUTE};
 use crate::problem::Problem;
 use crate::request::admit::{decide, Verdict};
-use crate::request::select::Tried;
 use crate::request::InFlight;
+use crate::select::Tried;
 use crate::table::{Route, Table};
 use crate::target;
 
