@@ -72,6 +72,39 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
     }
 }
 
+/// Whether a request asks for a WebSocket upgrade that sluice passes to the member: a GET over
+/// HTTP/1.1 whose `Connection` names `upgrade` and whose `Upgrade` offers `websocket`
+/// (RFC 6455 §4.1, RFC 9110 §7.8). Other upgrades (`h2c`, TLS) are stripped like any
+/// hop-by-hop header, as nginx does by default: the member answers the plain request, and a
+/// member that would switch to h2c behind sluice's back would leave the two sides speaking
+/// different protocols.
+pub(crate) fn is_websocket_upgrade(req: &RequestHeader) -> bool {
+    let has_token = |name: header::HeaderName, token: &str| {
+        req.headers.get_all(name).iter().any(|v| {
+            v.to_str().is_ok_and(|v| {
+                v.split(',').any(|t| {
+                    // `Upgrade` tokens may carry a version: `websocket/13`.
+                    let t = t.trim();
+                    let t = t.split_once('/').map_or(t, |(name, _)| name);
+                    t.eq_ignore_ascii_case(token)
+                })
+            })
+        })
+    };
+    req.method == http::Method::GET
+        && req.version == http::Version::HTTP_11
+        && has_token(header::CONNECTION, "upgrade")
+        && has_token(header::UPGRADE, "websocket")
+}
+
+/// Puts back the two hop-by-hop headers a WebSocket upgrade needs on its next hop, after
+/// [`strip_hop_by_hop`] removed them with the rest: exactly `Upgrade: websocket` and
+/// `Connection: upgrade` (RFC 9110 §7.8), whatever else the client listed.
+pub(crate) fn keep_websocket_upgrade(head: &mut RequestHeader) -> Result<()> {
+    head.insert_header(header::UPGRADE, HeaderValue::from_static("websocket"))?;
+    head.insert_header(header::CONNECTION, HeaderValue::from_static("upgrade"))
+}
+
 /// Appends the client's address to `X-Forwarded-For`. Several fields are one list (RFC 9110
 /// §5.3), so they become one field, in order, with the address last.
 pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
@@ -114,6 +147,61 @@ mod tests {
         let mut left: Vec<&str> = req.headers.keys().map(|k| k.as_str()).collect();
         left.sort_unstable();
         assert_eq!(left, ["transfer-encoding", "x-kept"]);
+    }
+
+    fn request(method: &str, headers: &[(&str, &str)]) -> RequestHeader {
+        let mut req = RequestHeader::build(method, b"/", None).unwrap();
+        for (k, v) in headers {
+            req.append_header(k.to_string(), *v).unwrap();
+        }
+        req
+    }
+
+    #[test]
+    fn only_websocket_upgrades_pass() {
+        let ws = [
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "WebSocket"),
+        ];
+        assert!(is_websocket_upgrade(&request("GET", &ws)));
+        let versioned = [("connection", "upgrade"), ("upgrade", "websocket/13")];
+        assert!(is_websocket_upgrade(&request("GET", &versioned)));
+        // Several fields are one list.
+        let split = [
+            ("connection", "keep-alive"),
+            ("connection", "upgrade"),
+            ("upgrade", "h2c, websocket"),
+        ];
+        assert!(is_websocket_upgrade(&request("GET", &split)));
+        assert!(!is_websocket_upgrade(&request("POST", &ws)));
+        let h2c = [
+            ("connection", "upgrade, http2-settings"),
+            ("upgrade", "h2c"),
+        ];
+        assert!(!is_websocket_upgrade(&request("GET", &h2c)));
+        let unlisted = [("connection", "keep-alive"), ("upgrade", "websocket")];
+        assert!(!is_websocket_upgrade(&request("GET", &unlisted)));
+        let mut old = request("GET", &ws);
+        old.set_version(http::Version::HTTP_10);
+        assert!(!is_websocket_upgrade(&old));
+
+        let mut req = request(
+            "GET",
+            &[
+                ("connection", "upgrade, x-private"),
+                ("x-private", "1"),
+                ("upgrade", "websocket, h2c"),
+            ],
+        );
+        strip_hop_by_hop(&mut req);
+        keep_websocket_upgrade(&mut req).unwrap();
+        let mut left: Vec<(&str, &str)> = req
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+            .collect();
+        left.sort_unstable();
+        assert_eq!(left, [("connection", "upgrade"), ("upgrade", "websocket")]);
     }
 
     #[test]

@@ -21,6 +21,9 @@
 //!   Between requests the idle timer runs; the first byte of a head starts the header timer,
 //!   and the proxy's first hook stops it ([`head_parsed`]) once Pingora has parsed the head.
 //!   Reading and answering the request are then bounded by the route's timeouts, as before.
+//!   A WebSocket upgrade stays in that phase after its `101` for as long as it is open: Pingora
+//!   never reuses an upgraded connection (it turns keep-alive off on a 101), so it never goes
+//!   back to waiting for a request, and only the route's `read_timeout` bounds it.
 
 use std::future::Future;
 use std::io;

@@ -3,6 +3,7 @@
 
 use pingora::prelude::*;
 use pingora::proxy::Session;
+use pingora::ErrorType;
 
 use super::{Failure, Gateway, RequestCtx};
 use crate::metrics::NO_ROUTE;
@@ -57,9 +58,16 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
         error: match ctx.failure {
             Some(Failure::Unreachable) => Some("upstream_unreachable"),
             Some(Failure::NoMember) => Some("no_member"),
-            None => e.map(|e| match truncated(session, e) {
-                true => "upstream_truncated",
-                false => e.etype().as_str(),
+            None => e.map(|e| {
+                if status == 101 && ctx.websocket && e.etype() == &ErrorType::ReadTimedout {
+                    // An open WebSocket that went quiet for read_timeout: closed by the idle
+                    // rule, like a tunnel, not cut short.
+                    "idle_timeout"
+                } else if truncated(session, e) {
+                    "upstream_truncated"
+                } else {
+                    e.etype().as_str()
+                }
             }),
         },
         tunnel: None,

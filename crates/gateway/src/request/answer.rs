@@ -82,8 +82,33 @@ pub(crate) fn quota_refusal(quota: &RouteQuota, cost: u64, outcome: &Outcome) ->
 }
 
 /// Fixes up a member's response head on its way to the client.
-pub(crate) fn response_headers(response: &mut ResponseHeader, ctx: &mut RequestCtx) -> Result<()> {
+pub(crate) fn response_headers(
+    session: &mut Session,
+    response: &mut ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    // A 101 to a WebSocket upgrade keeps the member's `Upgrade` and `Connection: upgrade`: the
+    // client needs them to accept the switch (RFC 6455 §4.2.2). Pingora then carries the
+    // connection as a tunnel until either side closes it.
+    let switching = ctx.websocket && response.status == http::StatusCode::SWITCHING_PROTOCOLS;
+    let upgrade = switching
+        .then(|| response.headers.get(header::UPGRADE).cloned())
+        .flatten();
     strip_hop_by_hop(response);
+    if switching {
+        if let Some(upgrade) = upgrade {
+            response.insert_header(header::UPGRADE, upgrade)?;
+        }
+        response.insert_header(header::CONNECTION, HeaderValue::from_static("upgrade"))?;
+        // Idle rule of an open WebSocket, as nginx's: it closes when the member sends nothing
+        // for the route's `read_timeout` (the peer's read timeout, which Pingora applies to
+        // every read of the upgraded body too). The client's silence alone does not close
+        // it: a feed that only pushes is normal. Without this, client-to-member bytes would
+        // be read under Pingora's fixed 60 s downstream read timeout, and a listening client
+        // would be cut after a minute whatever the route says. A member that pings keeps the
+        // connection open and, through the client's pongs, checks the client is still there.
+        session.set_read_timeout(None);
+    }
     if let (Some(quota), Some(value)) = (
         ctx.route.as_ref().and_then(|r| r.quota.as_deref()),
         ctx.ratelimit.take(),

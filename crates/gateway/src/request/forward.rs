@@ -11,7 +11,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use super::{Dest, Failure, Gateway, RequestCtx};
 use crate::config::MemberKind;
-use crate::headers::{append_forwarded_for, strip_hop_by_hop};
+use crate::headers::{append_forwarded_for, keep_websocket_upgrade, strip_hop_by_hop};
 use crate::table::{peer_for, Route};
 
 /// The peer of the next attempt: the member admission chose, or after a connect failure, an
@@ -115,6 +115,14 @@ pub(crate) fn request_headers(
         return Ok(());
     };
     strip_hop_by_hop(upstream);
+    if ctx.websocket {
+        // Pingora carries the connection as a bidirectional body once the member answers
+        // 101, provided the request it sent carries `Upgrade` (pingora-core 0.9.1
+        // protocols/http/v1/client.rs `is_upgrade_req`; a 101 to a request that is an upgrade
+        // on one side only is refused, pingora-proxy src/lib.rs
+        // `reject_mismatched_h1_upgrade_101`).
+        keep_websocket_upgrade(upstream)?;
+    }
     let preserve_host = route.config.upstream.preserve_host;
     // Members expect origin-form targets, normalized as routed and charged.
     if let Some(uri) = &ctx.target.uri {

@@ -123,6 +123,9 @@ pub struct RequestCtx {
     target: Forward,
     /// The `RateLimit` header value for the answer.
     ratelimit: Option<HeaderValue>,
+    /// The request asks for a WebSocket upgrade, and it is passed to the member
+    /// ([`crate::headers::is_websocket_upgrade`]).
+    websocket: bool,
     _in_flight: InFlight,
 }
 
@@ -216,6 +219,7 @@ impl ProxyHttp for Gateway {
             failure: None,
             target: Forward::default(),
             ratelimit: None,
+            websocket: false,
             _in_flight: InFlight::enter(&self.in_flight),
         }
     }
@@ -295,16 +299,17 @@ impl ProxyHttp for Gateway {
         upstream: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.websocket = crate::headers::is_websocket_upgrade(session.req_header());
         forward::request_headers(session, upstream, ctx)
     }
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         response: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        answer::response_headers(response, ctx)
+        answer::response_headers(session, response, ctx)
     }
 
     async fn fail_to_proxy(
