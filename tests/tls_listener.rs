@@ -102,28 +102,31 @@ impl Drop for Process {
 /// `openssl s_server -www` on 127.0.0.1: a TLS origin answering GET with a status page.
 fn tls_origin(dir: &Path) -> (Process, u16) {
     let port = free_port();
-    let mut child = Command::new("openssl")
-        .args([
-            "s_server",
-            "-accept",
-            &format!("127.0.0.1:{port}"),
-            "-www",
-            "-quiet",
-        ])
-        .args(["-cert", "server.pem", "-key", "server.key"])
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("openssl s_server");
+    let child = Process(
+        Command::new("openssl")
+            .args([
+                "s_server",
+                "-accept",
+                &format!("127.0.0.1:{port}"),
+                "-www",
+                "-quiet",
+            ])
+            .args(["-cert", "server.pem", "-key", "server.key"])
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("openssl s_server"),
+    );
     for _ in 0..200 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return (Process(child), port);
+            return (child, port);
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    let _ = child.kill();
+    // Dropping `child` kills and reaps it.
+    drop(child);
     panic!("openssl s_server did not listen on {port}");
 }
 
