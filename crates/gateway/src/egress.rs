@@ -415,7 +415,7 @@ impl From<&EgressConfig> for Guard {
 impl From<&Config> for Guard {
     /// The guard of `egress`, which also knows the proxy and admin listeners as sluice's own.
     fn from(config: &Config) -> Self {
-        let listeners = config.listen.iter().map(|l| l.0);
+        let listeners = config.listen.iter().map(|l| l.addr);
         Guard::from(&config.egress).with_own_listeners(listeners.chain([config.admin.listen.0]))
     }
 }

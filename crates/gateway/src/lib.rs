@@ -20,6 +20,7 @@ pub mod egress;
 pub mod headers;
 pub mod health;
 pub mod limits;
+pub mod listen_tls;
 pub mod logging;
 pub mod metrics;
 pub mod problem;

@@ -13,8 +13,9 @@
 //!
 //! So the proxy service is wrapped here in [`LimitedApp`], a `ServerApp` that runs Pingora's own
 //! HTTP/1 connection loop (the blanket `ServerApp for HttpServerApp` of pingora-core
-//! src/apps/mod.rs:262-366, minus h2c and TLS ALPN, which sluice's plain-TCP listeners never
-//! use) around the proxy app, on a [`LimitedStream`]:
+//! src/apps/mod.rs:262-366, minus h2c and h2 by ALPN, which sluice's listeners never offer: TLS
+//! listeners advertise http/1.1 only, see `crate::listen_tls`) around the proxy app, on a
+//! [`LimitedStream`]:
 //! - a connection first takes a slot of [`LimitedApp`]'s count; at `max_connections` it gets a
 //!   `503` and is closed at once;
 //! - the stream itself runs the idle and header timers, since only it sees when bytes arrive.
@@ -484,7 +485,8 @@ impl UniqueID for LimitedStream {
     }
 }
 
-// The proxy listeners are plain TCP, so `get_ssl` keeps its default (None).
+// On a TLS listener the inner stream is Pingora's rustls stream, already past its handshake:
+// its digest is passed on; `get_ssl` (an OpenSSL handle) keeps its default, None, as with rustls.
 impl Ssl for LimitedStream {
     fn get_ssl_digest(&self) -> Option<Arc<pingora::protocols::tls::SslDigest>> {
         self.inner.get_ssl_digest()

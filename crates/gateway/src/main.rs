@@ -67,7 +67,7 @@ fn main() -> ExitCode {
     };
     logging::init(cli.log_format);
     if demo {
-        sluice_gateway::demo::start(config.listen[0].0);
+        sluice_gateway::demo::start(config.listen[0].addr);
     }
     let file = match &source {
         ConfigSource::File(path) => Some(path.to_path_buf()),

@@ -130,8 +130,19 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         "sluice proxy".to_string(),
         LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels),
     );
-    for addr in &config.listen {
-        proxy.add_tcp(&addr.0.to_string());
+    for listener in &config.listen {
+        let addr = listener.addr.to_string();
+        // TLS listeners (listen[].tls, crate::listen_tls): Pingora does the handshake, then
+        // hands LimitedApp the decrypted stream, so requests and CONNECT tunnels run as on a
+        // plain listener. The certificate is read here, once: a new one takes a restart.
+        match &listener.tls {
+            Some(tls) => {
+                let settings = crate::listen_tls::settings(tls)
+                    .map_err(|e| format!("cannot listen on {addr} with TLS: {e}"))?;
+                proxy.add_tls_with_settings(&addr, None, settings);
+            }
+            None => proxy.add_tcp(&addr),
+        }
     }
     proxy.threads = Some(threads);
 
@@ -163,7 +174,8 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
 
     tracing::info!(
         target: "sluice::server",
-        listen = ?config.listen.iter().map(|l| l.0).collect::<Vec<_>>(),
+        listen = ?config.listen.iter().map(|l| l.addr).collect::<Vec<_>>(),
+        tls_listen = ?config.listen.iter().filter(|l| l.tls.is_some()).map(|l| l.addr).collect::<Vec<_>>(),
         admin = %config.admin.listen.0,
         routes = config.routes.len(),
         version = %table.load().version,
@@ -183,7 +195,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
 /// A port taken in the instant between this check and Pingora's bind still meets Pingora's
 /// behaviour.
 fn check_listeners(config: &Config) -> Result<(), String> {
-    let proxy = config.listen.iter().map(|l| (l.0, "listen"));
+    let proxy = config.listen.iter().map(|l| (l.addr, "listen"));
     let admin = std::iter::once((config.admin.listen.0, "admin.listen"));
     for (addr, what) in proxy.chain(admin) {
         let socket = if addr.is_ipv4() {

@@ -17,7 +17,7 @@ use sluice_balancer::Members;
 use sluice_state::StateStore;
 
 use crate::config::{
-    AdminConfig, Config, LimitsConfig, ListenAddr, MemberKind, MemberUrl, RouteConfig, Selection,
+    AdminConfig, Config, LimitsConfig, Listener, MemberKind, MemberUrl, RouteConfig, Selection,
     StateConfig, UpstreamConfig,
 };
 use crate::metrics::Metrics;
@@ -131,8 +131,8 @@ impl Table {
 /// The parts of a config that only a restart can change: listeners, threads and the stores.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
-    /// `listen`.
-    pub listen: Vec<ListenAddr>,
+    /// `listen`, with each TLS listener's certificate paths (the files are read at start only).
+    pub listen: Vec<Listener>,
     /// `admin` (its `token_env` is read at every POST, so changing it needs no restart).
     pub admin: AdminConfig,
     /// `threads`.

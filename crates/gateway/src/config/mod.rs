@@ -32,8 +32,8 @@ pub const EMBEDDED_DEFAULT: &str = include_str!("../../../../configs/default.yam
 /// The whole configuration file, as [`Config::parse`] returns it once every rule has passed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// Proxy listeners.
-    pub listen: Vec<ListenAddr>,
+    /// Proxy listeners, plain or TLS.
+    pub listen: Vec<Listener>,
     /// Worker threads of the proxy service; the number of cores when absent.
     pub threads: Option<NonZeroUsize>,
     /// The admin API.
@@ -48,8 +48,8 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
 }
 
-fn default_listen() -> Vec<ListenAddr> {
-    vec![ListenAddr("127.0.0.1:8080".parse().unwrap())]
+fn default_listen() -> Vec<Listener> {
+    vec![Listener::plain("127.0.0.1:8080".parse().unwrap())]
 }
 
 /// One configuration mistake, printed as `FILE:LINE:COL: PATH: message`.
@@ -166,7 +166,7 @@ impl Config {
 #[serde(deny_unknown_fields, rename = "Config", bound = "R: Deserialize<'de>")]
 struct Document<R> {
     #[serde(default = "default_listen")]
-    listen: Vec<ListenAddr>,
+    listen: Vec<Listener>,
     #[serde(default)]
     threads: Option<NonZeroUsize>,
     #[serde(default)]

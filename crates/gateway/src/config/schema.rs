@@ -17,11 +17,80 @@ pub struct ListenAddr(pub SocketAddr);
 impl<'de> Deserialize<'de> for ListenAddr {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
+        ListenAddr::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+impl ListenAddr {
+    fn parse(s: &str) -> Result<ListenAddr, String> {
         s.parse().map(ListenAddr).map_err(|_| {
-            de::Error::custom(format!(
-                "invalid listen address {s:?}: expected IP:PORT, e.g. 127.0.0.1:8080"
-            ))
+            format!("invalid listen address {s:?}: expected IP:PORT, e.g. 127.0.0.1:8080")
         })
+    }
+}
+
+/// One proxy listener (`listen:` entry): a plain address, `"127.0.0.1:8080"`, or a mapping
+/// `{addr: "127.0.0.1:8443", tls: {cert: cert.pem, key: key.pem}}`. With `tls`, clients reach
+/// the proxy as `https://` and speak TLS to it; inside, the same HTTP/1.1 and CONNECT as on a
+/// plain listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listener {
+    /// Where to listen.
+    pub addr: SocketAddr,
+    /// TLS on this listener, or plain TCP when absent.
+    pub tls: Option<ListenTls>,
+}
+
+impl Listener {
+    /// A plain-TCP listener on `addr`.
+    pub fn plain(addr: SocketAddr) -> Listener {
+        Listener { addr, tls: None }
+    }
+}
+
+/// `listen[].tls` — the certificate a TLS listener presents. Files are read at start (and by
+/// `sluice check`); a new certificate takes a restart, like any listener change. Relative paths
+/// are taken from the working directory.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenTls {
+    /// PEM certificate chain, the listener's own certificate first.
+    pub cert: std::path::PathBuf,
+    /// PEM private key of that certificate (PKCS#8, PKCS#1 or SEC1), unencrypted.
+    pub key: std::path::PathBuf,
+}
+
+impl<'de> Deserialize<'de> for Listener {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        /// The mapping form.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Full {
+            addr: ListenAddr,
+            #[serde(default)]
+            tls: Option<ListenTls>,
+        }
+
+        struct Visit;
+        impl<'de> de::Visitor<'de> for Visit {
+            type Value = Listener;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an address IP:PORT, or a mapping {addr: IP:PORT, tls: {cert: FILE, key: FILE}}")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Listener, E> {
+                ListenAddr::parse(s)
+                    .map(|a| Listener::plain(a.0))
+                    .map_err(E::custom)
+            }
+            fn visit_map<M: de::MapAccess<'de>>(self, m: M) -> Result<Listener, M::Error> {
+                let full = Full::deserialize(de::value::MapAccessDeserializer::new(m))?;
+                Ok(Listener {
+                    addr: full.addr.0,
+                    tls: full.tls,
+                })
+            }
+        }
+        d.deserialize_any(Visit)
     }
 }
 

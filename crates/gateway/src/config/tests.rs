@@ -882,3 +882,156 @@ fn a_pool_does_not_mix_origins_with_proxy_or_direct_members() {
         "duplicate member \"direct\"",
     );
 }
+
+// TLS listeners (`listen[].tls`).
+
+/// A directory holding `cert.pem` with `key.pem` (its key), `other.key` (another key) and
+/// `garbage.key` (a PEM key section whose body is not base64), made once with `openssl`.
+fn tls_files() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("sluice-config-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let openssl = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .expect("openssl must be installed");
+            assert!(out.status.success(), "openssl {args:?}: {out:?}");
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let mut req = vec!["req", "-x509", "-days", "1", "-subj", "/CN=sluice"];
+        req.extend(ec);
+        req.extend(["-keyout", "key.pem", "-out", "cert.pem"]);
+        openssl(&req);
+        openssl(&[
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-out",
+            "other.key",
+        ]);
+        std::fs::write(
+            dir.join("garbage.key"),
+            "-----BEGIN PRIVATE KEY-----\nSECRET-MATERIAL!!\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        dir
+    })
+}
+
+/// `listen:` with one TLS listener on 127.0.0.1:8443 using `cert` and `key` in [`tls_files`].
+fn tls_listen(cert: &str, key: &str) -> String {
+    let dir = tls_files().display();
+    format!(
+        "listen:\n  - \"127.0.0.1:8080\"\n  - addr: \"127.0.0.1:8443\"\n    tls:\n      cert: {dir}/{cert}\n      key: {dir}/{key}\nroutes: []\n"
+    )
+}
+
+#[test]
+fn a_listen_entry_is_an_address_or_a_mapping_with_tls() {
+    let config = parse(&tls_listen("cert.pem", "key.pem"));
+    assert_eq!(
+        config.listen[0],
+        Listener::plain("127.0.0.1:8080".parse().unwrap())
+    );
+    let tls = config.listen[1].tls.as_ref().expect("tls");
+    assert_eq!(config.listen[1].addr, "127.0.0.1:8443".parse().unwrap());
+    assert_eq!(tls.cert, tls_files().join("cert.pem"));
+    assert_eq!(tls.key, tls_files().join("key.pem"));
+    // The mapping without tls is a plain listener.
+    let config = parse("listen: [{addr: \"[::1]:8080\"}]\nroutes: []\n");
+    assert_eq!(
+        config.listen,
+        [Listener::plain("[::1]:8080".parse().unwrap())]
+    );
+}
+
+#[test]
+fn tls_listener_mistakes_are_placed_at_the_entry() {
+    one_error(
+        "listen:\n  - addr: \"127.0.0.1\"\nroutes: []\n",
+        "2:11: listen[0].addr",
+        "invalid listen address \"127.0.0.1\"",
+    );
+    one_error(
+        "listen: [{addr: \"127.0.0.1:8443\", tsl: {}}]\nroutes: []\n",
+        "1:35: listen[0].tsl",
+        "unknown field `tsl`, expected `addr` or `tls`",
+    );
+    one_error(
+        "listen: [{addr: \"127.0.0.1:8443\", tls: {cert: c.pem}}]\nroutes: []\n",
+        "1:40: listen[0].tls",
+        "missing field `key`",
+    );
+    one_error(
+        "listen: [7]\nroutes: []\n",
+        "1:10: listen[0]",
+        "expected an address IP:PORT, or a mapping",
+    );
+    // Cross-field rules see the address of a mapping entry too.
+    one_error(
+        "listen: [\"127.0.0.1:8443\", {addr: \"127.0.0.1:8443\"}]\nroutes: []\n",
+        "1:28: listen[1]",
+        "127.0.0.1:8443 is already listen[0]",
+    );
+}
+
+#[test]
+fn tls_listener_files_are_checked_and_named() {
+    let dir = tls_files().display().to_string();
+    one_error(
+        &tls_listen("cert.pem", "missing.key"),
+        "6:12: listen[1].tls.key",
+        &format!("cannot read {dir}/missing.key: No such file or directory"),
+    );
+    one_error(
+        &tls_listen("missing.pem", "key.pem"),
+        "5:13: listen[1].tls.cert",
+        &format!("cannot read {dir}/missing.pem"),
+    );
+    // Each file holds the wrong thing.
+    one_error(
+        &tls_listen("key.pem", "key.pem"),
+        "5:13: listen[1].tls.cert",
+        &format!("{dir}/key.pem: no certificate in it"),
+    );
+    one_error(
+        &tls_listen("cert.pem", "cert.pem"),
+        "6:12: listen[1].tls.key",
+        &format!("{dir}/cert.pem: no private key in it"),
+    );
+    one_error(
+        &tls_listen("cert.pem", "other.key"),
+        "5:7: listen[1].tls",
+        &format!(
+            "the key in {dir}/other.key is not the key of the first certificate in {dir}/cert.pem"
+        ),
+    );
+}
+
+#[test]
+fn a_bad_key_file_is_never_quoted() {
+    let all = errors(&tls_listen("cert.pem", "garbage.key"));
+    assert_eq!(all.len(), 1, "{all:#?}");
+    assert!(
+        all[0].starts_with("6:12: listen[1].tls.key: "),
+        "{}",
+        all[0]
+    );
+    assert!(
+        all[0].contains("garbage.key: not a readable PEM file"),
+        "{}",
+        all[0]
+    );
+    assert!(!all[0].contains("SECRET"), "{}", all[0]);
+}

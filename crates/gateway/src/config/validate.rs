@@ -86,8 +86,20 @@ impl Config {
             ));
         }
         let mut seen = HashMap::new();
-        for (i, addr) in self.listen.iter().enumerate() {
+        for (i, listener) in self.listen.iter().enumerate() {
             let at = YamlPath::root().key("listen").index(i);
+            let addr = ListenAddr(listener.addr);
+            if let Some(tls) = &listener.tls {
+                if let Err(e) = crate::listen_tls::load(tls) {
+                    let tls_at = at.clone().key("tls");
+                    let blamed = match e.blame {
+                        crate::listen_tls::Blame::Cert => tls_at.key("cert"),
+                        crate::listen_tls::Blame::Key => tls_at.key("key"),
+                        crate::listen_tls::Blame::Pair => tls_at,
+                    };
+                    problems.push((blamed, e.message));
+                }
+            }
             if addr.0.port() == 0 {
                 problems.push((
                     at.clone(),

@@ -1,0 +1,382 @@
+//! TLS listeners (`listen[].tls`): real clients (curl, Python requests) with an `https://` proxy
+//! URL, trusting a CA made for each test. Plain requests and CONNECT tunnels run inside the TLS
+//! connection to sluice, so nothing the client sends crosses the network in cleartext; a
+//! tunnel to a TLS origin is TLS inside TLS.
+
+mod support;
+
+use std::fs;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::{free_port, start_backends, url, Gateway, TempDir};
+
+/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl must be installed");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `ca.pem`, and `server.pem`/`server.key` signed by it for localhost and 127.0.0.1: sluice's
+/// listener presents it as 127.0.0.1, the test origin as localhost.
+fn make_certificates(dir: &Path) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=sluice tls listener test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=sluice",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ],
+    );
+}
+
+/// A child process killed on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `openssl s_server -www` on 127.0.0.1: a TLS origin answering GET with a status page.
+fn tls_origin(dir: &Path) -> (Process, u16) {
+    let port = free_port();
+    let child = Process(
+        Command::new("openssl")
+            .args([
+                "s_server",
+                "-accept",
+                &format!("127.0.0.1:{port}"),
+                "-www",
+                "-quiet",
+            ])
+            .args(["-cert", "server.pem", "-key", "server.key"])
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("openssl s_server"),
+    );
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return (child, port);
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    // Dropping `child` kills and reaps it.
+    drop(child);
+    panic!("openssl s_server did not listen on {port}");
+}
+
+/// A gateway with a TLS listener (`{PROXY}`, the harness's proxy address) and a plain one on
+/// `plain_port`; route `api` (host api.test) to the origin `echo`, route `web` (host
+/// localhost) to the client's own target. The egress guard lets the direct route reach
+/// loopback on `origin_port`, where the test origin listens.
+fn config(dir: &Path, plain_port: u16, echo: &str, origin_port: u16) -> String {
+    let dir = dir.display();
+    format!(
+        r#"listen:
+  - addr: "{{PROXY}}"
+    tls: {{cert: "{dir}/server.pem", key: "{dir}/server.key"}}
+  - "127.0.0.1:{plain_port}"
+admin: {{listen: "{{ADMIN}}"}}
+threads: 1
+egress: {{allow_cidrs: ["127.0.0.0/8", "::1/128"], connect_ports: [{origin_port}]}}
+routes:
+  - name: api
+    match: {{hosts: [api.test]}}
+    upstream: {{members: [{{url: "{echo}"}}]}}
+  - name: web
+    match: {{hosts: [localhost]}}
+    upstream: {{members: [{{direct: true}}]}}
+"#
+    )
+}
+
+/// curl with `args` and none of the caller's proxy settings: whether it succeeded, its stdout
+/// and its stderr.
+async fn curl(args: Vec<String>) -> (bool, String, String) {
+    tokio::task::spawn_blocking(move || {
+        let mut cmd = Command::new("curl");
+        for var in [
+            "http_proxy",
+            "https_proxy",
+            "HTTP_PROXY",
+            "HTTPS_PROXY",
+            "all_proxy",
+            "ALL_PROXY",
+            "no_proxy",
+            "NO_PROXY",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.args(["-sS", "--max-time", "20"]).args(&args);
+        let out = cmd.output().expect("curl must be installed");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+    .await
+    .unwrap()
+}
+
+fn s(v: &str) -> String {
+    v.to_string()
+}
+
+/// The access-log lines of tunnels.
+fn tunnel_lines(gw: &Gateway) -> Vec<serde_json::Value> {
+    gw.log_json()
+        .into_iter()
+        .filter(|l| l["target"] == "sluice::access" && l["method"] == "CONNECT")
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_uses_an_https_proxy_url_for_plain_requests_and_tunnels() {
+    let dir = TempDir::new("sluice-tls-listen");
+    make_certificates(dir.path());
+    let backends = start_backends(&["a"]).await;
+    let (_origin, origin_port) = tls_origin(dir.path());
+    let plain_port = free_port();
+    let gw = Gateway::start_with_ports(&config(
+        dir.path(),
+        plain_port,
+        &url(backends[0].local_addr()),
+        origin_port,
+    ));
+    let proxy = format!("https://{}", gw.proxy_addr());
+    let ca = dir.path().join("ca.pem").display().to_string();
+
+    // A plain http:// request, sent to sluice inside TLS.
+    let (ok, out, err) = curl(vec![
+        s("-i"),
+        s("--proxy"),
+        proxy.clone(),
+        s("--proxy-cacert"),
+        ca.clone(),
+        s("http://api.test/hello"),
+    ])
+    .await;
+    assert!(ok, "{err}\n{}", gw.logs());
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.contains("x-upstream: a"), "{out}");
+    assert_eq!(backends[0].requests(), 1);
+
+    // An https:// URL: curl sends CONNECT inside its TLS connection to sluice, then TLS to the
+    // origin inside the tunnel.
+    let (ok, out, err) = curl(vec![
+        s("-o"),
+        s("/dev/null"),
+        s("-w"),
+        s("%{http_code}"),
+        s("--proxy"),
+        proxy.clone(),
+        s("--proxy-cacert"),
+        ca.clone(),
+        s("--cacert"),
+        ca.clone(),
+        format!("https://localhost:{origin_port}/"),
+    ])
+    .await;
+    assert!(ok && out == "200", "{out} {err}\n{}", gw.logs());
+    assert!(
+        support::wait_until(Duration::from_secs(10), || !tunnel_lines(&gw).is_empty()).await,
+        "no tunnel line:\n{}",
+        gw.logs()
+    );
+    let line = &tunnel_lines(&gw)[0];
+    assert_eq!(line["route"], "web", "{line}");
+    assert_eq!(line["status"], 200, "{line}");
+    assert_eq!(line["member"], "direct", "{line}");
+    assert_eq!(
+        line["authority"],
+        format!("localhost:{origin_port}"),
+        "{line}"
+    );
+    assert!(line["bytes_down"].as_u64().unwrap() > 0, "{line}");
+
+    // The plain listener next to it is unchanged.
+    let (ok, out, err) = curl(vec![
+        s("-o"),
+        s("/dev/null"),
+        s("-w"),
+        s("%{http_code}"),
+        s("--proxy"),
+        format!("http://127.0.0.1:{plain_port}"),
+        s("http://api.test/"),
+    ])
+    .await;
+    assert!(ok && out == "200", "{out} {err}");
+
+    // The TLS listener speaks only TLS: cleartext HTTP to it gets no answer from the route.
+    let (_, out, _) = curl(vec![
+        s("-o"),
+        s("/dev/null"),
+        s("-w"),
+        s("%{http_code}"),
+        s("--proxy"),
+        format!("http://{}", gw.proxy_addr()),
+        s("http://api.test/"),
+    ])
+    .await;
+    assert_ne!(out, "200");
+    // And a client that does not trust the listener's CA refuses it.
+    let (ok, _, err) = curl(vec![s("--proxy"), proxy, s("http://api.test/")]).await;
+    assert!(!ok, "curl trusted an unknown CA");
+    assert!(err.contains("SSL") || err.contains("certificate"), "{err}");
+    assert_eq!(backends[0].requests(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_requests_uses_an_https_proxy_url() {
+    let dir = TempDir::new("sluice-tls-listen-py");
+    make_certificates(dir.path());
+    let backends = start_backends(&["a"]).await;
+    let (_origin, origin_port) = tls_origin(dir.path());
+    let gw = Gateway::start_with_ports(&config(
+        dir.path(),
+        free_port(),
+        &url(backends[0].local_addr()),
+        origin_port,
+    ));
+    // requests on urllib3 2 verifies the proxy with the same `verify` bundle as the origin.
+    let script = format!(
+        "import requests\n\
+         p = {{'http': {proxy:?}, 'https': {proxy:?}}}\n\
+         print(requests.get('http://api.test/', proxies=p, verify={ca:?}, timeout=20).status_code)\n\
+         print(requests.get('https://localhost:{origin_port}/', proxies=p, verify={ca:?}, timeout=20).status_code)\n",
+        proxy = format!("https://{}", gw.proxy_addr()),
+        ca = dir.path().join("ca.pem").display().to_string(),
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .args(["-c", &script])
+            .env_remove("NO_PROXY")
+            .env_remove("no_proxy")
+            .output()
+            .expect("python3 must be installed")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        gw.logs()
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200\n200\n");
+    assert_eq!(backends[0].requests(), 1);
+}
+
+#[test]
+fn check_names_a_missing_key_file() {
+    let dir = TempDir::new("sluice-tls-listen-check");
+    make_certificates(dir.path());
+    let missing = dir.path().join("missing.key");
+    let file = dir.path().join("sluice.yaml");
+    fs::write(
+        &file,
+        format!(
+            "listen:\n  - addr: \"127.0.0.1:8443\"\n    tls:\n      cert: {}\n      key: {}\nroutes: []\n",
+            dir.path().join("server.pem").display(),
+            missing.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(support::sluice_binary())
+        .args(["check", "-c"])
+        .arg(&file)
+        .output()
+        .expect("run sluice check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "{}:5:12: listen[0].tls.key: cannot read {}: No such file or directory (os error 2)",
+            file.display(),
+            missing.display()
+        )
+    );
+
+    // With the key there, the same file checks.
+    let good = fs::read_to_string(&file)
+        .unwrap()
+        .replace("missing.key", "server.key");
+    fs::write(&file, good).unwrap();
+    let out = Command::new(support::sluice_binary())
+        .args(["check", "-c"])
+        .arg(&file)
+        .output()
+        .expect("run sluice check");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
