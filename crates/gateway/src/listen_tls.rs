@@ -24,8 +24,6 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::InconsistentKeys;
 
-use crate::config::ListenTls;
-
 /// Which part of `listen[].tls` a problem is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Blame {
@@ -56,11 +54,12 @@ fn fail(blame: Blame, message: String) -> TlsFileError {
     TlsFileError { blame, message }
 }
 
-/// Reads and checks the certificate chain and key of `tls`: both parse as PEM, the key is one
-/// rustls can sign with, and it is the key of the chain's first certificate.
-pub fn load(tls: &ListenTls) -> Result<Arc<CertifiedKey>, TlsFileError> {
-    let certs = read_certs(&tls.cert)?;
-    let key = read_key(&tls.key)?;
+/// Reads and checks the certificate chain at `cert` and its key at `key` (`listen[].tls`):
+/// both parse as PEM, the key is one rustls can sign with, and it is the key of the chain's
+/// first certificate. Paths, not the config's type: the config calls this, not the reverse.
+pub fn load(cert: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, TlsFileError> {
+    let certs = read_certs(cert)?;
+    let key = read_key(key_file)?;
     let provider = provider();
     let signing = provider.key_provider.load_private_key(key).map_err(|e| {
         // rustls's message names the key type it could not use, nothing of the key itself.
@@ -68,7 +67,7 @@ pub fn load(tls: &ListenTls) -> Result<Arc<CertifiedKey>, TlsFileError> {
             Blame::Key,
             format!(
                 "{}: not a private key sluice can use: {e}",
-                tls.key.display()
+                key_file.display()
             ),
         )
     })?;
@@ -80,8 +79,8 @@ pub fn load(tls: &ListenTls) -> Result<Arc<CertifiedKey>, TlsFileError> {
                 Blame::Pair,
                 format!(
                     "the key in {} is not the key of the first certificate in {}",
-                    tls.key.display(),
-                    tls.cert.display()
+                    key_file.display(),
+                    cert.display()
                 ),
             ))
         }
@@ -90,7 +89,7 @@ pub fn load(tls: &ListenTls) -> Result<Arc<CertifiedKey>, TlsFileError> {
                 Blame::Cert,
                 format!(
                     "{}: the first certificate is not a valid X.509 certificate: {e}",
-                    tls.cert.display()
+                    cert.display()
                 ),
             ))
         }
@@ -100,11 +99,11 @@ pub fn load(tls: &ListenTls) -> Result<Arc<CertifiedKey>, TlsFileError> {
 
 /// Pingora listener settings that serve `tls`'s certificate over HTTP/1.1 (no h2: the proxy's
 /// connection loop, `crate::limits::LimitedApp`, speaks HTTP/1 only).
-pub fn settings(tls: &ListenTls) -> Result<TlsSettings, TlsFileError> {
-    let key = load(tls)?;
+pub fn settings(cert: &Path, key_file: &Path) -> Result<TlsSettings, TlsFileError> {
+    let key = load(cert, key_file)?;
     // The paths are never read by Pingora once a resolver is set; they only fill the struct.
     let mut settings =
-        TlsSettings::intermediate(&tls.cert.to_string_lossy(), &tls.key.to_string_lossy())
+        TlsSettings::intermediate(&cert.to_string_lossy(), &key_file.to_string_lossy())
             .map_err(|e| fail(Blame::Cert, format!("TLS settings: {e}")))?;
     settings.set_cert_resolver(Arc::new(OneCert(key)));
     settings.set_alpn(ALPN::H1);

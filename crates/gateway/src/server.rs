@@ -137,7 +137,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         // plain listener. The certificate is read here, once: a new one takes a restart.
         match &listener.tls {
             Some(tls) => {
-                let settings = crate::listen_tls::settings(tls)
+                let settings = crate::listen_tls::settings(&tls.cert, &tls.key)
                     .map_err(|e| format!("cannot listen on {addr} with TLS: {e}"))?;
                 proxy.add_tls_with_settings(&addr, None, settings);
             }

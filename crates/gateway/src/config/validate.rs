@@ -90,7 +90,7 @@ impl Config {
             let at = YamlPath::root().key("listen").index(i);
             let addr = ListenAddr(listener.addr);
             if let Some(tls) = &listener.tls {
-                if let Err(e) = crate::listen_tls::load(tls) {
+                if let Err(e) = crate::listen_tls::load(&tls.cert, &tls.key) {
                     let tls_at = at.clone().key("tls");
                     let blamed = match e.blame {
                         crate::listen_tls::Blame::Cert => tls_at.key("cert"),
