@@ -15,7 +15,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use support::{free_port, start_backends, Config, Gateway, HttpClient, Quota, Route, TempDir};
+use support::{
+    free_port, start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -301,6 +303,7 @@ async fn curl_reaches_a_tls_origin_through_a_direct_route() {
     make_certificates(dir.path());
     let (_origin, port) = tls_origin(dir.path());
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
         .route(Route::new("web").hosts(&["localhost"]).direct_member())
         .start();
 
@@ -379,6 +382,7 @@ async fn proxy_members_carry_tunnels_and_plain_http_least_used_exactly() {
     let with_auth = Tinyproxy::start(dir.path(), "auth", Some(("sluice", PASSWORD)));
     let open = Tinyproxy::start(dir.path(), "open", None);
     let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port]))
         .route(
             Route::new("egress")
                 .hosts(&["localhost", "127.0.0.1"])
@@ -461,6 +465,7 @@ async fn the_quota_is_charged_once_per_tunnel() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(
             Route::new("q")
                 .hosts(&["127.0.0.1"])
@@ -497,6 +502,7 @@ async fn a_proxy_that_refuses_connect_is_retried_on_another() {
     let strict = Tinyproxy::start(dir.path(), "strict", Some(("sluice", "right")));
     let (refuser, refused) = refusing_proxy(502).await;
     let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port, 443]))
         .route(
             Route::new("r407")
                 .hosts(&["localhost"])
@@ -546,6 +552,7 @@ async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let mut gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(Route::new("t").hosts(&["127.0.0.1"]).direct_member())
         .start();
     let (mut tunnel, r) = connect(&gw, &target).await;
@@ -579,6 +586,7 @@ async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
 async fn plain_http_through_a_direct_member_reaches_the_clients_target() {
     let backends = start_backends(&["a", "b"]).await;
     let gw = Config::new()
+        .egress(Egress::loopback_allowed())
         .route(Route::new("d").hosts(&["127.0.0.1"]).direct_member())
         .start();
     // The client names the destination; the direct member goes where it says.
@@ -639,6 +647,7 @@ async fn a_tunnel_with_no_bytes_for_read_timeout_is_closed() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(
             Route::new("idle")
                 .hosts(&["127.0.0.1"])
@@ -663,6 +672,7 @@ async fn python_reaches_a_tls_origin_with_https_proxy_set() {
     make_certificates(dir.path());
     let (_origin, port) = tls_origin(dir.path());
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
         .route(Route::new("web").hosts(&["localhost"]).direct_member())
         .start();
     // The standard library's client: it reads HTTPS_PROXY and tunnels with CONNECT.
@@ -702,6 +712,7 @@ async fn bytes_sent_right_behind_the_connect_head_go_up_first() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(Route::new("eager").hosts(&["127.0.0.1"]).direct_member())
         .start();
     // A client that does not wait for the 200 (as some TLS stacks do with their ClientHello).

@@ -38,6 +38,7 @@ use pingora::upstreams::peer::HttpPeer;
 use sluice_state::StateStore;
 
 use crate::config::MemberKind;
+use crate::egress::{Denial, Resolver};
 use crate::metrics::Metrics;
 use crate::table::{Member, Route, Table};
 use select::{Attempt, Tried};
@@ -50,6 +51,8 @@ pub struct Gateway {
     state: Arc<dyn StateStore>,
     /// `limits.max_header_bytes`.
     max_header_bytes: usize,
+    /// Resolves the client's destination for `direct` members, for the egress guard.
+    resolver: Resolver,
 }
 
 impl Gateway {
@@ -60,6 +63,7 @@ impl Gateway {
         in_flight: Arc<AtomicUsize>,
         state: Arc<dyn StateStore>,
         max_header_bytes: usize,
+        resolver: Resolver,
     ) -> Self {
         Gateway {
             table,
@@ -67,6 +71,7 @@ impl Gateway {
             in_flight,
             state,
             max_header_bytes,
+            resolver,
         }
     }
 }
@@ -95,6 +100,9 @@ pub(crate) enum Failure {
     Unreachable,
     /// The pool had no eligible member for the first attempt.
     NoMember,
+    /// The egress guard refused the client's destination (a `direct` member): 403, nothing
+    /// contacted, no other member tried.
+    Denied(Denial),
 }
 
 /// Per-request state.

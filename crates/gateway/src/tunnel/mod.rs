@@ -47,6 +47,7 @@ use http::{HeaderValue, Method};
 use pingora::protocols::Stream;
 use sluice_state::StateStore;
 
+use crate::egress::Resolver;
 use crate::metrics::{Metrics, NO_ROUTE};
 use crate::problem::Problem;
 use crate::request::admit::{decide, Verdict};
@@ -88,6 +89,8 @@ pub struct Tunnels {
     metrics: Arc<Metrics>,
     in_flight: Arc<AtomicUsize>,
     state: Arc<dyn StateStore>,
+    /// Resolves `direct` targets for the egress guard.
+    resolver: Resolver,
 }
 
 impl Tunnels {
@@ -97,12 +100,14 @@ impl Tunnels {
         metrics: Arc<Metrics>,
         in_flight: Arc<AtomicUsize>,
         state: Arc<dyn StateStore>,
+        resolver: Resolver,
     ) -> Tunnels {
         Tunnels {
             table,
             metrics,
             in_flight,
             state,
+            resolver,
         }
     }
 
@@ -175,6 +180,16 @@ impl Tunnels {
         };
         end.route = Some(route.clone());
 
+        // egress.connect_ports, for every CONNECT whatever its member kind (SPEC §7): before
+        // the quota is charged and before any lookup.
+        if let Err(denied) = table.guard.check_connect_port(target.port.unwrap_or(443)) {
+            let p = Problem::destination_denied(denied.to_string());
+            end.status = p.status;
+            end.error = Some("destination_denied");
+            head::answer(client, &p, Some(&route), None, None).await;
+            return;
+        }
+
         let quota = route.quota.as_deref();
         let cost = quota.map_or(0, |q| q.cost("/", "CONNECT"));
         let mut key_buf = String::new();
@@ -206,6 +221,11 @@ impl Tunnels {
         tried.fallback = fallback;
         let mut next = first;
         let mut all_refused = true;
+        let egress = open::Egress {
+            resolver: &self.resolver,
+            guard: &table.guard,
+        };
+        let mut denied = None;
         let upstream = loop {
             if tried.count() > up.retries as usize {
                 break None;
@@ -232,10 +252,18 @@ impl Tunnels {
             tried.push(index);
             end.member = Some(index);
             let member = &route.members[index];
-            match open::connect(member, &target, up).await {
+            match open::connect(member, &target, up, &egress).await {
                 Ok(conn) => {
                     attempt.connected();
                     break Some(conn);
+                }
+                Err(failure) if failure.denied.is_some() => {
+                    // The client's destination is denied: nothing was contacted, the member's
+                    // health is not touched, and no other member is tried (a `direct` one
+                    // would go to the same place).
+                    drop(attempt);
+                    denied = failure.denied;
+                    break None;
                 }
                 Err(failure) => {
                     member.attempts_connect_failure.inc();
@@ -253,7 +281,10 @@ impl Tunnels {
         end.attempts = tried.count() as u32;
         let Some(upstream) = upstream else {
             let attempts = tried.count() as u32;
-            let (p, code) = if attempts == 0 {
+            let (p, code) = if let Some(denial) = denied {
+                let reason = crate::egress::describe(&target.host, &denial);
+                (Problem::destination_denied(reason), "destination_denied")
+            } else if attempts == 0 {
                 (Problem::no_member(), "no_member")
             } else if all_refused {
                 (Problem::proxy_refused(attempts), "proxy_refused")
