@@ -997,3 +997,34 @@ async fn python_requests_and_httpx_reach_a_tls_origin_through_sluice() {
         assert_eq!(l["authority"], format!("localhost:{port}"));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluice_never_connects_to_its_own_listeners_and_a_reload_rebuilds_the_guard() {
+    let (port, contacted) = counting_listener().await;
+    let config = Config::new()
+        .egress(Egress::loopback_allowed())
+        .route(Route::new("any").hosts(&["*"]).direct_member());
+    let gw = config.start();
+    // Plain HTTP (no connect_ports) to sluice's own admin and proxy listeners, although
+    // allow_cidrs covers loopback: a loop is never wanted.
+    for own in [gw.admin_addr(), gw.proxy_addr()] {
+        let (status, body) = curl_status_via(&gw, &format!("http://{own}/status")).await;
+        assert_eq!(status, "403", "{own}: {body}");
+        assert!(body.contains("sluice's own listener"), "{body}");
+    }
+    let (status, _) = curl_status_via(&gw, &format!("http://127.0.0.1:{port}/")).await;
+    assert_ne!(status, "403");
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
+
+    // A reload without the loopback exception: the new table's guard denies it.
+    let reloaded = Config::new().route(Route::new("any").hosts(&["*"]).direct_member());
+    gw.write_config_template(&reloaded.yaml());
+    assert!(
+        gw.wait_for_log("config reloaded", WAIT).await,
+        "{}",
+        gw.logs()
+    );
+    let (status, body) = curl_status_via(&gw, &format!("http://127.0.0.1:{port}/")).await;
+    assert_eq!(status, "403", "{body}");
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
+}
