@@ -21,6 +21,12 @@
 //! - routing by the target's host ([`crate::target::parse`] reads the authority form), with the
 //!   path `/`, so a route's `path_prefix` other than `/` never takes tunnels; the route's
 //!   `methods` must allow `CONNECT` (else `405` with `Allow`);
+//! - the egress guard ([`crate::egress`]): the target's port must be in `connect_ports`, for
+//!   every CONNECT, checked before the quota and before any lookup; a `direct` member then
+//!   resolves the target, checks every address, and connects only to those. A
+//!   denial is `403 destination_denied`: nothing contacted, no member failure, no retry
+//!   elsewhere. `proxy` and origin members are the operator's choice, not the client's: their
+//!   addresses are not checked;
 //! - quota and first member in one step of the route's policy
 //!   ([`crate::request::admit::decide`]): charged once per tunnel, `cost.default` or a rule
 //!   with `methods: [CONNECT]`, and one least-used assignment per tunnel;
