@@ -15,7 +15,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use support::{free_port, start_backends, Config, Gateway, HttpClient, Quota, Route, TempDir};
+use support::{
+    free_port, start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -301,6 +303,7 @@ async fn curl_reaches_a_tls_origin_through_a_direct_route() {
     make_certificates(dir.path());
     let (_origin, port) = tls_origin(dir.path());
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
         .route(Route::new("web").hosts(&["localhost"]).direct_member())
         .start();
 
@@ -379,6 +382,7 @@ async fn proxy_members_carry_tunnels_and_plain_http_least_used_exactly() {
     let with_auth = Tinyproxy::start(dir.path(), "auth", Some(("sluice", PASSWORD)));
     let open = Tinyproxy::start(dir.path(), "open", None);
     let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port]))
         .route(
             Route::new("egress")
                 .hosts(&["localhost", "127.0.0.1"])
@@ -461,6 +465,7 @@ async fn the_quota_is_charged_once_per_tunnel() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(
             Route::new("q")
                 .hosts(&["127.0.0.1"])
@@ -497,6 +502,7 @@ async fn a_proxy_that_refuses_connect_is_retried_on_another() {
     let strict = Tinyproxy::start(dir.path(), "strict", Some(("sluice", "right")));
     let (refuser, refused) = refusing_proxy(502).await;
     let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port, 443]))
         .route(
             Route::new("r407")
                 .hosts(&["localhost"])
@@ -546,6 +552,7 @@ async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let mut gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(Route::new("t").hosts(&["127.0.0.1"]).direct_member())
         .start();
     let (mut tunnel, r) = connect(&gw, &target).await;
@@ -579,6 +586,7 @@ async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
 async fn plain_http_through_a_direct_member_reaches_the_clients_target() {
     let backends = start_backends(&["a", "b"]).await;
     let gw = Config::new()
+        .egress(Egress::loopback_allowed())
         .route(Route::new("d").hosts(&["127.0.0.1"]).direct_member())
         .start();
     // The client names the destination; the direct member goes where it says.
@@ -639,6 +647,7 @@ async fn a_tunnel_with_no_bytes_for_read_timeout_is_closed() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(
             Route::new("idle")
                 .hosts(&["127.0.0.1"])
@@ -663,6 +672,7 @@ async fn python_reaches_a_tls_origin_with_https_proxy_set() {
     make_certificates(dir.path());
     let (_origin, port) = tls_origin(dir.path());
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
         .route(Route::new("web").hosts(&["localhost"]).direct_member())
         .start();
     // The standard library's client: it reads HTTPS_PROXY and tunnels with CONNECT.
@@ -702,6 +712,7 @@ async fn bytes_sent_right_behind_the_connect_head_go_up_first() {
     let backends = start_backends(&["b"]).await;
     let target = backends[0].local_addr().to_string();
     let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(Route::new("eager").hosts(&["127.0.0.1"]).direct_member())
         .start();
     // A client that does not wait for the 200 (as some TLS stacks do with their ClientHello).
@@ -721,4 +732,299 @@ async fn bytes_sent_right_behind_the_connect_head_go_up_first() {
     let r = client.read_response(false).await.unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["target"], "/eager");
+}
+
+// ---- The egress guard (SPEC §7): client-chosen destinations that sluice must not reach. ----
+
+/// A TCP listener on 127.0.0.1 that counts the connections it accepts: the proof that a
+/// denied destination was not contacted.
+async fn counting_listener() -> (u16, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let count = Arc::new(AtomicU64::new(0));
+    let seen = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            seen.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = conn.read(&mut buf).await {
+                    if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (port, count)
+}
+
+/// `curl -x sluice URL`: for an `https://` URL the status sluice gave the CONNECT
+/// (`%{http_connect}`), for an `http://` URL the response's status; and the body.
+async fn curl_status_via(gw: &Gateway, url: &str) -> (String, String) {
+    let https = url.starts_with("https://");
+    let write_out = if https {
+        "\n%{http_connect}"
+    } else {
+        "\n%{http_code}"
+    };
+    let (_, out, _) = curl(
+        vec![
+            "-w".into(),
+            write_out.into(),
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            url.into(),
+        ],
+        vec![],
+    )
+    .await;
+    let (body, status) = out.rsplit_once('\n').unwrap_or(("", &out));
+    (status.to_string(), body.to_string())
+}
+
+/// Asserts a raw CONNECT to `authority` gets 403 `destination_denied` whose detail mentions
+/// `reason`.
+async fn assert_connect_denied(gw: &Gateway, authority: &str, reason: &str) {
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    // A refusal has a problem+json body, unlike a 200.
+    let r = client.read_response(false).await.unwrap();
+    assert_eq!(r.status, 403, "CONNECT {authority}\n{}", gw.logs());
+    assert_eq!(r.header("x-sluice-error"), Some("destination_denied"));
+    let body = String::from_utf8_lossy(&r.body);
+    assert!(body.contains(reason), "CONNECT {authority}: {body}");
+}
+
+/// Access lines whose error is `destination_denied`, for `authority`.
+fn denied_lines(gw: &Gateway, authority: &str) -> usize {
+    gw.log_json()
+        .into_iter()
+        .filter(|l| l["target"] == "sluice::access" && l["authority"] == authority)
+        .filter(|l| l["error"] == "destination_denied" && l["status"] == 403)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_in_any_form_is_denied_and_never_contacted() {
+    let (port, contacted) = counting_listener().await;
+    // Default guard (deny: [private]); the listener's port is a CONNECT port, so only the
+    // address can refuse it.
+    let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port]))
+        .route(Route::new("any").hosts(&["*"]).direct_member())
+        .start();
+
+    for (authority, reason) in [
+        (format!("127.0.0.1:{port}"), "127.0.0.1 is loopback"),
+        (
+            format!("[::ffff:127.0.0.1]:{port}"),
+            "::ffff:127.0.0.1 carries 127.0.0.1",
+        ),
+        // A name that resolves (/etc/hosts) to a denied address.
+        (
+            format!("localhost:{port}"),
+            "localhost: 127.0.0.1 is loopback",
+        ),
+    ] {
+        // A real client: curl's CONNECT gets 403.
+        let (status, _) = curl_status_via(&gw, &format!("https://{authority}/")).await;
+        assert_eq!(status, "403", "curl CONNECT {authority}\n{}", gw.logs());
+        assert_connect_denied(&gw, &authority, reason).await;
+        // Plain HTTP through the same direct member: the same guard, per request.
+        let (status, body) = curl_status_via(&gw, &format!("http://{authority}/")).await;
+        assert_eq!(status, "403", "curl GET {authority}\n{}", gw.logs());
+        assert!(body.contains("destination_denied"), "{body}");
+        assert!(body.contains(reason), "{body}");
+        assert!(
+            support::wait_until(WAIT, || denied_lines(&gw, &authority) >= 3).await,
+            "{authority}: {}",
+            gw.logs()
+        );
+    }
+    assert_eq!(
+        contacted.load(Ordering::SeqCst),
+        0,
+        "a denied target was contacted"
+    );
+    // A denial is the client's destination, not the member's failure.
+    let status = gw.status().await;
+    assert_eq!(
+        status["routes"][0]["members"][0]["healthy"], true,
+        "{status}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_and_cgnat_addresses_are_denied() {
+    let gw = Config::new()
+        .route(Route::new("any").hosts(&["*"]).direct_member())
+        .start();
+    for (authority, reason) in [
+        ("169.254.169.254:443", "169.254.169.254 is link-local"),
+        ("100.64.0.1:443", "100.64.0.1 is cgnat"),
+    ] {
+        let (status, _) = curl_status_via(&gw, &format!("https://{authority}/")).await;
+        assert_eq!(status, "403", "curl CONNECT {authority}\n{}", gw.logs());
+        assert_connect_denied(&gw, authority, reason).await;
+        assert!(
+            support::wait_until(WAIT, || denied_lines(&gw, authority) >= 2).await,
+            "{authority}: {}",
+            gw.logs()
+        );
+    }
+    // Plain HTTP to the metadata service: refused the same way.
+    let (status, body) = curl_status_via(&gw, "http://169.254.169.254/latest/meta-data/").await;
+    assert_eq!(status, "403", "{body}");
+    assert!(body.contains("link-local"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_port_outside_connect_ports_is_denied_before_any_lookup() {
+    let (port, contacted) = counting_listener().await;
+    // Loopback allowed, so only the port can refuse; connect_ports stays [443].
+    let gw = Config::new()
+        .egress(Egress::loopback_allowed())
+        .route(Route::new("any").hosts(&["*"]).direct_member())
+        .start();
+    for authority in [format!("127.0.0.1:{port}"), "127.0.0.1:22".to_string()] {
+        let (status, _) = curl_status_via(&gw, &format!("https://{authority}/")).await;
+        assert_eq!(status, "403", "curl CONNECT {authority}\n{}", gw.logs());
+        let port = authority.rsplit(':').next().unwrap();
+        assert_connect_denied(&gw, &authority, &format!("port {port} is not in")).await;
+    }
+    // A name that does not exist is refused for its port before it is looked up: 403, not 502.
+    assert_connect_denied(&gw, "nowhere.invalid:25", "port 25 is not in").await;
+    // connect_ports is about CONNECT only: plain HTTP to the same address and port goes.
+    let (status, _) = curl_status_via(&gw, &format!("http://127.0.0.1:{port}/")).await;
+    assert_ne!(status, "403");
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowed_destination_still_goes_through() {
+    let (port, contacted) = counting_listener().await;
+    let gw = Config::new()
+        .egress(
+            Egress::default()
+                .allow_cidrs(&["127.0.0.1/32"])
+                .connect_ports(&[port]),
+        )
+        .route(Route::new("any").hosts(&["*"]).direct_member())
+        .start();
+    let (mut tunnel, r) = connect(&gw, &format!("127.0.0.1:{port}")).await;
+    assert_eq!(r.status, 200, "{}", gw.logs());
+    tunnel.write_raw(b"ping").await.unwrap();
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
+    // Outside the allowed CIDR, loopback is still denied.
+    assert_connect_denied(&gw, &format!("127.0.0.2:{port}"), "127.0.0.2 is loopback").await;
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
+}
+
+/// The Python interpreter of the venv `.ci/run` makes (with `requests` and `httpx`), from
+/// `SLUICE_TEST_PYTHON`. Unset: in CI (`CI=true`) a failure, elsewhere a skip that says so.
+fn test_python() -> Option<String> {
+    match std::env::var("SLUICE_TEST_PYTHON") {
+        Ok(python) if !python.is_empty() => Some(python),
+        _ if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("CI=true but SLUICE_TEST_PYTHON is unset: .ci/run makes the venv and sets it")
+        }
+        _ => {
+            eprintln!(
+                "SKIPPED: SLUICE_TEST_PYTHON is unset; run .ci/run, or make a venv with \
+                 requests and httpx and point SLUICE_TEST_PYTHON at its python"
+            );
+            None
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_requests_and_httpx_reach_a_tls_origin_through_sluice() {
+    let Some(python) = test_python() else {
+        return;
+    };
+    let dir = TempDir::new("egress-requests-httpx");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(Route::new("web").hosts(&["localhost"]).direct_member())
+        .start();
+    let proxy = format!("http://{}", gw.proxy_addr());
+    let ca = dir.path().join("ca.pem").display().to_string();
+    let url = format!("https://localhost:{port}/");
+    let script = format!(
+        "import requests, httpx\n\
+         r = requests.get({url:?}, proxies={{'https': {proxy:?}}}, verify={ca:?}, timeout=20)\n\
+         print('requests', r.status_code)\n\
+         with httpx.Client(proxy={proxy:?}, verify={ca:?}, timeout=20) as c:\n\
+         \x20   print('httpx', c.get({url:?}).status_code)\n"
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&python)
+            .args(["-c", &script])
+            // Only the proxies the script names.
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("ALL_PROXY")
+            .env_remove("all_proxy")
+            .env_remove("NO_PROXY")
+            .env_remove("no_proxy")
+            .output()
+            .expect("run SLUICE_TEST_PYTHON")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        gw.logs()
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "requests 200\nhttpx 200"
+    );
+    let lines = wait_tunnel_lines(&gw, 2).await;
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    for l in &lines {
+        assert_eq!(l["status"], 200);
+        assert_eq!(l["member"], "direct");
+        assert_eq!(l["authority"], format!("localhost:{port}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluice_never_connects_to_its_own_listeners_and_a_reload_rebuilds_the_guard() {
+    let (port, contacted) = counting_listener().await;
+    let config = Config::new()
+        .egress(Egress::loopback_allowed())
+        .route(Route::new("any").hosts(&["*"]).direct_member());
+    let gw = config.start();
+    // Plain HTTP (no connect_ports) to sluice's own admin and proxy listeners, although
+    // allow_cidrs covers loopback: a loop is never wanted.
+    for own in [gw.admin_addr(), gw.proxy_addr()] {
+        let (status, body) = curl_status_via(&gw, &format!("http://{own}/status")).await;
+        assert_eq!(status, "403", "{own}: {body}");
+        assert!(body.contains("sluice's own listener"), "{body}");
+    }
+    let (status, _) = curl_status_via(&gw, &format!("http://127.0.0.1:{port}/")).await;
+    assert_ne!(status, "403");
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
+
+    // A reload without the loopback exception: the new table's guard denies it.
+    let reloaded = Config::new().route(Route::new("any").hosts(&["*"]).direct_member());
+    gw.write_config_template(&reloaded.yaml());
+    assert!(
+        gw.wait_for_log("config reloaded", WAIT).await,
+        "{}",
+        gw.logs()
+    );
+    let (status, body) = curl_status_via(&gw, &format!("http://127.0.0.1:{port}/")).await;
+    assert_eq!(status, "403", "{body}");
+    assert_eq!(contacted.load(Ordering::SeqCst), 1);
 }

@@ -21,7 +21,45 @@ pub struct Config {
     threads: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     state: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    egress: Option<Egress>,
     routes: Vec<Route>,
+}
+
+/// The `egress:` block; what a test leaves `None` keeps sluice's default.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Egress {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deny: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    allow_cidrs: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    connect_ports: Option<Vec<u16>>,
+}
+
+impl Egress {
+    /// `allow_cidrs:`.
+    pub fn allow_cidrs(mut self, cidrs: &[&str]) -> Egress {
+        self.allow_cidrs = Some(cidrs.iter().map(|c| c.to_string()).collect());
+        self
+    }
+
+    /// `deny:`.
+    pub fn deny(mut self, deny: &[&str]) -> Egress {
+        self.deny = Some(deny.iter().map(|c| c.to_string()).collect());
+        self
+    }
+
+    /// `connect_ports:`.
+    pub fn connect_ports(mut self, ports: &[u16]) -> Egress {
+        self.connect_ports = Some(ports.to_vec());
+        self
+    }
+
+    /// `allow_cidrs` for loopback, the tests' own origins: `127.0.0.0/8` and `::1/128`.
+    pub fn loopback_allowed() -> Egress {
+        Egress::default().allow_cidrs(&["127.0.0.0/8", "::1/128"])
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -115,6 +153,7 @@ impl Config {
             },
             threads: 1,
             state: None,
+            egress: None,
             routes: Vec::new(),
         }
     }
@@ -134,6 +173,12 @@ impl Config {
     /// The `state:` block for `store`, see [`Store::state`].
     pub fn store(self, store: &Store) -> Config {
         self.state(store.state())
+    }
+
+    /// The `egress:` block.
+    pub fn egress(mut self, egress: Egress) -> Config {
+        self.egress = Some(egress);
+        self
     }
 
     /// `admin.token_env:`.

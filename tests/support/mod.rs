@@ -14,7 +14,7 @@ pub mod config;
 pub mod store;
 
 #[allow(unused_imports)]
-pub use config::{Config, HealthCheck, Passive, Quota, Route, State};
+pub use config::{Config, Egress, HealthCheck, Passive, Quota, Route, State};
 #[allow(unused_imports)]
 pub use store::{Backend, Store};
 

@@ -738,6 +738,15 @@ impl Resolver {
     }
 }
 
+/// The reason a client is given for a denied `host`: the rule, and the name when the client
+/// gave one (`localhost: 127.0.0.1 is loopback (RFC 1122)`), never more.
+pub fn describe(host: &str, denial: &Denial) -> String {
+    match literal(host) {
+        Some(_) => denial.to_string(),
+        None => format!("{host}: {denial}"),
+    }
+}
+
 /// The resolver options egress needs on top of the system's.
 fn tune(options: &mut ResolverOpts) {
     // Every address, so that every address is checked (the system default, IPv4 then IPv6,

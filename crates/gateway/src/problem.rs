@@ -81,6 +81,17 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 403: the egress guard refuses the client's destination (SPEC §7). `reason` names the
+    /// rule that refused it (e.g. "127.0.0.1 is loopback (RFC 1122)"); nothing was contacted.
+    pub fn destination_denied(reason: impl Into<String>) -> Problem {
+        Problem {
+            status: 403,
+            code: "destination_denied",
+            title: "Destination denied",
+            detail: reason.into(),
+            retry_after_ms: None,
+        }
+    }
     /// 502: every proxy member tried answered the tunnel's CONNECT with a non-2xx status.
     pub fn proxy_refused(attempts: u32) -> Problem {
         Problem {

@@ -18,6 +18,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::admin::AdminApi;
 use crate::checks::{HealthChecks, HealthSupervisor};
 use crate::config::{Config, ConfigErrors};
+use crate::egress::Resolver;
 use crate::limits::LimitedApp;
 use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
@@ -74,6 +75,12 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         supervisor.clone(),
     ));
     let in_flight = Arc::new(AtomicUsize::new(0));
+    // One resolver for the process, for the egress guard (crate::egress): its cache outlives
+    // reloads. Built outside any runtime, which it does not need until its first lookup;
+    // hickory spawns a lookup's background I/O on the runtime that asks (its handle keeps
+    // them in a JoinSet), and every client-chosen destination is resolved from the proxy
+    // service's runtime, which lives as long as the process.
+    let resolver = Resolver::from_system()?;
 
     let threads = config
         .threads
@@ -110,6 +117,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         in_flight.clone(),
         state.clone(),
         config.limits.max_header_bytes.get() as usize,
+        resolver.clone(),
     )
     .on_head_parsed(crate::limits::head_parsed);
     let mut http = pingora::proxy::http_proxy(&server.configuration, gateway);
@@ -125,6 +133,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         metrics.clone(),
         in_flight.clone(),
         state.clone(),
+        resolver,
     );
     let mut proxy = Service::new(
         "sluice proxy".to_string(),

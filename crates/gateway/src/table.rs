@@ -20,6 +20,7 @@ use crate::config::{
     AdminConfig, Config, LimitsConfig, Listener, MemberKind, MemberUrl, RouteConfig, Selection,
     StateConfig, UpstreamConfig,
 };
+use crate::egress::Guard;
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
 use crate::router::{RouteMatch, Router};
@@ -40,6 +41,12 @@ pub struct Table {
     pub loaded_at: String,
     /// What only a restart changes.
     pub settings: Settings,
+    /// The egress guard for destinations the client chooses (CONNECT targets, `direct`
+    /// members), from `egress`; rebuilt with the table, so a reload applies it.
+    pub guard: Guard,
+    /// The listeners the process runs with (proxy and admin): the first table's settings,
+    /// carried over by every reload, since only a restart changes them.
+    pub(crate) own_listeners: Arc<[SocketAddr]>,
 }
 
 /// One route, ready to serve.
@@ -107,6 +114,14 @@ impl Table {
             let before = prior.get(rc.name.0.as_str()).copied();
             routes.push(Arc::new(build_route(rc, metrics, state, before).await));
         }
+        let own_listeners = match previous {
+            Some(p) => p.own_listeners.clone(),
+            None => {
+                let settings = Settings::of(config);
+                let proxy = settings.listen.iter().map(|l| l.addr);
+                proxy.chain([settings.admin.listen.0]).collect()
+            }
+        };
         let router = Router::new(routes.iter().map(|r| {
             let m = &r.config.matcher;
             (
@@ -124,6 +139,8 @@ impl Table {
             version: sha256_hex(bytes),
             loaded_at: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
             settings: Settings::of(config),
+            guard: Guard::from(&config.egress).with_own_listeners(own_listeners.iter().copied()),
+            own_listeners,
         }
     }
 }

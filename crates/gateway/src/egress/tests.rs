@@ -730,3 +730,38 @@ async fn every_answer_is_checked_however_briefly_it_lives() {
         other => panic!("expected a denial, got {other:?}"),
     }
 }
+
+/// As sluice uses it: one resolver built outside any runtime (server.rs), then asked from
+/// several runtimes, each on its own thread, the way Pingora runs a service (one runtime per
+/// thread). hickory spawns a lookup's I/O on the runtime that asks; the others must still be
+/// answered, also once the runtime that spawned it is gone.
+#[test]
+fn one_resolver_serves_lookups_from_several_runtimes() {
+    let stub_rt = tokio::runtime::Runtime::new().unwrap();
+    // TTL 0: every lookup really asks the stub.
+    let stub = stub_rt.block_on(Stub::start(&[(
+        "shared.test",
+        Ipv4Addr::new(8, 8, 8, 8),
+        0,
+    )]));
+    let resolver = Resolver::new(&[stub.addr], "");
+    let ask = |resolver: Resolver| {
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            for _ in 0..3 {
+                let found =
+                    rt.block_on(resolver.resolve_checked(&Guard::default(), "shared.test", 443));
+                assert_eq!(found, Ok(vec!["8.8.8.8:443".parse().unwrap()]));
+            }
+            // The runtime, and whatever hickory spawned on it, ends with the thread.
+        })
+    };
+    let (a, b) = (ask(resolver.clone()), ask(resolver.clone()));
+    a.join().unwrap();
+    b.join().unwrap();
+    ask(resolver).join().unwrap();
+    assert!(stub.queries() >= 3, "{} queries", stub.queries());
+}

@@ -26,7 +26,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
     if let Some(route) = &ctx.route {
         if let Some(member) = ctx.member() {
             match (e, ctx.failure) {
-                (_, Some(Failure::Unreachable | Failure::NoMember)) => {}
+                (_, Some(Failure::Unreachable | Failure::NoMember | Failure::Denied(_))) => {}
                 (None, _) => member.attempts_ok.inc(),
                 (Some(_), _) => member.attempts_error.inc(),
             }
@@ -58,6 +58,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
         error: match ctx.failure {
             Some(Failure::Unreachable) => Some("upstream_unreachable"),
             Some(Failure::NoMember) => Some("no_member"),
+            Some(Failure::Denied(_)) => Some("destination_denied"),
             None => e.map(|e| {
                 if status == 101 && ctx.websocket && e.etype() == &ErrorType::ReadTimedout {
                     // An open WebSocket that went quiet for read_timeout: closed by the idle

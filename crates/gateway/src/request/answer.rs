@@ -123,6 +123,12 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
     let attempts = ctx.tried.count() as u32;
     let problem = match ctx.failure {
         Some(Failure::NoMember) => Some(Problem::no_member()),
+        Some(Failure::Denied(denial)) => {
+            let host = ctx.target.dest.as_ref().map_or("", |d| &*d.host);
+            Some(Problem::destination_denied(crate::egress::describe(
+                host, &denial,
+            )))
+        }
         Some(Failure::Unreachable) if attempts > 0 => Some(Problem::unreachable(attempts)),
         _ => match e.esource() {
             ErrorSource::Upstream => Some(match e.etype() {

@@ -7,10 +7,9 @@ use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{ErrorType, HTTPStatus};
 
-use std::net::{IpAddr, SocketAddr};
-
 use super::{Dest, Failure, Gateway, RequestCtx};
 use crate::config::MemberKind;
+use crate::egress::{Guard, Refusal, Resolver};
 use crate::headers::{append_forwarded_for, keep_websocket_upgrade, strip_hop_by_hop};
 use crate::table::{peer_for, Route};
 
@@ -53,12 +52,22 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
         ctx.tried.push(index);
         let member = &route.members[index];
         if member.kind == MemberKind::Direct {
-            match direct_peer(&route, ctx.target.dest.as_ref()).await {
-                Some(peer) => {
+            let table = gateway.table.load();
+            let dest = ctx.target.dest.as_ref();
+            match direct_peer(&gateway.resolver, &table.guard, &route, dest).await {
+                Ok(peer) => {
                     ctx.current = Some(attempt);
                     return Ok(Box::new(peer));
                 }
-                None => {
+                Err(Refusal::Denied(denial)) => {
+                    // The client asked for a destination sluice must not reach: nothing was
+                    // contacted, the member's health is not touched, and another member would
+                    // go to the same place, so there is no retry.
+                    drop(attempt);
+                    ctx.failure = Some(Failure::Denied(denial));
+                    return Err(Error::explain(HTTPStatus(403), "destination denied"));
+                }
+                Err(_) => {
                     // The client's target does not resolve: not the member's fault, so its
                     // health is not touched.
                     member.attempts_connect_failure.inc();
@@ -81,23 +90,38 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
     }
 }
 
-/// A peer at the client's own destination, for a `direct` member.
-async fn direct_peer(route: &Route, dest: Option<&Dest>) -> Option<HttpPeer> {
-    let dest = dest?;
-    // egress guard: check target before connecting
-    let addr = match dest.host.parse::<IpAddr>() {
-        Ok(ip) => SocketAddr::new(ip, dest.port),
-        Err(_) => {
-            let lookup = tokio::net::lookup_host((&*dest.host, dest.port));
-            let timeout = route.config.upstream.connect_timeout.0;
-            tokio::time::timeout(timeout, lookup)
-                .await
-                .ok()?
-                .ok()?
-                .next()?
-        }
+/// A peer at the client's own destination, for a `direct` member: the destination is
+/// resolved and checked by the egress guard ([`Resolver::resolve_checked`]), and the peer is
+/// built from the first checked address, so that no second lookup can change where the
+/// request goes (DNS rebinding). A retry after a connect failure resolves again (from the
+/// cache) and is checked again.
+async fn direct_peer(
+    resolver: &Resolver,
+    guard: &Guard,
+    route: &Route,
+    dest: Option<&Dest>,
+) -> Result<HttpPeer, Refusal> {
+    let Some(dest) = dest else {
+        return Err(Refusal::NoAddresses {
+            host: String::new(),
+        });
     };
-    Some(peer_for(
+    let timeout = route.config.upstream.connect_timeout.0;
+    let checked = tokio::time::timeout(
+        timeout,
+        resolver.resolve_checked(guard, &dest.host, dest.port),
+    )
+    .await
+    .map_err(|_| Refusal::LookupFailed {
+        host: dest.host.to_string(),
+        message: "timed out".into(),
+    })??;
+    let Some(&addr) = checked.first() else {
+        return Err(Refusal::NoAddresses {
+            host: dest.host.to_string(),
+        });
+    };
+    Ok(peer_for(
         addr,
         dest.tls,
         dest.host.to_string(),

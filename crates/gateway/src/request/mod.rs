@@ -38,6 +38,7 @@ use pingora::upstreams::peer::HttpPeer;
 use sluice_state::StateStore;
 
 use crate::config::MemberKind;
+use crate::egress::{Denial, Resolver};
 use crate::metrics::Metrics;
 use crate::select::{Attempt, Tried};
 use crate::table::{Member, Route, Table};
@@ -52,6 +53,8 @@ pub struct Gateway {
     max_header_bytes: usize,
     /// Called once a request head is parsed; see [`Gateway::on_head_parsed`].
     head_parsed: fn(&ServerSession),
+    /// Resolves the client's destination for `direct` members, for the egress guard.
+    resolver: Resolver,
 }
 
 impl Gateway {
@@ -62,6 +65,7 @@ impl Gateway {
         in_flight: Arc<AtomicUsize>,
         state: Arc<dyn StateStore>,
         max_header_bytes: usize,
+        resolver: Resolver,
     ) -> Self {
         Gateway {
             table,
@@ -70,6 +74,7 @@ impl Gateway {
             state,
             max_header_bytes,
             head_parsed: |_| {},
+            resolver,
         }
     }
 
@@ -105,6 +110,9 @@ pub(crate) enum Failure {
     Unreachable,
     /// The pool had no eligible member for the first attempt.
     NoMember,
+    /// The egress guard refused the client's destination (a `direct` member): 403, nothing
+    /// contacted, no other member tried.
+    Denied(Denial),
 }
 
 /// Per-request state.

@@ -21,6 +21,12 @@
 //! - routing by the target's host ([`crate::target::parse`] reads the authority form), with the
 //!   path `/`, so a route's `path_prefix` other than `/` never takes tunnels; the route's
 //!   `methods` must allow `CONNECT` (else `405` with `Allow`);
+//! - the egress guard ([`crate::egress`]): the target's port must be in `connect_ports`, for
+//!   every CONNECT, checked before the quota and before any lookup; a `direct` member then
+//!   resolves the target, checks every address, and connects only to those. A
+//!   denial is `403 destination_denied`: nothing contacted, no member failure, no retry
+//!   elsewhere. `proxy` and origin members are the operator's choice, not the client's: their
+//!   addresses are not checked;
 //! - quota and first member in one step of the route's policy
 //!   ([`crate::request::admit::decide`]): charged once per tunnel, `cost.default` or a rule
 //!   with `methods: [CONNECT]`, and one least-used assignment per tunnel;
@@ -47,6 +53,7 @@ use http::{HeaderValue, Method};
 use pingora::protocols::Stream;
 use sluice_state::StateStore;
 
+use crate::egress::Resolver;
 use crate::metrics::{Metrics, NO_ROUTE};
 use crate::problem::Problem;
 use crate::request::admit::{decide, Verdict};
@@ -88,6 +95,8 @@ pub struct Tunnels {
     metrics: Arc<Metrics>,
     in_flight: Arc<AtomicUsize>,
     state: Arc<dyn StateStore>,
+    /// Resolves `direct` targets for the egress guard.
+    resolver: Resolver,
 }
 
 impl Tunnels {
@@ -97,12 +106,14 @@ impl Tunnels {
         metrics: Arc<Metrics>,
         in_flight: Arc<AtomicUsize>,
         state: Arc<dyn StateStore>,
+        resolver: Resolver,
     ) -> Tunnels {
         Tunnels {
             table,
             metrics,
             in_flight,
             state,
+            resolver,
         }
     }
 
@@ -175,6 +186,16 @@ impl Tunnels {
         };
         end.route = Some(route.clone());
 
+        // egress.connect_ports, for every CONNECT whatever its member kind (SPEC §7): before
+        // the quota is charged and before any lookup.
+        if let Err(denied) = table.guard.check_connect_port(target.port.unwrap_or(443)) {
+            let p = Problem::destination_denied(denied.to_string());
+            end.status = p.status;
+            end.error = Some("destination_denied");
+            head::answer(client, &p, Some(&route), None, None).await;
+            return;
+        }
+
         let quota = route.quota.as_deref();
         let cost = quota.map_or(0, |q| q.cost("/", "CONNECT"));
         let mut key_buf = String::new();
@@ -206,6 +227,11 @@ impl Tunnels {
         tried.fallback = fallback;
         let mut next = first;
         let mut all_refused = true;
+        let egress = open::Egress {
+            resolver: &self.resolver,
+            guard: &table.guard,
+        };
+        let mut denied = None;
         let upstream = loop {
             if tried.count() > up.retries as usize {
                 break None;
@@ -232,10 +258,18 @@ impl Tunnels {
             tried.push(index);
             end.member = Some(index);
             let member = &route.members[index];
-            match open::connect(member, &target, up).await {
+            match open::connect(member, &target, up, &egress).await {
                 Ok(conn) => {
                     attempt.connected();
                     break Some(conn);
+                }
+                Err(failure) if failure.denied.is_some() => {
+                    // The client's destination is denied: nothing was contacted, the member's
+                    // health is not touched, and no other member is tried (a `direct` one
+                    // would go to the same place).
+                    drop(attempt);
+                    denied = failure.denied;
+                    break None;
                 }
                 Err(failure) => {
                     member.attempts_connect_failure.inc();
@@ -253,7 +287,10 @@ impl Tunnels {
         end.attempts = tried.count() as u32;
         let Some(upstream) = upstream else {
             let attempts = tried.count() as u32;
-            let (p, code) = if attempts == 0 {
+            let (p, code) = if let Some(denial) = denied {
+                let reason = crate::egress::describe(&target.host, &denial);
+                (Problem::destination_denied(reason), "destination_denied")
+            } else if attempts == 0 {
                 (Problem::no_member(), "no_member")
             } else if all_refused {
                 (Problem::proxy_refused(attempts), "proxy_refused")

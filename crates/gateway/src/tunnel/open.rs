@@ -8,6 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::config::{MemberKind, UpstreamConfig};
+use crate::egress::{Denial, Guard, Refusal, Resolver};
 use crate::table::Member;
 use crate::target::Target;
 
@@ -25,6 +26,8 @@ pub(super) struct Upstream {
 pub(super) struct Failure {
     /// A proxy answered our CONNECT with a non-2xx status (else: no connection).
     pub(super) refused: bool,
+    /// The egress guard refused the target (a `direct` member): nothing was contacted.
+    pub(super) denied: Option<Denial>,
     what: String,
 }
 
@@ -32,6 +35,7 @@ impl Failure {
     fn unreachable(what: impl Into<String>) -> Failure {
         Failure {
             refused: false,
+            denied: None,
             what: what.into(),
         }
     }
@@ -43,15 +47,23 @@ impl fmt::Display for Failure {
     }
 }
 
+/// What the egress guard needs: the process's resolver and the current table's guard.
+pub(super) struct Egress<'a> {
+    pub(super) resolver: &'a Resolver,
+    pub(super) guard: &'a Guard,
+}
+
 /// Opens the member side of a tunnel to `target`:
 /// - an origin: a connection to the member's own host and port;
-/// - `direct`: a connection to the target;
+/// - `direct`: a connection to the target, if the egress guard allows every address of it
+///   (else a [`Failure`] with `denied`, before anything is contacted);
 /// - `proxy`: a connection to the proxy, then `CONNECT target` through it, with the URL's
 ///   credentials as `Proxy-Authorization: Basic`; a non-2xx answer is a refusal.
 pub(super) async fn connect(
     member: &Member,
     target: &Target<'_>,
     up: &UpstreamConfig,
+    egress: &Egress<'_>,
 ) -> Result<Upstream, Failure> {
     let port = target.port.unwrap_or(443);
     match &member.kind {
@@ -63,19 +75,23 @@ pub(super) async fn connect(
             })
         }
         MemberKind::Direct => {
-            // egress guard: check target before connecting
-            let lookup = tokio::net::lookup_host((&*target.host, port));
-            let addrs: Vec<SocketAddr> =
-                match tokio::time::timeout(up.connect_timeout.0, lookup).await {
-                    Ok(Ok(addrs)) => addrs.collect(),
-                    Ok(Err(e)) => {
-                        return Err(Failure::unreachable(format!(
-                            "{} does not resolve: {e}",
-                            target.host
-                        )))
-                    }
-                    Err(_) => return Err(Failure::unreachable("name lookup timed out")),
-                };
+            // The egress guard: every address of the target is checked, and only the checked
+            // addresses are connected to, in order (no second lookup: DNS rebinding).
+            let lookup = egress
+                .resolver
+                .resolve_checked(egress.guard, &target.host, port);
+            let addrs = match tokio::time::timeout(up.connect_timeout.0, lookup).await {
+                Ok(Ok(addrs)) => addrs,
+                Ok(Err(Refusal::Denied(denial))) => {
+                    return Err(Failure {
+                        refused: false,
+                        denied: Some(denial),
+                        what: format!("destination denied: {denial}"),
+                    })
+                }
+                Ok(Err(refusal)) => return Err(Failure::unreachable(refusal.to_string())),
+                Err(_) => return Err(Failure::unreachable("name lookup timed out")),
+            };
             let mut last = Failure::unreachable(format!("{} has no address", target.host));
             for addr in addrs {
                 match tcp(addr, up).await {
@@ -164,6 +180,7 @@ async fn proxy_answer(stream: &mut TcpStream) -> Result<Bytes, Failure> {
                 }
                 return Err(Failure {
                     refused: true,
+                    denied: None,
                     what: format!("the proxy answered CONNECT with {status}"),
                 });
             }
