@@ -1,6 +1,7 @@
-"""sluice's benchmark drivers: scripts/bench, scripts/bench-state and scripts/profile.
+"""sluice's benchmark drivers: scripts/bench, scripts/bench-state, scripts/bench-tunnel and
+scripts/profile.
 
-Those three entry points are thin wrappers around ``python3 -m sluicebench COMMAND`` (run with
+Those four entry points are thin wrappers around ``python3 -m sluicebench COMMAND`` (run with
 ``scripts/`` on ``sys.path``). Layout:
 
     procs.py      process lifecycle: one work directory, every child registered and stopped by
@@ -14,6 +15,8 @@ Those three entry points are thin wrappers around ``python3 -m sluicebench COMMA
     bench.py      scripts/bench: wrk against direct, nginx, HAProxy and sluice
     state.py      scripts/bench-state: the shared helpers of its parts and the doc section;
                   quota.py, least_used.py, reload.py and cluster.py are its parts
+    tunnel.py     scripts/bench-tunnel: CONNECT tunnels through sluice, tinyproxy and squid
+                  (throughput, setup rate); also the sink and clients it runs as children
     profile.py    scripts/profile: callgrind instruction counts per request
 
 Why Python and not a Rust xtask: these drivers start external programs (nginx, HAProxy, wrk,

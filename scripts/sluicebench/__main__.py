@@ -10,7 +10,7 @@ import sys
 
 from .procs import Failure, install_signal_handlers, log
 
-COMMANDS = {"bench": "bench", "bench-state": "state", "profile": "profile"}
+COMMANDS = {"bench": "bench", "bench-state": "state", "bench-tunnel": "tunnel", "profile": "profile"}
 
 
 def main(argv: list[str]) -> int:
