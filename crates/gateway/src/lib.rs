@@ -15,6 +15,7 @@
 pub mod admin;
 pub mod config;
 pub mod demo;
+pub mod dns;
 pub mod egress;
 pub mod headers;
 pub mod health;

@@ -57,13 +57,20 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     let limits = crate::limits::prepare(&config.limits);
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
-    // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
-    // starts its own.
-    let table = tokio::runtime::Builder::new_current_thread()
+    // The process's one resolver: member names (crate::dns) and client-chosen destinations.
+    let resolver = crate::dns::process_resolver()?;
+    // Build the first table (and resolve member names) on a runtime of its own, before Pingora
+    // starts its own. It lives as long as the gateway: the resolver's connections to its name
+    // servers run there, and later lookups from other runtimes reuse them.
+    let boot = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("sluice-boot")
         .enable_all()
         .build()
-        .expect("a tokio runtime")
-        .block_on(Table::build(&config, &bytes, &metrics, &state, None));
+        .expect("a tokio runtime");
+    let table = boot.block_on(Table::build(
+        &config, &bytes, &metrics, &state, &resolver, None,
+    ));
     let table = Arc::new(ArcSwap::from_pointee(table));
     let supervisor = Arc::new(HealthSupervisor::new());
     let reloader = Arc::new(Reloader::new(
@@ -72,6 +79,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         metrics.clone(),
         state.clone(),
         supervisor.clone(),
+        resolver.clone(),
     ));
     let in_flight = Arc::new(AtomicUsize::new(0));
 
@@ -150,6 +158,12 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(checks);
+    let mut dns = background_service(
+        "sluice member dns",
+        crate::dns::DnsRefresher::new(table.clone(), resolver),
+    );
+    dns.threads = Some(1);
+    server.add_service(dns);
     let mut triggers = background_service("sluice reload triggers", ReloadTriggers::new(reloader));
     triggers.threads = Some(1);
     server.add_service(triggers);

@@ -1,8 +1,10 @@
-//! Active health checks wired to Pingora: the HTTP probe and the background service that runs
-//! one check task per member.
+//! Active health checks wired to Pingora: the probes (TCP and HTTP) and the background service that runs one check task per member.
+//!
+//! A probe reads its member's address from the member's [`PeerCell`] at every probe, so a check
+//! follows the member's DNS (see [`crate::dns`]) with no restart: the check is the member's, not
+//! an address's.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -13,18 +15,45 @@ use pingora::http::RequestHeader;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use pingora::upstreams::peer::HttpPeer;
-use sluice_balancer::{spawn_active_check, ActiveCheck, Members, Probe, ProbeReport, TcpProbe};
+use sluice_balancer::{spawn_active_check, ActiveCheck, Members, Probe, ProbeReport};
+use tokio::net::TcpStream;
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::config::{CheckKind, MemberKind};
+use crate::dns::PeerCell;
 use crate::table::Table;
+
+/// The member's current peer, or why there is none.
+fn current_peer(cell: &PeerCell) -> Result<HttpPeer, String> {
+    cell.peer()
+        .ok_or_else(|| "the member's host did not resolve".to_string())
+}
+
+/// A TCP connection opens to the member's current address.
+pub struct TcpProbe {
+    cell: Arc<PeerCell>,
+}
+
+#[async_trait]
+impl Probe for TcpProbe {
+    async fn check(&self) -> Result<(), String> {
+        let addr = self
+            .cell
+            .address()
+            .ok_or_else(|| "the member's host did not resolve".to_string())?;
+        TcpStream::connect(addr)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+}
 
 /// `GET path` answered 2xx, over the same connector code as live traffic, so https members are
 /// checked with TLS and SNI just like requests reach them.
 pub struct HttpProbe {
     connector: Arc<Connector>,
-    peer: HttpPeer,
+    cell: Arc<PeerCell>,
     path: String,
     host: String,
 }
@@ -32,9 +61,10 @@ pub struct HttpProbe {
 #[async_trait]
 impl Probe for HttpProbe {
     async fn check(&self) -> Result<(), String> {
+        let peer = current_peer(&self.cell)?;
         let (mut session, _) = self
             .connector
-            .get_http_session(&self.peer)
+            .get_http_session(&peer)
             .await
             .map_err(|e| e.to_string())?;
         let mut req =
@@ -71,12 +101,16 @@ impl Probe for HttpProbe {
 }
 
 /// What makes a running check the same check after a reload: the same member of the same
-/// route, at the same address, checked the same way. Anything else starts a new task.
+/// route, with the same address cell (so the same URL and peer settings), checked the same
+/// way. Anything else starts a new task. The address is not part of it: the probe reads the
+/// cell, which follows DNS.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct CheckKey {
     route: Arc<str>,
     member: Arc<str>,
-    addr: SocketAddr,
+    /// The cell's identity (its address in memory; the running probe holds the cell, so it
+    /// cannot be reused by another while the key is in the map).
+    cell: usize,
     kind: CheckKind,
     path: String,
     interval: Duration,
@@ -132,14 +166,12 @@ impl HealthSupervisor {
                 .as_ref()
                 .map_or_else(|| "/healthz".to_string(), |p| p.0.clone());
             for (i, member) in route.members.iter().enumerate() {
-                let Some(peer) = &member.peer else { continue };
-                let Some(addr) = peer._address.as_inet().copied() else {
-                    continue;
-                };
+                // A direct member has no address of its own to check.
+                let Some(cell) = &member.cell else { continue };
                 let key = CheckKey {
                     route: route.name.clone(),
                     member: route.pool.members()[i].id.clone(),
-                    addr,
+                    cell: Arc::as_ptr(cell) as usize,
                     kind: hc.kind,
                     path: path.clone(),
                     interval: hc.interval.0,
@@ -152,18 +184,14 @@ impl HealthSupervisor {
                     continue;
                 }
                 // A forward proxy has no path of its own to GET: it is probed by connecting.
-                let kind = match member.kind {
-                    MemberKind::Proxy { .. } => CheckKind::Tcp,
-                    _ => hc.kind,
-                };
-                let probe: Arc<dyn Probe> = match kind {
-                    CheckKind::Tcp => Arc::new(TcpProbe { addr }),
-                    CheckKind::Http => Arc::new(HttpProbe {
+                let probe: Arc<dyn Probe> = match (&member.kind, hc.kind) {
+                    (MemberKind::Origin, CheckKind::Http) => Arc::new(HttpProbe {
                         connector: self.connector.clone(),
-                        peer: peer.clone(),
+                        cell: cell.clone(),
                         path: path.clone(),
                         host: member.url.authority(),
                     }),
+                    _ => Arc::new(TcpProbe { cell: cell.clone() }),
                 };
                 let target = Arc::new(ArcSwap::new(place));
                 let sink = target.clone();
