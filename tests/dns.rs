@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice_echo::EchoServer;
-use support::{get, wait_until_async, Config, Route};
+use support::{get, wait_until_async, Config, HealthCheck, Route};
 
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -154,5 +154,96 @@ async fn a_name_that_stops_resolving_keeps_its_last_address() {
     assert_eq!(
         get(addr, "api.test", "/").await.header("x-upstream"),
         Some("first")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_health_check_follows_its_new_address() {
+    let (first, second, port) = backends_on_one_port().await;
+    // Only the first address is healthy: once the member moves, its check must say so.
+    second.set_healthy(false);
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 1)).await;
+    let member = format!("http://api.test:{port}");
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(member.clone())
+                .health_check(HealthCheck::fast_http("100ms", 1, 1)),
+        )
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+    let healthy = || async {
+        gw.metric("sluice_member_healthy", &[("member", &member)])
+            .await
+    };
+    assert!(
+        wait_until_async(WAIT, || async { first.requests() > 0 }).await,
+        "the check never reached 127.0.0.1: {}",
+        gw.logs()
+    );
+    assert_eq!(healthy().await, Some(1.0), "{}", gw.logs());
+
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 2)));
+    assert!(
+        wait_until_async(WAIT, || async { healthy().await == Some(0.0) }).await,
+        "the check did not follow the member to 127.0.0.2: {}",
+        gw.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_a_members_address_and_it_goes_on_following_dns() {
+    let (_first, _second, port) = backends_on_one_port().await;
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 1)).await;
+    let member = format!("http://api.test:{port}");
+    let gw = Config::new()
+        .route(Route::new("api").member(member.clone()))
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+    let addr = gw.proxy_addr();
+    let upstream = || async {
+        get(addr, "api.test", "/")
+            .await
+            .header("x-upstream")
+            .map(str::to_string)
+    };
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 2)));
+    assert!(
+        wait_until_async(WAIT, || async {
+            upstream().await.as_deref() == Some("second")
+        })
+        .await,
+        "{}",
+        gw.logs()
+    );
+
+    // The route's upstream changes (retries), its member does not: the member keeps its
+    // address, resolved once, not again by the reload.
+    gw.write_config_template(
+        &Config::new()
+            .route(Route::new("api").member(member.clone()).retries(1))
+            .yaml(),
+    );
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reloaded", WAIT).await,
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(upstream().await.as_deref(), Some("second"));
+    assert_eq!(
+        gw.logs().matches("member host resolved").count(),
+        1,
+        "{}",
+        gw.logs()
+    );
+
+    // And the refresher follows the member in the new table.
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 1)));
+    assert!(
+        wait_until_async(WAIT, || async {
+            upstream().await.as_deref() == Some("first")
+        })
+        .await,
+        "{}",
+        gw.logs()
     );
 }
