@@ -189,8 +189,18 @@ impl PeerCell {
                             Some(old) => {
                                 tracing::info!(target: "sluice::dns", member = %self.member, old = %old, new = %new, "member address changed")
                             }
+                            // A name that resolves at last is news; the first lookup of
+                            // every member at load is not (ten thousand lines at start).
+                            None if self
+                                .warned
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .is_some() =>
+                            {
+                                tracing::info!(target: "sluice::dns", member = %self.member, address = %new, "member host resolves now")
+                            }
                             None => {
-                                tracing::info!(target: "sluice::dns", member = %self.member, address = %new, "member host resolved")
+                                tracing::debug!(target: "sluice::dns", member = %self.member, address = %new, "member host resolved")
                             }
                         }
                     }
