@@ -16,6 +16,8 @@ pub mod admin;
 pub mod checks;
 pub mod config;
 pub mod demo;
+pub mod dns;
+pub mod dns_refresh;
 pub mod egress;
 pub mod headers;
 pub mod health;

@@ -19,6 +19,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::checks::HealthSupervisor;
 use crate::config::Config;
+use crate::egress::Resolver;
 use crate::metrics::Metrics;
 use crate::table::Table;
 
@@ -40,6 +41,7 @@ pub struct Reloader {
     metrics: Arc<Metrics>,
     state: Arc<dyn StateStore>,
     supervisor: Arc<HealthSupervisor>,
+    resolver: Resolver,
     last_error: Mutex<Option<String>>,
     one_at_a_time: tokio::sync::Mutex<()>,
 }
@@ -52,6 +54,7 @@ impl Reloader {
         metrics: Arc<Metrics>,
         state: Arc<dyn StateStore>,
         supervisor: Arc<HealthSupervisor>,
+        resolver: Resolver,
     ) -> Reloader {
         Reloader {
             source,
@@ -59,6 +62,7 @@ impl Reloader {
             metrics,
             state,
             supervisor,
+            resolver,
             last_error: Mutex::new(None),
             one_at_a_time: tokio::sync::Mutex::new(()),
         }
@@ -122,7 +126,15 @@ impl Reloader {
             Ok(Err(errors)) => return Err(self.failed(trigger, errors.to_string())),
             Err(e) => return Err(self.failed(trigger, format!("the config parser failed: {e}"))),
         };
-        let new = Table::build(&config, &bytes, &self.metrics, &self.state, Some(&old)).await;
+        let new = Table::build(
+            &config,
+            &bytes,
+            &self.metrics,
+            &self.state,
+            &self.resolver,
+            Some(&old),
+        )
+        .await;
         if new.settings.needs_restart_for(&old.settings) {
             tracing::warn!(
                 target: "sluice::reload",

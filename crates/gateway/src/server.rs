@@ -18,7 +18,6 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::admin::AdminApi;
 use crate::checks::{HealthChecks, HealthSupervisor};
 use crate::config::{Config, ConfigErrors};
-use crate::egress::Resolver;
 use crate::limits::LimitedApp;
 use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
@@ -58,13 +57,22 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     let limits = crate::limits::prepare(&config.limits);
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
-    // Build the first table (and resolve member names) on a throwaway runtime, before Pingora
-    // starts its own.
-    let table = tokio::runtime::Builder::new_current_thread()
+    // The process's one resolver: member names (crate::dns) and client-chosen destinations
+    // (crate::egress). Its cache outlives reloads. hickory spawns a lookup's background I/O on
+    // the runtime that asks, so lookups happen on runtimes that live as long as the process.
+    let resolver = crate::dns::process_resolver()?;
+    // Build the first table (and resolve member names) on a runtime of its own, before Pingora
+    // starts its own. It lives as long as the gateway: the resolver's connections to its name
+    // servers run there, and later lookups from other runtimes reuse them.
+    let boot = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("sluice-boot")
         .enable_all()
         .build()
-        .expect("a tokio runtime")
-        .block_on(Table::build(&config, &bytes, &metrics, &state, None));
+        .expect("a tokio runtime");
+    let table = boot.block_on(Table::build(
+        &config, &bytes, &metrics, &state, &resolver, None,
+    ));
     let table = Arc::new(ArcSwap::from_pointee(table));
     let supervisor = Arc::new(HealthSupervisor::new());
     let reloader = Arc::new(Reloader::new(
@@ -73,14 +81,9 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         metrics.clone(),
         state.clone(),
         supervisor.clone(),
+        resolver.clone(),
     ));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    // One resolver for the process, for the egress guard (crate::egress): its cache outlives
-    // reloads. Built outside any runtime, which it does not need until its first lookup;
-    // hickory spawns a lookup's background I/O on the runtime that asks (its handle keeps
-    // them in a JoinSet), and every client-chosen destination is resolved from the proxy
-    // service's runtime, which lives as long as the process.
-    let resolver = Resolver::from_system()?;
 
     let threads = config
         .threads
@@ -133,7 +136,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         metrics.clone(),
         in_flight.clone(),
         state.clone(),
-        resolver,
+        resolver.clone(),
     );
     let mut proxy = Service::new(
         "sluice proxy".to_string(),
@@ -171,6 +174,12 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(checks);
+    let mut dns = background_service(
+        "sluice member dns",
+        crate::dns_refresh::DnsRefresher::new(table.clone(), resolver),
+    );
+    dns.threads = Some(1);
+    server.add_service(dns);
     let mut triggers = background_service("sluice reload triggers", ReloadTriggers::new(reloader));
     triggers.threads = Some(1);
     server.add_service(triggers);

@@ -2,13 +2,14 @@
 //!
 //! Everything a request needs is computed here, off the hot path: resolved addresses, Pingora
 //! peers with their timeouts, Host header values and metric handles. A request then only clones
-//! a prebuilt peer. The table is swapped in whole, so a request sees one consistent config.
+//! a prebuilt peer. The table is swapped in whole, so a request sees one consistent config;
+//! member addresses alone change under it, as their DNS TTLs expire (see [`crate::dns`]).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use http::HeaderValue;
 use pingora::upstreams::peer::HttpPeer;
@@ -20,14 +21,12 @@ use crate::config::{
     AdminConfig, Config, LimitsConfig, Listener, MemberKind, MemberUrl, RouteConfig, Selection,
     StateConfig, UpstreamConfig,
 };
-use crate::egress::Guard;
+use crate::dns::PeerCell;
+use crate::egress::{Guard, Resolver};
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
 use crate::router::{RouteMatch, Router};
 use crate::select::Policy;
-
-/// How long an idle pooled connection to a member is kept.
-const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A config made ready to serve.
 pub struct Table {
@@ -78,8 +77,10 @@ pub struct Member {
     pub url: MemberUrl,
     /// Origin, proxy or direct.
     pub kind: MemberKind,
-    /// The prebuilt peer; `None` when the member's host did not resolve.
-    pub peer: Option<HttpPeer>,
+    /// The member's address and prebuilt peer, kept fresh by [`crate::dns_refresh::DnsRefresher`];
+    /// `None` for a direct member, which has no address of its own. Shared with the previous
+    /// table when the member is unchanged.
+    pub cell: Option<Arc<PeerCell>>,
     /// Host header value for `preserve_host: false`.
     pub host_header: HeaderValue,
     /// `sluice_upstream_attempts_total` for each outcome, resolved once.
@@ -90,9 +91,22 @@ pub struct Member {
     pub attempts_error: IntCounter,
 }
 
+impl Member {
+    /// The current peer; `None` for a direct member and while the host never resolved.
+    pub fn peer(&self) -> Option<HttpPeer> {
+        self.cell.as_ref().and_then(|c| c.peer())
+    }
+
+    /// The current address; `None` for a direct member and while the host never resolved.
+    pub fn address(&self) -> Option<SocketAddr> {
+        self.cell.as_ref().and_then(|c| c.address())
+    }
+}
+
 impl Table {
-    /// Builds the table for `config`. Member host names are resolved here, asynchronously, so
-    /// that no request ever waits on DNS.
+    /// Builds the table for `config`. Member host names are resolved here, with `resolver`
+    /// (the process's one), so that no request ever waits on DNS; a member that the previous
+    /// table already had, unchanged, keeps its address and its refresh schedule.
     ///
     /// With a `previous` table (a reload), state carries over by route name: a route whose
     /// upstream is unchanged keeps its pool (health, schedule, round-robin position) and peers
@@ -104,6 +118,7 @@ impl Table {
         bytes: &[u8],
         metrics: &Arc<Metrics>,
         state: &Arc<dyn StateStore>,
+        resolver: &Resolver,
         previous: Option<&Table>,
     ) -> Table {
         let prior: HashMap<&str, &Arc<Route>> = previous
@@ -112,7 +127,9 @@ impl Table {
         let mut routes = Vec::with_capacity(config.routes.len());
         for rc in &config.routes {
             let before = prior.get(rc.name.0.as_str()).copied();
-            routes.push(Arc::new(build_route(rc, metrics, state, before).await));
+            routes.push(Arc::new(
+                build_route(rc, metrics, state, resolver, before).await,
+            ));
         }
         let own_listeners = match previous {
             Some(p) => p.own_listeners.clone(),
@@ -185,6 +202,7 @@ async fn build_route(
     rc: &RouteConfig,
     metrics: &Arc<Metrics>,
     state: &Arc<dyn StateStore>,
+    resolver: &Resolver,
     before: Option<&Arc<Route>>,
 ) -> Route {
     let name: Arc<str> = rc.name.0.as_str().into();
@@ -195,7 +213,11 @@ async fn build_route(
         Some(b) if b.config.upstream == *up => (b.pool.clone(), b.members.clone()),
         _ => {
             let pool = crate::health::pool_for(&name, rc, metrics, state, before.map(|b| &*b.pool));
-            (pool, build_members(&name, rc, metrics).await)
+            let cells = before.map(|b| &*b.members);
+            (
+                pool,
+                build_members(&name, rc, metrics, resolver, cells).await,
+            )
         }
     };
     let quota = match (before, &rc.quota) {
@@ -221,8 +243,15 @@ async fn build_route(
     }
 }
 
-/// What proxying to each member needs: its prebuilt peer and metric handles.
-async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[Member]> {
+/// What proxying to each member needs: its address cell and metric handles. A member of
+/// `before` with the same URL and peer settings lends its cell, already resolved.
+async fn build_members(
+    name: &str,
+    rc: &RouteConfig,
+    metrics: &Metrics,
+    resolver: &Resolver,
+    before: Option<&[Member]>,
+) -> Arc<[Member]> {
     let up = &rc.upstream;
     let mut members = Vec::with_capacity(up.members.len());
     for m in &up.members {
@@ -232,17 +261,31 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
                 .with_label_values(&[name, &m.url.url, outcome])
         };
         // A direct member has no address of its own: each request resolves its target.
-        let address = match m.kind {
+        let cell = match m.kind {
             MemberKind::Direct => None,
-            _ => resolve(&m.url).await,
+            _ => {
+                let kept = before
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|b| b.cell.as_ref())
+                    .find(|c| c.fits(&m.url, up))
+                    .cloned();
+                Some(match kept {
+                    Some(cell) => cell,
+                    None => {
+                        let cell = Arc::new(PeerCell::new(&m.url, up));
+                        cell.refresh(resolver).await;
+                        cell
+                    }
+                })
+            }
         };
-        let peer = address.map(|addr| peer_for(addr, m.url.tls, m.url.host.clone(), up));
         members.push(Member {
             host_header: HeaderValue::from_str(&m.url.authority())
                 .unwrap_or_else(|_| HeaderValue::from_static("invalid")),
             url: m.url.clone(),
             kind: m.kind.clone(),
-            peer,
+            cell,
             attempts_ok: labels("ok"),
             attempts_connect_failure: labels("connect_failure"),
             attempts_error: labels("error"),
@@ -253,29 +296,17 @@ async fn build_members(name: &str, rc: &RouteConfig, metrics: &Metrics) -> Arc<[
 
 /// A Pingora peer at `addr` with the upstream's timeouts; `sni` is the TLS server name.
 pub(crate) fn peer_for(addr: SocketAddr, tls: bool, sni: String, up: &UpstreamConfig) -> HttpPeer {
-    let mut peer = HttpPeer::new(addr, tls, sni);
-    peer.options.connection_timeout = Some(up.connect_timeout.0);
-    peer.options.total_connection_timeout = Some(up.connect_timeout.0);
-    peer.options.read_timeout = Some(up.read_timeout.0);
-    peer.options.write_timeout = Some(up.write_timeout.0);
-    peer.options.idle_timeout = Some(UPSTREAM_IDLE_TIMEOUT);
-    peer
+    crate::dns::peer_with(
+        addr,
+        tls,
+        sni,
+        up.connect_timeout.0,
+        up.read_timeout.0,
+        up.write_timeout.0,
+    )
 }
 
-/// Resolves a member's host once. An IP literal needs no lookup; a name that fails to resolve
-/// leaves the member without a peer, which requests treat as a connect failure.
-async fn resolve(url: &MemberUrl) -> Option<SocketAddr> {
-    if let Ok(ip) = url.host.parse::<IpAddr>() {
-        return Some(SocketAddr::new(ip, url.port));
-    }
-    match tokio::net::lookup_host((url.host.as_str(), url.port)).await {
-        Ok(mut addrs) => addrs.next(),
-        Err(e) => {
-            tracing::warn!(target: "sluice::dns", member = %url.url, error = %e, "member host does not resolve");
-            None
-        }
-    }
-}
+/// A Pingora peer at `addr` with these timeouts; `sni` is the TLS server name.
 
 /// The hex sha256 of a config file's bytes: its version.
 pub fn sha256_hex(bytes: &[u8]) -> String {

@@ -955,11 +955,15 @@ impl<'de> Deserialize<'de> for MemberUrl {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct HealthCheckConfig {
-    /// tcp: a connection opens; http: a GET of `path` answers 2xx.
+    /// tcp: a connection opens; http: a GET of `path` answers 2xx; connect (proxy members): a
+    /// `CONNECT target` answers 2xx.
     pub kind: CheckKind,
     /// Path for http checks.
     #[serde(default)]
     pub path: Option<PathPrefix>,
+    /// `host:port` that connect checks ask the proxy for a tunnel to.
+    #[serde(default)]
+    pub target: Option<String>,
     /// Time between probes.
     #[serde(default = "default_interval")]
     pub interval: Dur,
@@ -995,6 +999,8 @@ pub enum CheckKind {
     Tcp,
     /// An HTTP GET answers 2xx.
     Http,
+    /// A forward proxy answers `CONNECT target` with 2xx.
+    Connect,
 }
 
 /// `passive:` — ejection on live traffic.

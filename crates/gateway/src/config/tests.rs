@@ -1035,3 +1035,44 @@ fn a_bad_key_file_is_never_quoted() {
     );
     assert!(!all[0].contains("SECRET"), "{}", all[0]);
 }
+
+#[test]
+fn connect_health_checks_are_for_proxy_pools_and_need_a_target() {
+    let proxy = "routes:\n  - name: a\n    upstream:\n      members: [{proxy: \"http://u:p@127.0.0.1:3128\"}]\n";
+    let origin =
+        "routes:\n  - name: a\n    upstream:\n      members: [{url: \"http://127.0.0.1:80\"}]\n";
+    let config = parse(&format!(
+        "{proxy}      health_check: {{kind: connect, target: \"example.com:443\"}}\n"
+    ));
+    let check = config.routes[0].upstream.health_check.as_ref().unwrap();
+    assert_eq!(check.kind, CheckKind::Connect);
+    assert_eq!(check.target.as_deref(), Some("example.com:443"));
+    parse(&format!(
+        "{proxy}      health_check: {{kind: connect, target: \"[2001:db8::1]:443\"}}\n"
+    ));
+    one_error(
+        &format!("{proxy}      health_check: {{kind: connect}}\n"),
+        "5:28: routes[0].upstream.health_check.kind",
+        "needs a target",
+    );
+    one_error(
+        &format!("{proxy}      health_check: {{kind: connect, target: \"example.com\"}}\n"),
+        "5:45: routes[0].upstream.health_check.target",
+        "is not host:port",
+    );
+    one_error(
+        &format!("{origin}      health_check: {{kind: connect, target: \"example.com:443\"}}\n"),
+        "4:17: routes[0].upstream.members[0]",
+        "every member of the pool must be a proxy member",
+    );
+    one_error(
+        &format!("{proxy}      health_check: {{kind: tcp, target: \"example.com:443\"}}\n"),
+        "5:41: routes[0].upstream.health_check.target",
+        "applies to kind: connect only",
+    );
+    one_error(
+        &format!("{proxy}      health_check: {{kind: connect, target: \"a:1\", path: /x}}\n"),
+        "5:58: routes[0].upstream.health_check.path",
+        "applies to kind: http only",
+    );
+}

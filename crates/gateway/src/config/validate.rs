@@ -416,14 +416,59 @@ impl Config {
                 }
             }
             if let Some(check) = &up.health_check {
-                if check.kind == CheckKind::Tcp && check.path.is_some() {
+                let check_at = at.clone().key("upstream").key("health_check");
+                if check.kind != CheckKind::Http && check.path.is_some() {
                     problems.push((
-                        at.clone().key("upstream").key("health_check").key("path"),
+                        check_at.clone().key("path"),
                         "path applies to kind: http only".to_string(),
                     ));
+                }
+                match (&check.target, check.kind) {
+                    (Some(_), kind) if kind != CheckKind::Connect => problems.push((
+                        check_at.clone().key("target"),
+                        "target applies to kind: connect only".to_string(),
+                    )),
+                    (None, CheckKind::Connect) => problems.push((
+                        check_at.clone().key("kind"),
+                        "kind: connect needs a target (host:port the proxy is asked to reach)"
+                            .to_string(),
+                    )),
+                    (Some(target), _) if !is_host_port(target) => problems.push((
+                        check_at.clone().key("target"),
+                        format!("{target:?} is not host:port"),
+                    )),
+                    _ => {}
+                }
+                if check.kind == CheckKind::Connect {
+                    if let Some(j) = up
+                        .members
+                        .iter()
+                        .position(|m| !matches!(m.kind, MemberKind::Proxy { .. }))
+                    {
+                        problems.push((
+                            at.clone().key("upstream").key("members").index(j),
+                            "kind: connect checks forward proxies: every member of the pool must be a proxy member".to_string(),
+                        ));
+                    }
                 }
             }
         }
         problems
     }
+}
+
+/// `host:port` as a CONNECT target: a host name or IP (IPv6 in brackets) and a nonzero port.
+fn is_host_port(target: &str) -> bool {
+    let Some((host, port)) = target.rsplit_once(':') else {
+        return false;
+    };
+    let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        v6.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
+    };
+    host_ok && port.parse::<u16>().is_ok_and(|p| p != 0)
 }

@@ -76,10 +76,10 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
                 }
             }
         }
-        match &member.peer {
+        match member.peer() {
             Some(peer) => {
                 ctx.current = Some(attempt);
-                return Ok(Box::new(peer.clone()));
+                return Ok(Box::new(peer));
             }
             None => {
                 // An unresolvable host is a connect failure that never reached Pingora.

@@ -140,9 +140,7 @@ pub(super) async fn connect(
 /// The member's resolved address (origins and proxies).
 fn member_address(member: &Member) -> Result<SocketAddr, Failure> {
     member
-        .peer
-        .as_ref()
-        .and_then(|p| p._address.as_inet().copied())
+        .address()
         .ok_or_else(|| Failure::unreachable("the member's host did not resolve"))
 }
 

@@ -1,0 +1,251 @@
+//! SPEC §7: member host names follow their DNS TTL. A DNS stub on loopback answers for the
+//! member's name; when its answer changes, traffic moves to the new address without a reload.
+
+mod support;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice_echo::EchoServer;
+use support::{get, wait_until_async, Config, HealthCheck, Route};
+
+const WAIT: Duration = Duration::from_secs(15);
+
+/// A DNS server on loopback UDP that answers A queries for one name with its address (TTL
+/// 1 s), AAAA queries for it with no records, and NXDOMAIN for any other name, or for that one
+/// too once its address is taken away.
+struct Stub {
+    addr: SocketAddr,
+    address: Arc<Mutex<Option<Ipv4Addr>>>,
+}
+
+impl Stub {
+    async fn start(name: &'static str, address: Ipv4Addr) -> Stub {
+        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let current = Arc::new(Mutex::new(Some(address)));
+        let answer_with = current.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let address = *answer_with.lock().unwrap();
+                if let Some(out) = answer(&buf[..n], name, address) {
+                    let _ = socket.send_to(&out, from).await;
+                }
+            }
+        });
+        Stub {
+            addr,
+            address: current,
+        }
+    }
+
+    /// From now on, answer with `address`; with `None`, NXDOMAIN.
+    fn set(&self, address: Option<Ipv4Addr>) {
+        *self.address.lock().unwrap() = address;
+    }
+}
+
+/// The answer to one query: the header and question copied, then at most one A record.
+fn answer(query: &[u8], name: &str, address: Option<Ipv4Addr>) -> Option<Vec<u8>> {
+    let mut at = 12;
+    let mut labels = Vec::new();
+    while *query.get(at)? != 0 {
+        let len = usize::from(query[at]);
+        labels.push(String::from_utf8_lossy(query.get(at + 1..at + 1 + len)?).to_lowercase());
+        at += 1 + len;
+    }
+    let question_end = at + 5;
+    let qtype = u16::from_be_bytes([*query.get(at + 1)?, *query.get(at + 2)?]);
+    let address = address.filter(|_| labels.join(".") == name);
+    let known = address.is_some();
+    let mut out = query.get(..question_end)?.to_vec();
+    out[2] = 0x84 | (query[2] & 0x01); // a response, authoritative, RD copied
+    out[3] = if known { 0x80 } else { 0x83 }; // RA; no error or NXDOMAIN
+    out[6..12].copy_from_slice(&[0; 6]);
+    if let (Some(address), 1) = (address, qtype) {
+        out[7] = 1;
+        out.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1]);
+        out.extend_from_slice(&1u32.to_be_bytes()); // TTL 1 s
+        out.extend_from_slice(&[0, 4]);
+        out.extend_from_slice(&address.octets());
+    }
+    Some(out)
+}
+
+/// Echo backends named `first` on 127.0.0.1:P and `second` on 127.0.0.2:P, for one port P.
+async fn backends_on_one_port() -> (EchoServer, EchoServer, u16) {
+    for _ in 0..20 {
+        let first = EchoServer::start("first", SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .unwrap();
+        let port = first.local_addr().port();
+        match EchoServer::start("second", SocketAddr::from(([127, 0, 0, 2], port))).await {
+            Ok(second) => return (first, second, port),
+            Err(_) => first.stop().await,
+        }
+    }
+    panic!("no port free on both 127.0.0.1 and 127.0.0.2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_follows_its_name_to_a_new_address_without_a_reload() {
+    let (_first, _second, port) = backends_on_one_port().await;
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 1)).await;
+    let gw = Config::new()
+        .route(Route::new("api").member(format!("http://api.test:{port}")))
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+
+    let upstream = |gw: &support::Gateway| {
+        let addr = gw.proxy_addr();
+        async move {
+            get(addr, "api.test", "/")
+                .await
+                .header("x-upstream")
+                .map(str::to_string)
+        }
+    };
+    assert_eq!(
+        upstream(&gw).await.as_deref(),
+        Some("first"),
+        "{}",
+        gw.logs()
+    );
+
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 2)));
+    let moved = wait_until_async(WAIT, || async {
+        upstream(&gw).await.as_deref() == Some("second")
+    })
+    .await;
+    assert!(moved, "traffic never moved to 127.0.0.2: {}", gw.logs());
+    // And it stays there.
+    for _ in 0..5 {
+        assert_eq!(upstream(&gw).await.as_deref(), Some("second"));
+    }
+    let logs = gw.logs();
+    assert!(
+        logs.contains("member address changed") && logs.contains("127.0.0.2"),
+        "the change is logged: {logs}"
+    );
+    // The old answer is gone from the gateway; a reload never happened.
+    assert!(!logs.contains("config reloaded"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_stops_resolving_keeps_its_last_address() {
+    let (_first, _second, port) = backends_on_one_port().await;
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 1)).await;
+    let gw = Config::new()
+        .route(Route::new("api").member(format!("http://api.test:{port}")))
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+    let addr = gw.proxy_addr();
+    assert_eq!(
+        get(addr, "api.test", "/").await.header("x-upstream"),
+        Some("first")
+    );
+    stub.set(None);
+    assert!(
+        gw.wait_for_log("does not resolve; keeping its last address", WAIT)
+            .await,
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(
+        get(addr, "api.test", "/").await.header("x-upstream"),
+        Some("first")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_health_check_follows_its_new_address() {
+    let (first, second, port) = backends_on_one_port().await;
+    // Only the first address is healthy: once the member moves, its check must say so.
+    second.set_healthy(false);
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 1)).await;
+    let member = format!("http://api.test:{port}");
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(member.clone())
+                .health_check(HealthCheck::fast_http("100ms", 1, 1)),
+        )
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+    let healthy = || async {
+        gw.metric("sluice_member_healthy", &[("member", &member)])
+            .await
+    };
+    assert!(
+        wait_until_async(WAIT, || async { first.requests() > 0 }).await,
+        "the check never reached 127.0.0.1: {}",
+        gw.logs()
+    );
+    assert_eq!(healthy().await, Some(1.0), "{}", gw.logs());
+
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 2)));
+    assert!(
+        wait_until_async(WAIT, || async { healthy().await == Some(0.0) }).await,
+        "the check did not follow the member to 127.0.0.2: {}",
+        gw.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_a_members_address_and_it_goes_on_following_dns() {
+    let (_first, _second, port) = backends_on_one_port().await;
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 1)).await;
+    let member = format!("http://api.test:{port}");
+    let gw = Config::new()
+        .route(Route::new("api").member(member.clone()))
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+    let addr = gw.proxy_addr();
+    let upstream = || async {
+        get(addr, "api.test", "/")
+            .await
+            .header("x-upstream")
+            .map(str::to_string)
+    };
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 2)));
+    assert!(
+        wait_until_async(WAIT, || async {
+            upstream().await.as_deref() == Some("second")
+        })
+        .await,
+        "{}",
+        gw.logs()
+    );
+
+    // The route's upstream changes (retries), its member does not: the member keeps its
+    // address. The name does not resolve at all meanwhile, so a member resolved again by the
+    // reload would have no address.
+    stub.set(None);
+    assert!(
+        gw.wait_for_log("does not resolve; keeping its last address", WAIT)
+            .await,
+        "{}",
+        gw.logs()
+    );
+    gw.write_config_template(
+        &Config::new()
+            .route(Route::new("api").member(member.clone()).retries(1))
+            .yaml(),
+    );
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reloaded", WAIT).await,
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(upstream().await.as_deref(), Some("second"), "{}", gw.logs());
+
+    // And the refresher follows the member in the new table.
+    stub.set(Some(Ipv4Addr::new(127, 0, 0, 1)));
+    assert!(
+        wait_until_async(WAIT, || async {
+            upstream().await.as_deref() == Some("first")
+        })
+        .await,
+        "{}",
+        gw.logs()
+    );
+}
