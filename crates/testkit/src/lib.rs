@@ -15,6 +15,8 @@ pub struct RedisServer {
     dir: PathBuf,
     child: Option<Child>,
     extra: Vec<String>,
+    /// The TLS port of a server from [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
 }
 
 impl RedisServer {
@@ -22,26 +24,86 @@ impl RedisServer {
     ///
     /// Panics with a clear message when `redis-server` is not installed: `.ci/run` installs it.
     pub fn start() -> RedisServer {
-        let port = {
-            let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-            l.local_addr().expect("local address").port()
-        };
-        RedisServer::start_on(port, &[])
+        RedisServer::start_on(free_port(), &[])
     }
 
     /// Starts a server on `port` with extra command-line arguments (kept for restarts).
     pub fn start_on(port: u16, extra: &[&str]) -> RedisServer {
-        let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create the redis dir");
+        let dir = RedisServer::fresh_dir(port);
         let mut server = RedisServer {
             port,
             dir,
             child: None,
             extra: extra.iter().map(|a| a.to_string()).collect(),
+            tls_port: None,
         };
         server.restart();
         server
+    }
+
+    /// Starts a server that also takes TLS connections, on a port of their own, with a server
+    /// certificate for `IP:127.0.0.1` signed by a CA made for this server alone
+    /// ([`RedisServer::ca_file`]). Clients need no certificate. The plain port stays open, so
+    /// [`RedisServer::command`] and the other inspection helpers work as with any server.
+    pub fn start_tls() -> RedisServer {
+        let (port, tls_port) = {
+            let a = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+            let b = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+            (
+                a.local_addr().expect("local address").port(),
+                b.local_addr().expect("local address").port(),
+            )
+        };
+        let dir = RedisServer::fresh_dir(port);
+        make_certificates(&dir, "IP:127.0.0.1");
+        let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+        let extra = vec![
+            "--tls-port".to_string(),
+            tls_port.to_string(),
+            "--tls-cert-file".to_string(),
+            file("server.pem"),
+            "--tls-key-file".to_string(),
+            file("server.key"),
+            "--tls-ca-cert-file".to_string(),
+            file("ca.pem"),
+            "--tls-auth-clients".to_string(),
+            "no".to_string(),
+        ];
+        let mut server = RedisServer {
+            port,
+            dir,
+            child: None,
+            extra,
+            tls_port: Some(tls_port),
+        };
+        server.restart();
+        server
+    }
+
+    /// An empty directory for the server on `port`.
+    fn fresh_dir(port: u16) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the redis dir");
+        dir
+    }
+
+    /// The TLS port of a server from [`RedisServer::start_tls`].
+    pub fn tls_port(&self) -> u16 {
+        self.tls_port
+            .expect("a server from RedisServer::start_tls has a TLS port")
+    }
+
+    /// `rediss://127.0.0.1:<tls port>/0`, for a server from [`RedisServer::start_tls`].
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/0", self.tls_port())
+    }
+
+    /// The PEM file of the CA that signed the TLS certificate of a server from
+    /// [`RedisServer::start_tls`].
+    pub fn ca_file(&self) -> PathBuf {
+        assert!(self.tls_port.is_some(), "only start_tls servers have a CA");
+        self.dir.join("ca.pem")
     }
 
     /// The server's port.
@@ -467,6 +529,89 @@ impl RedisCluster {
             .position(|n| n.port() == port)
             .expect("a node of this cluster")
     }
+}
+
+/// A free port on 127.0.0.1 (free when asked; the caller binds it soon after).
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local address").port()
+}
+
+/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl must be installed");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// In `dir`: a CA (`ca.pem`, `ca.key`), and a server certificate it signed (`server.pem`,
+/// `server.key`) for `subject_alt_names` (e.g. `IP:127.0.0.1`).
+pub fn make_certificates(dir: &std::path::Path, subject_alt_names: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=sluice test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=redis",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    std::fs::write(
+        dir.join("san.ext"),
+        format!("subjectAltName={subject_alt_names}\n"),
+    )
+    .expect("write the SAN extension file");
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ],
+    );
 }
 
 /// Sends one command to the Redis at `addr` and returns the raw RESP reply.
