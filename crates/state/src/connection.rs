@@ -84,7 +84,8 @@ impl redis::aio::ConnectionLike for Conn {
 }
 
 enum Target {
-    Single(redis::Client),
+    // Boxed like the cluster client: with TLS parameters a client is a few hundred bytes.
+    Single(Box<redis::Client>),
     Cluster(Box<ClusterClient>),
 }
 
@@ -142,7 +143,7 @@ impl RedisConnection {
         }
         .map_err(|e| StoreError::Backend(e.to_string()))?;
         Ok(RedisConnection::with_target(
-            Target::Single(client),
+            Target::Single(Box::new(client)),
             timeout,
         ))
     }
@@ -211,7 +212,7 @@ impl RedisConnection {
                         .set_number_of_retries(1)
                         .set_min_delay(Duration::from_millis(5))
                         .set_max_delay(Duration::from_millis(100));
-                    ConnectionManager::new_lazy_with_config(client.clone(), config)
+                    ConnectionManager::new_lazy_with_config(redis::Client::clone(client), config)
                         .map(Conn::Single)
                         .map_err(|e| e.to_string())
                 }
