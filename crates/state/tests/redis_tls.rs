@@ -125,3 +125,60 @@ fn a_ca_needs_a_rediss_url() {
     )
     .is_err());
 }
+
+/// A Redis Cluster whose nodes speak TLS only (clients, cluster bus, replication): the client
+/// follows the announced `rediss://` nodes with the same CA, and routes on different masters
+/// work as on one Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_and_least_used_over_a_rediss_cluster() {
+    let cluster = sluice_testkit::RedisCluster::start_tls();
+    let ca = std::fs::read(cluster.ca_file()).unwrap();
+    // One seed node is enough: the rest are discovered, and reached over TLS too.
+    let connection =
+        RedisConnection::cluster_with_ca(&cluster.urls()[..1], Duration::from_secs(2), Some(&ca))
+            .unwrap();
+    let store = RedisStore::with_connection(Arc::new(connection), "sluice");
+    let windows = vec![Window {
+        name: "m".into(),
+        limit: 2,
+        length_us: 60_000_000,
+    }];
+    // Routes whose keys hash to different slots, so to more than one master.
+    for route in ["a", "b", "c", "d", "e"] {
+        let mut admitted = Vec::new();
+        for _ in 0..3 {
+            let outcome = store
+                .acquire(Acquire {
+                    route,
+                    key: "route",
+                    windows: &windows,
+                    cost: 1,
+                    at_us: None,
+                })
+                .await
+                .unwrap();
+            admitted.push(outcome.admitted);
+        }
+        assert_eq!(admitted, [true, true, false], "route {route}");
+    }
+    let members: Vec<Arc<str>> = ["http://a.test", "http://b.test"]
+        .iter()
+        .map(|m| Arc::from(*m))
+        .collect();
+    for _ in 0..4 {
+        let assigned = store.assign("pool", &members, &[], None).await.unwrap();
+        assert!(
+            matches!(assigned, Assignment::Assigned { .. }),
+            "{assigned:?}"
+        );
+    }
+    let mut counts = store.counts("pool").await.unwrap();
+    counts.sort();
+    assert_eq!(
+        counts,
+        [
+            ("http://a.test".to_string(), 2),
+            ("http://b.test".to_string(), 2)
+        ]
+    );
+}

@@ -56,8 +56,20 @@ impl RedisServer {
         };
         let dir = RedisServer::fresh_dir(port);
         make_certificates(&dir, "IP:127.0.0.1");
-        let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
-        let extra = vec![
+        RedisServer::start_tls_in(dir.clone(), port, tls_port, &dir, &[])
+    }
+
+    /// A TLS server in `dir` on `port` (plain) and `tls_port`, with the certificates of
+    /// [`make_certificates`] in `certs`, and `extra` arguments.
+    fn start_tls_in(
+        dir: PathBuf,
+        port: u16,
+        tls_port: u16,
+        certs: &std::path::Path,
+        extra: &[&str],
+    ) -> RedisServer {
+        let file = |name: &str| certs.join(name).to_string_lossy().into_owned();
+        let mut args = vec![
             "--tls-port".to_string(),
             tls_port.to_string(),
             "--tls-cert-file".to_string(),
@@ -69,11 +81,12 @@ impl RedisServer {
             "--tls-auth-clients".to_string(),
             "no".to_string(),
         ];
+        args.extend(extra.iter().map(|a| a.to_string()));
         let mut server = RedisServer {
             port,
             dir,
             child: None,
-            extra,
+            extra: args,
             tls_port: Some(tls_port),
         };
         server.restart();
@@ -102,8 +115,12 @@ impl RedisServer {
     /// The PEM file of the CA that signed the TLS certificate of a server from
     /// [`RedisServer::start_tls`].
     pub fn ca_file(&self) -> PathBuf {
-        assert!(self.tls_port.is_some(), "only start_tls servers have a CA");
-        self.dir.join("ca.pem")
+        let at = self
+            .extra
+            .iter()
+            .position(|a| a == "--tls-ca-cert-file")
+            .expect("only TLS servers have a CA");
+        PathBuf::from(&self.extra[at + 1])
     }
 
     /// The server's port.
@@ -319,6 +336,17 @@ impl Drop for RedisServer {
 /// `redis-cli --cluster create`, torn down (by PID) when dropped.
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+    /// The CA and node certificates of a TLS cluster.
+    certs: Option<PathBuf>,
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        // The nodes go first (by their own Drop, after this), then nothing refers to the CA.
+        if let Some(certs) = &self.certs {
+            let _ = std::fs::remove_dir_all(certs);
+        }
+    }
 }
 
 /// One line of `CLUSTER NODES`: the node's port, whether it is a live master, and its slot
@@ -354,28 +382,68 @@ impl RedisCluster {
     /// Starts six nodes and joins them into a cluster (3 masters, 3 replicas); waits until every
     /// node reports `cluster_state:ok`.
     pub fn start() -> RedisCluster {
+        RedisCluster::start_with(false)
+    }
+
+    /// Like [`RedisCluster::start`], but the nodes serve clients, each other (cluster bus) and
+    /// their replicas over TLS only, with certificates from one CA made for this cluster
+    /// ([`RedisCluster::ca_file`]); [`RedisCluster::urls`] are then `rediss://`. Each node keeps
+    /// a plain port for the inspection helpers, which the cluster does not announce.
+    pub fn start_tls() -> RedisCluster {
+        RedisCluster::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> RedisCluster {
+        // With TLS these are the TLS ports, which the cluster announces (bus: +10000).
         let ports = cluster_ports(6);
+        let certs = tls.then(|| {
+            let dir = std::env::temp_dir().join(format!(
+                "sluice-redis-cluster-ca-{}-{}",
+                std::process::id(),
+                ports[0]
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("create the CA dir");
+            make_certificates(&dir, "IP:127.0.0.1");
+            dir
+        });
+        const CLUSTER_ARGS: [&str; 8] = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+            // Replicas sync at once instead of waiting 5 s for company: a
+            // replica that never synced cannot be promoted.
+            "--repl-diskless-sync-delay",
+            "0",
+        ];
         let nodes: Vec<RedisServer> = ports
             .iter()
-            .map(|&p| {
-                RedisServer::start_on(
-                    p,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "1000",
-                        // Replicas sync at once instead of waiting 5 s for company: a
-                        // replica that never synced cannot be promoted.
-                        "--repl-diskless-sync-delay",
-                        "0",
-                    ],
-                )
+            .map(|&p| match &certs {
+                None => RedisServer::start_on(p, &CLUSTER_ARGS),
+                Some(certs) => {
+                    let plain = free_port();
+                    let mut extra = CLUSTER_ARGS.to_vec();
+                    extra.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
+                    RedisServer::start_tls_in(
+                        RedisServer::fresh_dir(plain),
+                        plain,
+                        p,
+                        certs,
+                        &extra,
+                    )
+                }
             })
             .collect();
         let mut create = Command::new("redis-cli");
+        if let Some(certs) = &certs {
+            create
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(certs.join("ca.pem"));
+        }
         create.arg("--cluster").arg("create");
         for p in &ports {
             create.arg(format!("127.0.0.1:{p}"));
@@ -389,7 +457,7 @@ impl RedisCluster {
             "redis-cli --cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster { nodes, certs };
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             let replicas_synced = cluster
@@ -420,8 +488,19 @@ impl RedisCluster {
     pub fn urls(&self) -> Vec<String> {
         self.nodes
             .iter()
-            .map(|n| format!("redis://127.0.0.1:{}", n.port()))
+            .map(|n| match n.tls_port {
+                None => format!("redis://127.0.0.1:{}", n.port()),
+                Some(tls) => format!("rediss://127.0.0.1:{tls}"),
+            })
             .collect()
+    }
+
+    /// The CA file of a cluster from [`RedisCluster::start_tls`].
+    pub fn ca_file(&self) -> PathBuf {
+        self.certs
+            .as_ref()
+            .expect("only start_tls clusters have a CA")
+            .join("ca.pem")
     }
 
     /// The nodes, in start order.
