@@ -85,6 +85,14 @@ struct RedisState {
     cluster: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     timeout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<RedisTls>,
+}
+
+/// `state.redis.tls:`.
+#[derive(Debug, Clone, Serialize)]
+struct RedisTls {
+    ca: String,
 }
 
 /// The Redis call timeout the tests use unless they say otherwise: generous, so that a loaded
@@ -110,6 +118,7 @@ impl State {
                 url: Some(url.into()),
                 cluster: None,
                 timeout: Some(REDIS_TIMEOUT.into()),
+                tls: None,
             }),
         }
     }
@@ -122,6 +131,7 @@ impl State {
                 url: None,
                 cluster: Some(nodes.into_iter().map(Into::into).collect()),
                 timeout: Some(REDIS_TIMEOUT.into()),
+                tls: None,
             }),
         }
     }
@@ -132,6 +142,14 @@ impl State {
             .as_mut()
             .expect("a timeout needs backend: redis")
             .timeout = Some(timeout.into());
+        self
+    }
+
+    /// Sets `state.redis.tls.ca` (a redis backend only; the URLs should be `rediss://`).
+    pub fn tls_ca(mut self, ca: impl AsRef<std::path::Path>) -> State {
+        self.redis.as_mut().expect("a CA needs backend: redis").tls = Some(RedisTls {
+            ca: ca.as_ref().display().to_string(),
+        });
         self
     }
 }

@@ -248,12 +248,18 @@ impl Gateway {
                     self.logs()
                 );
             }
-            if blocking_healthz(self.admin_addr) {
+            // The admin API and the proxy listeners are separate Pingora services that bind in
+            // parallel: ready means both answer (a bare connect, closed at once, which sluice
+            // does not count as a request or an idle connection).
+            let proxy_up = self.proxy_addr.is_none_or(|addr| {
+                std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+            });
+            if blocking_healthz(self.admin_addr) && proxy_up {
                 return;
             }
             if Instant::now() >= deadline {
                 panic!(
-                    "gateway admin {} not healthy after {STARTUP_TIMEOUT:?}\n--- logs ---\n{}",
+                    "gateway admin {} not healthy (or proxy not listening) after {STARTUP_TIMEOUT:?}\n--- logs ---\n{}",
                     self.admin_addr,
                     self.logs()
                 );

@@ -36,6 +36,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::apps::{HttpServerApp, ServerApp};
+
+use crate::tunnel::First;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::raw_connect::ProxyDigest;
 use pingora::protocols::{
@@ -259,12 +261,14 @@ where
             // for as long as it is open. A new connection that sends nothing is idle.
             let within = self.limits.idle_timeout.min(self.limits.header_timeout);
             match crate::tunnel::first_bytes(&mut stream, within).await {
-                Some((bytes, true)) => {
+                First::Connect(bytes) => {
                     tunnels.serve(stream, bytes).await;
                     return None;
                 }
-                Some((bytes, false)) => first = bytes,
-                None => {
+                First::Other(bytes) => first = bytes,
+                // A client that connects and leaves is no idle connection of ours to count.
+                First::Left => return None,
+                First::Idle => {
                     self.closed_idle.inc();
                     return None;
                 }

@@ -14,14 +14,22 @@ pub fn open(config: &Config) -> Result<Arc<dyn StateStore>, String> {
     let (StateBackend::Redis, Some(redis)) = (&config.state.backend, &config.state.redis) else {
         return Ok(Arc::new(MemoryStore::new()));
     };
+    // The CA file is read once, here: like the rest of `state`, it applies at the next restart.
+    let ca = match redis.tls.as_ref().and_then(|t| t.ca.as_ref()) {
+        Some(path) => Some(
+            crate::config::load_ca(path)
+                .map_err(|why| format!("state.redis.tls.ca: CA file {}: {why}", path.display()))?,
+        ),
+        None => None,
+    };
     let connection = match &redis.cluster {
         Some(nodes) => {
             let nodes: Vec<String> = nodes.iter().map(|n| n.0.clone()).collect();
-            RedisConnection::cluster(&nodes, redis.timeout.0)
+            RedisConnection::cluster_with_ca(&nodes, redis.timeout.0, ca.as_deref())
         }
         None => {
             let url = redis.url.as_ref().map(|u| u.0.as_str()).unwrap_or_default();
-            RedisConnection::new(url, redis.timeout.0)
+            RedisConnection::new_with_ca(url, redis.timeout.0, ca.as_deref())
         }
     }
     .map_err(|e| format!("cannot use the Redis of state.redis: {e}"))?;

@@ -16,6 +16,31 @@ use redis::RedisError;
 
 use crate::StoreError;
 
+/// Whether `url` asks for TLS (`rediss://`).
+fn is_tls(url: &str) -> bool {
+    url.get(..9)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("rediss://"))
+}
+
+/// Makes ring the process's rustls crypto provider unless one is set already: the Redis client
+/// builds its TLS configs with the process default, and would panic (inside a connection task)
+/// if the build enabled no provider, or more than one, and none were chosen.
+fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Another thread may have installed one meanwhile; then that one is used.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// The client's TLS settings for a private CA: no client certificate, and `ca_pem` in place of
+/// the system's roots.
+fn certificates(ca_pem: &[u8]) -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(ca_pem.to_vec()),
+    }
+}
+
 /// A connection to a single Redis or to a Redis Cluster. The cluster connection follows
 /// `MOVED` and `ASK`, routes each script call by its keys' slot, and loads a script again on
 /// whichever node answers `NOSCRIPT`; to the stores both look the same.
@@ -59,7 +84,8 @@ impl redis::aio::ConnectionLike for Conn {
 }
 
 enum Target {
-    Single(redis::Client),
+    // Boxed like the cluster client: with TLS parameters a client is a few hundred bytes.
+    Single(Box<redis::Client>),
     Cluster(Box<ClusterClient>),
 }
 
@@ -90,37 +116,87 @@ impl std::fmt::Debug for RedisConnection {
 
 impl RedisConnection {
     /// A connection to the Redis at `url`; it connects lazily, so it can be built while Redis is
-    /// down.
+    /// down. A `rediss://` URL connects over TLS and trusts the system's root certificates.
     pub fn new(url: &str, timeout: Duration) -> Result<RedisConnection, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(e.to_string()))?;
-        Ok(RedisConnection {
-            target: Target::Single(client),
-            conn: OnceLock::new(),
+        RedisConnection::new_with_ca(url, timeout, None)
+    }
+
+    /// As [`RedisConnection::new`], and with `ca_pem` (PEM certificates, e.g. a private CA's)
+    /// the only certificates a `rediss://` server's chain may end at. A CA needs a `rediss://`
+    /// URL: given with `redis://` it is an error rather than silently unused.
+    pub fn new_with_ca(
+        url: &str,
+        timeout: Duration,
+        ca_pem: Option<&[u8]>,
+    ) -> Result<RedisConnection, StoreError> {
+        if ca_pem.is_some() && !is_tls(url) {
+            return Err(StoreError::Backend(
+                "a TLS CA is given, so the URL must be rediss://".into(),
+            ));
+        }
+        if is_tls(url) {
+            ensure_crypto_provider();
+        }
+        let client = match ca_pem {
+            None => redis::Client::open(url),
+            Some(ca) => redis::Client::build_with_tls(url, certificates(ca)),
+        }
+        .map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(RedisConnection::with_target(
+            Target::Single(Box::new(client)),
             timeout,
-            down_since: AtomicU64::new(0),
-            epoch: Instant::now(),
-        })
+        ))
     }
 
     /// A connection to the Redis Cluster that `nodes` (some of its nodes) belong to; it
-    /// discovers the rest, and connects lazily.
+    /// discovers the rest, and connects lazily. With `rediss://` nodes, every node (discovered
+    /// ones too) is reached over TLS.
     pub fn cluster(nodes: &[String], timeout: Duration) -> Result<RedisConnection, StoreError> {
-        let client = ClusterClient::builder(nodes.iter().map(String::as_str))
+        RedisConnection::cluster_with_ca(nodes, timeout, None)
+    }
+
+    /// As [`RedisConnection::cluster`], and with `ca_pem` the only certificates the nodes'
+    /// chains may end at (see [`RedisConnection::new_with_ca`]).
+    pub fn cluster_with_ca(
+        nodes: &[String],
+        timeout: Duration,
+        ca_pem: Option<&[u8]>,
+    ) -> Result<RedisConnection, StoreError> {
+        if ca_pem.is_some() && !nodes.iter().all(|n| is_tls(n)) {
+            return Err(StoreError::Backend(
+                "a TLS CA is given, so every cluster node URL must be rediss://".into(),
+            ));
+        }
+        if nodes.iter().any(|n| is_tls(n)) {
+            ensure_crypto_provider();
+        }
+        let mut builder = ClusterClient::builder(nodes.iter().map(String::as_str))
             .connection_timeout(timeout)
             .response_timeout(timeout)
             // Slot moves and failovers are retried inside the client, within our timeout.
             .retries(3)
             .min_retry_wait(10)
-            .max_retry_wait(200)
+            .max_retry_wait(200);
+        if let Some(ca) = ca_pem {
+            builder = builder.certs(certificates(ca));
+        }
+        let client = builder
             .build()
             .map_err(|e| StoreError::Backend(e.to_string()))?;
-        Ok(RedisConnection {
-            target: Target::Cluster(Box::new(client)),
+        Ok(RedisConnection::with_target(
+            Target::Cluster(Box::new(client)),
+            timeout,
+        ))
+    }
+
+    fn with_target(target: Target, timeout: Duration) -> RedisConnection {
+        RedisConnection {
+            target,
             conn: OnceLock::new(),
             timeout,
             down_since: AtomicU64::new(0),
             epoch: Instant::now(),
-        })
+        }
     }
 
     fn connection(&self) -> Result<Conn, StoreError> {
@@ -136,7 +212,7 @@ impl RedisConnection {
                         .set_number_of_retries(1)
                         .set_min_delay(Duration::from_millis(5))
                         .set_max_delay(Duration::from_millis(100));
-                    ConnectionManager::new_lazy_with_config(client.clone(), config)
+                    ConnectionManager::new_lazy_with_config(redis::Client::clone(client), config)
                         .map(Conn::Single)
                         .map_err(|e| e.to_string())
                 }

@@ -15,6 +15,8 @@ pub struct RedisServer {
     dir: PathBuf,
     child: Option<Child>,
     extra: Vec<String>,
+    /// The TLS port of a server from [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
 }
 
 impl RedisServer {
@@ -22,26 +24,103 @@ impl RedisServer {
     ///
     /// Panics with a clear message when `redis-server` is not installed: `.ci/run` installs it.
     pub fn start() -> RedisServer {
-        let port = {
-            let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-            l.local_addr().expect("local address").port()
-        };
-        RedisServer::start_on(port, &[])
+        RedisServer::start_on(free_port(), &[])
     }
 
     /// Starts a server on `port` with extra command-line arguments (kept for restarts).
     pub fn start_on(port: u16, extra: &[&str]) -> RedisServer {
-        let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create the redis dir");
+        let dir = RedisServer::fresh_dir(port);
         let mut server = RedisServer {
             port,
             dir,
             child: None,
             extra: extra.iter().map(|a| a.to_string()).collect(),
+            tls_port: None,
         };
         server.restart();
         server
+    }
+
+    /// Starts a server that also takes TLS connections, on a port of their own, with a server
+    /// certificate for `IP:127.0.0.1` signed by a CA made for this server alone
+    /// ([`RedisServer::ca_file`]). Clients need no certificate. The plain port stays open, so
+    /// [`RedisServer::command`] and the other inspection helpers work as with any server.
+    pub fn start_tls() -> RedisServer {
+        let (port, tls_port) = {
+            let a = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+            let b = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+            (
+                a.local_addr().expect("local address").port(),
+                b.local_addr().expect("local address").port(),
+            )
+        };
+        let dir = RedisServer::fresh_dir(port);
+        make_certificates(&dir, "IP:127.0.0.1");
+        RedisServer::start_tls_in(dir.clone(), port, tls_port, &dir, &[])
+    }
+
+    /// A TLS server in `dir` on `port` (plain) and `tls_port`, with the certificates of
+    /// [`make_certificates`] in `certs`, and `extra` arguments.
+    fn start_tls_in(
+        dir: PathBuf,
+        port: u16,
+        tls_port: u16,
+        certs: &std::path::Path,
+        extra: &[&str],
+    ) -> RedisServer {
+        let file = |name: &str| certs.join(name).to_string_lossy().into_owned();
+        let mut args = vec![
+            "--tls-port".to_string(),
+            tls_port.to_string(),
+            "--tls-cert-file".to_string(),
+            file("server.pem"),
+            "--tls-key-file".to_string(),
+            file("server.key"),
+            "--tls-ca-cert-file".to_string(),
+            file("ca.pem"),
+            "--tls-auth-clients".to_string(),
+            "no".to_string(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let mut server = RedisServer {
+            port,
+            dir,
+            child: None,
+            extra: args,
+            tls_port: Some(tls_port),
+        };
+        server.restart();
+        server
+    }
+
+    /// An empty directory for the server on `port`.
+    fn fresh_dir(port: u16) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("sluice-redis-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the redis dir");
+        dir
+    }
+
+    /// The TLS port of a server from [`RedisServer::start_tls`].
+    pub fn tls_port(&self) -> u16 {
+        self.tls_port
+            .expect("a server from RedisServer::start_tls has a TLS port")
+    }
+
+    /// `rediss://127.0.0.1:<tls port>/0`, for a server from [`RedisServer::start_tls`].
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/0", self.tls_port())
+    }
+
+    /// The PEM file of the CA that signed the TLS certificate of a server from
+    /// [`RedisServer::start_tls`].
+    pub fn ca_file(&self) -> PathBuf {
+        let at = self
+            .extra
+            .iter()
+            .position(|a| a == "--tls-ca-cert-file")
+            .expect("only TLS servers have a CA");
+        PathBuf::from(&self.extra[at + 1])
     }
 
     /// The server's port.
@@ -257,6 +336,17 @@ impl Drop for RedisServer {
 /// `redis-cli --cluster create`, torn down (by PID) when dropped.
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+    /// The CA and node certificates of a TLS cluster.
+    certs: Option<PathBuf>,
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        // The nodes go first (by their own Drop, after this), then nothing refers to the CA.
+        if let Some(certs) = &self.certs {
+            let _ = std::fs::remove_dir_all(certs);
+        }
+    }
 }
 
 /// One line of `CLUSTER NODES`: the node's port, whether it is a live master, and its slot
@@ -292,28 +382,68 @@ impl RedisCluster {
     /// Starts six nodes and joins them into a cluster (3 masters, 3 replicas); waits until every
     /// node reports `cluster_state:ok`.
     pub fn start() -> RedisCluster {
+        RedisCluster::start_with(false)
+    }
+
+    /// Like [`RedisCluster::start`], but the nodes serve clients, each other (cluster bus) and
+    /// their replicas over TLS only, with certificates from one CA made for this cluster
+    /// ([`RedisCluster::ca_file`]); [`RedisCluster::urls`] are then `rediss://`. Each node keeps
+    /// a plain port for the inspection helpers, which the cluster does not announce.
+    pub fn start_tls() -> RedisCluster {
+        RedisCluster::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> RedisCluster {
+        // With TLS these are the TLS ports, which the cluster announces (bus: +10000).
         let ports = cluster_ports(6);
+        let certs = tls.then(|| {
+            let dir = std::env::temp_dir().join(format!(
+                "sluice-redis-cluster-ca-{}-{}",
+                std::process::id(),
+                ports[0]
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("create the CA dir");
+            make_certificates(&dir, "IP:127.0.0.1");
+            dir
+        });
+        const CLUSTER_ARGS: [&str; 8] = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+            // Replicas sync at once instead of waiting 5 s for company: a
+            // replica that never synced cannot be promoted.
+            "--repl-diskless-sync-delay",
+            "0",
+        ];
         let nodes: Vec<RedisServer> = ports
             .iter()
-            .map(|&p| {
-                RedisServer::start_on(
-                    p,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "1000",
-                        // Replicas sync at once instead of waiting 5 s for company: a
-                        // replica that never synced cannot be promoted.
-                        "--repl-diskless-sync-delay",
-                        "0",
-                    ],
-                )
+            .map(|&p| match &certs {
+                None => RedisServer::start_on(p, &CLUSTER_ARGS),
+                Some(certs) => {
+                    let plain = free_port();
+                    let mut extra = CLUSTER_ARGS.to_vec();
+                    extra.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
+                    RedisServer::start_tls_in(
+                        RedisServer::fresh_dir(plain),
+                        plain,
+                        p,
+                        certs,
+                        &extra,
+                    )
+                }
             })
             .collect();
         let mut create = Command::new("redis-cli");
+        if let Some(certs) = &certs {
+            create
+                .arg("--tls")
+                .arg("--cacert")
+                .arg(certs.join("ca.pem"));
+        }
         create.arg("--cluster").arg("create");
         for p in &ports {
             create.arg(format!("127.0.0.1:{p}"));
@@ -327,7 +457,7 @@ impl RedisCluster {
             "redis-cli --cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster { nodes, certs };
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             let replicas_synced = cluster
@@ -358,8 +488,19 @@ impl RedisCluster {
     pub fn urls(&self) -> Vec<String> {
         self.nodes
             .iter()
-            .map(|n| format!("redis://127.0.0.1:{}", n.port()))
+            .map(|n| match n.tls_port {
+                None => format!("redis://127.0.0.1:{}", n.port()),
+                Some(tls) => format!("rediss://127.0.0.1:{tls}"),
+            })
             .collect()
+    }
+
+    /// The CA file of a cluster from [`RedisCluster::start_tls`].
+    pub fn ca_file(&self) -> PathBuf {
+        self.certs
+            .as_ref()
+            .expect("only start_tls clusters have a CA")
+            .join("ca.pem")
     }
 
     /// The nodes, in start order.
@@ -467,6 +608,89 @@ impl RedisCluster {
             .position(|n| n.port() == port)
             .expect("a node of this cluster")
     }
+}
+
+/// A free port on 127.0.0.1 (free when asked; the caller binds it soon after).
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local address").port()
+}
+
+/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl must be installed");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// In `dir`: a CA (`ca.pem`, `ca.key`), and a server certificate it signed (`server.pem`,
+/// `server.key`) for `subject_alt_names` (e.g. `IP:127.0.0.1`).
+pub fn make_certificates(dir: &std::path::Path, subject_alt_names: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=sluice test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=redis",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ],
+    );
+    std::fs::write(
+        dir.join("san.ext"),
+        format!("subjectAltName={subject_alt_names}\n"),
+    )
+    .expect("write the SAN extension file");
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.pem",
+        ],
+    );
 }
 
 /// Sends one command to the Redis at `addr` and returns the raw RESP reply.

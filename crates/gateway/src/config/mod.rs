@@ -24,6 +24,7 @@ use serde_yaml::Value;
 pub use position::{locate, YamlPath};
 use position::{Positions, Segment};
 pub use schema::*;
+pub(crate) use validate::load_ca;
 
 /// The config sluice runs on when none is given: three local demo upstreams behind one
 /// round-robin route. `sluice demo` starts those upstreams too.

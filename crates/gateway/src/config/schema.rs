@@ -5,6 +5,7 @@
 
 use std::net::SocketAddr;
 use std::num::{NonZeroU16, NonZeroU32, NonZeroU64};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::de::{self, Deserializer};
@@ -192,10 +193,11 @@ pub enum StateBackend {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
-    /// `redis://host:port/db`, for a single Redis.
+    /// `redis://host:port/db` (or `rediss://`, over TLS), for a single Redis.
     #[serde(default)]
     pub url: Option<RedisUrl>,
-    /// Some nodes of a Redis Cluster (`redis://host:port` each); the rest are discovered.
+    /// Some nodes of a Redis Cluster (`redis://host:port` each, or `rediss://` for TLS); the
+    /// rest are discovered.
     #[serde(default)]
     pub cluster: Option<Vec<RedisUrl>>,
     /// First part of every key.
@@ -204,6 +206,20 @@ pub struct RedisConfig {
     /// Time allowed for one Redis call; past it the route's `on_store_error` applies.
     #[serde(default = "default_redis_timeout")]
     pub timeout: Dur,
+    /// TLS settings for `rediss://` URLs; without them the system's root certificates are
+    /// trusted.
+    #[serde(default)]
+    pub tls: Option<RedisTlsConfig>,
+}
+
+/// `state.redis.tls:` — how a `rediss://` Redis is trusted.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RedisTlsConfig {
+    /// A PEM file of CA certificates (e.g. a private CA's); when given, the Redis server's
+    /// certificate must chain to one of these, and the system's roots are not used.
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
 }
 
 fn default_key_prefix() -> String {
@@ -213,7 +229,7 @@ fn default_redis_timeout() -> Dur {
     Dur(Duration::from_millis(50))
 }
 
-/// A `redis://` URL.
+/// A `redis://` or `rediss://` (TLS) URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisUrl(pub String);
 
@@ -233,13 +249,7 @@ impl RedisUrl {
             .split_once("://")
             .map(|(scheme, _)| scheme.to_ascii_lowercase());
         match scheme.as_deref() {
-            Some("redis") => {}
-            // The client is built without a TLS feature, so it would refuse these at startup.
-            Some("rediss") => {
-                return Err(format!(
-                    "invalid redis url {shown:?}: rediss:// (TLS) is not supported yet"
-                ))
-            }
+            Some("redis" | "rediss") => {}
             _ => {
                 return Err(format!(
                     "invalid redis url {shown:?}: expected redis://host:port/db"
@@ -257,6 +267,13 @@ impl RedisUrl {
             format!("invalid redis url {shown:?}: {why}")
         })?;
         Ok(RedisUrl(s.to_string()))
+    }
+
+    /// Whether the URL asks for TLS (`rediss://`).
+    pub fn is_tls(&self) -> bool {
+        self.0
+            .get(..9)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("rediss://"))
     }
 }
 

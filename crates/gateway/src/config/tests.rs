@@ -381,9 +381,9 @@ fn redis_urls_are_checked_by_the_client_itself() {
         "invalid redis url \"redis://127.0.0.1/x\": Invalid database number",
     );
     one_error(
-        &with_redis("    url: \"rediss://127.0.0.1:6380\"\n"),
+        &with_redis("    url: \"rediss://127.0.0.1:6380/x\"\n"),
         "4:10: state.redis.url",
-        "rediss:// (TLS) is not supported yet",
+        "invalid redis url \"rediss://127.0.0.1:6380/x\": Invalid database number",
     );
     one_error(
         &with_redis("    url: \"redis://\"\n"),
@@ -395,6 +395,67 @@ fn redis_urls_are_checked_by_the_client_itself() {
     ));
     let url = config.state.redis.unwrap().url.unwrap();
     assert_eq!(url.0, "redis://user:pw@127.0.0.1:6379/2");
+}
+
+#[test]
+fn rediss_urls_and_their_ca_file() {
+    // TLS with the system's roots.
+    let config = parse(&with_redis("    url: \"rediss://:pw@127.0.0.1:6380/0\"\n"));
+    let redis = config.state.redis.unwrap();
+    assert!(redis.url.unwrap().is_tls());
+    assert_eq!(redis.tls, None);
+    parse(&with_redis(
+        "    cluster: [\"rediss://127.0.0.1:7001\", \"rediss://127.0.0.1:7002\"]\n",
+    ));
+
+    // With a private CA.
+    let dir = std::env::temp_dir().join(format!("sluice-config-ca-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    sluice_testkit::make_certificates(&dir, "IP:127.0.0.1");
+    let ca = dir.join("ca.pem");
+    let with_ca = |url: &str, ca: &std::path::Path| {
+        with_redis(&format!(
+            "    url: \"{url}\"\n    tls:\n      ca: {}\n",
+            ca.display()
+        ))
+    };
+    let config = parse(&with_ca("rediss://127.0.0.1:6380/0", &ca));
+    let tls = config.state.redis.unwrap().tls.unwrap();
+    assert_eq!(tls.ca.as_deref(), Some(ca.as_path()));
+
+    // A missing file is named, at the key.
+    let missing = dir.join("missing.pem");
+    one_error(
+        &with_ca("rediss://127.0.0.1:6380/0", &missing),
+        "6:11: state.redis.tls.ca",
+        &format!("CA file {}: cannot be read", missing.display()),
+    );
+    // So is a file with no certificate in it (a key is not a CA), or one that is not PEM.
+    one_error(
+        &with_ca("rediss://127.0.0.1:6380/0", &dir.join("ca.key")),
+        "6:11: state.redis.tls.ca",
+        "holds no PEM certificate",
+    );
+    let garbled = dir.join("garbled.pem");
+    std::fs::write(
+        &garbled,
+        "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    one_error(
+        &with_ca("rediss://127.0.0.1:6380/0", &garbled),
+        "6:11: state.redis.tls.ca",
+        "is not valid PEM",
+    );
+    // TLS settings with a plain URL would do nothing; say so, without quoting the URL.
+    let all = errors(&with_ca("redis://:s3cret@127.0.0.1:6379/0", &ca));
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert!(
+        all[0].starts_with("6:7: state.redis.tls: ") && all[0].contains("use rediss://"),
+        "{all:?}"
+    );
+    assert!(!all[0].contains("s3cret"), "{all:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -412,7 +473,7 @@ fn cluster_nodes_must_agree() {
 fn passwords_never_appear_in_error_messages() {
     let cases = [
         with_redis("    url: \"redis://admin:s3cret@127.0.0.1/x\"\n"),
-        with_redis("    url: \"rediss://:s3cret@127.0.0.1\"\n"),
+        with_redis("    url: \"rediss://:s3cret@127.0.0.1/x\"\n"),
         with_redis("    cluster: [\"redis://:s3cret@h:1\", \"redis://:other@h:2\"]\n"),
         "routes:\n  - name: a\n    upstream:\n      members: [{url: \"http://u:s3cret@a.test\"}]\n"
             .to_string(),

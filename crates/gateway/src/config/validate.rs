@@ -68,6 +68,62 @@ fn at_most(
     }
 }
 
+/// What is wrong with `state.redis.tls`: settings for URLs that do not use TLS, or a CA file
+/// the client could not load at startup. URLs are never quoted (they may carry a password).
+fn redis_tls_problems(redis: &RedisConfig, tls: &RedisTlsConfig) -> Vec<(YamlPath, String)> {
+    let mut problems = Vec::new();
+    let at = YamlPath::root().key("state").key("redis").key("tls");
+    let plain = match (&redis.url, &redis.cluster) {
+        (Some(url), _) if !url.is_tls() => Some("state.redis.url is redis://"),
+        (None, Some(nodes)) if nodes.iter().any(|n| !n.is_tls()) => {
+            Some("a state.redis.cluster node is redis://")
+        }
+        _ => None,
+    };
+    if let Some(which) = plain {
+        problems.push((
+            at.clone(),
+            format!("tls applies to rediss:// (TLS) URLs only, and {which}; use rediss://"),
+        ));
+    }
+    if let Some(path) = &tls.ca {
+        if let Err(why) = load_ca(path) {
+            problems.push((at.key("ca"), format!("CA file {}: {why}", path.display())));
+        }
+    }
+    problems
+}
+
+/// Reads the PEM CA file at `path` as the Redis client will at startup, and returns its bytes:
+/// at least one certificate, each one a usable trust anchor.
+pub(crate) fn load_ca(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::CertificateDer;
+    let pem = std::fs::read(path).map_err(|e| format!("cannot be read: {e}"))?;
+    let certificates = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("is not valid PEM: {e}"))?;
+    if certificates.is_empty() {
+        return Err("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".to_string());
+    }
+    // The client's own check, so that `run` cannot refuse what `check` passed.
+    redis::Client::build_with_tls(
+        "rediss://127.0.0.1",
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem.clone()),
+        },
+    )
+    .map_err(|e| {
+        let why = e.to_string();
+        format!(
+            "is not usable as a CA: {}",
+            why.trim_end_matches(" - InvalidClientConfig")
+        )
+    })?;
+    Ok(pem)
+}
+
 impl Config {
     /// Rules that span several fields. Each problem names the YAML path to blame.
     pub(super) fn validate(&self) -> Vec<(YamlPath, String)> {
@@ -192,6 +248,9 @@ impl Config {
                 MAX_DELAY,
                 "a Redis timeout",
             );
+            if let Some(tls) = &redis.tls {
+                problems.extend(redis_tls_problems(redis, tls));
+            }
         }
 
         // allow_cidrs always win over deny (crate::egress), so a deny CIDR inside an allowed one

@@ -62,30 +62,43 @@ use crate::select::Tried;
 use crate::table::{Route, Table};
 use crate::target;
 
+/// How a new connection starts.
+pub enum First {
+    /// With a CONNECT; the bytes read so far.
+    Connect(Vec<u8>),
+    /// With anything else; the bytes read so far, to replay in front of the stream.
+    Other(Vec<u8>),
+    /// The client closed (or the read failed) before sending anything decisive.
+    Left,
+    /// Nothing decisive arrived in the time allowed: an idle connection.
+    Idle,
+}
+
 /// The first bytes of a new connection, and whether they open a CONNECT. Reads until the
 /// bytes can no longer be the start of `CONNECT ` (one read, for nearly every request) or are
-/// it; the caller replays them in front of the stream. `None` when the client sent nothing
-/// decisive within `within`, or left: there is no request to serve.
-pub async fn first_bytes(stream: &mut Stream, within: Duration) -> Option<(Vec<u8>, bool)> {
+/// it; the caller replays them in front of the stream.
+pub async fn first_bytes(stream: &mut Stream, within: Duration) -> First {
     use tokio::io::AsyncReadExt;
     const CONNECT: &[u8] = b"CONNECT ";
     let read = async {
         let mut buf = Vec::with_capacity(1024);
         loop {
             match stream.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return None,
+                Ok(0) | Err(_) => return First::Left,
                 Ok(_) => {}
             }
             let n = buf.len().min(CONNECT.len());
             if buf[..n] != CONNECT[..n] {
-                return Some((buf, false));
+                return First::Other(buf);
             }
             if n == CONNECT.len() {
-                return Some((buf, true));
+                return First::Connect(buf);
             }
         }
     };
-    tokio::time::timeout(within, read).await.ok().flatten()
+    tokio::time::timeout(within, read)
+        .await
+        .unwrap_or(First::Idle)
 }
 
 /// What tunnels share with the request path: the table, metrics, the in-flight count and the
