@@ -306,8 +306,6 @@ pub(crate) fn peer_for(addr: SocketAddr, tls: bool, sni: String, up: &UpstreamCo
     )
 }
 
-/// A Pingora peer at `addr` with these timeouts; `sni` is the TLS server name.
-
 /// The hex sha256 of a config file's bytes: its version.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
