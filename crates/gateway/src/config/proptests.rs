@@ -50,7 +50,12 @@ fn parse_checked(text: &str) -> Result<Option<usize>, TestCaseError> {
         Err(errors) => errors,
     };
     prop_assert!(!errors.0.is_empty(), "an error without a mistake");
-    let lines: Vec<&str> = text.split('\n').collect();
+    // Lines as YAML counts them (and as libyaml reports them): a lone CR, CRLF, NEL, LS and PS
+    // end a line too, not only LF.
+    let yaml_lines = text
+        .replace("\r\n", "\n")
+        .replace(['\r', '\u{85}', '\u{2028}', '\u{2029}'], "\n");
+    let lines: Vec<&str> = yaml_lines.split('\n').collect();
     let printed = errors.to_string();
     prop_assert_eq!(
         printed.lines().count(),
