@@ -7,7 +7,7 @@ mod support;
 use std::fs;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,124 +15,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+use support::tls::{make_certificates, tls_origin, wait_listening, Process};
 use support::{
     free_port, start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl must be installed");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// `ca.pem`, and `server.pem`/`server.key` signed by it for localhost and 127.0.0.1.
-fn make_certificates(dir: &Path) {
-    let subj_ca = ["-subj", "/CN=sluice egress test CA"];
-    openssl(
-        dir,
-        &[
-            &[
-                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            ][..],
-            &subj_ca,
-            &["-keyout", "ca.key", "-out", "ca.pem"],
-        ]
-        .concat(),
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=origin",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ],
-    );
-    fs::write(
-        dir.join("san.ext"),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "1",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.pem",
-        ],
-    );
-}
-
-/// A child process killed on drop.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_listening(port: u16, child: &mut Child, what: &str) {
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    let _ = child.kill();
-    panic!("{what} did not listen on {port}");
-}
-
-/// `openssl s_server -www` on 127.0.0.1: a TLS origin answering GET with a status page.
-fn tls_origin(dir: &Path) -> (Process, u16) {
-    let port = free_port();
-    let mut child = Command::new("openssl")
-        .args([
-            "s_server",
-            "-accept",
-            &format!("127.0.0.1:{port}"),
-            "-www",
-            "-quiet",
-        ])
-        .args(["-cert", "server.pem", "-key", "server.key"])
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("openssl s_server");
-    wait_listening(port, &mut child, "openssl s_server");
-    (Process(child), port)
-}
 
 /// Debian's tinyproxy in the foreground, logging every request line to a file.
 struct Tinyproxy {

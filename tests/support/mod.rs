@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod store;
+pub mod tls;
 
 #[allow(unused_imports)]
 pub use config::{Config, Egress, HealthCheck, Passive, Quota, Route, State};

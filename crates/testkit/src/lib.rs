@@ -659,7 +659,7 @@ pub fn make_certificates(dir: &std::path::Path, subject_alt_names: &str) {
             "rsa:2048",
             "-nodes",
             "-subj",
-            "/CN=redis",
+            "/CN=sluice test server",
             "-keyout",
             "server.key",
             "-out",
