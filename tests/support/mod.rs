@@ -41,22 +41,16 @@ pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(15);
 /// Interval of the polling helpers.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
 
-/// Returns a TCP port on 127.0.0.1 that was free a moment ago.
-///
-/// There is an unavoidable window between releasing the port and the gateway
-/// binding it; the kernel hands out ephemeral ports round-robin, so a clash
-/// within a test run is very unlikely.
+/// A TCP port on 127.0.0.1 for a server the test starts later (the gateway, or a member that
+/// must be named before it runs): free, and never handed to anything else in this process
+/// ([`sluice_testkit::free_port`] says why that needs more than binding port 0).
 pub fn free_port() -> u16 {
-    free_ports::<1>()[0]
+    sluice_testkit::free_port()
 }
 
-/// Like [`free_port`], but `N` distinct ports: all listeners are held until
-/// every port has been picked, so the kernel cannot hand out one twice.
+/// Like [`free_port`], `N` distinct ports.
 pub fn free_ports<const N: usize>() -> [u16; N] {
-    let listeners: Vec<std::net::TcpListener> = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
-        .collect();
-    std::array::from_fn(|i| listeners[i].local_addr().expect("local_addr").port())
+    std::array::from_fn(|_| free_port())
 }
 
 /// `http://<addr>`: a member URL for a backend.

@@ -4,10 +4,12 @@
 //! each test so that the test can kill it and start it again. Nothing here is a mock.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod ports;
 
 /// A `redis-server` child process on 127.0.0.1.
 pub struct RedisServer {
@@ -46,14 +48,7 @@ impl RedisServer {
     /// ([`RedisServer::ca_file`]). Clients need no certificate. The plain port stays open, so
     /// [`RedisServer::command`] and the other inspection helpers work as with any server.
     pub fn start_tls() -> RedisServer {
-        let (port, tls_port) = {
-            let a = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-            let b = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-            (
-                a.local_addr().expect("local address").port(),
-                b.local_addr().expect("local address").port(),
-            )
-        };
+        let (port, tls_port) = (free_port(), free_port());
         let dir = RedisServer::fresh_dir(port);
         make_certificates(&dir, "IP:127.0.0.1");
         RedisServer::start_tls_in(dir.clone(), port, tls_port, &dir, &[])
@@ -355,27 +350,7 @@ type NodeView = (u16, bool, Vec<(u16, u16)>);
 
 /// Ports for a cluster node: the node's own and its bus port (+10000) must both be free.
 fn cluster_ports(n: usize) -> Vec<u16> {
-    let mut ports = Vec::new();
-    let mut held = Vec::new();
-    let seed = std::process::id() as u64
-        ^ std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-    let mut candidate = 20_000 + (seed % 20_000) as u16;
-    while ports.len() < n {
-        candidate = if candidate >= 40_000 {
-            20_000
-        } else {
-            candidate + 1
-        };
-        let own = TcpListener::bind(("127.0.0.1", candidate));
-        let bus = TcpListener::bind(("127.0.0.1", candidate + 10_000));
-        if let (Ok(a), Ok(b)) = (own, bus) {
-            held.push((a, b));
-            ports.push(candidate);
-        }
-    }
-    ports
+    (0..n).map(|_| ports::reserve(true)).collect()
 }
 
 impl RedisCluster {
@@ -610,10 +585,10 @@ impl RedisCluster {
     }
 }
 
-/// A free port on 127.0.0.1 (free when asked; the caller binds it soon after).
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    l.local_addr().expect("local address").port()
+/// A port on 127.0.0.1 that is free and that nothing else in this process will be handed; see
+/// [`ports`].
+pub fn free_port() -> u16 {
+    ports::reserve(false)
 }
 
 /// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
