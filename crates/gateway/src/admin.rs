@@ -93,8 +93,17 @@ impl AdminApi {
                 .pool
                 .members()
                 .iter()
-                .map(|m| {
-                    let mut member = json!({"url": &*m.id, "healthy": m.health.is_up()});
+                .zip(r.members.iter())
+                .map(|(m, proxied)| {
+                    // Header names only: their values are the member's secrets.
+                    let headers: Vec<&str> =
+                        proxied.headers.0.iter().map(|(n, _)| n.as_str()).collect();
+                    let mut member = json!({
+                        "name": &*m.id,
+                        "url": proxied.url.url,
+                        "healthy": m.health.is_up(),
+                        "headers": headers,
+                    });
                     if least_used {
                         member["assignments"] = counts
                             .as_ref()

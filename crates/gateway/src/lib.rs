@@ -7,6 +7,7 @@
 //! - [`config`]: the YAML schema and its validation; [`router`]: request → route;
 //! - [`table`]: a config made ready to serve, swapped whole on reload ([`reload`]);
 //! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
+//! - [`cooldown`]: how long a member's answer asks it to be left alone;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`egress`]: the guard on destinations the client chooses, and the resolver behind it;
 //! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
@@ -15,6 +16,7 @@
 pub mod admin;
 pub mod checks;
 pub mod config;
+pub mod cooldown;
 pub mod demo;
 pub mod dns;
 pub mod dns_refresh;

@@ -1,6 +1,12 @@
 //! The syntax of the `RateLimit-Policy` and `RateLimit` headers of
-//! draft-ietf-httpapi-ratelimit-headers, in one place: the route's policy is written once when
-//! the table is built, a request's item once per answer.
+//! draft-ietf-httpapi-ratelimit-headers (-12), in one place: the route's policy is written once
+//! when the table is built, a request's item once per answer.
+//!
+//! Both fields are Structured Field Lists of Items, each a String naming a policy, with
+//! parameters (`q`, `w` for a policy; `r`, `t` for a service limit; `pk` for the partition key
+//! on either). A list may be split over several field lines, which is how sluice adds its own
+//! items to a member's: the draft asks intermediaries not to remove the origin's fields, and an
+//! API's own limits are what its clients most need to see.
 
 use http::HeaderValue;
 use sluice_state::{Outcome, Window};
@@ -23,15 +29,106 @@ pub(crate) fn policy(windows: &[Window]) -> HeaderValue {
     HeaderValue::from_str(&text).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
-/// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room.
-pub(crate) fn item(windows: &[Window], outcome: &Outcome) -> Option<HeaderValue> {
+/// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room, with
+/// `;pk=:<partition>:` when the quota is kept per key (`key` is `None` for a route-wide quota).
+pub(crate) fn item(
+    windows: &[Window],
+    outcome: &Outcome,
+    key: Option<&str>,
+) -> Option<HeaderValue> {
     let i = outcome.tightest()?;
     let w = outcome.windows.get(i)?;
-    let value = format!(
+    let mut value = format!(
         "\"{}\";r={};t={}",
         windows.get(i)?.name,
         w.remaining,
         w.reset_us.div_ceil(1_000_000)
     );
+    if let Some(key) = key {
+        value.push_str(";pk=:");
+        value.push_str(&partition_key(key));
+        value.push(':');
+    }
     HeaderValue::from_str(&value).ok()
+}
+
+/// The `pk` Byte Sequence of a quota key: base64 of the first 12 bytes of its SHA-256. The
+/// draft asks servers not to return partition keys holding sensitive information, and a quota
+/// keyed on a header may be keyed on a credential; a digest still lets a client tell its
+/// partitions apart.
+fn partition_key(key: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(key.as_bytes());
+    crate::config::base64(&digest[..12])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_state::WindowState;
+
+    #[test]
+    fn items_parse_as_structured_field_lists() {
+        let windows = [
+            Window {
+                name: "rpm".into(),
+                limit: 60,
+                length_us: 60_000_000,
+            },
+            Window {
+                name: "burst".into(),
+                limit: 5,
+                length_us: 1_500,
+            },
+        ];
+        let policy = policy(&windows);
+        let parsed: sfv::List = sfv::Parser::new(policy.as_bytes()).parse().unwrap();
+        assert_eq!(parsed.len(), 2);
+        let outcome = Outcome {
+            admitted: true,
+            retry_after_us: 0,
+            windows: vec![
+                WindowState {
+                    remaining: 10,
+                    reset_us: 1_000_000,
+                },
+                WindowState {
+                    remaining: 2,
+                    reset_us: 700,
+                },
+            ],
+        };
+        for key in [None, Some("tenant-a")] {
+            let value = item(&windows, &outcome, key).unwrap();
+            let parsed: sfv::List = sfv::Parser::new(value.as_bytes()).parse().unwrap();
+            let sfv::ListEntry::Item(item) = &parsed[0] else {
+                panic!("an item");
+            };
+            assert_eq!(
+                item.bare_item.as_string().map(|s| s.as_str()),
+                Some("burst")
+            );
+            let param = |name: &str| {
+                item.params
+                    .iter()
+                    .find(|(k, _)| k.as_str() == name)
+                    .map(|(_, v)| v.clone())
+            };
+            assert_eq!(
+                param("r").and_then(|v| v.as_integer()).map(i64::from),
+                Some(2)
+            );
+            assert_eq!(
+                param("t").and_then(|v| v.as_integer()).map(i64::from),
+                Some(1)
+            );
+            let pk = param("pk");
+            assert_eq!(pk.is_some(), key.is_some(), "{value:?}");
+            if let Some(pk) = pk {
+                let bytes = pk.as_byte_sequence().unwrap();
+                assert_eq!(bytes.len(), 12);
+                assert!(!value.to_str().unwrap().contains("tenant-a"));
+            }
+        }
+    }
 }

@@ -18,8 +18,8 @@ use sluice_balancer::Members;
 use sluice_state::StateStore;
 
 use crate::config::{
-    AdminConfig, Config, LimitsConfig, Listener, MemberKind, MemberUrl, RouteConfig, Selection,
-    StateConfig, UpstreamConfig,
+    AdminConfig, Config, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl, RouteConfig,
+    Selection, StateConfig, UpstreamConfig,
 };
 use crate::dns::PeerCell;
 use crate::egress::{Guard, Resolver};
@@ -73,8 +73,12 @@ pub struct Route {
 
 /// What proxying to one member needs.
 pub struct Member {
-    /// The member's URL: its identity (for a proxy, without credentials).
+    /// The member's identity (SPEC §8): its name, by default its URL.
+    pub name: Arc<str>,
+    /// The member's URL (for a proxy, without credentials).
     pub url: MemberUrl,
+    /// Set on every request to the member; values are secrets.
+    pub headers: MemberHeaders,
     /// Origin, proxy or direct.
     pub kind: MemberKind,
     /// The member's address and prebuilt peer, kept fresh by [`crate::dns_refresh::DnsRefresher`];
@@ -258,7 +262,7 @@ async fn build_members(
         let labels = |outcome: &str| {
             metrics
                 .upstream_attempts
-                .with_label_values(&[name, &m.url.url, outcome])
+                .with_label_values(&[name, &m.name, outcome])
         };
         // A direct member has no address of its own: each request resolves its target.
         let cell = match m.kind {
@@ -283,7 +287,9 @@ async fn build_members(
         members.push(Member {
             host_header: HeaderValue::from_str(&m.url.authority())
                 .unwrap_or_else(|_| HeaderValue::from_static("invalid")),
+            name: m.name.clone(),
             url: m.url.clone(),
+            headers: m.headers.clone(),
             kind: m.kind.clone(),
             cell,
             attempts_ok: labels("ok"),

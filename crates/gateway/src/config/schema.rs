@@ -4,8 +4,9 @@
 //! and column rather than at the enclosing mapping.
 
 use std::net::SocketAddr;
-use std::num::{NonZeroU16, NonZeroU32, NonZeroU64};
+use std::num::{NonZeroU16, NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::{self, Deserializer};
@@ -313,7 +314,9 @@ pub struct QuotaConfig {
     /// What one quota counts: the whole route, each value of a header, or each client address.
     #[serde(default)]
     pub key: QuotaKey,
-    /// Every window must admit a request.
+    /// Every window must admit a request. May be empty on a route whose members have quotas
+    /// and which only sets `max_wait`.
+    #[serde(default)]
     pub windows: Vec<WindowConfig>,
     /// What a request costs.
     #[serde(default)]
@@ -321,6 +324,21 @@ pub struct QuotaConfig {
     /// What to do when the store cannot answer.
     #[serde(default)]
     pub on_store_error: OnStoreError,
+    /// How long a request may wait for capacity (the route's windows, a member's windows, a
+    /// cooldown ending) instead of being refused at once; 0 refuses at once.
+    #[serde(default = "no_wait")]
+    pub max_wait: Dur,
+    /// The most requests that may wait at once per route, per instance.
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: NonZeroUsize,
+}
+
+fn no_wait() -> Dur {
+    Dur(Duration::ZERO)
+}
+
+fn default_max_waiting() -> NonZeroUsize {
+    NonZeroUsize::new(1000).unwrap_or(NonZeroUsize::MIN)
 }
 
 /// `quota.key`.
@@ -598,6 +616,9 @@ pub struct UpstreamConfig {
     /// least_used only: what a restored member's count becomes.
     #[serde(default)]
     pub on_restore: Option<OnRestore>,
+    /// Cooldowns learned from the members' answers (SPEC §8).
+    #[serde(default)]
+    pub cooldown: Option<CooldownConfig>,
 }
 
 fn yes() -> bool {
@@ -646,12 +667,141 @@ pub enum OnRestore {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(try_from = "RawMember")]
 pub struct MemberConfig {
-    /// The member's identity and, for origins and proxies, where to connect.
+    /// Where to connect, for origins and proxies (for a proxy, without its credentials).
     pub url: MemberUrl,
+    /// The member's identity in logs, metrics, `/status` and the least-used pool (SPEC §8):
+    /// `name` when given, else the URL (without credentials), else `direct`.
+    pub name: Arc<str>,
+    /// Whether `name` was written, rather than taken from the URL.
+    pub named: bool,
     /// What the member is.
     pub kind: MemberKind,
     /// Round-robin weight (1 when absent); round_robin only.
     pub weight: Option<NonZeroU32>,
+    /// Headers set on every request sent to this member, replacing the client's: an API key
+    /// per member turns a pool into a pool of keys.
+    pub headers: MemberHeaders,
+    /// The member's own windows: the provider's limits on this key or proxy.
+    pub quota: Option<MemberQuota>,
+}
+
+/// `members[].headers`: set on every request to the member. Values are secrets: marked
+/// sensitive, and shown nowhere (`Debug` and `/status` list the names only).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct MemberHeaders(pub Vec<(http::HeaderName, http::HeaderValue)>);
+
+impl std::fmt::Debug for MemberHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|(n, _)| n))
+            .finish()
+    }
+}
+
+/// Headers a member's `headers` may not set: they belong to the connection or to the message
+/// framing, which sluice and Pingora own; changing them per member would desynchronize the
+/// request from its body, or break the hop.
+const RESERVED_HEADERS: &[&str] = &[
+    "connection",
+    "content-length",
+    "host",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+impl<'de> Deserialize<'de> for MemberHeaders {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = indexmap_like(d)?;
+        let mut out: Vec<(http::HeaderName, http::HeaderValue)> = Vec::with_capacity(raw.len());
+        for (name, value) in raw {
+            let header = http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| de::Error::custom(format!("invalid header name {name:?}")))?;
+            if RESERVED_HEADERS.contains(&header.as_str()) {
+                return Err(de::Error::custom(format!(
+                    "header {name:?} cannot be set per member: it belongs to the connection or the message framing"
+                )));
+            }
+            if out.iter().any(|(n, _)| *n == header) {
+                return Err(de::Error::custom(format!("header {name:?} is given twice")));
+            }
+            // The value is a secret: the message says what is wrong with it, never what it is.
+            let mut value = http::HeaderValue::from_str(&value).map_err(|_| {
+                de::Error::custom(format!(
+                    "the value of header {name:?} is not a valid header value (control characters or non-ASCII bytes)"
+                ))
+            })?;
+            value.set_sensitive(true);
+            out.push((header, value));
+        }
+        Ok(MemberHeaders(out))
+    }
+}
+
+/// A mapping of strings in document order (serde_yaml's `Mapping` keeps it), with every value
+/// read as a string: `X-Retries: 3` is the header value "3".
+fn indexmap_like<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, String)>, D::Error> {
+    let map = serde_yaml::Mapping::deserialize(d)?;
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let scalar = |v: serde_yaml::Value| -> Option<String> {
+            match v {
+                serde_yaml::Value::String(s) => Some(s),
+                serde_yaml::Value::Number(n) => Some(n.to_string()),
+                serde_yaml::Value::Bool(b) => Some(b.to_string()),
+                _ => None,
+            }
+        };
+        let Some(name) = scalar(k) else {
+            return Err(de::Error::custom("a header name must be a string"));
+        };
+        let Some(value) = scalar(v) else {
+            return Err(de::Error::custom(format!(
+                "the value of header {name:?} must be a string"
+            )));
+        };
+        out.push((name, value));
+    }
+    Ok(out)
+}
+
+/// `members[].quota`: the member's own windows, shared by every instance like a route's.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemberQuota {
+    /// Every window must admit a request sent to this member.
+    pub windows: Vec<WindowConfig>,
+}
+
+/// `upstream.cooldown`: what a member's own answers teach (SPEC §8).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CooldownConfig {
+    /// Statuses that cool the member down.
+    #[serde(default = "default_on_status")]
+    pub on_status: Vec<u16>,
+    /// The cooldown when the answer says nothing about when to come back.
+    #[serde(default = "default_member_cooldown")]
+    pub default: Dur,
+    /// The most an answer may ask for.
+    #[serde(default = "default_cooldown_max")]
+    pub max: Dur,
+    /// Send a request answered with one of `on_status` once more, to another member.
+    #[serde(default)]
+    pub retry: bool,
+}
+
+fn default_on_status() -> Vec<u16> {
+    vec![429]
+}
+fn default_member_cooldown() -> Dur {
+    Dur(Duration::from_secs(30))
+}
+fn default_cooldown_max() -> Dur {
+    Dur(Duration::from_secs(15 * 60))
 }
 
 /// What a member is.
@@ -689,6 +839,34 @@ struct RawMember {
     direct: Option<bool>,
     #[serde(default)]
     weight: Option<NonZeroU32>,
+    #[serde(default)]
+    name: Option<MemberName>,
+    #[serde(default)]
+    headers: MemberHeaders,
+    #[serde(default)]
+    quota: Option<MemberQuota>,
+}
+
+/// An explicit member name: it goes into log lines, metric labels and Redis keys, so it is a
+/// short token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MemberName(String);
+
+impl<'de> Deserialize<'de> for MemberName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 128
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+        if ok {
+            Ok(MemberName(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "invalid member name {s:?}: use 1 to 128 of A-Z a-z 0-9 _ - . :"
+            )))
+        }
+    }
 }
 
 impl TryFrom<RawMember> for MemberConfig {
@@ -712,10 +890,19 @@ impl TryFrom<RawMember> for MemberConfig {
             }
             _ => return Err("a member is one of url, proxy or direct: true, not several".into()),
         };
+        let named = raw.name.is_some();
+        let name: Arc<str> = match raw.name {
+            Some(MemberName(n)) => n.into(),
+            None => url.url.as_str().into(),
+        };
         Ok(MemberConfig {
             url,
+            name,
+            named,
             kind,
             weight: raw.weight,
+            headers: raw.headers,
+            quota: raw.quota,
         })
     }
 }
@@ -928,7 +1115,7 @@ impl MemberUrl {
             // The URL is the member's name in logs, metrics and /status, so credentials in it
             // would be published; sluice does not send them anyway.
             return Err(format!(
-                "invalid member url {shown:?}: credentials in a member url are not supported"
+                "invalid member url {shown:?}: credentials in a member url are never sent; set them in the member's headers, e.g. headers: {{Authorization: \"Bearer ${{API_KEY}}\"}}"
             ));
         }
         let host = uri

@@ -486,7 +486,7 @@ fn passwords_never_appear_in_error_messages() {
         assert!(!all[0].contains("s3cret"), "{}", all[0]);
     }
     assert!(errors(&cases[0])[0].contains("\"redis://***@127.0.0.1/x\""));
-    assert!(errors(&cases[3])[0].contains("credentials in a member url are not supported"));
+    assert!(errors(&cases[3])[0].contains("credentials in a member url are never sent"));
     assert_eq!(
         super::schema::redact("http://a@b@c/x@y"),
         "http://***@c/x@y"

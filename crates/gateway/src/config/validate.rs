@@ -20,6 +20,9 @@ const MIN_WINDOW: Duration = Duration::from_millis(1);
 /// The longest timeout, check interval or cooldown: past a day the setting is a typo (`1d`
 /// meant as `1s`?) rather than a plan, and the runtime adds these to instants.
 const MAX_DELAY: Duration = Duration::from_secs(86_400);
+/// The longest `max_wait`: a request held longer than this is better refused and retried by
+/// its client, which can see the `Retry-After`.
+const MAX_WAIT: Duration = Duration::from_secs(300);
 
 /// The largest limit, and so the largest cost (a cost above the smallest limit is refused):
 /// Redis scripts count in doubles, exact only up to 2^53, and the memory store adds a cost to
@@ -355,13 +358,47 @@ impl Config {
                 );
             }
             // One member however its URL is spelled: `HTTP://A`, `http://a` and `http://a:80`
-            // reach the same place.
+            // reach the same place. Two members may share an address only as two named
+            // identities (two API keys on one API).
             let mut members: HashMap<(bool, &str, u16), usize> = HashMap::new();
+            let mut names: HashMap<&str, usize> = HashMap::new();
             for (j, member) in up.members.iter().enumerate() {
                 let member_at = up_at.clone().key("members").index(j);
+                // Unnamed members clash by address, below, with the clearer message.
+                let named_clash = names.get(&*member.name).copied().filter(|&first| {
+                    member.named || up.members.get(first).is_some_and(|m| m.named)
+                });
+                if let Some(first) = named_clash {
+                    let at = if member.named {
+                        member_at.clone().key("name")
+                    } else {
+                        member_at.clone()
+                    };
+                    problems.push((
+                        at,
+                        format!(
+                            "duplicate member name {:?}: members[{first}] has it; names identify members in logs, metrics and the store, give each a distinct name",
+                            &*member.name
+                        ),
+                    ));
+                    continue;
+                }
+                names.entry(&member.name).or_insert(j);
+                if let Some(quota) = &member.quota {
+                    let at = member_at.clone().key("quota");
+                    if quota.windows.is_empty() {
+                        problems.push((
+                            at.clone().key("windows"),
+                            "a member quota needs at least one window".to_string(),
+                        ));
+                    }
+                    check_windows(&mut problems, &at, &quota.windows);
+                }
                 let u = &member.url;
                 let key = (u.tls, u.host.as_str(), u.port);
-                if let Some(&first) = members.get(&key) {
+                let both_named =
+                    |first: usize| member.named && up.members.get(first).is_some_and(|m| m.named);
+                if let Some(&first) = members.get(&key).filter(|&&f| !both_named(f)) {
                     let key = match member.kind {
                         MemberKind::Origin => member_at.clone().key("url"),
                         MemberKind::Proxy { .. } => member_at.clone().key("proxy"),
@@ -370,7 +407,7 @@ impl Config {
                     problems.push((
                         key,
                         format!(
-                            "duplicate member {:?} in this pool: members[{first}] is the same",
+                            "duplicate member {:?} in this pool: members[{first}] is the same (two members on one address need a name each)",
                             u.url
                         ),
                     ));
@@ -412,46 +449,59 @@ impl Config {
                     "on_restore applies to selection: least_used only".to_string(),
                 ));
             }
-            if let Some(quota) = &route.quota {
-                let at = at.clone().key("quota");
-                if quota.windows.is_empty() {
+            if let Some(cooldown) = &up.cooldown {
+                let at = up_at.clone().key("cooldown");
+                if cooldown.on_status.is_empty() {
                     problems.push((
-                        at.clone().key("windows"),
-                        "a quota needs at least one window".to_string(),
+                        at.clone().key("on_status"),
+                        "on_status needs at least one status, e.g. [429]".to_string(),
                     ));
                 }
-                let mut window_names = HashSet::new();
-                for (j, w) in quota.windows.iter().enumerate() {
-                    let window_at = at.clone().key("windows").index(j);
-                    if w.window.0 < MIN_WINDOW {
+                for (j, status) in cooldown.on_status.iter().enumerate() {
+                    if !(400..=599).contains(status) {
                         problems.push((
-                            window_at.clone().key("window"),
-                            format!(
-                                "window {} is shorter than 1ms: requests are timestamped in microseconds and windows reported in whole milliseconds, where this one would be 0",
-                                written(w.window.0)
-                            ),
-                        ));
-                    }
-                    at_most(
-                        &mut problems,
-                        window_at.clone().key("window"),
-                        w.window,
-                        MAX_WINDOW,
-                        "a window",
-                    );
-                    if w.limit.get() > MAX_UNITS {
-                        problems.push((
-                            window_at.clone().key("limit"),
-                            format!("limit {} is too large: at most 2^53 ({MAX_UNITS}), as Redis scripts count in doubles", w.limit),
-                        ));
-                    }
-                    if !window_names.insert(&w.name.0) {
-                        problems.push((
-                            at.clone().key("windows").index(j).key("name"),
-                            format!("duplicate window name {:?}", w.name.0),
+                            at.clone().key("on_status").index(j),
+                            format!("{status} is not an error status (400 to 599)"),
                         ));
                     }
                 }
+                at_most(
+                    &mut problems,
+                    at.clone().key("max"),
+                    cooldown.max,
+                    MAX_DELAY,
+                    "max",
+                );
+                if cooldown.default.0 > cooldown.max.0 {
+                    problems.push((
+                        at.clone().key("default"),
+                        format!(
+                            "default {} is longer than max {}",
+                            written(cooldown.default.0),
+                            written(cooldown.max.0)
+                        ),
+                    ));
+                }
+            }
+            if let Some(quota) = &route.quota {
+                let at = at.clone().key("quota");
+                let member_windows = up.members.iter().any(|m| m.quota.is_some());
+                let waits = !quota.max_wait.0.is_zero();
+                if quota.windows.is_empty() && !(waits && (member_windows || up.cooldown.is_some()))
+                {
+                    problems.push((
+                        at.clone().key("windows"),
+                        "a quota needs at least one window (a route may give none only to set max_wait for its members' quotas or cooldowns)".to_string(),
+                    ));
+                }
+                at_most(
+                    &mut problems,
+                    at.clone().key("max_wait"),
+                    quota.max_wait,
+                    MAX_WAIT,
+                    "max_wait",
+                );
+                check_windows(&mut problems, &at, &quota.windows);
                 if let Some(smallest) = quota.windows.iter().map(|w| w.limit.get()).min() {
                     let too_costly = |cost: u64| {
                         format!(
@@ -513,6 +563,42 @@ impl Config {
             }
         }
         problems
+    }
+}
+
+/// The rules every list of windows follows, a route's or a member's.
+fn check_windows(problems: &mut Vec<(YamlPath, String)>, at: &YamlPath, windows: &[WindowConfig]) {
+    let mut window_names = HashSet::new();
+    for (j, w) in windows.iter().enumerate() {
+        let window_at = at.clone().key("windows").index(j);
+        if w.window.0 < MIN_WINDOW {
+            problems.push((
+                window_at.clone().key("window"),
+                format!(
+                    "window {} is shorter than 1ms: requests are timestamped in microseconds and windows reported in whole milliseconds, where this one would be 0",
+                    written(w.window.0)
+                ),
+            ));
+        }
+        at_most(
+            problems,
+            window_at.clone().key("window"),
+            w.window,
+            MAX_WINDOW,
+            "a window",
+        );
+        if w.limit.get() > MAX_UNITS {
+            problems.push((
+                window_at.clone().key("limit"),
+                format!("limit {} is too large: at most 2^53 ({MAX_UNITS}), as Redis scripts count in doubles", w.limit),
+            ));
+        }
+        if !window_names.insert(&w.name.0) {
+            problems.push((
+                window_at.key("name"),
+                format!("duplicate window name {:?}", w.name.0),
+            ));
+        }
     }
 }
 

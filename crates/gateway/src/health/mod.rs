@@ -46,7 +46,7 @@ pub(crate) fn pool_for(
         .members
         .iter()
         .map(|m| {
-            let id: Arc<str> = m.url.url.as_str().into();
+            let id: Arc<str> = m.name.clone();
             let health = before
                 .and_then(|b| b.members().iter().find(|s| s.id == id))
                 .map_or_else(|| Arc::new(MemberHealth::new()), |s| s.health.clone());

@@ -44,7 +44,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
 
     let req = session.req_header();
     let (authority, path) = ctx.target.authority_and_path(req);
-    let member = ctx.member().map_or("", |m| m.url.url.as_str());
+    let member = ctx.member().map_or("", |m| &*m.name);
     crate::logging::access(&crate::logging::AccessLine {
         route: route_name,
         method: req.method.as_str(),

@@ -186,7 +186,7 @@ pub(crate) async fn decide(
     let ratelimit_of = |outcome: Option<&sluice_state::Outcome>| {
         quota
             .zip(outcome)
-            .and_then(|(q, o)| answer::ratelimit(q, o))
+            .and_then(|(q, o)| answer::ratelimit(q, o, key))
     };
     match admission {
         Admission::Admitted {

@@ -14,15 +14,19 @@ use crate::headers::strip_hop_by_hop;
 use crate::problem::{self, Problem};
 use crate::quota::RouteQuota;
 
-/// The `RateLimit` item of a request on a route with a quota.
-pub(crate) fn ratelimit(quota: &RouteQuota, outcome: &Outcome) -> Option<HeaderValue> {
-    crate::ratelimit::item(&quota.windows, outcome)
+/// The `RateLimit` item of a request on a route with a quota; `key` is the request's quota
+/// key, which a per-key quota announces as the partition key.
+pub(crate) fn ratelimit(quota: &RouteQuota, outcome: &Outcome, key: &str) -> Option<HeaderValue> {
+    let partition = (quota.key != crate::config::QuotaKey::Route).then_some(key);
+    crate::ratelimit::item(&quota.windows, outcome, partition)
 }
 
-/// Adds the route's `RateLimit-Policy` and the request's `RateLimit` to a response head.
+/// Adds the route's `RateLimit-Policy` and the request's `RateLimit` to a response head, as
+/// field lines of their own: a member's own items stay (see [`crate::ratelimit`]).
 fn add_ratelimit(head: &mut ResponseHeader, quota: &RouteQuota, value: HeaderValue) -> Result<()> {
-    head.insert_header("ratelimit-policy", quota.policy.clone())?;
-    head.insert_header("ratelimit", value)
+    head.append_header("ratelimit-policy", quota.policy.clone())?;
+    head.append_header("ratelimit", value)?;
+    Ok(())
 }
 
 /// Sends a gateway-made answer, with the request's `RateLimit` headers when it has them.

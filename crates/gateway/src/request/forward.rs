@@ -185,6 +185,13 @@ pub(crate) fn request_headers(
         }
         _ => {}
     }
+    // The member's own headers (its API key) replace whatever the client sent under the same
+    // names: a client must not choose which key is spent.
+    if let Some(m) = ctx.member() {
+        for (name, value) in &m.headers.0 {
+            upstream.insert_header(name.clone(), value.clone())?;
+        }
+    }
     if let Some(ip) = session
         .client_addr()
         .and_then(|a| a.as_inet())

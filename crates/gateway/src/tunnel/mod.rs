@@ -287,7 +287,7 @@ impl Tunnels {
                 Err(failure) => {
                     member.attempts_connect_failure.inc();
                     all_refused &= failure.refused;
-                    tracing::debug!(target: "sluice::tunnel", route = %route.name, member = %member.url.url, %failure, "tunnel attempt failed");
+                    tracing::debug!(target: "sluice::tunnel", route = %route.name, member = %member.name, %failure, "tunnel attempt failed");
                     if member.kind == crate::config::MemberKind::Direct {
                         // The client's target failed, not the member: health is not touched.
                         drop(attempt);
@@ -368,7 +368,7 @@ impl Tunnels {
             .as_ref()
             .zip(end.member)
             .and_then(|(r, i)| r.members.get(i))
-            .map_or("", |m| m.url.url.as_str());
+            .map_or("", |m| &*m.name);
         crate::logging::access(&crate::logging::AccessLine {
             route: route_name,
             method: "CONNECT",

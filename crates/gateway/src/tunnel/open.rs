@@ -119,6 +119,13 @@ pub(super) async fn connect(
                 head.push_str(auth.to_str().unwrap_or_default());
                 head.push_str("\r\n");
             }
+            // The member's own headers go to the proxy it is (a vendor's key header, say).
+            for (name, value) in &member.headers.0 {
+                head.push_str(name.as_str());
+                head.push_str(": ");
+                head.push_str(value.to_str().unwrap_or_default());
+                head.push_str("\r\n");
+            }
             head.push_str("\r\n");
             let answer = async {
                 stream
