@@ -2,11 +2,14 @@
 //!
 //! [`Connection`] turns a byte stream into [`Request`]s and writes [`Response`]s
 //! back. Request bodies are read and discarded: the echo server only reports
-//! how long they were, so there is no reason to keep them in memory.
+//! how long they were, so there is no reason to keep them in memory. A
+//! connection made with `capture` set also hashes each body and keeps its
+//! first [`MAX_KEPT_BODY`] bytes, for the request log.
 
 use std::io;
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -22,6 +25,9 @@ const MAX_HEADERS: usize = 100;
 
 /// How many bytes to ask the socket for at a time.
 const READ_CHUNK: usize = 8 * 1024;
+
+/// How much of a captured body is kept; the hash covers all of it.
+pub const MAX_KEPT_BODY: usize = 64 * 1024;
 
 /// How long a closing connection keeps draining what the peer still sends.
 /// Closing a socket with unread input makes the kernel send a reset, which
@@ -39,6 +45,44 @@ pub(crate) struct Request {
     /// Header fields in arrival order, names lowercased.
     pub(crate) headers: Vec<(String, String)>,
     pub(crate) body_len: u64,
+    /// The body's hash and first bytes, when the connection captures bodies.
+    pub(crate) body: Option<CapturedBody>,
+}
+
+/// What a capturing connection keeps of a request body.
+#[derive(Debug)]
+pub(crate) struct CapturedBody {
+    pub(crate) sha256: [u8; 32],
+    /// The first [`MAX_KEPT_BODY`] bytes.
+    pub(crate) kept: Vec<u8>,
+}
+
+/// Hashes a body as it streams past and keeps its beginning.
+struct BodySink {
+    hasher: Sha256,
+    kept: Vec<u8>,
+}
+
+impl BodySink {
+    fn new() -> BodySink {
+        BodySink {
+            hasher: Sha256::new(),
+            kept: Vec::new(),
+        }
+    }
+
+    fn take(&mut self, bytes: &[u8]) {
+        self.hasher.update(bytes);
+        let room = MAX_KEPT_BODY - self.kept.len();
+        self.kept.extend_from_slice(&bytes[..room.min(bytes.len())]);
+    }
+
+    fn finish(self) -> CapturedBody {
+        CapturedBody {
+            sha256: self.hasher.finalize().into(),
+            kept: self.kept,
+        }
+    }
 }
 
 impl Request {
@@ -174,13 +218,16 @@ impl Response {
 pub(crate) struct Connection {
     stream: TcpStream,
     buffer: Vec<u8>,
+    /// Whether request bodies are hashed and their beginnings kept.
+    capture: bool,
 }
 
 impl Connection {
-    pub(crate) fn new(stream: TcpStream) -> Connection {
+    pub(crate) fn new(stream: TcpStream, capture: bool) -> Connection {
         Connection {
             stream,
             buffer: Vec::with_capacity(READ_CHUNK),
+            capture,
         }
     }
 
@@ -212,14 +259,16 @@ impl Connection {
                 .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
                 .await?;
         }
+        let mut sink = self.capture.then(BodySink::new);
         request.body_len = match framing {
             BodyFraming::Empty => 0,
             BodyFraming::Length(len) => {
-                self.skip_exact(len).await?;
+                self.skip_exact(len, &mut sink).await?;
                 len
             }
-            BodyFraming::Chunked => self.skip_chunked().await?,
+            BodyFraming::Chunked => self.skip_chunked(&mut sink).await?,
         };
+        request.body = sink.map(BodySink::finish);
         Ok(Some(request))
     }
 
@@ -285,13 +334,16 @@ impl Connection {
         }
     }
 
-    /// Consumes exactly `len` body bytes.
-    async fn skip_exact(&mut self, mut len: u64) -> io::Result<()> {
+    /// Consumes exactly `len` body bytes, passing them to `sink` if there is one.
+    async fn skip_exact(&mut self, mut len: u64, sink: &mut Option<BodySink>) -> io::Result<()> {
         loop {
             let available = self
                 .buffer
                 .len()
                 .min(usize::try_from(len).unwrap_or(usize::MAX));
+            if let Some(sink) = sink {
+                sink.take(&self.buffer[..available]);
+            }
             self.buffer.drain(..available);
             len -= available as u64;
             if len == 0 {
@@ -302,7 +354,7 @@ impl Connection {
     }
 
     /// Consumes a chunked body including trailers and returns its decoded length.
-    async fn skip_chunked(&mut self) -> Result<u64, ReadError> {
+    async fn skip_chunked(&mut self, sink: &mut Option<BodySink>) -> Result<u64, ReadError> {
         let mut total: u64 = 0;
         loop {
             let size = self.read_chunk_size().await?;
@@ -310,7 +362,7 @@ impl Connection {
                 self.skip_trailers().await?;
                 return Ok(total);
             }
-            self.skip_exact(size).await?;
+            self.skip_exact(size, sink).await?;
             if self.read_line().await? != 0 {
                 return Err(ReadError::Malformed("chunk data not followed by CRLF"));
             }
@@ -399,6 +451,7 @@ fn parse_head(buffer: &[u8]) -> Result<Option<(Request, usize)>, ReadError> {
             })
             .collect(),
         body_len: 0,
+        body: None,
     };
     Ok(Some((request, head_len)))
 }

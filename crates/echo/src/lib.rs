@@ -13,6 +13,44 @@
 //! * `/status/NNN` answers with status NNN.
 //! * [`EchoServer::stop`] behaves like an instance leaving during a rolling
 //!   deploy.
+//! * An `x-force-429: VALUE` request header answers `429` with
+//!   `Retry-After: VALUE` (a refusal a client such as curl can trigger).
+//!
+//! # A key-limited API stub
+//!
+//! [`EchoServer::start_with`] and [`EchoOptions`] make the server behave like
+//! an API that limits each API key, which is what a pool of keys in front of
+//! it has to cope with. A request's key is its `Authorization` value (none:
+//! the empty key); `/healthz` is never counted or limited.
+//!
+//! * With [`EchoOptions::key_limit`] `Some((limit, window))`, each key has a
+//!   sliding window at the server's own monotonic clock. A request past the
+//!   limit gets `429` with `Retry-After` (whole seconds until the oldest
+//!   counted request leaves the window, at least 1) and the JSON body
+//!   `{"error":"rate_limited","key_hint":"<last 4 characters of the key>"}`.
+//!   Refused requests are not counted in the window.
+//! * With [`EchoOptions::ratelimit_headers`], answers of a key-limited server
+//!   carry `RateLimit-Policy: "api";q=LIMIT;w=SECS` and
+//!   `RateLimit: "api";r=REMAINING;t=SECS`.
+//! * [`EchoServer::refuse_next`] scripts refusals for one key, whatever its
+//!   window says; [`EchoServer::served`], [`EchoServer::refused`] and
+//!   [`EchoServer::keys`] count per key, and with
+//!   [`EchoOptions::log_requests`], [`EchoServer::request_log`] tells which
+//!   body went to which key.
+//!
+//! ```no_run
+//! # async fn demo() -> std::io::Result<()> {
+//! use std::time::Duration;
+//! use sluice_echo::{EchoOptions, EchoServer};
+//!
+//! let options = EchoOptions::key_limited(5, Duration::from_secs(60));
+//! let api = EchoServer::start_with("api", "127.0.0.1:0".parse().unwrap(), options).await?;
+//! api.refuse_next("Bearer key-a", 1, "2")?;
+//! // ... send requests through the gateway ...
+//! assert_eq!(api.refused("Bearer key-a"), 1);
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -24,6 +62,7 @@
 //! ```
 
 mod connection;
+mod keys;
 
 use std::io;
 use std::net::SocketAddr;
@@ -36,6 +75,59 @@ use tokio::sync::{oneshot, Mutex};
 use tokio::task::JoinHandle;
 
 use connection::{Connection, ReadError, Request, Response};
+use keys::{Decision, Keys, Quota, Scripted, POLICY};
+
+pub use connection::MAX_KEPT_BODY;
+
+/// How a server started with [`EchoServer::start_with`] behaves beyond echoing.
+///
+/// `EchoOptions::default()` is the plain echo server of [`EchoServer::start`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EchoOptions {
+    /// `Some((limit, window))`: at most `limit` admitted requests per key in
+    /// any `window`, at the server's own clock. Both must be non-zero.
+    pub key_limit: Option<(u64, Duration)>,
+    /// Send `RateLimit-Policy` and `RateLimit` fields on the answers of a
+    /// key-limited server (ignored without `key_limit`).
+    pub ratelimit_headers: bool,
+    /// Keep a [`LoggedRequest`] for every request but `/healthz` probes, body
+    /// hash included. Memory grows with every request: for tests.
+    pub log_requests: bool,
+}
+
+impl EchoOptions {
+    /// A key-limited API stub as tests want it: `limit` requests per key per
+    /// `window`, its own RateLimit fields, and the request log.
+    pub fn key_limited(limit: u64, window: Duration) -> EchoOptions {
+        EchoOptions {
+            key_limit: Some((limit, window)),
+            ratelimit_headers: true,
+            log_requests: true,
+        }
+    }
+
+    /// Parses a key limit written `LIMIT/WINDOW`, as `sluice-echo --key-limit`
+    /// takes it: `5/10s`, `100/1m`, `3/500ms`, `1000/1h`.
+    pub fn parse_key_limit(text: &str) -> Result<(u64, Duration), String> {
+        keys::parse_key_limit(text)
+    }
+}
+
+/// One request as a server with [`EchoOptions::log_requests`] saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoggedRequest {
+    /// The `Authorization` value, or "" without one.
+    pub key: String,
+    pub method: String,
+    pub target: String,
+    /// The status the server answered with.
+    pub status: u16,
+    pub body_len: u64,
+    /// SHA-256 of the whole body, lowercase hex.
+    pub body_sha256: String,
+    /// The body's first [`MAX_KEPT_BODY`] bytes.
+    pub body: Vec<u8>,
+}
 
 /// Handle to a running echo server.
 ///
@@ -55,6 +147,11 @@ struct Shared {
     requests: AtomicU64,
     proxied_requests: AtomicU64,
     healthy: AtomicBool,
+    options: EchoOptions,
+    /// Per-key windows, counters and scripted refusals. A std mutex: it is
+    /// never held across an await.
+    keys: std::sync::Mutex<Keys>,
+    log: std::sync::Mutex<Vec<LoggedRequest>>,
     /// Set by `stop`; connections read it when answering to decide whether
     /// this is their last response.
     stopping: AtomicBool,
@@ -77,11 +174,27 @@ impl EchoServer {
     /// Fails if the address cannot be bound, or if `name` contains control
     /// characters (it is sent back in a header).
     pub async fn start(name: &str, addr: SocketAddr) -> io::Result<EchoServer> {
+        EchoServer::start_with(name, addr, EchoOptions::default()).await
+    }
+
+    /// Like [`EchoServer::start`], with the key-limited API behaviour that
+    /// `options` asks for (see the [crate documentation](crate)).
+    ///
+    /// Also fails if `options.key_limit` has a zero limit or window.
+    pub async fn start_with(
+        name: &str,
+        addr: SocketAddr,
+        options: EchoOptions,
+    ) -> io::Result<EchoServer> {
         if name.chars().any(char::is_control) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
+            return Err(invalid_input(
                 "server name must not contain control characters",
             ));
+        }
+        if let Some((limit, window)) = options.key_limit {
+            if limit == 0 || window.is_zero() {
+                return Err(invalid_input("key_limit needs a non-zero limit and window"));
+            }
         }
         let listener = TcpListener::bind(addr).await?;
         let (shutdown, shutdown_rx) = oneshot::channel();
@@ -91,6 +204,9 @@ impl EchoServer {
             requests: AtomicU64::new(0),
             proxied_requests: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
+            keys: std::sync::Mutex::new(Keys::new(options.key_limit)),
+            log: std::sync::Mutex::new(Vec::new()),
+            options,
             stopping: AtomicBool::new(false),
             acceptor: Mutex::new(None),
         });
@@ -117,6 +233,53 @@ impl EchoServer {
     /// Requests received, excluding `/healthz` probes.
     pub fn proxied_requests(&self) -> u64 {
         self.shared.proxied_requests.load(Ordering::SeqCst)
+    }
+
+    /// Requests with the `Authorization` value `key` that were admitted (not
+    /// answered 429 by this server). `/healthz` probes are never counted.
+    pub fn served(&self, key: &str) -> u64 {
+        self.shared.keys().served(key)
+    }
+
+    /// Requests with the `Authorization` value `key` that this server
+    /// answered 429: past the key's limit, scripted, or `x-force-429`.
+    pub fn refused(&self, key: &str) -> u64 {
+        self.shared.keys().refused(key)
+    }
+
+    /// `(key, served, refused)` for every key seen (or scripted), sorted by key.
+    pub fn keys(&self) -> Vec<(String, u64, u64)> {
+        self.shared.keys().snapshot()
+    }
+
+    /// The requests seen so far, in the order they were answered. Empty
+    /// unless started with [`EchoOptions::log_requests`].
+    pub fn request_log(&self) -> Vec<LoggedRequest> {
+        self.shared.log().clone()
+    }
+
+    /// The next `n` requests with the `Authorization` value `key` get `429`
+    /// with exactly `Retry-After: retry_after` (seconds such as `"2"`, or an
+    /// HTTP-date), whatever the key's window says, and are not counted in it.
+    ///
+    /// Fails if `retry_after` is not a valid header value.
+    pub fn refuse_next(&self, key: &str, n: u64, retry_after: &str) -> io::Result<()> {
+        check_header_value(retry_after)?;
+        self.shared
+            .keys()
+            .script(key, n, Scripted::RetryAfter(retry_after.to_string()));
+        Ok(())
+    }
+
+    /// Like [`EchoServer::refuse_next`], but the 429s carry no `Retry-After`,
+    /// only `RateLimit: ratelimit` (e.g. `"api";r=0;t=7`), the way an API
+    /// that tells its reset time only in the RateLimit fields does.
+    pub fn refuse_next_with_ratelimit(&self, key: &str, n: u64, ratelimit: &str) -> io::Result<()> {
+        check_header_value(ratelimit)?;
+        self.shared
+            .keys()
+            .script(key, n, Scripted::RateLimit(ratelimit.to_string()));
+        Ok(())
     }
 
     /// Makes `GET /healthz` answer 200 (`true`) or 503 (`false`).
@@ -174,7 +337,7 @@ async fn accept_loop(
 async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
     // Small answers are written in one go; don't let Nagle hold them back.
     let _ = stream.set_nodelay(true);
-    let mut connection = Connection::new(stream);
+    let mut connection = Connection::new(stream, shared.options.log_requests);
     loop {
         let request = match connection.read_request().await {
             Ok(Some(request)) => request,
@@ -229,14 +392,69 @@ impl Shared {
             }
         }
 
-        let path = request.path();
-        let response = if path == "/healthz" {
+        let response = if request.path() == "/healthz" {
             if self.healthy.load(Ordering::SeqCst) {
                 text(200, "ok")
             } else {
                 text(503, "unhealthy")
             }
-        } else if let Some(code) = path.strip_prefix("/status/") {
+        } else {
+            let response = self.keyed(request);
+            self.log_request(request, &response);
+            response
+        };
+        self.tagged(response)
+    }
+
+    /// The answer to a request that counts against its key.
+    fn keyed(&self, request: &Request) -> Response {
+        let key = request.header("authorization").unwrap_or("");
+        if let Some(retry_after) = request.header("x-force-429") {
+            if retry_after.trim().is_empty() {
+                return text(400, "bad request: empty x-force-429\n");
+            }
+            self.keys().count_refused(key);
+            let mut response = rate_limited(key);
+            response
+                .headers
+                .push(("retry-after", retry_after.trim().to_string()));
+            return response;
+        }
+        let decision = self.keys().decide(key, tokio::time::Instant::now());
+        match decision {
+            Decision::Admit(quota) => {
+                let mut response = self.route(request);
+                if let Some(quota) = quota.filter(|_| self.options.ratelimit_headers) {
+                    ratelimit_fields(&mut response, &quota);
+                }
+                response
+            }
+            Decision::OverLimit(quota) => {
+                let mut response = rate_limited(key);
+                response
+                    .headers
+                    .push(("retry-after", quota.reset_secs.to_string()));
+                if self.options.ratelimit_headers {
+                    ratelimit_fields(&mut response, &quota);
+                }
+                response
+            }
+            Decision::Scripted(Scripted::RetryAfter(value)) => {
+                let mut response = rate_limited(key);
+                response.headers.push(("retry-after", value));
+                response
+            }
+            Decision::Scripted(Scripted::RateLimit(value)) => {
+                let mut response = rate_limited(key);
+                response.headers.push(("ratelimit", value));
+                response
+            }
+        }
+    }
+
+    /// The answer to an admitted request: `/status/NNN` or the echo.
+    fn route(&self, request: &Request) -> Response {
+        if let Some(code) = request.path().strip_prefix("/status/") {
             match code.parse::<u16>() {
                 // 1xx are interim responses and cannot end an exchange.
                 Ok(status @ 200..=599) => self.echo(status, request),
@@ -244,8 +462,36 @@ impl Shared {
             }
         } else {
             self.echo(200, request)
+        }
+    }
+
+    fn log_request(&self, request: &Request, response: &Response) {
+        if !self.options.log_requests {
+            return;
+        }
+        let (body_sha256, body) = match &request.body {
+            Some(captured) => (hex(&captured.sha256), captured.kept.clone()),
+            None => (String::new(), Vec::new()),
         };
-        self.tagged(response)
+        self.log().push(LoggedRequest {
+            key: request.header("authorization").unwrap_or("").to_string(),
+            method: request.method.clone(),
+            target: request.target.clone(),
+            status: response.status,
+            body_len: request.body_len,
+            body_sha256,
+            body,
+        });
+    }
+
+    fn keys(&self) -> std::sync::MutexGuard<'_, Keys> {
+        // A panic while holding the lock cannot leave the counters half-updated
+        // in a way that matters to a test double; keep serving.
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn log(&self) -> std::sync::MutexGuard<'_, Vec<LoggedRequest>> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A JSON description of `request` as seen by this server.
@@ -284,6 +530,47 @@ impl Shared {
 
 fn text(status: u16, body: &str) -> Response {
     Response::new(status, "text/plain", body)
+}
+
+/// The stub's 429, without the field that says when to come back.
+fn rate_limited(key: &str) -> Response {
+    let document = serde_json::json!({
+        "error": "rate_limited",
+        "key_hint": keys::key_hint(key),
+    });
+    let mut body = document.to_string().into_bytes();
+    body.push(b'\n');
+    Response::new(429, "application/json", body)
+}
+
+/// The stub's own RateLimit fields (draft-ietf-httpapi-ratelimit-headers).
+fn ratelimit_fields(response: &mut Response, quota: &Quota) {
+    response.headers.push((
+        "ratelimit-policy",
+        format!("\"{POLICY}\";q={};w={}", quota.limit, quota.window_secs),
+    ));
+    response.headers.push((
+        "ratelimit",
+        format!("\"{POLICY}\";r={};t={}", quota.remaining, quota.reset_secs),
+    ));
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn invalid_input(message: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, message.to_string())
+}
+
+/// A value we send back in a header must not break the response head.
+fn check_header_value(value: &str) -> io::Result<()> {
+    if value.is_empty() || value.chars().any(|c| c.is_control() && c != '\t') {
+        return Err(invalid_input(
+            "a header value must be non-empty and free of control characters",
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -613,6 +900,237 @@ mod tests {
         // Stopping twice is harmless.
         server.stop().await;
         assert_eq!(server.requests(), 2);
+    }
+
+    // --- the key-limited API stub -------------------------------------------------------
+
+    /// Long enough that no window can expire while a test runs.
+    const WINDOW: Duration = Duration::from_secs(60);
+
+    async fn start_keyed(name: &str, options: EchoOptions) -> EchoServer {
+        EchoServer::start_with(name, "127.0.0.1:0".parse().unwrap(), options)
+            .await
+            .expect("start echo server")
+    }
+
+    fn get_with_key(key: Option<&str>) -> Vec<u8> {
+        let auth = key.map_or(String::new(), |k| format!("Authorization: {k}\r\n"));
+        format!("GET /v1/things HTTP/1.1\r\nHost: api\r\n{auth}\r\n").into_bytes()
+    }
+
+    #[tokio::test]
+    async fn key_limit_holds_per_key_with_retry_after_and_ratelimit_fields() {
+        let api = start_keyed("api", EchoOptions::key_limited(3, WINDOW)).await;
+        let mut client = Client::connect(api.local_addr()).await;
+
+        for remaining in [2, 1, 0] {
+            client.send(&get_with_key(Some("Bearer key-aaaa"))).await;
+            let reply = client.receive().await;
+            assert_eq!(reply.status, 200);
+            assert_eq!(reply.header("x-upstream"), Some("api"));
+            assert_eq!(reply.json()["headers"]["authorization"], "Bearer key-aaaa");
+            assert_eq!(reply.header("ratelimit-policy"), Some("\"api\";q=3;w=60"));
+            let ratelimit = reply.header("ratelimit").expect("RateLimit on a 200");
+            let prefix = format!("\"api\";r={remaining};t=");
+            let t: u64 = ratelimit
+                .strip_prefix(&prefix)
+                .unwrap_or_else(|| panic!("{ratelimit:?} should start with {prefix:?}"))
+                .parse()
+                .expect("t is whole seconds");
+            assert!((1..=60).contains(&t), "{ratelimit}");
+        }
+
+        client.send(&get_with_key(Some("Bearer key-aaaa"))).await;
+        let refused = client.receive().await;
+        assert_eq!(refused.status, 429);
+        assert_eq!(refused.header("x-upstream"), Some("api"));
+        assert_eq!(refused.header("content-type"), Some("application/json"));
+        let retry_after: u64 = refused
+            .header("retry-after")
+            .expect("Retry-After on the 429")
+            .parse()
+            .expect("whole seconds");
+        // The oldest request leaves the 60 s window at most 60 s from now, at least 1 s.
+        assert!((1..=60).contains(&retry_after), "{retry_after}");
+        assert_eq!(
+            refused.json(),
+            serde_json::json!({"error": "rate_limited", "key_hint": "aaaa"})
+        );
+        assert_eq!(
+            refused.header("ratelimit"),
+            Some(format!("\"api\";r=0;t={retry_after}").as_str())
+        );
+
+        // Other keys, and the key-less requests, have windows of their own.
+        client.send(&get_with_key(Some("Bearer key-bbbb"))).await;
+        assert_eq!(client.receive().await.status, 200);
+        for _ in 0..3 {
+            client.send(&get_with_key(None)).await;
+            assert_eq!(client.receive().await.status, 200);
+        }
+        client.send(&get_with_key(None)).await;
+        let keyless = client.receive().await;
+        assert_eq!(keyless.status, 429);
+        assert_eq!(keyless.json()["key_hint"], "");
+
+        // Health probes are neither counted nor limited.
+        client
+            .send(b"GET /healthz HTTP/1.1\r\nHost: api\r\n\r\n")
+            .await;
+        assert_eq!(client.receive().await.status, 200);
+
+        assert_eq!(api.served("Bearer key-aaaa"), 3);
+        assert_eq!(api.refused("Bearer key-aaaa"), 1);
+        assert_eq!(api.served("Bearer key-zzzz"), 0);
+        assert_eq!(
+            api.keys(),
+            vec![
+                (String::new(), 3, 1),
+                ("Bearer key-aaaa".to_string(), 3, 1),
+                ("Bearer key-bbbb".to_string(), 1, 0),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn scripted_refusals_say_exactly_what_they_were_given() {
+        let api = start_keyed("api", EchoOptions::key_limited(100, WINDOW)).await;
+        let mut client = Client::connect(api.local_addr()).await;
+        let key = "Bearer sk-cool";
+        api.refuse_next(key, 2, "864000").unwrap();
+        api.refuse_next(key, 1, "Wed, 21 Oct 2037 07:28:00 GMT")
+            .unwrap();
+        api.refuse_next_with_ratelimit(key, 1, "\"api\";r=0;t=7")
+            .unwrap();
+
+        for expected in ["864000", "864000", "Wed, 21 Oct 2037 07:28:00 GMT"] {
+            client.send(&get_with_key(Some(key))).await;
+            let reply = client.receive().await;
+            assert_eq!(reply.status, 429);
+            assert_eq!(reply.header("retry-after"), Some(expected));
+            assert_eq!(reply.header("ratelimit"), None);
+            assert_eq!(reply.json()["key_hint"], "cool");
+        }
+        client.send(&get_with_key(Some(key))).await;
+        let ratelimited = client.receive().await;
+        assert_eq!(ratelimited.status, 429);
+        assert_eq!(ratelimited.header("retry-after"), None);
+        assert_eq!(ratelimited.header("ratelimit"), Some("\"api\";r=0;t=7"));
+
+        // Scripted refusals were not counted in the window: all 100 are left.
+        client.send(&get_with_key(Some(key))).await;
+        let served = client.receive().await;
+        assert_eq!(served.status, 200);
+        assert!(
+            served
+                .header("ratelimit")
+                .is_some_and(|v| v.starts_with("\"api\";r=99;")),
+            "{:?}",
+            served.header("ratelimit")
+        );
+        // Another key was never affected.
+        client.send(&get_with_key(Some("Bearer other"))).await;
+        assert_eq!(client.receive().await.status, 200);
+
+        assert_eq!((api.served(key), api.refused(key)), (1, 4));
+        assert!(api.refuse_next(key, 1, "2\r\nx-evil: 1").is_err());
+        assert!(api.refuse_next(key, 1, "").is_err());
+    }
+
+    #[tokio::test]
+    async fn refusals_work_without_a_key_limit_too() {
+        let server = start("plain").await;
+        let mut client = Client::connect(server.local_addr()).await;
+        server.refuse_next("Bearer k", 1, "2").unwrap();
+
+        client.send(&get_with_key(Some("Bearer k"))).await;
+        assert_eq!(client.receive().await.header("retry-after"), Some("2"));
+        // x-force-429 is the same refusal, asked for by the request itself.
+        client
+            .send(b"GET / HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer k\r\nx-force-429: 5\r\n\r\n")
+            .await;
+        let forced = client.receive().await;
+        assert_eq!(forced.status, 429);
+        assert_eq!(forced.header("retry-after"), Some("5"));
+        assert_eq!(forced.header("x-upstream"), Some("plain"));
+
+        client.send(&get_with_key(Some("Bearer k"))).await;
+        let served = client.receive().await;
+        assert_eq!(served.status, 200);
+        // Without a key limit there are no RateLimit fields, and no request log.
+        assert_eq!(served.header("ratelimit"), None);
+        assert_eq!(served.header("ratelimit-policy"), None);
+        assert_eq!(server.keys(), vec![("Bearer k".to_string(), 1, 2)]);
+        assert!(server.request_log().is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_request_log_tells_which_body_went_to_which_key() {
+        let api = start_keyed("api", EchoOptions::key_limited(1, WINDOW)).await;
+        let mut client = Client::connect(api.local_addr()).await;
+
+        client
+            .send(b"POST /v1/chat HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer a\r\nContent-Length: 11\r\n\r\nhello world")
+            .await;
+        assert_eq!(client.receive().await.status, 200);
+        // Refused by the window, but logged: the body did reach the API.
+        client
+            .send(
+                b"POST /v1/chat HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer a\r\nTransfer-Encoding: chunked\r\n\r\n\
+                  5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+            )
+            .await;
+        assert_eq!(client.receive().await.status, 429);
+        // Larger than what is kept: the hash still covers all of it.
+        let big = vec![b'x'; MAX_KEPT_BODY + 10];
+        let mut raw =
+            format!("PUT /big HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer b\r\nContent-Length: {}\r\n\r\n", big.len())
+                .into_bytes();
+        raw.extend_from_slice(&big);
+        client.send(&raw).await;
+        assert_eq!(client.receive().await.status, 200);
+        client
+            .send(b"GET /healthz HTTP/1.1\r\nHost: api\r\n\r\n")
+            .await;
+        client.receive().await;
+
+        let log = api.request_log();
+        assert_eq!(log.len(), 3, "{log:?}");
+        let hello_sha = "b94d27b9934d3e08a52e52d7da7dabfac484efe37a5380ee9088f7ace2efcde9";
+        for (entry, status) in log[..2].iter().zip([200, 429]) {
+            assert_eq!(entry.key, "Bearer a");
+            assert_eq!(
+                (entry.method.as_str(), entry.target.as_str()),
+                ("POST", "/v1/chat")
+            );
+            assert_eq!(entry.status, status);
+            assert_eq!(entry.body_len, 11);
+            assert_eq!(entry.body, b"hello world");
+            assert_eq!(entry.body_sha256, hello_sha);
+        }
+        let big_entry = &log[2];
+        assert_eq!(
+            (big_entry.key.as_str(), big_entry.status),
+            ("Bearer b", 200)
+        );
+        assert_eq!(big_entry.body_len, big.len() as u64);
+        assert_eq!(big_entry.body, &big[..MAX_KEPT_BODY]);
+        use sha2::Digest;
+        assert_eq!(big_entry.body_sha256, hex(&sha2::Sha256::digest(&big)));
+    }
+
+    #[tokio::test]
+    async fn a_zero_key_limit_is_refused() {
+        for limit in [(0, WINDOW), (1, Duration::ZERO)] {
+            let options = EchoOptions {
+                key_limit: Some(limit),
+                ..EchoOptions::default()
+            };
+            let err = EchoServer::start_with("api", "127.0.0.1:0".parse().unwrap(), options)
+                .await
+                .expect_err("a zero limit or window");
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        }
     }
 
     #[tokio::test]
