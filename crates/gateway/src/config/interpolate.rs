@@ -32,16 +32,18 @@
 //! Keys are scalars too, and are expanded the same way. A scalar with an anchor or a tag
 //! (`&a ${X}`, `!!str ${X}`) is refused rather than rewritten: its span starts at the anchor,
 //! which would be lost. In a flow collection (`[…]`, `{…}`) a `{` ends a plain scalar, so
-//! `[${X}]` is not YAML for a scalar holding `${X}` (libyaml stops at the `{`); that case is
-//! recognized and the error says to quote it, or, for a number, to use block style: a quoted
-//! scalar is a string, and stays one.
+//! libyaml does not read `[${X}]` as a scalar holding `${X}`; such scalars are put between
+//! quotes first, and then expanded as the plain scalars they were meant to be (see
+//! [`quote_flow_plains`]), so `windows: [{limit: ${N}, …}]` works as in block style.
 //!
 //! # Secrets
 //!
 //! Values from the environment are typically credentials. They are never written into an
 //! error by this module, and [`Interpolated::restore`] replaces any occurrence of one in a
 //! later error (say, a header value that does not parse, echoed by its field type) with the
-//! `${NAME}` it came from. Defaults are not secret: they are in the file.
+//! `${NAME}` it came from. Defaults are not secret: they are in the file. A value of fewer
+//! than four bytes is replaced only where it stands alone, so that `LIMIT=1` does not turn
+//! every `1` of every message into `${LIMIT}`; sequence indices in paths are left alone.
 
 use std::borrow::Cow;
 use std::env::VarError;
@@ -67,54 +69,77 @@ pub(super) struct Problem {
 pub(super) struct Interpolated<'a> {
     /// The text serde reads.
     pub(super) text: Cow<'a, str>,
-    /// The mistakes found; when there is any, `text` is not worth reading.
+    /// The mistakes found, placed in the file as written; when there is any, `text` is not
+    /// worth reading.
     pub(super) problems: Vec<Problem>,
-    /// Each rewritten scalar: its bytes in the file, and in `text`. In document order.
-    splices: Vec<(Range<usize>, Range<usize>)>,
+    /// The rewrites that led from the file to `text`, first one first.
+    layers: Vec<Layer>,
     /// Every non-empty value taken from the environment, with its variable's name; longest
     /// value first.
     secrets: Vec<(String, String)>,
 }
 
+/// One rewrite of a text: which byte ranges were replaced, in document order.
+#[derive(Debug, Default)]
+struct Layer(Vec<Splice>);
+
+#[derive(Debug)]
+struct Splice {
+    /// The bytes replaced, in the text before.
+    from: Range<usize>,
+    /// What replaced them, in the text after.
+    to: Range<usize>,
+    /// Whether `to` is `from` between quotes, byte for byte, so that a position inside one is
+    /// a position inside the other.
+    quoted_copy: bool,
+}
+
+impl Layer {
+    /// Where byte `offset` of the text after was in the text before. A place inside a
+    /// rewritten scalar is its start (or the same character, for a quoted copy).
+    fn back(&self, offset: usize) -> usize {
+        match self.0.iter().rev().find(|s| s.to.start <= offset) {
+            None => offset,
+            Some(s) if offset < s.to.end && s.quoted_copy => {
+                s.from.start + (offset - s.to.start).saturating_sub(1).min(s.from.len())
+            }
+            Some(s) if offset < s.to.end => s.from.start,
+            Some(s) => s.from.end + (offset - s.to.end),
+        }
+    }
+}
+
 /// Expands every `${…}` in the scalars of `text`.
 pub(super) fn interpolate<'a>(text: &'a str, env: Env<'_>) -> Interpolated<'a> {
+    let (quoted, unquoted, were_plain) = quote_flow_plains(text);
+    let middle: &str = quoted.as_deref().unwrap_or(text);
     let mut out = String::new();
     let mut copied = 0;
-    let mut splices = Vec::new();
+    let mut layer = Layer::default();
     let mut secrets = Vec::new();
-    let mut problems = Vec::new();
+    // Found in `middle`: (line, byte offset, path, message).
+    let mut found_at: Vec<(usize, usize, String, String)> = Vec::new();
     let mut walk = Walk::default();
-    for_each_event(text, |event, at| {
+    for_each_event(middle, |event, at| {
         let path = walk.event(&event, at);
         let Event::Scalar(scalar) = event else {
             return;
         };
-        let path = path.unwrap_or_else(|| ".".to_string());
-        let span = scalar.span.clone();
-        let Some(raw) = text.get(span.clone()) else {
-            return;
-        };
-        if scalar.style == Style::Plain
-            && scalar.value.ends_with('$')
-            && text.get(span.end..).is_some_and(|t| t.starts_with('{'))
-        {
-            problems.push(Problem {
-                at,
-                path: path.clone(),
-                message: "in a flow collection ([…] or {…}) a `${` must be quoted, as in \"${NAME}\", which makes the value a string; for a number or a boolean write it in block style, `key: ${NAME}` on a line of its own"
-                    .into(),
-            });
-            return;
-        }
         if !scalar.value.contains("${") {
             return;
         }
+        let path = path.unwrap_or_else(|| ".".to_string());
+        let span = scalar.span.clone();
+        let Some(raw) = middle.get(span.clone()) else {
+            return;
+        };
         if scalar.decorated {
-            problems.push(Problem {
-                at,
+            found_at.push((
+                at.0,
+                span.start,
                 path,
-                message: "`${…}` in a scalar with an anchor or a tag is not supported".into(),
-            });
+                "`${…}` in a scalar with an anchor or a tag is not supported".into(),
+            ));
             return;
         }
         let mut found = Vec::new();
@@ -125,39 +150,150 @@ pub(super) fn interpolate<'a>(text: &'a str, env: Env<'_>) -> Interpolated<'a> {
             let written: Vec<usize> = raw.match_indices("${").map(|(i, _)| i).collect();
             let count = scalar.value.matches("${").count();
             for (nth, message) in found {
-                let at = match written.get(nth) {
-                    Some(&offset) if written.len() == count => advance(at, &raw[..offset]),
-                    _ => at,
+                let (line, offset) = match written.get(nth) {
+                    Some(&i) if written.len() == count => {
+                        (at.0 + raw[..i].matches('\n').count(), span.start + i)
+                    }
+                    _ => (at.0, span.start),
                 };
-                problems.push(Problem {
-                    at,
-                    path: path.clone(),
-                    message,
-                });
+                found_at.push((line, offset, path.clone(), message));
             }
             return;
         }
-        out.push_str(&text[copied..span.start]);
+        let style = if were_plain.contains(&span) {
+            Style::Plain
+        } else {
+            scalar.style
+        };
+        out.push_str(&middle[copied..span.start]);
         let start = out.len();
-        render(&mut out, &value, scalar.style, raw, at.1);
-        splices.push((span.clone(), start..out.len()));
+        render(&mut out, &value, style, raw, at.1);
+        layer.0.push(Splice {
+            from: span.clone(),
+            to: start..out.len(),
+            quoted_copy: false,
+        });
         copied = span.end;
     });
+    let problems = found_at
+        .into_iter()
+        .map(|(line, offset, path, message)| Problem {
+            at: (line, column_at(text, unquoted.back(offset))),
+            path,
+            message,
+        })
+        .collect();
     secrets
         .sort_by(|a: &(String, String), b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
     secrets.dedup_by(|a, b| a.0 == b.0);
-    let text = if splices.is_empty() {
-        Cow::Borrowed(text)
-    } else {
-        out.push_str(&text[copied..]);
-        Cow::Owned(out)
+    let text = match (layer.0.is_empty(), quoted) {
+        (true, None) => Cow::Borrowed(text),
+        (true, Some(quoted)) => Cow::Owned(quoted),
+        (false, quoted) => {
+            out.push_str(&quoted.as_deref().unwrap_or(text)[copied..]);
+            Cow::Owned(out)
+        }
     };
     Interpolated {
         text,
         problems,
-        splices,
+        layers: vec![unquoted, layer],
         secrets,
     }
+}
+
+/// In a flow collection (`[…]`, `{…}`) a `{` ends a plain scalar, so YAML does not read
+/// `[${A}]` as a scalar holding `${A}`: libyaml sees a scalar `$` and then a mapping (and then,
+/// mostly, a syntax error). Each such scalar is first put between double quotes, as written,
+/// and remembered as plain, so that the main pass expands it like any plain scalar
+/// (`limit: ${N}` still a number). libyaml stops at the first one, so the text is read again
+/// after each; each reading goes further, and stops at the next.
+///
+/// Returns the text with those scalars quoted (`None`: there were none), the rewrite, and the
+/// quoted scalars' spans in that text.
+fn quote_flow_plains(text: &str) -> (Option<String>, Layer, Vec<Range<usize>>) {
+    let mut current: Option<String> = None;
+    let mut layer = Layer::default();
+    let mut spans = Vec::new();
+    // Each round quotes one `${`, at least.
+    for _ in 0..=text.matches("${").count() {
+        let now: &str = current.as_deref().unwrap_or(text);
+        let mut broken = None;
+        for_each_event(now, |event, _| {
+            if let Event::Scalar(scalar) = event {
+                if broken.is_none()
+                    && scalar.style == Style::Plain
+                    && !scalar.decorated
+                    && scalar.value.ends_with('$')
+                    && now
+                        .get(scalar.span.end..)
+                        .is_some_and(|t| t.starts_with('{'))
+                {
+                    broken = Some(scalar.span.start);
+                }
+            }
+        });
+        let Some(start) = broken else {
+            break;
+        };
+        let end = flow_plain_end(now, start);
+        let written = &now[start..end];
+        let mut quoted = String::with_capacity(written.len() + 2);
+        double_quote(&mut quoted, written);
+        let shift: isize = layer
+            .0
+            .iter()
+            .map(|s| s.to.len() as isize - s.from.len() as isize)
+            .sum();
+        let from = (start as isize - shift) as usize..(end as isize - shift) as usize;
+        let to = start..start + quoted.len();
+        layer.0.push(Splice {
+            from,
+            to: to.clone(),
+            quoted_copy: quoted.len() == written.len() + 2,
+        });
+        spans.push(to);
+        let mut next = String::with_capacity(now.len() + quoted.len());
+        next.push_str(&now[..start]);
+        next.push_str(&quoted);
+        next.push_str(&now[end..]);
+        current = Some(next);
+    }
+    (current, layer, spans)
+}
+
+/// Where a plain scalar in a flow collection that starts at `start` ends, when its `${…}` are
+/// read as part of it: at a flow indicator, `: `, ` #` or the end of the line, whichever
+/// comes first outside `${…}`, less trailing blanks.
+fn flow_plain_end(text: &str, start: usize) -> usize {
+    let b = text.as_bytes();
+    let mut i = start;
+    while i < b.len() {
+        match b[i] {
+            b'$' if b.get(i + 1) == Some(&b'{') => {
+                match text[i..].find(['}', '\n', '\r']) {
+                    Some(close) if b[i + close] == b'}' => i += close + 1,
+                    // Unterminated: the expansion says so.
+                    Some(close) => i += close,
+                    None => i = b.len(),
+                }
+            }
+            b',' | b'[' | b']' | b'{' | b'}' | b'\n' | b'\r' => break,
+            b':' if matches!(
+                b.get(i + 1),
+                None | Some(b' ' | b'\t' | b'\n' | b'\r' | b',' | b'[' | b']' | b'{' | b'}')
+            ) =>
+            {
+                break
+            }
+            b'#' if i > start && matches!(b[i - 1], b' ' | b'\t') => break,
+            _ => i += 1,
+        }
+    }
+    while i > start && matches!(b[i - 1], b' ' | b'\t') {
+        i -= 1;
+    }
+    i
 }
 
 /// `value` with its `${…}` expanded. Each mistake is added to `found` with the index of its
@@ -274,6 +410,24 @@ fn render(out: &mut String, value: &str, style: Style, raw: &str, column: usize)
     // indentation of the next node) must stay where it is.
     let tail = raw.rsplit('\n').next().unwrap_or("");
     let tail_is_blank = breaks > 0 && tail.bytes().all(|b| b == b' ' || b == b'\t');
+    double_quote(out, value);
+    out.pop();
+    // An escaped line break inside double quotes reads as nothing; the indentation after it
+    // is dropped too.
+    for _ in 0..breaks - usize::from(tail_is_blank) {
+        out.push_str("\\\n");
+        out.extend(std::iter::repeat_n(' ', column));
+    }
+    out.push('"');
+    if tail_is_blank {
+        out.push('\n');
+        out.push_str(tail);
+    }
+}
+
+/// `value` as a double-quoted scalar: printable ASCII as it is, `"` and `\\` escaped, and
+/// every other character escaped by its code point.
+fn double_quote(out: &mut String, value: &str) {
     out.push('"');
     for c in value.chars() {
         match c {
@@ -291,25 +445,14 @@ fn render(out: &mut String, value: &str, style: Style, raw: &str, column: usize)
             }
         }
     }
-    // An escaped line break inside double quotes reads as nothing; the indentation after it
-    // is dropped too.
-    for _ in 0..breaks - usize::from(tail_is_blank) {
-        out.push_str("\\\n");
-        out.extend(std::iter::repeat_n(' ', column));
-    }
     out.push('"');
-    if tail_is_blank {
-        out.push('\n');
-        out.push_str(tail);
-    }
 }
 
-/// The 1-based line and column reached from `at` by reading `text`.
-fn advance(at: (usize, usize), text: &str) -> (usize, usize) {
-    text.chars().fold(at, |(line, column), c| match c {
-        '\n' => (line + 1, 1),
-        _ => (line, column + 1),
-    })
+/// The 1-based column, in characters, of byte `offset` of `text`.
+fn column_at(text: &str, offset: usize) -> usize {
+    let offset = offset.min(text.len());
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    text.get(start..offset).map_or(1, |s| s.chars().count() + 1)
 }
 
 impl Interpolated<'_> {
@@ -319,27 +462,42 @@ impl Interpolated<'_> {
     pub(super) fn restore(&self, original: &str, mut e: ConfigError) -> ConfigError {
         if e.line > 0 && e.column > 0 {
             if let Some(offset) = offset_of(&self.text, e.line, e.column) {
-                let back = match self.splices.iter().rev().find(|(_, to)| to.start <= offset) {
-                    None => offset,
-                    Some((from, to)) if offset < to.end => from.start,
-                    Some((from, to)) => from.end + (offset - to.end),
-                };
-                if let Some(start) = original
-                    .get(..back)
-                    .map(|s| s.rfind('\n').map_or(0, |i| i + 1))
-                {
-                    e.column = original[start..back].chars().count() + 1;
-                }
+                let back = self.layers.iter().rev().fold(offset, |o, l| l.back(o));
+                e.column = column_at(original, back);
             }
         }
         e.message = self.scrub(&e.message);
-        e.path = self.scrub(&e.path);
+        e.path = self.scrub_path(&e.path);
         e
+    }
+
+    /// `path` scrubbed as [`Self::scrub`] does, except for its sequence indices (`[0]`), which
+    /// come from the file's shape, not from a value.
+    fn scrub_path(&self, path: &str) -> String {
+        let mut out = String::with_capacity(path.len());
+        let mut rest = path;
+        while let Some(open) = rest.find('[') {
+            let close = rest[open..].find(']').map(|c| open + c);
+            match close {
+                Some(close) if rest[open + 1..close].bytes().all(|b| b.is_ascii_digit()) => {
+                    out.push_str(&self.scrub(&rest[..open]));
+                    out.push_str(&rest[open..=close]);
+                    rest = &rest[close + 1..];
+                }
+                _ => break,
+            }
+        }
+        out.push_str(&self.scrub(rest));
+        out
     }
 
     /// `s` with each environment value in it replaced by `${NAME}`, longest value first, in
     /// one pass (so that a name put in is never scrubbed again). A value is also looked for as
     /// `{:?}` would escape it, since messages quote strings that way.
+    ///
+    /// A value shorter than [`SHORT`] bytes is replaced only where it stands alone, not next to
+    /// a letter or digit: `LIMIT=1` must not turn `u32` into `u3${LIMIT}`, and so short a value
+    /// hides nothing anyway.
     fn scrub(&self, s: &str) -> String {
         if self.secrets.is_empty() {
             return s.to_string();
@@ -353,22 +511,33 @@ impl Interpolated<'_> {
             }
         }
         forms.sort_by_key(|f| std::cmp::Reverse(f.0.len()));
+        let alnum = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
         let mut out = String::with_capacity(s.len());
         let mut rest = s;
+        let mut before = None;
         'outer: while let Some(c) = rest.chars().next() {
             for (form, name) in &forms {
                 if let Some(after) = rest.strip_prefix(form.as_str()) {
+                    if form.len() < SHORT && (alnum(before) || alnum(after.chars().next())) {
+                        continue;
+                    }
                     let _ = write!(out, "${{{name}}}");
+                    before = form.chars().last();
                     rest = after;
                     continue 'outer;
                 }
             }
             out.push(c);
+            before = Some(c);
             rest = &rest[c.len_utf8()..];
         }
         out
     }
 }
+
+/// Values shorter than this are scrubbed only where they stand alone (see
+/// [`Interpolated::scrub`]).
+const SHORT: usize = 4;
 
 /// The byte offset of 1-based `line` and `column` (counted in characters, as libyaml does)
 /// in `text`; lines end at `\n`.
@@ -584,11 +753,27 @@ mod tests {
     }
 
     #[test]
-    fn unquoted_in_a_flow_collection_and_anchors_are_refused() {
+    fn unquoted_in_a_flow_collection() {
+        let vars = [("X", "x y"), ("N", "60"), ("K", "key"), ("E", "")];
         assert_eq!(
-            run("a: [${X}]\n", &[("X", "x")]).unwrap_err(),
-            ["1:5: a[0]: in a flow collection ([…] or {…}) a `${` must be quoted, as in \"${NAME}\", which makes the value a string; for a number or a boolean write it in block style, `key: ${NAME}` on a line of its own"]
+            value(
+                "a: [${X}, pre-${X}-post:8, ${N}, $${N}, ${E:-}]\nb: { limit: ${N}, ${K}: v, s: \"q\" }\nc: [${N} ]  # ${NOT} in a comment\n",
+                &vars
+            ),
+            yaml("a: [x y, 'pre-x y-post:8', 60, '${N}', '']\nb: {limit: 60, key: v, s: q}\nc: [60]\n")
         );
+        // Mistakes are shown where the file has them.
+        assert_eq!(
+            run("a: [${X}, ${X}, ${NOPE}, {k: ${1}}]\n", &vars).unwrap_err(),
+            [
+                "1:17: a[2]: environment variable NOPE is not set (write `${NOPE:-default}` for a default)",
+                "1:30: a[3].k: `${1}` is not `${NAME}` or `${NAME:-default}` with NAME made of letters, digits and '_', not starting with a digit (write `$${` for a literal `${`)",
+            ]
+        );
+    }
+
+    #[test]
+    fn anchors_and_tags_are_refused() {
         assert_eq!(
             run("a: &x \"${X}\"\nb: !!str ${X}\n", &[("X", "x")]).unwrap_err(),
             [
@@ -631,17 +816,32 @@ mod tests {
     }
 
     #[test]
+    fn short_values_are_scrubbed_where_they_stand_alone() {
+        let env = |n: &str| match n {
+            "ONE" => Ok("1".to_string()),
+            "KEY" => Ok("key-1".to_string()),
+            _ => Err(VarError::NotPresent),
+        };
+        let done = interpolate("a: ${ONE}\nb: ${KEY}\n", &env);
+        assert_eq!(
+            done.scrub("integer `1`, expected u32; 1; 21; key-1 and key-12"),
+            "integer `${ONE}`, expected u32; ${ONE}; 21; ${KEY} and ${KEY}2"
+        );
+        assert_eq!(done.scrub_path("routes[1].key-1[1]"), "routes[1].${KEY}[1]");
+    }
+
+    #[test]
     fn scrubbing_is_longest_first_and_one_pass() {
         let env = |n: &str| match n {
-            "LONG" => Ok("abcdef".to_string()),
-            "SHORT" => Ok("abc".to_string()),
+            "LONG" => Ok("abcdefgh".to_string()),
+            "SHORT" => Ok("abcd".to_string()),
             "N" => Ok("N".to_string()),
             _ => Err(VarError::NotPresent),
         };
         let done = interpolate("a: \"${LONG} ${SHORT} ${N}\"\n", &env);
         assert_eq!(
-            done.scrub("abcdef abc abcd N"),
-            "${LONG} ${SHORT} ${SHORT}d ${N}"
+            done.scrub("abcdefgh abcd abcde N"),
+            "${LONG} ${SHORT} ${SHORT}e ${N}"
         );
     }
 }

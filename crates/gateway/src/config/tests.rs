@@ -972,6 +972,23 @@ fn a_value_stays_one_string_whatever_it_holds() {
 }
 
 #[test]
+fn a_number_in_a_flow_collection() {
+    let yaml = "routes:\n  - name: a\n    upstream: {}\n    quota: {windows: [{name: w, limit: ${LIMIT}, window: 1s}]}\n";
+    let config = parse_env(yaml, &[("LIMIT", "60")]).unwrap_or_else(|e| panic!("{e:#?}"));
+    assert_eq!(
+        config.routes[0].quota.as_ref().unwrap().windows[0]
+            .limit
+            .get(),
+        60
+    );
+    // A refused value is shown at its `${` in the file.
+    assert_eq!(
+        parse_env(yaml, &[("LIMIT", "0")]).unwrap_err(),
+        ["4:40: routes[0].quota.windows[0].limit: invalid value: integer `${LIMIT}`, expected a nonzero u64"]
+    );
+}
+
+#[test]
 fn errors_point_into_the_file_as_written() {
     // The window's name is much longer than `${W}`; the limit is still shown where the file
     // has it.
