@@ -694,6 +694,59 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Whatever a variable holds, each style reads back exactly that one value, and the
+        /// rest of the document (its keys, the line of `next`) does not move.
+        #[test]
+        fn any_value_reads_back_as_itself(
+            chars in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::sample::select(
+                        "\"'\\:#-[]{},&*!|>%@`?$ \t\r\n\u{85}\u{2028}\u{2029}\u{feff}\u{0}\u{1b}\u{9f}".chars().collect::<Vec<_>>()
+                    ),
+                    proptest::char::any(),
+                    proptest::char::range('a', 'z'),
+                ],
+                0..24,
+            )
+        ) {
+            let v: String = chars.into_iter().collect();
+            for (text, plain) in [
+                ("k: ${V}\nnext: 1\n", true),
+                ("k: \"${V}\"\nnext: 1\n", false),
+                ("k: '${V}'\nnext: 1\n", false),
+                ("k: [${V}, \"${V}\"]\nnext: 1\n", true),
+                ("k: {a: ${V}}\nnext: 1\n", true),
+                ("k: |\n  ${V}\nnext: 1\n", false),
+                ("k:\n  - ${V}\nnext: 1\n", true),
+            ] {
+                let done = run(text, &[("V", &v)]).unwrap_or_else(|e| panic!("{e:?}"));
+                proptest::prop_assert_eq!(done.lines().count(), text.lines().count(), "{:?}", done);
+                proptest::prop_assert!(done.ends_with("\nnext: 1\n"), "{:?}", done);
+                let got: serde_yaml::Value = serde_yaml::from_str(&done)
+                    .unwrap_or_else(|e| panic!("{e}: {done:?}"));
+                proptest::prop_assert_eq!(got.as_mapping().map(|m| m.len()), Some(2));
+                let k = &got["k"];
+                let read = if text.contains('|') {
+                    serde_yaml::Value::String(format!("{v}\n"))
+                } else if !plain || !is_plain_word(&v) {
+                    serde_yaml::Value::String(v.clone())
+                } else {
+                    serde_yaml::from_str(&v).unwrap()
+                };
+                let first = match k {
+                    serde_yaml::Value::Sequence(items) => items[0].clone(),
+                    serde_yaml::Value::Mapping(m) => m["a"].clone(),
+                    other => other.clone(),
+                };
+                proptest::prop_assert_eq!(&first, &read, "{:?}", done);
+                if text.contains('[') {
+                    proptest::prop_assert_eq!(&k[1], &serde_yaml::Value::String(v.clone()));
+                }
+            }
+        }
+    }
+
     #[test]
     fn multi_line_scalars_keep_the_lines_after_them() {
         let vars = [("A", "alpha")];
