@@ -152,7 +152,7 @@ pub(super) fn interpolate<'a>(text: &'a str, env: Env<'_>) -> Interpolated<'a> {
             for (nth, message) in found {
                 let (line, offset) = match written.get(nth) {
                     Some(&i) if written.len() == count => {
-                        (at.0 + raw[..i].matches('\n').count(), span.start + i)
+                        (at.0 + line_ends(&raw[..i]).count(), span.start + i)
                     }
                     _ => (at.0, span.start),
                 };
@@ -271,7 +271,7 @@ fn flow_plain_end(text: &str, start: usize) -> usize {
     while i < b.len() {
         match b[i] {
             b'$' if b.get(i + 1) == Some(&b'{') => {
-                match text[i..].find(['}', '\n', '\r']) {
+                match text[i..].find(['}', '\n', '\r', '\u{85}', '\u{2028}', '\u{2029}']) {
                     Some(close) if b[i + close] == b'}' => i += close + 1,
                     // Unterminated: the expansion says so.
                     Some(close) => i += close,
@@ -279,6 +279,11 @@ fn flow_plain_end(text: &str, start: usize) -> usize {
                 }
             }
             b',' | b'[' | b']' | b'{' | b'}' | b'\n' | b'\r' => break,
+            // NEL, LS and PS, which end a line too.
+            0xC2 if b.get(i + 1) == Some(&0x85) => break,
+            0xE2 if b.get(i + 1) == Some(&0x80) && matches!(b.get(i + 2), Some(0xA8 | 0xA9)) => {
+                break
+            }
             b':' if matches!(
                 b.get(i + 1),
                 None | Some(b' ' | b'\t' | b'\n' | b'\r' | b',' | b'[' | b']' | b'{' | b'}')
@@ -401,14 +406,14 @@ fn is_plain_word(value: &str) -> bool {
 /// Writes `value` as a scalar that stands in for `raw`, written in `style` at 1-based
 /// `column`: one that reads back as `value` alone, and covers as many lines as `raw` did.
 fn render(out: &mut String, value: &str, style: Style, raw: &str, column: usize) {
-    let breaks = raw.matches('\n').count();
+    let breaks = line_ends(raw).count();
     if style == Style::Plain && breaks == 0 && is_plain_word(value) {
         out.push_str(value);
         return;
     }
     // A block scalar's span ends after its last line break, and what follows on that line (the
     // indentation of the next node) must stay where it is.
-    let tail = raw.rsplit('\n').next().unwrap_or("");
+    let tail = &raw[line_ends(raw).last().unwrap_or(0)..];
     let tail_is_blank = breaks > 0 && tail.bytes().all(|b| b == b' ' || b == b'\t');
     double_quote(out, value);
     out.pop();
@@ -450,9 +455,23 @@ fn double_quote(out: &mut String, value: &str) {
 
 /// The 1-based column, in characters, of byte `offset` of `text`.
 fn column_at(text: &str, offset: usize) -> usize {
-    let offset = offset.min(text.len());
-    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
-    text.get(start..offset).map_or(1, |s| s.chars().count() + 1)
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let start = line_ends(&text[..offset]).last().unwrap_or(0);
+    text[start..offset].chars().count() + 1
+}
+
+/// The byte offset after each line break of `text`, lines broken as libyaml breaks them: at
+/// CRLF, CR, LF, NEL, LS and PS.
+fn line_ends(text: &str) -> impl Iterator<Item = usize> + '_ {
+    let b = text.as_bytes();
+    text.char_indices().filter_map(move |(i, c)| match c {
+        '\r' if b.get(i + 1) == Some(&b'\n') => None,
+        '\r' | '\n' | '\u{85}' | '\u{2028}' | '\u{2029}' => Some(i + c.len_utf8()),
+        _ => None,
+    })
 }
 
 impl Interpolated<'_> {
@@ -492,8 +511,9 @@ impl Interpolated<'_> {
     }
 
     /// `s` with each environment value in it replaced by `${NAME}`, longest value first, in
-    /// one pass (so that a name put in is never scrubbed again). A value is also looked for as
-    /// `{:?}` would escape it, since messages quote strings that way.
+    /// one pass (so that a name put in is never scrubbed again). A value is also looked for in
+    /// ASCII lower and upper case, and as `{:?}` would escape it, since messages quote strings
+    /// that way.
     ///
     /// A value shorter than [`SHORT`] bytes is replaced only where it stands alone, not next to
     /// a letter or digit: `LIMIT=1` must not turn `u32` into `u3${LIMIT}`, and so short a value
@@ -504,13 +524,18 @@ impl Interpolated<'_> {
         }
         let mut forms: Vec<(String, &str)> = Vec::new();
         for (value, name) in &self.secrets {
-            forms.push((value.clone(), name));
-            let escaped = value.escape_debug().to_string();
-            if escaped != *value {
-                forms.push((escaped, name));
+            // Field types lowercase what they keep (hosts, URLs) and errors may quote that.
+            for spelled in [
+                value.clone(),
+                value.to_ascii_lowercase(),
+                value.to_ascii_uppercase(),
+            ] {
+                forms.push((spelled.escape_debug().to_string(), name));
+                forms.push((spelled, name));
             }
         }
-        forms.sort_by_key(|f| std::cmp::Reverse(f.0.len()));
+        forms.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        forms.dedup_by(|a, b| a.0 == b.0);
         let alnum = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
         let mut out = String::with_capacity(s.len());
         let mut rest = s;
@@ -540,12 +565,12 @@ impl Interpolated<'_> {
 const SHORT: usize = 4;
 
 /// The byte offset of 1-based `line` and `column` (counted in characters, as libyaml does)
-/// in `text`; lines end at `\n`.
+/// in `text`, lines broken as libyaml breaks them.
 fn offset_of(text: &str, line: usize, column: usize) -> Option<usize> {
     let start = if line == 1 {
         0
     } else {
-        text.match_indices('\n').nth(line - 2)?.0 + 1
+        line_ends(text).nth(line - 2)?
     };
     let rest = &text[start..];
     match rest.char_indices().nth(column - 1) {
@@ -742,6 +767,65 @@ mod tests {
                 proptest::prop_assert_eq!(&first, &read, "{:?}", done);
                 if text.contains('[') {
                     proptest::prop_assert_eq!(&k[1], &serde_yaml::Value::String(v.clone()));
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// A config whose values are made of `${…}` and YAML's awkward characters either
+        /// parses, or fails with errors placed inside the file that never show a value from
+        /// the environment, in any case.
+        #[test]
+        fn variables_anywhere_fail_cleanly_and_never_show_a_secret(
+            parts in proptest::collection::vec(
+                proptest::collection::vec(
+                    proptest::sample::select(vec![
+                        "${S}", "\"${S}\"", "'${S}'", "\"x${S}y\"", "${S}.test", "\"http://${S}:80\"",
+                        "${N}", "${E:-}", "${E:-d}", "${UNSET}", "${UNSET:-1s}", "$${", "${", "}", "${1}",
+                        "a", "1s", "/", "\"", "'", ":", ": ", " ", "#", ",", "[", "]", "{", "\r", "\n",
+                        "\u{85}", "é", "&a ", "*a", "!!str ", "- ", "|",
+                    ]),
+                    0..6,
+                ),
+                7,
+            )
+        ) {
+            let p: Vec<String> = parts.iter().map(|t| t.concat()).collect();
+            let text = format!(
+                "threads: {}\nroutes:\n  - name: {}\n    match: {{ hosts: [{}], path_prefix: {} }}\n    upstream:\n      members:\n        - url: {}\n        - url: {}\n    quota:\n      windows: [{{ name: w, limit: {}, window: {} }}]\n",
+                p[0], p[1], p[2], p[3], p[4], p[4], p[5], p[6]
+            );
+            let env = |name: &str| match name {
+                "S" => Ok("Sup3r-Secret".to_string()),
+                "N" => Ok("7".to_string()),
+                "E" => Ok(String::new()),
+                _ => Err(VarError::NotPresent),
+            };
+            if let Err(errors) = super::super::Config::parse_with_env("t.yaml", &text, &env) {
+                let printed = errors.to_string().to_lowercase();
+                proptest::prop_assert!(!printed.contains("sup3r-secret"), "{}\n{:?}", printed, text);
+                // Lines as libyaml counts them.
+                let mut lines = vec![String::new()];
+                let mut chars = text.chars().peekable();
+                while let Some(c) = chars.next() {
+                    match c {
+                        '\r' | '\n' | '\u{85}' | '\u{2028}' | '\u{2029}' => {
+                            if c == '\r' && chars.peek() == Some(&'\n') {
+                                chars.next();
+                            }
+                            lines.push(String::new());
+                        }
+                        c => lines.last_mut().unwrap().push(c),
+                    }
+                }
+                for e in &errors.0 {
+                    if e.line == 0 {
+                        continue;
+                    }
+                    proptest::prop_assert!(e.line <= lines.len(), "{}\n{:?}", e, text);
+                    let width = lines[e.line - 1].chars().count();
+                    proptest::prop_assert!(e.column >= 1 && e.column <= width + 2, "{}\n{:?}", e, text);
                 }
             }
         }

@@ -1046,11 +1046,21 @@ routes:
     let all = parse_env(yaml, &[("SLUICE_T_SECRET", secret)]).unwrap_err();
     assert_eq!(all.len(), 5, "{all:#?}");
     for e in &all {
-        assert!(!e.contains(secret) && !e.contains("s3cr3t"), "{e}");
+        assert!(!e.to_lowercase().contains("s3cr3t"), "{e}");
     }
     assert!(
         all.iter().any(|e| e.contains("${SLUICE_T_SECRET}")),
         "{all:#?}"
+    );
+    // A rule across fields quotes the member as kept: its host in lowercase.
+    let all = parse_env(
+        &pool("        - url: \"http://${SLUICE_T_SECRET}.test\"\n        - url: \"http://${SLUICE_T_SECRET}.test\"\n"),
+        &[("SLUICE_T_SECRET", secret)],
+    )
+    .unwrap_err();
+    assert_eq!(
+        all,
+        ["6:16: routes[0].upstream.members[1].url: duplicate member \"http://${SLUICE_T_SECRET}.test\" in this pool: members[0] is the same"]
     );
 }
 
