@@ -147,8 +147,7 @@ pub(super) struct Scalar {
     /// The value, less quotes and escapes.
     pub(super) value: String,
     /// The bytes of the text it covers: from its anchor or tag, when it has one, to the end of
-    /// the scalar (a closing quote included; for a block scalar, its trailing line breaks and
-    /// the indentation of the next line too).
+    /// the scalar (a closing quote included; for a block scalar, its trailing line breaks).
     pub(super) span: std::ops::Range<usize>,
     /// How it is written.
     pub(super) style: Style,
@@ -287,14 +286,13 @@ impl Walk {
 }
 
 /// Runs libyaml's parser over `text` and hands each event, with where it starts, to `f`.
-/// Returns whether the whole stream was read (false after a syntax error).
 ///
 /// This is the only unsafe code in the crate. It mirrors serde_yaml's own wrapper
 /// (`serde_yaml::libyaml::parser`): the parser lives in a box because libyaml keeps a pointer
 /// to it, `text` outlives it, every event is deleted after it is read, and the parser is
 /// deleted by a guard even if `f` panics.
 #[allow(unsafe_code)]
-pub(super) fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) -> bool {
+pub(super) fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
     struct Parser(Box<MaybeUninit<unsafe_libyaml::yaml_parser_t>>);
     impl Drop for Parser {
         fn drop(&mut self) {
@@ -306,7 +304,7 @@ pub(super) fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) -> bool {
     let mut boxed = Box::new(MaybeUninit::<unsafe_libyaml::yaml_parser_t>::uninit());
     // SAFETY: libyaml initializes the struct it is given; on failure nothing is to be freed.
     if unsafe { unsafe_libyaml::yaml_parser_initialize(boxed.as_mut_ptr()) }.fail {
-        return false;
+        return;
     }
     let mut parser = Parser(boxed);
     let p = parser.0.as_mut_ptr();
@@ -323,7 +321,7 @@ pub(super) fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) -> bool {
         let (event, at) = unsafe {
             // After a failure nothing is parsed again: libyaml's state is then undefined.
             if unsafe_libyaml::yaml_parser_parse(p, raw.as_mut_ptr()).fail {
-                return false;
+                return;
             }
             let e = raw.as_mut_ptr();
             let mark = (*e).start_mark;
@@ -370,7 +368,7 @@ pub(super) fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) -> bool {
                 if let Some(event) = event {
                     f(event, at);
                 }
-                return true;
+                return;
             }
             (event, at)
         };
