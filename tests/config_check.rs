@@ -18,10 +18,22 @@ routes:
 "#;
 
 fn check(yaml: &str) -> (i32, String, String, String) {
+    check_env(yaml, &[])
+}
+
+/// `sluice check` on `yaml`, with the variables `vars` set (`None`: removed).
+fn check_env(yaml: &str, vars: &[(&str, Option<&str>)]) -> (i32, String, String, String) {
     let dir = support::TempDir::new("sluice-check");
     let file = dir.path().join("sluice.yaml");
     std::fs::write(&file, yaml).unwrap();
-    let out = Command::new(support::sluice_binary())
+    let mut command = Command::new(support::sluice_binary());
+    for (name, value) in vars {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let out = command
         .args(["check", "-c"])
         .arg(&file)
         .output()
@@ -68,6 +80,63 @@ fn each_mistake_is_one_line_naming_file_line_column_and_path() {
             format!("{file}:2:11: routes[0].name: invalid route name \"a b\": use letters, digits, '_' and '-' only"),
             format!("{file}:7:16: routes[1].upstream.members[0].url: invalid member url \"ftp://x.test\": scheme \"ftp\" is not http or https"),
         ]
+    );
+}
+
+#[test]
+fn variables_come_from_the_environment() {
+    let yaml = GOOD.replace(
+        "127.0.0.1:9001",
+        "${SLUICE_T_CHECK_HOST}:${SLUICE_T_CHECK_PORT:-9001}",
+    );
+    let host = [("SLUICE_T_CHECK_HOST", Some("127.0.0.1"))];
+    let (code, stdout, stderr, _) = check_env(&yaml, &host);
+    assert_eq!((code, stdout.as_str(), stderr.as_str()), (0, "ok\n", ""));
+    let unset = [("SLUICE_T_CHECK_HOST", None)];
+    let (code, stdout, stderr, file) = check_env(&yaml, &unset);
+    assert_eq!((code, stdout.as_str()), (1, ""), "{stderr}");
+    assert_eq!(
+        stderr,
+        format!("{file}:8:24: routes[0].upstream.members[0].url: environment variable SLUICE_T_CHECK_HOST is not set (write `${{SLUICE_T_CHECK_HOST:-default}}` for a default)\n")
+    );
+}
+
+#[test]
+fn a_secret_from_the_environment_is_never_printed() {
+    // Each value lands in a field that refuses it, and whose error quotes what it refused.
+    let secret = "hunter2-Zq9";
+    let yaml = "threads: \"${SLUICE_T_CHECK_SECRET}\"
+routes:
+  - name: \"key ${SLUICE_T_CHECK_SECRET}\"
+    upstream: {}
+  - name: b
+    upstream:
+      members:
+        - url: \"ftp://${SLUICE_T_CHECK_SECRET}.test\"
+  - name: c
+    upstream:
+      members:
+        - proxy: \"http://user:${SLUICE_T_CHECK_SECRET}@proxy.test\"
+";
+    let (code, stdout, stderr, file) = check_env(yaml, &[("SLUICE_T_CHECK_SECRET", Some(secret))]);
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    assert!(
+        !stdout.contains("hunter2") && !stderr.contains("hunter2"),
+        "{stdout}{stderr}"
+    );
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 4, "{stderr}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "{file}:1:10: threads: invalid type: string \"${{SLUICE_T_CHECK_SECRET}}\""
+        )),
+        "{stderr}"
+    );
+    assert!(
+        lines[1..3]
+            .iter()
+            .all(|l| l.contains("${SLUICE_T_CHECK_SECRET}")),
+        "{stderr}"
     );
 }
 

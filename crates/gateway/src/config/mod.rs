@@ -6,9 +6,11 @@
 //! `FILE:LINE:COL: PATH: message`, with PATH the YAML path such as
 //! `routes[1].upstream.members[0].url`.
 //!
-//! `schema` holds the serde types, `validate` the cross-field rules and `position` the YAML
-//! paths; everything is re-exported here so that callers only ever name `crate::config::X`.
+//! `schema` holds the serde types, `validate` the cross-field rules, `position` the YAML
+//! paths and `interpolate` the `${NAME}` read from the environment; everything is re-exported
+//! here so that callers only ever name `crate::config::X`.
 
+mod interpolate;
 mod position;
 mod schema;
 mod validate;
@@ -114,8 +116,43 @@ impl Config {
         Ok((config, bytes))
     }
 
-    /// Parses and validates `text`; `file` names it in error messages.
+    /// Parses and validates `text`; `file` names it in error messages. `${NAME}` in its
+    /// values is read from the environment (see `interpolate`).
     pub fn parse(file: &str, text: &str) -> Result<Config, ConfigErrors> {
+        if !text.contains("${") {
+            return Config::parse_text(file, text);
+        }
+        Config::parse_with_env(file, text, &|name| std::env::var(name))
+    }
+
+    /// [`Config::parse`], with `env` for the environment.
+    fn parse_with_env(
+        file: &str,
+        text: &str,
+        env: interpolate::Env<'_>,
+    ) -> Result<Config, ConfigErrors> {
+        let interpolated = interpolate::interpolate(text, env);
+        if !interpolated.problems.is_empty() {
+            return Err(ConfigErrors(
+                interpolated
+                    .problems
+                    .into_iter()
+                    .map(|p| ConfigError::at(file, Some(p.at), p.path, p.message))
+                    .collect(),
+            ));
+        }
+        Config::parse_text(file, &interpolated.text).map_err(|ConfigErrors(errors)| {
+            ConfigErrors(
+                errors
+                    .into_iter()
+                    .map(|e| interpolated.restore(text, e))
+                    .collect(),
+            )
+        })
+    }
+
+    /// Parses and validates `text`, as it is.
+    fn parse_text(file: &str, text: &str) -> Result<Config, ConfigErrors> {
         // A valid file, the common case, costs one serde_yaml pass and no bookkeeping: paths
         // and positions are worked out only once the file is known to be wrong.
         let plain = match serde_yaml::from_str::<Document<RouteConfig>>(text) {

@@ -92,7 +92,9 @@ impl Positions {
     /// what lets a syntax error be shown at the node it broke.
     pub(super) fn of(text: &str) -> Positions {
         let mut walk = Walk::default();
-        for_each_event(text, |event, at| walk.event(event, at));
+        for_each_event(text, |event, at| {
+            walk.event(&event, at);
+        });
         Positions { nodes: walk.nodes }
     }
 
@@ -128,15 +130,41 @@ impl Positions {
     }
 }
 
-/// What the walk needs of one libyaml event.
-enum Event {
-    Scalar(String),
+/// What the walks need of one libyaml event.
+pub(super) enum Event {
+    Scalar(Scalar),
     /// An alias (`*name`): a node without children.
     Alias,
     SequenceStart,
     MappingStart,
     End,
     DocumentEnd,
+}
+
+/// A scalar event: its value, and where and how it is written (for `interpolate`, which
+/// rewrites scalars in place).
+pub(super) struct Scalar {
+    /// The value, less quotes and escapes.
+    pub(super) value: String,
+    /// The bytes of the text it covers: from its anchor or tag, when it has one, to the end of
+    /// the scalar (a closing quote included; for a block scalar, its trailing line breaks).
+    pub(super) span: std::ops::Range<usize>,
+    /// How it is written.
+    pub(super) style: Style,
+    /// Whether an anchor (`&a`) or an explicit tag (`!!str`) comes before it.
+    pub(super) decorated: bool,
+}
+
+/// A scalar's style.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Style {
+    Plain,
+    SingleQuoted,
+    DoubleQuoted,
+    /// `|`
+    Literal,
+    /// `>`
+    Folded,
 }
 
 enum Frame {
@@ -153,27 +181,30 @@ enum Frame {
     Unnamed,
 }
 
+/// Follows the events of a document, naming each node by its path.
 #[derive(Default)]
-struct Walk {
+pub(super) struct Walk {
     stack: Vec<Frame>,
     nodes: HashMap<String, Node>,
     done: bool,
 }
 
 impl Walk {
-    fn event(&mut self, event: Event, at: At) {
+    /// Takes the next event, which starts at `at`, and returns the path of the node it starts
+    /// (for a mapping key, the path of the value it leads to), when it has one.
+    pub(super) fn event(&mut self, event: &Event, at: At) -> Option<String> {
         if self.done {
-            return;
+            return None;
         }
         let is_container = match event {
             Event::End => {
                 self.stack.pop();
-                return;
+                return None;
             }
             Event::DocumentEnd => {
                 // serde_yaml refuses a second document, so only the first one matters.
                 self.done = true;
-                return;
+                return None;
             }
             Event::Scalar(_) | Event::Alias => false,
             Event::SequenceStart | Event::MappingStart => true,
@@ -190,16 +221,23 @@ impl Walk {
             Some(Frame::Mapping { path, key }) => match key.take() {
                 None => {
                     // This node is a key.
-                    let name = match &event {
-                        Event::Scalar(s) => Some(s.clone()),
+                    let name = match event {
+                        Event::Scalar(s) => Some(s.value.clone()),
                         _ => None,
                     };
+                    let named = name.as_ref().map(|name| {
+                        if path == "." {
+                            name.clone()
+                        } else {
+                            format!("{path}.{name}")
+                        }
+                    });
                     *key = Some((name, at));
                     if is_container {
                         // A complex key: skip what it holds.
                         self.stack.push(Frame::Unnamed);
                     }
-                    return;
+                    return named;
                 }
                 Some((None, _)) => None,
                 Some((Some(name), key_at)) => {
@@ -214,8 +252,8 @@ impl Walk {
         };
         let frame = match placed {
             Some((path, key)) => {
-                let text = match &event {
-                    Event::Scalar(s) => Some(s.as_str().into()),
+                let text = match event {
+                    Event::Scalar(s) => Some(s.value.as_str().into()),
                     _ => None,
                 };
                 self.nodes.entry(path.clone()).or_insert(Node {
@@ -224,15 +262,26 @@ impl Walk {
                     text,
                 });
                 match event {
-                    Event::SequenceStart => Frame::Sequence { path, next: 0 },
-                    Event::MappingStart => Frame::Mapping { path, key: None },
-                    _ => return,
+                    Event::SequenceStart => Frame::Sequence {
+                        path: path.clone(),
+                        next: 0,
+                    },
+                    Event::MappingStart => Frame::Mapping {
+                        path: path.clone(),
+                        key: None,
+                    },
+                    _ => return Some(path),
                 }
             }
             None if is_container => Frame::Unnamed,
-            None => return,
+            None => return None,
+        };
+        let path = match &frame {
+            Frame::Sequence { path, .. } | Frame::Mapping { path, .. } => Some(path.clone()),
+            Frame::Unnamed => None,
         };
         self.stack.push(frame);
+        path
     }
 }
 
@@ -243,7 +292,7 @@ impl Walk {
 /// to it, `text` outlives it, every event is deleted after it is read, and the parser is
 /// deleted by a guard even if `f` panics.
 #[allow(unsafe_code)]
-fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
+pub(super) fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
     struct Parser(Box<MaybeUninit<unsafe_libyaml::yaml_parser_t>>);
     impl Drop for Parser {
         fn drop(&mut self) {
@@ -286,7 +335,22 @@ fn for_each_event(text: &str, mut f: impl FnMut(Event, At)) {
                     } else {
                         std::slice::from_raw_parts(s.value, s.length as usize)
                     };
-                    Some(Event::Scalar(String::from_utf8_lossy(bytes).into_owned()))
+                    let style = match s.style {
+                        unsafe_libyaml::YAML_SINGLE_QUOTED_SCALAR_STYLE => Style::SingleQuoted,
+                        unsafe_libyaml::YAML_DOUBLE_QUOTED_SCALAR_STYLE => Style::DoubleQuoted,
+                        unsafe_libyaml::YAML_LITERAL_SCALAR_STYLE => Style::Literal,
+                        unsafe_libyaml::YAML_FOLDED_SCALAR_STYLE => Style::Folded,
+                        _ => Style::Plain,
+                    };
+                    // The marks' `index` counts bytes (unsafe-libyaml's SKIP adds each
+                    // character's width), so the span indexes `text` directly.
+                    let span = mark.index as usize..(*e).end_mark.index as usize;
+                    Some(Event::Scalar(Scalar {
+                        value: String::from_utf8_lossy(bytes).into_owned(),
+                        span,
+                        style,
+                        decorated: !s.anchor.is_null() || !s.tag.is_null(),
+                    }))
                 }
                 unsafe_libyaml::YAML_ALIAS_EVENT => Some(Event::Alias),
                 unsafe_libyaml::YAML_SEQUENCE_START_EVENT => Some(Event::SequenceStart),

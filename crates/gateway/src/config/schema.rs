@@ -957,10 +957,7 @@ impl ProxyUrl {
             None => None,
             Some(info) => {
                 let (user, password) = info.split_once(':').unwrap_or((info, ""));
-                let user = expand_env(&percent_decode(user))
-                    .map_err(|v| format!("invalid proxy url {shown:?}: {v}"))?;
-                let password = expand_env(&percent_decode(password))
-                    .map_err(|v| format!("invalid proxy url {shown:?}: {v}"))?;
+                let (user, password) = (percent_decode(user), percent_decode(password));
                 let token = base64(format!("{user}:{password}").as_bytes());
                 let mut value = http::HeaderValue::from_str(&format!("Basic {token}"))
                     .map_err(|_| format!("invalid proxy url {shown:?}: bad credentials"))?;
@@ -997,27 +994,6 @@ fn percent_decode(s: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
-}
-
-/// `${NAME}` replaced by the environment variable NAME, so a password need not be written in
-/// the file. An unset variable is an error that names it (never its value).
-fn expand_env(s: &str) -> Result<String, String> {
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let Some(end) = rest[start..].find('}') else {
-            return Err("unterminated ${ in the credentials".into());
-        };
-        let name = &rest[start + 2..start + end];
-        match std::env::var(name) {
-            Ok(v) => out.push_str(&v),
-            Err(_) => return Err(format!("environment variable {name} is not set")),
-        }
-        rest = &rest[start + end + 1..];
-    }
-    out.push_str(rest);
-    Ok(out)
 }
 
 /// Standard base64 with padding (RFC 4648 §4), for `Proxy-Authorization: Basic`.

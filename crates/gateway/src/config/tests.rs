@@ -829,6 +829,9 @@ fn members_are_origins_proxies_or_direct() {
 
 #[test]
 fn a_proxy_password_can_come_from_the_environment() {
+    // The one test through the real environment. `set_var` races with other threads reading
+    // the environment (it is `unsafe` from edition 2024 on; this crate is 2021), so the name is
+    // this test's own and nothing else reads it; the tests below pass a map instead.
     std::env::set_var("SLUICE_TEST_PROXY_PASS", "s3cret");
     let config = parse(&pool(
         "        - proxy: \"http://user:${SLUICE_TEST_PROXY_PASS}@127.0.0.1:3128\"\n",
@@ -843,10 +846,221 @@ fn a_proxy_password_can_come_from_the_environment() {
         v.to_str().unwrap(),
         format!("Basic {}", base64(b"user:s3cret"))
     );
+    // Shown at its `${`, not at the scalar.
     one_error(
         &pool("        - proxy: \"http://user:${SLUICE_TEST_UNSET_VAR}@127.0.0.1:3128\"\n"),
-        "5:18: routes[0].upstream.members[0].proxy",
+        "5:31: routes[0].upstream.members[0].proxy",
         "environment variable SLUICE_TEST_UNSET_VAR is not set",
+    );
+}
+
+// `${NAME}` (SPEC §8). The rewriting itself is tested in `interpolate`; these go through
+// `Config::parse`, with a map for the environment so that tests running in parallel share no
+// process state.
+
+/// `Config::parse` with `vars` as the whole environment.
+fn parse_env(yaml: &str, vars: &[(&str, &str)]) -> Result<Config, Vec<String>> {
+    let env = |name: &str| {
+        vars.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_string())
+            .ok_or(std::env::VarError::NotPresent)
+    };
+    Config::parse_with_env("t.yaml", yaml, &env).map_err(|ConfigErrors(all)| {
+        all.iter()
+            .map(|e| format!("{}:{}: {}: {}", e.line, e.column, e.path, e.message))
+            .collect()
+    })
+}
+
+#[test]
+fn variables_reach_every_kind_of_value() {
+    let yaml = "threads: ${THREADS}
+routes:
+  - name: ${NAME:-fallback}
+    match:
+      hosts: [\"${HOST}\", \"api.${DOMAIN:-example.com}\"]
+      path_prefix: '/${PREFIX}/$${literal}/'
+    upstream:
+      members:
+        - url: \"http://${HOST}:${PORT}\"
+    quota:
+      windows:
+        - name: rpm
+          limit: ${LIMIT}
+          window: \"${WINDOW:-1m}\"
+";
+    let vars = [
+        ("THREADS", "3"),
+        ("HOST", "a.test"),
+        ("DOMAIN", ""),
+        ("PREFIX", "v1"),
+        ("PORT", "9001"),
+        ("LIMIT", "60"),
+    ];
+    let config = parse_env(yaml, &vars).unwrap_or_else(|e| panic!("{e:#?}"));
+    assert_eq!(config.threads.map(|n| n.get()), Some(3));
+    let route = &config.routes[0];
+    assert_eq!(route.name.0, "fallback");
+    let hosts: Vec<String> = route
+        .matcher
+        .hosts
+        .iter()
+        .map(|h| format!("{h:?}"))
+        .collect();
+    assert_eq!(hosts.len(), 2, "{hosts:?}");
+    assert!(hosts[0].contains("a.test"), "{hosts:?}");
+    // An empty variable takes its default, as `:-` does in a shell.
+    assert!(hosts[1].contains("api.example.com"), "{hosts:?}");
+    assert_eq!(route.matcher.path_prefix.0, "/v1/${literal}/");
+    assert_eq!(route.upstream.members[0].url.url, "http://a.test:9001");
+    let window = &route.quota.as_ref().unwrap().windows[0];
+    assert_eq!(window.limit.get(), 60);
+    assert_eq!(window.window.0, std::time::Duration::from_secs(60));
+}
+
+#[test]
+fn every_unset_variable_is_an_error_at_its_dollar() {
+    let yaml = "threads: ${SLUICE_T_THREADS}
+routes:
+  - name: a
+    match: { hosts: [\"${SLUICE_T_HOST}\", \"b.${SLUICE_T_SET}.${SLUICE_T_DOMAIN}\"] }
+    upstream: {}
+";
+    assert_eq!(
+        parse_env(yaml, &[("SLUICE_T_SET", "x")]).unwrap_err(),
+        [
+            "1:10: threads: environment variable SLUICE_T_THREADS is not set (write `${SLUICE_T_THREADS:-default}` for a default)",
+            "4:23: routes[0].match.hosts[0]: environment variable SLUICE_T_HOST is not set (write `${SLUICE_T_HOST:-default}` for a default)",
+            "4:61: routes[0].match.hosts[1]: environment variable SLUICE_T_DOMAIN is not set (write `${SLUICE_T_DOMAIN:-default}` for a default)",
+        ]
+    );
+}
+
+#[test]
+fn bad_names_and_unterminated_dollars_are_errors() {
+    let all = parse_env(
+        "routes:\n  - name: \"${1ST}\"\n    match: {path_prefix: \"/${A-B}\"}\n    upstream: {members: [{url: \"http://${HOST\"}]}\n",
+        &[("HOST", "h")],
+    )
+    .unwrap_err();
+    assert_eq!(all.len(), 3, "{all:#?}");
+    assert!(
+        all[0].starts_with("2:12: routes[0].name: `${1ST}` is not `${NAME}`"),
+        "{all:#?}"
+    );
+    assert!(
+        all[1].starts_with("3:28: routes[0].match.path_prefix: `${A-B}` is not `${NAME}`"),
+        "{all:#?}"
+    );
+    assert!(
+        all[2].starts_with("4:40: routes[0].upstream.members[0].url: unterminated `${`"),
+        "{all:#?}"
+    );
+}
+
+#[test]
+fn a_value_stays_one_string_whatever_it_holds() {
+    // A value that, pasted into the text, would end the string and add a route and a setting.
+    let evil = "/x\"\n  - name: injected\n    upstream: {}\nadmin: {listen: \"0.0.0.0:9901\"} #";
+    for yaml in [
+        "routes:\n  - name: a\n    match: {path_prefix: \"${EVIL}\"}\n    upstream: {}\n",
+        "routes:\n  - name: a\n    match:\n      path_prefix: ${EVIL}\n    upstream: {}\n",
+    ] {
+        let config = parse_env(yaml, &[("EVIL", evil)]).unwrap_or_else(|e| panic!("{e:#?}"));
+        assert_eq!(config.routes.len(), 1);
+        assert_eq!(config.routes[0].matcher.path_prefix.0, evil);
+        assert_eq!(config.admin, AdminConfig::default());
+    }
+}
+
+#[test]
+fn proxy_credentials_from_a_variable_may_hold_at_signs_and_colons() {
+    let yaml = pool("        - proxy: \"http://user:${PASS}@127.0.0.1:3128\"\n");
+    let config = parse_env(&yaml, &[("PASS", "p@ss:w0rd")]).unwrap_or_else(|e| panic!("{e:#?}"));
+    let MemberKind::Proxy {
+        authorization: Some(v),
+    } = &config.routes[0].upstream.members[0].kind
+    else {
+        panic!("a proxy with credentials")
+    };
+    assert_eq!(
+        v.to_str().unwrap(),
+        format!("Basic {}", base64(b"user:p@ss:w0rd"))
+    );
+}
+
+#[test]
+fn a_number_in_a_flow_collection() {
+    let yaml = "routes:\n  - name: a\n    upstream: {}\n    quota: {windows: [{name: w, limit: ${LIMIT}, window: 1s}]}\n";
+    let config = parse_env(yaml, &[("LIMIT", "60")]).unwrap_or_else(|e| panic!("{e:#?}"));
+    assert_eq!(
+        config.routes[0].quota.as_ref().unwrap().windows[0]
+            .limit
+            .get(),
+        60
+    );
+    // A refused value is shown at its `${` in the file.
+    assert_eq!(
+        parse_env(yaml, &[("LIMIT", "0")]).unwrap_err(),
+        ["4:40: routes[0].quota.windows[0].limit: invalid value: integer `${LIMIT}`, expected a nonzero u64"]
+    );
+}
+
+#[test]
+fn errors_point_into_the_file_as_written() {
+    // The window's name is much longer than `${W}`; the limit is still shown where the file
+    // has it.
+    let all = parse_env(
+        "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{name: \"${W}\", limit: 0, window: 1s}]\n",
+        &[("W", "a-window-with-a-very-long-name")],
+    )
+    .unwrap_err();
+    assert_eq!(all.len(), 1, "{all:#?}");
+    assert!(
+        all[0].starts_with("5:39: routes[0].quota.windows[0].limit: "),
+        "{all:#?}"
+    );
+}
+
+#[test]
+fn an_interpolated_secret_never_appears_in_an_error() {
+    let secret = "s3cr3t-Value";
+    // Each field echoes the value it refuses.
+    let yaml = "threads: \"${SLUICE_T_SECRET}\"
+routes:
+  - name: \"key ${SLUICE_T_SECRET}\"
+    upstream: {}
+  - name: b
+    match: { path_prefix: \"${SLUICE_T_SECRET}\" }
+    upstream: {}
+  - name: c
+    upstream:
+      members:
+        - url: \"ftp://${SLUICE_T_SECRET}.test\"
+  - name: d
+    upstream:
+      members:
+        - url: \"https://x.test/${SLUICE_T_SECRET}\"
+";
+    let all = parse_env(yaml, &[("SLUICE_T_SECRET", secret)]).unwrap_err();
+    assert_eq!(all.len(), 5, "{all:#?}");
+    for e in &all {
+        assert!(!e.to_lowercase().contains("s3cr3t"), "{e}");
+    }
+    assert!(
+        all.iter().any(|e| e.contains("${SLUICE_T_SECRET}")),
+        "{all:#?}"
+    );
+    // A rule across fields quotes the member as kept: its host in lowercase.
+    let all = parse_env(
+        &pool("        - url: \"http://${SLUICE_T_SECRET}.test\"\n        - url: \"http://${SLUICE_T_SECRET}.test\"\n"),
+        &[("SLUICE_T_SECRET", secret)],
+    )
+    .unwrap_err();
+    assert_eq!(
+        all,
+        ["6:16: routes[0].upstream.members[1].url: duplicate member \"http://${SLUICE_T_SECRET}.test\" in this pool: members[0] is the same"]
     );
 }
 
