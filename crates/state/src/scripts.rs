@@ -256,6 +256,102 @@ mod tests {
         }
         assert!(parse_quota(&[1], 0).is_err());
         assert!(parse_quota(&[1, 0, 5], 1).is_err());
+
+        // The assign script's replies carry a wait after the member.
+        let member = || Value::BulkString(b"key-a".to_vec());
+        let assign_shapes = [
+            Value::Nil,
+            Value::Okay,
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(1), member()]),
+            Value::Array(vec![Value::Int(4), Value::SimpleString(String::new())]),
+            Value::Array(vec![Value::Int(4), member(), Value::Int(-5)]),
+            Value::Array(vec![Value::Int(4), member(), Value::Nil]),
+            Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(0)]),
+            Value::Array(vec![Value::Int(9), member(), Value::Int(0)]),
+            Value::Array(vec![Value::Int(1), member(), Value::Int(0), Value::Int(1)]),
+            Value::Array(vec![
+                Value::Int(0),
+                member(),
+                Value::Int(0),
+                Value::SimpleString("x".into()),
+            ]),
+        ];
+        for windows in [None, Some(1)] {
+            for reply in &assign_shapes {
+                let parsed = parse_assign(reply, windows);
+                assert!(parsed.is_err(), "{reply:?} with {windows:?} → {parsed:?}");
+            }
+        }
+        // The old scripts never answer busy.
+        let busy = Value::Array(vec![Value::Int(4), member()]);
+        assert!(parse_assignment(&busy, None).is_err());
+
+        for reply in [
+            Value::Int(3),
+            Value::Array(vec![member()]),
+            Value::Array(vec![Value::Int(1), member()]),
+            Value::Array(vec![member(), Value::Int(-1)]),
+            Value::Array(vec![member(), Value::Nil]),
+        ] {
+            assert!(parse_cooldowns(&reply).is_err(), "{reply:?}");
+        }
+    }
+
+    #[test]
+    fn assign_replies_parse() {
+        let busy = Value::Array(vec![
+            Value::Int(4),
+            Value::BulkString(Vec::new()),
+            Value::Int(1_500),
+            Value::Int(1),
+            Value::Int(0),
+            Value::Int(7),
+            Value::Int(20),
+        ]);
+        assert_eq!(
+            parse_assign(&busy, Some(1)).unwrap().unwrap(),
+            Assignment::Busy {
+                retry_after_us: 1_500,
+                quota: Some(Outcome {
+                    admitted: true,
+                    retry_after_us: 0,
+                    windows: vec![WindowState {
+                        remaining: 7,
+                        reset_us: 20
+                    }]
+                })
+            }
+        );
+        let assigned = Value::Array(vec![
+            Value::Int(1),
+            Value::BulkString(b"key-b".to_vec()),
+            Value::Int(0),
+        ]);
+        assert_eq!(
+            parse_assign(&assigned, None).unwrap().unwrap(),
+            Assignment::Assigned {
+                member: "key-b".into(),
+                quota: None
+            }
+        );
+        let resync = Value::Array(vec![
+            Value::Int(3),
+            Value::BulkString(Vec::new()),
+            Value::Int(0),
+        ]);
+        assert_eq!(parse_assign(&resync, None).unwrap(), None);
+        let cooling = Value::Array(vec![
+            Value::BulkString(b"key-a".to_vec()),
+            Value::Int(10),
+            Value::BulkString(b"key-b".to_vec()),
+            Value::Int(20),
+        ]);
+        assert_eq!(
+            parse_cooldowns(&cooling).unwrap(),
+            [("key-a".to_string(), 10), ("key-b".to_string(), 20)]
+        );
+        assert!(parse_cooldowns(&Value::Array(vec![])).unwrap().is_empty());
     }
 
     #[test]
