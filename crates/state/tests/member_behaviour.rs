@@ -17,6 +17,10 @@ use sluice_testkit::{RedisCluster, RedisServer};
 const SEC: u64 = 1_000_000;
 /// Trace time zero: far from 0, so that no window's horizon is negative.
 const T0: u64 = 1_000 * SEC;
+/// The unit of windows and cooldowns in traces. Redis expires idle keys on its own clock
+/// (`PEXPIRE` of a log's window, of the cooldowns' longest), so a trace's windows and
+/// cooldowns must outlast the test in real time, or a key could vanish mid-trace.
+const W: u64 = 60 * SEC;
 
 fn window(name: &str, limit: u64, length_us: u64) -> Window {
     Window {
@@ -88,11 +92,11 @@ fn count_map(pairs: &[(&str, u64)]) -> HashMap<String, u64> {
 async fn least_used_skips_full_members(store: &dyn StateStore) {
     let route = "lu-mq";
     let members = [
-        member("b", &[window("rpm", 1, SEC)]),
-        member("a", &[window("rpm", 2, SEC)]),
-        member("c", &[window("rpm", 1, 2 * SEC)]),
+        member("b", &[window("rpm", 1, W)]),
+        member("a", &[window("rpm", 2, W)]),
+        member("c", &[window("rpm", 1, 2 * W)]),
     ];
-    let rq = [window("r", 100, 10 * SEC)];
+    let rq = [window("r", 100, 10 * W)];
     let at = |t: u64| Assign {
         quota: Some(route_quota(route, &rq, T0 + t)),
         ..ask(route, &members, Order::LeastUsed, T0 + t)
@@ -104,7 +108,7 @@ async fn least_used_skips_full_members(store: &dyn StateStore) {
     assert_eq!(assigned(store, at(30)).await, "a");
     // b and c (count 1) are full, a (count 2) too. a's first entry leaves soonest.
     let (wait, quota) = busy(store, at(40)).await;
-    assert_eq!(wait, SEC - 40, "a's entry at 0 leaves at 1 s");
+    assert_eq!(wait, W - 40, "a's entry at 0 leaves at W");
     let quota = quota.expect("the route quota's state");
     assert!(quota.admitted);
     assert_eq!(
@@ -125,7 +129,7 @@ async fn least_used_skips_full_members(store: &dyn StateStore) {
         },
     )
     .await;
-    assert_eq!(wait, SEC + 10 - 41);
+    assert_eq!(wait, W + 10 - 41);
     // Nothing eligible at all is not busy: no member.
     let all = ["a", "b", "c"];
     match store
@@ -139,9 +143,9 @@ async fn least_used_skips_full_members(store: &dyn StateStore) {
         Assignment::NoMember { quota: Some(q) } => assert_eq!(q.windows[0].remaining, 96),
         other => panic!("{other:?}"),
     }
-    assert_eq!(busy(store, at(SEC - 1)).await.0, 1);
+    assert_eq!(busy(store, at(W - 1)).await.0, 1);
     // Exactly then, a admits again (b, first in the pool's order, still refuses).
-    assert_eq!(assigned(store, at(SEC)).await, "a");
+    assert_eq!(assigned(store, at(W)).await, "a");
     assert_eq!(
         counts(store, route).await,
         count_map(&[("a", 3), ("b", 1), ("c", 1)])
@@ -149,19 +153,19 @@ async fn least_used_skips_full_members(store: &dyn StateStore) {
 
     // A route quota that refuses records nothing in the members' windows.
     let route = "lu-mq-refused";
-    let one = [window("r", 1, 10 * SEC)];
-    let members = [member("x", &[window("rpm", 2, 100 * SEC)])];
+    let one = [window("r", 1, 10 * W)];
+    let members = [member("x", &[window("rpm", 2, 100 * W)])];
     let at = |t: u64| Assign {
         quota: Some(route_quota(route, &one, T0 + t)),
         ..ask(route, &members, Order::LeastUsed, T0 + t)
     };
     assert_eq!(assigned(store, at(0)).await, "x");
-    match store.assign(at(SEC)).await.unwrap() {
-        Assignment::QuotaRefused(o) => assert_eq!(o.retry_after_us, 9 * SEC),
+    match store.assign(at(W)).await.unwrap() {
+        Assignment::QuotaRefused(o) => assert_eq!(o.retry_after_us, 9 * W),
         other => panic!("{other:?}"),
     }
-    // At 10 s the route has room, and x its second unit: the refusal charged x nothing.
-    assert_eq!(assigned(store, at(10 * SEC)).await, "x");
+    // At 10 W the route has room, and x its second unit: the refusal charged x nothing.
+    assert_eq!(assigned(store, at(10 * W)).await, "x");
     assert_eq!(counts(store, route).await, count_map(&[("x", 2)]));
 }
 
@@ -170,12 +174,12 @@ async fn least_used_skips_full_members(store: &dyn StateStore) {
 async fn preference_with_windows_and_cooldowns(store: &dyn StateStore) {
     let route = "pref";
     let members = [
-        member("x", &[window("rpm", 1, SEC)]),
+        member("x", &[window("rpm", 1, 10 * W)]),
         member("y", &[]),
-        member("z", &[window("rpm", 1, SEC)]),
+        member("z", &[window("rpm", 1, 10 * W)]),
     ];
     let order = [0, 2, 1];
-    let rq = [window("r", 100, 100 * SEC)];
+    let rq = [window("r", 100, 100 * W)];
     let at = |t: u64| Assign {
         quota: Some(route_quota(route, &rq, T0 + t)),
         ..ask(route, &members, Order::Preference(&order), T0 + t)
@@ -184,13 +188,11 @@ async fn preference_with_windows_and_cooldowns(store: &dyn StateStore) {
     assert_eq!(assigned(store, at(1)).await, "z");
     assert_eq!(assigned(store, at(2)).await, "y");
     assert_eq!(assigned(store, at(3)).await, "y", "y has no windows");
-    assert_eq!(
-        store.cool(route, "y", 500, Some(T0 + 3)).await.unwrap(),
-        500
-    );
+    assert_eq!(store.cool(route, "y", W, Some(T0 + 3)).await.unwrap(), W);
     let (wait, quota) = busy(store, at(4)).await;
     assert_eq!(
-        wait, 499,
+        wait,
+        W - 1,
         "y's cooldown ends before x's or z's windows free up"
     );
     assert_eq!(quota.unwrap().windows[0].remaining, 96);
@@ -207,39 +209,50 @@ async fn preference_with_windows_and_cooldowns(store: &dyn StateStore) {
         "y"
     );
     assert_eq!(
-        assigned(store, at(503)).await,
+        assigned(store, at(W + 3)).await,
         "y",
-        "cooled until 503, exclusive"
+        "cooled until W + 3, exclusive"
     );
 
     // Cooling and full windows together: the later of the two counts.
-    assert_eq!(
-        store.cool(route, "x", 2 * SEC, Some(T0 + 5)).await.unwrap(),
-        2 * SEC
-    );
-    assert_eq!(store.cool(route, "z", 10, Some(T0 + 6)).await.unwrap(), 10);
+    let s = 2 * W;
     assert_eq!(
         store
-            .cool(route, "y", 10 * SEC, Some(T0 + 7))
+            .cool(route, "x", 20 * W, Some(T0 + s + 5))
             .await
             .unwrap(),
-        10 * SEC
+        20 * W
     );
-    // x: max(2 s + 5 − 8, 1 s − 8); z: max(16 − 8, 1 s + 1 − 8); y: 10 s + 7 − 8.
-    let (wait, quota) = busy(store, at(8)).await;
-    assert_eq!(wait, SEC - 7, "z, whose windows outlast its cooldown");
+    assert_eq!(
+        store.cool(route, "z", 10, Some(T0 + s + 6)).await.unwrap(),
+        10
+    );
+    assert_eq!(
+        store
+            .cool(route, "y", 30 * W, Some(T0 + s + 7))
+            .await
+            .unwrap(),
+        30 * W
+    );
+    // x: max(20 W − 3, 10 W − s − 8); z: max(8, 10 W + 1 − s − 8); y: 30 W − 1.
+    let (wait, quota) = busy(store, at(s + 8)).await;
+    assert_eq!(
+        wait,
+        10 * W - s - 7,
+        "z, whose windows outlast its cooldown"
+    );
     assert_eq!(quota.unwrap().windows[0].remaining, 94);
     let no_z = ["z"];
     let (wait, _) = busy(
         store,
         Assign {
             excluded: &no_z,
-            ..at(9)
+            ..at(s + 9)
         },
     )
     .await;
-    assert_eq!(wait, 2 * SEC - 4, "x, whose cooldown outlasts its windows");
-    assert_eq!(assigned(store, at(SEC + 1)).await, "z");
+    assert_eq!(wait, 20 * W - 4, "x, whose cooldown outlasts its windows");
+    assert_eq!(assigned(store, at(10 * W + 1)).await, "z");
 
     // Nothing to check in the store: the first candidate that is not excluded.
     let only_y = [1];
@@ -260,7 +273,7 @@ async fn preference_with_windows_and_cooldowns(store: &dyn StateStore) {
         Assignment::NoMember { quota: None }
     );
     // No candidate at all, with a quota: no member, and the quota untouched.
-    let rq1 = [window("r", 1, SEC)];
+    let rq1 = [window("r", 1, W)];
     for t in 0..3 {
         match store
             .assign(Assign {
@@ -282,29 +295,32 @@ async fn preference_with_windows_and_cooldowns(store: &dyn StateStore) {
 /// least used, and a cooldown ends exactly when it said.
 async fn cooldowns_on_a_trace_clock(store: &dyn StateStore) {
     let route = "cool";
+    assert_eq!(store.cool(route, "m", W, Some(T0)).await.unwrap(), W);
     assert_eq!(
-        store.cool(route, "m", 1_000, Some(T0)).await.unwrap(),
-        1_000
+        store.cool(route, "m", 10, Some(T0 + 1)).await.unwrap(),
+        W - 1
     );
-    assert_eq!(store.cool(route, "m", 10, Some(T0 + 1)).await.unwrap(), 999);
     assert_eq!(
-        store.cool(route, "m", 5_000, Some(T0 + 2)).await.unwrap(),
-        5_000
+        store.cool(route, "m", 5 * W, Some(T0 + 2)).await.unwrap(),
+        5 * W
     );
     assert_eq!(
         store.cool(route, "m", 0, Some(T0 + 3)).await.unwrap(),
-        4_999
+        5 * W - 1
     );
     assert_eq!(store.cool(route, "n", 0, Some(T0 + 3)).await.unwrap(), 0);
     assert_eq!(
-        store.cool(route, "m", 0, Some(T0 + 5_002)).await.unwrap(),
+        store
+            .cool(route, "m", 0, Some(T0 + 5 * W + 2))
+            .await
+            .unwrap(),
         0
     );
 
     let route = "lu-cool";
     let members = [member("a", &[]), member("b", &[])];
     let at = |t: u64| ask(route, &members, Order::LeastUsed, T0 + t);
-    assert_eq!(store.cool(route, "a", 100, Some(T0)).await.unwrap(), 100);
+    assert_eq!(store.cool(route, "a", W, Some(T0)).await.unwrap(), W);
     assert_eq!(assigned(store, at(1)).await, "b");
     assert_eq!(
         assigned(store, at(2)).await,
@@ -316,7 +332,7 @@ async fn cooldowns_on_a_trace_clock(store: &dyn StateStore) {
     assert_eq!((wait, quota), (49, None));
     assert_eq!(counts(store, route).await, count_map(&[("a", 0), ("b", 2)]));
     assert_eq!(assigned(store, at(53)).await, "b");
-    assert_eq!(assigned(store, at(100)).await, "a");
+    assert_eq!(assigned(store, at(W)).await, "a");
 }
 
 /// On the store's own clock: `cooldowns` lists what cools, soonest first, and a cooldown ends
