@@ -1,13 +1,21 @@
 //! The Redis key schema (SPEC §6), in one place.
 //!
 //! Every key of a route starts with `<prefix>:{<route>}:`. The hash tag puts all of a route's
-//! keys in one Redis Cluster slot, so a script that touches several of them (the quota's logs
-//! and the pool, in the fused call) runs unchanged on a cluster:
-//! - `…:pool` — the least-used sorted set;
-//! - `…:q:<window>:<quota key>` — a window's log;
-//! - `…:qm:<quota key>` — the quota key's helper hash (entry sequence, running totals).
+//! keys in one Redis Cluster slot, so a script that touches several of them (the quota's logs,
+//! the members' logs, the cooldowns and the pool, in one assignment) runs unchanged on a
+//! cluster:
+//! - `…:pool` — the least-used sorted set: member = member id, score = assignment count;
+//! - `…:q:<window>:<quota key>` — a window of the route's quota: one entry `<seq>:<cost>` per
+//!   admitted request, scored by its time in µs;
+//! - `…:qm:<quota key>` — the quota key's helper hash (entry sequence, running totals);
+//! - `…:mq:<window>:<member>` — a window of a member's own quota, the same log as `…:q:`;
+//! - `…:mqm:<member>` — the member quota's helper hash, as `…:qm:`. Member logs have their
+//!   own names so that no client-chosen quota key (`key: header:…`) can collide with them;
+//! - `…:cool` — the cooldowns: a sorted set, member = member id, score = the time in µs (Redis
+//!   `TIME`) until which it cools. Entries past are trimmed when a member is cooled, and the key
+//!   expires with its longest cooldown.
 //!
-//! Quota logs and helpers expire on their own once idle.
+//! Every key expires on its own once idle, except the pool, which holds the configured members.
 
 use crate::Window;
 
@@ -40,6 +48,21 @@ impl Keys {
         format!("{}:{{{route}}}:q:{window}:{key}", self.prefix)
     }
 
+    /// The helper hash of one member's own quota.
+    pub fn member_meta(&self, route: &str, member: &str) -> String {
+        format!("{}:{{{route}}}:mqm:{member}", self.prefix)
+    }
+
+    /// The log of one window of one member's own quota.
+    pub fn member_log(&self, route: &str, window: &str, member: &str) -> String {
+        format!("{}:{{{route}}}:mq:{window}:{member}", self.prefix)
+    }
+
+    /// The cooldowns of the members of `route`.
+    pub fn cooldowns(&self, route: &str) -> String {
+        format!("{}:{{{route}}}:cool", self.prefix)
+    }
+
     /// The keys the quota scripts take, in their order: the helper hash, then one log per window.
     pub fn quota(&self, route: &str, key: &str, windows: &[Window]) -> Vec<String> {
         let mut keys = Vec::with_capacity(2 + windows.len());
@@ -63,12 +86,18 @@ mod tests {
         }];
         let mut all = keys.quota("api", "tenant-a", &w);
         all.push(keys.pool("api"));
+        all.push(keys.member_meta("api", "key-a"));
+        all.push(keys.member_log("api", "rpm", "key-a"));
+        all.push(keys.cooldowns("api"));
         assert_eq!(
             all,
             [
                 "sluice:{api}:qm:tenant-a",
                 "sluice:{api}:q:burst:tenant-a",
-                "sluice:{api}:pool"
+                "sluice:{api}:pool",
+                "sluice:{api}:mqm:key-a",
+                "sluice:{api}:mq:rpm:key-a",
+                "sluice:{api}:cool"
             ]
         );
     }

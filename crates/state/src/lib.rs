@@ -1,5 +1,6 @@
-//! sluice-state: the state that every gateway instance shares — sliding-window quotas and
-//! least-used assignment counts — and the one operation that decides both for a request.
+//! sluice-state: the state that every gateway instance shares — sliding-window quotas,
+//! least-used assignment counts, pool members' own quota windows and their cooldowns — and the
+//! one operation that decides all of them for a request.
 //!
 //! This crate has one job: own that state. It is the only place that knows
 //! - the [`StateStore`] trait, the single interface the gateway uses;
@@ -20,11 +21,20 @@
 //! never exceed its limit, and a refused request learns exactly how long until its cost fits.
 //! For least-used, the member with the fewest assignments is picked and counted in the same
 //! atomic step, so two instances can never both take the same minimum; ties go to the
-//! lexically smallest member id. When a route has both, the quota is checked first, nothing is
-//! assigned when it refuses, and nothing is charged when no member is eligible.
+//! lexically smallest member id.
 //!
-//! It knows nothing of Pingora or HTTP: the gateway turns an [`Outcome`] into headers, and
-//! passes the members it sees as down (and those a request already tried) as `excluded`.
+//! [`StateStore::assign`] is SPEC §8's one atomic step: the route's quota is checked first;
+//! then the candidates are walked in order (the least-used pool's, or a preference the gateway
+//! computed in process), skipping excluded members, cooling ones and those whose own windows
+//! ([`PoolMember::windows`]) refuse the cost; the first that admits is chosen, and only then is
+//! anything recorded (route quota, member windows, pool count). When every eligible member
+//! cools or refuses, [`Assignment::Busy`] says exactly when the first of them admits, and
+//! nothing is charged anywhere. Cooldowns are set with [`StateStore::cool`], which never
+//! shortens one, so that instances learning from 429s at once agree.
+//!
+//! It knows nothing of Pingora or HTTP: the gateway turns an [`Outcome`] into headers, a
+//! `Retry-After` into [`StateStore::cool`], and passes the members it sees as down (and those a
+//! request already tried) as `excluded`.
 
 pub mod connection;
 pub mod keys;
@@ -98,23 +108,102 @@ impl Outcome {
     }
 }
 
-/// The result of one least-used assignment.
+/// A pool member as the store sees it.
+///
+/// The store needs a member's identity (to count, cool and log it) and its own quota windows
+/// (to skip it when they refuse a request): nothing else of it, and nothing secret. The gateway
+/// builds these once per policy, at config load, so an assignment borrows them and copies none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolMember {
+    /// Its identity (the member's `name`): the entry in the least-used pool, and the key of its
+    /// quota logs and its cooldown.
+    pub id: Arc<str>,
+    /// The member's own quota windows (the provider's per-key limits); empty = none. They are
+    /// charged with [`Assign::cost`] when the member is chosen, and shared by every instance.
+    pub windows: Arc<[Window]>,
+}
+
+impl PoolMember {
+    /// A member with no windows of its own.
+    pub fn new(id: impl Into<Arc<str>>) -> PoolMember {
+        PoolMember {
+            id: id.into(),
+            windows: Arc::new([]),
+        }
+    }
+}
+
+/// Which member an assignment prefers: the store walks candidates in this order and takes the
+/// first one that is eligible now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order<'a> {
+    /// The least-used member of the route's pool (`least_used`): the pool's order (count, then
+    /// the lexically smallest id), picked and counted in the store, so that every instance
+    /// agrees.
+    LeastUsed,
+    /// These members, as indexes into [`Assign::members`], best first: the order `round_robin`
+    /// and `priority` decide in process. Nothing is counted; the store only applies member
+    /// windows, cooldowns and the route's quota. An index out of range is not a candidate.
+    Preference(&'a [usize]),
+}
+
+/// Everything one assignment decides on, in one atomic step: the route's quota, then the first
+/// candidate (in [`Assign::order`]) that is not excluded, not cooling and whose own windows
+/// admit [`Assign::cost`].
+#[derive(Debug, Clone, Copy)]
+pub struct Assign<'a> {
+    /// The route; its pool, cooldowns and member logs live under it (one Redis Cluster slot).
+    pub route: &'a str,
+    /// Every member of the route, in config order. A least-used pool that was never synced (or
+    /// vanished with a Redis restart) is synced from these ids on the way.
+    pub members: &'a [PoolMember],
+    /// Which member is preferred.
+    pub order: Order<'a>,
+    /// Ids never to choose: members seen as down, or already tried by this request.
+    pub excluded: &'a [&'a str],
+    /// The route's quota, checked first: when it refuses, nothing else is looked at.
+    pub quota: Option<Acquire<'a>>,
+    /// The request's cost in units, charged to the chosen member's windows (the route's quota
+    /// charges its own [`Acquire::cost`]); at least 1.
+    pub cost: u64,
+    /// Whether the route has a `cooldown`: cooling members are skipped. Without it, cooldowns
+    /// are neither read nor waited for.
+    pub cooldowns: bool,
+    /// The time in microseconds, for tests that replay a trace (as [`Acquire::at_us`]); `None`
+    /// uses the store's clock. It is used for every part of the decision, the route's quota
+    /// included (whose own `at_us` only applies when this is `None`).
+    pub at_us: Option<u64>,
+}
+
+/// The result of one assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Assignment {
-    /// `member` was chosen and its count raised; the quota (if any) recorded the request.
+    /// `member` was chosen: the route's quota (if any) and the member's windows recorded the
+    /// request, and a least-used pool counted it.
     Assigned {
         /// The chosen member's id.
         member: String,
-        /// The quota's state after recording the request.
+        /// The route quota's state after recording the request.
         quota: Option<Outcome>,
     },
-    /// No member is eligible; nothing was assigned and the quota recorded nothing.
+    /// No candidate is eligible (every one excluded, or the pool is empty): the request has
+    /// nowhere to go (a 503 upstream). Nothing was recorded.
     NoMember {
-        /// The quota's state, unchanged by this request.
+        /// The route quota's state, unchanged by this request.
         quota: Option<Outcome>,
     },
-    /// The quota refused the request; nothing was assigned.
+    /// The route's quota refused the request; nothing was recorded.
     QuotaRefused(Outcome),
+    /// Eligible members exist, but each is cooling down or its own windows refuse the cost
+    /// now. Nothing was recorded anywhere.
+    Busy {
+        /// Exact, assuming no other traffic: the least, over the eligible members, of the time
+        /// until that member admits the cost (the longer of its remaining cooldown and its own
+        /// quota wait).
+        retry_after_us: u64,
+        /// The route quota's state, unchanged by this request.
+        quota: Option<Outcome>,
+    },
 }
 
 /// A failure to reach or use the store. The caller applies its route's `on_store_error`.
@@ -154,16 +243,12 @@ pub trait StateStore: Send + Sync + 'static {
     /// Decides on one request against its quota, and records it if admitted.
     async fn acquire(&self, request: Acquire<'_>) -> Result<Outcome, StoreError>;
 
-    /// Picks the least-used member of `route` that is not `excluded` and counts the assignment,
-    /// after checking `quota` first when given, all in one atomic step. A pool that was never
-    /// synced (or vanished with a Redis restart) is synced from `members` on the way.
-    async fn assign(
-        &self,
-        route: &str,
-        members: &[Arc<str>],
-        excluded: &[&str],
-        quota: Option<Acquire<'_>>,
-    ) -> Result<Assignment, StoreError>;
+    /// Chooses a member for one request, in one atomic step (one round trip to Redis): the
+    /// route's quota first; then the candidates in `ask.order`, skipping excluded members,
+    /// cooling ones (when `ask.cooldowns`) and those whose own windows refuse `ask.cost`. The
+    /// first that admits is chosen, and only then is anything recorded: the route's quota, the
+    /// member's windows, and (least-used) its count. See [`Assignment`] for the answers.
+    async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError>;
 
     /// Makes the pool of `route` hold exactly `members`. A member new to the pool starts at the
     /// current least count among the members not `excluded`; a member already there keeps its
@@ -186,6 +271,22 @@ pub trait StateStore: Send + Sync + 'static {
 
     /// Every member's assignment count, for status pages.
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError>;
+
+    /// Cools `member` of `route` for `for_us` from now (the store's clock, or `at_us` in
+    /// tests), so that no instance chooses it meanwhile (when the route has `cooldown`). Never
+    /// shortens a longer cooldown already set: two instances learning at once keep the longer.
+    /// Returns the member's remaining cooldown in microseconds.
+    async fn cool(
+        &self,
+        route: &str,
+        member: &str,
+        for_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<u64, StoreError>;
+
+    /// The members of `route` cooling now, with their remaining microseconds, soonest to end
+    /// first (for `/status`).
+    async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError>;
 
     /// Whether the store can be used right now (for readiness).
     async fn ready(&self) -> bool {

@@ -1,19 +1,39 @@
-//! The in-process backend, for a single gateway instance: quota logs and least-used pools in
-//! memory, with the same behaviour as the Redis scripts.
+//! The in-process backend, for a single gateway instance: quota logs, least-used pools, member
+//! windows and cooldowns in memory, with the same behaviour as the Redis scripts.
+//!
+//! Locks are always taken in one order, so no two calls can deadlock: the route's state (pool
+//! and cooldowns) first, then the route quota key's shard, then one member log shard at a time.
+//! A plain `acquire` takes only a route quota shard, and member shards are never held together.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::memory_pools::{Excluded, Pools};
+use crate::memory_pools::{Excluded, Pools, Route};
 use crate::memory_quota::QuotaLogs;
-use crate::{Acquire, Assignment, Outcome, StateStore, StoreError};
+use crate::{
+    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError, Window,
+};
 
-/// Quotas and least-used pools for a single gateway instance.
+/// Quotas, least-used pools, member windows and cooldowns for a single gateway instance.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
+    /// The routes' quotas, by the keys clients choose.
     quotas: QuotaLogs,
+    /// The members' own windows, by member id: apart from `quotas`, so that no client-chosen
+    /// quota key can collide with a member's logs.
+    members: QuotaLogs,
     pools: Pools,
+}
+
+/// What the walk over a route's candidates found.
+enum Pick {
+    /// This member admits the request; its windows recorded it (and its count, if least-used).
+    Chosen(Arc<str>),
+    /// Eligible members exist, and the first of them admits the request in this many µs.
+    Busy(u64),
+    /// No candidate is eligible.
+    Nobody,
 }
 
 impl MemoryStore {
@@ -31,6 +51,96 @@ impl MemoryStore {
     pub fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         self.quotas.decide(req)
     }
+
+    /// Walks the candidates of `ask` in order, and takes the first that is not excluded, not
+    /// cooling (when the route has cooldowns) and whose windows admit the cost. Runs under the
+    /// route's lock (and the route quota key's, when it has a quota).
+    fn walk(
+        &self,
+        route: &mut Route,
+        ask: &Assign<'_>,
+        excluded: &Excluded<'_>,
+        now: u64,
+    ) -> Result<Pick, StoreError> {
+        let mut eligible = false;
+        let mut wait: Option<u64> = None;
+        let cooling = &route.cooling;
+        // Offers one candidate; true when it is taken (its windows recorded).
+        let mut offer = |id: &str, windows: &[Window]| -> Result<bool, StoreError> {
+            if excluded.contains(id) {
+                return Ok(false);
+            }
+            eligible = true;
+            let left = if ask.cooldowns {
+                cooling
+                    .get(id)
+                    .filter(|&&until| until > now)
+                    .map(|u| u - now)
+            } else {
+                None
+            };
+            let waits = if windows.is_empty() {
+                match left {
+                    None => return Ok(true),
+                    Some(left) => left,
+                }
+            } else {
+                // A cooling member is checked, never recorded: it admits once both its cooldown
+                // and its windows allow, whichever is later.
+                let req = Acquire {
+                    route: ask.route,
+                    key: id,
+                    windows,
+                    cost: ask.cost,
+                    at_us: Some(now),
+                };
+                let (outcome, taken) = self
+                    .members
+                    .decide_then(req, || left.is_none().then_some(()))?;
+                if taken.is_some() {
+                    return Ok(true);
+                }
+                left.unwrap_or(0).max(outcome.retry_after_us)
+            };
+            wait = Some(wait.map_or(waits, |w| w.min(waits)));
+            Ok(false)
+        };
+        match ask.order {
+            Order::LeastUsed => {
+                let any_windows = ask.members.iter().any(|m| !m.windows.is_empty());
+                let mut chosen = None;
+                for (count, id) in &route.counts.order {
+                    let windows = match any_windows {
+                        true => ask
+                            .members
+                            .iter()
+                            .find(|m| m.id == *id)
+                            .map_or(&[][..], |m| &m.windows[..]),
+                        false => &[],
+                    };
+                    if offer(id, windows)? {
+                        chosen = Some((*count, id.clone()));
+                        break;
+                    }
+                }
+                if let Some((count, id)) = chosen {
+                    route.counts.set(&id, count + 1);
+                    return Ok(Pick::Chosen(id));
+                }
+            }
+            Order::Preference(order) => {
+                for m in order.iter().filter_map(|&i| ask.members.get(i)) {
+                    if offer(&m.id, &m.windows)? {
+                        return Ok(Pick::Chosen(m.id.clone()));
+                    }
+                }
+            }
+        }
+        Ok(match wait {
+            Some(wait) if eligible => Pick::Busy(wait),
+            _ => Pick::Nobody,
+        })
+    }
 }
 
 #[async_trait]
@@ -39,50 +149,65 @@ impl StateStore for MemoryStore {
         self.decide(request)
     }
 
-    async fn assign(
-        &self,
-        route: &str,
-        members: &[Arc<str>],
-        excluded: &[&str],
-        quota: Option<Acquire<'_>>,
-    ) -> Result<Assignment, StoreError> {
+    async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
         // As in Redis, where an empty sorted set cannot exist.
-        if members.is_empty() {
+        if ask.members.is_empty() {
             return Ok(Assignment::NoMember { quota: None });
         }
-        let excluded = Excluded::new(excluded);
-        let synced = self.pools.exists(route);
-        let pool = self.pools.pool(route);
-        let mut counts = pool.lock().unwrap_or_else(|p| p.into_inner());
-        if !synced {
-            counts.sync(members, &excluded);
+        let now = ask
+            .at_us
+            .or(ask.quota.and_then(|q| q.at_us))
+            .unwrap_or_else(|| self.quotas.now_us());
+        let excluded = Excluded::new(ask.excluded);
+        let route = self.pools.route(ask.route);
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        // A pool with no member is one that was never synced, as in Redis.
+        if matches!(ask.order, Order::LeastUsed) && route.counts.by_member.is_empty() {
+            let ids = ask.members.iter().map(|m: &PoolMember| &m.id);
+            route.counts.sync(ids, &excluded);
         }
-        // Picks and counts the least-used member; runs at most once.
-        let mut take = || {
-            let (count, id) = counts.least(&excluded).cloned()?;
-            counts.set(&id, count + 1);
-            Some(id)
-        };
-        let Some(q) = quota else {
-            return Ok(match take() {
-                Some(id) => Assignment::Assigned {
+        let Some(q) = ask.quota else {
+            return Ok(match self.walk(&mut route, &ask, &excluded, now)? {
+                Pick::Chosen(id) => Assignment::Assigned {
                     member: id.to_string(),
                     quota: None,
                 },
-                None => Assignment::NoMember { quota: None },
+                Pick::Busy(retry_after_us) => Assignment::Busy {
+                    retry_after_us,
+                    quota: None,
+                },
+                Pick::Nobody => Assignment::NoMember { quota: None },
             });
         };
         // The quota goes first, and records the request in the same step as the assignment,
-        // under the quota key's lock (the pool's lock is held too): nothing can be admitted
+        // under the quota key's lock (the route's lock is held too): nothing can be admitted
         // between the check and the record.
-        let (outcome, member) = self.quotas.decide_then(q, take)?;
-        Ok(match member {
-            Some(id) => Assignment::Assigned {
+        let mut missed = None;
+        let q = Acquire {
+            at_us: Some(now),
+            ..q
+        };
+        let (outcome, member) =
+            self.quotas
+                .decide_then(q, || match self.walk(&mut route, &ask, &excluded, now) {
+                    Ok(Pick::Chosen(id)) => Some(id),
+                    other => {
+                        missed = Some(other);
+                        None
+                    }
+                })?;
+        Ok(match (member, missed) {
+            (Some(id), _) => Assignment::Assigned {
                 member: id.to_string(),
                 quota: Some(outcome),
             },
-            None if !outcome.admitted => Assignment::QuotaRefused(outcome),
-            None => Assignment::NoMember {
+            (None, Some(Err(error))) => return Err(error),
+            (None, Some(Ok(Pick::Busy(retry_after_us)))) => Assignment::Busy {
+                retry_after_us,
+                quota: Some(outcome),
+            },
+            (None, _) if !outcome.admitted => Assignment::QuotaRefused(outcome),
+            (None, _) => Assignment::NoMember {
                 quota: Some(outcome),
             },
         })
@@ -94,10 +219,12 @@ impl StateStore for MemoryStore {
         members: &[Arc<str>],
         excluded: &[&str],
     ) -> Result<(), StoreError> {
-        let pool = self.pools.pool(route);
-        pool.lock()
+        let route = self.pools.route(route);
+        route
+            .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .sync(members, &Excluded::new(excluded));
+            .counts
+            .sync(members.iter(), &Excluded::new(excluded));
         Ok(())
     }
 
@@ -107,8 +234,8 @@ impl StateStore for MemoryStore {
         member: &str,
         excluded: &[&str],
     ) -> Result<(), StoreError> {
-        let pool = self.pools.pool(route);
-        let mut counts = pool.lock().unwrap_or_else(|p| p.into_inner());
+        let route = self.pools.route(route);
+        let counts = &mut route.lock().unwrap_or_else(|p| p.into_inner()).counts;
         let mut others: Vec<&str> = excluded.to_vec();
         others.push(member);
         let least = counts.least(&Excluded::new(&others)).map(|(c, _)| *c);
@@ -122,12 +249,55 @@ impl StateStore for MemoryStore {
     }
 
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let pool = self.pools.pool(route);
-        let counts = pool.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(counts
+        let route = self.pools.route(route);
+        let route = route.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(route
+            .counts
             .order
             .iter()
             .map(|(c, id)| (id.to_string(), *c))
+            .collect())
+    }
+
+    async fn cool(
+        &self,
+        route: &str,
+        member: &str,
+        for_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let now = at_us.unwrap_or_else(|| self.quotas.now_us());
+        let route = self.pools.route(route);
+        let cooling = &mut route.lock().unwrap_or_else(|p| p.into_inner()).cooling;
+        // As the Redis script: what is over leaves, and a cooldown only ever grows.
+        cooling.retain(|_, until| *until > now);
+        if for_us > 0 {
+            let until = now.saturating_add(for_us);
+            match cooling.get_mut(member) {
+                Some(current) => *current = (*current).max(until),
+                None => {
+                    cooling.insert(member.into(), until);
+                }
+            }
+        }
+        Ok(cooling.get(member).map_or(0, |until| until - now))
+    }
+
+    async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let now = self.quotas.now_us();
+        let route = self.pools.route(route);
+        let route = route.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cooling: Vec<(u64, &Arc<str>)> = route
+            .cooling
+            .iter()
+            .filter(|(_, &until)| until > now)
+            .map(|(id, &until)| (until, id))
+            .collect();
+        // Soonest to end first, then by id: the order of the Redis sorted set.
+        cooling.sort_unstable();
+        Ok(cooling
+            .into_iter()
+            .map(|(until, id)| (id.to_string(), until - now))
             .collect())
     }
 }

@@ -1,8 +1,20 @@
-//! Least-used pools in process: the same rule as the Redis script (`lua/allocator.lua`), for a
-//! single instance. Part of [`crate::MemoryStore`].
+//! Least-used pools and member cooldowns in process: the same rules as the Redis scripts
+//! (`lua/allocator.lua`, `lua/members.lua`), for a single instance. Part of
+//! [`crate::MemoryStore`].
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
+
+/// What one route shares between its assignments, behind one lock: every assignment on the
+/// route takes it first, which makes the walk over its members one atomic step.
+#[derive(Debug, Default)]
+pub(crate) struct Route {
+    /// The least-used pool (empty for routes that never used least-used).
+    pub(crate) counts: Counts,
+    /// Member id → the time in µs until which it cools. Trimmed whenever a member is cooled,
+    /// so it holds only recent cooldowns of configured members.
+    pub(crate) cooling: HashMap<Arc<str>, u64>,
+}
 
 /// One pool's counts, ordered as the Redis sorted set orders them: by count, then by id.
 #[derive(Debug, Default)]
@@ -45,8 +57,12 @@ impl Counts {
         self.order.insert((count, id.clone()));
     }
 
-    pub(crate) fn sync(&mut self, members: &[Arc<str>], excluded: &Excluded<'_>) {
-        let wanted: HashSet<&str> = members.iter().map(|m| &**m).collect();
+    pub(crate) fn sync<'m>(
+        &mut self,
+        members: impl Iterator<Item = &'m Arc<str>> + Clone,
+        excluded: &Excluded<'_>,
+    ) {
+        let wanted: HashSet<&str> = members.clone().map(|m| &**m).collect();
         let leaving: Vec<Arc<str>> = self
             .by_member
             .keys()
@@ -67,15 +83,15 @@ impl Counts {
     }
 }
 
-/// Every least-used pool of one gateway instance, by route.
+/// Every route's pool and cooldowns, in one gateway instance.
 #[derive(Debug, Default)]
 pub(crate) struct Pools {
-    pools: RwLock<HashMap<Box<str>, Arc<Mutex<Counts>>>>,
+    pools: RwLock<HashMap<Box<str>, Arc<Mutex<Route>>>>,
 }
 
 impl Pools {
-    /// The pool of `route`, created empty if it does not exist.
-    pub(crate) fn pool(&self, route: &str) -> Arc<Mutex<Counts>> {
+    /// The state of `route`, created empty if it does not exist.
+    pub(crate) fn route(&self, route: &str) -> Arc<Mutex<Route>> {
         if let Some(p) = self
             .pools
             .read()
@@ -90,13 +106,5 @@ impl Pools {
             .entry(route.into())
             .or_default()
             .clone()
-    }
-
-    /// Whether the pool of `route` was ever synced or used.
-    pub(crate) fn exists(&self, route: &str) -> bool {
-        self.pools
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(route)
     }
 }

@@ -115,6 +115,11 @@ impl QuotaLogs {
             .sum()
     }
 
+    /// The store's clock: microseconds since these logs were made, monotonic.
+    pub(crate) fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
     fn shard(&self, route: &str, key: &str) -> &Mutex<Shard> {
         let mut h = DefaultHasher::new();
         route.hash(&mut h);
@@ -138,9 +143,7 @@ impl QuotaLogs {
         req: Acquire<'_>,
         then: impl FnOnce() -> Option<T>,
     ) -> Result<(Outcome, Option<T>), StoreError> {
-        let now = req
-            .at_us
-            .unwrap_or_else(|| self.epoch.elapsed().as_micros() as u64);
+        let now = req.at_us.unwrap_or_else(|| self.now_us());
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
         if call % SWEEP_EVERY == SWEEP_EVERY - 1 {
             let turn = (call / SWEEP_EVERY) as usize % self.shards.len();

@@ -1,17 +1,18 @@
-//! The shared backend: every instance on one Redis (or Redis Cluster) sees the same quotas and
-//! the same assignment counts. Each request costs one `EVALSHA`: the quota script, the
-//! allocator script, or both fused into one.
+//! The shared backend: every instance on one Redis (or Redis Cluster) sees the same quotas, the
+//! same assignment counts, member windows and cooldowns. Each request costs one `EVALSHA`: the
+//! quota script, the allocator script, both fused into one, or (with member windows, cooldowns
+//! or a preference order) the assign script, which does all of it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{Script, Value};
+use redis::{Script, ScriptInvocation, Value};
 
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
-use crate::{Acquire, Assignment, Outcome, StateStore, StoreError};
+use crate::{Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -86,27 +87,141 @@ impl RedisStore {
     }
 
     /// One assignment; `None` when the pool does not exist and must be synced first.
-    async fn assign_once(
-        &self,
-        route: &str,
-        excluded: &[&str],
-        quota: Option<Acquire<'_>>,
-    ) -> Result<Option<Assignment>, StoreError> {
+    async fn assign_once(&self, ask: &Assign<'_>) -> Result<Option<Assignment>, StoreError> {
+        if matches!(ask.order, Order::LeastUsed)
+            && !ask.cooldowns
+            && !ask
+                .members
+                .iter()
+                .any(|m| !m.windows.is_empty() && !ask.excluded.contains(&&*m.id))
+        {
+            return self.least_used_once(ask).await;
+        }
+        let mut invocation = self.scripts.assign.prepare_invoke();
+        let route = ask.route;
+        let least_used = matches!(ask.order, Order::LeastUsed);
+        if least_used {
+            invocation.key(self.keys.pool(route));
+        }
+        if ask.cooldowns {
+            invocation.key(self.keys.cooldowns(route));
+        }
+        let quota = self.quota_of(ask);
+        if let Some(q) = &quota {
+            for key in self.keys.quota(q.route, q.key, q.windows) {
+                invocation.key(key);
+            }
+        }
+        // One clock for the whole decision, as in memory.
+        match ask.at_us.or(ask.quota.and_then(|q| q.at_us)) {
+            Some(t) => invocation.arg(t),
+            None => invocation.arg(""),
+        };
+        invocation
+            .arg(ask.cost)
+            .arg(if least_used { "L" } else { "P" })
+            .arg(if ask.cooldowns { "1" } else { "0" });
+        match &quota {
+            Some(q) => {
+                invocation.arg(q.windows.len()).arg(q.cost);
+                for w in q.windows {
+                    invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                }
+            }
+            None => {
+                invocation.arg("").arg(0);
+            }
+        }
+        scripts::push_excluded(&mut invocation, if least_used { ask.excluded } else { &[] });
+        // The members the script needs: for least-used, those with windows (the others admit
+        // anything); for a preference, every candidate, best first. Excluded ones never.
+        let eligible = |m: &&PoolMember| !ask.excluded.contains(&&*m.id);
+        match ask.order {
+            Order::LeastUsed => {
+                let members = ask.members.iter().filter(|m| !m.windows.is_empty());
+                invocation.arg(members.clone().filter(eligible).count());
+                for m in members.filter(eligible) {
+                    self.push_member(&mut invocation, route, m);
+                }
+            }
+            Order::Preference(order) => {
+                let members = order.iter().filter_map(|&i| ask.members.get(i));
+                invocation.arg(members.clone().filter(eligible).count());
+                for m in members.filter(eligible) {
+                    self.push_member(&mut invocation, route, m);
+                }
+            }
+        }
+        let reply: Value = self.invoke(&invocation).await?;
+        scripts::parse_assign(&reply, quota.map(|q| q.windows.len()))
+    }
+
+    /// One member for the assign script: its id, window count and windows as arguments, and
+    /// (with windows) its helper hash and logs as keys, in the same order.
+    fn push_member(&self, invocation: &mut ScriptInvocation<'_>, route: &str, m: &PoolMember) {
+        invocation.arg(&*m.id).arg(m.windows.len());
+        if m.windows.is_empty() {
+            return;
+        }
+        invocation.key(self.keys.member_meta(route, &m.id));
+        for w in m.windows.iter() {
+            invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
+            invocation.key(self.keys.member_log(route, &w.name, &m.id));
+        }
+    }
+
+    /// The route quota of `ask`, on the assignment's clock.
+    fn quota_of<'a>(&self, ask: &Assign<'a>) -> Option<Acquire<'a>> {
+        ask.quota.map(|q| Acquire {
+            at_us: ask.at_us.or(q.at_us),
+            ..q
+        })
+    }
+
+    /// A least-used assignment with no member windows and no cooldowns: the allocator script,
+    /// or the fused one with a route quota (fewer commands than the general script).
+    async fn least_used_once(&self, ask: &Assign<'_>) -> Result<Option<Assignment>, StoreError> {
+        let quota = self.quota_of(ask);
         let reply = match &quota {
-            None => self.allocator(route, &["assign"], excluded).await?,
+            None => self.allocator(ask.route, &["assign"], ask.excluded).await?,
             Some(q) => {
                 let script: &Script = &self.scripts.fused;
                 let mut invocation = script.prepare_invoke();
                 for key in self.keys.quota(q.route, q.key, q.windows) {
                     invocation.key(key);
                 }
-                invocation.key(self.keys.pool(route));
+                invocation.key(self.keys.pool(ask.route));
                 scripts::push_quota_args(&mut invocation, q);
-                scripts::push_excluded(&mut invocation, excluded);
+                scripts::push_excluded(&mut invocation, ask.excluded);
                 self.invoke(&invocation).await?
             }
         };
         scripts::parse_assignment(&reply, quota.map(|q| q.windows.len()))
+    }
+
+    /// A preference with nothing for the store to check (no route quota, no member windows, no
+    /// cooldowns) needs no round trip: the first candidate that is not excluded.
+    fn trivial_preference(ask: &Assign<'_>) -> Option<Assignment> {
+        let Order::Preference(order) = ask.order else {
+            return None;
+        };
+        if ask.quota.is_some() || ask.cooldowns {
+            return None;
+        }
+        let mut candidates = order
+            .iter()
+            .filter_map(|&i| ask.members.get(i))
+            .filter(|m| !ask.excluded.contains(&&*m.id));
+        if candidates.clone().any(|m| !m.windows.is_empty()) {
+            return None;
+        }
+        Some(match candidates.next() {
+            Some(m) => Assignment::Assigned {
+                member: m.id.to_string(),
+                quota: None,
+            },
+            None => Assignment::NoMember { quota: None },
+        })
     }
 }
 
@@ -122,24 +237,22 @@ impl StateStore for RedisStore {
         scripts::parse_quota(&reply, req.windows.len())
     }
 
-    async fn assign(
-        &self,
-        route: &str,
-        members: &[Arc<str>],
-        excluded: &[&str],
-        quota: Option<Acquire<'_>>,
-    ) -> Result<Assignment, StoreError> {
+    async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
         // Redis has no empty sorted set: an empty pool is simply one with no member.
-        if members.is_empty() {
+        if ask.members.is_empty() {
             return Ok(Assignment::NoMember { quota: None });
         }
-        if let Some(a) = self.assign_once(route, excluded, quota).await? {
+        if let Some(a) = Self::trivial_preference(&ask) {
+            return Ok(a);
+        }
+        if let Some(a) = self.assign_once(&ask).await? {
             return Ok(a);
         }
         // The pool is missing: first use, or Redis restarted empty. Counts start again from
         // the agreed floor, and the request goes on.
-        self.sync(route, members, excluded).await?;
-        self.assign_once(route, excluded, quota)
+        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
+        self.sync(ask.route, &ids, ask.excluded).await?;
+        self.assign_once(&ask)
             .await?
             .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
     }
@@ -187,6 +300,39 @@ impl StateStore for RedisStore {
             })
             .await?;
         Ok(pairs.into_iter().map(|(m, c)| (m, c as u64)).collect())
+    }
+
+    async fn cool(
+        &self,
+        route: &str,
+        member: &str,
+        for_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let mut invocation = self.scripts.cool.prepare_invoke();
+        invocation
+            .key(self.keys.cooldowns(route))
+            .arg("cool")
+            .arg(member)
+            .arg(for_us);
+        match at_us {
+            Some(t) => invocation.arg(t),
+            None => invocation.arg(""),
+        };
+        let reply: Value = self.invoke(&invocation).await?;
+        match reply {
+            Value::Int(left) if left >= 0 => Ok(left as u64),
+            other => Err(StoreError::Backend(format!(
+                "unexpected cool reply {other:?}"
+            ))),
+        }
+    }
+
+    async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut invocation = self.scripts.cool.prepare_invoke();
+        invocation.key(self.keys.cooldowns(route)).arg("list");
+        let reply: Value = self.invoke(&invocation).await?;
+        scripts::parse_cooldowns(&reply)
     }
 
     async fn ready(&self) -> bool {

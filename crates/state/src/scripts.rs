@@ -1,7 +1,7 @@
 //! The Lua scripts in `lua/`, and the protocol the Redis backend speaks with them: how each
 //! script is assembled from its libraries, how arguments are laid out, and how replies are read.
 //!
-//! The libraries (`quota.lua`, `allocator.lua`) define functions; each driver (`*_run.lua`)
+//! The libraries (`quota.lua`, `allocator.lua`, `members.lua`) define functions; each driver (`*_run.lua`)
 //! is appended to the libraries it uses, so one `EVALSHA` composes several policies
 //! atomically. Replies are checked, never trusted: a reply of the wrong shape (another
 //! program's script under our SHA, a Redis proxy that mangles arrays) is a [`StoreError`], not
@@ -18,8 +18,12 @@ pub const ALLOCATOR_LIBRARY: &str = include_str!("../../../lua/allocator.lua");
 const QUOTA_DRIVER: &str = include_str!("../../../lua/quota_run.lua");
 const ALLOCATOR_DRIVER: &str = include_str!("../../../lua/allocator_run.lua");
 const FUSED_DRIVER: &str = include_str!("../../../lua/fused_run.lua");
+/// The member library: member windows, cooldowns, and the walk over candidates.
+pub const MEMBERS_LIBRARY: &str = include_str!("../../../lua/members.lua");
+const ASSIGN_DRIVER: &str = include_str!("../../../lua/assign_run.lua");
+const COOL_DRIVER: &str = include_str!("../../../lua/cool_run.lua");
 
-/// The three scripts a Redis store runs.
+/// The scripts a Redis store runs.
 pub struct Scripts {
     /// One request against one quota key.
     pub quota: Script,
@@ -27,6 +31,12 @@ pub struct Scripts {
     pub allocator: Script,
     /// Quota and least-used assignment in one atomic call.
     pub fused: Script,
+    /// An assignment with member windows, cooldowns or a preference order (and the route's
+    /// quota): the general case, kept apart so that a plain least-used route runs fewer
+    /// commands.
+    pub assign: Script,
+    /// Cooling a member, and listing the cooling members.
+    pub cool: Script,
 }
 
 impl Default for Scripts {
@@ -43,6 +53,12 @@ impl Scripts {
             allocator: Script::new(&format!("{ALLOCATOR_LIBRARY}\n{ALLOCATOR_DRIVER}")),
             fused: Script::new(&format!(
                 "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{FUSED_DRIVER}"
+            )),
+            assign: Script::new(&format!(
+                "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{ASSIGN_DRIVER}"
+            )),
+            cool: Script::new(&format!(
+                "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{COOL_DRIVER}"
             )),
         }
     }
@@ -101,11 +117,29 @@ fn unexpected(reply: &Value) -> StoreError {
     StoreError::Backend(format!("unexpected allocator reply {reply:?}"))
 }
 
-/// `{status, member, quota reply...}` → an assignment, or `None` when the pool must be synced
-/// first. `windows` is the quota's window count, for fused calls.
+/// `{status, member, quota reply...}` (`allocator_run.lua`, `fused_run.lua`) → an assignment,
+/// or `None` when the pool must be synced first. `windows` is the quota's window count, for
+/// fused calls.
 pub fn parse_assignment(
     reply: &Value,
     windows: Option<usize>,
+) -> Result<Option<Assignment>, StoreError> {
+    parse_reply(reply, windows, false)
+}
+
+/// `{status, member, wait_us, quota reply...}` (`assign_run.lua`) → an assignment, or `None`
+/// when the pool must be synced first. `windows` is the route quota's window count, if any.
+pub fn parse_assign(
+    reply: &Value,
+    windows: Option<usize>,
+) -> Result<Option<Assignment>, StoreError> {
+    parse_reply(reply, windows, true)
+}
+
+fn parse_reply(
+    reply: &Value,
+    windows: Option<usize>,
+    with_wait: bool,
 ) -> Result<Option<Assignment>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(unexpected(reply));
@@ -126,15 +160,26 @@ pub fn parse_assignment(
         Some(Value::SimpleString(s)) => s.clone(),
         _ => String::new(),
     };
+    let wait = if with_wait {
+        let wait = items
+            .get(2)
+            .and_then(int)
+            .ok_or_else(|| unexpected(reply))?;
+        u64::try_from(wait).map_err(|_| unexpected(reply))?
+    } else {
+        0
+    };
+    let quota_at = if with_wait { 3 } else { 2 };
     let quota = match windows {
         Some(n) => {
-            let rest = items.get(2..).unwrap_or_default();
+            let rest = items.get(quota_at..).unwrap_or_default();
             let numbers: Vec<i64> = rest.iter().filter_map(int).collect();
             if numbers.len() != rest.len() {
                 return Err(unexpected(reply));
             }
             Some(parse_quota(&numbers, n)?)
         }
+        None if items.len() != quota_at => return Err(unexpected(reply)),
         None => None,
     };
     Ok(match status {
@@ -143,8 +188,40 @@ pub fn parse_assignment(
         0 => Some(Assignment::QuotaRefused(
             quota.ok_or_else(|| unexpected(reply))?,
         )),
+        4 if with_wait => Some(Assignment::Busy {
+            retry_after_us: wait,
+            quota,
+        }),
         _ => return Err(unexpected(reply)),
     })
+}
+
+/// `{member, µs left, ...}` (`cool_run.lua`'s `list`) → the cooling members.
+pub fn parse_cooldowns(reply: &Value) -> Result<Vec<(String, u64)>, StoreError> {
+    let bad = || StoreError::Backend(format!("unexpected cooldowns reply {reply:?}"));
+    let items = match reply {
+        Value::Array(items) => items.as_slice(),
+        // An empty Lua table may come back as nil through some proxies.
+        Value::Nil => &[],
+        _ => return Err(bad()),
+    };
+    if items.len() % 2 != 0 {
+        return Err(bad());
+    }
+    items
+        .chunks_exact(2)
+        .map(|pair| {
+            let member = match &pair[0] {
+                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                Value::SimpleString(s) => s.clone(),
+                _ => return Err(bad()),
+            };
+            match pair[1] {
+                Value::Int(left) if left >= 0 => Ok((member, left as u64)),
+                _ => Err(bad()),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -179,6 +256,102 @@ mod tests {
         }
         assert!(parse_quota(&[1], 0).is_err());
         assert!(parse_quota(&[1, 0, 5], 1).is_err());
+
+        // The assign script's replies carry a wait after the member.
+        let member = || Value::BulkString(b"key-a".to_vec());
+        let assign_shapes = [
+            Value::Nil,
+            Value::Okay,
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(1), member()]),
+            Value::Array(vec![Value::Int(4), Value::SimpleString(String::new())]),
+            Value::Array(vec![Value::Int(4), member(), Value::Int(-5)]),
+            Value::Array(vec![Value::Int(4), member(), Value::Nil]),
+            Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(0)]),
+            Value::Array(vec![Value::Int(9), member(), Value::Int(0)]),
+            Value::Array(vec![Value::Int(1), member(), Value::Int(0), Value::Int(1)]),
+            Value::Array(vec![
+                Value::Int(0),
+                member(),
+                Value::Int(0),
+                Value::SimpleString("x".into()),
+            ]),
+        ];
+        for windows in [None, Some(1)] {
+            for reply in &assign_shapes {
+                let parsed = parse_assign(reply, windows);
+                assert!(parsed.is_err(), "{reply:?} with {windows:?} → {parsed:?}");
+            }
+        }
+        // The old scripts never answer busy.
+        let busy = Value::Array(vec![Value::Int(4), member()]);
+        assert!(parse_assignment(&busy, None).is_err());
+
+        for reply in [
+            Value::Int(3),
+            Value::Array(vec![member()]),
+            Value::Array(vec![Value::Int(1), member()]),
+            Value::Array(vec![member(), Value::Int(-1)]),
+            Value::Array(vec![member(), Value::Nil]),
+        ] {
+            assert!(parse_cooldowns(&reply).is_err(), "{reply:?}");
+        }
+    }
+
+    #[test]
+    fn assign_replies_parse() {
+        let busy = Value::Array(vec![
+            Value::Int(4),
+            Value::BulkString(Vec::new()),
+            Value::Int(1_500),
+            Value::Int(1),
+            Value::Int(0),
+            Value::Int(7),
+            Value::Int(20),
+        ]);
+        assert_eq!(
+            parse_assign(&busy, Some(1)).unwrap().unwrap(),
+            Assignment::Busy {
+                retry_after_us: 1_500,
+                quota: Some(Outcome {
+                    admitted: true,
+                    retry_after_us: 0,
+                    windows: vec![WindowState {
+                        remaining: 7,
+                        reset_us: 20
+                    }]
+                })
+            }
+        );
+        let assigned = Value::Array(vec![
+            Value::Int(1),
+            Value::BulkString(b"key-b".to_vec()),
+            Value::Int(0),
+        ]);
+        assert_eq!(
+            parse_assign(&assigned, None).unwrap().unwrap(),
+            Assignment::Assigned {
+                member: "key-b".into(),
+                quota: None
+            }
+        );
+        let resync = Value::Array(vec![
+            Value::Int(3),
+            Value::BulkString(Vec::new()),
+            Value::Int(0),
+        ]);
+        assert_eq!(parse_assign(&resync, None).unwrap(), None);
+        let cooling = Value::Array(vec![
+            Value::BulkString(b"key-a".to_vec()),
+            Value::Int(10),
+            Value::BulkString(b"key-b".to_vec()),
+            Value::Int(20),
+        ]);
+        assert_eq!(
+            parse_cooldowns(&cooling).unwrap(),
+            [("key-a".to_string(), 10), ("key-b".to_string(), 20)]
+        );
+        assert!(parse_cooldowns(&Value::Array(vec![])).unwrap().is_empty());
     }
 
     #[test]

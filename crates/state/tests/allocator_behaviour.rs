@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_state::{Acquire, Window};
+use sluice_state::{Acquire, Assign, Order, PoolMember, Window};
 use sluice_state::{Assignment, MemoryStore, RedisConnection, RedisStore, StateStore};
 use sluice_testkit::RedisServer;
 
@@ -15,9 +15,32 @@ fn ids(list: &[&str]) -> Vec<Arc<str>> {
     list.iter().map(|m| Arc::from(*m)).collect()
 }
 
+fn members(list: &[&str]) -> Vec<PoolMember> {
+    list.iter().map(|m| PoolMember::new(*m)).collect()
+}
+
+/// A plain least-used assignment (no member windows, no cooldowns), as before SPEC §8.
+fn least_used<'a>(
+    route: &'a str,
+    members: &'a [PoolMember],
+    excluded: &'a [&'a str],
+    quota: Option<Acquire<'a>>,
+) -> Assign<'a> {
+    Assign {
+        route,
+        members,
+        order: Order::LeastUsed,
+        excluded,
+        quota,
+        cost: quota.map_or(1, |q| q.cost),
+        cooldowns: false,
+        at_us: None,
+    }
+}
+
 async fn pick(store: &dyn StateStore, route: &str, excluded: &[&str]) -> Option<String> {
     match store
-        .assign(route, &ids(&MEMBER_IDS), excluded, None)
+        .assign(least_used(route, &members(&MEMBER_IDS), excluded, None))
         .await
         .unwrap()
     {
@@ -66,7 +89,10 @@ async fn n_picks_spread_evenly(store: &dyn StateStore) {
 }
 
 async fn an_empty_pool_has_no_member(store: &dyn StateStore) {
-    let got = store.assign("empty", &ids(&[]), &[], None).await.unwrap();
+    let got = store
+        .assign(least_used("empty", &members(&[]), &[], None))
+        .await
+        .unwrap();
     assert_eq!(got, Assignment::NoMember { quota: None });
 }
 
@@ -159,12 +185,12 @@ async fn membership_follows_the_config(store: &dyn StateStore) {
     for _ in 0..30 {
         assert_ne!(
             store
-                .assign(
+                .assign(least_used(
                     "members",
-                    &ids(&["http://a.test", "http://b.test", "http://d.test"]),
+                    &members(&["http://a.test", "http://b.test", "http://d.test"]),
                     &[],
                     None
-                )
+                ))
                 .await
                 .unwrap(),
             Assignment::Assigned {
@@ -192,7 +218,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn StateStore) {
     // No eligible member: no quota consumed.
     for t in 0..5 {
         match store
-            .assign("fused", &ids(&MEMBER_IDS), &all, Some(q(t)))
+            .assign(least_used("fused", &members(&MEMBER_IDS), &all, Some(q(t))))
             .await
             .unwrap()
         {
@@ -203,7 +229,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn StateStore) {
     for t in 10..12 {
         assert!(matches!(
             store
-                .assign("fused", &ids(&MEMBER_IDS), &[], Some(q(t)))
+                .assign(least_used("fused", &members(&MEMBER_IDS), &[], Some(q(t))))
                 .await
                 .unwrap(),
             Assignment::Assigned { quota: Some(_), .. }
@@ -212,7 +238,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn StateStore) {
     // Quota refused: nothing assigned.
     let before = counts(store, "fused").await;
     match store
-        .assign("fused", &ids(&MEMBER_IDS), &[], Some(q(20)))
+        .assign(least_used("fused", &members(&MEMBER_IDS), &[], Some(q(20))))
         .await
         .unwrap()
     {
@@ -230,7 +256,7 @@ async fn concurrent_picks_stay_within_one(store: Arc<dyn StateStore>) {
         tasks.push(tokio::spawn(async move {
             for _ in 0..50 {
                 store
-                    .assign("busy", &ids(&MEMBER_IDS), &[], None)
+                    .assign(least_used("busy", &members(&MEMBER_IDS), &[], None))
                     .await
                     .unwrap();
             }
@@ -272,7 +298,7 @@ async fn quota_and_assignment_are_one_step(store: Arc<dyn StateStore>) {
                 let ok = if fused {
                     matches!(
                         store
-                            .assign("onestep", &ids(&MEMBER_IDS), &[], Some(q()))
+                            .assign(least_used("onestep", &members(&MEMBER_IDS), &[], Some(q())))
                             .await
                             .unwrap(),
                         Assignment::Assigned { .. }
@@ -342,14 +368,14 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
     };
     // Warm up: the first call syncs the pool and loads the script.
     store
-        .assign("rt", &ids(&MEMBER_IDS), &[], Some(q))
+        .assign(least_used("rt", &members(&MEMBER_IDS), &[], Some(q)))
         .await
         .unwrap();
     server.command(&["CONFIG", "RESETSTAT"]).unwrap();
     let monitor = server.monitor();
     for _ in 0..100 {
         store
-            .assign("rt", &ids(&MEMBER_IDS), &[], Some(q))
+            .assign(least_used("rt", &members(&MEMBER_IDS), &[], Some(q)))
             .await
             .unwrap();
     }
@@ -365,7 +391,7 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
     for _ in 0..10 {
         assert!(matches!(
             store
-                .assign("rt", &ids(&MEMBER_IDS), &[], Some(q))
+                .assign(least_used("rt", &members(&MEMBER_IDS), &[], Some(q)))
                 .await
                 .unwrap(),
             Assignment::Assigned { .. }
@@ -426,7 +452,7 @@ fn memory_fused_assignment_and_plain_quota_never_both_win() {
         limit: 1,
         length_us: 3_600_000_000,
     }];
-    let members = ids(&MEMBER_IDS);
+    let members = members(&MEMBER_IDS);
     let arrived = AtomicU64::new(0);
     let keys: Vec<String> = (0..ROUNDS).map(|i| format!("k{i}")).collect();
     let wins: Vec<Vec<bool>> = std::thread::scope(|s| {
@@ -457,7 +483,7 @@ fn memory_fused_assignment_and_plain_quota_never_both_win() {
                     };
                     won.push(if fused {
                         matches!(
-                            now(store.assign("race", members, &[], Some(q))).unwrap(),
+                            now(store.assign(least_used("race", members, &[], Some(q)))).unwrap(),
                             Assignment::Assigned { .. }
                         )
                     } else {

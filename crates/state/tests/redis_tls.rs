@@ -5,8 +5,24 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_state::{Acquire, Assignment, RedisConnection, RedisStore, StateStore, Window};
+use sluice_state::{
+    Acquire, Assign, Assignment, Order, PoolMember, RedisConnection, RedisStore, StateStore, Window,
+};
 use sluice_testkit::RedisServer;
+
+/// A plain least-used assignment over `members`.
+fn least_used<'a>(route: &'a str, members: &'a [PoolMember]) -> Assign<'a> {
+    Assign {
+        route,
+        members,
+        order: Order::LeastUsed,
+        excluded: &[],
+        quota: None,
+        cost: 1,
+        cooldowns: false,
+        at_us: None,
+    }
+}
 
 fn store_over_tls(server: &RedisServer, ca: Option<&[u8]>) -> RedisStore {
     let connection =
@@ -48,13 +64,13 @@ async fn quota_and_least_used_over_rediss_with_a_private_ca() {
     let log = store.keys().quota_log("q", "m", "route");
     assert_eq!(server.integer(&["ZCARD", &log]), Some(2));
 
-    let members: Vec<Arc<str>> = ["http://a.test", "http://b.test", "http://c.test"]
+    let members: Vec<PoolMember> = ["http://a.test", "http://b.test", "http://c.test"]
         .iter()
-        .map(|m| Arc::from(*m))
+        .map(|m| PoolMember::new(*m))
         .collect();
     let mut picked = Vec::new();
     for _ in 0..3 {
-        match store.assign("pool", &members, &[], None).await.unwrap() {
+        match store.assign(least_used("pool", &members)).await.unwrap() {
             Assignment::Assigned { member, .. } => picked.push(member),
             other => panic!("a member is free: {other:?}"),
         }
@@ -161,12 +177,12 @@ async fn quota_and_least_used_over_a_rediss_cluster() {
         }
         assert_eq!(admitted, [true, true, false], "route {route}");
     }
-    let members: Vec<Arc<str>> = ["http://a.test", "http://b.test"]
+    let members: Vec<PoolMember> = ["http://a.test", "http://b.test"]
         .iter()
-        .map(|m| Arc::from(*m))
+        .map(|m| PoolMember::new(*m))
         .collect();
     for _ in 0..4 {
-        let assigned = store.assign("pool", &members, &[], None).await.unwrap();
+        let assigned = store.assign(least_used("pool", &members)).await.unwrap();
         assert!(
             matches!(assigned, Assignment::Assigned { .. }),
             "{assigned:?}"

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sluice_balancer::{Members, WeightedRoundRobin};
-use sluice_state::{Acquire, Assignment, StateStore};
+use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore};
 
 use super::{charge, Admission, Attempt, RoundRobin, Selector, Tried};
 
@@ -21,8 +21,11 @@ pub(crate) struct LeastUsed {
     /// Round-robin over the same members, for when the store cannot answer; only this needs
     /// a schedule.
     fallback: RoundRobin,
-    /// Every member's id, in config order, as the store takes them.
+    /// Every member's id, in config order, as the store's `sync` takes them.
     ids: Arc<[Arc<str>]>,
+    /// The same members as `assign` takes them, built once per table rather than per request.
+    /// Member windows are not wired yet (none), so the store takes its plain least-used path.
+    members: Arc<[PoolMember]>,
     /// Member id → index, to map the store's answer back to a member.
     index_of: HashMap<Arc<str>, usize>,
     /// Whether this table's member list has been written to the store. It is done on the
@@ -33,6 +36,7 @@ pub(crate) struct LeastUsed {
 impl LeastUsed {
     pub(crate) fn new(route: Arc<str>, pool: Arc<Members>, fallback: RoundRobin) -> LeastUsed {
         let ids: Arc<[Arc<str>]> = pool.members().iter().map(|m| m.id.clone()).collect();
+        let members: Arc<[PoolMember]> = ids.iter().cloned().map(PoolMember::new).collect();
         let index_of = ids
             .iter()
             .enumerate()
@@ -43,6 +47,7 @@ impl LeastUsed {
             pool,
             fallback,
             ids,
+            members,
             index_of,
             synced: AtomicBool::new(false),
         }
@@ -60,6 +65,20 @@ impl LeastUsed {
             .iter()
             .map(|&i| &*self.ids[i as usize])
             .collect()
+    }
+
+    /// A least-used assignment over this table's members, avoiding `excluded`.
+    fn ask<'a>(&'a self, excluded: &'a [&'a str], quota: Option<Acquire<'a>>) -> Assign<'a> {
+        Assign {
+            route: &self.route,
+            members: &self.members,
+            order: Order::LeastUsed,
+            excluded,
+            quota,
+            cost: quota.map_or(1, |q| q.cost),
+            cooldowns: false,
+            at_us: None,
+        }
     }
 
     /// Writes this table's member list to the store, once per route and table.
@@ -95,12 +114,16 @@ impl Selector for LeastUsed {
         }
         self.ensure_synced(state).await;
         let down = self.down_ids();
-        match state.assign(&self.route, &self.ids, &down, quota).await {
+        match state.assign(self.ask(&down, quota)).await {
             Ok(Assignment::Assigned { member, quota }) => Admission::Admitted {
                 first: self.attempt_for(&member, &Tried::default()),
                 quota,
             },
-            Ok(Assignment::NoMember { quota }) => Admission::NoMember { quota },
+            // Busy cannot happen without member windows or cooldowns; until they are wired,
+            // it is answered as no member.
+            Ok(Assignment::NoMember { quota } | Assignment::Busy { quota, .. }) => {
+                Admission::NoMember { quota }
+            }
             Ok(Assignment::QuotaRefused(outcome)) => Admission::QuotaRefused(outcome),
             Err(error) => Admission::StoreFailed {
                 error,
@@ -116,7 +139,7 @@ impl Selector for LeastUsed {
         }
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
-        match state.assign(&self.route, &self.ids, &excluded, None).await {
+        match state.assign(self.ask(&excluded, None)).await {
             Ok(Assignment::Assigned { member, .. }) => self.attempt_for(&member, tried),
             Ok(_) => None,
             Err(error) => {

@@ -1,0 +1,98 @@
+-- sluice assignment with member windows, cooldowns or a preference order: the route's quota,
+-- the walk over the candidates, and every record, in one atomic call (one round trip). Runs
+-- after quota.lua, allocator.lua and members.lua. (A least-used route whose members have no
+-- windows and no cooldown takes allocator_run.lua or fused_run.lua instead: fewer commands.)
+--
+-- KEYS, in this order, each part only when it applies:
+--   the pool                         (least-used order);
+--   the cooldowns                    (the route has cooldowns);
+--   the route quota's helper hash, then one log per window   (the route has a quota);
+--   per member sent with windows, its helper hash, then one log per window.
+-- ARGV:
+--   [1] clock: "" for Redis TIME, or µs (tests)      [2] the member cost
+--   [3] "L" least-used, or "P" the members below are the candidates, best first
+--   [4] "1" skip cooling members, "0" ignore cooldowns
+--   [5] the route quota's window count, "" for none   [6] the route quota's cost
+--   then the route quota's windows (name, limit, length)
+--   then the excluded ids (count, ids)
+--   then the members (count; per member: id, window count, windows). For "L", only the
+--   members with windows (the others admit anything); for "P", every candidate.
+-- Returns {status, member, wait_us, then the route quota's reply when it has one}:
+--   1 assigned `member`; 0 the route quota refused; 2 no eligible member;
+--   3 the pool does not exist (nothing changed: sync and ask again);
+--   4 busy: every eligible member cools or refuses; wait_us is the least time until one admits.
+-- Nothing is recorded unless a member is assigned.
+
+local now = quota_clock(ARGV[1])
+local cost = tonumber(ARGV[2])
+local least_used = ARGV[3] == 'L'
+local k = 1
+local pool, cool
+if least_used then
+  pool = KEYS[k]
+  k = k + 1
+  if redis.call('EXISTS', pool) == 0 then
+    return {3, '', 0}
+  end
+end
+if ARGV[4] == '1' then
+  cool = KEYS[k]
+  k = k + 1
+end
+
+local at = 7
+local q
+if ARGV[5] ~= '' then
+  local n = tonumber(ARGV[5])
+  local logs = {}
+  for i = 1, n do
+    logs[i] = KEYS[k + i]
+  end
+  q = quota_check(KEYS[k], logs, tonumber(ARGV[6]), now, quota_windows(at, n))
+  k = k + 1 + n
+  at = at + 3 * n
+  if q.admitted == 0 then
+    quota_finish(q)
+    return quota_reply(q, 0, {0, '', 0})
+  end
+end
+
+local excluded, count
+excluded, count, at = pool_excluded(at)
+local list, by_id = members_read(at, k)
+local cooling = {}
+if cool then
+  cooling = members_cooling(cool, now)
+end
+local w = members_walk(by_id, excluded, cooling, cost, now)
+if least_used then
+  members_walk_pool(w, pool, count)
+else
+  for _, m in ipairs(list) do
+    if members_offer(w, m.id) then
+      break
+    end
+  end
+end
+
+local out
+if w.chosen then
+  if q then
+    quota_record(q)
+  end
+  if least_used then
+    pool_assign(pool, w.chosen)
+  end
+  out = {1, w.chosen, 0}
+elseif w.eligible then
+  members_settle(w)
+  out = {4, '', w.wait or 0}
+else
+  out = {2, '', 0}
+end
+if not q then
+  return out
+end
+quota_finish(q)
+-- Admissible, but recorded only when a member was assigned.
+return quota_reply(q, 1, out)
