@@ -541,9 +541,22 @@ async fn redis_members_behave() {
     // Two instances, each with its own connection, on one Redis.
     let by_member = hammered(redis_store(&server.url()), redis_store(&server.url())).await;
     check_logs(&by_member, |_| server.addr());
-    // The cooldowns key lives only as long as its longest cooldown.
+    // The cooldowns key lives only as long as its longest cooldown, member logs and their
+    // helper hashes as long as their windows.
     let ttl = server.integer(&["PTTL", "sluice:{cool-now}:cool"]).unwrap();
     assert!(ttl > 55_000 && ttl <= 60_000, "{ttl}");
+    for (key, longest_ms) in [
+        ("sluice:{hammer}:mq:rpm:m1", 3_600_000),
+        ("sluice:{hammer}:mqm:m1", 3_600_000),
+        ("sluice:{hammer}:mq:rpd:m2", 24 * 3_600_000),
+        ("sluice:{hammer}:mqm:m2", 24 * 3_600_000),
+    ] {
+        let ttl = server.integer(&["PTTL", key]).unwrap();
+        assert!(
+            ttl > longest_ms - 60_000 && ttl <= longest_ms,
+            "{key}: {ttl}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
