@@ -541,9 +541,22 @@ async fn redis_members_behave() {
     // Two instances, each with its own connection, on one Redis.
     let by_member = hammered(redis_store(&server.url()), redis_store(&server.url())).await;
     check_logs(&by_member, |_| server.addr());
-    // The cooldowns key lives only as long as its longest cooldown.
+    // The cooldowns key lives only as long as its longest cooldown, member logs and their
+    // helper hashes as long as their windows.
     let ttl = server.integer(&["PTTL", "sluice:{cool-now}:cool"]).unwrap();
     assert!(ttl > 55_000 && ttl <= 60_000, "{ttl}");
+    for (key, longest_ms) in [
+        ("sluice:{hammer}:mq:rpm:m1", 3_600_000),
+        ("sluice:{hammer}:mqm:m1", 3_600_000),
+        ("sluice:{hammer}:mq:rpd:m2", 24 * 3_600_000),
+        ("sluice:{hammer}:mqm:m2", 24 * 3_600_000),
+    ] {
+        let ttl = server.integer(&["PTTL", key]).unwrap();
+        assert!(
+            ttl > longest_ms - 60_000 && ttl <= longest_ms,
+            "{key}: {ttl}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -637,4 +650,71 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
     assert_eq!(got.get("k3"), None, "{got:?}");
     assert_eq!(got.get("k2"), Some(&5), "{got:?}");
     assert_eq!(got.get("k1"), Some(&195), "{got:?}");
+}
+
+/// Polls a future that never waits (the memory store's never do) to completion.
+fn now<F: std::future::Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("the memory store never waits"),
+    }
+}
+
+/// Two threads released together thousands of times on a fresh route each round, one picking
+/// least-used and one by preference, for the one unit of the only member's window: exactly one
+/// may win a round, and the other must be told Busy (the memory store's walk is one step under
+/// the route's lock).
+#[test]
+fn memory_member_window_is_never_shared_by_two_winners() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const ROUNDS: usize = 5_000;
+    let store = MemoryStore::new();
+    let members = [member("only", &[window("rpm", 1, 3_600 * SEC)])];
+    let routes: Vec<String> = (0..ROUNDS).map(|i| format!("race-{i}")).collect();
+    let arrived = AtomicU64::new(0);
+    let outcomes: Vec<Vec<Assignment>> = std::thread::scope(|s| {
+        let run = |least_used: bool| {
+            let (store, members, routes, arrived) = (&store, &members, &routes, &arrived);
+            move || {
+                let mut got = Vec::with_capacity(ROUNDS);
+                for (round, route) in routes.iter().enumerate() {
+                    arrived.fetch_add(1, Ordering::AcqRel);
+                    let mut spins = 0u32;
+                    while arrived.load(Ordering::Acquire) < 2 * (round as u64 + 1) {
+                        spins += 1;
+                        if spins.is_multiple_of(256) {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    let order = if least_used {
+                        Order::LeastUsed
+                    } else {
+                        Order::Preference(&[0])
+                    };
+                    let ask = Assign {
+                        at_us: None,
+                        ..ask(route, members, order, 0)
+                    };
+                    got.push(now(store.assign(ask)).unwrap());
+                }
+                got
+            }
+        };
+        let a = s.spawn(run(true));
+        let b = s.spawn(run(false));
+        vec![a.join().unwrap(), b.join().unwrap()]
+    });
+    let won = |o: &Assignment| matches!(o, Assignment::Assigned { .. });
+    for (round, (a, b)) in outcomes[0].iter().zip(&outcomes[1]).enumerate() {
+        assert!(won(a) != won(b), "round {round}: {a:?} / {b:?}");
+        let lost = if won(a) { b } else { a };
+        assert!(
+            matches!(lost, Assignment::Busy { .. }),
+            "round {round}: {lost:?}"
+        );
+    }
 }
