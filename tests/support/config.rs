@@ -296,6 +296,83 @@ struct Upstream {
     passive: Option<Passive>,
     #[serde(skip_serializing_if = "Option::is_none")]
     on_restore: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cooldown: Option<Cooldown>,
+}
+
+/// `upstream.cooldown` (SPEC §8): only what a test sets is written.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Cooldown {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    on_status: Option<Vec<u16>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    default: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry: Option<bool>,
+}
+
+impl Cooldown {
+    /// `cooldown: {}`: the defaults (429, 30s, 15m, no retry).
+    pub fn new() -> Cooldown {
+        Cooldown::default()
+    }
+    /// `on_status:`.
+    pub fn on_status(mut self, statuses: &[u16]) -> Cooldown {
+        self.on_status = Some(statuses.to_vec());
+        self
+    }
+    /// `default:`.
+    pub fn default_for(mut self, d: &str) -> Cooldown {
+        self.default = Some(d.into());
+        self
+    }
+    /// `max:`.
+    pub fn max(mut self, d: &str) -> Cooldown {
+        self.max = Some(d.into());
+        self
+    }
+    /// `retry: true`.
+    pub fn retry(mut self) -> Cooldown {
+        self.retry = Some(true);
+        self
+    }
+}
+
+/// A member of a key pool (SPEC §8): a name, headers and its own windows.
+#[derive(Debug, Clone)]
+pub struct KeyMember {
+    url: String,
+    name: String,
+    headers: Vec<(String, String)>,
+    windows: Vec<QuotaWindow>,
+}
+
+impl KeyMember {
+    /// Member `name` at `url`, with no headers and no windows yet.
+    pub fn new(url: impl Into<String>, name: &str) -> KeyMember {
+        KeyMember {
+            url: url.into(),
+            name: name.into(),
+            headers: Vec::new(),
+            windows: Vec::new(),
+        }
+    }
+    /// Adds a header.
+    pub fn header(mut self, name: &str, value: &str) -> KeyMember {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+    /// Adds a window to the member's own quota.
+    pub fn window(mut self, name: &str, limit: u64, window: &str) -> KeyMember {
+        self.windows.push(QuotaWindow {
+            name: name.into(),
+            limit,
+            window: window.into(),
+        });
+        self
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -308,6 +385,17 @@ struct Member {
     direct: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     weight: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    headers: Option<std::collections::BTreeMap<String, String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quota: Option<MemberQuota>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct MemberQuota {
+    windows: Vec<QuotaWindow>,
 }
 
 impl Member {
@@ -317,6 +405,9 @@ impl Member {
             proxy: None,
             direct: None,
             weight,
+            name: None,
+            headers: None,
+            quota: None,
         }
     }
 }
@@ -341,6 +432,7 @@ impl Route {
                 health_check: None,
                 passive: None,
                 on_restore: None,
+                cooldown: None,
             },
             quota: None,
         }
@@ -377,6 +469,9 @@ impl Route {
             proxy: Some(url.into()),
             direct: None,
             weight: None,
+            name: None,
+            headers: None,
+            quota: None,
         });
         self
     }
@@ -388,6 +483,9 @@ impl Route {
             proxy: None,
             direct: Some(true),
             weight: None,
+            name: None,
+            headers: None,
+            quota: None,
         });
         self
     }
@@ -402,6 +500,28 @@ impl Route {
         self.upstream
             .members
             .push(Member::url(url.into(), Some(weight)));
+        self
+    }
+
+    /// Adds a key-pool member: a name, headers and its own windows.
+    pub fn key_member(mut self, m: KeyMember) -> Route {
+        let mut member = Member::url(m.url, None);
+        member.name = Some(m.name);
+        member.headers = (!m.headers.is_empty()).then(|| m.headers.into_iter().collect());
+        member.quota = (!m.windows.is_empty()).then_some(MemberQuota { windows: m.windows });
+        self.upstream.members.push(member);
+        self
+    }
+
+    /// `upstream.cooldown:`.
+    pub fn cooldown(mut self, cooldown: Cooldown) -> Route {
+        self.upstream.cooldown = Some(cooldown);
+        self
+    }
+
+    /// `selection: priority`.
+    pub fn priority(mut self) -> Route {
+        self.upstream.selection = Some("priority");
         self
     }
 
@@ -567,6 +687,10 @@ pub struct Quota {
     cost: Option<Cost>,
     #[serde(skip_serializing_if = "Option::is_none")]
     on_store_error: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_wait: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_waiting: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -631,6 +755,23 @@ impl Quota {
                     .then(|| methods.iter().map(|m| m.to_string()).collect()),
                 cost,
             });
+        self
+    }
+
+    /// A quota with no window of its own, only there to set `max_wait` for members' quotas.
+    pub fn waiting_only(max_wait: &str) -> Quota {
+        Quota::default().max_wait(max_wait)
+    }
+
+    /// `max_wait:`.
+    pub fn max_wait(mut self, d: &str) -> Quota {
+        self.max_wait = Some(d.into());
+        self
+    }
+
+    /// `max_waiting:`.
+    pub fn max_waiting(mut self, n: u64) -> Quota {
+        self.max_waiting = Some(n);
         self
     }
 

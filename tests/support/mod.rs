@@ -15,7 +15,7 @@ pub mod store;
 pub mod tls;
 
 #[allow(unused_imports)]
-pub use config::{Config, Egress, HealthCheck, Passive, Quota, Route, State};
+pub use config::{Config, Cooldown, Egress, HealthCheck, KeyMember, Passive, Quota, Route, State};
 #[allow(unused_imports)]
 pub use store::{Backend, Store};
 

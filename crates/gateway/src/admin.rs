@@ -89,6 +89,17 @@ impl AdminApi {
             } else {
                 None
             };
+            // Cooling members, from the store that every instance shares (SPEC §8).
+            let cooling: HashMap<String, u64> = if r.config.upstream.cooldown.is_some() {
+                self.state
+                    .cooldowns(&r.name)
+                    .await
+                    .map(|c| c.into_iter().collect())
+                    .unwrap_or_default()
+            } else {
+                HashMap::new()
+            };
+            let now = std::time::SystemTime::now();
             let members: Vec<_> = r
                 .pool
                 .members()
@@ -104,6 +115,20 @@ impl AdminApi {
                         "healthy": m.health.is_up(),
                         "headers": headers,
                     });
+                    if let Some(&us) = cooling.get(&*m.id) {
+                        let until = now + std::time::Duration::from_micros(us);
+                        member["cooling_until"] =
+                            humantime::format_rfc3339_millis(until).to_string().into();
+                        member["cooling_ms"] = us.div_ceil(1000).into();
+                    }
+                    if !proxied.windows.is_empty() {
+                        let windows: Vec<_> = proxied
+                            .windows
+                            .iter()
+                            .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
+                            .collect();
+                        member["quota"] = windows.into();
+                    }
                     if least_used {
                         member["assignments"] = counts
                             .as_ref()
@@ -130,6 +155,7 @@ impl AdminApi {
                 },
                 "members": members,
                 "quota": quota,
+                "waiting": r.wait_line.as_ref().map_or(0, |l| l.len()),
             }));
         }
         json!({

@@ -39,6 +39,7 @@ pub mod state;
 pub mod table;
 pub mod target;
 pub mod tunnel;
+pub mod wait;
 
 #[cfg(test)]
 mod architecture;

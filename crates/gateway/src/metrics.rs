@@ -40,6 +40,9 @@ pub struct Metrics {
     /// `sluice_tunnel_bytes_total{route,direction}`: bytes carried by tunnels; direction is
     /// `up` (client to member) or `down`.
     pub tunnel_bytes: IntCounterVec,
+    /// `sluice_member_cooldowns_total{route,member}`: cooldowns learned from a member's
+    /// answers (SPEC §8).
+    pub member_cooldowns: IntCounterVec,
 }
 
 impl Metrics {
@@ -106,6 +109,11 @@ impl Metrics {
             "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
             &["route", "direction"],
         );
+        let member_cooldowns = counter(
+            "sluice_member_cooldowns_total",
+            "Cooldowns learned from a member's answers (a status in cooldown.on_status).",
+            &["route", "member"],
+        );
         let tunnels_active = IntGaugeVec::new(
             Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
             &["route"],
@@ -155,6 +163,7 @@ impl Metrics {
             connections_open,
             tunnels_active,
             tunnel_bytes,
+            member_cooldowns,
         }
     }
 

@@ -39,6 +39,17 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 429: every member is at its own quota or cooling down (SPEC §8); `retry_after_ms`
+    /// is the time until the first of them admits the request.
+    pub fn members_busy(retry_after_ms: u64) -> Problem {
+        Problem {
+            status: 429,
+            code: "quota_exceeded",
+            title: "Quota exceeded",
+            detail: "every member of the pool is at its own quota or cooling down".into(),
+            retry_after_ms: Some(retry_after_ms),
+        }
+    }
     /// 429: a quota window refused the request.
     pub fn quota_exceeded(window: &str, retry_after_ms: u64) -> Problem {
         Problem {

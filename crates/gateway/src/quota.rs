@@ -49,6 +49,15 @@ fn bounded_key<'a>(value: &'a str, buf: &'a mut String) -> &'a str {
     buf
 }
 
+/// A configured window as the store takes it (a route's or a member's).
+pub(crate) fn window_of(w: &crate::config::WindowConfig) -> Window {
+    Window {
+        name: w.name.0.as_str().into(),
+        limit: w.limit.get(),
+        length_us: u64::try_from(w.window.0.as_micros()).unwrap_or(u64::MAX),
+    }
+}
+
 /// A cost rule, ready to match.
 pub struct CostRule {
     prefix: Box<str>,
@@ -106,15 +115,7 @@ impl RouteQuota {
 
     /// Builds the quota of `route` from its config.
     pub fn build(route: &str, q: &QuotaConfig, metrics: &Metrics) -> RouteQuota {
-        let windows: Vec<Window> = q
-            .windows
-            .iter()
-            .map(|w| Window {
-                name: w.name.0.as_str().into(),
-                limit: w.limit.get(),
-                length_us: u64::try_from(w.window.0.as_micros()).unwrap_or(u64::MAX),
-            })
-            .collect();
+        let windows: Vec<Window> = q.windows.iter().map(window_of).collect();
         RouteQuota {
             rejections: windows
                 .iter()

@@ -15,7 +15,7 @@ use http::HeaderValue;
 use pingora::upstreams::peer::HttpPeer;
 use prometheus::{Histogram, IntCounter};
 use sluice_balancer::Members;
-use sluice_state::StateStore;
+use sluice_state::{PoolMember, StateStore, Window};
 
 use crate::config::{
     AdminConfig, Config, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl, RouteConfig,
@@ -26,7 +26,8 @@ use crate::egress::{Guard, Resolver};
 use crate::metrics::Metrics;
 use crate::quota::RouteQuota;
 use crate::router::{RouteMatch, Router};
-use crate::select::Policy;
+use crate::select::{Limits, Policy};
+use crate::wait::WaitLine;
 
 /// A config made ready to serve.
 pub struct Table {
@@ -69,6 +70,12 @@ pub struct Route {
     pub quota: Option<Arc<RouteQuota>>,
     /// How members are chosen, as configured.
     pub selection: Selection,
+    /// The waiting line of a route with `quota.max_wait` (see [`crate::wait`]); shared with
+    /// the previous table when the quota is unchanged, so a reload keeps the line's order.
+    pub wait_line: Option<Arc<WaitLine>>,
+    /// `sluice_quota_rejections_total{route,window="members"}`: refusals because every member
+    /// was at its own quota or cooling down.
+    pub members_busy: IntCounter,
 }
 
 /// What proxying to one member needs.
@@ -79,6 +86,8 @@ pub struct Member {
     pub url: MemberUrl,
     /// Set on every request to the member; values are secrets.
     pub headers: MemberHeaders,
+    /// The member's own quota windows (SPEC §8), as the store takes them; empty when none.
+    pub windows: Arc<[Window]>,
     /// Origin, proxy or direct.
     pub kind: MemberKind,
     /// The member's address and prebuilt peer, kept fresh by [`crate::dns_refresh::DnsRefresher`];
@@ -93,6 +102,8 @@ pub struct Member {
     pub attempts_connect_failure: IntCounter,
     /// Attempt that failed after connecting.
     pub attempts_error: IntCounter,
+    /// `sluice_member_cooldowns_total{route,member}`, resolved once.
+    pub cooldowns: IntCounter,
 }
 
 impl Member {
@@ -229,7 +240,18 @@ async fn build_route(
         (_, Some(q)) => Some(Arc::new(RouteQuota::build(&name, q, metrics))),
         (_, None) => None,
     };
+    let wait_line = match (before, &rc.quota) {
+        (Some(b), Some(q)) if b.config.quota.as_ref() == Some(q) => b.wait_line.clone(),
+        (_, Some(q)) if !q.max_wait.0.is_zero() => {
+            Some(Arc::new(WaitLine::new(q.max_wait.0, q.max_waiting.get())))
+        }
+        _ => None,
+    };
     Route {
+        wait_line,
+        members_busy: metrics
+            .quota_rejections
+            .with_label_values(&[&name, "members"]),
         quota,
         duration: match before {
             Some(b) => b.duration.clone(),
@@ -239,7 +261,22 @@ async fn build_route(
         selection: up.selection,
         // A new policy per table: least-used writes this table's member list to the store on
         // the route's first request.
-        policy: Policy::new(up.selection, &name, &pool, before.map(|b| &b.policy)),
+        policy: Policy::new(
+            up.selection,
+            &name,
+            &pool,
+            before.map(|b| &b.policy),
+            Limits {
+                members: members
+                    .iter()
+                    .map(|m| PoolMember {
+                        id: m.name.clone(),
+                        windows: m.windows.clone(),
+                    })
+                    .collect(),
+                cooldowns: up.cooldown.is_some(),
+            },
+        ),
         pool,
         members,
         config: rc.clone(),
@@ -290,11 +327,18 @@ async fn build_members(
             name: m.name.clone(),
             url: m.url.clone(),
             headers: m.headers.clone(),
+            windows: m
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(crate::quota::window_of)
+                .collect(),
             kind: m.kind.clone(),
             cell,
             attempts_ok: labels("ok"),
             attempts_connect_failure: labels("connect_failure"),
             attempts_error: labels("error"),
+            cooldowns: metrics.member_cooldowns.with_label_values(&[name, &m.name]),
         });
     }
     members.into()

@@ -1060,7 +1060,7 @@ routes:
     .unwrap_err();
     assert_eq!(
         all,
-        ["6:16: routes[0].upstream.members[1].url: duplicate member \"http://${SLUICE_T_SECRET}.test\" in this pool: members[0] is the same"]
+        ["6:16: routes[0].upstream.members[1].url: duplicate member \"http://${SLUICE_T_SECRET}.test\" in this pool: members[0] is the same (two members on one address need a name each)"]
     );
 }
 

@@ -16,6 +16,7 @@ use crate::problem::Problem;
 use crate::select::{Admission, Attempt};
 use crate::table::Route;
 use crate::target::{self, Scheme};
+use crate::wait;
 
 /// Store failures are logged at most once a second: during an outage every request fails the
 /// same way, and the metric counts them all.
@@ -107,7 +108,7 @@ pub(crate) async fn admit(
     let cost = route
         .quota
         .as_deref()
-        .map_or(0, |q| q.cost(&target.path, method));
+        .map_or(1, |q| q.cost(&target.path, method));
     ctx.route = Some(route.clone());
 
     // Quota and first member, decided together. This is the only place a request is charged:
@@ -127,6 +128,7 @@ pub(crate) async fn admit(
             ctx.first = first;
             ctx.ratelimit = ratelimit;
             ctx.tried.fallback = fallback;
+            ctx.tried.cost = cost;
             Ok(false)
         }
         Verdict::Answer {
@@ -165,7 +167,8 @@ pub(crate) enum Verdict {
 }
 
 /// Charges `cost` to the route's quota under `key` and picks the first member, in one step of
-/// the route's policy.
+/// the route's policy; on a route with `max_wait`, waits for capacity rather than refusing
+/// (see [`crate::wait`]).
 pub(crate) async fn decide(
     state: &dyn StateStore,
     metrics: &Metrics,
@@ -173,15 +176,96 @@ pub(crate) async fn decide(
     key: &str,
     cost: u64,
 ) -> Verdict {
-    let acquire = route.quota.as_deref().map(|q| Acquire {
-        route: &route.name,
-        key,
-        windows: &q.windows,
-        cost,
-        at_us: None,
-    });
-    let admission = route.policy.admit(state, acquire).await;
+    let Some(line) = route.wait_line.as_deref() else {
+        let admission = admit_once(state, route, key, cost).await;
+        return verdict(metrics, route, key, cost, admission);
+    };
+    let deadline = tokio::time::Instant::now() + line.max_wait;
+    // Newcomers go straight to the store only while nobody waits: arrival order.
+    let mut refusal = None;
+    if line.is_empty() {
+        let admission = admit_once(state, route, key, cost).await;
+        if retry_after(&admission).is_none() {
+            return verdict(metrics, route, key, cost, admission);
+        }
+        refusal = Some(admission);
+    }
+    let Some(_place) = line.join() else {
+        // The line is full: answered at once, refused or (if capacity just freed) admitted.
+        let admission = match refusal {
+            Some(r) => r,
+            None => admit_once(state, route, key, cost).await,
+        };
+        return verdict(metrics, route, key, cost, admission);
+    };
+    // The first refusal already says whether waiting could help, and until when.
+    let mut first_wake = None;
+    if let Some(r) = refusal {
+        let wait = retry_after(&r).unwrap_or_default();
+        match wait::wake_at(tokio::time::Instant::now(), wait, deadline) {
+            Some(wake) => first_wake = Some(wake),
+            None => return verdict(metrics, route, key, cost, r),
+        }
+    }
+    let Some(_head) = line.head(deadline).await else {
+        // max_wait passed in the line: one last look, which may still admit.
+        let admission = admit_once(state, route, key, cost).await;
+        return verdict(metrics, route, key, cost, admission);
+    };
+    if let Some(wake) = first_wake {
+        tokio::time::sleep_until(wake).await;
+    }
+    loop {
+        let admission = admit_once(state, route, key, cost).await;
+        let Some(wait) = retry_after(&admission) else {
+            return verdict(metrics, route, key, cost, admission);
+        };
+        match wait::wake_at(tokio::time::Instant::now(), wait, deadline) {
+            Some(wake) => tokio::time::sleep_until(wake).await,
+            None => return verdict(metrics, route, key, cost, admission),
+        }
+    }
+}
 
+/// The time until capacity, for the refusals that waiting can cure: the route's quota, and
+/// members that are all at their own limits or cooling down.
+fn retry_after(admission: &Admission) -> Option<std::time::Duration> {
+    match admission {
+        Admission::QuotaRefused(outcome) => {
+            Some(std::time::Duration::from_micros(outcome.retry_after_us))
+        }
+        Admission::Busy { retry_after_us, .. } => {
+            Some(std::time::Duration::from_micros(*retry_after_us))
+        }
+        _ => None,
+    }
+}
+
+/// One decision of the route's policy.
+async fn admit_once(state: &dyn StateStore, route: &Route, key: &str, cost: u64) -> Admission {
+    // A quota with no windows only sets max_wait (for member quotas): nothing to charge.
+    let acquire = route
+        .quota
+        .as_deref()
+        .filter(|q| !q.windows.is_empty())
+        .map(|q| Acquire {
+            route: &route.name,
+            key,
+            windows: &q.windows,
+            cost,
+            at_us: None,
+        });
+    route.policy.admit(state, acquire, cost).await
+}
+
+/// What an admission means for the request.
+fn verdict(
+    metrics: &Metrics,
+    route: &Route,
+    key: &str,
+    cost: u64,
+    admission: Admission,
+) -> Verdict {
     let quota = route.quota.as_deref();
     let ratelimit_of = |outcome: Option<&sluice_state::Outcome>| {
         quota
@@ -206,6 +290,17 @@ pub(crate) async fn decide(
             Verdict::Answer {
                 problem,
                 ratelimit: ratelimit_of(Some(&outcome)),
+                no_member: false,
+            }
+        }
+        Admission::Busy {
+            retry_after_us,
+            quota: outcome,
+        } => {
+            route.members_busy.inc();
+            Verdict::Answer {
+                problem: Problem::members_busy(retry_after_us.div_ceil(1000)),
+                ratelimit: ratelimit_of(outcome.as_ref()),
                 no_member: false,
             }
         }

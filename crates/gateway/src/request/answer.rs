@@ -2,6 +2,8 @@
 //! member's response, including the `RateLimit` headers (their syntax is in
 //! [`crate::ratelimit`]).
 
+use std::time::SystemTime;
+
 use http::{header, HeaderValue};
 use pingora::http::ResponseHeader;
 use pingora::prelude::*;
@@ -83,6 +85,75 @@ pub(crate) fn quota_refusal(quota: &RouteQuota, cost: u64, outcome: &Outcome) ->
         }
     }
     Problem::quota_exceeded(refused_by, outcome.retry_after_us.div_ceil(1000))
+}
+
+/// A member answered with `response`. A status the route's `cooldown` watches cools the member
+/// in the store, so that no instance sends it anything until the time its answer asked for
+/// (capped at `max`, `default` when it said nothing). With `retry: true`, a request whose body
+/// fits the 64 KiB replay buffer is then sent once more, to another member: the member's
+/// answer is dropped unseen, and Pingora replays the buffered body.
+pub(crate) async fn learn_cooldown(
+    gateway: &super::Gateway,
+    session: &mut Session,
+    response: &ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    let Some(route) = ctx.route.clone() else {
+        return Ok(());
+    };
+    let Some(cooldown) = &route.config.upstream.cooldown else {
+        return Ok(());
+    };
+    let status = response.status.as_u16();
+    if !cooldown.on_status.contains(&status) {
+        return Ok(());
+    }
+    let Some(member) = ctx.tried.last().and_then(|i| route.members.get(i)) else {
+        return Ok(());
+    };
+    let cool_for = crate::cooldown::duration(cooldown, &response.headers, SystemTime::now());
+    if !cool_for.is_zero() {
+        let for_us = u64::try_from(cool_for.as_micros()).unwrap_or(u64::MAX);
+        match gateway
+            .state
+            .cool(&route.name, &member.name, for_us, None)
+            .await
+        {
+            Ok(_) => {
+                member.cooldowns.inc();
+                tracing::info!(
+                    target: "sluice::cooldown",
+                    route = %route.name,
+                    member = %member.name,
+                    status,
+                    cooldown_ms = cool_for.as_millis() as u64,
+                    "member cooling down"
+                );
+            }
+            Err(error) => {
+                gateway
+                    .metrics
+                    .store_errors
+                    .with_label_values(&["cool"])
+                    .inc();
+                super::admit::warn_store_error(&route.name, &error, "the cooldown is not shared");
+            }
+        }
+    }
+    if cooldown.retry && !ctx.replayed && !session.as_downstream().retry_buffer_truncated() {
+        // The next member is chosen now: a replay with nowhere to go would turn the member's
+        // answer into a 503, and the client is better served by the answer itself.
+        if let Some(next) = route.policy.next(&*gateway.state, &mut ctx.tried).await {
+            ctx.first = Some(next);
+            ctx.replayed = true;
+            ctx.replay_pending = true;
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(status),
+                "cooldown status; the request goes to another member (cooldown.retry)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Fixes up a member's response head on its way to the client.

@@ -20,7 +20,9 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
         return Err(Error::explain(ErrorType::InternalError, "no route"));
     };
     loop {
-        if ctx.tried.count() > route.config.upstream.retries as usize {
+        // The cooldown replay is not a connect retry: it does not spend the retry budget.
+        let budget = route.config.upstream.retries as usize + usize::from(ctx.replayed);
+        if ctx.tried.count() > budget {
             ctx.failure = Some(Failure::Unreachable);
             return Err(Error::explain(HTTPStatus(502), "retries exhausted"));
         }

@@ -134,6 +134,11 @@ pub struct RequestCtx {
     /// The request asks for a WebSocket upgrade, and it is passed to the member
     /// ([`crate::headers::is_websocket_upgrade`]).
     websocket: bool,
+    /// The request was sent once more after a member's cooldown status (`cooldown.retry`):
+    /// the one replay sluice allows (SPEC §8), so it happens at most once.
+    replayed: bool,
+    /// A replay was just decided; `error_while_proxy` lets Pingora retry for it alone.
+    replay_pending: bool,
     _in_flight: InFlight,
 }
 
@@ -228,6 +233,8 @@ impl ProxyHttp for Gateway {
             target: Forward::default(),
             ratelimit: None,
             websocket: false,
+            replayed: false,
+            replay_pending: false,
             _in_flight: InFlight::enter(&self.in_flight),
         }
     }
@@ -311,6 +318,17 @@ impl ProxyHttp for Gateway {
         forward::request_headers(session, upstream, ctx)
     }
 
+    // A member's answer, before anything of it reaches the client: a cooldown status cools
+    // the member, and may send the request to another member instead.
+    async fn upstream_response_filter(
+        &self,
+        session: &mut Session,
+        response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        answer::learn_cooldown(self, session, response, ctx).await
+    }
+
     async fn response_filter(
         &self,
         session: &mut Session,
@@ -334,12 +352,14 @@ impl ProxyHttp for Gateway {
         _peer: &HttpPeer,
         _session: &mut Session,
         mut e: Box<Error>,
-        _ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx,
         _client_reused: bool,
     ) -> Box<Error> {
         // Pingora's default replays idempotent requests that fail on a reused connection.
-        // Those bytes may have reached the member, so sluice never replays them.
-        e.set_retry(false);
+        // Those bytes may have reached the member, so sluice never replays them; the one
+        // exception is a member's cooldown status with `cooldown.retry` (SPEC §8), decided in
+        // `upstream_response_filter`: the member said it did no work.
+        e.set_retry(std::mem::take(&mut ctx.replay_pending));
         e
     }
 

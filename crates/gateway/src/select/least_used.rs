@@ -12,7 +12,7 @@ use std::time::Instant;
 use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore};
 
-use super::{charge, Admission, Attempt, RoundRobin, Selector, Tried};
+use super::{charge, Admission, Attempt, Limits, RoundRobin, Selector, Tried};
 
 /// Least-used over a pool whose counts live in the state store.
 pub(crate) struct LeastUsed {
@@ -23,9 +23,11 @@ pub(crate) struct LeastUsed {
     fallback: RoundRobin,
     /// Every member's id, in config order, as the store's `sync` takes them.
     ids: Arc<[Arc<str>]>,
-    /// The same members as `assign` takes them, built once per table rather than per request.
-    /// Member windows are not wired yet (none), so the store takes its plain least-used path.
+    /// The same members as `assign` takes them, with their own windows (SPEC §8); built once
+    /// per table rather than per request.
     members: Arc<[PoolMember]>,
+    /// The route has `cooldown`: cooling members are skipped.
+    cooldowns: bool,
     /// Member id → index, to map the store's answer back to a member.
     index_of: HashMap<Arc<str>, usize>,
     /// Whether this table's member list has been written to the store. It is done on the
@@ -34,9 +36,14 @@ pub(crate) struct LeastUsed {
 }
 
 impl LeastUsed {
-    pub(crate) fn new(route: Arc<str>, pool: Arc<Members>, fallback: RoundRobin) -> LeastUsed {
+    pub(crate) fn new(
+        route: Arc<str>,
+        pool: Arc<Members>,
+        fallback: RoundRobin,
+        limits: &Limits,
+    ) -> LeastUsed {
         let ids: Arc<[Arc<str>]> = pool.members().iter().map(|m| m.id.clone()).collect();
-        let members: Arc<[PoolMember]> = ids.iter().cloned().map(PoolMember::new).collect();
+        let members = limits.members.clone();
         let index_of = ids
             .iter()
             .enumerate()
@@ -48,6 +55,7 @@ impl LeastUsed {
             fallback,
             ids,
             members,
+            cooldowns: limits.cooldowns,
             index_of,
             synced: AtomicBool::new(false),
         }
@@ -68,15 +76,20 @@ impl LeastUsed {
     }
 
     /// A least-used assignment over this table's members, avoiding `excluded`.
-    fn ask<'a>(&'a self, excluded: &'a [&'a str], quota: Option<Acquire<'a>>) -> Assign<'a> {
+    fn ask<'a>(
+        &'a self,
+        excluded: &'a [&'a str],
+        quota: Option<Acquire<'a>>,
+        cost: u64,
+    ) -> Assign<'a> {
         Assign {
             route: &self.route,
             members: &self.members,
             order: Order::LeastUsed,
             excluded,
             quota,
-            cost: quota.map_or(1, |q| q.cost),
-            cooldowns: false,
+            cost: cost.max(1),
+            cooldowns: self.cooldowns,
             at_us: None,
         }
     }
@@ -104,7 +117,12 @@ impl LeastUsed {
 }
 
 impl Selector for LeastUsed {
-    async fn admit(&self, state: &dyn StateStore, quota: Option<Acquire<'_>>) -> Admission {
+    async fn admit(
+        &self,
+        state: &dyn StateStore,
+        quota: Option<Acquire<'_>>,
+        cost: u64,
+    ) -> Admission {
         // A passive-only pool gives a due member its trial here, as round-robin does. The
         // quota is charged after the claim; a refusal drops the attempt, which gives the trial
         // back.
@@ -114,16 +132,19 @@ impl Selector for LeastUsed {
         }
         self.ensure_synced(state).await;
         let down = self.down_ids();
-        match state.assign(self.ask(&down, quota)).await {
+        match state.assign(self.ask(&down, quota, cost)).await {
             Ok(Assignment::Assigned { member, quota }) => Admission::Admitted {
                 first: self.attempt_for(&member, &Tried::default()),
                 quota,
             },
-            // Busy cannot happen without member windows or cooldowns; until they are wired,
-            // it is answered as no member.
-            Ok(Assignment::NoMember { quota } | Assignment::Busy { quota, .. }) => {
-                Admission::NoMember { quota }
-            }
+            Ok(Assignment::NoMember { quota }) => Admission::NoMember { quota },
+            Ok(Assignment::Busy {
+                retry_after_us,
+                quota,
+            }) => Admission::Busy {
+                retry_after_us,
+                quota,
+            },
             Ok(Assignment::QuotaRefused(outcome)) => Admission::QuotaRefused(outcome),
             Err(error) => Admission::StoreFailed {
                 error,
@@ -139,7 +160,7 @@ impl Selector for LeastUsed {
         }
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
-        match state.assign(self.ask(&excluded, None)).await {
+        match state.assign(self.ask(&excluded, None, tried.cost)).await {
             Ok(Assignment::Assigned { member, .. }) => self.attempt_for(&member, tried),
             Ok(_) => None,
             Err(error) => {

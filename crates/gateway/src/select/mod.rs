@@ -21,7 +21,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sluice_balancer::{Members, WeightedRoundRobin};
-use sluice_state::{Acquire, Outcome, StateStore, StoreError};
+use sluice_state::{
+    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError,
+};
 
 use crate::config::Selection;
 
@@ -42,6 +44,12 @@ pub(crate) enum Admission {
     QuotaRefused(Outcome),
     /// No member is eligible; nothing was charged.
     NoMember { quota: Option<Outcome> },
+    /// Members are eligible, but every one is cooling down or its own quota refuses the cost
+    /// now; nothing was charged. `retry_after_us` is the exact time until the first admits it.
+    Busy {
+        retry_after_us: u64,
+        quota: Option<Outcome>,
+    },
     /// The store failed; the route's `on_store_error` decides. `first` is the member already
     /// chosen in process, if any; `fallback` tells that selection itself fell back to
     /// round-robin (least-used), which is counted apart.
@@ -56,7 +64,12 @@ pub(crate) enum Admission {
 /// request's quota ask are given per call.
 pub(crate) trait Selector {
     /// Decides the quota and the first member of a request.
-    async fn admit(&self, state: &dyn StateStore, quota: Option<Acquire<'_>>) -> Admission;
+    async fn admit(
+        &self,
+        state: &dyn StateStore,
+        quota: Option<Acquire<'_>>,
+        cost: u64,
+    ) -> Admission;
 
     /// The member of the next attempt, skipping those `tried`; `None` when none is left.
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt>;
@@ -88,14 +101,28 @@ impl Policy {
         route: &Arc<str>,
         pool: &Arc<Members>,
         before: Option<&Policy>,
+        limits: Limits,
     ) -> Policy {
-        let round_robin = || RoundRobin::new(schedule_for(pool, before));
+        let round_robin = |limits: Option<Limits>| {
+            RoundRobin::new(schedule_for(pool, before), route.clone(), limits)
+        };
+        let limits = limits.active().then_some(limits);
         match selection {
-            Selection::RoundRobin => Policy::RoundRobin(round_robin()),
+            Selection::RoundRobin => Policy::RoundRobin(round_robin(limits)),
             Selection::LeastUsed => {
-                Policy::LeastUsed(LeastUsed::new(route.clone(), pool.clone(), round_robin()))
+                let all = limits.clone().unwrap_or_else(|| Limits::plain(pool));
+                // The fallback (store down) is plain round-robin: without the store there are
+                // no shared windows or cooldowns to apply.
+                Policy::LeastUsed(LeastUsed::new(
+                    route.clone(),
+                    pool.clone(),
+                    round_robin(None),
+                    &all,
+                ))
             }
-            Selection::Priority => Policy::Priority(Priority::new(pool.clone())),
+            Selection::Priority => {
+                Policy::Priority(Priority::new(pool.clone(), route.clone(), limits))
+            }
         }
     }
 
@@ -112,12 +139,103 @@ impl Policy {
         &self,
         state: &dyn StateStore,
         quota: Option<Acquire<'_>>,
+        cost: u64,
     ) -> Admission {
-        each_policy!(self, p => p.admit(state, quota).await)
+        each_policy!(self, p => p.admit(state, quota, cost).await)
     }
 
     pub(crate) async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
         each_policy!(self, p => p.next(state, tried).await)
+    }
+}
+
+/// What the store must weigh besides the route's quota when it chooses a member (SPEC §8): the
+/// members' own windows and whether cooldowns apply. Built once per table.
+#[derive(Clone)]
+pub(crate) struct Limits {
+    /// Every member, in pool order, with its own windows.
+    pub(crate) members: Arc<[PoolMember]>,
+    /// The route has `cooldown`.
+    pub(crate) cooldowns: bool,
+}
+
+impl Limits {
+    /// The members of `pool` with no windows, and no cooldowns.
+    pub(crate) fn plain(pool: &Members) -> Limits {
+        Limits {
+            members: pool
+                .members()
+                .iter()
+                .map(|m| PoolMember::new(m.id.clone()))
+                .collect(),
+            cooldowns: false,
+        }
+    }
+
+    /// Whether any of it applies: only then do round-robin and priority ask the store to
+    /// choose, rather than choosing in process.
+    pub(crate) fn active(&self) -> bool {
+        self.cooldowns || self.members.iter().any(|m| !m.windows.is_empty())
+    }
+}
+
+/// Round-robin and priority on a route with member windows or cooldowns: the policy orders the
+/// candidates in process (`order`, indexes, best first), and the store takes the first that is
+/// not cooling and whose windows admit `cost`, with the route's quota, in one atomic step.
+/// `trial` is a down member's claimed trial among them, given back unless it is chosen.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn choose_among(
+    state: &dyn StateStore,
+    route: &str,
+    pool: &Arc<Members>,
+    limits: &Limits,
+    order: &[usize],
+    trial: Option<usize>,
+    quota: Option<Acquire<'_>>,
+    cost: u64,
+) -> Admission {
+    let claimed = trial.map(|i| Attempt::new(pool.clone(), i, true));
+    // The attempt for the chosen member: the claimed trial if it is the one (any other
+    // choice drops the claim, which gives the trial back).
+    let pick = |index: usize, claimed: Option<Attempt>| {
+        if Some(index) == trial {
+            claimed
+        } else {
+            Some(Attempt::new(pool.clone(), index, false))
+        }
+    };
+    let ask = Assign {
+        route,
+        members: &limits.members,
+        order: Order::Preference(order),
+        excluded: &[],
+        quota,
+        cost: cost.max(1),
+        cooldowns: limits.cooldowns,
+        at_us: None,
+    };
+    let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
+    match state.assign(ask).await {
+        Ok(Assignment::Assigned { member, quota }) => {
+            let first = index_of(&member).and_then(|i| pick(i, claimed));
+            Admission::Admitted { first, quota }
+        }
+        Ok(Assignment::NoMember { quota }) => Admission::NoMember { quota },
+        Ok(Assignment::QuotaRefused(outcome)) => Admission::QuotaRefused(outcome),
+        Ok(Assignment::Busy {
+            retry_after_us,
+            quota,
+        }) => Admission::Busy {
+            retry_after_us,
+            quota,
+        },
+        // The store cannot say: the in-process first choice goes, as on a route without
+        // member limits, and the route's on_store_error decides.
+        Err(error) => Admission::StoreFailed {
+            error,
+            first: order.first().and_then(|&i| pick(i, claimed)),
+            fallback: false,
+        },
     }
 }
 
@@ -202,6 +320,8 @@ pub(crate) struct Tried {
     len: usize,
     /// The least-used store failed for this request: it goes on with round-robin.
     pub(crate) fallback: bool,
+    /// The request's cost, which another member's own windows are charged on a retry.
+    pub(crate) cost: u64,
 }
 
 impl Tried {
@@ -337,23 +457,48 @@ mod tests {
     fn a_replacing_policy_goes_on_from_the_previous_position() {
         let route: Arc<str> = "r".into();
         let pool = three_members();
-        let old = Policy::new(Selection::RoundRobin, &route, &pool, None);
+        let old = Policy::new(
+            Selection::RoundRobin,
+            &route,
+            &pool,
+            None,
+            Limits::plain(&pool),
+        );
         let schedule = old.schedule().unwrap().clone();
         schedule.pick(Instant::now(), |_| false);
         schedule.pick(Instant::now(), |_| false);
 
-        let same = Policy::new(Selection::RoundRobin, &route, &pool, Some(&old));
+        let same = Policy::new(
+            Selection::RoundRobin,
+            &route,
+            &pool,
+            Some(&old),
+            Limits::plain(&pool),
+        );
         assert!(
             Arc::ptr_eq(same.schedule().unwrap(), &schedule),
             "an unchanged member set keeps its schedule, shared with requests of the old table"
         );
 
-        let moved = Policy::new(Selection::LeastUsed, &route, &three_members(), Some(&same));
+        let other = three_members();
+        let moved = Policy::new(
+            Selection::LeastUsed,
+            &route,
+            &other,
+            Some(&same),
+            Limits::plain(&other),
+        );
         let fallback = moved.schedule().unwrap();
         assert!(!Arc::ptr_eq(fallback, &schedule));
         assert_eq!(fallback.cursor(), 2, "a new member set goes on from there");
 
-        let priority = Policy::new(Selection::Priority, &route, &pool, Some(&moved));
+        let priority = Policy::new(
+            Selection::Priority,
+            &route,
+            &pool,
+            Some(&moved),
+            Limits::plain(&pool),
+        );
         assert!(priority.schedule().is_none(), "priority needs no schedule");
     }
 }

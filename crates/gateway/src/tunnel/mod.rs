@@ -210,7 +210,7 @@ impl Tunnels {
         }
 
         let quota = route.quota.as_deref();
-        let cost = quota.map_or(0, |q| q.cost("/", "CONNECT"));
+        let cost = quota.map_or(1, |q| q.cost("/", "CONNECT"));
         let mut key_buf = String::new();
         let key = quota.map_or("", |q| q.key_for(&head.headers, client_ip, &mut key_buf));
         let (first, ratelimit, fallback) =
