@@ -343,3 +343,41 @@ async fn a_direct_destination_falls_back_to_its_next_checked_address() {
     assert_eq!(r.header("x-upstream"), Some("live"));
     assert_eq!(live.requests(), 2);
 }
+
+/// `dns.servers` in the config, with no environment variable: member names and client-chosen
+/// destinations are resolved there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_servers_from_the_config_resolve_members_and_destinations() {
+    let (_first, _second, port) = backends_on_one_port().await;
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = Config::new()
+        .dns_servers(&[stub.addr])
+        .egress(Egress::loopback_allowed())
+        .route(
+            Route::new("d")
+                .hosts(&["api.test"])
+                .path_prefix("/direct")
+                .direct_member(),
+        )
+        .route(Route::new("api").member(format!("http://api.test:{port}")))
+        .start();
+    assert_eq!(
+        get(gw.proxy_addr(), "api.test", "/")
+            .await
+            .header("x-upstream"),
+        Some("second"),
+        "{}",
+        gw.logs()
+    );
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let authority = format!("api.test:{port}");
+    let r = client
+        .send(
+            &format!("GET http://{authority}/direct HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", gw.logs());
+    assert_eq!(r.header("x-upstream"), Some("second"));
+}

@@ -60,7 +60,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     // The process's one resolver: member names (crate::dns) and client-chosen destinations
     // (crate::egress). Its cache outlives reloads. hickory spawns a lookup's background I/O on
     // the runtime that asks, so lookups happen on runtimes that live as long as the process.
-    let resolver = crate::dns::process_resolver()?;
+    let resolver = crate::dns::process_resolver(&config.dns)?;
     // Build the first table (and resolve member names) on a runtime of its own, before Pingora
     // starts its own. It lives as long as the gateway: the resolver's connections to its name
     // servers run there, and later lookups from other runtimes reuse them.

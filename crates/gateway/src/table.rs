@@ -18,8 +18,8 @@ use sluice_balancer::Members;
 use sluice_state::StateStore;
 
 use crate::config::{
-    AdminConfig, Config, LimitsConfig, Listener, MemberKind, MemberUrl, RouteConfig, Selection,
-    StateConfig, UpstreamConfig,
+    AdminConfig, Config, DnsConfig, LimitsConfig, Listener, MemberKind, MemberUrl, RouteConfig,
+    Selection, StateConfig, UpstreamConfig,
 };
 use crate::dns::PeerCell;
 use crate::egress::{Guard, Resolver};
@@ -175,6 +175,8 @@ pub struct Settings {
     pub state: StateConfig,
     /// `limits`.
     pub limits: LimitsConfig,
+    /// `dns` (the process's one resolver is made at start).
+    pub dns: DnsConfig,
 }
 
 impl Settings {
@@ -185,6 +187,7 @@ impl Settings {
             threads: config.threads,
             state: config.state.clone(),
             limits: config.limits.clone(),
+            dns: config.dns.clone(),
         }
     }
 
@@ -195,6 +198,7 @@ impl Settings {
             || self.threads != other.threads
             || self.state != other.state
             || self.limits != other.limits
+            || self.dns != other.dns
     }
 }
 

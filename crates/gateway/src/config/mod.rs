@@ -43,6 +43,8 @@ pub struct Config {
     pub state: StateConfig,
     /// The guard on destinations the client chooses (SPEC §7).
     pub egress: EgressConfig,
+    /// The name servers (SPEC §7); the system's when empty.
+    pub dns: DnsConfig,
     /// Bounds on client connections.
     pub limits: LimitsConfig,
     /// The routes, matched as SPEC §3 says.
@@ -125,6 +127,7 @@ impl Config {
                 admin,
                 state,
                 egress,
+                dns,
                 limits,
                 routes: Some(routes),
             }) => {
@@ -134,6 +137,7 @@ impl Config {
                     admin,
                     state,
                     egress,
+                    dns,
                     limits,
                     routes,
                 };
@@ -176,6 +180,8 @@ struct Document<R> {
     state: StateConfig,
     #[serde(default)]
     egress: EgressConfig,
+    #[serde(default)]
+    dns: DnsConfig,
     #[serde(default)]
     limits: LimitsConfig,
     #[serde(default)]
