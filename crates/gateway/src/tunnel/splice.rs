@@ -97,6 +97,25 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd, usize)> {
     Ok((r, w, size))
 }
 
+/// Whether a socket has a byte to read (1) or has ended (0), without taking it.
+fn peek(fd: RawFd) -> io::Result<usize> {
+    let mut byte = 0u8;
+    // SAFETY: one byte of room at `byte`; MSG_PEEK leaves it in the socket.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            (&raw mut byte).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
     // SAFETY: plain descriptors, null offsets (both are sockets or pipes, which have none).
     let n = unsafe {
@@ -181,6 +200,16 @@ async fn one_way(
     if !early.is_empty() {
         write_all(to, early).await.map_err(|_| "io_error")?;
         moved(early.len());
+    }
+    // The pipe is made once the first byte is there: many tunnels carry nothing one way (a
+    // CONNECT that is closed at once, say), and would pay for a pipe for nothing.
+    let first = wait_for(from, Interest::READABLE, || peek(from.as_raw_fd()))
+        .await
+        .map_err(|_| "io_error")?;
+    if first == 0 {
+        // SAFETY: a socket descriptor that `to` keeps open.
+        unsafe { libc::shutdown(to.as_raw_fd(), libc::SHUT_WR) };
+        return Ok(());
     }
     let (pipe_r, pipe_w, size) = pipe().map_err(|_| "io_error")?;
     loop {
