@@ -8,47 +8,51 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sluice_echo::EchoServer;
-use support::{get, wait_until_async, Config, HealthCheck, Route};
+use support::{get, wait_until_async, Config, Egress, HealthCheck, HttpClient, Route};
 
 const WAIT: Duration = Duration::from_secs(15);
 
-/// A DNS server on loopback UDP that answers A queries for one name with its address (TTL
-/// 1 s), AAAA queries for it with no records, and NXDOMAIN for any other name, or for that one
-/// too once its address is taken away.
+/// A DNS server on loopback UDP that answers A queries for one name with its addresses, in
+/// order (TTL 1 s), AAAA queries for it with no records, and NXDOMAIN for any other name, or
+/// for that one too once its addresses are taken away.
 struct Stub {
     addr: SocketAddr,
-    address: Arc<Mutex<Option<Ipv4Addr>>>,
+    addresses: Arc<Mutex<Vec<Ipv4Addr>>>,
 }
 
 impl Stub {
     async fn start(name: &'static str, address: Ipv4Addr) -> Stub {
+        Stub::start_with(name, vec![address]).await
+    }
+
+    async fn start_with(name: &'static str, addresses: Vec<Ipv4Addr>) -> Stub {
         let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let addr = socket.local_addr().unwrap();
-        let current = Arc::new(Mutex::new(Some(address)));
+        let current = Arc::new(Mutex::new(addresses));
         let answer_with = current.clone();
         tokio::spawn(async move {
             let mut buf = [0u8; 512];
             while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                let address = *answer_with.lock().unwrap();
-                if let Some(out) = answer(&buf[..n], name, address) {
+                let addresses = answer_with.lock().unwrap().clone();
+                if let Some(out) = answer(&buf[..n], name, &addresses) {
                     let _ = socket.send_to(&out, from).await;
                 }
             }
         });
         Stub {
             addr,
-            address: current,
+            addresses: current,
         }
     }
 
     /// From now on, answer with `address`; with `None`, NXDOMAIN.
     fn set(&self, address: Option<Ipv4Addr>) {
-        *self.address.lock().unwrap() = address;
+        *self.addresses.lock().unwrap() = address.into_iter().collect();
     }
 }
 
-/// The answer to one query: the header and question copied, then at most one A record.
-fn answer(query: &[u8], name: &str, address: Option<Ipv4Addr>) -> Option<Vec<u8>> {
+/// The answer to one query: the header and question copied, then the A records, in order.
+fn answer(query: &[u8], name: &str, addresses: &[Ipv4Addr]) -> Option<Vec<u8>> {
     let mut at = 12;
     let mut labels = Vec::new();
     while *query.get(at)? != 0 {
@@ -58,18 +62,24 @@ fn answer(query: &[u8], name: &str, address: Option<Ipv4Addr>) -> Option<Vec<u8>
     }
     let question_end = at + 5;
     let qtype = u16::from_be_bytes([*query.get(at + 1)?, *query.get(at + 2)?]);
-    let address = address.filter(|_| labels.join(".") == name);
-    let known = address.is_some();
+    let addresses = if labels.join(".") == name {
+        addresses
+    } else {
+        &[]
+    };
+    let known = !addresses.is_empty();
     let mut out = query.get(..question_end)?.to_vec();
     out[2] = 0x84 | (query[2] & 0x01); // a response, authoritative, RD copied
     out[3] = if known { 0x80 } else { 0x83 }; // RA; no error or NXDOMAIN
     out[6..12].copy_from_slice(&[0; 6]);
-    if let (Some(address), 1) = (address, qtype) {
-        out[7] = 1;
-        out.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1]);
-        out.extend_from_slice(&1u32.to_be_bytes()); // TTL 1 s
-        out.extend_from_slice(&[0, 4]);
-        out.extend_from_slice(&address.octets());
+    if qtype == 1 {
+        out[7] = addresses.len() as u8;
+        for address in addresses {
+            out.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1]);
+            out.extend_from_slice(&1u32.to_be_bytes()); // TTL 1 s
+            out.extend_from_slice(&[0, 4]);
+            out.extend_from_slice(&address.octets());
+        }
     }
     Some(out)
 }
@@ -248,4 +258,126 @@ async fn a_reload_keeps_a_members_address_and_it_goes_on_following_dns() {
         "{}",
         gw.logs()
     );
+}
+
+/// An echo backend on 127.0.0.1:P, and nothing on 127.0.0.2:P (a connect there is refused).
+async fn backend_with_a_dead_twin() -> (EchoServer, u16) {
+    for _ in 0..20 {
+        let live = EchoServer::start("live", SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .unwrap();
+        let port = live.local_addr().port();
+        if std::net::TcpStream::connect(SocketAddr::from(([127, 0, 0, 2], port))).is_err() {
+            return (live, port);
+        }
+        live.stop().await;
+    }
+    panic!("no port on 127.0.0.1 whose twin on 127.0.0.2 is free");
+}
+
+/// A client-chosen destination whose name resolves to a dead address first and a live one
+/// second: a `direct` member connects to the second, checked address after the first refuses,
+/// with no second lookup and no harm to the member's health; a CONNECT tunnel does the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_destination_falls_back_to_its_next_checked_address() {
+    let (live, port) = backend_with_a_dead_twin().await;
+    let stub = Stub::start_with(
+        "two.test",
+        vec![Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 1)],
+    )
+    .await;
+    let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(Route::new("d").hosts(&["two.test"]).direct_member())
+        .start_with_env(&[("SLUICE_DNS_SERVERS", &stub.addr.to_string())]);
+    let authority = format!("two.test:{port}");
+
+    // Plain HTTP, absolute form: one attempt of the member, two connects.
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let r = client
+        .send(
+            &format!("GET http://{authority}/a HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", gw.logs());
+    assert_eq!(r.header("x-upstream"), Some("live"));
+    assert_eq!(live.requests(), 1);
+    let failures = gw
+        .metric(
+            "sluice_upstream_attempts_total",
+            &[("route", "d"), ("outcome", "connect_failure")],
+        )
+        .await;
+    // The dead address came first, as the stub answers, and was tried first.
+    assert_eq!(failures, Some(1.0), "{}", gw.metrics().await);
+    let status = gw.status().await;
+    assert_eq!(
+        status["routes"][0]["members"][0]["healthy"], true,
+        "{status}"
+    );
+    let access = gw
+        .log_json()
+        .into_iter()
+        .find(|l| l["target"] == "sluice::access" && l["method"] == "GET")
+        .expect("an access line");
+    assert_eq!(access["status"], 200, "{access}");
+
+    // A CONNECT tunnel to the same name.
+    let mut tunnel = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    tunnel
+        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let r = tunnel.read_response(true).await.unwrap();
+    assert_eq!(r.status, 200, "{}", gw.logs());
+    let r = tunnel
+        .send(
+            &format!("GET /b HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", gw.logs());
+    assert_eq!(r.header("x-upstream"), Some("live"));
+    assert_eq!(live.requests(), 2);
+}
+
+/// `dns.servers` in the config, with no environment variable: member names and client-chosen
+/// destinations are resolved there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_servers_from_the_config_resolve_members_and_destinations() {
+    let (_first, _second, port) = backends_on_one_port().await;
+    let stub = Stub::start("api.test", Ipv4Addr::new(127, 0, 0, 2)).await;
+    let gw = Config::new()
+        .dns_servers(&[stub.addr])
+        .egress(Egress::loopback_allowed())
+        .route(
+            Route::new("d")
+                .hosts(&["api.test"])
+                .path_prefix("/direct")
+                .direct_member(),
+        )
+        .route(Route::new("api").member(format!("http://api.test:{port}")))
+        .start();
+    assert_eq!(
+        get(gw.proxy_addr(), "api.test", "/")
+            .await
+            .header("x-upstream"),
+        Some("second"),
+        "{}",
+        gw.logs()
+    );
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let authority = format!("api.test:{port}");
+    let r = client
+        .send(
+            &format!("GET http://{authority}/direct HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", gw.logs());
+    assert_eq!(r.header("x-upstream"), Some("second"));
 }

@@ -18,6 +18,17 @@ use support::{free_port, start_backends, url, Gateway, TempDir};
 /// localhost) to the client's own target. The egress guard lets the direct route reach
 /// loopback on `origin_port`, where the test origin listens.
 fn config(dir: &Path, plain_port: u16, echo: &str, origin_port: u16) -> String {
+    config_with_limits(dir, plain_port, echo, origin_port, "{}")
+}
+
+/// [`config`], with `limits:` set to `limits` (YAML flow mapping).
+fn config_with_limits(
+    dir: &Path,
+    plain_port: u16,
+    echo: &str,
+    origin_port: u16,
+    limits: &str,
+) -> String {
     let dir = dir.display();
     format!(
         r#"listen:
@@ -26,6 +37,7 @@ fn config(dir: &Path, plain_port: u16, echo: &str, origin_port: u16) -> String {
   - "127.0.0.1:{plain_port}"
 admin: {{listen: "{{ADMIN}}"}}
 threads: 1
+limits: {limits}
 egress: {{allow_cidrs: ["127.0.0.0/8", "::1/128"], connect_ports: [{origin_port}]}}
 routes:
   - name: api
@@ -262,4 +274,115 @@ fn check_names_a_missing_key_file() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Reads until the peer closes (true) or `within` passes (false).
+async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + within;
+    let mut chunk = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Connections in their TLS handshake hold a slot of `limits.max_connections`, and a handshake
+/// that never ends is cut by the header timeout: raw TCP connections that send nothing cannot
+/// pile up on a TLS listener (Pingora alone handshakes outside any cap, for up to 60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_handshakes_count_against_the_connection_cap_and_the_header_timeout() {
+    const DEADLINE: Duration = Duration::from_secs(20);
+    let dir = TempDir::new("sluice-tls-cap");
+    make_certificates(dir.path());
+    let backends = start_backends(&["a"]).await;
+    let plain_port = free_port();
+    let gw = Gateway::start_with_ports(&config_with_limits(
+        dir.path(),
+        plain_port,
+        &url(backends[0].local_addr()),
+        free_port(),
+        "{max_connections: 2, header_timeout: 1s}",
+    ));
+    let open = || async { gw.metric("sluice_connections_open", &[]).await };
+
+    // Two connections that never start their handshake take both slots.
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(
+            tokio::net::TcpStream::connect(gw.proxy_addr())
+                .await
+                .unwrap(),
+        );
+    }
+    assert!(
+        support::wait_until_async(DEADLINE, || async { open().await == Some(2.0) }).await,
+        "the handshaking connections hold no slot: {:?}\n{}",
+        open().await,
+        gw.logs()
+    );
+    // A third is over the cap: closed at once, with no answer (an answer would need TLS).
+    let mut extra = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    assert!(
+        closed_within(&mut extra, DEADLINE).await,
+        "a connection over the cap was kept open"
+    );
+    assert_eq!(
+        gw.metric(
+            "sluice_connections_closed_total",
+            &[("reason", "max_connections")]
+        )
+        .await,
+        Some(1.0)
+    );
+    // The silent ones are cut by the header timeout, and give their slots back.
+    for stream in &mut silent {
+        assert!(
+            closed_within(stream, DEADLINE).await,
+            "a handshake that never came kept its connection"
+        );
+    }
+    assert!(
+        support::wait_until_async(DEADLINE, || async { open().await == Some(0.0) }).await,
+        "{:?}",
+        open().await
+    );
+    assert_eq!(
+        gw.metric(
+            "sluice_connections_closed_total",
+            &[("reason", "header_timeout")]
+        )
+        .await,
+        Some(2.0)
+    );
+    // A real client is served through the freed slots.
+    let ca = dir.path().join("ca.pem").display().to_string();
+    let (ok, out, err) = curl(vec![
+        s("-i"),
+        s("--proxy"),
+        format!("https://{}", gw.proxy_addr()),
+        s("--proxy-cacert"),
+        ca,
+        s("http://api.test/hello"),
+    ])
+    .await;
+    assert!(ok, "{err}\n{}", gw.logs());
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    // The plain listener next to it shares the cap and is served too.
+    let (ok, out, err) = curl(vec![
+        s("-o"),
+        s("/dev/null"),
+        s("-w"),
+        s("%{http_code}"),
+        s("--proxy"),
+        format!("http://127.0.0.1:{plain_port}"),
+        s("http://api.test/"),
+    ])
+    .await;
+    assert!(ok && out == "200", "{out} {err}");
 }

@@ -23,7 +23,15 @@ pub struct Config {
     state: Option<State>,
     #[serde(skip_serializing_if = "Option::is_none")]
     egress: Option<Egress>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dns: Option<Dns>,
     routes: Vec<Route>,
+}
+
+/// The `dns:` block.
+#[derive(Debug, Clone, Serialize)]
+struct Dns {
+    servers: Vec<String>,
 }
 
 /// The `egress:` block; what a test leaves `None` keeps sluice's default.
@@ -172,6 +180,7 @@ impl Config {
             threads: 1,
             state: None,
             egress: None,
+            dns: None,
             routes: Vec::new(),
         }
     }
@@ -196,6 +205,14 @@ impl Config {
     /// The `egress:` block.
     pub fn egress(mut self, egress: Egress) -> Config {
         self.egress = Some(egress);
+        self
+    }
+
+    /// `dns.servers:`.
+    pub fn dns_servers(mut self, servers: &[std::net::SocketAddr]) -> Config {
+        self.dns = Some(Dns {
+            servers: servers.iter().map(|s| s.to_string()).collect(),
+        });
         self
     }
 

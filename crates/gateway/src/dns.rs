@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwapOption;
 use pingora::upstreams::peer::HttpPeer;
 
-use crate::config::{MemberUrl, UpstreamConfig};
+use crate::config::{DnsConfig, MemberUrl, UpstreamConfig};
 use crate::egress::Resolver;
 
 /// The shortest time an answer is kept, whatever its TTL.
@@ -40,27 +40,30 @@ pub const WARN_EVERY: Duration = Duration::from_secs(60);
 /// brought members that are).
 pub(crate) const IDLE_PASS: Duration = Duration::from_secs(1);
 
-/// Name servers to use instead of the system's, `ip:port` separated by commas: for tests and
-/// for hosts whose egress DNS is not `/etc/resolv.conf`'s. `/etc/hosts` still applies.
+/// Name servers to use instead of those of `dns.servers` and of the system's, `ip:port`
+/// separated by commas: it overrides the config, for tests and for a one-off run against
+/// another resolver. `/etc/hosts` still applies.
 pub const DNS_SERVERS_ENV: &str = "SLUICE_DNS_SERVERS";
 
-/// The process's resolver: the system's, or the name servers of [`DNS_SERVERS_ENV`].
-pub fn process_resolver() -> Result<Resolver, String> {
-    match std::env::var(DNS_SERVERS_ENV) {
-        Ok(list) if !list.trim().is_empty() => {
-            let servers = list
-                .split(',')
-                .map(|s| {
-                    s.trim().parse::<SocketAddr>().map_err(|e| {
-                        format!("{DNS_SERVERS_ENV}: {s:?} is not an ip:port address: {e}")
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
-            Ok(Resolver::new(&servers, &hosts))
-        }
-        _ => Resolver::from_system(),
+/// The process's resolver: the name servers of [`DNS_SERVERS_ENV`] when it is set, else those
+/// of `dns.servers`, else the system's (`/etc/resolv.conf`). Made once, at start.
+pub fn process_resolver(config: &DnsConfig) -> Result<Resolver, String> {
+    let servers = match std::env::var(DNS_SERVERS_ENV) {
+        Ok(list) if !list.trim().is_empty() => list
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse::<SocketAddr>()
+                    .map_err(|e| format!("{DNS_SERVERS_ENV}: {s:?} is not an ip:port address: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        _ => config.servers.iter().map(|s| s.0).collect(),
+    };
+    if servers.is_empty() {
+        return Resolver::from_system();
     }
+    let hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
+    Ok(Resolver::new(&servers, &hosts))
 }
 
 /// The peer settings that do not depend on the address.

@@ -627,6 +627,13 @@ impl fmt::Debug for Resolver {
     }
 }
 
+/// The most checked addresses of one client-chosen destination that one attempt connects to,
+/// in the resolver's order, each after the one before failed to connect (refused, unreachable,
+/// or no answer within the route's `connect_timeout`): a name with an IPv6 and an IPv4 address,
+/// or two A records of which the first is down, still works, as with curl. Bounded so that a
+/// name with many dead addresses costs at most this many connect timeouts.
+pub const MAX_ADDRESSES_TRIED: usize = 4;
+
 /// Entries the cache keeps; hickory's default, 32, is too few for a gateway.
 const CACHE_SIZE: usize = 4096;
 

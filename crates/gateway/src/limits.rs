@@ -17,7 +17,14 @@
 //! listeners advertise http/1.1 only, see `crate::listen_tls`) around the proxy app, on a
 //! [`LimitedStream`]:
 //! - a connection first takes a slot of [`LimitedApp`]'s count; at `max_connections` it gets a
-//!   `503` and is closed at once;
+//!   `503` and is closed at once (on a TLS listener it is closed with no answer: answering would
+//!   take the handshake the cap is there to refuse);
+//! - on a TLS listener the handshake comes next, here, inside the slot and within
+//!   `min(idle_timeout, header_timeout)`, as the first bytes of a plain connection must arrive.
+//!   Pingora would do it before `process_new`, outside any cap, with a fixed 60 s timeout
+//!   (pingora-core 0.9.1 src/services/listening.rs:233-251): clients that open TLS connections
+//!   and never finish their handshake could hold any number of sockets. So TLS listeners are
+//!   plain TCP listeners to Pingora, and [`LimitedApp::with_tls`] gives their acceptors here;
 //! - the stream itself runs the idle and header timers, since only it sees when bytes arrive.
 //!   Between requests the idle timer runs; the first byte of a head starts the header timer,
 //!   and the proxy's first hook stops it ([`head_parsed`]) once Pingora has parsed the head.
@@ -28,6 +35,7 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -38,7 +46,9 @@ use async_trait::async_trait;
 use pingora::apps::{HttpServerApp, ServerApp};
 
 use crate::tunnel::First;
+use pingora::listeners::tls::{Acceptor, TlsSettings};
 use pingora::protocols::http::ServerSession;
+use pingora::protocols::l4::stream::Stream as L4Stream;
 use pingora::protocols::raw_connect::ProxyDigest;
 use pingora::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
@@ -148,6 +158,8 @@ pub struct LimitedApp<A> {
     started: Instant,
     /// Where a connection that opens with a CONNECT goes, instead of Pingora's HTTP loop.
     tunnels: Option<crate::tunnel::Tunnels>,
+    /// The TLS listeners, by address, and their acceptors: the handshake is done here.
+    tls: Vec<(SocketAddr, Arc<Acceptor>)>,
 }
 
 impl<A> LimitedApp<A> {
@@ -155,6 +167,30 @@ impl<A> LimitedApp<A> {
     pub fn with_tunnels(mut self, tunnels: crate::tunnel::Tunnels) -> LimitedApp<A> {
         self.tunnels = Some(tunnels);
         self
+    }
+
+    /// Does the TLS handshake, with `settings`, of each connection to the listener at `addr`
+    /// (which Pingora must listen on as plain TCP).
+    pub fn with_tls(mut self, addr: SocketAddr, settings: TlsSettings) -> LimitedApp<A> {
+        self.tls.push((addr, Arc::new(settings.build())));
+        self
+    }
+
+    /// The acceptor of the TLS listener `stream` came in on, if it came in on one: its local
+    /// address, or a wildcard listener on its port.
+    fn acceptor_for(&self, stream: &Stream) -> Option<Arc<Acceptor>> {
+        if self.tls.is_empty() {
+            return None;
+        }
+        let digest = stream.get_socket_digest()?;
+        let local = *digest.local_addr()?.as_inet()?;
+        let exact = self.tls.iter().find(|(addr, _)| *addr == local);
+        let wildcard = || {
+            self.tls
+                .iter()
+                .find(|(addr, _)| addr.port() == local.port() && addr.ip().is_unspecified())
+        };
+        exact.or_else(wildcard).map(|(_, a)| a.clone())
     }
 
     /// Wraps `inner`.
@@ -171,6 +207,7 @@ impl<A> LimitedApp<A> {
             refusal_logged: AtomicU64::new(u64::MAX),
             started: Instant::now(),
             tunnels: None,
+            tls: Vec::new(),
         }
     }
 
@@ -200,8 +237,9 @@ impl<A> LimitedApp<A> {
     }
 
     /// Answers a connection over the cap with a 503 and closes it, without reading anything:
-    /// the point is to spend as little as possible on it.
-    async fn refuse(&self, mut stream: Stream) {
+    /// the point is to spend as little as possible on it. On a TLS listener (`tls`) it is closed
+    /// with no answer, since answering would take a handshake.
+    async fn refuse(&self, mut stream: Stream, tls: bool) {
         self.refused.inc();
         let now = self.started.elapsed().as_secs();
         if self.refusal_logged.swap(now, Ordering::Relaxed) != now {
@@ -210,6 +248,10 @@ impl<A> LimitedApp<A> {
                 max_connections = self.limits.max_connections,
                 "connection refused: limits.max_connections client connections are open (logged at most once a second)"
             );
+        }
+        if tls {
+            Shutdown::shutdown(&mut *stream).await;
+            return;
         }
         let (_, body) =
             crate::problem::render(&crate::problem::Problem::too_many_connections(), None);
@@ -224,6 +266,19 @@ impl<A> LimitedApp<A> {
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
         Shutdown::shutdown(&mut *stream).await;
+    }
+}
+
+/// The server side of a TLS handshake on a connection Pingora accepted as plain TCP; None if
+/// it fails.
+async fn tls_handshake(acceptor: &Acceptor, stream: Stream) -> Option<Stream> {
+    let l4 = stream.into_any().downcast::<L4Stream>().ok()?;
+    match acceptor.tls_handshake(*l4).await {
+        Ok(tls) => Some(Box::new(tls)),
+        Err(e) => {
+            tracing::debug!(target: "sluice::server", error = %e, "TLS handshake with a client failed");
+            None
+        }
     }
 }
 
@@ -250,11 +305,29 @@ where
         stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
+        let acceptor = self.acceptor_for(&stream);
         let Some(slot) = self.take_slot() else {
-            self.refuse(stream).await;
+            self.refuse(stream, acceptor.is_some()).await;
             return None;
         };
-        let mut stream = stream;
+        // A client that sends nothing is idle; one whose head (here: handshake) is slow is
+        // late. A handshake bounded by both, as the first bytes of a plain connection are.
+        let within = self.limits.idle_timeout.min(self.limits.header_timeout);
+        let mut stream = match acceptor {
+            Some(acceptor) => {
+                match tokio::time::timeout(within, tls_handshake(&acceptor, stream)).await {
+                    Ok(Some(stream)) => stream,
+                    // A failed handshake (not TLS, a bad client hello, a client that left):
+                    // rustls has said why to the client, if it could.
+                    Ok(None) => return None,
+                    Err(_) => {
+                        self.closed_head.inc();
+                        return None;
+                    }
+                }
+            }
+            None => stream,
+        };
         let mut first = Vec::new();
         if let Some(tunnels) = &self.tunnels {
             // A tunnel holds its connection slot (`slot` lives to the end of this function)

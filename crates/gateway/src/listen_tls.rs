@@ -1,6 +1,7 @@
 //! The certificate of a TLS listener (`listen[].tls`, SPEC §7): read and checked by
-//! `sluice check` and on every config load, read again at start and handed to Pingora's rustls
-//! listener.
+//! `sluice check` and on every config load, read again at start and made into Pingora's rustls
+//! acceptor, with which `crate::limits::LimitedApp` does each handshake inside the connection
+//! cap (Pingora itself only listens on plain TCP).
 //!
 //! The files are read once, at start: a new certificate takes a restart, like any change to
 //! `listen`. Messages name the file and what is wrong with it, never its content: a key file's

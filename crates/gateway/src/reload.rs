@@ -138,7 +138,7 @@ impl Reloader {
         if new.settings.needs_restart_for(&old.settings) {
             tracing::warn!(
                 target: "sluice::reload",
-                "listen, admin.listen, threads, state and limits apply at the next restart; the running gateway keeps its own"
+                "listen, admin.listen, threads, state, limits and dns apply at the next restart; the running gateway keeps its own"
             );
         }
         let version = new.version.clone();

@@ -60,7 +60,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     // The process's one resolver: member names (crate::dns) and client-chosen destinations
     // (crate::egress). Its cache outlives reloads. hickory spawns a lookup's background I/O on
     // the runtime that asks, so lookups happen on runtimes that live as long as the process.
-    let resolver = crate::dns::process_resolver()?;
+    let resolver = crate::dns::process_resolver(&config.dns)?;
     // Build the first table (and resolve member names) on a runtime of its own, before Pingora
     // starts its own. It lives as long as the gateway: the resolver's connections to its name
     // servers run there, and later lookups from other runtimes reuse them.
@@ -138,23 +138,21 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         state.clone(),
         resolver.clone(),
     );
-    let mut proxy = Service::new(
-        "sluice proxy".to_string(),
-        LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels),
-    );
+    let mut app = LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels);
+    // TLS listeners (listen[].tls, crate::listen_tls): LimitedApp does the handshake, inside the
+    // connection cap and its timers (Pingora would do it outside both), then requests and
+    // CONNECT tunnels run as on a plain listener. To Pingora every listener is plain TCP. The
+    // certificate is read here, once: a new one takes a restart.
     for listener in &config.listen {
-        let addr = listener.addr.to_string();
-        // TLS listeners (listen[].tls, crate::listen_tls): Pingora does the handshake, then
-        // hands LimitedApp the decrypted stream, so requests and CONNECT tunnels run as on a
-        // plain listener. The certificate is read here, once: a new one takes a restart.
-        match &listener.tls {
-            Some(tls) => {
-                let settings = crate::listen_tls::settings(&tls.cert, &tls.key)
-                    .map_err(|e| format!("cannot listen on {addr} with TLS: {e}"))?;
-                proxy.add_tls_with_settings(&addr, None, settings);
-            }
-            None => proxy.add_tcp(&addr),
+        if let Some(tls) = &listener.tls {
+            let settings = crate::listen_tls::settings(&tls.cert, &tls.key)
+                .map_err(|e| format!("cannot listen on {} with TLS: {e}", listener.addr))?;
+            app = app.with_tls(listener.addr, settings);
         }
+    }
+    let mut proxy = Service::new("sluice proxy".to_string(), app);
+    for listener in &config.listen {
+        proxy.add_tcp(&listener.addr.to_string());
     }
     proxy.threads = Some(threads);
 

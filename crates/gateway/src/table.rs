@@ -18,8 +18,8 @@ use sluice_balancer::Members;
 use sluice_state::{PoolMember, StateStore, Window};
 
 use crate::config::{
-    AdminConfig, Config, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl, RouteConfig,
-    Selection, StateConfig, UpstreamConfig,
+    AdminConfig, Config, DnsConfig, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl,
+    RouteConfig, Selection, StateConfig, UpstreamConfig,
 };
 use crate::dns::PeerCell;
 use crate::egress::{Guard, Resolver};
@@ -190,6 +190,8 @@ pub struct Settings {
     pub state: StateConfig,
     /// `limits`.
     pub limits: LimitsConfig,
+    /// `dns` (the process's one resolver is made at start).
+    pub dns: DnsConfig,
 }
 
 impl Settings {
@@ -200,6 +202,7 @@ impl Settings {
             threads: config.threads,
             state: config.state.clone(),
             limits: config.limits.clone(),
+            dns: config.dns.clone(),
         }
     }
 
@@ -210,6 +213,7 @@ impl Settings {
             || self.threads != other.threads
             || self.state != other.state
             || self.limits != other.limits
+            || self.dns != other.dns
     }
 }
 

@@ -45,6 +45,8 @@ pub struct Config {
     pub state: StateConfig,
     /// The guard on destinations the client chooses (SPEC §7).
     pub egress: EgressConfig,
+    /// The name servers (SPEC §7); the system's when empty.
+    pub dns: DnsConfig,
     /// Bounds on client connections.
     pub limits: LimitsConfig,
     /// The routes, matched as SPEC §3 says.
@@ -162,6 +164,7 @@ impl Config {
                 admin,
                 state,
                 egress,
+                dns,
                 limits,
                 routes: Some(routes),
             }) => {
@@ -171,6 +174,7 @@ impl Config {
                     admin,
                     state,
                     egress,
+                    dns,
                     limits,
                     routes,
                 };
@@ -213,6 +217,8 @@ struct Document<R> {
     state: StateConfig,
     #[serde(default)]
     egress: EgressConfig,
+    #[serde(default)]
+    dns: DnsConfig,
     #[serde(default)]
     limits: LimitsConfig,
     #[serde(default)]

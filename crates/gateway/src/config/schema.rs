@@ -1264,6 +1264,54 @@ impl Default for EgressConfig {
     }
 }
 
+/// `dns:` — the name servers sluice asks for member host names and for the destinations
+/// clients choose (SPEC §7). Read at start: a change takes a restart.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DnsConfig {
+    /// Name servers asked instead of `/etc/resolv.conf`'s, in order (UDP, TCP for truncated
+    /// answers); `/etc/hosts` still applies. Empty: the system's resolver.
+    #[serde(default)]
+    pub servers: Vec<NameServer>,
+}
+
+/// One name server of `dns.servers`: `IP:PORT`, `[IPv6]:PORT`, or an IP alone for port 53.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameServer(pub SocketAddr);
+
+impl NameServer {
+    fn parse(s: &str) -> Result<NameServer, String> {
+        let s = s.trim();
+        let addr = match s.parse::<SocketAddr>() {
+            Ok(addr) => addr,
+            Err(_) => match s.parse::<std::net::IpAddr>() {
+                Ok(ip) => SocketAddr::new(ip, 53),
+                Err(_) => {
+                    return Err(format!(
+                        "invalid name server {s:?}: expected IP:PORT such as 127.0.0.1:5353 or [::1]:53, or an IP for port 53"
+                    ))
+                }
+            },
+        };
+        if addr.port() == 0 {
+            return Err(format!("invalid name server {s:?}: port 0"));
+        }
+        if addr.ip().is_unspecified() || addr.ip().is_multicast() {
+            return Err(format!(
+                "invalid name server {s:?}: {} is not an address a query can be sent to",
+                addr.ip()
+            ));
+        }
+        Ok(NameServer(addr))
+    }
+}
+
+impl<'de> Deserialize<'de> for NameServer {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        NameServer::parse(&String::deserialize(d)?).map_err(de::Error::custom)
+    }
+}
+
 /// One entry of `egress.deny`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DenyEntry {

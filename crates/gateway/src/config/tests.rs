@@ -705,6 +705,42 @@ fn egress_mistakes() {
 }
 
 #[test]
+fn dns_servers_default_to_the_system_and_are_checked() {
+    assert_eq!(parse("routes: []\n").dns, DnsConfig::default());
+    let config =
+        parse("dns:\n  servers: [\"127.0.0.1:5353\", \"[::1]:53\", 192.0.2.53]\nroutes: []\n");
+    let servers: Vec<std::net::SocketAddr> = config.dns.servers.iter().map(|s| s.0).collect();
+    assert_eq!(
+        servers,
+        [
+            "127.0.0.1:5353".parse().unwrap(),
+            "[::1]:53".parse().unwrap(),
+            "192.0.2.53:53".parse().unwrap(),
+        ]
+    );
+    one_error(
+        "dns:\n  servers: [\"127.0.0.1:5353\", dns.example:53]\nroutes: []\n",
+        "2:31: dns.servers[1]",
+        "expected IP:PORT such as 127.0.0.1:5353",
+    );
+    one_error(
+        "dns:\n  servers: [\"127.0.0.1:0\"]\nroutes: []\n",
+        "2:13: dns.servers[0]",
+        "port 0",
+    );
+    one_error(
+        "dns:\n  servers: [\"0.0.0.0:53\"]\nroutes: []\n",
+        "2:13: dns.servers[0]",
+        "not an address a query can be sent to",
+    );
+    one_error(
+        "dns:\n  server: [\"127.0.0.1:53\"]\nroutes: []\n",
+        "2:3: dns.server",
+        "unknown field",
+    );
+}
+
+#[test]
 fn limits_have_defaults_and_are_checked() {
     let config = parse("routes: []\n");
     assert_eq!(config.limits, LimitsConfig::default());

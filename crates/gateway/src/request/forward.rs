@@ -7,9 +7,11 @@ use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{ErrorType, HTTPStatus};
 
-use super::{Dest, Failure, Gateway, RequestCtx};
+use std::net::SocketAddr;
+
+use super::{Dest, DirectRest, Failure, Gateway, RequestCtx};
 use crate::config::MemberKind;
-use crate::egress::{Guard, Refusal, Resolver};
+use crate::egress::{Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
 use crate::headers::{append_forwarded_for, keep_websocket_upgrade, strip_hop_by_hop};
 use crate::table::{peer_for, Route};
 
@@ -19,6 +21,11 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
     let Some(route) = ctx.route.clone() else {
         return Err(Error::explain(ErrorType::InternalError, "no route"));
     };
+    // The next checked address of the destination of a `direct` attempt that failed to
+    // connect: the same member, the same lookup, so it costs no retry of the route's.
+    if let Some(peer) = next_direct_address(ctx, &route) {
+        return Ok(Box::new(peer));
+    }
     loop {
         // The cooldown replay is not a connect retry: it does not spend the retry budget.
         let budget = route.config.upstream.retries as usize + usize::from(ctx.replayed);
@@ -57,8 +64,12 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
             let table = gateway.table.load();
             let dest = ctx.target.dest.as_ref();
             match direct_peer(&gateway.resolver, &table.guard, &route, dest).await {
-                Ok(peer) => {
+                Ok((peer, rest)) => {
                     ctx.current = Some(attempt);
+                    ctx.direct_rest = DirectRest {
+                        addrs: rest,
+                        parked: None,
+                    };
                     return Ok(Box::new(peer));
                 }
                 Err(Refusal::Denied(denial)) => {
@@ -94,15 +105,17 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
 
 /// A peer at the client's own destination, for a `direct` member: the destination is
 /// resolved and checked by the egress guard ([`Resolver::resolve_checked`]), and the peer is
-/// built from the first checked address, so that no second lookup can change where the
-/// request goes (DNS rebinding). A retry after a connect failure resolves again (from the
-/// cache) and is checked again.
+/// built from the first checked address; the next checked ones (at most
+/// [`MAX_ADDRESSES_TRIED`] in all) come back too, last first, for [`next_direct_address`] to
+/// fall back on when a connect fails. No second lookup can change where the request goes
+/// (DNS rebinding). Another member's attempt resolves again (from the cache) and is checked
+/// again.
 async fn direct_peer(
     resolver: &Resolver,
     guard: &Guard,
     route: &Route,
     dest: Option<&Dest>,
-) -> Result<HttpPeer, Refusal> {
+) -> Result<(HttpPeer, Vec<SocketAddr>), Refusal> {
     let Some(dest) = dest else {
         return Err(Refusal::NoAddresses {
             host: String::new(),
@@ -123,12 +136,35 @@ async fn direct_peer(
             host: dest.host.to_string(),
         });
     };
-    Ok(peer_for(
+    let mut rest: Vec<SocketAddr> = checked
+        .into_iter()
+        .take(MAX_ADDRESSES_TRIED)
+        .skip(1)
+        .collect();
+    rest.reverse();
+    Ok((direct_peer_at(addr, dest, route), rest))
+}
+
+fn direct_peer_at(addr: SocketAddr, dest: &Dest, route: &Route) -> HttpPeer {
+    peer_for(
         addr,
         dest.tls,
         dest.host.to_string(),
         &route.config.upstream,
-    ))
+    )
+}
+
+/// After a `direct` attempt failed to connect ([`super::Gateway`]'s `fail_to_connect` parks its
+/// attempt in [`DirectRest`]): the peer at the destination's next checked address, on the same
+/// attempt, as happy-eyeballs-lite clients do (curl tries each address in turn). Nothing was
+/// sent on the failed connection, so this is safe for every method; the member's health is not
+/// touched, since the destination is the client's.
+fn next_direct_address(ctx: &mut RequestCtx, route: &Route) -> Option<HttpPeer> {
+    let attempt = ctx.direct_rest.parked.take()?;
+    let addr = ctx.direct_rest.addrs.pop()?;
+    let dest = ctx.target.dest.as_ref()?;
+    ctx.current = Some(attempt);
+    Some(direct_peer_at(addr, dest, route))
 }
 
 /// Fixes up the request head on its way to the member.

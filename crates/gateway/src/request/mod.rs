@@ -126,6 +126,8 @@ pub struct RequestCtx {
     current: Option<Attempt>,
     /// Every member tried.
     tried: Tried,
+    /// The checked addresses of a `direct` attempt's destination not tried yet.
+    direct_rest: DirectRest,
     failure: Option<Failure>,
     /// How the request's target goes upstream, when it differs from what the client sent.
     target: Forward,
@@ -154,6 +156,15 @@ pub(crate) struct Forward {
     uri: Option<http::uri::PathAndQuery>,
     /// The client's own destination, on routes whose members reach it (`proxy`, `direct`).
     dest: Option<Dest>,
+}
+
+/// The rest of a `direct` attempt's checked addresses ([`forward::next_peer`]).
+#[derive(Default)]
+pub(crate) struct DirectRest {
+    /// Not tried yet, the next one last. Empty when the destination had one address.
+    addrs: Vec<std::net::SocketAddr>,
+    /// The attempt, kept after a connect failure while an address is left.
+    parked: Option<Attempt>,
 }
 
 /// Where the client's request is headed, for `proxy` and `direct` members.
@@ -229,6 +240,7 @@ impl ProxyHttp for Gateway {
             first: None,
             current: None,
             tried: Tried::default(),
+            direct_rest: DirectRest::default(),
             failure: None,
             target: Forward::default(),
             ratelimit: None,
@@ -295,8 +307,11 @@ impl ProxyHttp for Gateway {
                 member.attempts_connect_failure.inc();
             }
             if ctx.member().is_some_and(|m| m.kind == MemberKind::Direct) {
-                // The client's target failed, not the member: its health is not touched.
-                drop(attempt);
+                // The client's target failed, not the member: its health is not touched. With
+                // a checked address left, next_peer tries it on the same attempt.
+                if !ctx.direct_rest.addrs.is_empty() {
+                    ctx.direct_rest.parked = Some(attempt);
+                }
             } else {
                 attempt.failed_to_connect();
             }

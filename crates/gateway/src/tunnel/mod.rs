@@ -42,6 +42,8 @@
 mod head;
 mod open;
 mod pump;
+#[cfg(target_os = "linux")]
+mod splice;
 
 use std::net::IpAddr;
 use std::sync::atomic::AtomicUsize;
@@ -339,15 +341,40 @@ impl Tunnels {
                 .tunnel_bytes
                 .with_label_values(&[&route.name, "down"]),
         };
-        let pumped = pump::pump(
-            client,
-            upstream.stream,
-            &head.early,
-            &upstream.early,
-            up.read_timeout.0,
-            &counters,
-        )
-        .await;
+        // Both sides plain TCP: splice(2), with no copy through user space; else the copy loop.
+        let mut early_up = head.early.to_vec();
+        #[cfg(target_os = "linux")]
+        let client_socket = splice::client_socket(client, &mut early_up);
+        #[cfg(not(target_os = "linux"))]
+        let client_socket: Option<std::convert::Infallible> = None;
+        let idle = up.read_timeout.0;
+        let pumped = match client_socket {
+            #[cfg(target_os = "linux")]
+            Some(socket) => {
+                splice::pump(
+                    socket,
+                    upstream.stream,
+                    &early_up,
+                    &upstream.early,
+                    idle,
+                    &counters,
+                )
+                .await
+            }
+            #[cfg(not(target_os = "linux"))]
+            Some(never) => match never {},
+            None => {
+                pump::pump(
+                    client,
+                    upstream.stream,
+                    &early_up,
+                    &upstream.early,
+                    idle,
+                    &counters,
+                )
+                .await
+            }
+        };
         active.dec();
         end.bytes = Some((pumped.up, pumped.down));
         end.error = pumped.ended;

@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::config::{MemberKind, UpstreamConfig};
-use crate::egress::{Denial, Guard, Refusal, Resolver};
+use crate::egress::{Denial, Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
 use crate::table::Member;
 use crate::target::Target;
 
@@ -76,7 +76,8 @@ pub(super) async fn connect(
         }
         MemberKind::Direct => {
             // The egress guard: every address of the target is checked, and only the checked
-            // addresses are connected to, in order (no second lookup: DNS rebinding).
+            // addresses are connected to, in order, the next after a connect failure, at most
+            // MAX_ADDRESSES_TRIED of them (no second lookup: DNS rebinding).
             let lookup = egress
                 .resolver
                 .resolve_checked(egress.guard, &target.host, port);
@@ -93,7 +94,7 @@ pub(super) async fn connect(
                 Err(_) => return Err(Failure::unreachable("name lookup timed out")),
             };
             let mut last = Failure::unreachable(format!("{} has no address", target.host));
-            for addr in addrs {
+            for addr in addrs.into_iter().take(MAX_ADDRESSES_TRIED) {
                 match tcp(addr, up).await {
                     Ok(stream) => {
                         return Ok(Upstream {
