@@ -352,12 +352,24 @@ where
                         "Fail to proxy: {e}, downstream session type: {}",
                         downstream_session.session_type()
                     );
-                    downstream_session
-                        .respond_error(400)
+                    // PATCH (sluice, third_party/PATCHES.md): let the application answer.
+                    let handled = self
+                        .inner
+                        .request_error_filter(&mut downstream_session, &e)
                         .await
-                        .unwrap_or_else(|e| {
-                            error!("failed to send error response to downstream: {e}");
+                        .unwrap_or_else(|filter_e| {
+                            error!("request_error_filter failed: {filter_e}");
+                            false
                         });
+                    if !handled {
+                        // A no-op when the filter already wrote a response head.
+                        downstream_session
+                            .respond_error(400)
+                            .await
+                            .unwrap_or_else(|e| {
+                                error!("failed to send error response to downstream: {e}");
+                            });
+                    }
                 } else {
                     // otherwise the connection must be broken, no need to send anything
                     error!(

@@ -499,6 +499,31 @@ pub trait ProxyHttp {
         Ok(None)
     }
 
+    /// Handle a request whose head the downstream parser rejected: an [`InvalidHTTPHeader`]
+    /// error while reading or validating it (a malformed request line or field, conflicting
+    /// message framing, a `Host` that disagrees with the request target, ...).
+    ///
+    /// PATCH (sluice, third_party/PATCHES.md): not in upstream pingora-proxy 0.9.1.
+    ///
+    /// It runs for every request on a connection, keep-alive and pipelined ones included, before
+    /// a [Session] or `CTX` exists. The request header may not have been parsed, so
+    /// `session.req_header()` must not be called; and the error's context may quote the raw
+    /// request bytes.
+    ///
+    /// Return `Ok(true)` when this filter has dealt with the request (sent its own response, or
+    /// chosen to send none). `Ok(false)`, the default, sends the generic `400`, as does an
+    /// `Err`, which is also logged, unless a response head was already written. The connection
+    /// is closed afterwards in every case.
+    ///
+    /// [`InvalidHTTPHeader`]: pingora_error::ErrorType::InvalidHTTPHeader
+    async fn request_error_filter(
+        &self,
+        _session: &mut HttpSession,
+        _error: &Error,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
     /// This filter is called when the entire response is sent to the downstream successfully or
     /// there is a fatal error that terminate the request.
     ///
