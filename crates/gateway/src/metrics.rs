@@ -8,6 +8,10 @@ use prometheus::{
 /// Label value for requests that matched no route.
 pub const NO_ROUTE: &str = "_none";
 
+/// Route label value, and access-log route, of requests whose head could not be parsed: they
+/// never reach routing (`request::refuse`).
+pub const UNPARSED: &str = "-";
+
 /// Every metric sluice exports.
 pub struct Metrics {
     registry: Registry,
@@ -58,6 +62,10 @@ impl Metrics {
             "Requests answered, by route and status.",
             &["route", "status"],
         );
+        // Present from the start, so a rate over them needs no first refusal.
+        for status in ["400", "431"] {
+            requests.with_label_values(&[UNPARSED, status]);
+        }
         let upstream_attempts = counter(
             "sluice_upstream_attempts_total",
             "Attempts to send a request to a member, by outcome.",
