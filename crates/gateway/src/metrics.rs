@@ -2,7 +2,8 @@
 //! in one process.
 
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Label value for requests that matched no route.
@@ -39,6 +40,9 @@ pub struct Metrics {
     pub connections_closed: IntCounterVec,
     /// `sluice_connections_open`: client connections open on the proxy listeners.
     pub connections_open: IntGauge,
+    /// `sluice_memory_trims_total`: times sluice asked the allocator to hand freed memory back
+    /// to the system after many connections closed (`limits::MemoryTrim`; glibc only).
+    pub memory_trims: IntCounter,
     /// `sluice_tunnels_active{route}`: CONNECT tunnels open now.
     pub tunnels_active: IntGaugeVec,
     /// `sluice_tunnel_bytes_total{route,direction}`: bytes carried by tunnels; direction is
@@ -109,6 +113,14 @@ impl Metrics {
         registry
             .register(Box::new(connections_open.clone()))
             .expect("unique metric");
+        let memory_trims = IntCounter::new(
+            "sluice_memory_trims_total",
+            "Times sluice asked the allocator to hand freed memory back to the system, after many client connections closed.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(memory_trims.clone()))
+            .expect("unique metric");
         let tunnel_bytes = counter(
             "sluice_tunnel_bytes_total",
             "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
@@ -161,6 +173,7 @@ impl Metrics {
             quota_keys_refused,
             connections_closed,
             connections_open,
+            memory_trims,
             tunnels_active,
             tunnel_bytes,
         }

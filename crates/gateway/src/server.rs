@@ -138,10 +138,10 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         state.clone(),
         resolver.clone(),
     );
-    let mut proxy = Service::new(
-        "sluice proxy".to_string(),
-        LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels),
-    );
+    let app = LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels);
+    let mut trim = background_service("sluice memory trim", app.memory_trim());
+    trim.threads = Some(1);
+    let mut proxy = Service::new("sluice proxy".to_string(), app);
     for listener in &config.listen {
         let addr = listener.addr.to_string();
         // TLS listeners (listen[].tls, crate::listen_tls): Pingora does the handshake, then
@@ -183,6 +183,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     let mut triggers = background_service("sluice reload triggers", ReloadTriggers::new(reloader));
     triggers.threads = Some(1);
     server.add_service(triggers);
+    server.add_service(trim);
 
     let (stop_tx, stop_rx) = mpsc::channel();
     std::thread::Builder::new()
