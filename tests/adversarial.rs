@@ -885,6 +885,31 @@ async fn later_requests_on_a_connection_are_refused_the_same_way() {
     assert_eq!(counted(&fx.gw.metrics().await) - before, 2.0);
 }
 
+/// A refused HEAD request gets the head of the answer and no body (RFC 9110 §9.3.2), and its
+/// access line still says 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_head_request_gets_no_body() {
+    let fx = Fixture::start().await;
+    let mut client = HttpClient::connect(fx.addr()).await.unwrap();
+    client
+        .write_raw(b"HEAD /x HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = client.read_response(true).await.unwrap();
+    assert_eq!(answer.status, 400);
+    assert_eq!(answer.header("x-sluice-error"), Some("bad_request"));
+    // Nothing follows the head: the next thing the connection does is close.
+    assert!(client.wait_closed(ANSWER_WITHIN).await);
+    let logged = wait_until(Duration::from_secs(5), || {
+        fx.gw
+            .log_json()
+            .iter()
+            .any(|l| l["target"] == "sluice::access" && l["route"] == "-" && l["status"] == 400)
+    })
+    .await;
+    assert!(logged, "{}", fx.gw.logs());
+}
+
 /// A 100 KiB header block, above `limits.max_header_bytes` (64 KiB by default), gets 431.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversized_header_block_gets_431() {

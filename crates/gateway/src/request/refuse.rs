@@ -30,12 +30,11 @@ pub(crate) async fn refuse(gateway: &Gateway, session: &mut ServerSession, e: &E
     let started = Instant::now();
     let problem = problem_for(e, gateway.max_header_bytes);
     let (head, body) = problem::render(&problem, None);
-    let sent = matches!(
-        tokio::time::timeout(WRITE_WITHIN, session.write_error_response(head, body)).await,
-        Ok(Ok(()))
-    );
-    // The status sent, 0 when none could be (as for every access line).
-    let status = if sent { problem.status } else { 0 };
+    // A failure to write leaves nobody to answer; the status below says what was sent.
+    let _ = tokio::time::timeout(WRITE_WITHIN, session.write_error_response(head, body)).await;
+    // The status sent, 0 when none could be (as for every access line). A head sent whose
+    // body then failed (a HEAD request's, or a client gone) still counts as sent.
+    let status = session.response_written().map_or(0, |r| r.status.as_u16());
     let code = http::StatusCode::from_u16(status).ok();
     gateway
         .metrics
