@@ -144,7 +144,7 @@ pub struct LimitedApp<A> {
     inner: Arc<A>,
     limits: Limits,
     open: Arc<AtomicUsize>,
-    /// The most connections open at once since [`MemoryTrim`] last looked.
+    /// The most connections open at once since [`MemoryTrim`] last trimmed.
     high: Arc<AtomicUsize>,
     trims: IntCounter,
     gauge: IntGauge,
@@ -254,11 +254,12 @@ const TRIM_EVERY: Duration = Duration::from_secs(5);
 const TRIM_AFTER_CLOSED: usize = 256;
 
 /// Every [`TRIM_EVERY`], if at least [`TRIM_AFTER_CLOSED`] fewer connections are open than the
-/// most that were open since the last look, calls glibc's `malloc_trim(0)`, which hands the
+/// most that were open since the last trim, calls glibc's `malloc_trim(0)`, which hands the
 /// free pages of every heap back to the system (5,000 idle connections that had come and gone
 /// left ~95 KiB each behind, all of it returned by a trim). So at most one trim per period,
-/// only after a large drop, never on a steady load; it takes the allocator's locks for a few
-/// milliseconds at most. Other allocators and C libraries: does nothing.
+/// only after a large net drop (a slow one too), never on a steady load however busy; it takes
+/// the allocator's locks for a few milliseconds at most. What fewer than [`TRIM_AFTER_CLOSED`]
+/// connections freed since the last trim may stay. Other allocators and C libraries: nothing.
 pub struct MemoryTrim {
     open: Arc<AtomicUsize>,
     high: Arc<AtomicUsize>,
@@ -267,11 +268,18 @@ pub struct MemoryTrim {
 }
 
 impl MemoryTrim {
-    /// Whether enough connections closed since the last look; starts the next period.
+    /// Whether enough connections closed since the last trim; if so, the count starts again
+    /// from the connections open now.
     fn due(&self) -> bool {
         let open = self.open.load(Ordering::Relaxed);
-        let high = self.high.swap(open, Ordering::Relaxed);
-        high.saturating_sub(open) >= TRIM_AFTER_CLOSED
+        let high = self.high.load(Ordering::Relaxed);
+        if high.saturating_sub(open) < TRIM_AFTER_CLOSED {
+            return false;
+        }
+        // A connection taken in between may be forgotten: the next drop is then seen a little
+        // smaller, no more.
+        self.high.store(open, Ordering::Relaxed);
+        true
     }
 }
 
@@ -643,6 +651,10 @@ mod tests {
         assert!(!trim.due());
         // A small drop: none either.
         set(5000 - TRIM_AFTER_CLOSED + 1, 5000);
+        assert!(!trim.due());
+        // A slow decline adds up.
+        set(5000 - TRIM_AFTER_CLOSED, 5000);
+        assert!(trim.due());
         assert!(!trim.due());
         // 5,000 came and went: one trim, then none until the count rises and falls again.
         set(0, 5000);
