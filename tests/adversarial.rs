@@ -14,10 +14,11 @@
 //!   right member with its own target (a request left queued on a pooled upstream connection
 //!   would answer it instead).
 //!
-//! Most refusals today are Pingora's parser answering a bare 400 before sluice sees the request:
-//! no problem+json, no access-log line, no metric. The safety tests accept that; that gap
-//! (issue 15 item 2) is pinned by the `#[ignore]`d test at the end, beside the 431 and the two
-//! header defects the suite found, which are fixed.
+//! Most refusals come from Pingora's parser, before sluice sees a request. They used to get a
+//! bare Pingora 400 with no access-log line and no metric; they now get sluice's problem+json,
+//! an access line and a count (issue 15 item 2), on the first request of a connection and on
+//! later keep-alive and pipelined ones alike: see the tests at the end, beside the 431 and the
+//! two header defects the suite found, which are fixed too.
 
 mod support;
 
@@ -742,10 +743,11 @@ async fn hop_by_hop_fields_of_a_members_answer_are_removed() {
 // Known gaps, kept visible: run with `cargo test --test adversarial -- --ignored`.
 // ---------------------------------------------------------------------------------------------
 
-/// Requests Pingora's parser refuses never reach sluice's request path, so they get a bare 400:
-/// no problem+json, no access-log line, no `sluice_requests_total`. Issue 15 item 2.
+/// Requests Pingora's parser refuses never reach sluice's routing. They get sluice's
+/// problem+json `400 bad_request` (not Pingora's bare 400), one access-log line with route `-`
+/// and a detail that quotes nothing of the request, and a count in `sluice_requests_total`.
+/// Issue 15 item 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 15: parser rejections are not logged or counted yet"]
 async fn parser_rejections_are_answered_logged_and_counted() {
     let fx = Fixture::start().await;
     let cases: [(&str, String); 5] = [
@@ -759,7 +761,11 @@ async fn parser_rejections_are_answered_logged_and_counted() {
             "GET /x HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n".into(),
         ),
         ("a word", "GARBAGE\r\n\r\n".into()),
-        ("NUL in a value", "GET /x HTTP/1.1\r\nHost: api.test\r\nX-A: a\0b\r\n\r\n".into()),
+        (
+            "NUL in a value",
+            "GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer s3cr3t\0b\r\n\r\n"
+                .into(),
+        ),
     ];
     let counted = |metrics: &str| {
         metric_value(metrics, "sluice_requests_total", &[("status", "400")]).unwrap_or(0.0)
@@ -777,19 +783,131 @@ async fn parser_rejections_are_answered_logged_and_counted() {
             Some("application/problem+json"),
             "{name}"
         );
-        assert!(answer.header("x-sluice-error").is_some(), "{name}");
+        assert_eq!(
+            answer.header("x-sluice-error"),
+            Some("bad_request"),
+            "{name}"
+        );
+        assert_eq!(
+            answer.header("server"),
+            None,
+            "{name}: Pingora's own answer"
+        );
+        assert_eq!(answer.json()["status"], 400, "{name}");
+    }
+    let refusals = || {
+        fx.gw
+            .log_json()
+            .into_iter()
+            .filter(|l| l["target"] == "sluice::access" && l["status"] == 400)
+            .collect::<Vec<_>>()
+    };
+    let logged = wait_until(Duration::from_secs(5), || refusals().len() == cases.len()).await;
+    assert!(logged, "one access-log line per refusal:\n{}", fx.gw.logs());
+    for line in refusals() {
+        assert_eq!(line["route"], "-", "{line}");
+        assert_eq!(line["error"], "bad_request", "{line}");
+        assert!(
+            line["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "{line}"
+        );
+    }
+    assert!(
+        !fx.gw.logs().contains("s3cr3t"),
+        "a header value reached the log:\n{}",
+        fx.gw.logs()
+    );
+    assert_eq!(counted(&fx.gw.metrics().await) - before, cases.len() as f64);
+}
+
+/// A bad request after a good one on the same connection, sent after the first answer
+/// (keep-alive) or in the same write (pipelined), gets the same treatment as a first one: the
+/// good one is answered by its member, the bad one by sluice's problem+json, logged and counted,
+/// and then the connection closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_requests_on_a_connection_are_refused_the_same_way() {
+    let fx = Fixture::start().await;
+    let good = "GET /first HTTP/1.1\r\nHost: api.test\r\n\r\n";
+    let bad = "GET /x HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n";
+    let counted = |metrics: &str| {
+        metric_value(
+            metrics,
+            "sluice_requests_total",
+            &[("route", "-"), ("status", "400")],
+        )
+        .unwrap_or(0.0)
+    };
+    let before = counted(&fx.gw.metrics().await);
+    for pipelined in [false, true] {
+        let mut client = HttpClient::connect(fx.addr()).await.unwrap();
+        if pipelined {
+            client
+                .write_raw(format!("{good}{bad}").as_bytes())
+                .await
+                .unwrap();
+        } else {
+            client.write_raw(good.as_bytes()).await.unwrap();
+        }
+        let first = client.read_response(false).await.unwrap();
+        assert_eq!(
+            first.status,
+            200,
+            "pipelined: {pipelined}: {}",
+            first.text()
+        );
+        assert_eq!(first.json()["target"], "/first");
+        if !pipelined {
+            client.write_raw(bad.as_bytes()).await.unwrap();
+        }
+        let second = client.read_response(false).await.unwrap();
+        assert_eq!(second.status, 400, "pipelined: {pipelined}");
+        assert_eq!(second.header("x-sluice-error"), Some("bad_request"));
+        assert_eq!(
+            second.json()["detail"],
+            "multiple Host header fields",
+            "pipelined: {pipelined}"
+        );
+        assert!(
+            client.wait_closed(ANSWER_WITHIN).await,
+            "pipelined: {pipelined}"
+        );
     }
     let logged = wait_until(Duration::from_secs(5), || {
         fx.gw
             .log_json()
             .iter()
-            .filter(|l| l["target"] == "sluice::access" && l["status"] == 400)
+            .filter(|l| l["target"] == "sluice::access" && l["route"] == "-" && l["status"] == 400)
             .count()
-            == cases.len()
+            == 2
     })
     .await;
     assert!(logged, "one access-log line per refusal:\n{}", fx.gw.logs());
-    assert_eq!(counted(&fx.gw.metrics().await) - before, cases.len() as f64);
+    assert_eq!(counted(&fx.gw.metrics().await) - before, 2.0);
+}
+
+/// A refused HEAD request gets the head of the answer and no body (RFC 9110 §9.3.2), and its
+/// access line still says 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_head_request_gets_no_body() {
+    let fx = Fixture::start().await;
+    let mut client = HttpClient::connect(fx.addr()).await.unwrap();
+    client
+        .write_raw(b"HEAD /x HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = client.read_response(true).await.unwrap();
+    assert_eq!(answer.status, 400);
+    assert_eq!(answer.header("x-sluice-error"), Some("bad_request"));
+    // Nothing follows the head: the next thing the connection does is close.
+    assert!(client.wait_closed(ANSWER_WITHIN).await);
+    let logged = wait_until(Duration::from_secs(5), || {
+        fx.gw
+            .log_json()
+            .iter()
+            .any(|l| l["target"] == "sluice::access" && l["route"] == "-" && l["status"] == 400)
+    })
+    .await;
+    assert!(logged, "{}", fx.gw.logs());
 }
 
 /// A 100 KiB header block, above `limits.max_header_bytes` (64 KiB by default), gets 431.

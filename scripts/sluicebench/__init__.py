@@ -1,7 +1,7 @@
-"""sluice's benchmark drivers: scripts/bench, scripts/bench-state, scripts/bench-tunnel and
-scripts/profile.
+"""sluice's benchmark drivers: scripts/bench, scripts/bench-state, scripts/bench-tunnel,
+scripts/bench-idle-memory and scripts/profile.
 
-Those four entry points are thin wrappers around ``python3 -m sluicebench COMMAND`` (run with
+Those five entry points are thin wrappers around ``python3 -m sluicebench COMMAND`` (run with
 ``scripts/`` on ``sys.path``). Layout:
 
     procs.py      process lifecycle: one work directory, every child registered and stopped by
@@ -17,6 +17,7 @@ Those four entry points are thin wrappers around ``python3 -m sluicebench COMMAN
                   quota.py, least_used.py, reload.py and cluster.py are its parts
     tunnel.py     scripts/bench-tunnel: CONNECT tunnels through sluice, tinyproxy and squid
                   (throughput, setup rate); also the sink and clients it runs as children
+    idle_memory.py  scripts/bench-idle-memory: sluice's RSS around 5,000 idle connections
     profile.py    scripts/profile: callgrind instruction counts per request
 
 Why Python and not a Rust xtask: these drivers start external programs (nginx, HAProxy, wrk,

@@ -10,7 +10,8 @@ import sys
 
 from .procs import Failure, install_signal_handlers, log
 
-COMMANDS = {"bench": "bench", "bench-state": "state", "bench-tunnel": "tunnel", "profile": "profile"}
+COMMANDS = {"bench": "bench", "bench-state": "state", "bench-tunnel": "tunnel",
+            "bench-idle-memory": "idle_memory", "profile": "profile"}
 
 
 def main(argv: list[str]) -> int:

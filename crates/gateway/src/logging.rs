@@ -75,6 +75,8 @@ pub struct AccessLine<'a> {
     pub duration_ms: f64,
     /// What failed, if anything.
     pub error: Option<&'a str>,
+    /// What went wrong, in words, when `error` alone does not say it.
+    pub detail: Option<&'a str>,
     /// A CONNECT tunnel's bytes: up (client to member) and down.
     pub tunnel: Option<(u64, u64)>,
 }
@@ -121,6 +123,10 @@ pub fn access(line: &AccessLine<'_>) {
                     buf.push_str(",\"error\":");
                     json_str(buf, e);
                 }
+                if let Some(d) = line.detail {
+                    buf.push_str(",\"detail\":");
+                    json_str(buf, d);
+                }
                 if let Some((up, down)) = line.tunnel {
                     let _ = write!(buf, ",\"bytes_up\":{up},\"bytes_down\":{down}");
                 }
@@ -134,6 +140,9 @@ pub fn access(line: &AccessLine<'_>) {
                 );
                 if let Some(e) = line.error {
                     let _ = write!(buf, " error={e}");
+                }
+                if let Some(d) = line.detail {
+                    let _ = write!(buf, " detail={d:?}");
                 }
                 if let Some((up, down)) = line.tunnel {
                     let _ = write!(buf, " bytes_up={up} bytes_down={down}");

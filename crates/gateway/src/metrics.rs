@@ -2,11 +2,16 @@
 //! in one process.
 
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Label value for requests that matched no route.
 pub const NO_ROUTE: &str = "_none";
+
+/// Route label value, and access-log route, of requests whose head could not be parsed: they
+/// never reach routing (`request::refuse`).
+pub const UNPARSED: &str = "-";
 
 /// Every metric sluice exports.
 pub struct Metrics {
@@ -35,6 +40,9 @@ pub struct Metrics {
     pub connections_closed: IntCounterVec,
     /// `sluice_connections_open`: client connections open on the proxy listeners.
     pub connections_open: IntGauge,
+    /// `sluice_memory_trims_total`: times sluice asked the allocator to hand freed memory back
+    /// to the system after many connections closed (`limits::MemoryTrim`; glibc only).
+    pub memory_trims: IntCounter,
     /// `sluice_tunnels_active{route}`: CONNECT tunnels open now.
     pub tunnels_active: IntGaugeVec,
     /// `sluice_tunnel_bytes_total{route,direction}`: bytes carried by tunnels; direction is
@@ -61,6 +69,10 @@ impl Metrics {
             "Requests answered, by route and status.",
             &["route", "status"],
         );
+        // Present from the start, so a rate over them needs no first refusal.
+        for status in ["400", "431"] {
+            requests.with_label_values(&[UNPARSED, status]);
+        }
         let upstream_attempts = counter(
             "sluice_upstream_attempts_total",
             "Attempts to send a request to a member, by outcome.",
@@ -103,6 +115,14 @@ impl Metrics {
         .expect("valid metric");
         registry
             .register(Box::new(connections_open.clone()))
+            .expect("unique metric");
+        let memory_trims = IntCounter::new(
+            "sluice_memory_trims_total",
+            "Times sluice asked the allocator to hand freed memory back to the system, after many client connections closed.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(memory_trims.clone()))
             .expect("unique metric");
         let tunnel_bytes = counter(
             "sluice_tunnel_bytes_total",
@@ -161,6 +181,7 @@ impl Metrics {
             quota_keys_refused,
             connections_closed,
             connections_open,
+            memory_trims,
             tunnels_active,
             tunnel_bytes,
             member_cooldowns,

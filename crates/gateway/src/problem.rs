@@ -134,7 +134,8 @@ impl Problem {
             retry_after_ms: None,
         }
     }
-    /// 400: the request could not be read.
+    /// 400: the request could not be read: a malformed body, a CONNECT head that does not
+    /// parse, or (with [`Problem::bad_request_because`]) a head Pingora's parser refused.
     pub fn bad_request() -> Problem {
         Problem {
             status: 400,
@@ -142,6 +143,14 @@ impl Problem {
             title: "Bad request",
             detail: "the request could not be read".into(),
             retry_after_ms: None,
+        }
+    }
+    /// 400: the request head could not be read, and `detail` says why. The detail must be a
+    /// phrase of the gateway's, never bytes of the request (`request::refuse`).
+    pub fn bad_request_because(detail: &str) -> Problem {
+        Problem {
+            detail: detail.into(),
+            ..Problem::bad_request()
         }
     }
     /// 400: the request target cannot be routed as sent (see [`crate::target`]).
@@ -179,6 +188,16 @@ impl Problem {
             title: "Request header fields too large",
             detail: format!("the request head is {size} bytes; limits.max_header_bytes is {limit}"),
             retry_after_ms: None,
+        }
+    }
+    /// 431: the request head has more bytes or fields than Pingora reads at all (1 MiB, or more
+    /// fields than its parser takes), so its size is unknown.
+    pub fn header_too_large_to_read(limit: usize) -> Problem {
+        Problem {
+            detail: format!(
+                "the request head has more bytes or fields than the gateway reads; limits.max_header_bytes is {limit}"
+            ),
+            ..Problem::header_too_large(0, limit)
         }
     }
     /// 503: `limits.max_connections` client connections are open.

@@ -150,6 +150,8 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
             app = app.with_tls(listener.addr, settings);
         }
     }
+    let mut trim = background_service("sluice memory trim", app.memory_trim());
+    trim.threads = Some(1);
     let mut proxy = Service::new("sluice proxy".to_string(), app);
     for listener in &config.listen {
         proxy.add_tcp(&listener.addr.to_string());
@@ -181,6 +183,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     let mut triggers = background_service("sluice reload triggers", ReloadTriggers::new(reloader));
     triggers.threads = Some(1);
     server.add_service(triggers);
+    server.add_service(trim);
 
     let (stop_tx, stop_rx) = mpsc::channel();
     std::thread::Builder::new()

@@ -183,7 +183,8 @@ impl Config {
                     return Ok(config);
                 }
                 let positions = Positions::of(text);
-                return Err(ConfigErrors(
+                return Err(ConfigErrors(inside(
+                    text,
                     problems
                         .into_iter()
                         .map(|(path, message)| {
@@ -191,13 +192,41 @@ impl Config {
                             ConfigError::at(file, at, path.to_string(), message)
                         })
                         .collect(),
-                ));
+                )));
             }
             Ok(_) => None,
             Err(e) => Some(e),
         };
-        Err(ConfigErrors(diagnose(file, text, plain)))
+        Err(ConfigErrors(inside(text, diagnose(file, text, plain))))
     }
+}
+
+/// Moves every position past the last line of `text` to the end of that line. libyaml's scanner
+/// starts a new line before the end of a stream that lacks a final line break, so a mistake
+/// found at the very end of such a file (`routes:\n  - { name:`) would name a line the file does
+/// not have, where an editor cannot jump.
+fn inside(text: &str, mut errors: Vec<ConfigError>) -> Vec<ConfigError> {
+    // The last line and its width in characters, counting line breaks as YAML does (libyaml's
+    // marks count the same way): CRLF, CR, LF, NEL, LS and PS.
+    let (mut last, mut width) = (1, 0);
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\r' | '\n' | '\u{85}' | '\u{2028}' | '\u{2029}' => {
+                if c == '\r' && chars.peek() == Some(&'\n') {
+                    chars.next();
+                }
+                (last, width) = (last + 1, 0);
+            }
+            _ => width += 1,
+        }
+    }
+    for e in &mut errors {
+        if e.line > last {
+            (e.line, e.column) = (last, width + 1);
+        }
+    }
+    errors
 }
 
 /// The file as serde reads it. `routes` is optional here only so that a file without it can be

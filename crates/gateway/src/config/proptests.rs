@@ -66,13 +66,8 @@ fn parse_checked(text: &str) -> Result<Option<usize>, TestCaseError> {
     for (e, line) in errors.0.iter().zip(printed.lines()) {
         // LINE is 1-based and names a line of the file (one past the last newline is where an
         // unexpected end of the file is found); COL is 1-based and at most one past its end.
-        // One exception, pinned by the ignored test below: libyaml puts the end of a file that
-        // does not end in a newline at the start of the line after the last.
-        let past_the_end = e.line == lines.len() + 1 && e.column == 1;
-        if past_the_end && !strict_end() {
-            continue_shape(e, line)?;
-            continue;
-        }
+        // That holds at the end of a file without a final newline too, where libyaml itself
+        // reports the start of the line after the last (see the test at the end).
         prop_assert!(
             (1..=lines.len()).contains(&e.line),
             "line {} outside 1..={}: {}\n--- input ---\n{}",
@@ -93,15 +88,6 @@ fn parse_checked(text: &str) -> Result<Option<usize>, TestCaseError> {
         continue_shape(e, line)?;
     }
     Ok(None)
-}
-
-/// Whether the end-of-file exception above is refused too (only in the ignored test).
-fn strict_end() -> bool {
-    STRICT_END.with(std::cell::Cell::get)
-}
-
-thread_local! {
-    static STRICT_END: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The printed line of `e`, taken apart the way a reader (or an editor) would.
@@ -325,15 +311,24 @@ proptest! {
 }
 
 /// libyaml reports an error at the end of a file that does not end in a newline one line past
-/// the last: `routes:\n  - { name:` (no final newline) is `t.yaml:3:1`, in a two-line file. sluice passes that
-/// on; an editor jumping there finds no such line.
+/// the last: `routes:\n  - { name:` (no final newline) is line 3, column 1 to libyaml, in a
+/// two-line file, where an editor jumping there finds no such line. sluice reports the end of
+/// the last line instead.
 #[test]
-#[ignore = "defect: an error at the end of a file without a final newline points past its last line"]
 fn errors_at_the_end_of_a_file_without_a_final_newline_point_inside_it() {
-    STRICT_END.with(|s| s.set(true));
-    for text in ["routes:\n  - { name:", "routes:\n- {"] {
+    for text in [
+        "routes:\n  - { name:",
+        "routes:\n- {",
+        "routes:\r- {",
+        "routes: [\u{2028}",
+    ] {
         if let Err(e) = parse_checked(text) {
             panic!("{e}");
         }
     }
+    let e = Config::parse("t.yaml", "routes:\n  - { name:").unwrap_err();
+    assert_eq!((e.0[0].line, e.0[0].column), (2, 12), "{e}");
+    // With a final newline, the line after it is where the file ends: kept.
+    let e = Config::parse("t.yaml", "routes:\n  - { name:\n").unwrap_err();
+    assert_eq!((e.0[0].line, e.0[0].column), (3, 1), "{e}");
 }

@@ -71,6 +71,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
                 }
             }),
         },
+        detail: None,
         tunnel: None,
     });
 }

@@ -13,6 +13,9 @@
 //! 5. [`answer::failure`] (`fail_to_proxy`) turns failures into problem+json answers;
 //! 6. [`account::finish`] (`logging`) writes the access log and the metrics.
 //!
+//! A request whose head Pingora cannot parse never gets that far: [`refuse::refuse`]
+//! (`request_error_filter`) answers, logs and counts it.
+//!
 //! What a request holds is in [`RequestCtx`], and everything it holds that others wait on
 //! (the in-flight count, a down member's trial) is a guard released on drop, so a request
 //! that ends early cannot leak it.
@@ -21,6 +24,7 @@ mod account;
 pub(crate) mod admit;
 pub(crate) mod answer;
 mod forward;
+mod refuse;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -381,6 +385,13 @@ impl ProxyHttp for Gateway {
     // Failures are logged once, in the access log, with their cause.
     fn suppress_error_log(&self, _session: &Session, _ctx: &RequestCtx, _error: &Error) -> bool {
         true
+    }
+
+    // A head Pingora's parser refused (a hook of our pingora-proxy patch): the gateway's own
+    // answer, access line and count instead of Pingora's bare 400.
+    async fn request_error_filter(&self, session: &mut ServerSession, e: &Error) -> Result<bool> {
+        refuse::refuse(self, session, e).await;
+        Ok(true)
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {

@@ -406,6 +406,7 @@ impl Tunnels {
             attempts: end.attempts,
             duration_ms: elapsed.as_secs_f64() * 1000.0,
             error: end.error,
+            detail: None,
             tunnel: end.bytes,
         });
     }
