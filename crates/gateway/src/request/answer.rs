@@ -98,16 +98,25 @@ pub(crate) async fn learn_cooldown(
     response: &ResponseHeader,
     ctx: &mut RequestCtx,
 ) -> Result<()> {
+    // The common case, a route without cooldowns or an answer that is not a cooldown status,
+    // costs two reads and no reference count.
+    let status = response.status.as_u16();
+    let watched = ctx.route.as_ref().is_some_and(|r| {
+        r.config
+            .upstream
+            .cooldown
+            .as_ref()
+            .is_some_and(|c| c.on_status.contains(&status))
+    });
+    if !watched {
+        return Ok(());
+    }
     let Some(route) = ctx.route.clone() else {
         return Ok(());
     };
     let Some(cooldown) = &route.config.upstream.cooldown else {
         return Ok(());
     };
-    let status = response.status.as_u16();
-    if !cooldown.on_status.contains(&status) {
-        return Ok(());
-    }
     let Some(member) = ctx.tried.last().and_then(|i| route.members.get(i)) else {
         return Ok(());
     };
