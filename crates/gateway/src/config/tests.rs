@@ -4,7 +4,7 @@
 use super::*;
 
 /// The errors for `yaml`, as `LINE:COL: PATH: message` (the file name is always `t.yaml`).
-fn errors(yaml: &str) -> Vec<String> {
+pub(super) fn errors(yaml: &str) -> Vec<String> {
     match Config::parse("t.yaml", yaml) {
         Ok(_) => Vec::new(),
         Err(ConfigErrors(all)) => all
@@ -20,7 +20,7 @@ fn errors(yaml: &str) -> Vec<String> {
 /// Asserts that `yaml` has exactly one mistake, placed at `at` (`LINE:COL: PATH`), whose
 /// message contains `message`.
 #[track_caller]
-fn one_error(yaml: &str, at: &str, message: &str) {
+pub(super) fn one_error(yaml: &str, at: &str, message: &str) {
     let all = errors(yaml);
     let prefix = format!("{at}: ");
     assert!(

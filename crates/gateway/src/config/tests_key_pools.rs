@@ -2,27 +2,8 @@
 //! waiting. Errors come out as `LINE:COL: PATH: message`, at the node to blame, and never show
 //! a header value.
 
+use super::tests::{errors, one_error};
 use super::*;
-
-fn errors(yaml: &str) -> Vec<String> {
-    match Config::parse("t.yaml", yaml) {
-        Ok(_) => Vec::new(),
-        Err(ConfigErrors(all)) => all
-            .iter()
-            .map(|e| format!("{}:{}: {}: {}", e.line, e.column, e.path, e.message))
-            .collect(),
-    }
-}
-
-#[track_caller]
-fn one_error(yaml: &str, at: &str, message: &str) {
-    let all = errors(yaml);
-    let prefix = format!("{at}: ");
-    assert!(
-        all.len() == 1 && all[0].starts_with(&prefix) && all[0].contains(message),
-        "expected one error `{prefix}…{message}…`, got {all:#?}"
-    );
-}
 
 fn pool(members: &str, extra: &str) -> String {
     format!(

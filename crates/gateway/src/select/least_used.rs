@@ -133,19 +133,9 @@ impl Selector for LeastUsed {
         self.ensure_synced(state).await;
         let down = self.down_ids();
         match state.assign(self.ask(&down, quota, cost)).await {
-            Ok(Assignment::Assigned { member, quota }) => Admission::Admitted {
-                first: self.attempt_for(&member, &Tried::default()),
-                quota,
-            },
-            Ok(Assignment::NoMember { quota }) => Admission::NoMember { quota },
-            Ok(Assignment::Busy {
-                retry_after_us,
-                quota,
-            }) => Admission::Busy {
-                retry_after_us,
-                quota,
-            },
-            Ok(Assignment::QuotaRefused(outcome)) => Admission::QuotaRefused(outcome),
+            Ok(assignment) => Admission::of(assignment, |member| {
+                self.attempt_for(member, &Tried::default())
+            }),
             Err(error) => Admission::StoreFailed {
                 error,
                 first: None,

@@ -60,6 +60,37 @@ pub(crate) enum Admission {
     },
 }
 
+impl Admission {
+    /// The store's answer for a request: `first` is the attempt for the member it chose (made
+    /// by the caller, who knows the pool), used only when one was chosen.
+    fn of(assignment: Assignment, first: impl FnOnce(&str) -> Option<Attempt>) -> Admission {
+        match assignment {
+            Assignment::Assigned { member, quota } => Admission::Admitted {
+                first: first(&member),
+                quota,
+            },
+            Assignment::NoMember { quota } => Admission::NoMember { quota },
+            Assignment::QuotaRefused(outcome) => Admission::QuotaRefused(outcome),
+            Assignment::Busy {
+                retry_after_us,
+                quota,
+            } => Admission::Busy {
+                retry_after_us,
+                quota,
+            },
+        }
+    }
+
+    /// The member a retry goes to, if this admission found one (the in-process choice when
+    /// the store failed).
+    fn into_attempt(self) -> Option<Attempt> {
+        match self {
+            Admission::Admitted { first, .. } | Admission::StoreFailed { first, .. } => first,
+            _ => None,
+        }
+    }
+}
+
 /// What one policy does. Implementations know the route's pool; the state store and the
 /// request's quota ask are given per call.
 pub(crate) trait Selector {
@@ -216,19 +247,9 @@ pub(crate) async fn choose_among(
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
     match state.assign(ask).await {
-        Ok(Assignment::Assigned { member, quota }) => {
-            let first = index_of(&member).and_then(|i| pick(i, claimed));
-            Admission::Admitted { first, quota }
-        }
-        Ok(Assignment::NoMember { quota }) => Admission::NoMember { quota },
-        Ok(Assignment::QuotaRefused(outcome)) => Admission::QuotaRefused(outcome),
-        Ok(Assignment::Busy {
-            retry_after_us,
-            quota,
-        }) => Admission::Busy {
-            retry_after_us,
-            quota,
-        },
+        Ok(assignment) => Admission::of(assignment, |member| {
+            index_of(member).and_then(|i| pick(i, claimed))
+        }),
         // The store cannot say: the in-process first choice goes, as on a route without
         // member limits, and the route's on_store_error decides.
         Err(error) => Admission::StoreFailed {

@@ -110,11 +110,10 @@ impl Selector for Priority {
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
         match &self.limits {
             None => self.pick(tried),
-            Some(limits) => match self.choose(state, limits, tried, None, tried.cost).await {
-                Admission::Admitted { first, .. } => first,
-                Admission::StoreFailed { first, .. } => first,
-                _ => None,
-            },
+            Some(limits) => self
+                .choose(state, limits, tried, None, tried.cost)
+                .await
+                .into_attempt(),
         }
     }
 }
