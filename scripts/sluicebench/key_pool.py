@@ -81,9 +81,10 @@ def drive(port: int, host: str, n: int, threads: int) -> tuple[int, int]:
 MONITOR_LINE = re.compile(r'^\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
 
 
-def monitor_sample(run: Run, rport: int, port: int, host: str, n: int) -> tuple[int, dict, dict, int]:
-    """MONITOR while N sequential requests go to HOST: (2xx answers, top-level commands by
-    name, commands run by scripts by name, other clients' commands)."""
+def monitor_sample(run: Run, rport: int, port: int, host: str, n: int) -> tuple[int, dict, dict]:
+    """MONITOR while N sequential requests go to HOST: (2xx answers, commands sent by clients
+    by name, commands run by scripts by name)."""
+    drive(port, host, 5, 1)  # the route's first request creates its pool: not the steady state
     path = run.work / "monitor.txt"
     proc = run.procs.start(["redis-cli", "-p", str(rport), "MONITOR"], out=path)
     time.sleep(0.5)
@@ -99,7 +100,7 @@ def monitor_sample(run: Run, rport: int, port: int, host: str, n: int) -> tuple[
         src, cmd = m.group(1), m.group(2).lower()
         into = inner if src == "lua" else top
         into[cmd] = into.get(cmd, 0) + 1
-    return ok, top, inner, 0
+    return ok, top, inner
 
 
 def key_kinds(rport: int, name: str) -> dict[str, list[str]]:
@@ -190,7 +191,7 @@ def run(run: Run) -> str:
     lu_breakdown = fmt_cmds({k: v[0] for k, v in (last_lu.get("cmds") or {}).items()}, last_lu.get("requests", 0))
 
     # --- MONITOR: what sluice sends per request, sequential requests on a quiet Redis ---
-    mon_ok, mon_top, mon_inner, _ = monitor_sample(run, rport, port, "kpmon.bench", monitor_requests)
+    mon_ok, mon_top, mon_inner = monitor_sample(run, rport, port, "kpmon.bench", monitor_requests)
     top_total = sum(mon_top.values())
     mon_per = top_total / mon_ok if mon_ok else None
     run.log(f"MONITOR: {mon_ok} requests, top-level {mon_top}, in scripts {mon_inner}")
@@ -221,8 +222,11 @@ def run(run: Run) -> str:
         run.header(),
         "",
         "```sh",
-        run.command("key-pool", "MEM_REQUESTS", "MONITOR_REQUESTS"),
+        run.command("key-pool", "MEM_REQUESTS", "MONITOR_REQUESTS", "WAIT_QUIET", "BUILD"),
         "```",
+        "",
+        "(`BUILD=0`: the release binary of this revision, built beforehand with `cargo build --release --bins` into",
+        "`${CARGO_TARGET_DIR:-target}`; `WAIT_QUIET=0`: run at once, even beside other engineers' builds and benchmarks.)",
         "",
         f"**wrk through sluice, one run.** One sluice (`threads: {run.sluice_threads}`, `RUST_LOG=warn`, `state.backend: redis` on one",
         "local redis-server). Every route is `least_used` over three named members (`key-a`, `key-b`, `key-c`) on the same",
@@ -249,8 +253,8 @@ def run(run: Run) -> str:
         f"- order: {run.orders['key-pool']}",
         "",
         f"**Round trips, with MONITOR.** `redis-cli MONITOR` while {monitor_requests} sequential requests (one keep-alive",
-        "connection) go to `kpmon.bench`, a key-pool route like `kp` that wrk never touched (so its first request also",
-        "creates its pool). A line from a client is one command sent by it; lines from `lua` are the commands the script ran.",
+        "connection) go to `kpmon.bench`, a key-pool route like `kp` that wrk never touched (after 5 unrecorded requests:",
+        "a route's first request also creates its pool). A line from a client is one command sent by it; lines from `lua` are the commands the script ran.",
         "",
         f"- requests answered 2xx: {mon_ok}; commands from clients: {top_total} "
         f"({', '.join(f'{k} {v}' for k, v in sorted(mon_top.items(), key=lambda kv: -kv[1])) or 'none'}); "
