@@ -5,6 +5,7 @@ commandstats and a MONITOR sample) and Redis memory per admitted request."""
 from __future__ import annotations
 
 import http.client
+import os
 import re
 import subprocess
 import threading
@@ -160,8 +161,10 @@ def run(run: Run) -> str:
         wait_ok(f"http://127.0.0.1:{port}/", f"{name}.bench", f"route {name}")
 
     run.label.update(LABELS)
+    load0 = os.getloadavg()[0]
     run.run_rounds("key-pool", lambda id, r: run.wrk_run(id, r, port, host=f"{id}.bench", cpu=[s.pid],
                                                          redis_ports=[rport]), TARGETS)
+    load1 = os.getloadavg()[0]
     errors = store_errors(admin, s.log)
 
     # --- Redis commands per request, from the wrk rounds (INFO commandstats deltas) ---
@@ -251,7 +254,11 @@ def run(run: Run) -> str:
         f"- commandstats per request, last least_used round: {lu_breakdown}",
         f"- errors reported by wrk: {run.wrk_errors(TARGETS)}; sluice store errors and fallbacks: {errors}.",
         f"- order: {run.orders['key-pool']}",
+        f"- load average (1 min) before and after the rounds: {load0:.1f}, {load1:.1f} on {common.nproc()} cores.",
         "",
+        *([f"The store errors above are sluice's Redis timeouts on a machine this loaded: those requests were answered",
+           "with the local fallback choice (their EVALSHA still ran in Redis, hence about one per request). The ratios are",
+           "of a saturated box; rerun on a quiet one before reading much into them.", ""] if errors != "0" else []),
         f"**Round trips, with MONITOR.** `redis-cli MONITOR` while {monitor_requests} sequential requests (one keep-alive",
         "connection) go to `kpmon.bench`, a key-pool route like `kp` that wrk never touched (after 5 unrecorded requests:",
         "a route's first request also creates its pool). A line from a client is one command sent by it; lines from `lua` are the commands the script ran.",
