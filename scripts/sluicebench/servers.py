@@ -225,6 +225,18 @@ def evalsha_stats(port: int) -> tuple[int, int, int]:
     return 0, 0, 0
 
 
+def commandstats(port: int) -> dict[str, tuple[int, int]]:
+    """Every command's (calls, usec) since the last CONFIG RESETSTAT. Commands a script runs
+    (redis.call) are counted under their own names too."""
+    out = {}
+    for line in rcli(port, "INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_"):
+            name, rest = line[len("cmdstat_"):].split(":", 1)
+            v = dict(kv.split("=", 1) for kv in rest.split(","))
+            out[name] = (int(v.get("calls", 0)), int(v.get("usec", 0)))
+    return out
+
+
 def lua_script(root: Path, *parts: str) -> bytes:
     """The script exactly as the Rust code builds it: the files joined by "\\n", byte for byte."""
     return b"\n".join((root / "lua" / p).read_bytes() for p in parts)

@@ -3,7 +3,7 @@ hot reload, Redis Cluster.
 
   scripts/bench-state [PART...] [--write]
 
-PART is quota, least-used, reload or cluster (default: all four, in that order). --write also
+PART is quota, least-used, key-pool, reload or cluster (default: all five, in that order). --write also
 replaces each part's section of docs/BENCHMARKS.md (between <!-- bench:state:start --> and
 <!-- bench:state:end -->, one sub-section per part, so parts can be run one at a time).
 
@@ -13,13 +13,19 @@ replaces each part's section of docs/BENCHMARKS.md (between <!-- bench:state:sta
   least-used  wrk against round_robin, least_used (memory), least_used (Redis) and
               quota + least_used (Redis) routes; the allocator (and fused) script at pool
               sizes 10 and 10,000.
+  key-pool    wrk against least_used, route quota + least_used and a key-pool route (three
+              members with headers, member quotas, `cooldown: {}`, a route quota), all on Redis;
+              Redis commands per request (INFO commandstats deltas, and MONITOR over
+              MONITOR_REQUESTS sequential requests); Redis memory per admitted request (MEMORY
+              USAGE of the route and member logs after the rounds and after MEM_REQUESTS requests).
   reload      POST /reload duration (sluice's log) and round trip for 100, 1,000 and 10,000
               routes; request p99 during a reload storm against none.
   cluster     quota + least_used on one Redis against a 3-master Redis Cluster (wrk), and the
               Redis-side ceiling with redis-benchmark on 1, 2 and 3 masters at once.
 
 Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2), WARMUP (2s),
-SLUICE_THREADS (1), RB_REQUESTS (200000), RB_CLIENTS (50), MEM_REQUESTS (10000), RELOADS (5),
+SLUICE_THREADS (1), RB_REQUESTS (200000), RB_CLIENTS (50), MEM_REQUESTS (10000),
+MONITOR_REQUESTS (200), RELOADS (5),
 RELOAD_SIZES ("100 1000 10000"), STORM_ROUTES (1000), STORM_INTERVAL (0.1), SCALE_SECONDS (5),
 ROUTES_PER_MASTER (2), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it is),
 SLUICE_BIN_DIR (a directory holding a release sluice; no build), WAIT_QUIET (1: first wait,
@@ -40,11 +46,11 @@ from typing import Callable, Optional, Sequence
 
 from . import common, doc, stats, wrk
 from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms
-from .servers import Backends, evalsha_stats, rcli, start_backends
+from .servers import Backends, commandstats, evalsha_stats, rcli, start_backends
 
 START_MARK = "<!-- bench:state:start -->"
 END_MARK = "<!-- bench:state:end -->"
-PARTS = ["quota", "least-used", "reload", "cluster"]
+PARTS = ["quota", "least-used", "key-pool", "reload", "cluster"]
 WRK_KNOBS = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS"]
 # What the fused and quota scripts are called with: a window "w" no benchmark ever fills.
 BIG_WINDOW = ["w", "1000000000000", "3600000000"]
@@ -116,19 +122,28 @@ class Run:
         wrk.run(self.procs, url, args, self.warmup, latency=False)
         before = cpu_ticks(cpu) if cpu else 0
         calls0 = {p: evalsha_stats(p)[0] for p in redis_ports}
+        cmd0 = {p: commandstats(p) for p in redis_ports}
         t0 = now_ms()
         out = wrk.run(self.procs, url, args, self.duration)
         t1 = now_ms()
         after = cpu_ticks(cpu) if cpu else 0
         calls = 0
+        cmds: dict[str, list[int]] = {}  # command: [calls, usec] during the recorded run
         for p in redis_ports:
+            for name, (c, us) in commandstats(p).items():
+                c0, us0 = cmd0[p].get(name, (0, 0))
+                if c > c0 and name != "info":  # INFO: this driver's own readings
+                    acc = cmds.setdefault(name, [0, 0])
+                    acc[0] += c - c0
+                    acc[1] += us - us0
             d = evalsha_stats(p)[0] - calls0[p]
             calls += d
             self.call_rate[id, r, p] = d * 1000 / (t1 - t0)
         (self.work / f"wrk-{id}-{r}.txt").write_text(out.text)
         row = {"rps": out.rps, "p50": out.p50_ms, "p99": out.p99_ms, "errors": out.errors,
                "cpu": (after - before) / CLK_TCK * 1e6 / out.requests if cpu else None,
-               "calls": calls / out.requests if redis_ports else None}
+               "calls": calls / out.requests if redis_ports else None,
+               "requests": out.requests, "cmds": cmds if redis_ports else None}
         self.res[id, r] = row
         self.log(f"round {r} {id}: {out.rps:.0f} req/s, p50 {stats.fmt(out.p50_ms, '.3f')} ms, "
                  f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, sluice CPU {stats.fmt(row['cpu'], '.1f')} µs/req, "
@@ -210,7 +225,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench-state", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", metavar="PART",
-                        help="quota, least-used, reload or cluster (default: all four)")
+                        help="quota, least-used, key-pool, reload or cluster (default: all five)")
     parser.add_argument("--write", action="store_true",
                         help="replace the parts' sections of docs/BENCHMARKS.md with the report")
     opts = parser.parse_args(argv)
@@ -233,8 +248,9 @@ def main(argv: list[str]) -> int:
         run = Run(procs, knobs, sluice, opts.write, doc_path)
         if run.rounds < 3:
             procs.log(f"warning: ROUNDS={run.rounds}; use at least 3 for figures worth reporting")
-        from . import cluster, least_used, quota, reload
-        modules = {"quota": quota, "least-used": least_used, "reload": reload, "cluster": cluster}
+        from . import cluster, key_pool, least_used, quota, reload
+        modules = {"quota": quota, "least-used": least_used, "key-pool": key_pool, "reload": reload,
+                   "cluster": cluster}
         for part in parts:
             procs.log(f"=== part: {part} ===")
             reports[part] = modules[part].run(run)
@@ -256,7 +272,7 @@ def write_doc(doc_path: Path, reports: dict[str, str]) -> None:
         "",
         "Everything on 127.0.0.1 on one shared machine (client, gateway, backends and Redis on the same cores): compare",
         "the ratios taken within one run, not the absolute figures. Each part can be rerun alone",
-        "(`scripts/bench-state quota|least-used|reload|cluster --write`).",
+        "(`scripts/bench-state quota|least-used|key-pool|reload|cluster --write`).",
     ]
     for part in PARTS:
         start, end = f"<!-- bench:state:{part}:start -->", f"<!-- bench:state:{part}:end -->"
