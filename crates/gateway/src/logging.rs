@@ -257,18 +257,29 @@ pub fn access(line: &AccessLine<'_>) {
 }
 
 /// Appends `s` as a JSON string.
+///
+/// By bytes, copying the runs between escapes whole: the characters to escape are ASCII,
+/// and an ASCII byte is never part of a longer UTF-8 sequence. (Pushing char by char cost
+/// about 1,500 instructions per access line.)
 fn json_str(buf: &mut String, s: &str) {
     buf.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => buf.push_str("\\\""),
-            '\\' => buf.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(buf, "\\u{:04x}", c as u32);
-            }
-            c => buf.push(c),
+    let mut start = 0;
+    for (i, b) in s.bytes().enumerate() {
+        let escaped = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        buf.push_str(&s[start..i]);
+        if escaped.is_empty() {
+            let _ = write!(buf, "\\u{:04x}", b);
+        } else {
+            buf.push_str(escaped);
         }
+        start = i + 1;
     }
+    buf.push_str(&s[start..]);
     buf.push('"');
 }
 
@@ -283,5 +294,8 @@ mod tests {
         assert_eq!(buf, r#""a\"b\\c\u000ad""#);
         let parsed: String = serde_json::from_str(&buf).unwrap();
         assert_eq!(parsed, "a\"b\\c\nd");
+        buf.clear();
+        json_str(&mut buf, "\u{1}é\u{1f}x\"");
+        assert_eq!(buf, r#""\u0001é\u001fx\"""#);
     }
 }
