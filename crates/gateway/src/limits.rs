@@ -481,9 +481,15 @@ pub struct LimitedStream {
     phase: Arc<AtomicU8>,
     /// The phase `timer` was armed for.
     armed: u8,
-    /// One timer per connection, reset at each phase change (no allocation per request).
+    /// One timer per connection (no allocation per request). It is not re-armed at each phase
+    /// change: a phase change only sets `deadline`, and the timer is moved only when a read is
+    /// about to wait and the timer would ring after `deadline`, or when it rang before it.
+    /// On a keep-alive connection the timer then stays put across requests (each phase change
+    /// used to re-arm it: twice per request, a timer-wheel removal and insertion each).
     timer: Pin<Box<Sleep>>,
-    /// Whether `timer` counts for the current phase.
+    /// When the current phase's limit runs out.
+    deadline: tokio::time::Instant,
+    /// Whether `deadline` counts for the current phase.
     timing: bool,
     idle_timeout: Duration,
     header_timeout: Duration,
@@ -513,6 +519,7 @@ impl LimitedStream {
             phase: Arc::new(AtomicU8::new(phase)),
             armed: UNARMED,
             timer: Box::pin(tokio::time::sleep(app.limits.idle_timeout)),
+            deadline: tokio::time::Instant::now() + app.limits.idle_timeout,
             timing: false,
             idle_timeout: app.limits.idle_timeout,
             header_timeout: app.limits.header_timeout,
@@ -522,7 +529,7 @@ impl LimitedStream {
         }
     }
 
-    /// Arms the timer of the current phase when the phase changed since it was last armed.
+    /// Sets the deadline of the current phase when the phase changed since it was last set.
     fn follow_phase(&mut self) {
         let phase = self.phase.load(Ordering::Acquire);
         if phase == self.armed {
@@ -536,10 +543,35 @@ impl LimitedStream {
         };
         self.timing = limit.is_some();
         if let Some(limit) = limit {
-            self.timer
-                .as_mut()
-                .reset(tokio::time::Instant::now() + limit);
+            self.deadline = tokio::time::Instant::now() + limit;
         }
+    }
+
+    /// Whether the current phase's deadline has passed, given that the timer rang: a timer
+    /// that rang early (set for an earlier deadline) is moved to the current one.
+    fn rang_and_due(&mut self) -> bool {
+        if tokio::time::Instant::now() >= self.deadline {
+            return true;
+        }
+        let deadline = self.deadline;
+        self.timer.as_mut().reset(deadline);
+        false
+    }
+
+    /// Before a read waits: the timer must ring no later than the deadline. Ready with the
+    /// expiry when it is due.
+    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.timer.deadline() > self.deadline {
+            let deadline = self.deadline;
+            self.timer.as_mut().reset(deadline);
+        }
+        // A timer moved by `rang_and_due` is polled again, so that it wakes this task.
+        while self.timer.as_mut().poll(cx).is_ready() {
+            if self.rang_and_due() {
+                return Poll::Ready(());
+            }
+        }
+        Poll::Pending
     }
 
     /// What a read returns once the current phase's timer has fired: end of stream for an idle
@@ -578,7 +610,7 @@ impl AsyncRead for LimitedStream {
         }
         this.follow_phase();
         // Checked before reading too: a client that trickles bytes keeps every read ready.
-        if this.timing && this.timer.is_elapsed() {
+        if this.timing && this.timer.is_elapsed() && this.rang_and_due() {
             return Poll::Ready(this.expired());
         }
         let before = buf.filled().len();
@@ -596,7 +628,7 @@ impl AsyncRead for LimitedStream {
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
-                if this.timing && this.timer.as_mut().poll(cx).is_ready() {
+                if this.timing && this.poll_deadline(cx).is_ready() {
                     Poll::Ready(this.expired())
                 } else {
                     Poll::Pending

@@ -201,3 +201,46 @@ impl Default for Metrics {
         Metrics::new()
     }
 }
+
+/// Statuses common enough to keep a resolved `sluice_requests_total` handle for, per route.
+const COMMON_STATUSES: [u16; 16] = [
+    200, 201, 204, 206, 301, 302, 304, 400, 401, 403, 404, 429, 500, 502, 503, 504,
+];
+
+/// `sluice_requests_total{route,status}` for one route, with the handles of the common statuses
+/// resolved on their first use and kept: counting a request is then an atomic increment, not a
+/// label lookup (hashing both labels, a read lock on the vector's map) per request. Handles
+/// are created lazily, so a status shows in the exposition only once a request had it, as with
+/// `with_label_values` per request. Other statuses fall back to the lookup.
+pub struct RouteRequests {
+    route: std::sync::Arc<str>,
+    common: [std::sync::OnceLock<IntCounter>; COMMON_STATUSES.len()],
+}
+
+impl RouteRequests {
+    /// The counters of route `route`.
+    pub fn new(route: std::sync::Arc<str>) -> RouteRequests {
+        RouteRequests {
+            route,
+            common: Default::default(),
+        }
+    }
+
+    /// Counts one request answered with `status` (0 when none was sent).
+    pub fn inc(&self, vec: &IntCounterVec, status: u16) {
+        if let Some(i) = COMMON_STATUSES.iter().position(|&s| s == status) {
+            self.common[i]
+                .get_or_init(|| requests_of(vec, &self.route, status))
+                .inc();
+        } else {
+            requests_of(vec, &self.route, status).inc();
+        }
+    }
+}
+
+/// The `sluice_requests_total` handle of `route` and `status` (0: none was sent), by lookup.
+pub fn requests_of(vec: &IntCounterVec, route: &str, status: u16) -> IntCounter {
+    // A status code's text is static: no allocation for the label.
+    let code = http::StatusCode::from_u16(status).ok();
+    vec.with_label_values(&[route, code.as_ref().map_or("0", |c| c.as_str())])
+}

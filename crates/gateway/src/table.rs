@@ -66,6 +66,8 @@ pub struct Route {
     pub duration: Histogram,
     /// `sluice_selection_fallbacks_total{route}`, resolved once.
     pub selection_fallbacks: IntCounter,
+    /// `sluice_requests_total{route,status}`, the common statuses' handles kept once used.
+    pub requests: crate::metrics::RouteRequests,
     /// The quota gating the route, if any; shared with the previous table when unchanged.
     pub quota: Option<Arc<RouteQuota>>,
     /// How members are chosen, as configured.
@@ -262,6 +264,7 @@ async fn build_route(
             None => metrics.request_duration.with_label_values(&[&name]),
         },
         selection_fallbacks: metrics.selection_fallbacks.with_label_values(&[&name]),
+        requests: crate::metrics::RouteRequests::new(name.clone()),
         selection: up.selection,
         // A new policy per table: least-used writes this table's member list to the store on
         // the route's first request.

@@ -33,14 +33,11 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
             route.duration.observe(elapsed.as_secs_f64());
         }
     }
-    // A status code's text is static: no allocation for the label.
-    let code = http::StatusCode::from_u16(status).ok();
-    let status_label = code.as_ref().map_or("0", |c| c.as_str());
-    gateway
-        .metrics
-        .requests
-        .with_label_values(&[route_name, status_label])
-        .inc();
+    // Through the route's kept handles: no label lookup per request.
+    match &ctx.route {
+        Some(route) => route.requests.inc(&gateway.metrics.requests, status),
+        None => crate::metrics::requests_of(&gateway.metrics.requests, NO_ROUTE, status).inc(),
+    }
 
     let req = session.req_header();
     let (authority, path) = ctx.target.authority_and_path(req);
