@@ -7,10 +7,13 @@ use clap::{Parser, Subcommand};
 use sluice_gateway::logging::{self, LogFormat};
 use sluice_gateway::server::{self, ConfigSource};
 
-// The global allocator: glibc's malloc unless a feature picks another (docs/BENCHMARKS.md,
-// "Allocator"). Both features at once is a build error rather than a silent choice.
+// The global allocator: jemalloc (default feature), mimalloc, or glibc's malloc with neither
+// (docs/BENCHMARKS.md, "Allocator"). Both at once is a build error rather than a silent choice.
 #[cfg(all(feature = "mimalloc", feature = "jemalloc"))]
-compile_error!("features `mimalloc` and `jemalloc` are exclusive: pick one global allocator");
+compile_error!(
+    "features `mimalloc` and `jemalloc` are exclusive: for mimalloc, build with \
+     `--no-default-features --features mimalloc`"
+);
 
 #[cfg(all(feature = "mimalloc", not(feature = "jemalloc")))]
 #[global_allocator]
