@@ -29,13 +29,18 @@ from .servers import start_backends, start_sluice
 # Self cost grouped by the function the instructions ran in (code inlined into a function
 # counts as that function's). First match wins; matched against the function name, except the
 # "other libc" rule, against the whole "file:function".
+ALLOCATION = "allocation (malloc: glibc, mimalloc or jemalloc; Rust alloc glue)"
+# The C sources of the optional allocators (features `mimalloc`, `jemalloc`): their static
+# functions carry no common prefix, so they are told by file.
+ALLOCATOR_FILES = re.compile(r"libmimalloc-sys|tikv-jemalloc-sys|/mimalloc/|/jemalloc/")
 GROUPS = [
     (r"tracing|serde_json|logging|sharded_slab|crossbeam|zmij|itoa",
      "tracing / JSON access log (tracing*, serde_json, the log channel)"),
     (r"prometheus|metrics", "prometheus metrics"),
     (r"^(malloc|free|realloc|calloc|cfree|_int_[a-z_]+|malloc_consolidate|unlink_chunk[a-z.0-9]*"
      r"|tcache[a-z_]*|posix_memalign|_mid_memalign.*)$|__rust_alloc|__rust_dealloc|__rust_realloc"
-     r"|__rdl_|alloc::raw_vec|alloc::alloc::", "allocation (glibc malloc, Rust alloc glue)"),
+     r"|__rdl_|alloc::raw_vec|alloc::alloc::|^_?mi_|^_rjem_|mimalloc::|tikv_jemallocator::",
+     ALLOCATION),
     (r"memmove|memcpy|memset|memcmp|bcmp", "memcpy / memmove / memset"),
     (r"^<?sluice_", "sluice code (crates/*)"),
     (r"pingora_pool|connectors", "Pingora upstream connection pool / connector"),
@@ -59,6 +64,8 @@ def function_of(location: str) -> str:
 
 def group(location: str) -> str:
     fn = function_of(location)
+    if ALLOCATOR_FILES.search(location):
+        return ALLOCATION
     for pattern, name in GROUPS:
         if re.search(pattern, fn):
             return name

@@ -314,7 +314,8 @@ const TRIM_AFTER_CLOSED: usize = 256;
 /// left ~95 KiB each behind, all of it returned by a trim). So at most one trim per period,
 /// only after a large net drop (a slow one too), never on a steady load however busy; it takes
 /// the allocator's locks for a few milliseconds at most. What fewer than [`TRIM_AFTER_CLOSED`]
-/// connections freed since the last trim may stay. Other allocators and C libraries: nothing.
+/// connections freed since the last trim may stay. Built with the `jemalloc` allocator, the
+/// same trigger purges jemalloc's arenas instead. mimalloc and other C libraries: nothing.
 pub struct MemoryTrim {
     open: Arc<AtomicUsize>,
     high: Arc<AtomicUsize>,
@@ -348,7 +349,12 @@ impl BackgroundService for MemoryTrim {
                 _ = every.tick() => {}
                 _ = shutdown.changed() => return,
             }
-            if self.due() && cfg!(all(target_os = "linux", target_env = "gnu")) {
+            if self.due()
+                && cfg!(any(
+                    all(target_os = "linux", target_env = "gnu"),
+                    feature = "jemalloc"
+                ))
+            {
                 // This service has its runtime thread to itself: blocking it blocks nobody.
                 let trimmed = malloc_trim();
                 self.trims.inc();
@@ -358,14 +364,33 @@ impl BackgroundService for MemoryTrim {
     }
 }
 
+/// With the `jemalloc` allocator: purges the unused dirty pages of every arena
+/// (`arena.<MALLCTL_ARENAS_ALL>.purge`), which jemalloc's own decay only does when the process
+/// allocates (docs/BENCHMARKS.md, "Allocator"). True if the purge ran.
+#[cfg(feature = "jemalloc")]
+fn malloc_trim() -> bool {
+    // MALLCTL_ARENAS_ALL is 4096 in jemalloc 5.
+    const PURGE_ALL: &[u8] = b"arena.4096.purge\0";
+    // SAFETY: a NUL-terminated name and no old or new value, as the purge command takes.
+    unsafe {
+        tikv_jemalloc_sys::mallctl(
+            PURGE_ALL.as_ptr().cast(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+        ) == 0
+    }
+}
+
 /// glibc's `malloc_trim(0)`: true if memory was handed back.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[cfg(all(target_os = "linux", target_env = "gnu", not(feature = "jemalloc")))]
 fn malloc_trim() -> bool {
     // SAFETY: malloc_trim takes no pointer and may be called at any time from any thread.
     unsafe { libc::malloc_trim(0) == 1 }
 }
 
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+#[cfg(not(any(all(target_os = "linux", target_env = "gnu"), feature = "jemalloc")))]
 fn malloc_trim() -> bool {
     false
 }

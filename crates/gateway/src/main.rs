@@ -7,6 +7,22 @@ use clap::{Parser, Subcommand};
 use sluice_gateway::logging::{self, LogFormat};
 use sluice_gateway::server::{self, ConfigSource};
 
+// The global allocator: jemalloc (default feature), mimalloc, or glibc's malloc with neither
+// (docs/BENCHMARKS.md, "Allocator"). Both at once is a build error rather than a silent choice.
+#[cfg(all(feature = "mimalloc", feature = "jemalloc"))]
+compile_error!(
+    "features `mimalloc` and `jemalloc` are exclusive: for mimalloc, build with \
+     `--no-default-features --features mimalloc`"
+);
+
+#[cfg(all(feature = "mimalloc", not(feature = "jemalloc")))]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
