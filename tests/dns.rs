@@ -317,11 +317,14 @@ async fn a_direct_destination_falls_back_to_its_next_checked_address() {
         status["routes"][0]["members"][0]["healthy"], true,
         "{status}"
     );
-    let access = gw
-        .log_json()
-        .into_iter()
-        .find(|l| l["target"] == "sluice::access" && l["method"] == "GET")
-        .expect("an access line");
+    // Access lines are written in batches: wait for this one.
+    let find = || {
+        gw.log_json()
+            .into_iter()
+            .find(|l| l["target"] == "sluice::access" && l["method"] == "GET")
+    };
+    support::wait_until(Duration::from_secs(10), || find().is_some()).await;
+    let access = find().expect("an access line");
     assert_eq!(access["status"], 200, "{access}");
 
     // A CONNECT tunnel to the same name.
