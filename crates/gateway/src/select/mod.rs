@@ -210,6 +210,73 @@ impl Limits {
     }
 }
 
+/// A policy that orders the members in process (round_robin, priority). Without member windows
+/// or cooldowns it picks alone and the store only charges the route's quota; with them it
+/// orders the candidates and the store chooses among them ([`choose_among`]).
+pub(crate) trait InProcess {
+    fn pool(&self) -> &Arc<Members>;
+    fn route(&self) -> &str;
+    /// Member windows and cooldowns, when the route has any.
+    fn limits(&self) -> Option<&Limits>;
+    /// The next untried member, chosen in process.
+    fn pick(&self, tried: &Tried) -> Option<Attempt>;
+    /// Every untried candidate, best first, and the down member's trial claimed among them.
+    fn order(&self, tried: &Tried) -> (Vec<usize>, Option<usize>);
+}
+
+impl<P: InProcess> Selector for P {
+    async fn admit(
+        &self,
+        state: &dyn StateStore,
+        quota: Option<Acquire<'_>>,
+        cost: u64,
+    ) -> Admission {
+        match self.limits() {
+            // The member is chosen before the quota is charged, so that a request with
+            // nowhere to go costs nothing.
+            None => charge(state, quota, self.pick(&Tried::default())).await,
+            Some(limits) => {
+                choose_in_order(self, state, limits, &Tried::default(), quota, cost).await
+            }
+        }
+    }
+
+    async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
+        match self.limits() {
+            None => self.pick(tried),
+            Some(limits) => choose_in_order(self, state, limits, tried, None, tried.cost)
+                .await
+                .into_attempt(),
+        }
+    }
+}
+
+/// The store's choice among what `policy` orders for a request that has `tried` some members.
+async fn choose_in_order<P: InProcess>(
+    policy: &P,
+    state: &dyn StateStore,
+    limits: &Limits,
+    tried: &Tried,
+    quota: Option<Acquire<'_>>,
+    cost: u64,
+) -> Admission {
+    let (order, trial) = policy.order(tried);
+    if order.is_empty() {
+        return Admission::NoMember { quota: None };
+    }
+    choose_among(
+        state,
+        policy.route(),
+        policy.pool(),
+        limits,
+        &order,
+        trial,
+        quota,
+        cost,
+    )
+    .await
+}
+
 /// Round-robin and priority on a route with member windows or cooldowns: the policy orders the
 /// candidates in process (`order`, indexes, best first), and the store takes the first that is
 /// not cooling and whose windows admit `cost`, with the route's quota, in one atomic step.

@@ -9,9 +9,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use sluice_balancer::Members;
-use sluice_state::{Acquire, StateStore};
 
-use super::{charge, choose_among, Admission, Attempt, Limits, Selector, Tried};
+use super::{Attempt, InProcess, Limits, Tried};
 
 /// Priority over a pool; the quota, if any, is charged in the store.
 pub(crate) struct Priority {
@@ -54,16 +53,27 @@ impl Priority {
             .position(|(i, m)| m.health.is_up() && !tried.contains(i))?;
         Some(Attempt::new(self.pool.clone(), index, false))
     }
+}
 
-    /// The store's choice among the due trial, then every healthy untried member in list order.
-    async fn choose(
-        &self,
-        state: &dyn StateStore,
-        limits: &Limits,
-        tried: &Tried,
-        quota: Option<Acquire<'_>>,
-        cost: u64,
-    ) -> Admission {
+impl InProcess for Priority {
+    fn pool(&self) -> &Arc<Members> {
+        &self.pool
+    }
+
+    fn route(&self) -> &str {
+        &self.route
+    }
+
+    fn limits(&self) -> Option<&Limits> {
+        self.limits.as_ref()
+    }
+
+    fn pick(&self, tried: &Tried) -> Option<Attempt> {
+        Priority::pick(self, tried)
+    }
+
+    /// The due trial, then every healthy untried member in list order.
+    fn order(&self, tried: &Tried) -> (Vec<usize>, Option<usize>) {
         let trial = self.due_trial(tried);
         let mut order: Vec<usize> = trial.into_iter().collect();
         order.extend(
@@ -74,46 +84,6 @@ impl Priority {
                 .filter(|(i, m)| m.health.is_up() && !tried.contains(*i))
                 .map(|(i, _)| i),
         );
-        if order.is_empty() {
-            return Admission::NoMember { quota: None };
-        }
-        choose_among(
-            state,
-            &self.route,
-            &self.pool,
-            limits,
-            &order,
-            trial,
-            quota,
-            cost,
-        )
-        .await
-    }
-}
-
-impl Selector for Priority {
-    async fn admit(
-        &self,
-        state: &dyn StateStore,
-        quota: Option<Acquire<'_>>,
-        cost: u64,
-    ) -> Admission {
-        if let Some(limits) = &self.limits {
-            return self
-                .choose(state, limits, &Tried::default(), quota, cost)
-                .await;
-        }
-        let first = self.pick(&Tried::default());
-        charge(state, quota, first).await
-    }
-
-    async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
-        match &self.limits {
-            None => self.pick(tried),
-            Some(limits) => self
-                .choose(state, limits, tried, None, tried.cost)
-                .await
-                .into_attempt(),
-        }
+        (order, trial)
     }
 }

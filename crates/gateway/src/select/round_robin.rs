@@ -7,10 +7,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_balancer::WeightedRoundRobin;
-use sluice_state::{Acquire, StateStore};
+use sluice_balancer::{Members, WeightedRoundRobin};
 
-use super::{charge, choose_among, Admission, Attempt, Limits, Selector, Tried};
+use super::{Attempt, InProcess, Limits, Tried};
 
 /// Round-robin over a pool's schedule; the quota, if any, is charged in the store.
 pub(crate) struct RoundRobin {
@@ -48,21 +47,31 @@ impl RoundRobin {
             pick.trial,
         ))
     }
+}
 
-    /// The store's choice among the scheduled member and then every other healthy untried
-    /// member, in pool order after it.
-    async fn choose(
-        &self,
-        state: &dyn StateStore,
-        limits: &Limits,
-        tried: &Tried,
-        quota: Option<Acquire<'_>>,
-        cost: u64,
-    ) -> Admission {
-        let pool = self.schedule.members();
+impl InProcess for RoundRobin {
+    fn pool(&self) -> &Arc<Members> {
+        self.schedule.members()
+    }
+
+    fn route(&self) -> &str {
+        &self.route
+    }
+
+    fn limits(&self) -> Option<&Limits> {
+        self.limits.as_ref()
+    }
+
+    fn pick(&self, tried: &Tried) -> Option<Attempt> {
+        RoundRobin::pick(self, tried)
+    }
+
+    /// The scheduled member, then every other healthy untried member, in pool order after it.
+    fn order(&self, tried: &Tried) -> (Vec<usize>, Option<usize>) {
         let Some(first) = self.schedule.pick(Instant::now(), |i| tried.contains(i)) else {
-            return Admission::NoMember { quota: None };
+            return (Vec::new(), None);
         };
+        let pool = self.schedule.members();
         let n = pool.members().len();
         let mut order = Vec::with_capacity(n);
         order.push(first.index);
@@ -71,36 +80,6 @@ impl RoundRobin {
                 .map(|k| (first.index + k) % n)
                 .filter(|&i| pool.members()[i].health.is_up() && !tried.contains(i)),
         );
-        let trial = first.trial.then_some(first.index);
-        choose_among(state, &self.route, pool, limits, &order, trial, quota, cost).await
-    }
-}
-
-impl Selector for RoundRobin {
-    async fn admit(
-        &self,
-        state: &dyn StateStore,
-        quota: Option<Acquire<'_>>,
-        cost: u64,
-    ) -> Admission {
-        if let Some(limits) = &self.limits {
-            return self
-                .choose(state, limits, &Tried::default(), quota, cost)
-                .await;
-        }
-        // The member is chosen before the quota is charged, so that a request with nowhere
-        // to go costs nothing.
-        let first = self.pick(&Tried::default());
-        charge(state, quota, first).await
-    }
-
-    async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
-        match &self.limits {
-            None => self.pick(tried),
-            Some(limits) => self
-                .choose(state, limits, tried, None, tried.cost)
-                .await
-                .into_attempt(),
-        }
+        (order, first.trial.then_some(first.index))
     }
 }
