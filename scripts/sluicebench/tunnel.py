@@ -49,6 +49,10 @@ KNOB_NAMES = ["ROUNDS", "SIZE_MIB", "DIRECTIONS", "SETUP_DURATION", "CONNECTIONS
               "SLUICE_THREADS"]
 CHUNK = 1 << 20  # bytes per send/recv: large, so the endpoints cost little next to the proxy
 HEADER = 16  # the request sent through the tunnel: b"D" or b"U" and the byte count, zero-padded
+# Where the peers meet: loopback here; scripts/tunnel-link moves them into network namespaces
+# joined by shaped links, where the proxy and the sink have addresses of their own.
+PROXY_HOST = os.environ.get("BENCH_PROXY_HOST", "127.0.0.1")
+SINK_HOST = os.environ.get("BENCH_SINK_HOST", "127.0.0.1")
 
 
 # === the peers (child processes) =================================================================
@@ -63,12 +67,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def open_tunnel(proxy: Optional[int], target: int, timeout: float = 10.0) -> socket.socket:
-    """A connection to 127.0.0.1:TARGET, through a CONNECT on 127.0.0.1:PROXY unless PROXY is None."""
-    sock = socket.create_connection(("127.0.0.1", proxy or target), timeout=timeout)
+    """A connection to SINK_HOST:TARGET, through a CONNECT on PROXY_HOST:PROXY unless PROXY is None."""
+    sock = socket.create_connection((PROXY_HOST, proxy) if proxy else (SINK_HOST, target), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if proxy is None:
         return sock
-    sock.sendall(f"CONNECT 127.0.0.1:{target} HTTP/1.1\r\nHost: 127.0.0.1:{target}\r\n\r\n".encode())
+    sock.sendall(f"CONNECT {SINK_HOST}:{target} HTTP/1.1\r\nHost: {SINK_HOST}:{target}\r\n\r\n".encode())
     head = bytearray()
     while b"\r\n\r\n" not in head:  # byte by byte: nothing after the head may be consumed here
         b = sock.recv(1)
@@ -180,12 +184,12 @@ async def _sink_conn(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> No
 
 
 def sink_main(port: int) -> None:
-    """Serves 127.0.0.1:PORT until killed: down requests get the bytes, up requests an 'K'."""
+    """Serves SINK_HOST:PORT until killed: down requests get the bytes, up requests an 'K'."""
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("127.0.0.1", port))
+        srv.bind((SINK_HOST, port))
         srv.listen(4096)
         srv.setblocking(False)
         tasks = set()
