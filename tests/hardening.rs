@@ -483,6 +483,48 @@ mod downstream_limits {
         assert_eq!(backends[0].proxied_requests(), 5);
     }
 
+    /// One kept-alive connection carries many requests one after the other, including ones the
+    /// gateway answers itself, and each gets its own answer. It pins sluice's connection loop,
+    /// which awaits each request through pingora-proxy's unboxed entry point
+    /// (third_party/PATCHES.md) rather than the boxed trait method.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_alive_connection_serves_request_after_request() {
+        let backends = start_backends(&["api"]).await;
+        let gw = Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"{}\"\n",
+            url(backends[0].local_addr())
+        ));
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let mut proxied = 0;
+        for i in 0..60 {
+            // Every tenth request matches no route: the gateway answers it, and the
+            // connection must still serve the next one.
+            let host = if i % 10 == 9 { "nope.test" } else { "api.test" };
+            let head = if host == "nope.test" {
+                format!("GET /k{i} HTTP/1.1\r\nHost: {host}\r\n\r\n")
+            } else {
+                let body = format!("body {i}");
+                format!(
+                    "POST /k{i} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+            };
+            client.write_raw(head.as_bytes()).await.unwrap();
+            let r = client
+                .read_response(false)
+                .await
+                .unwrap_or_else(|e| panic!("answer {i}: {e}"));
+            if host == "nope.test" {
+                assert_eq!(r.status, 404, "request {i}");
+            } else {
+                proxied += 1;
+                assert_eq!(r.status, 200, "request {i}");
+                assert_eq!(r.json()["target"], format!("/k{i}"));
+            }
+        }
+        assert_eq!(backends[0].proxied_requests(), proxied);
+    }
+
     /// Request heads above `limits.max_header_bytes` (64 KiB by default) get `431
     /// header_too_large` and reach no member; 100 KB and 900 KB heads used to be forwarded.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

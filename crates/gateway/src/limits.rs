@@ -48,6 +48,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::apps::{HttpServerApp, ServerApp};
+use pingora::proxy::{HttpProxy, ProxyHttp};
 
 use crate::tunnel::First;
 use pingora::listeners::tls::{Acceptor, TlsSettings};
@@ -408,10 +409,14 @@ impl Drop for Slot {
     }
 }
 
+// For Pingora's proxy app only, not any `HttpServerApp`: each request is awaited through its
+// unboxed entry point (third_party/PATCHES.md, "unboxed request future"), so that a request
+// costs no allocation and no memcpy of its whole future, as the boxed trait method would.
 #[async_trait]
-impl<A> ServerApp for LimitedApp<A>
+impl<SV> ServerApp for LimitedApp<HttpProxy<SV>>
 where
-    A: HttpServerApp + Send + Sync + 'static,
+    SV: ProxyHttp + Send + Sync + 'static,
+    <SV as ProxyHttp>::CTX: Send + Sync,
 {
     async fn process_new(
         self: &Arc<Self>,
@@ -478,14 +483,14 @@ where
         // Answer pipelined requests one after the other (RFC 9112 §9.3.2) instead of closing
         // the connection after the first answer and dropping the rest, Pingora's default.
         session.set_pipelining_enabled(true);
-        let mut result = self.inner.process_new_http(session, shutdown).await;
+        let mut result = self.inner.process_new_http_unboxed(session, shutdown).await;
         while let Some((stream, settings)) = result.map(|r| r.consume()) {
             phase.store(WAITING, Ordering::Release);
             let mut session = ServerSession::new_http1(stream);
             if let Some(settings) = settings {
                 settings.apply_to_session(&mut session);
             }
-            result = self.inner.process_new_http(session, shutdown).await;
+            result = self.inner.process_new_http_unboxed(session, shutdown).await;
         }
         None
     }

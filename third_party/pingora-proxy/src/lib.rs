@@ -1562,14 +1562,22 @@ impl SubrequestSpawner {
     }
 }
 
-#[async_trait]
-impl<SV, C> HttpServerApp for HttpProxy<SV, C>
+// PATCH (sluice, unboxed request future): see third_party/PATCHES.md.
+impl<SV, C> HttpProxy<SV, C>
 where
     SV: ProxyHttp + Send + Sync + 'static,
     <SV as ProxyHttp>::CTX: Send + Sync,
     C: custom::Connector,
 {
-    async fn process_new_http(
+    /// [`HttpServerApp::process_new_http`] as a plain `async fn`.
+    ///
+    /// The trait method is an `async_trait` method, so each call builds the whole request's
+    /// future (every state of `process_request` and the proxying below it, many KiB) on the
+    /// stack and then moves it into a new `Box`: a large allocation and a memcpy of the
+    /// future's full size per request. A connection loop that awaits this method instead
+    /// keeps the request's future inside its own, once per connection, and builds each
+    /// request's state in place.
+    pub async fn process_new_http_unboxed(
         self: &Arc<Self>,
         mut session: HttpSession,
         shutdown: &ShutdownWatch,
@@ -1605,6 +1613,22 @@ where
         }
 
         self.process_request(session, ctx).await
+    }
+}
+
+#[async_trait]
+impl<SV, C> HttpServerApp for HttpProxy<SV, C>
+where
+    SV: ProxyHttp + Send + Sync + 'static,
+    <SV as ProxyHttp>::CTX: Send + Sync,
+    C: custom::Connector,
+{
+    async fn process_new_http(
+        self: &Arc<Self>,
+        session: HttpSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        self.process_new_http_unboxed(session, shutdown).await
     }
 
     async fn http_cleanup(&self) {
