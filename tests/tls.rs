@@ -170,7 +170,27 @@ async fn a_member_whose_certificate_does_not_verify_is_never_used() {
     let gw = Gateway::start_with_ports(&config(&format!("https://127.0.0.1:{}", server.port)));
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 502, "{}", r.text());
-    assert_eq!(r.header("x-sluice-error"), Some("upstream_unreachable"));
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
+    let reason = "certificate verify failed: unknown issuer";
+    assert_eq!(r.json()["detail"], reason);
+    assert_tls_line(&gw, reason).await;
+}
+
+/// The access line of the one request says `upstream_tls` and why.
+async fn assert_tls_line(gw: &Gateway, reason: &str) {
+    let line = || {
+        gw.log_json()
+            .into_iter()
+            .find(|l| l["target"] == "sluice::access")
+    };
+    assert!(
+        support::wait_until(Duration::from_secs(10), || line().is_some()).await,
+        "{}",
+        gw.logs()
+    );
+    let line = line().unwrap();
+    assert_eq!(line["error"], "upstream_tls", "{line}");
+    assert_eq!(line["detail"], reason, "{line}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,6 +206,10 @@ async fn a_certificate_for_another_name_is_refused() {
     );
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
+    let reason = "certificate verify failed: wrong name";
+    assert_eq!(r.json()["detail"], reason);
+    assert_tls_line(&gw, reason).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,8 @@
 use std::cell::RefCell;
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime};
 
@@ -136,17 +138,166 @@ pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         EnvFilter::new("info,pingora=warn,pingora_core=warn,pingora_proxy=warn")
     });
+    let max_level = filter.max_level_hint();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(Ordered(batch));
-    match format {
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .init(),
-        LogFormat::Text => builder.with_ansi(false).init(),
+    let installed = match format {
+        LogFormat::Json => tracing::subscriber::set_global_default(
+            builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .finish(),
+        ),
+        LogFormat::Text => {
+            tracing::subscriber::set_global_default(builder.with_ansi(false).finish())
+        }
+    };
+    if installed.is_ok() {
+        // Pingora logs through the `log` crate: its lines reach tracing through
+        // [`Redacting`], never as they are.
+        let level = match max_level {
+            Some(l) if l == tracing::level_filters::LevelFilter::OFF => log::LevelFilter::Off,
+            Some(l) if l == tracing::level_filters::LevelFilter::ERROR => log::LevelFilter::Error,
+            Some(l) if l == tracing::level_filters::LevelFilter::WARN => log::LevelFilter::Warn,
+            Some(l) if l == tracing::level_filters::LevelFilter::INFO => log::LevelFilter::Info,
+            Some(l) if l == tracing::level_filters::LevelFilter::DEBUG => log::LevelFilter::Debug,
+            _ => log::LevelFilter::Trace,
+        };
+        if log::set_boxed_logger(Box::new(Redacting(tracing_log::LogTracer::new()))).is_ok() {
+            log::set_max_level(level);
+        }
     }
+}
+
+/// The bridge from the `log` crate (Pingora's own lines) to tracing, with [`redact`] applied:
+/// Pingora's messages quote request URLs with their query, raw request heads and `Host`
+/// values, which sluice's logs never carry.
+struct Redacting(tracing_log::LogTracer);
+
+impl log::Log for Redacting {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.0.enabled(metadata)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !self.0.enabled(record.metadata()) {
+            return;
+        }
+        // A String per line: Pingora logs only on failures, and only those past the filter.
+        let text = record.args().to_string();
+        let clean = redact(&text);
+        self.0.log(
+            &log::Record::builder()
+                .metadata(record.metadata().clone())
+                .module_path(record.module_path())
+                .file(record.file())
+                .line(record.line())
+                .args(format_args!("{clean}"))
+                .build(),
+        );
+    }
+
+    fn flush(&self) {}
+}
+
+/// What a `?`-query or a quoted request head is replaced by in Pingora's lines.
+const REDACTED_QUERY: &str = "?[query redacted]";
+const REDACTED_HEAD: &str = "[request bytes redacted]";
+const REDACTED_VALUE: &str = "[redacted]";
+
+/// Pingora's log text made fit for sluice's logs:
+/// - a raw request head it quotes (`buf: ...`, on a parse failure) is cut;
+/// - a query string (a `?` followed by anything but a space) becomes `?[query redacted]`;
+/// - URL credentials (`scheme://user:pass@`) become `[redacted]@`;
+/// - the value of a header field it names (`Host: `, `Authorization: `, ...) becomes
+///   `[redacted]`.
+pub fn redact(text: &str) -> std::borrow::Cow<'_, str> {
+    const FIELD_NAMES: &[&str] = &[
+        "host: ",
+        "authorization: ",
+        "proxy-authorization: ",
+        "cookie: ",
+        "set-cookie: ",
+        "x-api-key: ",
+    ];
+    let lower = text.to_ascii_lowercase();
+    let suspicious = text.contains('?')
+        || text.contains("buf:")
+        || text.contains('@')
+        || FIELD_NAMES.iter().any(|f| lower.contains(f));
+    if !suspicious {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let text = match text.find("buf:") {
+        Some(at) => &text[..at + 4],
+        None => text,
+    };
+    let cut_head = text.len() < lower.len();
+    let lower = &lower[..text.len()];
+    let is_end = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | ',' | ')' | ']' | '>');
+    let mut out = String::with_capacity(text.len() + 32);
+    let mut rest = text;
+    let mut rest_lower = lower;
+    while !rest.is_empty() {
+        // The next thing to redact: a query, credentials before an `@`, a named field value.
+        let query = rest
+            .char_indices()
+            .find(|&(i, c)| c == '?' && rest[i + 1..].chars().next().is_some_and(|n| !is_end(n)))
+            .map(|(i, _)| i);
+        let field = FIELD_NAMES
+            .iter()
+            .filter_map(|f| rest_lower.find(f).map(|i| (i, f.len())))
+            .min();
+        let userinfo = rest.find("://").and_then(|i| {
+            let after = &rest[i + 3..];
+            let end = after
+                .find(|c: char| is_end(c) || c == '/')
+                .unwrap_or(after.len());
+            after[..end].rfind('@').map(|at| (i + 3, at))
+        });
+        let next = [
+            query.map(|i| (i, 0)),
+            field.map(|(i, _)| (i, 1)),
+            userinfo.map(|(i, _)| (i, 2)),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let Some((at, kind)) = next else {
+            out.push_str(rest);
+            break;
+        };
+        let skip = match kind {
+            0 => {
+                out.push_str(&rest[..at]);
+                out.push_str(REDACTED_QUERY);
+                let after = &rest[at..];
+                at + after.find(is_end).unwrap_or(after.len())
+            }
+            1 => {
+                let len = field.map_or(0, |f| f.1);
+                out.push_str(&rest[..at + len]);
+                out.push_str(REDACTED_VALUE);
+                let after = &rest[at + len..];
+                at + len + after.find([',', '\n', '\r']).unwrap_or(after.len())
+            }
+            _ => {
+                let at_sign = userinfo.map_or(0, |u| u.1);
+                out.push_str(&rest[..at]);
+                out.push_str(REDACTED_VALUE);
+                at + at_sign
+            }
+        };
+        rest = &rest[skip..];
+        rest_lower = &rest_lower[skip..];
+    }
+    if cut_head {
+        out.push(' ');
+        out.push_str(REDACTED_HEAD);
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Writes out buffered lines; call before exiting the process.
@@ -157,7 +308,8 @@ pub fn flush() {
     GUARD.lock().unwrap_or_else(|p| p.into_inner()).take();
 }
 
-/// One access-log line.
+/// One access-log line. Every field is documented, with its unit, in README.md ("Access log").
+#[derive(Default)]
 pub struct AccessLine<'a> {
     /// The route, or `_none`.
     pub route: &'a str,
@@ -167,15 +319,38 @@ pub struct AccessLine<'a> {
     pub authority: &'a str,
     /// The path, without the query.
     pub path: &'a str,
+    /// The query, without `?`; written only with `log.query: true` ([`set_log_query`]), with
+    /// the values of secret-looking parameters redacted.
+    pub query: Option<&'a str>,
     /// The status sent, 0 when none was.
     pub status: u16,
     /// The member of the last attempt, or empty.
     pub member: &'a str,
+    /// The members tried, in order (route members: their names are the config's).
+    pub members_tried: Option<&'a dyn Fn(&mut dyn FnMut(&str))>,
     /// Upstream attempts made.
     pub attempts: u32,
     /// Time from the request head to the end, in milliseconds.
     pub duration_ms: f64,
-    /// What failed, if anything.
+    /// The client's address.
+    pub client: Option<SocketAddr>,
+    /// Body bytes read from the client.
+    pub bytes_in: u64,
+    /// Body bytes sent to the client.
+    pub bytes_out: u64,
+    /// The member's address of the last attempt.
+    pub upstream_addr: Option<SocketAddr>,
+    /// The last attempt's connect time (TCP and TLS), when it opened a new connection.
+    pub connect_ms: Option<f64>,
+    /// From the request head to the member's response head.
+    pub ttfb_ms: Option<f64>,
+    /// The client's `User-Agent`, cut to [`MAX_USER_AGENT`] bytes.
+    pub user_agent: Option<&'a str>,
+    /// The request id (`X-Request-Id`, the client's or sluice's).
+    pub request_id: Option<&'a str>,
+    /// The trace id and sluice's span id.
+    pub trace: Option<([u8; 16], [u8; 8])>,
+    /// What failed, if anything: one of sluice's codes (README "Errors").
     pub error: Option<&'a str>,
     /// What went wrong, in words, when `error` alone does not say it.
     pub detail: Option<&'a str>,
@@ -183,9 +358,20 @@ pub struct AccessLine<'a> {
     pub tunnel: Option<(u64, u64)>,
 }
 
+/// A `User-Agent` longer than this is cut: a log line is no place for a client's kilobytes.
+pub const MAX_USER_AGENT: usize = 256;
+
+/// `log.query`: whether access lines carry the query. Set once at start.
+static LOG_QUERY: AtomicBool = AtomicBool::new(false);
+
+/// Applies `log.query` (a restart setting).
+pub fn set_log_query(on: bool) {
+    LOG_QUERY.store(on, Ordering::Relaxed);
+}
+
 thread_local! {
     /// Each worker thread formats its lines in one buffer it keeps.
-    static LINE: RefCell<String> = RefCell::new(String::with_capacity(512));
+    static LINE: RefCell<String> = RefCell::new(String::with_capacity(1024));
 }
 
 /// Writes an access line, unless `RUST_LOG` leaves `sluice::access` out.
@@ -204,9 +390,14 @@ pub fn access(line: &AccessLine<'_>) {
     LINE.with_borrow_mut(|buf| {
         buf.clear();
         let now = humantime::format_rfc3339_micros(SystemTime::now());
+        let query = line.query.filter(|_| LOG_QUERY.load(Ordering::Relaxed));
+        let user_agent = line.user_agent.map(|ua| cut(ua, MAX_USER_AGENT));
         match format {
             LogFormat::Json => {
-                let _ = write!(buf, "{{\"timestamp\":\"{now}\",\"level\":\"INFO\",\"route\":");
+                let _ = write!(
+                    buf,
+                    "{{\"timestamp\":\"{now}\",\"level\":\"INFO\",\"route\":"
+                );
                 json_str(buf, line.route);
                 buf.push_str(",\"method\":");
                 json_str(buf, line.method);
@@ -214,13 +405,61 @@ pub fn access(line: &AccessLine<'_>) {
                 json_str(buf, line.authority);
                 buf.push_str(",\"path\":");
                 json_str(buf, line.path);
+                if let Some(q) = query {
+                    buf.push_str(",\"query\":\"");
+                    redacted_query(buf, q, json_escape);
+                    buf.push('"');
+                }
                 let _ = write!(buf, ",\"status\":{},\"member\":", line.status);
                 json_str(buf, line.member);
+                if let Some(each) = line.members_tried {
+                    buf.push_str(",\"members_tried\":[");
+                    let mut first = true;
+                    each(&mut |name| {
+                        if !std::mem::take(&mut first) {
+                            buf.push(',');
+                        }
+                        json_str(buf, name);
+                    });
+                    buf.push(']');
+                }
                 let _ = write!(
                     buf,
                     ",\"attempts\":{},\"duration_ms\":{:.3}",
                     line.attempts, line.duration_ms
                 );
+                if let Some(c) = line.client {
+                    let _ = write!(buf, ",\"client\":\"{c}\"");
+                }
+                let _ = write!(
+                    buf,
+                    ",\"bytes_in\":{},\"bytes_out\":{}",
+                    line.bytes_in, line.bytes_out
+                );
+                if let Some(a) = line.upstream_addr {
+                    let _ = write!(buf, ",\"upstream_addr\":\"{a}\"");
+                }
+                if let Some(ms) = line.connect_ms {
+                    let _ = write!(buf, ",\"connect_ms\":{ms:.3}");
+                }
+                if let Some(ms) = line.ttfb_ms {
+                    let _ = write!(buf, ",\"ttfb_ms\":{ms:.3}");
+                }
+                if let Some(ua) = user_agent {
+                    buf.push_str(",\"user_agent\":");
+                    json_str(buf, ua);
+                }
+                if let Some(id) = line.request_id {
+                    buf.push_str(",\"request_id\":");
+                    json_str(buf, id);
+                }
+                if let Some((trace, span)) = &line.trace {
+                    buf.push_str(",\"trace_id\":\"");
+                    push_hex(buf, trace);
+                    buf.push_str("\",\"span_id\":\"");
+                    push_hex(buf, span);
+                    buf.push('"');
+                }
                 if let Some(e) = line.error {
                     buf.push_str(",\"error\":");
                     json_str(buf, e);
@@ -237,9 +476,57 @@ pub fn access(line: &AccessLine<'_>) {
             LogFormat::Text => {
                 let _ = write!(
                     buf,
-                    "{now}  INFO sluice::access: route={} method={} authority={} path={} status={} member={} attempts={} duration_ms={:.3}",
-                    line.route, line.method, line.authority, line.path, line.status, line.member, line.attempts, line.duration_ms
+                    "{now}  INFO sluice::access: route={} method={} authority={} path={}",
+                    line.route, line.method, line.authority, line.path
                 );
+                if let Some(q) = query {
+                    buf.push_str(" query=");
+                    redacted_query(buf, q, |buf, s| buf.push_str(s));
+                }
+                let _ = write!(
+                    buf,
+                    " status={} member={} attempts={} duration_ms={:.3} bytes_in={} bytes_out={}",
+                    line.status,
+                    line.member,
+                    line.attempts,
+                    line.duration_ms,
+                    line.bytes_in,
+                    line.bytes_out
+                );
+                if let Some(each) = line.members_tried {
+                    buf.push_str(" members_tried=");
+                    let mut first = true;
+                    each(&mut |name| {
+                        if !std::mem::take(&mut first) {
+                            buf.push(',');
+                        }
+                        buf.push_str(name);
+                    });
+                }
+                if let Some(c) = line.client {
+                    let _ = write!(buf, " client={c}");
+                }
+                if let Some(a) = line.upstream_addr {
+                    let _ = write!(buf, " upstream_addr={a}");
+                }
+                if let Some(ms) = line.connect_ms {
+                    let _ = write!(buf, " connect_ms={ms:.3}");
+                }
+                if let Some(ms) = line.ttfb_ms {
+                    let _ = write!(buf, " ttfb_ms={ms:.3}");
+                }
+                if let Some(ua) = user_agent {
+                    let _ = write!(buf, " user_agent={ua:?}");
+                }
+                if let Some(id) = line.request_id {
+                    let _ = write!(buf, " request_id={id:?}");
+                }
+                if let Some((trace, span)) = &line.trace {
+                    buf.push_str(" trace_id=");
+                    push_hex(buf, trace);
+                    buf.push_str(" span_id=");
+                    push_hex(buf, span);
+                }
                 if let Some(e) = line.error {
                     let _ = write!(buf, " error={e}");
                 }
@@ -256,6 +543,82 @@ pub fn access(line: &AccessLine<'_>) {
     });
 }
 
+/// `s` cut to at most `max` bytes, on a character boundary.
+fn cut(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn push_hex(buf: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        buf.push(char::from(HEX[usize::from(b >> 4)]));
+        buf.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+}
+
+/// Whether a query parameter's value is redacted from the log: its name, lowercased,
+/// contains one of these. Broad on purpose: a parameter logged in vain costs less than a key
+/// in a log.
+const SECRET_PARAMS: &[&str] = &[
+    "key",
+    "token",
+    "secret",
+    "passw",
+    "pwd",
+    "sig",
+    "auth",
+    "credential",
+    "session",
+];
+
+/// What replaces a secret parameter's value.
+pub const REDACTED: &str = "REDACTED";
+
+/// Appends `query` with the value of every parameter whose name looks secret (see
+/// [`SECRET_PARAMS`]; the name compared as sent, percent-escapes and all) replaced by
+/// [`REDACTED`]. `put` escapes for the format.
+fn redacted_query(buf: &mut String, query: &str, put: fn(&mut String, &str)) {
+    for (i, pair) in query.split('&').enumerate() {
+        if i > 0 {
+            buf.push('&');
+        }
+        let (name, value) = match pair.split_once('=') {
+            Some((n, v)) => (n, Some(v)),
+            None => (pair, None),
+        };
+        put(buf, name);
+        if let Some(value) = value {
+            buf.push('=');
+            if is_secret_param(name) {
+                buf.push_str(REDACTED);
+            } else {
+                put(buf, value);
+            }
+        }
+    }
+}
+
+fn is_secret_param(name: &str) -> bool {
+    let mut lower = [0u8; 64];
+    let n = name.len().min(lower.len());
+    for (l, b) in lower.iter_mut().zip(name.bytes()) {
+        *l = b.to_ascii_lowercase();
+    }
+    let lower = &lower[..n];
+    // A name longer than the buffer is judged by its start, and redacted when unsure.
+    name.len() > 64
+        || SECRET_PARAMS
+            .iter()
+            .any(|s| lower.windows(s.len()).any(|w| w == s.as_bytes()))
+}
+
 /// Appends `s` as a JSON string.
 ///
 /// By bytes, copying the runs between escapes whole: the characters to escape are ASCII,
@@ -263,6 +626,12 @@ pub fn access(line: &AccessLine<'_>) {
 /// about 1,500 instructions per access line.)
 fn json_str(buf: &mut String, s: &str) {
     buf.push('"');
+    json_escape(buf, s);
+    buf.push('"');
+}
+
+/// Appends `s` JSON-escaped, without the quotes.
+fn json_escape(buf: &mut String, s: &str) {
     let mut start = 0;
     for (i, b) in s.bytes().enumerate() {
         let escaped = match b {
@@ -280,12 +649,56 @@ fn json_str(buf: &mut String, s: &str) {
         start = i + 1;
     }
     buf.push_str(&s[start..]);
-    buf.push('"');
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pingora_lines_lose_queries_heads_credentials_and_field_values() {
+        let line = "Fail to proxy: Upstream ConnectRefused, tries: 1, retry: true, GET /v1/x?q=secret&key=k, Host: api.example";
+        let clean = redact(line);
+        assert!(
+            !clean.contains("secret") && !clean.contains("api.example"),
+            "{clean}"
+        );
+        assert!(
+            clean.contains("GET /v1/x?[query redacted], Host: [redacted]"),
+            "{clean}"
+        );
+        let clean = redact(
+            "InvalidHTTPHeader context: buf: GET /?token=s HTTP/1.1\r\nAuthorization: Bearer s",
+        );
+        assert_eq!(
+            clean,
+            "InvalidHTTPHeader context: buf: [request bytes redacted]"
+        );
+        let clean = redact("connect to http://user:pw@proxy.example:3128/ failed");
+        assert_eq!(
+            clean,
+            "connect to http://[redacted]@proxy.example:3128/ failed"
+        );
+        assert_eq!(redact("why? because"), "why? because");
+        assert!(matches!(redact("plain"), std::borrow::Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn secret_query_values_are_redacted() {
+        let mut buf = String::new();
+        redacted_query(
+            &mut buf,
+            "q=cats&api_key=k1&Token=t&page=2&flag&SIG=s",
+            |b, s| b.push_str(s),
+        );
+        assert_eq!(
+            buf,
+            "q=cats&api_key=REDACTED&Token=REDACTED&page=2&flag&SIG=REDACTED"
+        );
+        buf.clear();
+        redacted_query(&mut buf, "q=\"x\"", json_escape);
+        assert_eq!(buf, r#"q=\"x\""#);
+    }
 
     #[test]
     fn json_strings_are_escaped() {
