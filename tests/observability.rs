@@ -266,3 +266,133 @@ async fn an_invalid_traceparent_starts_a_new_trace() {
     assert_eq!(line["trace_id"], parts[1]);
     assert_eq!(line["span_id"], parts[2]);
 }
+
+/// A small OTLP/HTTP receiver on loopback: answers every `POST /v1/traces` with 200 and keeps
+/// the spans, decoded with the OTLP protobuf types.
+async fn otlp_receiver() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>,
+) {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message as _;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = spans.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request: the head, then Content-Length bytes of body.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                    assert!(head.starts_with("post /v1/traces "), "{head}");
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map(|v| v.trim().parse().unwrap())
+                        .expect("a Content-Length");
+                    while buf.len() < head_end + len {
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body: Vec<u8> = buf.drain(..head_end + len).skip(head_end).collect();
+                    let request = ExportTraceServiceRequest::decode(&body[..]).unwrap();
+                    for rs in request.resource_spans {
+                        for ss in rs.scope_spans {
+                            kept.lock().unwrap().extend(ss.spans);
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                    if conn.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, spans)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
+    let (receiver, spans) = otlp_receiver().await;
+    let backends = start_backends(&["b1"]).await;
+    let yaml = Config::new()
+        .route(Route::new("api").member(url(backends[0].local_addr())))
+        .yaml()
+        + &format!("tracing:\n  otlp:\n    endpoint: http://{receiver}\n    sample_ratio: 1.0\n");
+    let gw = Gateway::start_with_ports(&yaml);
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "api.test",
+        "/traced?q=secret",
+        &[("traceparent", &format!("00-{TRACE_ID}-{CLIENT_SPAN}-01"))],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let sent = r.json()["headers"]["traceparent"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sluice_span = sent.split('-').nth(2).unwrap().to_string();
+    // A request with no traceparent starts a sampled trace of its own (sample_ratio 1).
+    let r = request(gw.proxy_addr(), "GET", "api.test", "/new", &[], b"").await;
+    let new_trace = r.json()["headers"]["traceparent"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(new_trace.ends_with("-01"), "{new_trace}");
+
+    let arrived =
+        support::wait_until(Duration::from_secs(15), || spans.lock().unwrap().len() >= 2).await;
+    assert!(arrived, "no spans at the receiver:\n{}", gw.logs());
+    let spans = spans.lock().unwrap().clone();
+    let span = spans
+        .iter()
+        .find(|s| hex(&s.trace_id) == TRACE_ID)
+        .unwrap_or_else(|| panic!("no span of the client's trace: {spans:?}"));
+    assert_eq!(hex(&span.span_id), sluice_span);
+    assert_eq!(hex(&span.parent_span_id), CLIENT_SPAN);
+    assert_eq!(span.name, "GET api");
+    let attr = |key: &str| {
+        span.attributes
+            .iter()
+            .find(|a| a.key == key)
+            .and_then(|a| a.value.clone())
+            .and_then(|v| v.value)
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as V;
+    assert_eq!(attr("http.route"), Some(V::StringValue("api".into())));
+    assert_eq!(attr("url.path"), Some(V::StringValue("/traced".into())));
+    assert_eq!(attr("http.response.status_code"), Some(V::IntValue(200)));
+    assert_eq!(
+        attr("sluice.member"),
+        Some(V::StringValue(url(backends[0].local_addr())))
+    );
+    assert!(format!("{spans:?}").find("secret").is_none());
+    let other = spans.iter().find(|s| hex(&s.trace_id) != TRACE_ID).unwrap();
+    assert_eq!(hex(&other.trace_id), new_trace.split('-').nth(1).unwrap());
+    assert!(other.parent_span_id.is_empty());
+}
