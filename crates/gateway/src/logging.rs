@@ -327,7 +327,7 @@ pub struct AccessLine<'a> {
     /// The member of the last attempt, or empty.
     pub member: &'a str,
     /// The members tried, in order (route members: their names are the config's).
-    pub members_tried: Option<&'a dyn Fn(&mut dyn FnMut(&str))>,
+    pub members_tried: Option<&'a EachName<'a>>,
     /// Upstream attempts made.
     pub attempts: u32,
     /// Time from the request head to the end, in milliseconds.
@@ -357,6 +357,10 @@ pub struct AccessLine<'a> {
     /// A CONNECT tunnel's bytes: up (client to member) and down.
     pub tunnel: Option<(u64, u64)>,
 }
+
+/// Calls its argument with each name of a list, in order: how a line gets the names of the
+/// members tried without a `Vec` being made for it.
+pub type EachName<'a> = dyn Fn(&mut dyn FnMut(&str)) + 'a;
 
 /// A `User-Agent` longer than this is cut: a log line is no place for a client's kilobytes.
 pub const MAX_USER_AGENT: usize = 256;

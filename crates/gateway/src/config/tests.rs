@@ -1409,5 +1409,9 @@ fn log_and_tracing_are_off_by_default_and_checked() {
     assert!(all[1].contains("tracing.otlp.sample_ratio") && all[1].contains("from 0"));
     let all = errors("tracing:\n  otlp:\n    endpoint: http://u:p@collector:4318\nroutes: []\n");
     assert!(all.len() == 1 && all[0].contains("credentials"), "{all:#?}");
-    one_error("log:\n  queries: true\nroutes: []\n", "2:3: log.queries", "unknown field");
+    one_error(
+        "log:\n  queries: true\nroutes: []\n",
+        "2:3: log.queries",
+        "unknown field",
+    );
 }
