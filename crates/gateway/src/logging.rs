@@ -394,157 +394,175 @@ pub fn access(line: &AccessLine<'_>) {
     LINE.with_borrow_mut(|buf| {
         buf.clear();
         let now = humantime::format_rfc3339_micros(SystemTime::now());
-        let query = line.query.filter(|_| LOG_QUERY.load(Ordering::Relaxed));
-        let user_agent = line.user_agent.map(|ua| cut(ua, MAX_USER_AGENT));
         match format {
             LogFormat::Json => {
-                let _ = write!(
-                    buf,
-                    "{{\"timestamp\":\"{now}\",\"level\":\"INFO\",\"route\":"
-                );
-                json_str(buf, line.route);
-                buf.push_str(",\"method\":");
-                json_str(buf, line.method);
-                buf.push_str(",\"authority\":");
-                json_str(buf, line.authority);
-                buf.push_str(",\"path\":");
-                json_str(buf, line.path);
-                if let Some(q) = query {
-                    buf.push_str(",\"query\":\"");
-                    redacted_query(buf, q, json_escape);
-                    buf.push('"');
-                }
-                let _ = write!(buf, ",\"status\":{},\"member\":", line.status);
-                json_str(buf, line.member);
-                if let Some(each) = line.members_tried {
-                    buf.push_str(",\"members_tried\":[");
-                    let mut first = true;
-                    each(&mut |name| {
-                        if !std::mem::take(&mut first) {
-                            buf.push(',');
-                        }
-                        json_str(buf, name);
-                    });
-                    buf.push(']');
-                }
-                let _ = write!(
-                    buf,
-                    ",\"attempts\":{},\"duration_ms\":{:.3}",
-                    line.attempts, line.duration_ms
-                );
-                if let Some(c) = line.client {
-                    let _ = write!(buf, ",\"client\":\"{c}\"");
-                }
-                let _ = write!(
-                    buf,
-                    ",\"bytes_in\":{},\"bytes_out\":{}",
-                    line.bytes_in, line.bytes_out
-                );
-                if let Some(a) = line.upstream_addr {
-                    let _ = write!(buf, ",\"upstream_addr\":\"{a}\"");
-                }
-                if let Some(ms) = line.connect_ms {
-                    let _ = write!(buf, ",\"connect_ms\":{ms:.3}");
-                }
-                if let Some(ms) = line.ttfb_ms {
-                    let _ = write!(buf, ",\"ttfb_ms\":{ms:.3}");
-                }
-                if let Some(ua) = user_agent {
-                    buf.push_str(",\"user_agent\":");
-                    json_str(buf, ua);
-                }
-                if let Some(id) = line.request_id {
-                    buf.push_str(",\"request_id\":");
-                    json_str(buf, id);
-                }
-                if let Some((trace, span)) = &line.trace {
-                    buf.push_str(",\"trace_id\":\"");
-                    push_hex(buf, trace);
-                    buf.push_str("\",\"span_id\":\"");
-                    push_hex(buf, span);
-                    buf.push('"');
-                }
-                if let Some(e) = line.error {
-                    buf.push_str(",\"error\":");
-                    json_str(buf, e);
-                }
-                if let Some(d) = line.detail {
-                    buf.push_str(",\"detail\":");
-                    json_str(buf, d);
-                }
-                if let Some((up, down)) = line.tunnel {
-                    let _ = write!(buf, ",\"bytes_up\":{up},\"bytes_down\":{down}");
-                }
+                let _ = write!(buf, "{{\"timestamp\":\"{now}\",\"level\":\"INFO\"");
+                fields::<Json>(buf, line);
                 buf.push_str(",\"target\":\"sluice::access\"}\n");
             }
             LogFormat::Text => {
-                let _ = write!(
-                    buf,
-                    "{now}  INFO sluice::access: route={} method={} authority={} path={}",
-                    line.route, line.method, line.authority, line.path
-                );
-                if let Some(q) = query {
-                    buf.push_str(" query=");
-                    redacted_query(buf, q, |buf, s| buf.push_str(s));
-                }
-                let _ = write!(
-                    buf,
-                    " status={} member={} attempts={} duration_ms={:.3} bytes_in={} bytes_out={}",
-                    line.status,
-                    line.member,
-                    line.attempts,
-                    line.duration_ms,
-                    line.bytes_in,
-                    line.bytes_out
-                );
-                if let Some(each) = line.members_tried {
-                    buf.push_str(" members_tried=");
-                    let mut first = true;
-                    each(&mut |name| {
-                        if !std::mem::take(&mut first) {
-                            buf.push(',');
-                        }
-                        buf.push_str(name);
-                    });
-                }
-                if let Some(c) = line.client {
-                    let _ = write!(buf, " client={c}");
-                }
-                if let Some(a) = line.upstream_addr {
-                    let _ = write!(buf, " upstream_addr={a}");
-                }
-                if let Some(ms) = line.connect_ms {
-                    let _ = write!(buf, " connect_ms={ms:.3}");
-                }
-                if let Some(ms) = line.ttfb_ms {
-                    let _ = write!(buf, " ttfb_ms={ms:.3}");
-                }
-                if let Some(ua) = user_agent {
-                    let _ = write!(buf, " user_agent={ua:?}");
-                }
-                if let Some(id) = line.request_id {
-                    let _ = write!(buf, " request_id={id:?}");
-                }
-                if let Some((trace, span)) = &line.trace {
-                    buf.push_str(" trace_id=");
-                    push_hex(buf, trace);
-                    buf.push_str(" span_id=");
-                    push_hex(buf, span);
-                }
-                if let Some(e) = line.error {
-                    let _ = write!(buf, " error={e}");
-                }
-                if let Some(d) = line.detail {
-                    let _ = write!(buf, " detail={d:?}");
-                }
-                if let Some((up, down)) = line.tunnel {
-                    let _ = write!(buf, " bytes_up={up} bytes_down={down}");
-                }
+                let _ = write!(buf, "{now}  INFO sluice::access:");
+                fields::<Text>(buf, line);
                 buf.push('\n');
             }
         }
         batch.push(buf.as_bytes());
     });
+}
+
+/// Writes the fields of `line`, in one order for both formats.
+fn fields<F: Format>(buf: &mut String, line: &AccessLine<'_>) {
+    F::str(buf, "route", line.route);
+    F::str(buf, "method", line.method);
+    F::str(buf, "authority", line.authority);
+    F::str(buf, "path", line.path);
+    if let Some(q) = line.query.filter(|_| LOG_QUERY.load(Ordering::Relaxed)) {
+        F::name(buf, "query");
+        F::open(buf);
+        redacted_query(buf, q, F::escape);
+        F::close(buf);
+    }
+    F::value(buf, "status", line.status);
+    F::str(buf, "member", line.member);
+    if let Some(each) = line.members_tried {
+        F::name(buf, "members_tried");
+        F::list(buf, each);
+    }
+    F::value(buf, "attempts", line.attempts);
+    F::value(buf, "duration_ms", format_args!("{:.3}", line.duration_ms));
+    if let Some(c) = line.client {
+        F::addr(buf, "client", c);
+    }
+    F::value(buf, "bytes_in", line.bytes_in);
+    F::value(buf, "bytes_out", line.bytes_out);
+    if let Some(a) = line.upstream_addr {
+        F::addr(buf, "upstream_addr", a);
+    }
+    if let Some(ms) = line.connect_ms {
+        F::value(buf, "connect_ms", format_args!("{ms:.3}"));
+    }
+    if let Some(ms) = line.ttfb_ms {
+        F::value(buf, "ttfb_ms", format_args!("{ms:.3}"));
+    }
+    if let Some(ua) = line.user_agent {
+        F::quoted(buf, "user_agent", cut(ua, MAX_USER_AGENT));
+    }
+    if let Some(id) = line.request_id {
+        F::quoted(buf, "request_id", id);
+    }
+    if let Some((trace, span)) = &line.trace {
+        for (name, id) in [("trace_id", &trace[..]), ("span_id", &span[..])] {
+            F::name(buf, name);
+            F::open(buf);
+            push_hex(buf, id);
+            F::close(buf);
+        }
+    }
+    if let Some(e) = line.error {
+        F::str(buf, "error", e);
+    }
+    if let Some(d) = line.detail {
+        F::quoted(buf, "detail", d);
+    }
+    if let Some((up, down)) = line.tunnel {
+        F::value(buf, "bytes_up", up);
+        F::value(buf, "bytes_down", down);
+    }
+}
+
+/// How a line's fields are written: JSON (`,"name":value`) or text (` name=value`).
+trait Format {
+    /// The separator and the field's name.
+    fn name(buf: &mut String, name: &str);
+    /// Opens and closes a string value.
+    fn open(buf: &mut String);
+    fn close(buf: &mut String);
+    /// Appends part of a string value.
+    fn escape(buf: &mut String, s: &str);
+    /// A string field that reads plainly in text (names, codes, paths).
+    fn str(buf: &mut String, name: &str, v: &str) {
+        Self::name(buf, name);
+        Self::open(buf);
+        Self::escape(buf, v);
+        Self::close(buf);
+    }
+    /// A string field of free text, quoted in text too.
+    fn quoted(buf: &mut String, name: &str, v: &str);
+    /// A number.
+    fn value(buf: &mut String, name: &str, v: impl std::fmt::Display) {
+        Self::name(buf, name);
+        let _ = write!(buf, "{v}");
+    }
+    /// A socket address, a string in JSON.
+    fn addr(buf: &mut String, name: &str, a: SocketAddr) {
+        Self::name(buf, name);
+        Self::open(buf);
+        let _ = write!(buf, "{a}");
+        Self::close(buf);
+    }
+    /// A list of strings.
+    fn list(buf: &mut String, each: &EachName<'_>);
+}
+
+struct Json;
+
+impl Format for Json {
+    fn name(buf: &mut String, name: &str) {
+        buf.push_str(",\"");
+        buf.push_str(name);
+        buf.push_str("\":");
+    }
+    fn open(buf: &mut String) {
+        buf.push('"');
+    }
+    fn close(buf: &mut String) {
+        buf.push('"');
+    }
+    fn escape(buf: &mut String, s: &str) {
+        json_escape(buf, s);
+    }
+    fn quoted(buf: &mut String, name: &str, v: &str) {
+        Self::str(buf, name, v);
+    }
+    fn list(buf: &mut String, each: &EachName<'_>) {
+        buf.push('[');
+        let mut first = true;
+        each(&mut |name| {
+            if !std::mem::take(&mut first) {
+                buf.push(',');
+            }
+            json_str(buf, name);
+        });
+        buf.push(']');
+    }
+}
+
+struct Text;
+
+impl Format for Text {
+    fn name(buf: &mut String, name: &str) {
+        buf.push(' ');
+        buf.push_str(name);
+        buf.push('=');
+    }
+    fn open(_: &mut String) {}
+    fn close(_: &mut String) {}
+    fn escape(buf: &mut String, s: &str) {
+        buf.push_str(s);
+    }
+    fn quoted(buf: &mut String, name: &str, v: &str) {
+        Self::name(buf, name);
+        let _ = write!(buf, "{v:?}");
+    }
+    fn list(buf: &mut String, each: &EachName<'_>) {
+        let mut first = true;
+        each(&mut |name| {
+            if !std::mem::take(&mut first) {
+                buf.push(',');
+            }
+            buf.push_str(name);
+        });
+    }
 }
 
 /// `s` cut to at most `max` bytes, on a character boundary.
