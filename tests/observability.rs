@@ -396,3 +396,58 @@ async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
     assert_eq!(hex(&other.trace_id), new_trace.split('-').nth(1).unwrap());
     assert!(other.parent_span_id.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_has_a_request_id_client_bytes_and_members_tried() {
+    let backends = start_backends(&["b1"]).await;
+    let member = url(backends[0].local_addr());
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(member.clone())
+                .methods(&["CONNECT"]),
+        )
+        .start();
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let client_addr = client.local_addr().unwrap();
+    client
+        .write_raw(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\nX-Request-Id: tunnel-1\r\n\r\n")
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-request-id"), Some("tunnel-1"));
+    // Through the tunnel, the member is the echo server.
+    let r = client
+        .request(
+            "GET",
+            "api.test",
+            "/inside",
+            &[("connection", "close")],
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    drop(client);
+    let line = &access_lines(&gw, 1).await[0];
+    assert_eq!(line["method"], "CONNECT");
+    assert_eq!(line["request_id"], "tunnel-1");
+    assert_eq!(line["client"], client_addr.to_string());
+    assert_eq!(line["members_tried"], serde_json::json!([member]));
+    assert!(line["bytes_in"].as_u64().unwrap() > 0, "{line}");
+    assert!(line["bytes_out"].as_u64().unwrap() > 0, "{line}");
+    assert_eq!(line["bytes_in"], line["bytes_up"]);
+
+    // A CONNECT refused by sluice carries an id too.
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(b"CONNECT nowhere.test:443 HTTP/1.1\r\nHost: nowhere.test:443\r\n\r\n")
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    assert_eq!(r.status, 404);
+    let id = r.header("x-request-id").expect("an id").to_string();
+    let lines = access_lines(&gw, 2).await;
+    assert_eq!(lines[1]["request_id"], id.as_str());
+}

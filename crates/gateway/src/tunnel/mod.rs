@@ -152,7 +152,9 @@ impl Tunnels {
             }
             Err(Some(problem)) => {
                 end.status = problem.status;
-                head::answer(&mut client, &problem, None, None, None).await;
+                let id = crate::trace::request_id(None);
+                head::answer(&mut client, &id, &problem, None, None, None).await;
+                end.request_id = Some(id);
                 String::new()
             }
             // The client left before its head was complete.
@@ -169,6 +171,11 @@ impl Tunnels {
         client_ip: Option<IpAddr>,
         end: &mut End,
     ) {
+        let id = end
+            .request_id
+            .clone()
+            .unwrap_or_else(|| crate::trace::request_id(None));
+        let id = &id;
         let host = head.headers.get(http::header::HOST).map(|h| h.as_bytes());
         let target = match target::parse(
             &Method::CONNECT,
@@ -180,7 +187,7 @@ impl Tunnels {
             Err(reject) => {
                 let p = Problem::bad_target(reject);
                 end.status = p.status;
-                head::answer(client, &p, None, None, None).await;
+                head::answer(client, id, &p, None, None, None).await;
                 return;
             }
         };
@@ -201,7 +208,7 @@ impl Tunnels {
                 None => (Problem::no_route(), None),
             };
             end.status = p.status;
-            head::answer(client, &p, end.route.as_deref(), None, allow).await;
+            head::answer(client, id, &p, end.route.as_deref(), None, allow).await;
             return;
         };
         end.route = Some(route.clone());
@@ -212,7 +219,7 @@ impl Tunnels {
             let p = Problem::destination_denied(denied.to_string());
             end.status = p.status;
             end.error = Some("destination_denied");
-            head::answer(client, &p, Some(&route), None, None).await;
+            head::answer(client, id, &p, Some(&route), None, None).await;
             return;
         }
 
@@ -236,7 +243,7 @@ impl Tunnels {
                     if no_member {
                         end.error = Some("no_member");
                     }
-                    head::answer(client, &problem, Some(&route), ratelimit, None).await;
+                    head::answer(client, id, &problem, Some(&route), ratelimit, None).await;
                     return;
                 }
             };
@@ -320,14 +327,14 @@ impl Tunnels {
             };
             end.status = p.status;
             end.error = Some(code);
-            head::answer(client, &p, Some(&route), ratelimit, None).await;
+            head::answer(client, id, &p, Some(&route), ratelimit, None).await;
             return;
         };
         if let Some(m) = end.member.map(|i| &route.members[i]) {
             m.attempts_ok.inc();
         }
 
-        if !head::established(client, &route, ratelimit).await {
+        if !head::established(client, id, &route, ratelimit).await {
             end.error = Some("client_gone");
             return;
         }
