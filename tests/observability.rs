@@ -22,15 +22,24 @@ async fn access_lines(gw: &Gateway, n: usize) -> Vec<Value> {
     lines()
 }
 
+/// One echo member behind route `api` (host `api.test`), with `extra` appended to the config's
+/// top level.
+async fn one_member(extra: &str) -> (sluice_echo::EchoServer, Gateway) {
+    let mut backends = start_backends(&["b1"]).await;
+    let yaml = Config::new()
+        .route(Route::new("api").member(url(backends[0].local_addr())))
+        .yaml()
+        + extra;
+    let gw = Gateway::start_with_ports(&yaml);
+    (backends.remove(0), gw)
+}
+
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_access_line_has_every_field_and_no_query_or_header_value() {
-    let backends = start_backends(&["b1"]).await;
-    let gw = Config::new()
-        .route(Route::new("api").member(url(backends[0].local_addr())))
-        .start();
+    let (backend, gw) = one_member("").await;
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     let client_addr = client.local_addr().unwrap();
     let r = client
@@ -70,7 +79,7 @@ async fn the_access_line_has_every_field_and_no_query_or_header_value() {
     assert_eq!(line["client"], client_addr.to_string());
     assert_eq!(line["bytes_in"], 5);
     assert_eq!(line["bytes_out"].as_u64(), Some(r.body.len() as u64));
-    assert_eq!(line["upstream_addr"], backends[0].local_addr().to_string());
+    assert_eq!(line["upstream_addr"], backend.local_addr().to_string());
     assert!(
         line["connect_ms"].as_f64().is_some(),
         "a new connection: {line}"
@@ -83,7 +92,7 @@ async fn the_access_line_has_every_field_and_no_query_or_header_value() {
     assert_eq!(line["span_id"], parts[2]);
     assert_eq!(
         line["members_tried"],
-        serde_json::json!([url(backends[0].local_addr())])
+        serde_json::json!([url(backend.local_addr())])
     );
     assert!(line.get("error").is_none(), "{line}");
 
@@ -113,12 +122,7 @@ async fn the_access_line_has_every_field_and_no_query_or_header_value() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_query_logs_the_query_with_secret_values_redacted() {
-    let backends = start_backends(&["b1"]).await;
-    let yaml = Config::new()
-        .route(Route::new("api").member(url(backends[0].local_addr())))
-        .yaml()
-        + "log:\n  query: true\n";
-    let gw = Gateway::start_with_ports(&yaml);
+    let (_backend, gw) = one_member("log:\n  query: true\n").await;
     let r = request(
         gw.proxy_addr(),
         "GET",
@@ -238,10 +242,7 @@ async fn gateway_answers_and_parser_rejections_carry_a_request_id_and_a_code() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_traceparent_starts_a_new_trace() {
-    let backends = start_backends(&["b1"]).await;
-    let gw = Config::new()
-        .route(Route::new("api").member(url(backends[0].local_addr())))
-        .start();
+    let (_backend, gw) = one_member("").await;
     let r = request(
         gw.proxy_addr(),
         "GET",
@@ -336,12 +337,10 @@ fn hex(bytes: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
     let (receiver, spans) = otlp_receiver().await;
-    let backends = start_backends(&["b1"]).await;
-    let yaml = Config::new()
-        .route(Route::new("api").member(url(backends[0].local_addr())))
-        .yaml()
-        + &format!("tracing:\n  otlp:\n    endpoint: http://{receiver}\n    sample_ratio: 1.0\n");
-    let gw = Gateway::start_with_ports(&yaml);
+    let (backend, gw) = one_member(&format!(
+        "tracing:\n  otlp:\n    endpoint: http://{receiver}\n    sample_ratio: 1.0\n"
+    ))
+    .await;
     let r = request(
         gw.proxy_addr(),
         "GET",
@@ -389,7 +388,7 @@ async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
     assert_eq!(attr("http.response.status_code"), Some(V::IntValue(200)));
     assert_eq!(
         attr("sluice.member"),
-        Some(V::StringValue(url(backends[0].local_addr())))
+        Some(V::StringValue(url(backend.local_addr())))
     );
     assert!(format!("{spans:?}").find("secret").is_none());
     let other = spans.iter().find(|s| hex(&s.trace_id) != TRACE_ID).unwrap();
