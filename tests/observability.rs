@@ -450,3 +450,29 @@ async fn a_tunnel_has_a_request_id_client_bytes_and_members_tried() {
     let lines = access_lines(&gw, 2).await;
     assert_eq!(lines[1]["request_id"], id.as_str());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_refusal_has_its_line_code_and_request_id() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(url(backends[0].local_addr()))
+                .quota(support::Quota::window("minute", 1, "1m")),
+        )
+        .start();
+    let first = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(first.status, 200);
+    let refused = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(refused.status, 429);
+    let id = refused.header("x-request-id").expect("an id on a 429");
+    let lines = access_lines(&gw, 2).await;
+    assert_eq!(lines[1]["status"], 429);
+    assert_eq!(lines[1]["error"], "quota_exceeded");
+    assert_eq!(lines[1]["request_id"], id);
+    assert_eq!(lines[1]["members_tried"], serde_json::json!([]));
+    assert_eq!(
+        lines[1]["bytes_out"].as_u64(),
+        Some(refused.body.len() as u64)
+    );
+}
