@@ -25,6 +25,12 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A CA, and a server certificate it signed for `subject_alt_names` (e.g. `IP:127.0.0.1`).
 fn make_certificates(dir: &Path, subject_alt_names: &str) {
+    make_certificates_for_days(dir, subject_alt_names, "1");
+}
+
+/// [`make_certificates`] with the server certificate valid for `days` from now (`-1`: it
+/// expired before it began, so it is expired now).
+fn make_certificates_for_days(dir: &Path, subject_alt_names: &str, days: &str) {
     openssl(
         dir,
         &[
@@ -76,7 +82,7 @@ fn make_certificates(dir: &Path, subject_alt_names: &str) {
             "ca.key",
             "-CAcreateserial",
             "-days",
-            "1",
+            days,
             "-extfile",
             "san.ext",
             "-out",
@@ -170,7 +176,27 @@ async fn a_member_whose_certificate_does_not_verify_is_never_used() {
     let gw = Gateway::start_with_ports(&config(&format!("https://127.0.0.1:{}", server.port)));
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 502, "{}", r.text());
-    assert_eq!(r.header("x-sluice-error"), Some("upstream_unreachable"));
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
+    let reason = "certificate verify failed: unknown issuer";
+    assert_eq!(r.json()["detail"], reason);
+    assert_tls_line(&gw, reason).await;
+}
+
+/// The access line of the one request says `upstream_tls` and why.
+async fn assert_tls_line(gw: &Gateway, reason: &str) {
+    let line = || {
+        gw.log_json()
+            .into_iter()
+            .find(|l| l["target"] == "sluice::access")
+    };
+    assert!(
+        support::wait_until(Duration::from_secs(10), || line().is_some()).await,
+        "{}",
+        gw.logs()
+    );
+    let line = line().unwrap();
+    assert_eq!(line["error"], "upstream_tls", "{line}");
+    assert_eq!(line["detail"], reason, "{line}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,6 +212,28 @@ async fn a_certificate_for_another_name_is_refused() {
     );
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
+    let reason = "certificate verify failed: wrong name";
+    assert_eq!(r.json()["detail"], reason);
+    assert_tls_line(&gw, reason).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_certificate_is_refused_as_expired() {
+    let dir = support::TempDir::new("sluice-tls");
+    make_certificates_for_days(dir.path(), "IP:127.0.0.1", "-1");
+    let server = TlsServer::start(dir.path());
+    let ca = dir.path().join("ca.pem").display().to_string();
+    let gw = Gateway::start_with_ports_and_env(
+        &config(&format!("https://127.0.0.1:{}", server.port)),
+        &[("SSL_CERT_FILE", &ca)],
+    );
+    let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
+    let reason = "certificate verify failed: expired";
+    assert_eq!(r.json()["detail"], reason);
+    assert_tls_line(&gw, reason).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

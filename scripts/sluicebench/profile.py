@@ -6,7 +6,9 @@
 Knobs (environment): REQUEST_SECONDS (5), CONNECTIONS (8), LOG (on | off, default on),
 BUILD (1; 0 profiles ${CARGO_TARGET_DIR:-target}/release/sluice as it is), SLUICE_BIN_DIR (a
 directory holding a release sluice; no build), KEEP (0; 1 keeps the work directory with
-callgrind.out for callgrind_annotate / kcachegrind).
+callgrind.out for callgrind_annotate / kcachegrind), OTLP (off | on: span export on, every
+request sampled, to a loopback OTLP/HTTP sink this script runs, which answers 200 and keeps
+nothing).
 
 sluice (threads: 1, one round_robin route over two nginx backends answering "ok\\n") runs under
 `valgrind --tool=callgrind --instr-atstart=no`. After an unrecorded warm-up, instrumentation is
@@ -18,7 +20,9 @@ counts user-space instructions only: syscalls and the kernel are not in these fi
 from __future__ import annotations
 
 import argparse
+import http.server
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -118,20 +122,46 @@ def main(argv: list[str]) -> int:
     connections = knobs.int("CONNECTIONS", 8, minimum=1)
     log_on = knobs.choice("LOG", "on", ("on", "off")) == "on"
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
+    otlp_on = knobs.choice("OTLP", "off", ("off", "on")) == "on"
     common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
                    "sudo apt-get install -y valgrind wrk nginx-light")
     procs = Procs("profile", keep)
     try:
         sluice = common.sluice_binary("profile", knobs)
-        print(profile(procs, sluice, seconds, connections, log_on))
+        print(profile(procs, sluice, seconds, connections, log_on, otlp_on))
     finally:
         procs.cleanup()
     return 0
 
 
-def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: bool) -> str:
+class _OtlpSink(http.server.BaseHTTPRequestHandler):
+    """Takes an OTLP/HTTP export and answers 200, keeping nothing."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 (the handler's name is http.server's)
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def otlp_sink(procs: Procs) -> str:
+    """Starts the sink on a thread of this process; its endpoint."""
+    port = procs.free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _OtlpSink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{port}"
+
+
+def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: bool,
+            otlp_on: bool = False) -> str:
     backends = start_backends(procs)
     port, admin = procs.free_port(), procs.free_port()
+    tracing = f"tracing:\n  otlp:\n    endpoint: {otlp_sink(procs)}\n" if otlp_on else ""
     # Config and log in different directories: sluice watches its config's directory.
     cfg = procs.work / "conf" / "sluice.yaml"
     cfg.parent.mkdir(parents=True)
@@ -139,7 +169,7 @@ def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: 
 threads: 1
 admin:
   listen: "127.0.0.1:{admin}"
-routes:
+{tracing}routes:
   - name: bench
     match:
       hosts: ["*"]
@@ -186,7 +216,8 @@ routes:
     incl_rows = rows(incl_txt, out.requests, common.ROOT)
 
     lines = [
-        f"sluice {common.git_revision()}, access log {'on' if log_on else 'off'}, threads: 1,",
+        f"sluice {common.git_revision()}, access log {'on' if log_on else 'off'}, "
+        f"OTLP export {'on' if otlp_on else 'off'}, threads: 1,",
         f"wrk -t1 -c{connections} -d{seconds}s: {out.requests} requests in the recorded window;",
         f"{total} instructions, {total / out.requests:.0f} per request (user space, all threads).",
         "",

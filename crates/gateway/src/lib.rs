@@ -11,6 +11,7 @@
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`egress`]: the guard on destinations the client chooses, and the resolver behind it;
 //! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
+//! - [`trace`]: request ids and W3C trace context; [`otel`]: span export over OTLP;
 //! - [`server`]: process life; [`limits`]: bounds on client connections.
 
 pub mod admin;
@@ -27,6 +28,7 @@ pub mod limits;
 pub mod listen_tls;
 pub mod logging;
 pub mod metrics;
+pub mod otel;
 pub mod problem;
 pub mod quota;
 pub mod ratelimit;
@@ -38,6 +40,7 @@ pub mod server;
 pub mod state;
 pub mod table;
 pub mod target;
+pub mod trace;
 pub mod tunnel;
 pub mod wait;
 

@@ -48,6 +48,9 @@ pub struct Metrics {
     /// `sluice_tunnel_bytes_total{route,direction}`: bytes carried by tunnels; direction is
     /// `up` (client to member) or `down`.
     pub tunnel_bytes: IntCounterVec,
+    /// `sluice_bytes_total{route,direction}`: body bytes of requests and tunnels; direction is
+    /// `in` (from the client) or `out` (to the client). Present per route from the start.
+    pub bytes: IntCounterVec,
     /// `sluice_member_cooldowns_total{route,member}`: cooldowns learned from a member's
     /// answers (SPEC §8).
     pub member_cooldowns: IntCounterVec,
@@ -129,6 +132,11 @@ impl Metrics {
             "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
             &["route", "direction"],
         );
+        let bytes = counter(
+            "sluice_bytes_total",
+            "Body bytes from clients (in) and to clients (out), requests and tunnels, by route.",
+            &["route", "direction"],
+        );
         let member_cooldowns = counter(
             "sluice_member_cooldowns_total",
             "Cooldowns learned from a member's answers (a status in cooldown.on_status).",
@@ -184,6 +192,7 @@ impl Metrics {
             memory_trims,
             tunnels_active,
             tunnel_bytes,
+            bytes,
             member_cooldowns,
         }
     }

@@ -92,6 +92,17 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 502: the last connection attempt failed its TLS handshake; `reason` says why, e.g.
+    /// "certificate verify failed: unknown issuer" (a fixed phrase, `request::account`).
+    pub fn upstream_tls(reason: &str) -> Problem {
+        Problem {
+            status: 502,
+            code: "upstream_tls",
+            title: "Upstream TLS handshake failed",
+            detail: reason.into(),
+            retry_after_ms: None,
+        }
+    }
     /// 403: the egress guard refuses the client's destination (SPEC §7). `reason` names the
     /// rule that refused it (e.g. "127.0.0.1 is loopback (RFC 1122)"); nothing was contacted.
     pub fn destination_denied(reason: impl Into<String>) -> Problem {

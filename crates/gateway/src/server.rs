@@ -55,6 +55,10 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     check_listeners(&config)?;
     warn_if_admin_exposed(&config);
     let limits = crate::limits::prepare(&config.limits);
+    crate::logging::set_log_query(config.log.query);
+    if let Some(otlp) = &config.tracing.otlp {
+        crate::otel::start(otlp)?;
+    }
     let metrics = Arc::new(Metrics::new());
     let state = crate::state::open(&config)?;
     // The process's one resolver: member names (crate::dns) and client-chosen destinations
@@ -281,6 +285,7 @@ fn drain_then_exit(stop: mpsc::Receiver<()>, in_flight: Arc<AtomicUsize>) {
     }
     let left = in_flight.load(Ordering::Acquire);
     tracing::info!(target: "sluice::server", cut = left, "sluice stopped");
+    crate::otel::flush();
     crate::logging::flush();
     std::process::exit(0);
 }

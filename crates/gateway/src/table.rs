@@ -66,6 +66,8 @@ pub struct Route {
     pub duration: Histogram,
     /// `sluice_selection_fallbacks_total{route}`, resolved once.
     pub selection_fallbacks: IntCounter,
+    /// `sluice_bytes_total{route,direction}`: `in`, then `out`, resolved once.
+    pub bytes: [prometheus::IntCounter; 2],
     /// `sluice_requests_total{route,status}`, the common statuses' handles kept once used.
     pub requests: crate::metrics::RouteRequests,
     /// The quota gating the route, if any; shared with the previous table when unchanged.
@@ -194,6 +196,9 @@ pub struct Settings {
     pub limits: LimitsConfig,
     /// `dns` (the process's one resolver is made at start).
     pub dns: DnsConfig,
+    /// `log` and `tracing` (the log and the exporter are set up at start).
+    pub log: crate::config::LogConfig,
+    pub tracing: crate::config::TracingConfig,
 }
 
 impl Settings {
@@ -205,6 +210,8 @@ impl Settings {
             state: config.state.clone(),
             limits: config.limits.clone(),
             dns: config.dns.clone(),
+            log: config.log.clone(),
+            tracing: config.tracing.clone(),
         }
     }
 
@@ -216,6 +223,8 @@ impl Settings {
             || self.state != other.state
             || self.limits != other.limits
             || self.dns != other.dns
+            || self.log != other.log
+            || self.tracing != other.tracing
     }
 }
 
@@ -265,6 +274,7 @@ async fn build_route(
         },
         selection_fallbacks: metrics.selection_fallbacks.with_label_values(&[&name]),
         requests: crate::metrics::RouteRequests::new(name.clone()),
+        bytes: ["in", "out"].map(|d| metrics.bytes.with_label_values(&[&name, d])),
         selection: up.selection,
         // A new policy per table: least-used writes this table's member list to the store on
         // the route's first request.

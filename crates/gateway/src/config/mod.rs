@@ -49,6 +49,10 @@ pub struct Config {
     pub dns: DnsConfig,
     /// Bounds on client connections.
     pub limits: LimitsConfig,
+    /// What access lines carry.
+    pub log: LogConfig,
+    /// Span export.
+    pub tracing: TracingConfig,
     /// The routes, matched as SPEC §3 says.
     pub routes: Vec<RouteConfig>,
 }
@@ -166,6 +170,8 @@ impl Config {
                 egress,
                 dns,
                 limits,
+                log,
+                tracing,
                 routes: Some(routes),
             }) => {
                 let config = Config {
@@ -176,6 +182,8 @@ impl Config {
                     egress,
                     dns,
                     limits,
+                    log,
+                    tracing,
                     routes,
                 };
                 let problems = config.validate();
@@ -250,6 +258,10 @@ struct Document<R> {
     dns: DnsConfig,
     #[serde(default)]
     limits: LimitsConfig,
+    #[serde(default)]
+    log: LogConfig,
+    #[serde(default)]
+    tracing: TracingConfig,
     #[serde(default)]
     routes: Option<Vec<R>>,
 }

@@ -1264,6 +1264,54 @@ impl Default for EgressConfig {
     }
 }
 
+/// `log:` — what access lines carry. Read at start: a change takes a restart.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// Log the query string, with the values of secret-looking parameters redacted (README
+    /// "Access log"). Off: the path alone.
+    #[serde(default)]
+    pub query: bool,
+}
+
+/// `tracing:` — span export. Read at start: a change takes a restart.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TracingConfig {
+    /// Export one span per request over OTLP/HTTP; absent: no export.
+    #[serde(default)]
+    pub otlp: Option<OtlpConfig>,
+}
+
+/// `tracing.otlp:` — where spans go, and how many.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpConfig {
+    /// The receiver's base URL, `http://host:port` (OTLP/HTTP, protobuf); spans are POSTed to
+    /// `<endpoint>/v1/traces`.
+    pub endpoint: String,
+    /// The share of new traces (requests without a sampled `traceparent`) exported, 0 to 1. A
+    /// request with a valid `traceparent` follows its sampled flag.
+    #[serde(default = "default_sample_ratio")]
+    pub sample_ratio: f64,
+    /// Spans held for export at most; past it new spans are dropped, never waited for.
+    #[serde(default = "default_max_queue")]
+    pub max_queue: NonZeroU32,
+    /// `service.name` of the spans.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+fn default_sample_ratio() -> f64 {
+    1.0
+}
+fn default_max_queue() -> NonZeroU32 {
+    NonZeroU32::new(2048).unwrap()
+}
+fn default_service_name() -> String {
+    "sluice".into()
+}
+
 /// `dns:` — the name servers sluice asks for member host names and for the destinations
 /// clients choose (SPEC §7). Read at start: a change takes a restart.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]

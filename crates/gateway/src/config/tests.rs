@@ -1387,3 +1387,31 @@ fn connect_health_checks_are_for_proxy_pools_and_need_a_target() {
         "applies to kind: http only",
     );
 }
+
+#[test]
+fn log_and_tracing_are_off_by_default_and_checked() {
+    let config = parse("routes: []\n");
+    assert!(!config.log.query);
+    assert_eq!(config.tracing.otlp, None);
+    let config = parse(
+        "log:\n  query: true\ntracing:\n  otlp:\n    endpoint: http://127.0.0.1:4318\nroutes: []\n",
+    );
+    assert!(config.log.query);
+    let otlp = config.tracing.otlp.expect("otlp");
+    assert_eq!(otlp.sample_ratio, 1.0);
+    assert_eq!(otlp.max_queue.get(), 2048);
+    assert_eq!(otlp.service_name, "sluice");
+    let all = errors(
+        "tracing:\n  otlp:\n    endpoint: https://collector:4318\n    sample_ratio: 1.5\nroutes: []\n",
+    );
+    assert_eq!(all.len(), 2, "{all:#?}");
+    assert!(all[0].contains("tracing.otlp.endpoint") && all[0].contains("only http://"));
+    assert!(all[1].contains("tracing.otlp.sample_ratio") && all[1].contains("from 0"));
+    let all = errors("tracing:\n  otlp:\n    endpoint: http://u:p@collector:4318\nroutes: []\n");
+    assert!(all.len() == 1 && all[0].contains("credentials"), "{all:#?}");
+    one_error(
+        "log:\n  queries: true\nroutes: []\n",
+        "2:3: log.queries",
+        "unknown field",
+    );
+}

@@ -51,6 +51,28 @@ fn written(d: Duration) -> String {
     format!("{us}us")
 }
 
+/// `tracing.otlp.endpoint`: an `http://` base URL with a host, and nothing a log could leak.
+fn check_otlp_endpoint(endpoint: &str) -> Result<(), String> {
+    let uri: http::Uri = endpoint
+        .parse()
+        .map_err(|_| format!("{endpoint:?} is not a URL; write it as http://HOST:PORT"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!(
+            "{endpoint:?}: only http:// OTLP receivers are supported (OTLP/HTTP, protobuf); put a collector next to sluice for TLS"
+        ));
+    }
+    match uri.authority() {
+        None => Err(format!("{endpoint:?} names no host")),
+        Some(a) if a.as_str().contains('@') => Err(
+            "the OTLP endpoint must not carry credentials: sluice would log its URL".to_string(),
+        ),
+        Some(_) if uri.query().is_some() => Err(format!(
+            "{endpoint:?}: a query has no place in the OTLP base URL"
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
 /// `problems` gains an entry if `d` is longer than `max`.
 fn at_most(
     problems: &mut Vec<(YamlPath, String)>,
@@ -143,6 +165,21 @@ impl Config {
                 admin_at.clone(),
                 "port 0 would listen on a random port; give the port to listen on".to_string(),
             ));
+        }
+        if let Some(otlp) = &self.tracing.otlp {
+            let at = YamlPath::root().key("tracing").key("otlp");
+            if let Err(why) = check_otlp_endpoint(&otlp.endpoint) {
+                problems.push((at.clone().key("endpoint"), why));
+            }
+            if !(0.0..=1.0).contains(&otlp.sample_ratio) {
+                problems.push((
+                    at.key("sample_ratio"),
+                    format!(
+                        "{} is not a share: give a number from 0 (none) to 1 (every new trace)",
+                        otlp.sample_ratio
+                    ),
+                ));
+            }
         }
         let mut seen = HashMap::new();
         for (i, listener) in self.listen.iter().enumerate() {

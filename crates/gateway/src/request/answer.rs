@@ -54,6 +54,10 @@ async fn problem_and(
 ) -> Result<()> {
     let route = ctx.route.as_deref();
     let (mut head, body) = problem::render(&p, route.map(|r| &*r.name));
+    ctx.seen.answered = Some(p.code);
+    if let Some(id) = &ctx.seen.request_id {
+        head.insert_header("x-request-id", id.clone())?;
+    }
     if let Some(allow) = allow {
         head.insert_header(header::ALLOW, allow)?;
     }
@@ -199,6 +203,9 @@ pub(crate) fn response_headers(
     ) {
         add_ratelimit(response, quota, value)?;
     }
+    if let Some(id) = &ctx.seen.request_id {
+        response.insert_header("x-request-id", id.clone())?;
+    }
     Ok(())
 }
 
@@ -213,7 +220,10 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
                 host, &denial,
             )))
         }
-        Some(Failure::Unreachable) if attempts > 0 => Some(Problem::unreachable(attempts)),
+        Some(Failure::Unreachable) if attempts > 0 => Some(match ctx.seen.tls_failure {
+            Some(reason) => Problem::upstream_tls(reason),
+            None => Problem::unreachable(attempts),
+        }),
         _ => match e.esource() {
             ErrorSource::Upstream => Some(match e.etype() {
                 ErrorType::ReadTimedout => Problem::upstream_timeout(),

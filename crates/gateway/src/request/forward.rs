@@ -230,6 +230,14 @@ pub(crate) fn request_headers(
             upstream.insert_header(name.clone(), value.clone())?;
         }
     }
+    // The member sees the same request id as the client and the log, and sluice's span as
+    // its parent; `tracestate` goes on as the client sent it.
+    if let Some(id) = &ctx.seen.request_id {
+        upstream.insert_header("x-request-id", id.clone())?;
+    }
+    if let Some(trace) = &ctx.seen.trace {
+        upstream.insert_header("traceparent", trace.traceparent())?;
+    }
     if let Some(ip) = session
         .client_addr()
         .and_then(|a| a.as_inet())

@@ -26,9 +26,10 @@ pub(crate) mod answer;
 mod forward;
 mod refuse;
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -145,7 +146,32 @@ pub struct RequestCtx {
     replayed: bool,
     /// A replay was just decided; `error_while_proxy` lets Pingora retry for it alone.
     replay_pending: bool,
+    /// What the access line and the request's span report beyond the above.
+    seen: Seen,
     _in_flight: InFlight,
+}
+
+/// What a request shows operators: its ids and trace context (set as soon as its head is
+/// parsed), and the timings and addresses of its upstream exchange.
+#[derive(Default)]
+pub(crate) struct Seen {
+    /// `X-Request-Id`: the client's, or sluice's ([`crate::trace::request_id`]).
+    request_id: Option<HeaderValue>,
+    trace: Option<crate::trace::TraceContext>,
+    /// The address of the last attempt's connection.
+    upstream_addr: Option<SocketAddr>,
+    /// When the current attempt asked for its connection.
+    attempt_started: Option<Instant>,
+    /// The last attempt's connect time (TCP and TLS); none for a pooled connection.
+    connect: Option<Duration>,
+    /// From the request head to the member's response head.
+    ttfb: Option<Duration>,
+    /// The code of the gateway's own answer, when it made one.
+    answered: Option<&'static str>,
+    /// The last connect failure was the TLS handshake's, for this reason.
+    tls_failure: Option<&'static str>,
+    /// Pingora's error type of the last connect failure.
+    connect_error: Option<&'static str>,
 }
 
 /// What the member is sent instead of the client's target, read from [`crate::target`]: the
@@ -226,6 +252,12 @@ impl Forward {
     }
 }
 
+/// The socket address of `peer`, when it is an IP one.
+fn peer_addr(peer: &HttpPeer) -> Option<SocketAddr> {
+    use pingora::upstreams::peer::Peer;
+    peer.address().as_inet().copied()
+}
+
 impl RequestCtx {
     /// The member of the latest attempt.
     fn member(&self) -> Option<&Member> {
@@ -251,6 +283,7 @@ impl ProxyHttp for Gateway {
             websocket: false,
             replayed: false,
             replay_pending: false,
+            seen: Seen::default(),
             _in_flight: InFlight::enter(&self.in_flight),
         }
     }
@@ -263,9 +296,15 @@ impl ProxyHttp for Gateway {
     async fn early_request_filter(
         &self,
         session: &mut Session,
-        _ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx,
     ) -> Result<()> {
         (self.head_parsed)(session.as_downstream());
+        let headers = &session.req_header().headers;
+        ctx.seen.request_id = Some(crate::trace::request_id(headers.get("x-request-id")));
+        ctx.seen.trace = Some(crate::trace::TraceContext::of(
+            headers.get("traceparent"),
+            crate::otel::sample,
+        ));
         Ok(())
     }
 
@@ -278,14 +317,16 @@ impl ProxyHttp for Gateway {
         _session: &mut Session,
         ctx: &mut RequestCtx,
     ) -> Result<Box<HttpPeer>> {
-        forward::next_peer(self, ctx).await
+        let peer = forward::next_peer(self, ctx).await;
+        ctx.seen.attempt_started = Some(Instant::now());
+        peer
     }
 
     async fn connected_to_upstream(
         &self,
         _session: &mut Session,
-        _reused: bool,
-        _peer: &HttpPeer,
+        reused: bool,
+        peer: &HttpPeer,
         #[cfg(unix)] _fd: std::os::unix::io::RawFd,
         #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
         _digest: Option<&Digest>,
@@ -295,17 +336,26 @@ impl ProxyHttp for Gateway {
             attempt.connected();
             // An earlier attempt's connect failure is no longer what happened to the request.
             ctx.failure = None;
+            ctx.seen.tls_failure = None;
         }
+        ctx.seen.upstream_addr = peer_addr(peer);
+        ctx.seen.connect = (!reused)
+            .then(|| ctx.seen.attempt_started.map(|t| t.elapsed()))
+            .flatten();
         Ok(())
     }
 
     fn fail_to_connect(
         &self,
         _session: &mut Session,
-        _peer: &HttpPeer,
+        peer: &HttpPeer,
         ctx: &mut RequestCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
+        ctx.seen.upstream_addr = peer_addr(peer);
+        ctx.seen.connect = None;
+        ctx.seen.tls_failure = account::tls_failure(&e);
+        ctx.seen.connect_error = Some(e.etype().as_str());
         if let Some(mut attempt) = ctx.current.take() {
             if let Some(member) = ctx.member() {
                 member.attempts_connect_failure.inc();
@@ -345,6 +395,7 @@ impl ProxyHttp for Gateway {
         response: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.seen.ttfb = Some(ctx.started.elapsed());
         answer::learn_cooldown(self, session, response, ctx).await
     }
 
@@ -380,6 +431,19 @@ impl ProxyHttp for Gateway {
         // `upstream_response_filter`: the member said it did no work.
         e.set_retry(std::mem::take(&mut ctx.replay_pending));
         e
+    }
+
+    // What Pingora's own warnings say of the request (a retried connect failure): never the
+    // query or a header value, and the request id to find its access line.
+    fn request_summary(&self, session: &Session, ctx: &RequestCtx) -> String {
+        let req = session.req_header();
+        let id = ctx.seen.request_id.as_ref().and_then(|v| v.to_str().ok());
+        format!(
+            "{} {}, request_id: {}",
+            req.method,
+            req.uri.path(),
+            id.unwrap_or("-")
+        )
     }
 
     // Failures are logged once, in the access log, with their cause.

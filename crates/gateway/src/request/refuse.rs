@@ -29,7 +29,10 @@ const WRITE_WITHIN: Duration = Duration::from_secs(1);
 pub(crate) async fn refuse(gateway: &Gateway, session: &mut ServerSession, e: &Error) {
     let started = Instant::now();
     let problem = problem_for(e, gateway.max_header_bytes);
-    let (head, body) = problem::render(&problem, None);
+    let (mut head, body) = problem::render(&problem, None);
+    // The head did not parse, so the client's own id cannot be trusted: a new one.
+    let request_id = crate::trace::request_id(None);
+    let _ = head.insert_header("x-request-id", request_id.clone());
     // A failure to write leaves nobody to answer; the status below says what was sent.
     let _ = tokio::time::timeout(WRITE_WITHIN, session.write_error_response(head, body)).await;
     // The status sent, 0 when none could be (as for every access line). A head sent whose
@@ -51,9 +54,11 @@ pub(crate) async fn refuse(gateway: &Gateway, session: &mut ServerSession, e: &E
         member: "",
         attempts: 0,
         duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+        client: session.client_addr().and_then(|a| a.as_inet()).copied(),
+        request_id: request_id.to_str().ok(),
         error: Some(problem.code),
         detail: Some(&problem.detail),
-        tunnel: None,
+        ..Default::default()
     });
 }
 

@@ -95,6 +95,7 @@ fn parse(buf: &mut BytesMut) -> Result<Option<Head>, Option<Problem>> {
 /// Answers the CONNECT with a gateway-made problem and closes the connection.
 pub(super) async fn answer(
     stream: &mut Stream,
+    id: &HeaderValue,
     p: &Problem,
     route: Option<&Route>,
     ratelimit: Option<HeaderValue>,
@@ -116,6 +117,7 @@ pub(super) async fn answer(
     if let Some(allow) = allow {
         extra.push((header::ALLOW, allow));
     }
+    extra.push((HeaderName::from_static("x-request-id"), id.clone()));
     extra.push((header::CONNECTION, HeaderValue::from_static("close")));
     for (name, value) in extra {
         let _ = head.insert_header(name, value);
@@ -136,15 +138,17 @@ pub(super) async fn answer(
     let _ = stream.shutdown().await;
 }
 
-/// Sends `200 Connection Established`, with the route's RateLimit headers. False when the
-/// client is gone.
+/// Sends `200 Connection Established`, with the request id and the route's RateLimit headers.
+/// False when the client is gone.
 pub(super) async fn established(
     stream: &mut Stream,
+    id: &HeaderValue,
     route: &Route,
     ratelimit: Option<HeaderValue>,
 ) -> bool {
     let mut out = BytesMut::with_capacity(256);
     status_line(&mut out, 200, Some("Connection Established"));
+    field(&mut out, &HeaderName::from_static("x-request-id"), id);
     if let (Some(q), Some(value)) = (route.quota.as_deref(), ratelimit) {
         field(
             &mut out,

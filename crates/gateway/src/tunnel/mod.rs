@@ -136,18 +136,25 @@ impl Tunnels {
     pub(crate) async fn serve(&self, mut client: Stream, first: Vec<u8>) {
         let started = Instant::now();
         let _in_flight = InFlight::enter(&self.in_flight);
-        let client_ip = client
+        let client_addr = client
             .get_socket_digest()
-            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-        let mut end = End::default();
+            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).copied());
+        let client_ip = client_addr.map(|a| a.ip());
+        let mut end = End {
+            client: client_addr,
+            ..End::default()
+        };
         let authority = match head::read(&mut client, first).await {
             Ok(head) => {
+                end.request_id = Some(crate::trace::request_id(head.headers.get("x-request-id")));
                 self.tunnel(&mut client, &head, client_ip, &mut end).await;
                 head.authority
             }
             Err(Some(problem)) => {
                 end.status = problem.status;
-                head::answer(&mut client, &problem, None, None, None).await;
+                let id = crate::trace::request_id(None);
+                head::answer(&mut client, &id, &problem, None, None, None).await;
+                end.request_id = Some(id);
                 String::new()
             }
             // The client left before its head was complete.
@@ -164,6 +171,11 @@ impl Tunnels {
         client_ip: Option<IpAddr>,
         end: &mut End,
     ) {
+        let id = end
+            .request_id
+            .clone()
+            .unwrap_or_else(|| crate::trace::request_id(None));
+        let id = &id;
         let host = head.headers.get(http::header::HOST).map(|h| h.as_bytes());
         let target = match target::parse(
             &Method::CONNECT,
@@ -175,7 +187,7 @@ impl Tunnels {
             Err(reject) => {
                 let p = Problem::bad_target(reject);
                 end.status = p.status;
-                head::answer(client, &p, None, None, None).await;
+                head::answer(client, id, &p, None, None, None).await;
                 return;
             }
         };
@@ -196,7 +208,7 @@ impl Tunnels {
                 None => (Problem::no_route(), None),
             };
             end.status = p.status;
-            head::answer(client, &p, end.route.as_deref(), None, allow).await;
+            head::answer(client, id, &p, end.route.as_deref(), None, allow).await;
             return;
         };
         end.route = Some(route.clone());
@@ -207,7 +219,7 @@ impl Tunnels {
             let p = Problem::destination_denied(denied.to_string());
             end.status = p.status;
             end.error = Some("destination_denied");
-            head::answer(client, &p, Some(&route), None, None).await;
+            head::answer(client, id, &p, Some(&route), None, None).await;
             return;
         }
 
@@ -231,7 +243,7 @@ impl Tunnels {
                     if no_member {
                         end.error = Some("no_member");
                     }
-                    head::answer(client, &problem, Some(&route), ratelimit, None).await;
+                    head::answer(client, id, &problem, Some(&route), ratelimit, None).await;
                     return;
                 }
             };
@@ -300,6 +312,7 @@ impl Tunnels {
             }
         };
         end.attempts = tried.count() as u32;
+        end.tried = tried.iter().collect();
         let Some(upstream) = upstream else {
             let attempts = tried.count() as u32;
             let (p, code) = if let Some(denial) = denied {
@@ -314,14 +327,14 @@ impl Tunnels {
             };
             end.status = p.status;
             end.error = Some(code);
-            head::answer(client, &p, Some(&route), ratelimit, None).await;
+            head::answer(client, id, &p, Some(&route), ratelimit, None).await;
             return;
         };
         if let Some(m) = end.member.map(|i| &route.members[i]) {
             m.attempts_ok.inc();
         }
 
-        if !head::established(client, &route, ratelimit).await {
+        if !head::established(client, id, &route, ratelimit).await {
             end.error = Some("client_gone");
             return;
         }
@@ -396,6 +409,20 @@ impl Tunnels {
             .zip(end.member)
             .and_then(|(r, i)| r.members.get(i))
             .map_or("", |m| &*m.name);
+        let (up, down) = end.bytes.unwrap_or_default();
+        if let Some(route) = &end.route {
+            route.bytes[0].inc_by(up);
+            route.bytes[1].inc_by(down);
+        }
+        let each_tried = |put: &mut dyn FnMut(&str)| {
+            if let Some(route) = &end.route {
+                for &i in &end.tried {
+                    if let Some(m) = route.members.get(i) {
+                        put(&m.name);
+                    }
+                }
+            }
+        };
         crate::logging::access(&crate::logging::AccessLine {
             route: route_name,
             method: "CONNECT",
@@ -403,11 +430,16 @@ impl Tunnels {
             path: "",
             status: end.status,
             member,
+            members_tried: Some(&each_tried),
             attempts: end.attempts,
             duration_ms: elapsed.as_secs_f64() * 1000.0,
+            client: end.client,
+            bytes_in: up,
+            bytes_out: down,
+            request_id: end.request_id.as_ref().and_then(|v| v.to_str().ok()),
             error: end.error,
-            detail: None,
             tunnel: end.bytes,
+            ..Default::default()
         });
     }
 }
@@ -421,6 +453,10 @@ struct End {
     attempts: u32,
     error: Option<&'static str>,
     bytes: Option<(u64, u64)>,
+    client: Option<std::net::SocketAddr>,
+    request_id: Option<HeaderValue>,
+    /// The members tried, in order (at most the route's retries + 1).
+    tried: Vec<usize>,
 }
 
 /// `Allow` for a route that does not allow CONNECT: its methods (it has some, or it would

@@ -1,0 +1,478 @@
+//! What operators see of a request (issue 15 items 1 and 4): the access line's fields, the
+//! redaction of queries and Pingora's own lines, request ids and W3C trace context, against the
+//! real binary and echo members.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use support::{dead_url, request, start_backends, url, Config, Gateway, HttpClient, Route};
+
+/// The access lines written so far, waiting until there are `n`.
+async fn access_lines(gw: &Gateway, n: usize) -> Vec<Value> {
+    let lines = || -> Vec<Value> {
+        gw.log_json()
+            .into_iter()
+            .filter(|l| l["target"] == "sluice::access")
+            .collect()
+    };
+    let found = support::wait_until(Duration::from_secs(10), || lines().len() >= n).await;
+    assert!(found, "fewer than {n} access lines:\n{}", gw.logs());
+    lines()
+}
+
+/// One echo member behind route `api` (host `api.test`), with `extra` appended to the config's
+/// top level.
+async fn one_member(extra: &str) -> (sluice_echo::EchoServer, Gateway) {
+    let mut backends = start_backends(&["b1"]).await;
+    let yaml = Config::new()
+        .route(Route::new("api").member(url(backends[0].local_addr())))
+        .yaml()
+        + extra;
+    let gw = Gateway::start_with_ports(&yaml);
+    (backends.remove(0), gw)
+}
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_line_has_every_field_and_no_query_or_header_value() {
+    let (backend, gw) = one_member("").await;
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let client_addr = client.local_addr().unwrap();
+    let r = client
+        .request(
+            "POST",
+            "api.test",
+            "/v1/things?q=secret-query&api_key=secret-key",
+            &[
+                ("user-agent", "obs-test/1.0"),
+                ("authorization", "Bearer secret-token"),
+                ("x-request-id", "client-id-1"),
+                ("traceparent", &format!("00-{TRACE_ID}-{CLIENT_SPAN}-01")),
+                ("tracestate", "vendor=opaque"),
+            ],
+            b"12345",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-request-id"), Some("client-id-1"));
+    let upstream = r.json();
+    let seen = &upstream["headers"];
+    assert_eq!(seen["x-request-id"], "client-id-1");
+    assert_eq!(seen["tracestate"], "vendor=opaque");
+    let tp = seen["traceparent"].as_str().expect("traceparent upstream");
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert_eq!(parts.len(), 4, "{tp}");
+    assert_eq!((parts[0], parts[1], parts[3]), ("00", TRACE_ID, "01"));
+    assert_ne!(
+        parts[2], CLIENT_SPAN,
+        "sluice's own span is the member's parent"
+    );
+
+    let line = &access_lines(&gw, 1).await[0];
+    assert_eq!(line["path"], "/v1/things");
+    assert!(line.get("query").is_none(), "{line}");
+    assert_eq!(line["client"], client_addr.to_string());
+    assert_eq!(line["bytes_in"], 5);
+    assert_eq!(line["bytes_out"].as_u64(), Some(r.body.len() as u64));
+    assert_eq!(line["upstream_addr"], backend.local_addr().to_string());
+    assert!(
+        line["connect_ms"].as_f64().is_some(),
+        "a new connection: {line}"
+    );
+    let ttfb = line["ttfb_ms"].as_f64().expect("ttfb_ms");
+    assert!(ttfb <= line["duration_ms"].as_f64().unwrap());
+    assert_eq!(line["user_agent"], "obs-test/1.0");
+    assert_eq!(line["request_id"], "client-id-1");
+    assert_eq!(line["trace_id"], TRACE_ID);
+    assert_eq!(line["span_id"], parts[2]);
+    assert_eq!(
+        line["members_tried"],
+        serde_json::json!([url(backend.local_addr())])
+    );
+    assert!(line.get("error").is_none(), "{line}");
+
+    // A second request on the same member reuses the pooled connection: no connect time.
+    let r = client
+        .request("GET", "api.test", "/again", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let generated = r
+        .header("x-request-id")
+        .expect("a generated id")
+        .to_string();
+    assert_eq!(generated.len(), 32, "{generated}");
+    let lines = access_lines(&gw, 2).await;
+    assert!(lines[1].get("connect_ms").is_none(), "{}", lines[1]);
+    assert_eq!(lines[1]["request_id"], generated.as_str());
+    let new_trace = lines[1]["trace_id"].as_str().unwrap();
+    assert_ne!(new_trace, TRACE_ID);
+    assert_eq!(new_trace.len(), 32);
+
+    let logs = gw.logs();
+    for secret in ["secret-query", "secret-key", "secret-token", "opaque"] {
+        assert!(!logs.contains(secret), "{secret} logged:\n{logs}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_query_logs_the_query_with_secret_values_redacted() {
+    let (_backend, gw) = one_member("log:\n  query: true\n").await;
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "api.test",
+        "/search?q=cats&api_key=secret1&Access_Token=secret2&page=2",
+        &[],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let line = &access_lines(&gw, 1).await[0];
+    assert_eq!(
+        line["query"],
+        "q=cats&api_key=REDACTED&Access_Token=REDACTED&page=2"
+    );
+    assert!(!gw.logs().contains("secret"), "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_request_lists_its_members_and_pingoras_warning_leaks_nothing() {
+    let backends = start_backends(&["b1"]).await;
+    let dead = dead_url();
+    let alive = url(backends[0].local_addr());
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(dead.clone())
+                .member(alive.clone())
+                .retries(1),
+        )
+        .start();
+    // Round-robin: one of the first two requests starts on the dead member and is retried.
+    for _ in 0..2 {
+        let r = request(
+            gw.proxy_addr(),
+            "GET",
+            "api.test",
+            "/x?q=secret-query",
+            &[("cookie", "session=secret-cookie")],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let lines = access_lines(&gw, 2).await;
+    let retried = lines
+        .iter()
+        .find(|l| l["attempts"] == 2)
+        .unwrap_or_else(|| panic!("no retried request:\n{}", gw.logs()));
+    assert_eq!(
+        retried["members_tried"],
+        serde_json::json!([dead.as_str(), alive.as_str()])
+    );
+    assert_eq!(
+        retried["upstream_addr"],
+        backends[0].local_addr().to_string()
+    );
+    // Pingora warns of the retried connect failure: through sluice's redaction.
+    assert!(
+        gw.wait_for_log("Fail to proxy", Duration::from_secs(5))
+            .await,
+        "{}",
+        gw.logs()
+    );
+    let logs = gw.logs();
+    assert!(!logs.contains("secret"), "{logs}");
+    assert!(!logs.contains("?q="), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_answers_and_parser_rejections_carry_a_request_id_and_a_code() {
+    let gw = Config::new()
+        .route(Route::new("api").member(dead_url()))
+        .start();
+    // A gateway-made answer: 404 no_route.
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "nowhere.test",
+        "/",
+        &[("x-request-id", "bad id with spaces")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    let id = r
+        .header("x-request-id")
+        .expect("an id on a 404")
+        .to_string();
+    assert_eq!(id.len(), 32, "an insane client id is replaced: {id}");
+    // A member that refuses the connection: 502 upstream_unreachable.
+    let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(r.status, 502);
+    assert!(r.header("x-request-id").is_some());
+    // A head the parser refuses.
+    let mut c = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    c.write_raw(b"GET /?q=secret HTTP/1.1\r\nHost: a\r\nBad\x01Name: x\r\n\r\n")
+        .await
+        .unwrap();
+    let r = c.read_response(false).await.unwrap();
+    assert_eq!(r.status, 400);
+    let parsed_id = r
+        .header("x-request-id")
+        .expect("an id on a parser 400")
+        .to_string();
+
+    let lines = access_lines(&gw, 3).await;
+    assert_eq!(lines[0]["request_id"], id.as_str());
+    assert_eq!(lines[0]["error"], "no_route");
+    assert_eq!(lines[1]["error"], "upstream_unreachable");
+    assert_eq!(lines[1]["detail"], "ConnectRefused");
+    assert_eq!(lines[2]["error"], "bad_request");
+    assert_eq!(lines[2]["request_id"], parsed_id.as_str());
+    assert!(lines[2]["client"].is_string());
+    assert!(!gw.logs().contains("secret"), "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_traceparent_starts_a_new_trace() {
+    let (_backend, gw) = one_member("").await;
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "api.test",
+        "/",
+        &[(
+            "traceparent",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        )],
+        b"",
+    )
+    .await;
+    let tp = r.json()["headers"]["traceparent"]
+        .as_str()
+        .expect("a traceparent")
+        .to_string();
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert_ne!(parts[1], "00000000000000000000000000000000");
+    // Export is off: a new trace is not sampled.
+    assert_eq!(parts[3], "00");
+    let line = &access_lines(&gw, 1).await[0];
+    assert_eq!(line["trace_id"], parts[1]);
+    assert_eq!(line["span_id"], parts[2]);
+}
+
+/// A small OTLP/HTTP receiver on loopback: answers every `POST /v1/traces` with 200 and keeps
+/// the spans, decoded with the OTLP protobuf types.
+async fn otlp_receiver() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>,
+) {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message as _;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = spans.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // One request: the head, then Content-Length bytes of body.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                    assert!(head.starts_with("post /v1/traces "), "{head}");
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map(|v| v.trim().parse().unwrap())
+                        .expect("a Content-Length");
+                    while buf.len() < head_end + len {
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body: Vec<u8> = buf.drain(..head_end + len).skip(head_end).collect();
+                    let request = ExportTraceServiceRequest::decode(&body[..]).unwrap();
+                    for rs in request.resource_spans {
+                        for ss in rs.scope_spans {
+                            kept.lock().unwrap().extend(ss.spans);
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                    if conn.write_all(answer).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, spans)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
+    let (receiver, spans) = otlp_receiver().await;
+    let (backend, gw) = one_member(&format!(
+        "tracing:\n  otlp:\n    endpoint: http://{receiver}\n    sample_ratio: 1.0\n"
+    ))
+    .await;
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "api.test",
+        "/traced?q=secret",
+        &[("traceparent", &format!("00-{TRACE_ID}-{CLIENT_SPAN}-01"))],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let sent = r.json()["headers"]["traceparent"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sluice_span = sent.split('-').nth(2).unwrap().to_string();
+    // A request with no traceparent starts a sampled trace of its own (sample_ratio 1).
+    let r = request(gw.proxy_addr(), "GET", "api.test", "/new", &[], b"").await;
+    let new_trace = r.json()["headers"]["traceparent"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(new_trace.ends_with("-01"), "{new_trace}");
+
+    let arrived =
+        support::wait_until(Duration::from_secs(15), || spans.lock().unwrap().len() >= 2).await;
+    assert!(arrived, "no spans at the receiver:\n{}", gw.logs());
+    let spans = spans.lock().unwrap().clone();
+    let span = spans
+        .iter()
+        .find(|s| hex(&s.trace_id) == TRACE_ID)
+        .unwrap_or_else(|| panic!("no span of the client's trace: {spans:?}"));
+    assert_eq!(hex(&span.span_id), sluice_span);
+    assert_eq!(hex(&span.parent_span_id), CLIENT_SPAN);
+    assert_eq!(span.name, "GET api");
+    let attr = |key: &str| {
+        span.attributes
+            .iter()
+            .find(|a| a.key == key)
+            .and_then(|a| a.value.clone())
+            .and_then(|v| v.value)
+    };
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as V;
+    assert_eq!(attr("http.route"), Some(V::StringValue("api".into())));
+    assert_eq!(attr("url.path"), Some(V::StringValue("/traced".into())));
+    assert_eq!(attr("http.response.status_code"), Some(V::IntValue(200)));
+    assert_eq!(
+        attr("sluice.member"),
+        Some(V::StringValue(url(backend.local_addr())))
+    );
+    assert!(format!("{spans:?}").find("secret").is_none());
+    let other = spans.iter().find(|s| hex(&s.trace_id) != TRACE_ID).unwrap();
+    assert_eq!(hex(&other.trace_id), new_trace.split('-').nth(1).unwrap());
+    assert!(other.parent_span_id.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_has_a_request_id_client_bytes_and_members_tried() {
+    let backends = start_backends(&["b1"]).await;
+    let member = url(backends[0].local_addr());
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(member.clone())
+                .methods(&["CONNECT"]),
+        )
+        .start();
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let client_addr = client.local_addr().unwrap();
+    client
+        .write_raw(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\nX-Request-Id: tunnel-1\r\n\r\n")
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-request-id"), Some("tunnel-1"));
+    // Through the tunnel, the member is the echo server.
+    let r = client
+        .request(
+            "GET",
+            "api.test",
+            "/inside",
+            &[("connection", "close")],
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    drop(client);
+    let line = &access_lines(&gw, 1).await[0];
+    assert_eq!(line["method"], "CONNECT");
+    assert_eq!(line["request_id"], "tunnel-1");
+    assert_eq!(line["client"], client_addr.to_string());
+    assert_eq!(line["members_tried"], serde_json::json!([member]));
+    assert!(line["bytes_in"].as_u64().unwrap() > 0, "{line}");
+    assert!(line["bytes_out"].as_u64().unwrap() > 0, "{line}");
+    assert_eq!(line["bytes_in"], line["bytes_up"]);
+
+    // A CONNECT refused by sluice carries an id too.
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(b"CONNECT nowhere.test:443 HTTP/1.1\r\nHost: nowhere.test:443\r\n\r\n")
+        .await
+        .unwrap();
+    let r = client.read_response(true).await.unwrap();
+    assert_eq!(r.status, 404);
+    let id = r.header("x-request-id").expect("an id").to_string();
+    let lines = access_lines(&gw, 2).await;
+    assert_eq!(lines[1]["request_id"], id.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_refusal_has_its_line_code_and_request_id() {
+    let backends = start_backends(&["b1"]).await;
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(url(backends[0].local_addr()))
+                .quota(support::Quota::window("minute", 1, "1m")),
+        )
+        .start();
+    let first = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(first.status, 200);
+    let refused = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(refused.status, 429);
+    let id = refused.header("x-request-id").expect("an id on a 429");
+    let lines = access_lines(&gw, 2).await;
+    assert_eq!(lines[1]["status"], 429);
+    assert_eq!(lines[1]["error"], "quota_exceeded");
+    assert_eq!(lines[1]["request_id"], id);
+    assert_eq!(lines[1]["members_tried"], serde_json::json!([]));
+    assert_eq!(
+        lines[1]["bytes_out"].as_u64(),
+        Some(refused.body.len() as u64)
+    );
+}
