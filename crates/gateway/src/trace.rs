@@ -47,29 +47,38 @@ pub struct TraceContext {
 }
 
 impl TraceContext {
-    /// The request's trace context from the client's `traceparent`, if any. `sample` decides
-    /// whether a new trace is sampled (an incoming one keeps its own decision).
-    pub fn of(incoming: Option<&HeaderValue>, sample: impl FnOnce() -> bool) -> TraceContext {
-        let span_id = nonzero_span_id();
+    /// The request's trace context. A valid client `traceparent` is always continued: sluice's
+    /// hop becomes a span of its own (logged, and exported when export is on). Without one, a
+    /// new trace starts only when sluice exports spans (`exporting`), and `sample` decides
+    /// whether it is sampled; otherwise sluice takes no part in tracing for this request, as a
+    /// proxy with tracing off does (Envoy), and whatever the client sent under `traceparent`
+    /// goes on untouched. Starting traces nobody collects would cost a header on every request
+    /// and give the member a parent span that exists nowhere.
+    pub fn of(
+        incoming: Option<&HeaderValue>,
+        exporting: bool,
+        sample: impl FnOnce() -> bool,
+    ) -> Option<TraceContext> {
         match incoming.and_then(|v| parse_traceparent(v.as_bytes())) {
-            Some((trace_id, parent_id, flags)) => TraceContext {
+            Some((trace_id, parent_id, flags)) => Some(TraceContext {
                 trace_id,
-                span_id,
+                span_id: nonzero_span_id(),
                 parent_id: Some(parent_id),
                 flags,
-            },
-            None => {
+            }),
+            None if exporting => {
                 let mut trace_id = fastrand::u128(..);
                 if trace_id == 0 {
                     trace_id = 1;
                 }
-                TraceContext {
+                Some(TraceContext {
                     trace_id: trace_id.to_be_bytes(),
-                    span_id,
+                    span_id: nonzero_span_id(),
                     parent_id: None,
                     flags: u8::from(sample()),
-                }
+                })
             }
+            None => None,
         }
     }
 
@@ -158,7 +167,8 @@ mod tests {
     #[test]
     fn a_valid_traceparent_keeps_its_trace_and_flags() {
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let cx = TraceContext::of(Some(&HeaderValue::from_static(tp)), || false);
+        let cx = TraceContext::of(Some(&HeaderValue::from_static(tp)), false, || false)
+            .expect("a valid traceparent is continued");
         assert_eq!(cx.trace_id[0], 0x4b);
         assert_eq!(cx.parent_id, Some(0x00f067aa0ba902b7u64.to_be_bytes()));
         assert!(cx.sampled());
@@ -174,7 +184,7 @@ mod tests {
     }
 
     #[test]
-    fn invalid_traceparents_start_a_new_trace() {
+    fn invalid_traceparents_start_a_new_trace_only_when_exporting() {
         for bad in [
             "",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0",
@@ -192,11 +202,16 @@ mod tests {
             parse_traceparent(b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more")
                 .is_some()
         );
-        let cx = TraceContext::of(Some(&HeaderValue::from_static("garbage")), || true);
+        // Exporting, an invalid or absent one starts a new trace, sampled or not...
+        let garbage = HeaderValue::from_static("garbage");
+        let cx = TraceContext::of(Some(&garbage), true, || true).expect("a new trace");
         assert_eq!((cx.parent_id, cx.flags), (None, 1));
-        let cx = TraceContext::of(None, || false);
+        let cx = TraceContext::of(None, true, || false).expect("a new trace");
         assert_eq!(cx.flags, 0);
         assert_ne!(cx.trace_id, [0; 16]);
+        // ...and with export off, sluice starts none.
+        assert_eq!(TraceContext::of(Some(&garbage), false, || true), None);
+        assert_eq!(TraceContext::of(None, false, || true), None);
     }
 
     #[test]

@@ -232,8 +232,12 @@ pub(crate) fn request_headers(
     }
     // The member sees the same request id as the client and the log, and sluice's span as
     // its parent; `tracestate` goes on as the client sent it.
+    // A client's own id is usually there already: a lookup is much cheaper than an insert
+    // into Pingora's two header maps.
     if let Some(id) = &ctx.seen.request_id {
-        upstream.insert_header("x-request-id", id.clone())?;
+        if upstream.headers.get("x-request-id") != Some(id) {
+            upstream.insert_header("x-request-id", id.clone())?;
+        }
     }
     if let Some(trace) = &ctx.seen.trace {
         upstream.insert_header("traceparent", trace.traceparent())?;

@@ -301,10 +301,11 @@ impl ProxyHttp for Gateway {
         (self.head_parsed)(session.as_downstream());
         let headers = &session.req_header().headers;
         ctx.seen.request_id = Some(crate::trace::request_id(headers.get("x-request-id")));
-        ctx.seen.trace = Some(crate::trace::TraceContext::of(
+        ctx.seen.trace = crate::trace::TraceContext::of(
             headers.get("traceparent"),
+            crate::otel::enabled(),
             crate::otel::sample,
-        ));
+        );
         Ok(())
     }
 
