@@ -73,12 +73,62 @@ impl AdminApi {
         })
     }
 
+    /// What is left now in each window of `route`'s quota, read from the store without
+    /// charging anything (a cost of 0). `None` without a quota, for a quota whose key is not
+    /// `route` (its keys are the clients'), or when the store cannot answer.
+    async fn quota_remaining(&self, route: &crate::table::Route) -> Option<Vec<u64>> {
+        let quota = route.quota.as_deref()?;
+        if quota.key != crate::config::QuotaKey::Route {
+            return None;
+        }
+        let outcome = self
+            .state
+            .acquire(sluice_state::Acquire {
+                route: &route.name,
+                key: "route",
+                windows: &quota.windows,
+                cost: 0,
+                at_us: None,
+            })
+            .await
+            .ok()?;
+        Some(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
+    /// Sets `sluice_quota_remaining` from the store, so that it is exact when scraped: a gauge
+    /// set per request would go stale as windows slide with no traffic.
+    async fn refresh_quota_gauges(&self) {
+        let table = self.table.load_full();
+        for r in &table.routes {
+            let Some(quota) = r.quota.as_deref() else {
+                continue;
+            };
+            let remaining = self.quota_remaining(r).await;
+            for (i, w) in quota.windows.iter().enumerate() {
+                let labels = [&*r.name, &*w.name];
+                match remaining.as_ref().and_then(|v| v.get(i)) {
+                    Some(&left) => self
+                        .metrics
+                        .quota_remaining
+                        .with_label_values(&labels)
+                        .set(i64::try_from(left).unwrap_or(i64::MAX)),
+                    // No number rather than a stale one.
+                    None => {
+                        let _ = self.metrics.quota_remaining.remove_label_values(&labels);
+                    }
+                }
+            }
+        }
+    }
+
     /// The `/status` document. Assignment counts of least-used routes come from the store;
     /// when it cannot answer they are `null`.
     pub async fn status(&self) -> serde_json::Value {
         let table = self.table.load_full();
         let mut routes = Vec::with_capacity(table.routes.len());
+        let requests = self.metrics.requests_per_route();
         for r in &table.routes {
+            let remaining = self.quota_remaining(r).await;
             let least_used = r.selection == Selection::LeastUsed;
             let counts: Option<HashMap<String, u64>> = if least_used {
                 self.state
@@ -144,7 +194,14 @@ impl AdminApi {
                 .quota
                 .iter()
                 .flat_map(|q| &q.windows)
-                .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
+                .enumerate()
+                .map(|(i, w)| {
+                    let mut window = json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
+                    if let Some(left) = remaining.as_ref().and_then(|v| v.get(i)) {
+                        window["remaining"] = (*left).into();
+                    }
+                    window
+                })
                 .collect();
             routes.push(json!({
                 "name": &*r.name,
@@ -156,6 +213,8 @@ impl AdminApi {
                 "members": members,
                 "quota": quota,
                 "waiting": r.wait_line.as_ref().map_or(0, |l| l.len()),
+                "requests": requests.get(&*r.name).copied().unwrap_or(0),
+                "in_flight": r.in_flight.get(),
             }));
         }
         json!({
@@ -212,11 +271,14 @@ impl ServeHttp for AdminApi {
                     )
                 }
             }
-            (true, "/metrics") => reply(
-                StatusCode::OK,
-                "text/plain; version=0.0.4",
-                self.metrics.render(),
-            ),
+            (true, "/metrics") => {
+                self.refresh_quota_gauges().await;
+                reply(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    self.metrics.render(),
+                )
+            }
             (true, "/status") => {
                 let mut body = serde_json::to_vec_pretty(&self.status().await).unwrap_or_default();
                 body.push(b'\n');

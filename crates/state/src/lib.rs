@@ -73,7 +73,8 @@ pub struct Acquire<'a> {
     pub key: &'a str,
     /// The windows, all of which must admit the request.
     pub windows: &'a [Window],
-    /// The request's cost in units, at least 1.
+    /// The request's cost in units. 0 records nothing and only reports the windows' state
+    /// ([`StateStore::acquire`] only; the gateway's metrics read the quota this way).
     pub cost: u64,
     /// The time in microseconds, for tests that replay a trace. `None` (always, in the gateway)
     /// uses the store's own clock: monotonic in memory, Redis `TIME` in Redis.

@@ -145,6 +145,11 @@ pub struct RequestCtx {
     replayed: bool,
     /// A replay was just decided; `error_while_proxy` lets Pingora retry for it alone.
     replay_pending: bool,
+    /// A member's response head went to the client (`response_filter`): the answer is the
+    /// member's, not the gateway's, for `sluice_request_duration_seconds{source}`.
+    upstream_answered: bool,
+    /// `sluice_requests_in_flight{route}`, held from routing to the end of the request.
+    route_in_flight: Option<crate::metrics::GaugeGuard>,
     _in_flight: InFlight,
 }
 
@@ -251,6 +256,8 @@ impl ProxyHttp for Gateway {
             websocket: false,
             replayed: false,
             replay_pending: false,
+            upstream_answered: false,
+            route_in_flight: None,
             _in_flight: InFlight::enter(&self.in_flight),
         }
     }
@@ -270,7 +277,11 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
-        admit::admit(self, session, ctx).await
+        let answered = admit::admit(self, session, ctx).await;
+        if let Some(route) = &ctx.route {
+            ctx.route_in_flight = Some(crate::metrics::GaugeGuard::enter(&route.in_flight));
+        }
+        answered
     }
 
     async fn upstream_peer(
@@ -354,6 +365,7 @@ impl ProxyHttp for Gateway {
         response: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.upstream_answered = true;
         answer::response_headers(session, response, ctx)
     }
 
