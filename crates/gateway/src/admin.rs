@@ -251,12 +251,34 @@ fn reply(status: StatusCode, content_type: &str, body: impl Into<Vec<u8>>) -> Re
         .expect("valid response")
 }
 
+/// The dashboard: one page, compiled in, that polls `/status` from the browser.
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// `GET /`: the dashboard. Its policy lets it load nothing from elsewhere and talk only to
+/// this listener, and no other site may frame it.
+fn dashboard() -> Response<Vec<u8>> {
+    let mut page = reply(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD);
+    let headers = page.headers_mut();
+    headers.insert(
+        http::header::CONTENT_SECURITY_POLICY,
+        http::HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+        ),
+    );
+    headers.insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-store"),
+    );
+    page
+}
+
 #[async_trait]
 impl ServeHttp for AdminApi {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
         let get = req.method == http::Method::GET;
         match (get, req.uri.path()) {
+            (true, "/") => dashboard(),
             (true, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n"),
             // A config is loaded by the time this service listens; what is left to check is
             // the store (always ready in memory, a PING for Redis).
@@ -301,11 +323,13 @@ impl ServeHttp for AdminApi {
                     ),
                 }
             }
-            (_, "/reload") | (false, "/healthz" | "/readyz" | "/metrics" | "/status") => reply(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "application/json",
-                r#"{"error":"method not allowed"}"#,
-            ),
+            (_, "/reload") | (false, "/" | "/healthz" | "/readyz" | "/metrics" | "/status") => {
+                reply(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "application/json",
+                    r#"{"error":"method not allowed"}"#,
+                )
+            }
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "application/json",
