@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::{start_backends, url, Config, HealthCheck, Quota, Route};
+use support::{start_backends, url, Config, HealthCheck, KeyMember, Quota, Route};
 
 /// The venv's Python (with Selenium), from `SLUICE_TEST_PYTHON`. Unset: in CI (`CI=true`) a
 /// failure, elsewhere a skip that says so.
@@ -46,6 +46,9 @@ async fn the_dashboard_shows_status_and_follows_health() {
                 .member(metered)
                 .quota(Quota::window("hour", 5, "1h")),
         )
+        .route(Route::new("keys").least_used().key_member(
+            KeyMember::new(url(backends[2].local_addr()), "key-a").window("rpm", 4, "1m"),
+        ))
         .start();
     let page = gw.admin("/").await;
     assert_eq!(page.status, 200);
@@ -63,6 +66,7 @@ async fn the_dashboard_shows_status_and_follows_health() {
     for _ in 0..3 {
         support::get(gw.proxy_addr(), "metered.test", "/").await;
     }
+    support::get(gw.proxy_addr(), "keys.test", "/").await;
     let requests_counted = support::wait_until_async(Duration::from_secs(5), || async {
         gw.status().await["routes"][1]["requests"] == 3
     })

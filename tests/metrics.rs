@@ -8,7 +8,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use prometheus_parse::{Scrape, Value};
-use support::{dead_url, start_backends, url, Config, Gateway, HttpClient, Quota, Route};
+use support::{
+    dead_url, start_backends, url, Config, Gateway, HttpClient, KeyMember, Quota, Route,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -55,6 +57,10 @@ fn config(api: &str, quota_member: &str) -> Config {
                 .quota(Quota::window("hour", 3, "1h")),
         )
         .route(Route::new("dead").member(dead_url()))
+        .route(
+            Route::new("keys")
+                .key_member(KeyMember::new(quota_member, "key-a").window("rpm", 2, "1m")),
+        )
 }
 
 /// `GARBAGE` as a request line: Pingora's parser refuses it and sluice answers 400.
@@ -72,7 +78,7 @@ async fn every_request_is_counted_once_by_status_and_source() {
 
     // Before any traffic: every series with known labels is there, at 0.
     let before = scrape(&gw).await;
-    for route in ["api", "metered", "dead"] {
+    for route in ["api", "metered", "dead", "keys"] {
         for status in ["200", "429", "502", "503", "504"] {
             let labels = [("route", route), ("status", status)];
             assert_eq!(
@@ -121,6 +127,11 @@ async fn every_request_is_counted_once_by_status_and_source() {
     );
     let window = [("route", "metered"), ("window", "hour")];
     assert_eq!(value(&before, "sluice_quota_remaining", &window), Some(3.0));
+    let key_window = [("route", "keys"), ("member", "key-a"), ("window", "rpm")];
+    assert_eq!(
+        value(&before, "sluice_member_quota_remaining", &key_window),
+        Some(2.0)
+    );
     assert_eq!(
         value(&before, "sluice_build_info", &[]),
         Some(1.0),
@@ -153,6 +164,8 @@ async fn every_request_is_counted_once_by_status_and_source() {
         assert_eq!(support::get(proxy, "metered.test", "/").await.status, want);
         send("metered", want);
     }
+    assert_eq!(support::get(proxy, "keys.test", "/").await.status, 200);
+    send("keys", 200);
     // The failed connect marks the only member down: the next request finds none.
     for want in [502, 503] {
         assert_eq!(support::get(proxy, "dead.test", "/").await.status, want);
@@ -198,6 +211,7 @@ async fn every_request_is_counted_once_by_status_and_source() {
         ("dead", "gateway", 2.0),
         ("_none", "gateway", 3.0),
         ("-", "gateway", 1.0),
+        ("keys", "upstream", 1.0),
     ];
     for (route, source, want) in timed {
         let labels = [("route", route), ("source", source)];
@@ -217,7 +231,7 @@ async fn every_request_is_counted_once_by_status_and_source() {
     );
     assert_eq!(
         total(&after, "sluice_member_request_duration_seconds_count"),
-        9.0,
+        10.0,
         "only members' answers are timed per member"
     );
     assert_eq!(
@@ -225,6 +239,10 @@ async fn every_request_is_counted_once_by_status_and_source() {
         Some(2.0)
     );
     assert_eq!(value(&after, "sluice_quota_remaining", &window), Some(0.0));
+    assert_eq!(
+        value(&after, "sluice_member_quota_remaining", &key_window),
+        Some(1.0)
+    );
     assert_eq!(total(&after, "sluice_requests_in_flight"), 0.0);
 
     // /status carries the same per-route totals.
@@ -239,6 +257,10 @@ async fn every_request_is_counted_once_by_status_and_source() {
         assert_eq!(route["requests"], want, "{name}");
     }
     assert_eq!(status["routes"][1]["quota"][0]["remaining"], 0);
+    assert_eq!(
+        status["routes"][3]["members"][0]["quota"][0]["remaining"],
+        1
+    );
 }
 
 /// `promtool check metrics` (Debian's `prometheus` package): the exposition's syntax, and

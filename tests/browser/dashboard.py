@@ -55,11 +55,16 @@ for (const section of document.querySelectorAll("section[data-route]")) {
     quota: {},
   };
   for (const row of section.querySelectorAll("tr[data-member]")) {
-    const fields = {};
-    for (const f of row.querySelectorAll("[data-field]")) fields[f.dataset.field] = f.textContent;
+    const fields = { quota: {} };
+    for (const f of row.querySelectorAll("[data-field]")) {
+      if (!f.closest("[data-window]")) fields[f.dataset.field] = f.textContent;
+    }
+    for (const w of row.querySelectorAll("[data-window]")) {
+      fields.quota[w.dataset.window] = text(w, "[data-field=remaining]");
+    }
     route.members[row.dataset.member] = fields;
   }
-  for (const w of section.querySelectorAll("[data-window]")) {
+  for (const w of section.querySelectorAll(".quota [data-window]")) {
     route.quota[w.dataset.window] = text(w, "[data-field=remaining]");
   }
   page[section.dataset.route] = route;
@@ -79,7 +84,9 @@ def expected(doc):
         members = {}
         for m in r["members"]:
             fields = {"healthy": "up" if m["healthy"] else "down",
-                      "cooling_ms": str(m.get("cooling_ms", "-"))}
+                      "cooling_ms": str(m.get("cooling_ms", "-")),
+                      "quota": {w["name"]: str(w["remaining"])
+                                for w in m.get("quota", []) if "remaining" in w}}
             if r["selection"] == "least_used":
                 fields["assignments"] = str(m["assignments"])
             else:

@@ -95,27 +95,44 @@ impl AdminApi {
         Some(outcome.windows.iter().map(|w| w.remaining).collect())
     }
 
-    /// Sets `sluice_quota_remaining` from the store, so that it is exact when scraped: a gauge
+    /// What is left now in each of `member`'s own windows; `None` when it has none, or the
+    /// store cannot answer.
+    async fn member_remaining(
+        &self,
+        route: &str,
+        member: &crate::table::Member,
+    ) -> Option<Vec<u64>> {
+        if member.windows.is_empty() {
+            return None;
+        }
+        let pool_member = sluice_state::PoolMember {
+            id: member.name.clone(),
+            windows: member.windows.clone(),
+        };
+        self.state.member_remaining(route, &pool_member).await.ok()
+    }
+
+    /// Sets `sluice_quota_remaining` and `sluice_member_quota_remaining` from the store, so that it is exact when scraped: a gauge
     /// set per request would go stale as windows slide with no traffic.
     async fn refresh_quota_gauges(&self) {
         let table = self.table.load_full();
         for r in &table.routes {
-            let Some(quota) = r.quota.as_deref() else {
-                continue;
-            };
-            let remaining = self.quota_remaining(r).await;
-            for (i, w) in quota.windows.iter().enumerate() {
-                let labels = [&*r.name, &*w.name];
-                match remaining.as_ref().and_then(|v| v.get(i)) {
-                    Some(&left) => self
-                        .metrics
-                        .quota_remaining
-                        .with_label_values(&labels)
-                        .set(i64::try_from(left).unwrap_or(i64::MAX)),
-                    // No number rather than a stale one.
-                    None => {
-                        let _ = self.metrics.quota_remaining.remove_label_values(&labels);
-                    }
+            if let Some(quota) = r.quota.as_deref() {
+                let remaining = self.quota_remaining(r).await;
+                let mut member_left = Vec::with_capacity(r.members.len());
+                for m in r.members.iter() {
+                    member_left.push(self.member_remaining(&r.name, m).await);
+                }
+                for (i, w) in quota.windows.iter().enumerate() {
+                    let labels = [&*r.name, &*w.name];
+                    set_or_remove(&self.metrics.quota_remaining, &labels, &remaining, i);
+                }
+            }
+            for m in r.members.iter() {
+                let remaining = self.member_remaining(&r.name, m).await;
+                for (i, w) in m.windows.iter().enumerate() {
+                    let labels = [&*r.name, &*m.name, &*w.name];
+                    set_or_remove(&self.metrics.member_quota_remaining, &labels, &remaining, i);
                 }
             }
         }
@@ -129,6 +146,10 @@ impl AdminApi {
         let requests = self.metrics.requests_per_route();
         for r in &table.routes {
             let remaining = self.quota_remaining(r).await;
+            let mut member_left = Vec::with_capacity(r.members.len());
+            for m in r.members.iter() {
+                member_left.push(self.member_remaining(&r.name, m).await);
+            }
             let least_used = r.selection == Selection::LeastUsed;
             let counts: Option<HashMap<String, u64>> = if least_used {
                 self.state
@@ -155,7 +176,8 @@ impl AdminApi {
                 .members()
                 .iter()
                 .zip(r.members.iter())
-                .map(|(m, proxied)| {
+                .zip(&member_left)
+                .map(|((m, proxied), left)| {
                     // Header names only: their values are the member's secrets.
                     let headers: Vec<&str> =
                         proxied.headers.0.iter().map(|(n, _)| n.as_str()).collect();
@@ -175,7 +197,14 @@ impl AdminApi {
                         let windows: Vec<_> = proxied
                             .windows
                             .iter()
-                            .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
+                            .enumerate()
+                            .map(|(i, w)| {
+                                let mut window = json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
+                                if let Some(left) = left.as_ref().and_then(|v| v.get(i)) {
+                                    window["remaining"] = (*left).into();
+                                }
+                                window
+                            })
                             .collect();
                         member["quota"] = windows.into();
                     }
@@ -223,6 +252,24 @@ impl AdminApi {
             "last_reload_error": self.reloader.last_error(),
             "routes": routes,
         })
+    }
+}
+
+/// Sets the gauge of `labels` to the `i`th of `remaining`; with no number (the store did not
+/// answer), removes it rather than leave a stale one.
+fn set_or_remove(
+    gauge: &prometheus::IntGaugeVec,
+    labels: &[&str],
+    remaining: &Option<Vec<u64>>,
+    i: usize,
+) {
+    match remaining.as_ref().and_then(|v| v.get(i)) {
+        Some(&left) => gauge
+            .with_label_values(labels)
+            .set(i64::try_from(left).unwrap_or(i64::MAX)),
+        None => {
+            let _ = gauge.remove_label_values(labels);
+        }
     }
 }
 

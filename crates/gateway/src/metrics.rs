@@ -52,6 +52,9 @@ pub struct Metrics {
     /// `sluice_quota_remaining{route,window}`: units left in a route quota's window at scrape
     /// time (routes with `key: route` only: other keys are client-chosen label values).
     pub quota_remaining: IntGaugeVec,
+    /// `sluice_member_quota_remaining{route,member,window}`: the same for a member's own
+    /// windows.
+    pub member_quota_remaining: IntGaugeVec,
 
     /// `sluice_upstream_attempts_total{route,member,outcome}`; outcome is `ok`,
     /// `connect_failure` or `error` (failed after connecting).
@@ -223,6 +226,11 @@ impl Metrics {
             "Units left in a window of the route's quota when scraped (quotas with key: route).",
             &["route", "window"],
         );
+        let member_quota_remaining = gauge(
+            "sluice_member_quota_remaining",
+            "Units left in a window of a member's own quota when scraped.",
+            &["route", "member", "window"],
+        );
         let build_info = gauge(
             "sluice_build_info",
             "Always 1; the labels say which build is running.",
@@ -259,6 +267,7 @@ impl Metrics {
             unparsed_duration,
             in_flight,
             quota_remaining,
+            member_quota_remaining,
             upstream_attempts,
             quota_rejections,
             member_healthy,

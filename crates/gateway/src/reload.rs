@@ -200,6 +200,14 @@ fn forget_departed(metrics: &Metrics, old: &Table, new: &Table) {
                 let _ = metrics.member_healthy.remove_label_values(&labels);
                 let _ = metrics.member_duration.remove_label_values(&labels);
                 let _ = metrics.member_cooldowns.remove_label_values(&labels);
+                let windows = route.members.iter().filter(|m| m.name == member.id);
+                for w in windows.flat_map(|m| m.windows.iter()) {
+                    let _ = metrics.member_quota_remaining.remove_label_values(&[
+                        &route.name,
+                        &member.id,
+                        &w.name,
+                    ]);
+                }
                 for outcome in ["ok", "connect_failure", "error"] {
                     let _ = metrics.upstream_attempts.remove_label_values(&[
                         &route.name,

@@ -270,6 +270,14 @@ pub trait StateStore: Send + Sync + 'static {
         excluded: &[&str],
     ) -> Result<(), StoreError>;
 
+    /// What is left now in each of `member`'s own windows on `route`, in the order of
+    /// [`PoolMember::windows`], recording nothing (for metrics and status pages).
+    async fn member_remaining(
+        &self,
+        route: &str,
+        member: &PoolMember,
+    ) -> Result<Vec<u64>, StoreError>;
+
     /// Every member's assignment count, for status pages.
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError>;
 
