@@ -194,19 +194,7 @@ impl AdminApi {
                         member["cooling_ms"] = us.div_ceil(1000).into();
                     }
                     if !proxied.windows.is_empty() {
-                        let windows: Vec<_> = proxied
-                            .windows
-                            .iter()
-                            .enumerate()
-                            .map(|(i, w)| {
-                                let mut window = json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
-                                if let Some(left) = left.as_ref().and_then(|v| v.get(i)) {
-                                    window["remaining"] = (*left).into();
-                                }
-                                window
-                            })
-                            .collect();
-                        member["quota"] = windows.into();
+                        member["quota"] = windows_json(proxied.windows.iter(), left).into();
                     }
                     if least_used {
                         member["assignments"] = counts
@@ -219,19 +207,7 @@ impl AdminApi {
                     member
                 })
                 .collect();
-            let quota: Vec<_> = r
-                .quota
-                .iter()
-                .flat_map(|q| &q.windows)
-                .enumerate()
-                .map(|(i, w)| {
-                    let mut window = json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
-                    if let Some(left) = remaining.as_ref().and_then(|v| v.get(i)) {
-                        window["remaining"] = (*left).into();
-                    }
-                    window
-                })
-                .collect();
+            let quota = windows_json(r.quota.iter().flat_map(|q| &q.windows), &remaining);
             routes.push(json!({
                 "name": &*r.name,
                 "selection": match r.selection {
@@ -253,6 +229,24 @@ impl AdminApi {
             "routes": routes,
         })
     }
+}
+
+/// Quota windows for `/status`, each with what is left of it when `remaining` is known.
+fn windows_json<'a>(
+    windows: impl Iterator<Item = &'a sluice_state::Window>,
+    remaining: &Option<Vec<u64>>,
+) -> Vec<serde_json::Value> {
+    windows
+        .enumerate()
+        .map(|(i, w)| {
+            let mut window =
+                json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
+            if let Some(left) = remaining.as_ref().and_then(|v| v.get(i)) {
+                window["remaining"] = (*left).into();
+            }
+            window
+        })
+        .collect()
 }
 
 /// Sets the gauge of `labels` to the `i`th of `remaining`; with no number (the store did not

@@ -94,11 +94,10 @@ impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
+            registered(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
         };
         let requests = counter(
             "sluice_requests_total",
@@ -144,22 +143,22 @@ impl Metrics {
             "Client connections closed by a limit, by reason.",
             &["reason"],
         );
-        let connections_open = IntGauge::new(
-            "sluice_connections_open",
-            "Client connections open on the proxy listeners.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(connections_open.clone()))
-            .expect("unique metric");
-        let memory_trims = IntCounter::new(
-            "sluice_memory_trims_total",
-            "Times sluice asked the allocator to hand freed memory back to the system, after many client connections closed.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(memory_trims.clone()))
-            .expect("unique metric");
+        let connections_open = registered(
+            &registry,
+            IntGauge::new(
+                "sluice_connections_open",
+                "Client connections open on the proxy listeners.",
+            )
+            .expect("valid metric"),
+        );
+        let memory_trims = registered(
+            &registry,
+            IntCounter::new(
+                "sluice_memory_trims_total",
+                "Times sluice asked the allocator to hand freed memory back to the system, after many client connections closed.",
+            )
+            .expect("valid metric"),
+        );
         let tunnel_bytes = counter(
             "sluice_tunnel_bytes_total",
             "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
@@ -170,27 +169,24 @@ impl Metrics {
             "Cooldowns learned from a member's answers (a status in cooldown.on_status).",
             &["route", "member"],
         );
-        let tunnels_active = IntGaugeVec::new(
-            Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
-            &["route"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(tunnels_active.clone()))
-            .expect("unique metric");
-        let histogram = |name: &str, help: &str, labels: &[&str]| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(vec![
-                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0,
-                ]),
-                labels,
+        let tunnels_active = registered(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
+                &["route"],
             )
-            .expect("valid metric");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("unique metric");
-            h
+            .expect("valid metric"),
+        );
+        let histogram = |name: &str, help: &str, labels: &[&str]| {
+            let buckets = vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0,
+            ];
+            let opts = HistogramOpts::new(name, help).buckets(buckets);
+            registered(
+                &registry,
+                HistogramVec::new(opts, labels).expect("valid metric"),
+            )
         };
         let request_duration = histogram(
             "sluice_request_duration_seconds",
@@ -205,11 +201,10 @@ impl Metrics {
             &["route", "member"],
         );
         let gauge = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
+            registered(
+                &registry,
+                IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
         };
         let member_healthy = gauge(
             "sluice_member_healthy",
@@ -306,6 +301,17 @@ impl Metrics {
             .encode_to_string(&self.registry.gather())
             .unwrap_or_default()
     }
+}
+
+/// `metric`, registered in `registry`; names are fixed, so a clash is a bug.
+fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: M,
+) -> M {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
 }
 
 impl Default for Metrics {
