@@ -46,8 +46,8 @@ pub struct Metrics {
     pub no_route_duration: Histogram,
     /// `sluice_request_duration_seconds{route="-",source="gateway"}`, resolved once.
     pub unparsed_duration: Histogram,
-    /// `sluice_requests_in_flight{route}`: requests of the route between their head and the
-    /// end of their answer.
+    /// `sluice_requests_in_flight{route}`: requests of the route from admission (after any
+    /// wait in the quota line) to the end of their answer.
     pub in_flight: IntGaugeVec,
     /// `sluice_quota_remaining{route,window}`: units left in a route quota's window at scrape
     /// time (routes with `key: route` only: other keys are client-chosen label values).

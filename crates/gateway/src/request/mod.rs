@@ -148,7 +148,8 @@ pub struct RequestCtx {
     /// A member's response head went to the client (`response_filter`): the answer is the
     /// member's, not the gateway's, for `sluice_request_duration_seconds{source}`.
     upstream_answered: bool,
-    /// `sluice_requests_in_flight{route}`, held from routing to the end of the request.
+    /// `sluice_requests_in_flight{route}`, held from admission (after any wait in the quota
+    /// line) to the end of the request.
     route_in_flight: Option<crate::metrics::GaugeGuard>,
     _in_flight: InFlight,
 }
