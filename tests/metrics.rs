@@ -310,3 +310,46 @@ async fn a_scrape_passes_promtool() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// On Redis, `sluice_quota_remaining` is what every gateway together left, read at scrape time;
+/// with Redis gone it disappears rather than show a stale number, and the scrape still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_remaining_is_shared_and_never_stale() {
+    let mut redis = sluice_testkit::RedisServer::start();
+    let backends = start_backends(&["api", "metered"]).await;
+    let config = config(
+        &url(backends[0].local_addr()),
+        &url(backends[1].local_addr()),
+    )
+    .state(support::State::redis(redis.url()));
+    let (one, two) = (config.start(), config.start());
+    let window = [("route", "metered"), ("window", "hour")];
+    let key_window = [("route", "keys"), ("member", "key-a"), ("window", "rpm")];
+    support::get(one.proxy_addr(), "metered.test", "/").await;
+    support::get(two.proxy_addr(), "metered.test", "/").await;
+    support::get(two.proxy_addr(), "keys.test", "/").await;
+    for gw in [&one, &two] {
+        let s = scrape(gw).await;
+        assert_eq!(value(&s, "sluice_quota_remaining", &window), Some(1.0));
+        assert_eq!(
+            value(&s, "sluice_member_quota_remaining", &key_window),
+            Some(1.0)
+        );
+    }
+
+    redis.kill();
+    let s = scrape(&one).await;
+    assert_eq!(value(&s, "sluice_quota_remaining", &window), None);
+    assert_eq!(
+        value(&s, "sluice_member_quota_remaining", &key_window),
+        None
+    );
+    assert!(value(
+        &s,
+        "sluice_requests_total",
+        &[("route", "metered"), ("status", "200")]
+    )
+    .is_some());
+    let status = one.status().await;
+    assert!(status["routes"][1]["quota"][0].get("remaining").is_none());
+}

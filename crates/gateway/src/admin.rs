@@ -73,63 +73,22 @@ impl AdminApi {
         })
     }
 
-    /// What is left now in each window of `route`'s quota, read from the store without
-    /// charging anything (a cost of 0). `None` without a quota, for a quota whose key is not
-    /// `route` (its keys are the clients'), or when the store cannot answer.
-    async fn quota_remaining(&self, route: &crate::table::Route) -> Option<Vec<u64>> {
-        let quota = route.quota.as_deref()?;
-        if quota.key != crate::config::QuotaKey::Route {
-            return None;
-        }
-        let outcome = self
-            .state
-            .acquire(sluice_state::Acquire {
-                route: &route.name,
-                key: "route",
-                windows: &quota.windows,
-                cost: 0,
-                at_us: None,
-            })
-            .await
-            .ok()?;
-        Some(outcome.windows.iter().map(|w| w.remaining).collect())
-    }
-
-    /// What is left now in each of `member`'s own windows; `None` when it has none, or the
-    /// store cannot answer.
-    async fn member_remaining(
-        &self,
-        route: &str,
-        member: &crate::table::Member,
-    ) -> Option<Vec<u64>> {
-        if member.windows.is_empty() {
-            return None;
-        }
-        let pool_member = sluice_state::PoolMember {
-            id: member.name.clone(),
-            windows: member.windows.clone(),
-        };
-        self.state.member_remaining(route, &pool_member).await.ok()
-    }
-
-    /// Sets `sluice_quota_remaining` and `sluice_member_quota_remaining` from the store, so that it is exact when scraped: a gauge
-    /// set per request would go stale as windows slide with no traffic.
+    /// Sets `sluice_quota_remaining` and `sluice_member_quota_remaining` from the store, so
+    /// that they are exact when scraped: a gauge set per request would go stale as windows
+    /// slide with no traffic.
     async fn refresh_quota_gauges(&self) {
         let table = self.table.load_full();
+        let mut read = Remaining::new(&*self.state);
         for r in &table.routes {
             if let Some(quota) = r.quota.as_deref() {
-                let remaining = self.quota_remaining(r).await;
-                let mut member_left = Vec::with_capacity(r.members.len());
-                for m in r.members.iter() {
-                    member_left.push(self.member_remaining(&r.name, m).await);
-                }
+                let remaining = read.route(r).await;
                 for (i, w) in quota.windows.iter().enumerate() {
                     let labels = [&*r.name, &*w.name];
                     set_or_remove(&self.metrics.quota_remaining, &labels, &remaining, i);
                 }
             }
             for m in r.members.iter() {
-                let remaining = self.member_remaining(&r.name, m).await;
+                let remaining = read.member(&r.name, m).await;
                 for (i, w) in m.windows.iter().enumerate() {
                     let labels = [&*r.name, &*m.name, &*w.name];
                     set_or_remove(&self.metrics.member_quota_remaining, &labels, &remaining, i);
@@ -144,11 +103,12 @@ impl AdminApi {
         let table = self.table.load_full();
         let mut routes = Vec::with_capacity(table.routes.len());
         let requests = self.metrics.requests_per_route();
+        let mut read = Remaining::new(&*self.state);
         for r in &table.routes {
-            let remaining = self.quota_remaining(r).await;
+            let remaining = read.route(r).await;
             let mut member_left = Vec::with_capacity(r.members.len());
             for m in r.members.iter() {
-                member_left.push(self.member_remaining(&r.name, m).await);
+                member_left.push(read.member(&r.name, m).await);
             }
             let least_used = r.selection == Selection::LeastUsed;
             let counts: Option<HashMap<String, u64>> = if least_used {
@@ -228,6 +188,59 @@ impl AdminApi {
             "last_reload_error": self.reloader.last_error(),
             "routes": routes,
         })
+    }
+}
+
+/// What is left in quota windows, read for one `/status` or one scrape without charging
+/// anything (a cost of 0). After the store's first failure it asks no more: a store that is
+/// down costs one timeout, not one per route and member.
+struct Remaining<'a> {
+    state: &'a dyn StateStore,
+    failed: bool,
+}
+
+impl<'a> Remaining<'a> {
+    fn new(state: &'a dyn StateStore) -> Remaining<'a> {
+        Remaining {
+            state,
+            failed: false,
+        }
+    }
+
+    /// Each window of `route`'s quota; `None` without a quota, for a quota whose key is not
+    /// `route` (its keys are the clients'), or when the store cannot answer.
+    async fn route(&mut self, route: &crate::table::Route) -> Option<Vec<u64>> {
+        let quota = route.quota.as_deref()?;
+        if quota.key != crate::config::QuotaKey::Route || self.failed {
+            return None;
+        }
+        let read = self.state.acquire(sluice_state::Acquire {
+            route: &route.name,
+            key: "route",
+            windows: &quota.windows,
+            cost: 0,
+            at_us: None,
+        });
+        let outcome = self.answer(read.await)?;
+        Some(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
+    /// Each of `member`'s own windows; `None` when it has none, or the store cannot answer.
+    async fn member(&mut self, route: &str, member: &crate::table::Member) -> Option<Vec<u64>> {
+        if member.windows.is_empty() || self.failed {
+            return None;
+        }
+        let pool_member = sluice_state::PoolMember {
+            id: member.name.clone(),
+            windows: member.windows.clone(),
+        };
+        let read = self.state.member_remaining(route, &pool_member).await;
+        self.answer(read)
+    }
+
+    fn answer<T>(&mut self, result: Result<T, sluice_state::StoreError>) -> Option<T> {
+        self.failed |= result.is_err();
+        result.ok()
     }
 }
 
