@@ -1,7 +1,8 @@
 -- sluice quota driver: one request against one quota key. Runs after quota.lua.
 --
 -- KEYS[1]      the quota key's helper hash; KEYS[1 + i] window i's log.
--- ARGV[1]      the request's cost in units.
+-- ARGV[1]      the request's cost in units; 0 reads the windows' state and records nothing
+--              (the gateway's metrics, at scrape time).
 -- ARGV[2]      "" to read the clock with Redis TIME (always, in the gateway); tests pass a time
 --              in microseconds to replay a trace exactly.
 -- ARGV[3i], ARGV[3i+1], ARGV[3i+2]   window i's name, limit and length in microseconds.
@@ -11,6 +12,6 @@
 local logs = {}
 for i = 2, #KEYS do logs[#logs + 1] = KEYS[i] end
 local q = quota_check(KEYS[1], logs, tonumber(ARGV[1]), quota_clock(ARGV[2]), quota_windows(3, #logs))
-if q.admitted == 1 then quota_record(q) end
+if q.admitted == 1 and q.cost > 0 then quota_record(q) end
 quota_finish(q)
 return quota_reply(q, q.admitted, {})

@@ -389,7 +389,7 @@ async fn metrics_agree_with_the_requests_sent() {
         ),
         (
             "sluice_request_duration_seconds_count",
-            vec![("route", "api")],
+            vec![("route", "api"), ("source", "upstream")],
             25.0,
         ),
     ];

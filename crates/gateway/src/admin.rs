@@ -73,12 +73,43 @@ impl AdminApi {
         })
     }
 
+    /// Sets `sluice_quota_remaining` and `sluice_member_quota_remaining` from the store, so
+    /// that they are exact when scraped: a gauge set per request would go stale as windows
+    /// slide with no traffic.
+    async fn refresh_quota_gauges(&self) {
+        let table = self.table.load_full();
+        let mut read = Remaining::new(&*self.state);
+        for r in &table.routes {
+            if let Some(quota) = r.quota.as_deref() {
+                let remaining = read.route(r).await;
+                for (i, w) in quota.windows.iter().enumerate() {
+                    let labels = [&*r.name, &*w.name];
+                    set_or_remove(&self.metrics.quota_remaining, &labels, &remaining, i);
+                }
+            }
+            for m in r.members.iter() {
+                let remaining = read.member(&r.name, m).await;
+                for (i, w) in m.windows.iter().enumerate() {
+                    let labels = [&*r.name, &*m.name, &*w.name];
+                    set_or_remove(&self.metrics.member_quota_remaining, &labels, &remaining, i);
+                }
+            }
+        }
+    }
+
     /// The `/status` document. Assignment counts of least-used routes come from the store;
     /// when it cannot answer they are `null`.
     pub async fn status(&self) -> serde_json::Value {
         let table = self.table.load_full();
         let mut routes = Vec::with_capacity(table.routes.len());
+        let requests = self.metrics.requests_per_route();
+        let mut read = Remaining::new(&*self.state);
         for r in &table.routes {
+            let remaining = read.route(r).await;
+            let mut member_left = Vec::with_capacity(r.members.len());
+            for m in r.members.iter() {
+                member_left.push(read.member(&r.name, m).await);
+            }
             let least_used = r.selection == Selection::LeastUsed;
             let counts: Option<HashMap<String, u64>> = if least_used {
                 self.state
@@ -105,7 +136,8 @@ impl AdminApi {
                 .members()
                 .iter()
                 .zip(r.members.iter())
-                .map(|(m, proxied)| {
+                .zip(&member_left)
+                .map(|((m, proxied), left)| {
                     // Header names only: their values are the member's secrets.
                     let headers: Vec<&str> =
                         proxied.headers.0.iter().map(|(n, _)| n.as_str()).collect();
@@ -122,12 +154,7 @@ impl AdminApi {
                         member["cooling_ms"] = us.div_ceil(1000).into();
                     }
                     if !proxied.windows.is_empty() {
-                        let windows: Vec<_> = proxied
-                            .windows
-                            .iter()
-                            .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
-                            .collect();
-                        member["quota"] = windows.into();
+                        member["quota"] = windows_json(proxied.windows.iter(), left).into();
                     }
                     if least_used {
                         member["assignments"] = counts
@@ -140,12 +167,7 @@ impl AdminApi {
                     member
                 })
                 .collect();
-            let quota: Vec<_> = r
-                .quota
-                .iter()
-                .flat_map(|q| &q.windows)
-                .map(|w| json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000}))
-                .collect();
+            let quota = windows_json(r.quota.iter().flat_map(|q| &q.windows), &remaining);
             routes.push(json!({
                 "name": &*r.name,
                 "selection": match r.selection {
@@ -156,6 +178,8 @@ impl AdminApi {
                 "members": members,
                 "quota": quota,
                 "waiting": r.wait_line.as_ref().map_or(0, |l| l.len()),
+                "requests": requests.get(&*r.name).copied().unwrap_or(0),
+                "in_flight": r.in_flight.get(),
             }));
         }
         json!({
@@ -164,6 +188,95 @@ impl AdminApi {
             "last_reload_error": self.reloader.last_error(),
             "routes": routes,
         })
+    }
+}
+
+/// What is left in quota windows, read for one `/status` or one scrape without charging
+/// anything (a cost of 0). After the store's first failure it asks no more: a store that is
+/// down costs one timeout, not one per route and member.
+struct Remaining<'a> {
+    state: &'a dyn StateStore,
+    failed: bool,
+}
+
+impl<'a> Remaining<'a> {
+    fn new(state: &'a dyn StateStore) -> Remaining<'a> {
+        Remaining {
+            state,
+            failed: false,
+        }
+    }
+
+    /// Each window of `route`'s quota; `None` without a quota, for a quota whose key is not
+    /// `route` (its keys are the clients'), or when the store cannot answer.
+    async fn route(&mut self, route: &crate::table::Route) -> Option<Vec<u64>> {
+        let quota = route.quota.as_deref()?;
+        if quota.key != crate::config::QuotaKey::Route || self.failed {
+            return None;
+        }
+        let read = self.state.acquire(sluice_state::Acquire {
+            route: &route.name,
+            key: "route",
+            windows: &quota.windows,
+            cost: 0,
+            at_us: None,
+        });
+        let outcome = self.answer(read.await)?;
+        Some(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
+    /// Each of `member`'s own windows; `None` when it has none, or the store cannot answer.
+    async fn member(&mut self, route: &str, member: &crate::table::Member) -> Option<Vec<u64>> {
+        if member.windows.is_empty() || self.failed {
+            return None;
+        }
+        let pool_member = sluice_state::PoolMember {
+            id: member.name.clone(),
+            windows: member.windows.clone(),
+        };
+        let read = self.state.member_remaining(route, &pool_member).await;
+        self.answer(read)
+    }
+
+    fn answer<T>(&mut self, result: Result<T, sluice_state::StoreError>) -> Option<T> {
+        self.failed |= result.is_err();
+        result.ok()
+    }
+}
+
+/// Quota windows for `/status`, each with what is left of it when `remaining` is known.
+fn windows_json<'a>(
+    windows: impl Iterator<Item = &'a sluice_state::Window>,
+    remaining: &Option<Vec<u64>>,
+) -> Vec<serde_json::Value> {
+    windows
+        .enumerate()
+        .map(|(i, w)| {
+            let mut window =
+                json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
+            if let Some(left) = remaining.as_ref().and_then(|v| v.get(i)) {
+                window["remaining"] = (*left).into();
+            }
+            window
+        })
+        .collect()
+}
+
+/// Sets the gauge of `labels` to the `i`th of `remaining`; with no number (the store did not
+/// answer), removes it rather than leave a stale one.
+fn set_or_remove(
+    gauge: &prometheus::IntGaugeVec,
+    labels: &[&str],
+    remaining: &Option<Vec<u64>>,
+    i: usize,
+) {
+    match remaining.as_ref().and_then(|v| v.get(i)) {
+        Some(&left) => gauge
+            .with_label_values(labels)
+            .set(i64::try_from(left).unwrap_or(i64::MAX)),
+        None => {
+            let _ = gauge.remove_label_values(labels);
+        }
     }
 }
 
@@ -192,12 +305,34 @@ fn reply(status: StatusCode, content_type: &str, body: impl Into<Vec<u8>>) -> Re
         .expect("valid response")
 }
 
+/// The dashboard: one page, compiled in, that polls `/status` from the browser.
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// `GET /`: the dashboard. Its policy lets it load nothing from elsewhere and talk only to
+/// this listener, and no other site may frame it.
+fn dashboard() -> Response<Vec<u8>> {
+    let mut page = reply(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD);
+    let headers = page.headers_mut();
+    headers.insert(
+        http::header::CONTENT_SECURITY_POLICY,
+        http::HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+        ),
+    );
+    headers.insert(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-store"),
+    );
+    page
+}
+
 #[async_trait]
 impl ServeHttp for AdminApi {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let req = session.req_header();
         let get = req.method == http::Method::GET;
         match (get, req.uri.path()) {
+            (true, "/") => dashboard(),
             (true, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n"),
             // A config is loaded by the time this service listens; what is left to check is
             // the store (always ready in memory, a PING for Redis).
@@ -212,11 +347,14 @@ impl ServeHttp for AdminApi {
                     )
                 }
             }
-            (true, "/metrics") => reply(
-                StatusCode::OK,
-                "text/plain; version=0.0.4",
-                self.metrics.render(),
-            ),
+            (true, "/metrics") => {
+                self.refresh_quota_gauges().await;
+                reply(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    self.metrics.render(),
+                )
+            }
             (true, "/status") => {
                 let mut body = serde_json::to_vec_pretty(&self.status().await).unwrap_or_default();
                 body.push(b'\n');
@@ -239,11 +377,13 @@ impl ServeHttp for AdminApi {
                     ),
                 }
             }
-            (_, "/reload") | (false, "/healthz" | "/readyz" | "/metrics" | "/status") => reply(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "application/json",
-                r#"{"error":"method not allowed"}"#,
-            ),
+            (_, "/reload") | (false, "/" | "/healthz" | "/readyz" | "/metrics" | "/status") => {
+                reply(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "application/json",
+                    r#"{"error":"method not allowed"}"#,
+                )
+            }
             _ => reply(
                 StatusCode::NOT_FOUND,
                 "application/json",

@@ -2,8 +2,8 @@
 //! in one process.
 
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Label value for requests that matched no route.
@@ -13,13 +13,49 @@ pub const NO_ROUTE: &str = "_none";
 /// never reach routing (`request::refuse`).
 pub const UNPARSED: &str = "-";
 
+/// `source` of `sluice_request_duration_seconds` for answers sluice made itself.
+pub const GATEWAY: &str = "gateway";
+
+/// `source` of `sluice_request_duration_seconds` for a member's answers.
+pub const UPSTREAM: &str = "upstream";
+
+/// The `op` values of `sluice_store_errors_total`.
+pub const STORE_OPS: [&str; 3] = ["quota", "select", "cool"];
+
+/// The allocator the binary was built with, for `sluice_build_info`.
+const ALLOCATOR: &str = if cfg!(feature = "jemalloc") {
+    "jemalloc"
+} else if cfg!(feature = "mimalloc") {
+    "mimalloc"
+} else {
+    "system"
+};
+
 /// Every metric sluice exports.
 pub struct Metrics {
     registry: Registry,
     /// `sluice_requests_total{route,status}`
     pub requests: IntCounterVec,
-    /// `sluice_request_duration_seconds{route}`
+    /// `sluice_request_duration_seconds{route,source}`: every request but tunnels; `source`
+    /// is `upstream` when a member's response head was sent, `gateway` when sluice answered.
     pub request_duration: HistogramVec,
+    /// `sluice_member_request_duration_seconds{route,member}`: requests a member answered, by
+    /// that member (the last one tried).
+    pub member_duration: HistogramVec,
+    /// `sluice_request_duration_seconds{route="_none",source="gateway"}`, resolved once.
+    pub no_route_duration: Histogram,
+    /// `sluice_request_duration_seconds{route="-",source="gateway"}`, resolved once.
+    pub unparsed_duration: Histogram,
+    /// `sluice_requests_in_flight{route}`: requests of the route from admission (after any
+    /// wait in the quota line) to the end of their answer.
+    pub in_flight: IntGaugeVec,
+    /// `sluice_quota_remaining{route,window}`: units left in a route quota's window at scrape
+    /// time (routes with `key: route` only: other keys are client-chosen label values).
+    pub quota_remaining: IntGaugeVec,
+    /// `sluice_member_quota_remaining{route,member,window}`: the same for a member's own
+    /// windows.
+    pub member_quota_remaining: IntGaugeVec,
+
     /// `sluice_upstream_attempts_total{route,member,outcome}`; outcome is `ok`,
     /// `connect_failure` or `error` (failed after connecting).
     pub upstream_attempts: IntCounterVec,
@@ -61,11 +97,10 @@ impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
+            registered(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
         };
         let requests = counter(
             "sluice_requests_total",
@@ -111,22 +146,22 @@ impl Metrics {
             "Client connections closed by a limit, by reason.",
             &["reason"],
         );
-        let connections_open = IntGauge::new(
-            "sluice_connections_open",
-            "Client connections open on the proxy listeners.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(connections_open.clone()))
-            .expect("unique metric");
-        let memory_trims = IntCounter::new(
-            "sluice_memory_trims_total",
-            "Times sluice asked the allocator to hand freed memory back to the system, after many client connections closed.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(memory_trims.clone()))
-            .expect("unique metric");
+        let connections_open = registered(
+            &registry,
+            IntGauge::new(
+                "sluice_connections_open",
+                "Client connections open on the proxy listeners.",
+            )
+            .expect("valid metric"),
+        );
+        let memory_trims = registered(
+            &registry,
+            IntCounter::new(
+                "sluice_memory_trims_total",
+                "Times sluice asked the allocator to hand freed memory back to the system, after many client connections closed.",
+            )
+            .expect("valid metric"),
+        );
         let tunnel_bytes = counter(
             "sluice_tunnel_bytes_total",
             "Bytes carried by CONNECT tunnels: up is client to member, down the other way.",
@@ -142,44 +177,100 @@ impl Metrics {
             "Cooldowns learned from a member's answers (a status in cooldown.on_status).",
             &["route", "member"],
         );
-        let tunnels_active = IntGaugeVec::new(
-            Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
-            &["route"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(tunnels_active.clone()))
-            .expect("unique metric");
-        let request_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_request_duration_seconds",
-                "Time from request head to the end of the response, by route.",
+        let tunnels_active = registered(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new("sluice_tunnels_active", "CONNECT tunnels open now."),
+                &["route"],
             )
-            .buckets(vec![
+            .expect("valid metric"),
+        );
+        let histogram = |name: &str, help: &str, labels: &[&str]| {
+            let buckets = vec![
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 10.0, 30.0,
-            ]),
-            &["route"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(request_duration.clone()))
-            .expect("unique metric");
-        let member_healthy = IntGaugeVec::new(
-            Opts::new(
-                "sluice_member_healthy",
-                "1 when the member is up, 0 when down.",
-            ),
+            ];
+            let opts = HistogramOpts::new(name, help).buckets(buckets);
+            registered(
+                &registry,
+                HistogramVec::new(opts, labels).expect("valid metric"),
+            )
+        };
+        let request_duration = histogram(
+            "sluice_request_duration_seconds",
+            "Time from request head to the end of the response, by route and by who answered: upstream (a member) or gateway (sluice itself).",
+            &["route", "source"],
+        );
+        let no_route_duration = request_duration.with_label_values(&[NO_ROUTE, GATEWAY]);
+        let unparsed_duration = request_duration.with_label_values(&[UNPARSED, GATEWAY]);
+        let member_duration = histogram(
+            "sluice_member_request_duration_seconds",
+            "Time from request head to the end of the response, for requests a member answered, by that member.",
             &["route", "member"],
-        )
-        .expect("valid metric");
+        );
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            registered(
+                &registry,
+                IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let member_healthy = gauge(
+            "sluice_member_healthy",
+            "1 when the member is up, 0 when down.",
+            &["route", "member"],
+        );
+        let in_flight = gauge(
+            "sluice_requests_in_flight",
+            "Requests of the route being answered now.",
+            &["route"],
+        );
+        let quota_remaining = gauge(
+            "sluice_quota_remaining",
+            "Units left in a window of the route's quota when scraped (quotas with key: route).",
+            &["route", "window"],
+        );
+        let member_quota_remaining = gauge(
+            "sluice_member_quota_remaining",
+            "Units left in a window of a member's own quota when scraped.",
+            &["route", "member", "window"],
+        );
+        let build_info = gauge(
+            "sluice_build_info",
+            "Always 1; the labels say which build is running.",
+            &["version", "allocator"],
+        );
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), ALLOCATOR])
+            .set(1);
+        // process_cpu_seconds_total, process_resident_memory_bytes, open fds... from /proc.
+        #[cfg(target_os = "linux")]
         registry
-            .register(Box::new(member_healthy.clone()))
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
             .expect("unique metric");
+        // Every label value known up front starts at 0, so that a rate() or an alert over
+        // them needs no first event.
+        for op in STORE_OPS {
+            store_errors.with_label_values(&[op]);
+        }
+        for result in ["ok", "error"] {
+            config_reloads.with_label_values(&[result]);
+        }
+        for reason in ["idle_timeout", "header_timeout", "max_connections"] {
+            connections_closed.with_label_values(&[reason]);
+        }
+        requests.with_label_values(&[NO_ROUTE, "404"]);
         Metrics {
             registry,
             requests,
             request_duration,
+            member_duration,
+            no_route_duration,
+            unparsed_duration,
+            in_flight,
+            quota_remaining,
+            member_quota_remaining,
             upstream_attempts,
             quota_rejections,
             member_healthy,
@@ -197,6 +288,22 @@ impl Metrics {
         }
     }
 
+    /// `sluice_requests_total` summed per route, for `/status`.
+    pub fn requests_per_route(&self) -> std::collections::HashMap<String, u64> {
+        use prometheus::core::Collector;
+        let mut sums = std::collections::HashMap::new();
+        for family in self.requests.collect() {
+            for m in family.get_metric() {
+                let route = m.get_label().iter().find(|l| l.get_name() == "route");
+                if let Some(route) = route {
+                    *sums.entry(route.get_value().to_string()).or_default() +=
+                        m.get_counter().get_value() as u64;
+                }
+            }
+        }
+        sums
+    }
+
     /// The Prometheus text exposition of all metrics.
     pub fn render(&self) -> String {
         TextEncoder::new()
@@ -205,11 +312,27 @@ impl Metrics {
     }
 }
 
+/// `metric`, registered in `registry`; names are fixed, so a clash is a bug.
+fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: M,
+) -> M {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
     }
 }
+
+/// Statuses whose `sluice_requests_total{route,status}` every route has from the start: a
+/// member's success and what sluice itself answers on a route (429 quota, 502 unreachable,
+/// 503 no member, 504 member timeout).
+const PRESET_STATUSES: [u16; 5] = [200, 429, 502, 503, 504];
 
 /// Statuses common enough to keep a resolved `sluice_requests_total` handle for, per route.
 const COMMON_STATUSES: [u16; 16] = [
@@ -219,30 +342,36 @@ const COMMON_STATUSES: [u16; 16] = [
 /// `sluice_requests_total{route,status}` for one route, with the handles of the common statuses
 /// resolved on their first use and kept: counting a request is then an atomic increment, not a
 /// label lookup (hashing both labels, a read lock on the vector's map) per request. Handles
-/// are created lazily, so a status shows in the exposition only once a request had it, as with
-/// `with_label_values` per request. Other statuses fall back to the lookup.
+/// other than [`PRESET_STATUSES`] are created lazily, so such a status shows in the exposition
+/// only once a request had it. Other statuses fall back to the lookup.
 pub struct RouteRequests {
     route: std::sync::Arc<str>,
     common: [std::sync::OnceLock<IntCounter>; COMMON_STATUSES.len()],
 }
 
 impl RouteRequests {
-    /// The counters of route `route`.
-    pub fn new(route: std::sync::Arc<str>) -> RouteRequests {
-        RouteRequests {
+    /// The counters of route `route`, those of [`PRESET_STATUSES`] created at 0.
+    pub fn new(route: std::sync::Arc<str>, vec: &IntCounterVec) -> RouteRequests {
+        let requests = RouteRequests {
             route,
             common: Default::default(),
+        };
+        for status in PRESET_STATUSES {
+            requests.handle(vec, status);
         }
+        requests
+    }
+
+    fn handle(&self, vec: &IntCounterVec, status: u16) -> Option<&IntCounter> {
+        let i = COMMON_STATUSES.iter().position(|&s| s == status)?;
+        Some(self.common[i].get_or_init(|| requests_of(vec, &self.route, status)))
     }
 
     /// Counts one request answered with `status` (0 when none was sent).
     pub fn inc(&self, vec: &IntCounterVec, status: u16) {
-        if let Some(i) = COMMON_STATUSES.iter().position(|&s| s == status) {
-            self.common[i]
-                .get_or_init(|| requests_of(vec, &self.route, status))
-                .inc();
-        } else {
-            requests_of(vec, &self.route, status).inc();
+        match self.handle(vec, status) {
+            Some(counter) => counter.inc(),
+            None => requests_of(vec, &self.route, status).inc(),
         }
     }
 }
@@ -252,4 +381,21 @@ pub fn requests_of(vec: &IntCounterVec, route: &str, status: u16) -> IntCounter 
     // A status code's text is static: no allocation for the label.
     let code = http::StatusCode::from_u16(status).ok();
     vec.with_label_values(&[route, code.as_ref().map_or("0", |c| c.as_str())])
+}
+
+/// Holds a gauge one higher while it lives: a request in flight, released however it ends.
+pub struct GaugeGuard(IntGauge);
+
+impl GaugeGuard {
+    /// Raises `gauge` until the guard drops.
+    pub fn enter(gauge: &IntGauge) -> GaugeGuard {
+        gauge.inc();
+        GaugeGuard(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }

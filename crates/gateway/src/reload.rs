@@ -196,9 +196,18 @@ fn forget_departed(metrics: &Metrics, old: &Table, new: &Table) {
         for member in route.pool.members() {
             let still = kept.is_some_and(|k| k.pool.members().iter().any(|m| m.id == member.id));
             if !still {
-                let _ = metrics
-                    .member_healthy
-                    .remove_label_values(&[&route.name, &member.id]);
+                let labels = [&*route.name, &*member.id];
+                let _ = metrics.member_healthy.remove_label_values(&labels);
+                let _ = metrics.member_duration.remove_label_values(&labels);
+                let _ = metrics.member_cooldowns.remove_label_values(&labels);
+                let windows = route.members.iter().filter(|m| m.name == member.id);
+                for w in windows.flat_map(|m| m.windows.iter()) {
+                    let _ = metrics.member_quota_remaining.remove_label_values(&[
+                        &route.name,
+                        &member.id,
+                        &w.name,
+                    ]);
+                }
                 for outcome in ["ok", "connect_failure", "error"] {
                     let _ = metrics.upstream_attempts.remove_label_values(&[
                         &route.name,

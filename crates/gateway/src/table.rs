@@ -13,7 +13,7 @@ use std::time::SystemTime;
 
 use http::HeaderValue;
 use pingora::upstreams::peer::HttpPeer;
-use prometheus::{Histogram, IntCounter};
+use prometheus::{Histogram, IntCounter, IntGauge};
 use sluice_balancer::Members;
 use sluice_state::{PoolMember, StateStore, Window};
 
@@ -62,8 +62,12 @@ pub struct Route {
     pub members: Arc<[Member]>,
     /// How members are chosen, with the quota.
     pub(crate) policy: Policy,
-    /// `sluice_request_duration_seconds{route}`, resolved once.
+    /// `sluice_request_duration_seconds{route,source="upstream"}`, resolved once.
     pub duration: Histogram,
+    /// `sluice_request_duration_seconds{route,source="gateway"}`, resolved once.
+    pub duration_gateway: Histogram,
+    /// `sluice_requests_in_flight{route}`, resolved once.
+    pub in_flight: IntGauge,
     /// `sluice_selection_fallbacks_total{route}`, resolved once.
     pub selection_fallbacks: IntCounter,
     /// `sluice_bytes_total{route,direction}`: `in`, then `out`, resolved once.
@@ -108,6 +112,8 @@ pub struct Member {
     pub attempts_error: IntCounter,
     /// `sluice_member_cooldowns_total{route,member}`, resolved once.
     pub cooldowns: IntCounter,
+    /// `sluice_member_request_duration_seconds{route,member}`, resolved once.
+    pub duration: Histogram,
 }
 
 impl Member {
@@ -270,10 +276,22 @@ async fn build_route(
         quota,
         duration: match before {
             Some(b) => b.duration.clone(),
-            None => metrics.request_duration.with_label_values(&[&name]),
+            None => metrics
+                .request_duration
+                .with_label_values(&[&name, crate::metrics::UPSTREAM]),
+        },
+        duration_gateway: match before {
+            Some(b) => b.duration_gateway.clone(),
+            None => metrics
+                .request_duration
+                .with_label_values(&[&name, crate::metrics::GATEWAY]),
+        },
+        in_flight: match before {
+            Some(b) => b.in_flight.clone(),
+            None => metrics.in_flight.with_label_values(&[&name]),
         },
         selection_fallbacks: metrics.selection_fallbacks.with_label_values(&[&name]),
-        requests: crate::metrics::RouteRequests::new(name.clone()),
+        requests: crate::metrics::RouteRequests::new(name.clone(), &metrics.requests),
         bytes: ["in", "out"].map(|d| metrics.bytes.with_label_values(&[&name, d])),
         selection: up.selection,
         // A new policy per table: least-used writes this table's member list to the store on
@@ -356,6 +374,7 @@ async fn build_members(
             attempts_connect_failure: labels("connect_failure"),
             attempts_error: labels("error"),
             cooldowns: metrics.member_cooldowns.with_label_values(&[name, &m.name]),
+            duration: metrics.member_duration.with_label_values(&[name, &m.name]),
         });
     }
     members.into()

@@ -73,7 +73,8 @@ pub struct Acquire<'a> {
     pub key: &'a str,
     /// The windows, all of which must admit the request.
     pub windows: &'a [Window],
-    /// The request's cost in units, at least 1.
+    /// The request's cost in units. 0 records nothing and only reports the windows' state
+    /// ([`StateStore::acquire`] only; the gateway's metrics read the quota this way).
     pub cost: u64,
     /// The time in microseconds, for tests that replay a trace. `None` (always, in the gateway)
     /// uses the store's own clock: monotonic in memory, Redis `TIME` in Redis.
@@ -268,6 +269,14 @@ pub trait StateStore: Send + Sync + 'static {
         member: &str,
         excluded: &[&str],
     ) -> Result<(), StoreError>;
+
+    /// What is left now in each of `member`'s own windows on `route`, in the order of
+    /// [`PoolMember::windows`], recording nothing (for metrics and status pages).
+    async fn member_remaining(
+        &self,
+        route: &str,
+        member: &PoolMember,
+    ) -> Result<Vec<u64>, StoreError>;
 
     /// Every member's assignment count, for status pages.
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError>;

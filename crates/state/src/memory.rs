@@ -248,6 +248,21 @@ impl StateStore for MemoryStore {
         Ok(())
     }
 
+    async fn member_remaining(
+        &self,
+        route: &str,
+        member: &PoolMember,
+    ) -> Result<Vec<u64>, StoreError> {
+        let outcome = self.members.decide(Acquire {
+            route,
+            key: &member.id,
+            windows: &member.windows,
+            cost: 0,
+            at_us: None,
+        })?;
+        Ok(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
         let route = self.pools.route(route);
         let route = route.lock().unwrap_or_else(|p| p.into_inner());

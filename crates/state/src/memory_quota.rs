@@ -129,7 +129,8 @@ impl QuotaLogs {
 
     /// Decides on one request and records it if admitted.
     pub(crate) fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
-        self.decide_then(req, || Some(()))
+        // A cost of 0 only reads the windows (see `Acquire::cost`).
+        self.decide_then(req, || (req.cost > 0).then_some(()))
             .map(|(outcome, _)| outcome)
     }
 

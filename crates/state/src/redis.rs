@@ -282,6 +282,30 @@ impl StateStore for RedisStore {
             .map(drop)
     }
 
+    // The quota script over the member's own logs, with a cost of 0: it reads, never records.
+    async fn member_remaining(
+        &self,
+        route: &str,
+        member: &PoolMember,
+    ) -> Result<Vec<u64>, StoreError> {
+        let read = Acquire {
+            route,
+            key: &member.id,
+            windows: &member.windows,
+            cost: 0,
+            at_us: None,
+        };
+        let mut invocation = self.scripts.quota.prepare_invoke();
+        invocation.key(self.keys.member_meta(route, &member.id));
+        for w in member.windows.iter() {
+            invocation.key(self.keys.member_log(route, &w.name, &member.id));
+        }
+        scripts::push_quota_args(&mut invocation, &read);
+        let reply: Vec<i64> = self.invoke(&invocation).await?;
+        let outcome = scripts::parse_quota(&reply, member.windows.len())?;
+        Ok(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
         let key = self.keys.pool(route);
         let pairs: Vec<(String, f64)> = self

@@ -474,7 +474,40 @@ async fn hammered(
     by_member
 }
 
+/// `member_remaining` reads a member's windows on the store's clock and records nothing.
+async fn member_remaining_reads_without_recording(store: &dyn StateStore) {
+    let route = "remaining";
+    let members = [
+        member("m", &[window("rpm", 3, W), window("rpd", 10, 2 * W)]),
+        member("bare", &[]),
+    ];
+    assert_eq!(
+        store.member_remaining(route, &members[0]).await.unwrap(),
+        [3, 10]
+    );
+    let mut now = ask(route, &members, Order::Preference(&[0]), 0);
+    now.at_us = None;
+    assert_eq!(assigned(store, now).await, "m");
+    for _ in 0..2 {
+        assert_eq!(
+            store.member_remaining(route, &members[0]).await.unwrap(),
+            [2, 9]
+        );
+    }
+    assert_eq!(assigned(store, now).await, "m");
+    assert_eq!(
+        store.member_remaining(route, &members[0]).await.unwrap(),
+        [1, 8]
+    );
+    assert!(store
+        .member_remaining(route, &members[1])
+        .await
+        .unwrap()
+        .is_empty());
+}
+
 async fn suite(store: Arc<dyn StateStore>) {
+    member_remaining_reads_without_recording(&*store).await;
     least_used_skips_full_members(&*store).await;
     preference_with_windows_and_cooldowns(&*store).await;
     cooldowns_on_a_trace_clock(&*store).await;

@@ -214,6 +214,17 @@ async fn scenarios(store: &dyn StateStore) {
         store.acquire(ask("other", 10, 700)).await.unwrap().windows[0].remaining,
         0
     );
+    // A cost of 0 reads the window (the metrics' scrape) and records nothing, however often.
+    for _ in 0..3 {
+        let peek = store.acquire(ask("peek", 0, 800)).await.unwrap();
+        assert_eq!(peek.windows[0].remaining, 10);
+    }
+    assert!(store.acquire(ask("peek", 7, 900)).await.unwrap().admitted);
+    let peek = store.acquire(ask("peek", 0, 1_000)).await.unwrap();
+    assert_eq!(peek.windows[0].remaining, 3);
+    // It reads the window as it slides: once the entry leaves, everything is left.
+    let later = store.acquire(ask("peek", 0, 1_000_900)).await.unwrap();
+    assert_eq!(later.windows[0].remaining, 10);
 }
 
 #[tokio::test]

@@ -23,20 +23,31 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
         .unwrap_or(0);
     let route_name = ctx.route.as_ref().map_or(NO_ROUTE, |r| &*r.name);
 
-    if let Some(route) = &ctx.route {
-        if let Some(member) = ctx.member() {
-            match (e, ctx.failure) {
-                (_, Some(Failure::Unreachable | Failure::NoMember | Failure::Denied(_))) => {}
-                (None, _) => member.attempts_ok.inc(),
-                (Some(_), _) => member.attempts_error.inc(),
-            }
-            route.duration.observe(elapsed.as_secs_f64());
-        }
-    }
+    let secs = elapsed.as_secs_f64();
     // Through the route's kept handles: no label lookup per request.
     match &ctx.route {
-        Some(route) => route.requests.inc(&gateway.metrics.requests, status),
-        None => crate::metrics::requests_of(&gateway.metrics.requests, NO_ROUTE, status).inc(),
+        Some(route) => {
+            let member = ctx.member();
+            if let Some(member) = member {
+                match (e, ctx.failure) {
+                    (_, Some(Failure::Unreachable | Failure::NoMember | Failure::Denied(_))) => {}
+                    (None, _) => member.attempts_ok.inc(),
+                    (Some(_), _) => member.attempts_error.inc(),
+                }
+            }
+            match member.filter(|_| ctx.upstream_answered) {
+                Some(member) => {
+                    route.duration.observe(secs);
+                    member.duration.observe(secs);
+                }
+                None => route.duration_gateway.observe(secs),
+            }
+            route.requests.inc(&gateway.metrics.requests, status);
+        }
+        None => {
+            gateway.metrics.no_route_duration.observe(secs);
+            crate::metrics::requests_of(&gateway.metrics.requests, NO_ROUTE, status).inc();
+        }
     }
 
     let bytes_in = session.as_downstream().body_bytes_read() as u64;

@@ -148,6 +148,12 @@ pub struct RequestCtx {
     replay_pending: bool,
     /// What the access line and the request's span report beyond the above.
     seen: Seen,
+    /// A member's response head went to the client (`response_filter`): the answer is the
+    /// member's, not the gateway's, for `sluice_request_duration_seconds{source}`.
+    upstream_answered: bool,
+    /// `sluice_requests_in_flight{route}`, held from admission (after any wait in the quota
+    /// line) to the end of the request.
+    route_in_flight: Option<crate::metrics::GaugeGuard>,
     _in_flight: InFlight,
 }
 
@@ -284,6 +290,8 @@ impl ProxyHttp for Gateway {
             replayed: false,
             replay_pending: false,
             seen: Seen::default(),
+            upstream_answered: false,
+            route_in_flight: None,
             _in_flight: InFlight::enter(&self.in_flight),
         }
     }
@@ -310,7 +318,11 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
-        admit::admit(self, session, ctx).await
+        let answered = admit::admit(self, session, ctx).await;
+        if let Some(route) = &ctx.route {
+            ctx.route_in_flight = Some(crate::metrics::GaugeGuard::enter(&route.in_flight));
+        }
+        answered
     }
 
     async fn upstream_peer(
@@ -406,6 +418,7 @@ impl ProxyHttp for Gateway {
         response: &mut ResponseHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
+        ctx.upstream_answered = true;
         answer::response_headers(session, response, ctx)
     }
 

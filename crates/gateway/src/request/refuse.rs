@@ -44,6 +44,10 @@ pub(crate) async fn refuse(gateway: &Gateway, session: &mut ServerSession, e: &E
         .requests
         .with_label_values(&[UNPARSED, code.as_ref().map_or("0", |c| c.as_str())])
         .inc();
+    gateway
+        .metrics
+        .unparsed_duration
+        .observe(started.elapsed().as_secs_f64());
     crate::logging::access(&crate::logging::AccessLine {
         route: UNPARSED,
         // Nothing of the head is trusted enough to log: it did not parse.
