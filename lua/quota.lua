@@ -62,23 +62,27 @@ local function quota_check(meta, n, at, cost, now)
     admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false }
   local stored
   if n == 1 then
-    stored = redis.call('HMGET', q.meta, 'seq', 's:' .. ARGV[at], 'x:' .. ARGV[at])
+    stored = redis.call('HMGET', q.meta, 'seq', 'v', 's:' .. ARGV[at], 'x:' .. ARGV[at])
   else
-    local fields = { 'seq' }
+    local fields = { 'seq', 'v' }
     for i = 1, n do
       local name = ARGV[at + 3 * (i - 1)]
-      fields[2 * i], fields[2 * i + 1] = 's:' .. name, 'x:' .. name
+      fields[2 * i + 1], fields[2 * i + 2] = 's:' .. name, 'x:' .. name
     end
     stored = redis.call('HMGET', q.meta, unpack(fields))
   end
   q.seq = tonumber(stored[1] or '0')
-  for j = 1, 2 * n + 1 do
+  -- "v" is the entry number this library last wrote. A sluice from before it (a rolling
+  -- upgrade) numbers entries without it, and sets each log's expiry to one window from its own
+  -- write: then the expiries remembered here may be too late, so they are set again.
+  local remembered = stored[1] == stored[2]
+  for j = 1, 2 * n + 2 do
     if stored[j] then q.exists = true end
   end
   for i = 1, n do
     local log, j = KEYS[meta + i], at + 3 * (i - 1)
     local limit, length = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
-    local total = tonumber(stored[2 * i] or '0')
+    local total = tonumber(stored[2 * i + 1] or '0')
     local horizon = now - length
     local first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
     local oldest = first[2] and tonumber(first[2]) or false
@@ -109,7 +113,7 @@ local function quota_check(meta, n, at, cost, now)
       total = 0
       q.dirty = true
     end
-    q[3 * i - 2], q[3 * i - 1], q[3 * i] = total, oldest, stored[2 * i + 1]
+    q[3 * i - 2], q[3 * i - 1], q[3 * i] = total, oldest, remembered and stored[2 * i + 2]
 
     if total + cost > limit then
       q.admitted = 0
@@ -166,7 +170,11 @@ local function quota_finish(q)
   if not q.dirty or not (q.recorded or q.exists) then
     return
   end
-  local set, c, renewed, last = { 'seq', string.format('%d', q.seq) }, 2, false, 0
+  local set, c, renewed, last = {}, 0, false, 0
+  if q.recorded then
+    local seq = string.format('%d', q.seq)
+    set[1], set[2], set[3], set[4], c = 'seq', seq, 'v', seq, 4
+  end
   local clock = q.recorded and (quota_redis_now or quota_time())
   for i = 1, q.n do
     local j = q.at + 3 * (i - 1)

@@ -292,3 +292,36 @@ async fn a_busy_log_outlives_its_newest_entry_with_few_expiry_writes() {
         .sum();
     assert_eq!(logged, units);
 }
+
+/// During a rolling upgrade an older sluice shares the store: it numbers entries without the
+/// helper hash's `v` and sets a log's expiry to exactly one window from its own write. The next
+/// write of this version must not trust the expiry it remembers, or its entry could vanish with
+/// the log before leaving the window.
+#[tokio::test]
+async fn an_older_sluice_sharing_the_store_cannot_cut_a_log_short() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let window_ms = 600_000;
+    let w = vec![Window {
+        name: "ten".into(),
+        limit: 1_000,
+        length_us: window_ms * 1000,
+    }];
+    let log = "sluice:{api}:q:ten:route";
+    let meta = "sluice:{api}:qm:route";
+    for _ in 0..3 {
+        assert!(acquire(&store, &w, 1).await.unwrap());
+    }
+    // What an older sluice's admitted request does to the keys, bar its entry.
+    server.command(&["HINCRBY", meta, "seq", "1"]).unwrap();
+    server.command(&["HINCRBY", meta, "s:ten", "0"]).unwrap();
+    server
+        .command(&["PEXPIRE", log, &(window_ms / 2).to_string()])
+        .unwrap();
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    let ttl = server.integer(&["PTTL", log]).unwrap();
+    assert!(ttl > window_ms as i64 - 60_000, "log TTL {ttl}");
+    let log_end = server.integer(&["PEXPIRETIME", log]).unwrap();
+    let meta_end = server.integer(&["PEXPIRETIME", meta]).unwrap();
+    assert!(meta_end >= log_end, "hash {meta_end}, log {log_end}");
+}
