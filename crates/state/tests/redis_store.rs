@@ -246,6 +246,17 @@ async fn a_vanished_log_or_helper_hash_keeps_the_quota_exact() {
     assert_eq!(total(&server, "sluice:{api}:qm:route", "s:b"), Some(20));
 }
 
+/// The window of the expiry tests: `ten`, ten minutes (`TEN_MINUTES_MS`).
+const TEN_MINUTES_MS: u64 = 600_000;
+
+fn ten_minutes(limit: u64) -> Vec<Window> {
+    vec![Window {
+        name: "ten".into(),
+        limit,
+        length_us: TEN_MINUTES_MS * 1000,
+    }]
+}
+
 /// Expiries are pushed back only when they would come too soon (lua/quota.lua), not on every
 /// request: a busy log still outlives its newest entry by its window, its helper hash outlives
 /// it, and the running total is exactly what the log holds, entries of any cost.
@@ -253,12 +264,7 @@ async fn a_vanished_log_or_helper_hash_keeps_the_quota_exact() {
 async fn a_busy_log_outlives_its_newest_entry_with_few_expiry_writes() {
     let server = RedisServer::start();
     let store = store(&server, Duration::from_secs(2));
-    let window_ms = 600_000;
-    let w = vec![Window {
-        name: "ten".into(),
-        limit: 1_000_000,
-        length_us: window_ms * 1000,
-    }];
+    let w = ten_minutes(1_000_000);
     server.command(&["CONFIG", "RESETSTAT"]).unwrap();
     let mut units = 0;
     for i in 0..200u64 {
@@ -272,7 +278,7 @@ async fn a_busy_log_outlives_its_newest_entry_with_few_expiry_writes() {
     let log_ttl = server.integer(&["PTTL", log]).unwrap();
     let since = last.elapsed().as_millis() as i64;
     assert!(
-        log_ttl >= window_ms as i64 - since - 1 && log_ttl <= window_ms as i64 * 9 / 8,
+        log_ttl >= TEN_MINUTES_MS as i64 - since - 1 && log_ttl <= TEN_MINUTES_MS as i64 * 9 / 8,
         "log TTL {log_ttl}"
     );
     let log_end = server.integer(&["PEXPIRETIME", log]).unwrap();
@@ -301,12 +307,7 @@ async fn a_busy_log_outlives_its_newest_entry_with_few_expiry_writes() {
 async fn an_older_sluice_sharing_the_store_cannot_cut_a_log_short() {
     let server = RedisServer::start();
     let store = store(&server, Duration::from_secs(2));
-    let window_ms = 600_000;
-    let w = vec![Window {
-        name: "ten".into(),
-        limit: 1_000,
-        length_us: window_ms * 1000,
-    }];
+    let w = ten_minutes(1_000);
     let log = "sluice:{api}:q:ten:route";
     let meta = "sluice:{api}:qm:route";
     for _ in 0..3 {
@@ -316,11 +317,11 @@ async fn an_older_sluice_sharing_the_store_cannot_cut_a_log_short() {
     server.command(&["HINCRBY", meta, "seq", "1"]).unwrap();
     server.command(&["HINCRBY", meta, "s:ten", "0"]).unwrap();
     server
-        .command(&["PEXPIRE", log, &(window_ms / 2).to_string()])
+        .command(&["PEXPIRE", log, &(TEN_MINUTES_MS / 2).to_string()])
         .unwrap();
     assert!(acquire(&store, &w, 1).await.unwrap());
     let ttl = server.integer(&["PTTL", log]).unwrap();
-    assert!(ttl > window_ms as i64 - 60_000, "log TTL {ttl}");
+    assert!(ttl > TEN_MINUTES_MS as i64 - 60_000, "log TTL {ttl}");
     let log_end = server.integer(&["PEXPIRETIME", log]).unwrap();
     let meta_end = server.integer(&["PEXPIRETIME", meta]).unwrap();
     assert!(meta_end >= log_end, "hash {meta_end}, log {log_end}");
