@@ -17,11 +17,13 @@ local function pool_excluded(at)
 end
 
 -- The least-used member that is not excluded, or nil. Excluded members are few, so the first
--- read of `count + 1` members almost always settles it.
-local function pool_pick(pool, excluded, count)
+-- read of `count + 1` members almost always settles it. `first` is that read when the caller
+-- has made it already (an empty one also says the pool does not exist).
+local function pool_pick(pool, excluded, count, first)
   local offset, batch = 0, count + 1
   while true do
-    local members = redis.call('ZRANGE', pool, offset, offset + batch - 1)
+    local members = first or redis.call('ZRANGE', pool, offset, offset + batch - 1)
+    first = nil
     if #members == 0 then
       return nil
     end
@@ -37,7 +39,7 @@ end
 
 -- One more assignment for `member`.
 local function pool_assign(pool, member)
-  redis.call('ZINCRBY', pool, 1, member)
+  redis.call('ZINCRBY', pool, '1', member)
 end
 
 -- Makes the pool hold exactly `members`. A newcomer joins at the current minimum among the

@@ -23,15 +23,17 @@
 --   4 busy: every eligible member cools or refuses; wait_us is the least time until one admits.
 -- Nothing is recorded unless a member is assigned.
 
-local now = quota_clock(ARGV[1])
 local cost = tonumber(ARGV[2])
 local least_used = ARGV[3] == 'L'
+local route_windows = tonumber(ARGV[5]) or 0
+local excluded, count, at = pool_excluded(7 + 3 * route_windows)
 local k = 1
-local pool, cool
+local pool, first, cool
 if least_used then
   pool = KEYS[k]
   k = k + 1
-  if redis.call('EXISTS', pool) == 0 then
+  first = members_first(pool, count)
+  if #first == 0 then
     return {3, '', 0}
   end
 end
@@ -40,39 +42,26 @@ if ARGV[4] == '1' then
   k = k + 1
 end
 
-local at = 7
+local now = quota_clock(ARGV[1])
 local q
 if ARGV[5] ~= '' then
-  local n = tonumber(ARGV[5])
-  local logs = {}
-  for i = 1, n do
-    logs[i] = KEYS[k + i]
-  end
-  q = quota_check(KEYS[k], logs, tonumber(ARGV[6]), now, quota_windows(at, n))
-  k = k + 1 + n
-  at = at + 3 * n
+  q = quota_check(k, route_windows, 7, tonumber(ARGV[6]), now)
+  k = k + 1 + route_windows
   if q.admitted == 0 then
     quota_finish(q)
     return quota_reply(q, 0, {0, '', 0})
   end
 end
 
-local excluded, count
-excluded, count, at = pool_excluded(at)
-local list, by_id = members_read(at, k)
-local cooling = {}
+local cooling = false
 if cool then
   cooling = members_cooling(cool, now)
 end
-local w = members_walk(by_id, excluded, cooling, cost, now)
+local w = members_walk(at, k, excluded, cooling, cost, now)
 if least_used then
-  members_walk_pool(w, pool, count)
+  members_walk_pool(w, pool, count, first)
 else
-  for _, m in ipairs(list) do
-    if members_offer(w, m.id) then
-      break
-    end
-  end
+  members_walk_listed(w)
 end
 
 local out

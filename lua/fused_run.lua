@@ -13,21 +13,19 @@
 -- The quota goes first, as on every route, and records only once a member is assigned.
 
 local pool = KEYS[#KEYS]
-if redis.call('EXISTS', pool) == 0 then
+local windows = #KEYS - 2
+local excluded, count = pool_excluded(3 + 3 * windows)
+-- The pick's first read, made first: an empty one says the pool does not exist.
+local first = redis.call('ZRANGE', pool, 0, count)
+if #first == 0 then
   return {3, ''}
 end
-local logs = {}
-for i = 2, #KEYS - 1 do
-  logs[#logs + 1] = KEYS[i]
-end
-local windows = #logs
-local q = quota_check(KEYS[1], logs, tonumber(ARGV[1]), quota_clock(ARGV[2]), quota_windows(3, windows))
+local q = quota_check(1, windows, 3, tonumber(ARGV[1]), quota_clock(ARGV[2]))
 if q.admitted == 0 then
   quota_finish(q)
   return quota_reply(q, 0, {0, ''})
 end
-local excluded, count = pool_excluded(3 + 3 * windows)
-local member = pool_pick(pool, excluded, count)
+local member = pool_pick(pool, excluded, count, first)
 if not member then
   quota_finish(q)
   -- Admissible, but not admitted: report the quota as it stands, with nothing recorded.

@@ -7,53 +7,57 @@
 -- - cool: a sorted set, member = member id, score = the time in µs until which it cools;
 -- - per member with windows: its helper hash, then one log per window, as quota.lua keeps them.
 
--- The members cooling at `now`: id → µs left. The set holds only recent cooldowns (entries past
--- are trimmed by members_cool, and the key expires with its longest), so it is read whole.
+-- The members cooling at `now`: id → µs left, or false when none does (no table to collect).
+-- The set holds only recent cooldowns (entries past are trimmed by members_cool, and the key
+-- expires with its longest), so it is read whole.
 local function members_cooling(cool, now)
-  local cooling = {}
-  local list = redis.call('ZRANGE', cool, 0, -1, 'WITHSCORES')
+  local cooling = false
+  -- Usually nobody cools and the key does not exist: EXISTS costs Redis a third of a ZRANGE.
+  if redis.call('EXISTS', cool) == 0 then
+    return cooling
+  end
+  local list = redis.call('ZRANGE', cool, '0', '-1', 'WITHSCORES')
   for i = 1, #list, 2 do
     local left = tonumber(list[i + 1]) - now
     if left > 0 then
+      cooling = cooling or {}
       cooling[list[i]] = left
     end
   end
   return cooling
 end
 
--- Reads the members from ARGV[at] on: their count, then per member its id, its window count k
--- and k windows (name, limit, length). Their keys are taken from KEYS[k_at] on: for a member
--- with windows, its helper hash then one log per window. Returns the members in order, by id,
--- and the index after them in ARGV.
-local function members_read(at, k_at)
-  local list, by_id = {}, {}
-  local n = tonumber(ARGV[at])
-  at = at + 1
-  for i = 1, n do
-    local id, windows = ARGV[at], tonumber(ARGV[at + 1])
-    local m = { id = id, w = quota_windows(at + 2, windows), logs = {} }
+-- The members are read from ARGV[at] on: their count, then per member its id, its window count
+-- k and k windows (name, limit, length). Their keys are taken from KEYS[k_at] on: for a member
+-- with windows, its helper hash then one log per window. They are not copied into tables (the
+-- walk usually needs one): members_find looks one up where it lies.
+
+-- Where member `id` lies: its index in ARGV, its window count and the index in KEYS of its
+-- helper hash; nil when this script was not told about it.
+local function members_find(w, id)
+  local at, k = w.at + 1, w.k_at
+  for _ = 1, tonumber(ARGV[w.at]) do
+    local windows = tonumber(ARGV[at + 1])
+    if ARGV[at] == id then
+      return at, windows, k
+    end
     if windows > 0 then
-      m.meta = KEYS[k_at]
-      for j = 1, windows do
-        m.logs[j] = KEYS[k_at + j]
-      end
-      k_at = k_at + 1 + windows
+      k = k + 1 + windows
     end
     at = at + 2 + 3 * windows
-    list[i], by_id[id] = m, m
   end
-  return list, by_id, at
 end
 
 -- A walk over candidates: `offer(id)` for each in order, until one is taken.
 -- w.chosen     the id taken, once one is (its windows recorded);
 -- w.eligible   whether any candidate was not excluded;
 -- w.wait       the least wait found so far over the eligible candidates that refused;
--- w.deferred   cooling candidates whose own quota wait is computed only if nobody admits.
-local function members_walk(by_id, excluded, cooling, cost, now)
+-- w.deferred   cooling candidates (id, then its cooldown left), whose own quota wait is
+--              computed only if nobody admits.
+local function members_walk(at, k_at, excluded, cooling, cost, now)
   return {
-    by_id = by_id, excluded = excluded, cooling = cooling, cost = cost, now = now,
-    chosen = nil, eligible = false, wait = nil, deferred = {},
+    at = at, k_at = k_at, excluded = excluded, cooling = cooling, cost = cost, now = now,
+    chosen = nil, eligible = false, wait = nil, deferred = false,
   }
 end
 
@@ -70,14 +74,16 @@ local function members_offer(w, id)
     return false
   end
   w.eligible = true
-  local left = w.cooling[id]
+  local left = w.cooling and w.cooling[id]
   if left then
-    w.deferred[#w.deferred + 1] = { id, left }
+    w.deferred = w.deferred or {}
+    w.deferred[#w.deferred + 1] = id
+    w.deferred[#w.deferred + 1] = left
     return false
   end
-  local m = w.by_id[id]
-  if m and #m.logs > 0 then
-    local mq = quota_check(m.meta, m.logs, w.cost, w.now, m.w)
+  local at, windows, k = members_find(w, id)
+  if at and windows > 0 then
+    local mq = quota_check(k, windows, at + 2, w.cost, w.now)
     if mq.admitted == 1 then
       quota_record(mq)
     end
@@ -91,16 +97,30 @@ local function members_offer(w, id)
   return true
 end
 
+-- Offers the members in the order the script was told them (a preference, best first).
+local function members_walk_listed(w)
+  local at = w.at + 1
+  for _ = 1, tonumber(ARGV[w.at]) do
+    if members_offer(w, ARGV[at]) then
+      return
+    end
+    at = at + 2 + 3 * tonumber(ARGV[at + 1])
+  end
+end
+
 -- Once nobody admitted: each cooling candidate admits once its cooldown is over and its windows
 -- fit, whichever comes last (a window only frees up while nothing else arrives). Its windows are
 -- read only when its cooldown alone would not already be the longer wait.
 local function members_settle(w)
-  for _, d in ipairs(w.deferred) do
-    local id, wait = d[1], d[2]
+  if not w.deferred then
+    return
+  end
+  for i = 1, #w.deferred, 2 do
+    local id, wait = w.deferred[i], w.deferred[i + 1]
     if not w.wait or wait < w.wait then
-      local m = w.by_id[id]
-      if m and #m.logs > 0 then
-        local mq = quota_check(m.meta, m.logs, w.cost, w.now, m.w)
+      local at, windows, k = members_find(w, id)
+      if at and windows > 0 then
+        local mq = quota_check(k, windows, at + 2, w.cost, w.now)
         quota_finish(mq)
         if mq.retry_after > wait then
           wait = mq.retry_after
@@ -111,12 +131,18 @@ local function members_settle(w)
   end
 end
 
--- Offers the pool's members in its order (count, then id), read in batches as pool_pick does:
--- the first read of `count + 1` members settles it unless members refuse.
-local function members_walk_pool(w, pool, count)
-  local offset, batch = 0, count + 1
+-- The pool's first batch for members_walk_pool: `count + 1` members, the most the walk needs
+-- unless members refuse. Empty when the pool does not exist (Redis keeps no empty sorted set),
+-- which makes an EXISTS unnecessary.
+local function members_first(pool, count)
+  return redis.call('ZRANGE', pool, '0', count == 0 and '0' or string.format('%d', count))
+end
+
+-- Offers the pool's members in its order (count, then id), read in batches as pool_pick does,
+-- starting with `first` (members_first).
+local function members_walk_pool(w, pool, count, first)
+  local offset, batch, members = 0, count + 1, first
   while true do
-    local members = redis.call('ZRANGE', pool, offset, offset + batch - 1)
     if #members == 0 then
       return
     end
@@ -127,6 +153,7 @@ local function members_walk_pool(w, pool, count)
     end
     offset = offset + batch
     batch = batch * 2
+    members = redis.call('ZRANGE', pool, offset, offset + batch - 1)
   end
 end
 

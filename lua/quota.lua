@@ -5,18 +5,42 @@
 -- Keys of one quota key:
 -- - meta: a hash. Field "seq" numbers admitted requests, so that two requests in the same
 --   microsecond never collapse into one log entry; field "s:<window>" is the window's running
---   total of units, so that no call has to sum a log.
+--   total of units, so that no call has to sum a log; field "x:<window>" is the time (Redis
+--   clock, µs) until which the window's log was last made to live, so that its expiry is
+--   pushed back now and then rather than on every request.
 -- - one log per window: a sorted set with ONE member per admitted request, whatever its cost,
 --   scored by the admission time in microseconds and named "<seq>:<cost>".
 --
 -- A request admitted at t counts in a window of length L while now < t + L.
+--
+-- What a call costs is mostly what it asks of Redis and what it allocates in Lua (every table
+-- is garbage to collect), so the common call reads the hash once (HMGET) and each log's oldest
+-- entry once (which also says whether the log exists, whatever a stale total says), writes one
+-- entry per log and the hash once, and keeps its state in one table. Expired entries are read
+-- and removed only when the oldest one has left its window.
+
+-- Redis's own clock in µs, read at most once per call: key expiries follow it even when a test
+-- runs the decisions on a clock of its own.
+local quota_redis_now
+-- The decisions' clock as a string, for log scores: Redis formats a Lua number argument with
+-- "%.17g", which costs more than the command it is passed to. Every number this library sends
+-- on the common path is a string for that reason.
+local quota_now_text
+
+local function quota_time()
+  local t = redis.call('TIME')
+  quota_redis_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return quota_redis_now, t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+end
 
 -- The time in microseconds: Redis TIME, unless a test passes one.
 local function quota_clock(given)
   if given == '' then
-    local t = redis.call('TIME')
-    return tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local now
+    now, quota_now_text = quota_time()
+    return now
   end
+  quota_now_text = given
   return tonumber(given)
 end
 
@@ -24,41 +48,72 @@ local function quota_cost_of(member)
   return tonumber(string.match(member, ':(%d+)$'))
 end
 
--- Reads the windows of ARGV from `at` on: name, limit, length (µs), `count` times.
-local function quota_windows(at, count)
-  local w = { names = {}, limits = {}, lengths = {} }
-  for i = 1, count do
-    local j = at + 3 * (i - 1)
-    w.names[i], w.limits[i], w.lengths[i] = ARGV[j], tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
-  end
-  return w
-end
+-- The windows are read from ARGV where the caller says: name, limit, length (µs) per window,
+-- and their logs from KEYS, one per window, right after the helper hash. q[3i - 2], q[3i - 1]
+-- and q[3i] hold window i's running total, its oldest entry's score once this call is done
+-- with it (false: the log is empty), and the time until which its log lives (false: unknown;
+-- read as stored, and parsed only when the log is written).
 
--- Expires old entries and decides; records nothing. Returns the state the other functions use.
-local function quota_check(meta, logs, cost, now, w)
-  local q = {
-    meta = meta, logs = logs, cost = cost, now = now, w = w,
-    totals = {}, changed = {}, admitted = 1, retry_after = 0,
-  }
-  for i = 1, #logs do
-    local log, name, limit, length = logs[i], w.names[i], w.limits[i], w.lengths[i]
-    -- Expire what left the window, keeping the running total in step.
-    local total = tonumber(redis.call('HGET', meta, 's:' .. name) or '0')
+-- Expires old entries and decides; records nothing. `meta` is the index in KEYS of the helper
+-- hash (the logs follow it), `n` the window count, `at` the index in ARGV of the first window.
+-- Returns the state the other functions use.
+local function quota_check(meta, n, at, cost, now)
+  local q = { meta = KEYS[meta], key = meta, n = n, at = at, cost = cost, now = now,
+    admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false }
+  local stored
+  if n == 1 then
+    stored = redis.call('HMGET', q.meta, 'seq', 'v', 's:' .. ARGV[at], 'x:' .. ARGV[at])
+  else
+    local fields = { 'seq', 'v' }
+    for i = 1, n do
+      local name = ARGV[at + 3 * (i - 1)]
+      fields[2 * i + 1], fields[2 * i + 2] = 's:' .. name, 'x:' .. name
+    end
+    stored = redis.call('HMGET', q.meta, unpack(fields))
+  end
+  q.seq = tonumber(stored[1] or '0')
+  -- "v" is the entry number this library last wrote. A sluice from before it (a rolling
+  -- upgrade) numbers entries without it, and sets each log's expiry to one window from its own
+  -- write: then the expiries remembered here may be too late, so they are set again.
+  local remembered = stored[1] == stored[2]
+  for j = 1, 2 * n + 2 do
+    if stored[j] then q.exists = true end
+  end
+  for i = 1, n do
+    local log, j = KEYS[meta + i], at + 3 * (i - 1)
+    local limit, length = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
+    local total = tonumber(stored[2 * i + 1] or '0')
     local horizon = now - length
-    local expired = redis.call('ZRANGEBYSCORE', log, '-inf', horizon)
-    if #expired > 0 then
+    local first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
+    local oldest = first[2] and tonumber(first[2]) or false
+    if oldest and oldest <= horizon then
+      -- Expire what left the window, keeping the running total in step.
+      local expired = redis.call('ZRANGEBYSCORE', log, '-inf', horizon)
       for _, member in ipairs(expired) do
         total = total - quota_cost_of(member)
       end
       redis.call('ZREMRANGEBYSCORE', log, '-inf', horizon)
-      q.changed[i] = true
+      q.dirty = true
+      first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
+      oldest = first[2] and tonumber(first[2]) or false
+    end
+    if oldest and not q.exists then
+      -- The helper hash is gone (deleted, evicted) but not the log: count the log itself, and
+      -- number new entries after its own, rather than admit over the limit.
+      total = 0
+      for _, member in ipairs(redis.call('ZRANGE', log, '0', '-1')) do
+        total = total + quota_cost_of(member)
+        local seq = tonumber(string.match(member, '^(%d+):'))
+        if seq > q.seq then q.seq = seq end
+      end
+      q.dirty = true
     end
     -- An empty (or vanished) log holds nothing, whatever a stale total says.
-    if total < 0 or (total > 0 and redis.call('EXISTS', log) == 0) then
+    if total < 0 or (total > 0 and not oldest) then
       total = 0
-      q.changed[i] = true
+      q.dirty = true
     end
-    q.totals[i] = total
+    q[3 * i - 2], q[3 * i - 1], q[3 * i] = total, oldest, remembered and stored[2 * i + 2]
 
     if total + cost > limit then
       q.admitted = 0
@@ -73,10 +128,10 @@ local function quota_check(meta, logs, cost, now, w)
           if #batch == 0 then
             wait = length
           end
-          for j = 1, #batch, 2 do
-            freed = freed + quota_cost_of(batch[j])
+          for k = 1, #batch, 2 do
+            freed = freed + quota_cost_of(batch[k])
             if freed >= need then
-              wait = tonumber(batch[j + 1]) + length - now
+              wait = tonumber(batch[k + 1]) + length - now
               break
             end
           end
@@ -91,28 +146,55 @@ end
 
 -- Records an admitted request in every window.
 local function quota_record(q)
-  local member = redis.call('HINCRBY', q.meta, 'seq', 1) .. ':' .. q.cost
-  for i = 1, #q.logs do
-    redis.call('ZADD', q.logs[i], q.now, member)
-    redis.call('PEXPIRE', q.logs[i], math.ceil(q.w.lengths[i] / 1000))
-    q.totals[i] = q.totals[i] + q.cost
-    q.changed[i] = true
+  q.seq = q.seq + 1
+  q.recorded, q.dirty = true, true
+  local member = string.format('%d:%d', q.seq, q.cost)
+  for i = 1, q.n do
+    redis.call('ZADD', KEYS[q.key + i], quota_now_text, member)
+    if not q[3 * i - 1] then
+      q[3 * i - 1] = q.now
+      -- A new log: what the hash remembers of an expiry was its predecessor's.
+      q[3 * i] = false
+    end
+    q[3 * i - 2] = q[3 * i - 2] + q.cost
   end
 end
 
--- Writes back the running totals that changed, and keeps the helper hash alive as long as the
--- longest window. Call it whatever the decision.
+-- Writes back what changed, in one HSET, whatever the decision. A log must live until its
+-- newest entry leaves its window: its expiry is pushed back when it would come sooner, and
+-- then by an eighth of the window more, so that a busy log has it set about eight times per
+-- window rather than on every request (an idle log lingers at most that eighth longer). The
+-- hash lives as long as its longest-lived log. A hash this call did not find is written only
+-- with a record, which gives it an expiry.
 local function quota_finish(q)
-  local wrote, longest = false, 0
-  for i = 1, #q.logs do
-    if q.w.lengths[i] > longest then longest = q.w.lengths[i] end
-    if q.changed[i] then
-      redis.call('HSET', q.meta, 's:' .. q.w.names[i], q.totals[i])
-      wrote = true
+  if not q.dirty or not (q.recorded or q.exists) then
+    return
+  end
+  local set, c, renewed, last = {}, 0, false, 0
+  if q.recorded then
+    local seq = string.format('%d', q.seq)
+    set[1], set[2], set[3], set[4], c = 'seq', seq, 'v', seq, 4
+  end
+  local clock = q.recorded and (quota_redis_now or quota_time())
+  for i = 1, q.n do
+    local j = q.at + 3 * (i - 1)
+    local name = ARGV[j]
+    set[c + 1], set[c + 2], c = 's:' .. name, string.format('%d', q[3 * i - 2]), c + 2
+    if q.recorded then
+      local length, lives = tonumber(ARGV[j + 2]), tonumber(q[3 * i] or '0')
+      if lives < clock + length then
+        local ms = math.ceil((length + math.floor(length / 8)) / 1000)
+        redis.call('PEXPIRE', KEYS[q.key + i], string.format('%d', ms))
+        lives = clock + ms * 1000
+        set[c + 1], set[c + 2], c = 'x:' .. name, string.format('%d', lives), c + 2
+        renewed = true
+      end
+      if lives > last then last = lives end
     end
   end
-  if wrote then
-    redis.call('PEXPIRE', q.meta, math.ceil(longest / 1000))
+  redis.call('HSET', q.meta, unpack(set))
+  if renewed then
+    redis.call('PEXPIRE', q.meta, string.format('%d', math.ceil((last - clock) / 1000)))
   end
 end
 
@@ -121,13 +203,13 @@ end
 local function quota_reply(q, admitted, out)
   out[#out + 1] = admitted
   out[#out + 1] = admitted == 1 and 0 or q.retry_after
-  for i = 1, #q.logs do
-    local remaining = q.w.limits[i] - q.totals[i]
+  for i = 1, q.n do
+    local j = q.at + 3 * (i - 1)
+    local remaining = tonumber(ARGV[j + 1]) - q[3 * i - 2]
     if remaining < 0 then remaining = 0 end
     local reset = 0
-    local oldest = redis.call('ZRANGE', q.logs[i], 0, 0, 'WITHSCORES')
-    if #oldest > 0 then
-      reset = tonumber(oldest[2]) + q.w.lengths[i] - q.now
+    if q[3 * i - 1] then
+      reset = q[3 * i - 1] + tonumber(ARGV[j + 2]) - q.now
     end
     out[#out + 1] = remaining
     out[#out + 1] = reset

@@ -9,9 +9,7 @@
 -- Returns {admitted (1|0), retry_after_us, remaining_1, reset_us_1, ...}; a refused request
 -- records nothing.
 
-local logs = {}
-for i = 2, #KEYS do logs[#logs + 1] = KEYS[i] end
-local q = quota_check(KEYS[1], logs, tonumber(ARGV[1]), quota_clock(ARGV[2]), quota_windows(3, #logs))
+local q = quota_check(1, #KEYS - 1, 3, tonumber(ARGV[1]), quota_clock(ARGV[2]))
 if q.admitted == 1 and q.cost > 0 then quota_record(q) end
 quota_finish(q)
 return quota_reply(q, q.admitted, {})

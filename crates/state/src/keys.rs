@@ -7,7 +7,8 @@
 //! - `…:pool` — the least-used sorted set: member = member id, score = assignment count;
 //! - `…:q:<window>:<quota key>` — a window of the route's quota: one entry `<seq>:<cost>` per
 //!   admitted request, scored by its time in µs;
-//! - `…:qm:<quota key>` — the quota key's helper hash (entry sequence, running totals);
+//! - `…:qm:<quota key>` — the quota key's helper hash (entry sequence, running totals, and
+//!   until when each log was last made to live);
 //! - `…:mq:<window>:<member>` — a window of a member's own quota, the same log as `…:q:`;
 //! - `…:mqm:<member>` — the member quota's helper hash, as `…:qm:`. Member logs have their
 //!   own names so that no client-chosen quota key (`key: header:…`) can collide with them;

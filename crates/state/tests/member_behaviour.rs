@@ -575,7 +575,8 @@ async fn redis_members_behave() {
     let by_member = hammered(redis_store(&server.url()), redis_store(&server.url())).await;
     check_logs(&by_member, |_| server.addr());
     // The cooldowns key lives only as long as its longest cooldown, member logs and their
-    // helper hashes as long as their windows.
+    // helper hashes as long as their windows (and at most an eighth longer: lua/quota.lua
+    // pushes an expiry back only when it would come too soon).
     let ttl = server.integer(&["PTTL", "sluice:{cool-now}:cool"]).unwrap();
     assert!(ttl > 55_000 && ttl <= 60_000, "{ttl}");
     for (key, longest_ms) in [
@@ -586,7 +587,7 @@ async fn redis_members_behave() {
     ] {
         let ttl = server.integer(&["PTTL", key]).unwrap();
         assert!(
-            ttl > longest_ms - 60_000 && ttl <= longest_ms,
+            ttl > longest_ms - 60_000 && ttl <= longest_ms * 9 / 8,
             "{key}: {ttl}"
         );
     }
@@ -683,6 +684,58 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
     assert_eq!(got.get("k3"), None, "{got:?}");
     assert_eq!(got.get("k2"), Some(&5), "{got:?}");
     assert_eq!(got.get("k1"), Some(&195), "{got:?}");
+}
+
+/// What a key-pool assignment costs Redis, counted rather than timed (issue 13's benchmark
+/// compares it with plain least-used on a loaded machine): least-used over members with a
+/// window each, cooldowns read, nobody cooling, nothing refused. The script runs 8 commands:
+/// TIME, the pool's first members, EXISTS on the cooldowns, the chosen member's hash (HMGET)
+/// and oldest log entry, its new entry (ZADD), its hash (HSET) and the pool count (ZINCRBY).
+/// Expiries are set once per eighth of a window, not per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_key_pool_assignment_runs_eight_commands() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url());
+    let members = [
+        member("k1", &[window("rpm", 1_000_000, 3_600 * SEC)]),
+        member("k2", &[window("rpm", 1_000_000, 3_600 * SEC)]),
+        member("k3", &[window("rpm", 1_000_000, 3_600 * SEC)]),
+    ];
+    let ask = || Assign {
+        at_us: None,
+        ..ask("kp-cost", &members, Order::LeastUsed, 0)
+    };
+    // Warm up: the first calls sync the pool, load the script and set the expiries.
+    for _ in 0..3 {
+        assigned(&*store, ask()).await;
+    }
+    server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    let n = 300;
+    for _ in 0..n {
+        assigned(&*store, ask()).await;
+    }
+    let info = server.command(&["INFO", "commandstats"]).unwrap();
+    let mut run = HashMap::<String, u64>::new();
+    for line in info.lines() {
+        let Some((name, rest)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(":calls="))
+        else {
+            continue;
+        };
+        let calls: u64 = rest.split(',').next().unwrap().parse().unwrap();
+        // Not the script's: this test's own connections to read the counts.
+        if !["evalsha", "config|resetstat", "info", "quit"].contains(&name) {
+            run.insert(name.to_string(), calls);
+        }
+    }
+    assert_eq!(server.command_calls("evalsha"), n);
+    assert_eq!(run.values().sum::<u64>(), 8 * n, "{run:?}");
+    assert_eq!(run.get("pexpire"), None, "{run:?}");
+    assert_eq!(
+        counts(&*store, "kp-cost").await.values().sum::<u64>(),
+        n + 3
+    );
 }
 
 /// Polls a future that never waits (the memory store's never do) to completion.

@@ -137,7 +137,12 @@ async fn keys_share_the_route_hash_tag_and_expire_when_idle() {
     let ttl = server
         .integer(&["PTTL", "sluice:{api}:q:short:route"])
         .unwrap();
-    assert!(ttl > 0 && ttl <= 300, "log TTL {ttl}");
+    // A log lives until its newest entry leaves the window, and at most an eighth longer: its
+    // expiry is pushed back about eight times per window, not on every request (lua/quota.lua).
+    assert!(
+        ttl > 0 && ttl <= 300 * 9 / 8 + 1,
+        "log TTL {ttl} (ms, rounded up)"
+    );
     // Poll for it rather than sleeping past the TTL: Redis expires keys lazily and in an
     // active cycle, and a loaded machine may run that cycle late.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -180,4 +185,144 @@ async fn one_log_entry_per_request_whatever_its_cost() {
             "cost {cost}: {per_request} bytes per request"
         );
     }
+}
+
+/// A running total in a helper hash (HINCRBY by 0 answers an integer and changes nothing).
+fn total(server: &RedisServer, meta: &str, field: &str) -> Option<i64> {
+    server.integer(&["HINCRBY", meta, field, "0"])
+}
+
+/// The quota script trusts its helper hash for running totals and entry numbers, and checks
+/// each log's oldest entry rather than the whole log. Either key vanishing between two calls
+/// (deleted, evicted) must never admit over a limit, nor block what fits.
+#[tokio::test]
+async fn a_vanished_log_or_helper_hash_keeps_the_quota_exact() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let w = vec![
+        Window {
+            name: "a".into(),
+            limit: 10,
+            length_us: 3_600_000_000,
+        },
+        Window {
+            name: "b".into(),
+            limit: 1_000,
+            length_us: 86_400_000_000,
+        },
+    ];
+    for _ in 0..3 {
+        assert!(acquire(&store, &w, 3).await.unwrap());
+    }
+    assert!(!acquire(&store, &w, 3).await.unwrap(), "9 + 3 > 10");
+
+    // The helper hash goes: the logs still hold 9 units.
+    server.command(&["DEL", "sluice:{api}:qm:route"]).unwrap();
+    assert!(
+        !acquire(&store, &w, 3).await.unwrap(),
+        "9 + 3 > 10, hash or not"
+    );
+    assert!(acquire(&store, &w, 1).await.unwrap(), "9 + 1 fits");
+    assert!(!acquire(&store, &w, 1).await.unwrap(), "10 + 1 > 10");
+    // Rebuilt, and new entries numbered after the old ones (none overwritten).
+    assert_eq!(total(&server, "sluice:{api}:qm:route", "s:a"), Some(10));
+    assert_eq!(
+        server.integer(&["ZCARD", "sluice:{api}:q:a:route"]),
+        Some(4)
+    );
+    assert_eq!(
+        server.integer(&["ZCARD", "sluice:{api}:q:b:route"]),
+        Some(4)
+    );
+
+    // Window a's log goes: its stale total of 10 must not refuse what now fits.
+    server.command(&["DEL", "sluice:{api}:q:a:route"]).unwrap();
+    assert!(acquire(&store, &w, 10).await.unwrap(), "a is empty again");
+    assert!(!acquire(&store, &w, 1).await.unwrap(), "10 + 1 > 10");
+    assert_eq!(
+        server.integer(&["ZCARD", "sluice:{api}:q:a:route"]),
+        Some(1)
+    );
+    assert_eq!(total(&server, "sluice:{api}:qm:route", "s:b"), Some(20));
+}
+
+/// The window of the expiry tests: `ten`, ten minutes (`TEN_MINUTES_MS`).
+const TEN_MINUTES_MS: u64 = 600_000;
+
+fn ten_minutes(limit: u64) -> Vec<Window> {
+    vec![Window {
+        name: "ten".into(),
+        limit,
+        length_us: TEN_MINUTES_MS * 1000,
+    }]
+}
+
+/// Expiries are pushed back only when they would come too soon (lua/quota.lua), not on every
+/// request: a busy log still outlives its newest entry by its window, its helper hash outlives
+/// it, and the running total is exactly what the log holds, entries of any cost.
+#[tokio::test]
+async fn a_busy_log_outlives_its_newest_entry_with_few_expiry_writes() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let w = ten_minutes(1_000_000);
+    server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    let mut units = 0;
+    for i in 0..200u64 {
+        let cost = 1 + i % 5;
+        assert!(acquire(&store, &w, cost).await.unwrap());
+        units += cost;
+    }
+    let last = Instant::now();
+    let log = "sluice:{api}:q:ten:route";
+    let meta = "sluice:{api}:qm:route";
+    let log_ttl = server.integer(&["PTTL", log]).unwrap();
+    let since = last.elapsed().as_millis() as i64;
+    assert!(
+        log_ttl >= TEN_MINUTES_MS as i64 - since - 1 && log_ttl <= TEN_MINUTES_MS as i64 * 9 / 8,
+        "log TTL {log_ttl}"
+    );
+    let log_end = server.integer(&["PEXPIRETIME", log]).unwrap();
+    let meta_end = server.integer(&["PEXPIRETIME", meta]).unwrap();
+    assert!(
+        meta_end >= log_end,
+        "the hash expires at {meta_end}, its log at {log_end}"
+    );
+    // 200 requests well within an eighth of the window: one expiry for the log, one for the
+    // hash, set by the first.
+    assert_eq!(server.command_calls("pexpire"), 2);
+    assert_eq!(total(&server, meta, "s:ten"), Some(units as i64));
+    let logged: u64 = server
+        .zrange_with_scores(log)
+        .iter()
+        .map(|(entry, _)| entry.rsplit(':').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(logged, units);
+}
+
+/// During a rolling upgrade an older sluice shares the store: it numbers entries without the
+/// helper hash's `v` and sets a log's expiry to exactly one window from its own write. The next
+/// write of this version must not trust the expiry it remembers, or its entry could vanish with
+/// the log before leaving the window.
+#[tokio::test]
+async fn an_older_sluice_sharing_the_store_cannot_cut_a_log_short() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    let w = ten_minutes(1_000);
+    let log = "sluice:{api}:q:ten:route";
+    let meta = "sluice:{api}:qm:route";
+    for _ in 0..3 {
+        assert!(acquire(&store, &w, 1).await.unwrap());
+    }
+    // What an older sluice's admitted request does to the keys, bar its entry.
+    server.command(&["HINCRBY", meta, "seq", "1"]).unwrap();
+    server.command(&["HINCRBY", meta, "s:ten", "0"]).unwrap();
+    server
+        .command(&["PEXPIRE", log, &(TEN_MINUTES_MS / 2).to_string()])
+        .unwrap();
+    assert!(acquire(&store, &w, 1).await.unwrap());
+    let ttl = server.integer(&["PTTL", log]).unwrap();
+    assert!(ttl > TEN_MINUTES_MS as i64 - 60_000, "log TTL {ttl}");
+    let log_end = server.integer(&["PEXPIRETIME", log]).unwrap();
+    let meta_end = server.integer(&["PEXPIRETIME", meta]).unwrap();
+    assert!(meta_end >= log_end, "hash {meta_end}, log {log_end}");
 }
