@@ -609,13 +609,9 @@ fn cut(s: &str, max: usize) -> &str {
 // Numbers, addresses and ids are written by hand: `write!` goes through `core::fmt`, which
 // cost about 4,000 instructions per line for the fields of issue 15 (callgrind).
 fn push_hex(buf: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut out = [0u8; 32];
     let n = bytes.len().min(16);
-    for (pair, b) in out.chunks_exact_mut(2).zip(&bytes[..n]) {
-        pair[0] = HEX[usize::from(b >> 4)];
-        pair[1] = HEX[usize::from(b & 0xf)];
-    }
+    crate::trace::hex_into(&mut out[..2 * n], &bytes[..n]);
     // Hex digits are ASCII.
     buf.push_str(std::str::from_utf8(&out[..2 * n]).unwrap_or(""));
 }
