@@ -13,7 +13,9 @@ use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
-use crate::{Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError};
+use crate::{
+    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError, Window,
+};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -78,7 +80,10 @@ impl RedisStore {
         self.invoke(&call).await
     }
 
-    async fn invoke<T: redis::FromRedisValue>(&self, call: &ScriptCall<'_>) -> Result<T, StoreError> {
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        call: &ScriptCall<'_>,
+    ) -> Result<T, StoreError> {
         self.connection
             .run(|mut conn| async move { call.invoke::<T>(&mut conn).await })
             .await
@@ -105,7 +110,10 @@ impl RedisStore {
             Order::Preference(order) => order,
         };
         let members = || {
-            let unlimited = least_used.then_some(ask.members.iter()).into_iter().flatten();
+            let unlimited = least_used
+                .then_some(ask.members.iter())
+                .into_iter()
+                .flatten();
             unlimited
                 .filter(|m| !m.windows.is_empty())
                 .chain(preference.iter().filter_map(|&i| ask.members.get(i)))
@@ -157,13 +165,21 @@ impl RedisStore {
             }
         }
         scripts::push_excluded(&mut call, if least_used { ask.excluded } else { &[] });
-        // Per member: its id, window count and windows, in the order of its keys above.
+        // Per member: its id, then its window count and windows, in the order of its keys
+        // above, or "=" when they are the previous member's (members.lua, members_step).
         call.arg(members().count());
+        let mut previous: Option<&[Window]> = None;
         for m in members() {
-            call.arg(&*m.id).arg(m.windows.len());
+            call.arg(&*m.id);
+            if previous == Some(&*m.windows) {
+                call.arg("=");
+                continue;
+            }
+            call.arg(m.windows.len());
             for w in m.windows.iter() {
                 call.arg(&*w.name).arg(w.limit).arg(w.length_us);
             }
+            previous = Some(&m.windows);
         }
         let reply: Value = self.invoke(&call).await?;
         scripts::parse_assign(&reply, quota.map(|q| q.windows.len()))
