@@ -15,8 +15,9 @@
 --   [5] the route quota's window count, "" for none   [6] the route quota's cost
 --   then the route quota's windows (name, limit, length)
 --   then the excluded ids (count, ids)
---   then the members (count; per member: id, window count, windows). For "L", only the
---   members with windows (the others admit anything); for "P", every candidate.
+--   then the members (count; per member: id, then window count and windows, or "=" for the
+--   previous member's windows). For "L", only the members with windows (the others admit
+--   anything); for "P", every candidate.
 -- Returns {status, member, wait_us, then the route quota's reply when it has one}:
 --   1 assigned `member`; 0 the route quota refused; 2 no eligible member;
 --   3 the pool does not exist (nothing changed: sync and ask again);

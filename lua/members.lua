@@ -27,24 +27,38 @@ local function members_cooling(cool, now)
   return cooling
 end
 
--- The members are read from ARGV[at] on: their count, then per member its id, its window count
--- k and k windows (name, limit, length). Their keys are taken from KEYS[k_at] on: for a member
--- with windows, its helper hash then one log per window. They are not copied into tables (the
--- walk usually needs one): members_find looks one up where it lies.
+-- The members are read from ARGV[at] on: their count, then per member its id, then its window
+-- count k and k windows (name, limit, length), or "=" when its windows are those of the member
+-- before it (a pool's keys usually share their limits, and every argument costs Redis about as
+-- much as a small command). Their keys are taken from KEYS[k_at] on: for a member with windows,
+-- its helper hash then one log per window. They are not copied into tables (the walk usually
+-- needs one): members_find looks one up where it lies.
 
--- Where member `id` lies: its index in ARGV, its window count and the index in KEYS of its
--- helper hash; nil when this script was not told about it.
+-- Steps over the member at ARGV[at], whose predecessor had `windows` windows from ARGV[wat]:
+-- the index of the next member, and this one's window count and first window.
+local function members_step(at, windows, wat)
+  local k = ARGV[at + 1]
+  if k == '=' then
+    return at + 2, windows, wat
+  end
+  windows = tonumber(k)
+  return at + 2 + 3 * windows, windows, at + 2
+end
+
+-- Where member `id`'s windows lie: the index in ARGV of the first, their count and the index
+-- in KEYS of its helper hash; nil when this script was not told about the member.
 local function members_find(w, id)
-  local at, k = w.at + 1, w.k_at
+  local at, k, windows, wat = w.at + 1, w.k_at, 0, 0
   for _ = 1, tonumber(ARGV[w.at]) do
-    local windows = tonumber(ARGV[at + 1])
+    local next_at
+    next_at, windows, wat = members_step(at, windows, wat)
     if ARGV[at] == id then
-      return at, windows, k
+      return wat, windows, k
     end
     if windows > 0 then
       k = k + 1 + windows
     end
-    at = at + 2 + 3 * windows
+    at = next_at
   end
 end
 
@@ -83,7 +97,7 @@ local function members_offer(w, id)
   end
   local at, windows, k = members_find(w, id)
   if at and windows > 0 then
-    local mq = quota_check(k, windows, at + 2, w.cost, w.now)
+    local mq = quota_check(k, windows, at, w.cost, w.now)
     if mq.admitted == 1 then
       quota_record(mq)
     end
@@ -99,12 +113,12 @@ end
 
 -- Offers the members in the order the script was told them (a preference, best first).
 local function members_walk_listed(w)
-  local at = w.at + 1
+  local at, windows, wat = w.at + 1, 0, 0
   for _ = 1, tonumber(ARGV[w.at]) do
     if members_offer(w, ARGV[at]) then
       return
     end
-    at = at + 2 + 3 * tonumber(ARGV[at + 1])
+    at, windows, wat = members_step(at, windows, wat)
   end
 end
 
@@ -120,7 +134,7 @@ local function members_settle(w)
     if not w.wait or wait < w.wait then
       local at, windows, k = members_find(w, id)
       if at and windows > 0 then
-        local mq = quota_check(k, windows, at + 2, w.cost, w.now)
+        local mq = quota_check(k, windows, at, w.cost, w.now)
         quota_finish(mq)
         if mq.retry_after > wait then
           wait = mq.retry_after

@@ -8,9 +8,14 @@ BUILD (1; 0 profiles ${CARGO_TARGET_DIR:-target}/release/sluice as it is), SLUIC
 directory holding a release sluice; no build), KEEP (0; 1 keeps the work directory with
 callgrind.out for callgrind_annotate / kcachegrind), OTLP (off | on: span export on, every
 request sampled, to a loopback OTLP/HTTP sink this script runs, which answers 200 and keeps
-nothing).
+nothing), ROUTE (rr | lu | kp: the route profiled, see below).
 
-sluice (threads: 1, one round_robin route over two nginx backends answering "ok\\n") runs under
+ROUTE=rr (the default): one round_robin route over two nginx backends answering "ok\\n". ROUTE=lu
+and ROUTE=kp: bench-state key-pool's `lu` and `kp` routes (least_used over three named members on one
+nginx, state on a redis-server this script starts; `kp` with a header, a member quota and a
+cooldown per member), so that sluice's own cost of a key pool can be told from Redis's.
+
+sluice (threads: 1) runs under
 `valgrind --tool=callgrind --instr-atstart=no`. After an unrecorded warm-up, instrumentation is
 switched on for one `wrk -t1 -cCONNECTIONS -dREQUEST_SECONDS` run and the counters are dumped;
 instructions per request = instructions in that window / requests wrk completed. Callgrind
@@ -26,9 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import common, wrk
+from . import common, key_pool, wrk
 from .procs import Failure, Procs
-from .servers import start_backends, start_sluice
+from .servers import start_backends, start_redis, start_sluice
 
 # Self cost grouped by the function the instructions ran in (code inlined into a function
 # counts as that function's). First match wins; matched against the function name, except the
@@ -123,12 +128,13 @@ def main(argv: list[str]) -> int:
     log_on = knobs.choice("LOG", "on", ("on", "off")) == "on"
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
     otlp_on = knobs.choice("OTLP", "off", ("off", "on")) == "on"
+    route = knobs.choice("ROUTE", "rr", ("rr", "lu", "kp"))
     common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
                    "sudo apt-get install -y valgrind wrk nginx-light")
     procs = Procs("profile", keep)
     try:
         sluice = common.sluice_binary("profile", knobs)
-        print(profile(procs, sluice, seconds, connections, log_on, otlp_on))
+        print(profile(procs, sluice, seconds, connections, log_on, otlp_on, route))
     finally:
         procs.cleanup()
     return 0
@@ -158,10 +164,25 @@ def otlp_sink(procs: Procs) -> str:
 
 
 def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: bool,
-            otlp_on: bool = False) -> str:
+            otlp_on: bool = False, route: str = "rr") -> str:
     backends = start_backends(procs)
     port, admin = procs.free_port(), procs.free_port()
     tracing = f"tracing:\n  otlp:\n    endpoint: {otlp_sink(procs)}\n" if otlp_on else ""
+    if route == "rr":
+        routes = f"""routes:
+  - name: bench
+    match:
+      hosts: ["*"]
+    upstream:
+      selection: round_robin
+      members:
+{backends.members_yaml("        ")}"""
+    else:
+        rport = procs.free_port()
+        start_redis(procs, "redis", rport)
+        routes = (f'state:\n  backend: redis\n  redis:\n    url: "redis://127.0.0.1:{rport}/0"\n'
+                  "routes:\n" + key_pool.route(route, backends.ports[0], key_pool=route == "kp")
+                  .replace(f'hosts: ["{route}.bench"]', 'hosts: ["*"]'))
     # Config and log in different directories: sluice watches its config's directory.
     cfg = procs.work / "conf" / "sluice.yaml"
     cfg.parent.mkdir(parents=True)
@@ -169,14 +190,7 @@ def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: 
 threads: 1
 admin:
   listen: "127.0.0.1:{admin}"
-{tracing}routes:
-  - name: bench
-    match:
-      hosts: ["*"]
-    upstream:
-      selection: round_robin
-      members:
-{backends.members_yaml("        ")}""")
+{tracing}{routes}""")
     procs.log(f"starting sluice under callgrind (access log {'on' if log_on else 'off'})")
     s = start_sluice(procs, sluice, "sluice", cfg, port, admin, None if log_on else "warn",
                      timeout=120, wrapper=["valgrind", "--tool=callgrind", "--instr-atstart=no",
@@ -216,7 +230,7 @@ admin:
     incl_rows = rows(incl_txt, out.requests, common.ROOT)
 
     lines = [
-        f"sluice {common.git_revision()}, access log {'on' if log_on else 'off'}, "
+        f"sluice {common.git_revision()}, route {route}, access log {'on' if log_on else 'off'}, "
         f"OTLP export {'on' if otlp_on else 'off'}, threads: 1,",
         f"wrk -t1 -c{connections} -d{seconds}s: {out.requests} requests in the recorded window;",
         f"{total} instructions, {total / out.requests:.0f} per request (user space, all threads).",

@@ -36,32 +36,70 @@ impl Keys {
 
     /// The least-used pool of `route`.
     pub fn pool(&self, route: &str) -> String {
-        format!("{}:{{{route}}}:pool", self.prefix)
+        self.pool_parts(route).concat()
     }
 
     /// The helper hash of one quota key.
     pub fn quota_meta(&self, route: &str, key: &str) -> String {
-        format!("{}:{{{route}}}:qm:{key}", self.prefix)
+        self.quota_meta_parts(route, key).concat()
     }
 
     /// The log of one window of one quota key.
     pub fn quota_log(&self, route: &str, window: &str, key: &str) -> String {
-        format!("{}:{{{route}}}:q:{window}:{key}", self.prefix)
+        self.quota_log_parts(route, window, key).concat()
     }
 
     /// The helper hash of one member's own quota.
     pub fn member_meta(&self, route: &str, member: &str) -> String {
-        format!("{}:{{{route}}}:mqm:{member}", self.prefix)
+        self.member_meta_parts(route, member).concat()
     }
 
     /// The log of one window of one member's own quota.
     pub fn member_log(&self, route: &str, window: &str, member: &str) -> String {
-        format!("{}:{{{route}}}:mq:{window}:{member}", self.prefix)
+        self.member_log_parts(route, window, member).concat()
     }
 
     /// The cooldowns of the members of `route`.
     pub fn cooldowns(&self, route: &str) -> String {
-        format!("{}:{{{route}}}:cool", self.prefix)
+        self.cooldowns_parts(route).concat()
+    }
+
+    // The same names as pieces, for a request's script call to write them straight into its
+    // command (`ScriptCall::key`) rather than allocate each one. Each layout is defined here
+    // only: the `String` forms above are these, concatenated.
+
+    pub(crate) fn pool_parts<'a>(&'a self, route: &'a str) -> [&'a str; 4] {
+        [&self.prefix, ":{", route, "}:pool"]
+    }
+
+    pub(crate) fn quota_meta_parts<'a>(&'a self, route: &'a str, key: &'a str) -> [&'a str; 5] {
+        [&self.prefix, ":{", route, "}:qm:", key]
+    }
+
+    pub(crate) fn quota_log_parts<'a>(
+        &'a self,
+        route: &'a str,
+        window: &'a str,
+        key: &'a str,
+    ) -> [&'a str; 7] {
+        [&self.prefix, ":{", route, "}:q:", window, ":", key]
+    }
+
+    pub(crate) fn member_meta_parts<'a>(&'a self, route: &'a str, member: &'a str) -> [&'a str; 5] {
+        [&self.prefix, ":{", route, "}:mqm:", member]
+    }
+
+    pub(crate) fn member_log_parts<'a>(
+        &'a self,
+        route: &'a str,
+        window: &'a str,
+        member: &'a str,
+    ) -> [&'a str; 7] {
+        [&self.prefix, ":{", route, "}:mq:", window, ":", member]
+    }
+
+    pub(crate) fn cooldowns_parts<'a>(&'a self, route: &'a str) -> [&'a str; 4] {
+        [&self.prefix, ":{", route, "}:cool"]
     }
 
     /// The keys the quota scripts take, in their order: the helper hash, then one log per window.

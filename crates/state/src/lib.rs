@@ -36,6 +36,7 @@
 //! `Retry-After` into [`StateStore::cool`], and passes the members it sees as down (and those a
 //! request already tried) as `excluded`.
 
+mod call;
 pub mod connection;
 pub mod keys;
 mod memory;

@@ -7,12 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{Script, ScriptInvocation, Value};
+use redis::Value;
 
+use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
-use crate::{Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError};
+use crate::{
+    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError, Window,
+};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -68,21 +71,21 @@ impl RedisStore {
         leading: &[&str],
         excluded: &[&str],
     ) -> Result<Value, StoreError> {
-        let mut invocation = self.scripts.allocator.prepare_invoke();
-        invocation.key(self.keys.pool(route));
+        let mut call = ScriptCall::new(&self.scripts.allocator, 1);
+        call.key(&self.keys.pool_parts(route));
         for a in leading {
-            invocation.arg(*a);
+            call.arg(*a);
         }
-        scripts::push_excluded(&mut invocation, excluded);
-        self.invoke(&invocation).await
+        scripts::push_excluded(&mut call, excluded);
+        self.invoke(&call).await
     }
 
     async fn invoke<T: redis::FromRedisValue>(
         &self,
-        invocation: &redis::ScriptInvocation<'_>,
+        call: &ScriptCall<'_>,
     ) -> Result<T, StoreError> {
         self.connection
-            .run(|mut conn| async move { invocation.invoke_async::<T>(&mut conn).await })
+            .run(|mut conn| async move { call.invoke::<T>(&mut conn).await })
             .await
     }
 
@@ -97,76 +100,96 @@ impl RedisStore {
         {
             return self.least_used_once(ask).await;
         }
-        let mut invocation = self.scripts.assign.prepare_invoke();
         let route = ask.route;
         let least_used = matches!(ask.order, Order::LeastUsed);
+        let quota = self.quota_of(ask);
+        // The members the script needs: for least-used, those with windows (the others admit
+        // anything); for a preference, every candidate, best first. Excluded ones never.
+        let preference: &[usize] = match ask.order {
+            Order::LeastUsed => &[],
+            Order::Preference(order) => order,
+        };
+        let members = || {
+            let unlimited = least_used
+                .then_some(ask.members.iter())
+                .into_iter()
+                .flatten();
+            unlimited
+                .filter(|m| !m.windows.is_empty())
+                .chain(preference.iter().filter_map(|&i| ask.members.get(i)))
+                .filter(|m| !ask.excluded.contains(&&*m.id))
+        };
+        // The command names its keys before its arguments, so they are counted first.
+        let keys = usize::from(least_used)
+            + usize::from(ask.cooldowns)
+            + quota.as_ref().map_or(0, |q| 1 + q.windows.len())
+            + members()
+                .filter(|m| !m.windows.is_empty())
+                .map(|m| 1 + m.windows.len())
+                .sum::<usize>();
+        let mut call = ScriptCall::new(&self.scripts.assign, keys);
         if least_used {
-            invocation.key(self.keys.pool(route));
+            call.key(&self.keys.pool_parts(route));
         }
         if ask.cooldowns {
-            invocation.key(self.keys.cooldowns(route));
+            call.key(&self.keys.cooldowns_parts(route));
         }
-        let quota = self.quota_of(ask);
         if let Some(q) = &quota {
-            for key in self.keys.quota(q.route, q.key, q.windows) {
-                invocation.key(key);
+            self.push_quota_keys(&mut call, q);
+        }
+        for m in members() {
+            if !m.windows.is_empty() {
+                call.key(&self.keys.member_meta_parts(route, &m.id));
+                for w in m.windows.iter() {
+                    call.key(&self.keys.member_log_parts(route, &w.name, &m.id));
+                }
             }
         }
         // One clock for the whole decision, as in memory.
         match ask.at_us.or(ask.quota.and_then(|q| q.at_us)) {
-            Some(t) => invocation.arg(t),
-            None => invocation.arg(""),
+            Some(t) => call.arg(t),
+            None => call.arg(""),
         };
-        invocation
-            .arg(ask.cost)
+        call.arg(ask.cost)
             .arg(if least_used { "L" } else { "P" })
             .arg(if ask.cooldowns { "1" } else { "0" });
         match &quota {
             Some(q) => {
-                invocation.arg(q.windows.len()).arg(q.cost);
+                call.arg(q.windows.len()).arg(q.cost);
                 for w in q.windows {
-                    invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                    call.arg(&*w.name).arg(w.limit).arg(w.length_us);
                 }
             }
             None => {
-                invocation.arg("").arg(0);
+                call.arg("").arg(0);
             }
         }
-        scripts::push_excluded(&mut invocation, if least_used { ask.excluded } else { &[] });
-        // The members the script needs: for least-used, those with windows (the others admit
-        // anything); for a preference, every candidate, best first. Excluded ones never.
-        let eligible = |m: &&PoolMember| !ask.excluded.contains(&&*m.id);
-        match ask.order {
-            Order::LeastUsed => {
-                let members = ask.members.iter().filter(|m| !m.windows.is_empty());
-                invocation.arg(members.clone().filter(eligible).count());
-                for m in members.filter(eligible) {
-                    self.push_member(&mut invocation, route, m);
-                }
+        scripts::push_excluded(&mut call, if least_used { ask.excluded } else { &[] });
+        // Per member: its id, then its window count and windows, in the order of its keys
+        // above, or "=" when they are the previous member's (members.lua, members_step).
+        call.arg(members().count());
+        let mut previous: Option<&[Window]> = None;
+        for m in members() {
+            call.arg(&*m.id);
+            if previous == Some(&*m.windows) {
+                call.arg("=");
+                continue;
             }
-            Order::Preference(order) => {
-                let members = order.iter().filter_map(|&i| ask.members.get(i));
-                invocation.arg(members.clone().filter(eligible).count());
-                for m in members.filter(eligible) {
-                    self.push_member(&mut invocation, route, m);
-                }
+            call.arg(m.windows.len());
+            for w in m.windows.iter() {
+                call.arg(&*w.name).arg(w.limit).arg(w.length_us);
             }
+            previous = Some(&m.windows);
         }
-        let reply: Value = self.invoke(&invocation).await?;
+        let reply: Value = self.invoke(&call).await?;
         scripts::parse_assign(&reply, quota.map(|q| q.windows.len()))
     }
 
-    /// One member for the assign script: its id, window count and windows as arguments, and
-    /// (with windows) its helper hash and logs as keys, in the same order.
-    fn push_member(&self, invocation: &mut ScriptInvocation<'_>, route: &str, m: &PoolMember) {
-        invocation.arg(&*m.id).arg(m.windows.len());
-        if m.windows.is_empty() {
-            return;
-        }
-        invocation.key(self.keys.member_meta(route, &m.id));
-        for w in m.windows.iter() {
-            invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
-            invocation.key(self.keys.member_log(route, &w.name, &m.id));
+    /// A quota's keys, in the quota library's order: the helper hash, then one log per window.
+    fn push_quota_keys(&self, call: &mut ScriptCall<'_>, q: &Acquire<'_>) {
+        call.key(&self.keys.quota_meta_parts(q.route, q.key));
+        for w in q.windows {
+            call.key(&self.keys.quota_log_parts(q.route, &w.name, q.key));
         }
     }
 
@@ -185,15 +208,12 @@ impl RedisStore {
         let reply = match &quota {
             None => self.allocator(ask.route, &["assign"], ask.excluded).await?,
             Some(q) => {
-                let script: &Script = &self.scripts.fused;
-                let mut invocation = script.prepare_invoke();
-                for key in self.keys.quota(q.route, q.key, q.windows) {
-                    invocation.key(key);
-                }
-                invocation.key(self.keys.pool(ask.route));
-                scripts::push_quota_args(&mut invocation, q);
-                scripts::push_excluded(&mut invocation, ask.excluded);
-                self.invoke(&invocation).await?
+                let mut call = ScriptCall::new(&self.scripts.fused, 2 + q.windows.len());
+                self.push_quota_keys(&mut call, q);
+                call.key(&self.keys.pool_parts(ask.route));
+                scripts::push_quota_args(&mut call, q);
+                scripts::push_excluded(&mut call, ask.excluded);
+                self.invoke(&call).await?
             }
         };
         scripts::parse_assignment(&reply, quota.map(|q| q.windows.len()))
@@ -228,12 +248,10 @@ impl RedisStore {
 #[async_trait]
 impl StateStore for RedisStore {
     async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
-        let mut invocation = self.scripts.quota.prepare_invoke();
-        for key in self.keys.quota(req.route, req.key, req.windows) {
-            invocation.key(key);
-        }
-        scripts::push_quota_args(&mut invocation, &req);
-        let reply: Vec<i64> = self.invoke(&invocation).await?;
+        let mut call = ScriptCall::new(&self.scripts.quota, 1 + req.windows.len());
+        self.push_quota_keys(&mut call, &req);
+        scripts::push_quota_args(&mut call, &req);
+        let reply: Vec<i64> = self.invoke(&call).await?;
         scripts::parse_quota(&reply, req.windows.len())
     }
 
@@ -295,13 +313,13 @@ impl StateStore for RedisStore {
             cost: 0,
             at_us: None,
         };
-        let mut invocation = self.scripts.quota.prepare_invoke();
-        invocation.key(self.keys.member_meta(route, &member.id));
+        let mut call = ScriptCall::new(&self.scripts.quota, 1 + member.windows.len());
+        call.key(&self.keys.member_meta_parts(route, &member.id));
         for w in member.windows.iter() {
-            invocation.key(self.keys.member_log(route, &w.name, &member.id));
+            call.key(&self.keys.member_log_parts(route, &w.name, &member.id));
         }
-        scripts::push_quota_args(&mut invocation, &read);
-        let reply: Vec<i64> = self.invoke(&invocation).await?;
+        scripts::push_quota_args(&mut call, &read);
+        let reply: Vec<i64> = self.invoke(&call).await?;
         let outcome = scripts::parse_quota(&reply, member.windows.len())?;
         Ok(outcome.windows.iter().map(|w| w.remaining).collect())
     }
@@ -333,17 +351,16 @@ impl StateStore for RedisStore {
         for_us: u64,
         at_us: Option<u64>,
     ) -> Result<u64, StoreError> {
-        let mut invocation = self.scripts.cool.prepare_invoke();
-        invocation
-            .key(self.keys.cooldowns(route))
+        let mut call = ScriptCall::new(&self.scripts.cool, 1);
+        call.key(&self.keys.cooldowns_parts(route))
             .arg("cool")
             .arg(member)
             .arg(for_us);
         match at_us {
-            Some(t) => invocation.arg(t),
-            None => invocation.arg(""),
+            Some(t) => call.arg(t),
+            None => call.arg(""),
         };
-        let reply: Value = self.invoke(&invocation).await?;
+        let reply: Value = self.invoke(&call).await?;
         match reply {
             Value::Int(left) if left >= 0 => Ok(left as u64),
             other => Err(StoreError::Backend(format!(
@@ -353,9 +370,9 @@ impl StateStore for RedisStore {
     }
 
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let mut invocation = self.scripts.cool.prepare_invoke();
-        invocation.key(self.keys.cooldowns(route)).arg("list");
-        let reply: Value = self.invoke(&invocation).await?;
+        let mut call = ScriptCall::new(&self.scripts.cool, 1);
+        call.key(&self.keys.cooldowns_parts(route)).arg("list");
+        let reply: Value = self.invoke(&call).await?;
         scripts::parse_cooldowns(&reply)
     }
 

@@ -7,8 +7,9 @@
 //! program's script under our SHA, a Redis proxy that mangles arrays) is a [`StoreError`], not
 //! a panic.
 
-use redis::{Script, ScriptInvocation, Value};
+use redis::{Script, Value};
 
+use crate::call::ScriptCall;
 use crate::{Acquire, Assignment, Outcome, StoreError, WindowState};
 
 /// The quota library: functions that check and record a quota.
@@ -71,7 +72,7 @@ pub fn quota_source() -> String {
 
 /// Appends the quota arguments (cost, clock, then name, limit, length per window), as the quota
 /// library's drivers read them.
-pub fn push_quota_args(invocation: &mut ScriptInvocation<'_>, req: &Acquire<'_>) {
+pub(crate) fn push_quota_args(invocation: &mut ScriptCall<'_>, req: &Acquire<'_>) {
     invocation.arg(req.cost);
     match req.at_us {
         Some(t) => invocation.arg(t),
@@ -83,7 +84,7 @@ pub fn push_quota_args(invocation: &mut ScriptInvocation<'_>, req: &Acquire<'_>)
 }
 
 /// Appends a list of excluded member ids, count first, as `pool_excluded` reads it.
-pub fn push_excluded(invocation: &mut ScriptInvocation<'_>, excluded: &[&str]) {
+pub(crate) fn push_excluded(invocation: &mut ScriptCall<'_>, excluded: &[&str]) {
     invocation.arg(excluded.len());
     for e in excluded {
         invocation.arg(*e);

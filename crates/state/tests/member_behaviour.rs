@@ -506,7 +506,32 @@ async fn member_remaining_reads_without_recording(store: &dyn StateStore) {
         .is_empty());
 }
 
+/// Members that share their windows (the Redis store sends them once, "=" for the next member)
+/// each keep their own: a run of equal windows, then a different one, then equal again.
+async fn members_sharing_windows_keep_their_own(store: &dyn StateStore) {
+    let route = "shared-windows";
+    let one = [window("rpm", 1, 10 * W)];
+    let two = [window("rpm", 2, 10 * W), window("rph", 3, 20 * W)];
+    let members = [
+        member("p", &one),
+        member("q", &one),
+        member("r", &two),
+        member("s", &two),
+        member("t", &one),
+    ];
+    let order = [0, 1, 2, 3, 4];
+    let at = |t: u64| ask(route, &members, Order::Preference(&order), T0 + t);
+    let mut got = Vec::new();
+    for t in 0..7 {
+        got.push(assigned(store, at(t)).await);
+    }
+    assert_eq!(got, ["p", "q", "r", "r", "s", "s", "t"]);
+    // Every member is full now; p's entry at 0 is the first to leave.
+    assert_eq!(busy(store, at(7)).await.0, 10 * W - 7);
+}
+
 async fn suite(store: Arc<dyn StateStore>) {
+    members_sharing_windows_keep_their_own(&*store).await;
     member_remaining_reads_without_recording(&*store).await;
     least_used_skips_full_members(&*store).await;
     preference_with_windows_and_cooldowns(&*store).await;
