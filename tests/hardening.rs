@@ -525,6 +525,71 @@ mod downstream_limits {
         assert_eq!(backends[0].proxied_requests(), proxied);
     }
 
+    /// A gateway-made answer to a request with a small body keeps the connection, as nginx and
+    /// HAProxy do: sluice reads the body and throws it away, and the next request on the same
+    /// connection is served. A body too large to be worth reading (declared past 64 KiB), one
+    /// the client holds back for `100 Continue`, or one that stops coming closes the connection
+    /// instead.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gateway_answer_to_a_request_with_a_small_body_keeps_the_connection() {
+        let backends = start_backends(&["api"]).await;
+        let gw = Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"{}\"\n",
+            url(backends[0].local_addr())
+        ));
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        for (i, body) in ["x".repeat(10), "y".repeat(40_000)].iter().enumerate() {
+            // Sent whole before the answer comes, and split: the body arrives after the head.
+            let head = format!(
+                "POST /a{i} HTTP/1.1\r\nHost: nope.test\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            client.write_raw(head.as_bytes()).await.unwrap();
+            client.write_raw(body.as_bytes()).await.unwrap();
+            let r = client.read_response(false).await.unwrap();
+            assert_eq!(r.status, 404, "body of {} bytes", body.len());
+            assert_ne!(r.header("connection"), Some("close"));
+            let r = client
+                .request("GET", "api.test", &format!("/after{i}"), &[], b"")
+                .await
+                .unwrap_or_else(|e| panic!("the connection after a {}-byte body: {e}", body.len()));
+            assert_eq!(r.status, 200);
+            assert_eq!(r.json()["target"], format!("/after{i}"));
+        }
+
+        // Declared past 64 KiB: answered, then closed, without waiting for the body.
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let head = "POST /big HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 1000000\r\n\r\n";
+        client.write_raw(head.as_bytes()).await.unwrap();
+        assert_eq!(client.read_response(false).await.unwrap().status, 404);
+        assert!(
+            client.wait_closed(Duration::from_secs(10)).await,
+            "closed after a large body"
+        );
+
+        // Waiting for 100 Continue: the body never comes, so nothing is read and the
+        // connection closes.
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let head = "POST /wait HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 10\r\nExpect: 100-continue\r\n\r\n";
+        client.write_raw(head.as_bytes()).await.unwrap();
+        assert_eq!(client.read_response(false).await.unwrap().status, 404);
+        assert!(
+            client.wait_closed(Duration::from_secs(10)).await,
+            "closed after Expect"
+        );
+
+        // A small body that stops coming holds the connection for 2 s at most.
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let head = "POST /stall HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 10\r\n\r\nabc";
+        client.write_raw(head.as_bytes()).await.unwrap();
+        assert_eq!(client.read_response(false).await.unwrap().status, 404);
+        assert!(
+            client.wait_closed(Duration::from_secs(30)).await,
+            "closed after a stalled body"
+        );
+        assert_eq!(backends[0].requests(), 2);
+    }
+
     /// Request heads above `limits.max_header_bytes` (64 KiB by default) get `431
     /// header_too_large` and reach no member; 100 KB and 900 KB heads used to be forwarded.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

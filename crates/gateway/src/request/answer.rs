@@ -70,8 +70,41 @@ async fn problem_and(
         // Whole seconds, rounded up, at least 1 (SPEC §3).
         head.insert_header(header::RETRY_AFTER, retry_after_ms.div_ceil(1000).max(1))?;
     }
+    keep_if_body_small(session);
     session.write_response_header(Box::new(head), false).await?;
     session.write_response_body(Some(body), true).await
+}
+
+/// The largest unread request body a gateway-made answer reads and throws away to keep the
+/// connection, and the time it gives the client to send it.
+const DISCARD_BYTES: usize = 64 * 1024;
+const DISCARD_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Keeps the connection for the client's next request after a gateway-made answer to a request
+/// whose body is still unread, as nginx and HAProxy do: Pingora then reads the body to its end
+/// and throws it away before it reuses the connection (its default is to close as soon as an
+/// answer goes out before the body was read). Only a body that is small (a `Content-Length` of
+/// at most [`DISCARD_BYTES`]) and already on its way is worth it: a larger or chunked one, or one
+/// the client holds back until `100 Continue`, still closes the connection, and so does a body
+/// that takes longer than [`DISCARD_TIME`] to arrive.
+fn keep_if_body_small(session: &mut Session) {
+    if session.is_body_done() {
+        return;
+    }
+    let headers = &session.req_header().headers;
+    let expects_continue = headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let small = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.trim().parse::<usize>().ok())
+        .is_some_and(|length| length <= DISCARD_BYTES);
+    if expects_continue || !small || headers.contains_key(header::TRANSFER_ENCODING) {
+        return;
+    }
+    let downstream = session.as_downstream_mut();
+    downstream.set_close_on_response_before_downstream_finish(false);
+    downstream.set_total_drain_timeout(Some(DISCARD_TIME));
 }
 
 /// The 429 for a quota refusal: the first window that refused names it, and each window that
