@@ -174,7 +174,13 @@ impl BodyReader {
     }
 
     fn prepare_buf(&mut self, buf_to_rewind: &[u8]) {
-        let mut body_buf = BytesMut::with_capacity(self.body_buf_size.max(buf_to_rewind.len()));
+        self.prepare_buf_with_capacity(buf_to_rewind, self.body_buf_size);
+    }
+
+    // PATCH (sluice, body buffer sized to the body): `prepare_buf` with the capacity chosen by
+    // the caller, see `init_content_length`.
+    fn prepare_buf_with_capacity(&mut self, buf_to_rewind: &[u8], capacity: usize) {
+        let mut body_buf = BytesMut::with_capacity(capacity.max(buf_to_rewind.len()));
         if !buf_to_rewind.is_empty() {
             self.rewind_buf_len = buf_to_rewind.len();
             // TODO: this is still 1 copy. Make it zero
@@ -246,7 +252,18 @@ impl BodyReader {
                 }
             }
             _ => {
-                self.prepare_buf(buf_to_rewind);
+                // PATCH (sluice, body buffer sized to the body): when the bytes read with the
+                // head already hold the whole body, no read into the buffer follows, so a
+                // buffer of their size serves. The full `body_buf_size` (64 KiB by default) was
+                // allocated and freed for every such body, a small response's being a few bytes:
+                // an allocation from the allocator's large-size path on every request.
+                // Otherwise the buffer is sized as before.
+                let capacity = if buf_to_rewind.len() >= cl {
+                    buf_to_rewind.len()
+                } else {
+                    self.body_buf_size
+                };
+                self.prepare_buf_with_capacity(buf_to_rewind, capacity);
                 self.body_state = PS::Partial(0, cl);
             }
         }
