@@ -2092,6 +2092,26 @@ mod tests {
         assert_eq!(body_reader.get_body_overread(), None);
     }
 
+    // PATCH (sluice, body buffer sized to the body)
+    #[tokio::test]
+    async fn read_with_body_content_length_all_rewound_sized_to_the_body() {
+        init_log();
+        let mut mock_io = Builder::new().build();
+        let mut body_reader = BodyReader::new(true);
+        body_reader.init_content_length(3, b"abc");
+        assert_eq!(body_reader.body_buf.as_ref().unwrap().capacity(), 3);
+        let res = body_reader.read_body(&mut mock_io).await.unwrap().unwrap();
+        assert_eq!(res, BufRef::new(0, 3));
+        assert_eq!(body_reader.body_state, ParseState::Complete(3));
+        assert_eq!(b"abc", body_reader.get_body(&res));
+        assert_eq!(body_reader.get_body_overread(), None);
+
+        // part of the body still to read: the full buffer, as before
+        let mut body_reader = BodyReader::new(true);
+        body_reader.init_content_length(3, b"ab");
+        assert!(body_reader.body_buf.as_ref().unwrap().capacity() >= BODY_BUFFER_SIZE);
+    }
+
     #[tokio::test]
     async fn read_with_body_content_length_2() {
         init_log();
