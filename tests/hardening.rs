@@ -729,7 +729,7 @@ mod upstream_pool {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
     use tokio::net::{TcpListener, TcpStream};
     use tokio::sync::watch;
 
@@ -738,6 +738,7 @@ mod upstream_pool {
     const DEADLINE: Duration = Duration::from_secs(10);
     /// Large enough that the member's second write is read after the head, into the body buffer.
     const BIG: usize = 300_000;
+    static BIG_BODY: [u8; BIG] = [b'b'; BIG];
 
     /// A keep-alive HTTP/1.1 member that counts the connections it accepts and closes every idle
     /// one when told to, the way a member's own keep-alive timeout does.
@@ -794,32 +795,37 @@ mod upstream_pool {
 
     /// Answers `GET /small` with a body written together with its head and `GET /big` with one
     /// written mostly after it, until told to close while idle or the peer closes.
-    async fn serve(mut stream: TcpStream, close_idle: &mut watch::Receiver<u64>) {
-        let mut buf = Vec::new();
+    async fn serve(stream: TcpStream, close_idle: &mut watch::Receiver<u64>) {
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
         loop {
-            let head_end = loop {
-                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    break i + 4;
+            // Only between requests: a request already begun is answered first.
+            tokio::select! {
+                next = reader.fill_buf() => match next {
+                    Ok([]) | Err(_) => return,
+                    Ok(_) => {}
+                },
+                _ = close_idle.changed() => return,
+            }
+            let mut big = false;
+            loop {
+                line.clear();
+                match reader.read_line(&mut line).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
                 }
-                let mut chunk = [0u8; 4096];
-                tokio::select! {
-                    n = stream.read(&mut chunk) => match n {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    },
-                    // Only between requests: a request already begun is answered first.
-                    _ = close_idle.changed(), if buf.is_empty() => return,
+                big |= line.starts_with("GET /big ");
+                if line == "\r\n" {
+                    break;
                 }
-            };
-            let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-            buf.drain(..head_end);
-            let result = if head.starts_with("GET /big ") {
-                let body = vec![b'b'; BIG];
-                let reply = format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n");
-                let mut first = reply.into_bytes();
-                first.extend_from_slice(&body[..100]);
+            }
+            let stream = reader.get_mut();
+            let result = if big {
+                let mut first =
+                    format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n").into_bytes();
+                first.extend_from_slice(&BIG_BODY[..100]);
                 match stream.write_all(&first).await {
-                    Ok(()) => stream.write_all(&body[100..]).await,
+                    Ok(()) => stream.write_all(&BIG_BODY[100..]).await,
                     Err(e) => Err(e),
                 }
             } else {
