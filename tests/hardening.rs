@@ -785,3 +785,171 @@ mod downstream_limits {
         );
     }
 }
+
+/// The upstream connection pool's handoff, with a member that is raw TCP so that the test sees
+/// each connection: keep-alive reuse, a member closing its idle connections, and response bodies
+/// that arrive with their head or after it (pingora-core's body buffer, third_party/PATCHES.md).
+mod upstream_pool {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::sync::watch;
+
+    use super::support::{wait_until, Gateway, HttpClient};
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+    /// Large enough that the member's second write is read after the head, into the body buffer.
+    const BIG: usize = 300_000;
+    static BIG_BODY: [u8; BIG] = [b'b'; BIG];
+
+    /// A keep-alive HTTP/1.1 member that counts the connections it accepts and closes every idle
+    /// one when told to, the way a member's own keep-alive timeout does.
+    struct Member {
+        addr: std::net::SocketAddr,
+        accepted: Arc<AtomicUsize>,
+        closed: Arc<AtomicUsize>,
+        close_idle: watch::Sender<u64>,
+    }
+
+    impl Member {
+        async fn start() -> Member {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let accepted = Arc::new(AtomicUsize::new(0));
+            let closed = Arc::new(AtomicUsize::new(0));
+            let (close_idle, rx) = watch::channel(0);
+            let (acc, clo) = (accepted.clone(), closed.clone());
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    acc.fetch_add(1, Ordering::SeqCst);
+                    let mut rx = rx.clone();
+                    rx.mark_unchanged();
+                    let clo = clo.clone();
+                    tokio::spawn(async move {
+                        serve(stream, &mut rx).await;
+                        clo.fetch_add(1, Ordering::SeqCst);
+                    });
+                }
+            });
+            Member {
+                addr,
+                accepted,
+                closed,
+                close_idle,
+            }
+        }
+
+        fn accepted(&self) -> usize {
+            self.accepted.load(Ordering::SeqCst)
+        }
+
+        /// Closes every connection waiting for its next request; returns once all are closed,
+        /// so the closes (FINs) are already queued at sluice's end.
+        async fn close_idle_connections(&self) {
+            self.close_idle.send_modify(|generation| *generation += 1);
+            let accepted = self.accepted();
+            assert!(
+                wait_until(DEADLINE, || self.closed.load(Ordering::SeqCst) == accepted).await,
+                "the member's idle connections did not close"
+            );
+        }
+    }
+
+    /// Answers `GET /small` with a body written together with its head and `GET /big` with one
+    /// written mostly after it, until told to close while idle or the peer closes.
+    async fn serve(stream: TcpStream, close_idle: &mut watch::Receiver<u64>) {
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        loop {
+            // Only between requests: a request already begun is answered first.
+            tokio::select! {
+                next = reader.fill_buf() => match next {
+                    Ok([]) | Err(_) => return,
+                    Ok(_) => {}
+                },
+                _ = close_idle.changed() => return,
+            }
+            let mut big = false;
+            loop {
+                line.clear();
+                match reader.read_line(&mut line).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+                big |= line.starts_with("GET /big ");
+                if line == "\r\n" {
+                    break;
+                }
+            }
+            let stream = reader.get_mut();
+            let result = if big {
+                let mut first =
+                    format!("HTTP/1.1 200 OK\r\nContent-Length: {BIG}\r\n\r\n").into_bytes();
+                first.extend_from_slice(&BIG_BODY[..100]);
+                match stream.write_all(&first).await {
+                    Ok(()) => stream.write_all(&BIG_BODY[100..]).await,
+                    Err(e) => Err(e),
+                }
+            } else {
+                stream
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsmall\n")
+                    .await
+            };
+            if result.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Requests one after the other through sluice (`threads: 1`) reuse one upstream
+    /// connection; after the member closes it while idle, the next requests all succeed on a
+    /// new connection, which is then reused in turn. Bodies that came with the head and bodies
+    /// read after it reach the client whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pooled_connections_are_reused_and_dropped_once_the_member_closes_them() {
+        let member = Member::start().await;
+        let gw = Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{}\"\n",
+            member.addr
+        ));
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        for round in 1..=3 {
+            for i in 0..20 {
+                let path = if i % 5 == 4 { "/big" } else { "/small" };
+                let r = client
+                    .request("GET", "api.test", path, &[], b"")
+                    .await
+                    .unwrap_or_else(|e| panic!("round {round}, request {i}: {e}"));
+                assert_eq!(r.status, 200, "round {round}, request {i}");
+                if path == "/big" {
+                    assert!(
+                        r.body.len() == BIG && r.body.iter().all(|&b| b == b'b'),
+                        "round {round}, request {i}: {} body bytes",
+                        r.body.len()
+                    );
+                } else {
+                    assert_eq!(r.body, b"small\n", "round {round}, request {i}");
+                }
+            }
+            assert_eq!(
+                member.accepted(),
+                round,
+                "one upstream connection per round, reused for its 20 requests"
+            );
+            member.close_idle_connections().await;
+        }
+        // No request was sent on a closed connection and retried: one new connection (a line
+        // with a connect time) per round, no upstream error.
+        assert!(
+            wait_until(DEADLINE, || gw.log_json().len() >= 60).await,
+            "access-log lines missing"
+        );
+        let lines = gw.log_json();
+        let connected = lines.iter().filter(|l| l["connect_ms"].is_number()).count();
+        assert_eq!(connected, 3, "{lines:?}");
+        assert!(lines.iter().all(|l| l["error"].is_null()), "{lines:?}");
+    }
+}
