@@ -44,6 +44,8 @@ use authority::{raw_target_authority, RawTargetAuthority};
 mod case_header_name;
 use case_header_name::CaseHeaderName;
 pub use case_header_name::IntoCaseHeaderName;
+// PATCH (sluice, prebuilt header names; third_party/PATCHES.md)
+pub use case_header_name::StaticHeaderName;
 
 pub mod prelude {
     pub use crate::RequestHeader;
@@ -852,11 +854,8 @@ fn append_header_value<T>(
     name: impl IntoCaseHeaderName,
     value: T,
 ) -> Result<bool> {
-    let case_header_name = name.into_case_header_name();
-    let header_name: HeaderName = case_header_name
-        .as_slice()
-        .try_into()
-        .or_err(InvalidHTTPHeader, "invalid header name")?;
+    // PATCH (sluice, prebuilt header names): no parse when the caller has the name.
+    let (header_name, case_header_name) = name.into_header_names()?;
     // store the original case in the map
     if let Some(name_map) = name_map {
         // Use the non-panicking `try_append`: the infallible `append` calls
@@ -881,11 +880,8 @@ fn insert_header_value<T>(
     name: impl IntoCaseHeaderName,
     value: T,
 ) -> Result<()> {
-    let case_header_name = name.into_case_header_name();
-    let header_name: HeaderName = case_header_name
-        .as_slice()
-        .try_into()
-        .or_err(InvalidHTTPHeader, "invalid header name")?;
+    // PATCH (sluice, prebuilt header names): no parse when the caller has the name.
+    let (header_name, case_header_name) = name.into_header_names()?;
     if let Some(name_map) = name_map {
         // store the original case in the map
         name_map.insert(header_name.clone(), case_header_name);
@@ -1099,6 +1095,32 @@ mod tests {
                 _ => panic!("too many headers"),
             }
         });
+    }
+
+    // PATCH (sluice, prebuilt header names)
+    #[test]
+    fn test_prebuilt_names_on_a_clone() {
+        static X_ID: StaticHeaderName = StaticHeaderName::new("x-id", "X-Id");
+        let mut req = RequestHeader::build("GET", b"/", Some(1)).unwrap();
+        req.append_header("hOsT", "a").unwrap();
+        let mut req = req.clone();
+        req.insert_header(&X_ID, "1").unwrap();
+        req.append_header(&X_ID, "2").unwrap();
+        req.insert_header(http::header::ACCEPT, "*/*").unwrap();
+        req.append_header(HeaderName::from_static("x-low"), "3").unwrap();
+        let mut buf: Vec<u8> = vec![];
+        req.header_to_h1_wire(&mut buf);
+        assert_eq!(
+            buf,
+            b"hOsT: a\r\nX-Id: 1\r\nX-Id: 2\r\naccept: */*\r\nx-low: 3\r\n"
+        );
+
+        let mut resp = ResponseHeader::build(200, Some(1)).unwrap();
+        resp.insert_header(&X_ID, "1").unwrap();
+        resp.insert_header(http::header::SERVER, "s").unwrap();
+        let mut buf: Vec<u8> = vec![];
+        resp.header_to_h1_wire(&mut buf);
+        assert_eq!(buf, b"X-Id: 1\r\nServer: s\r\n");
     }
 
     #[test]
