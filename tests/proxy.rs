@@ -183,6 +183,96 @@ async fn headers_are_fixed_up_on_the_way() {
     assert_eq!(h["x-kept"], "yes");
 }
 
+/// Header names keep the case they were written in, on the wire both ways: the client's and
+/// the member's as sent, the headers sluice adds as sluice writes them (`x-request-id`,
+/// `x-forwarded-for`, `traceparent` in lowercase; `Host` titled). Pingora keeps a case map
+/// beside each header map; sluice inserts its names prebuilt (third_party/PATCHES.md,
+/// pingora-http), and this pins that the bytes on the wire did not change with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_names_keep_their_case_on_the_wire_both_ways() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    // A member that hands over the raw head it received and answers with mixed-case names.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let member = listener.local_addr().unwrap();
+    let (heads, mut received) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let heads = heads.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
+                        _ => return,
+                    }
+                }
+                let _ = heads.send(String::from_utf8_lossy(&head).into_owned());
+                let answer = "HTTP/1.1 200 OK\r\nX-Member-Case: Kept\r\nSERVER: raw\r\n\
+                              content-LENGTH: 2\r\n\r\nok";
+                let _ = conn.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let gw = start(api(&[url(member)]).preserve_host(false));
+
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut client = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+    let ask = format!(
+        "GET /case HTTP/1.1\r\nHost: api.test\r\nX-Client-Case: Mixed\r\n\
+         X-FORWARDED-FOR: 10.1.2.3\r\nx-request-id: case-id-1\r\n\
+         traceparent: 00-{trace_id}-00f067aa0ba902b7-01\r\n\r\n"
+    );
+    client.write_all(ask.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !answer.ends_with(b"\r\n\r\nok") {
+        let n = tokio::time::timeout_at(deadline, client.read(&mut buf))
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8(answer).unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(10), received.recv())
+        .await
+        .expect("the member got the request")
+        .unwrap();
+
+    let lines = |head: &str| -> Vec<String> { head.split("\r\n").map(str::to_string).collect() };
+    let sent = lines(&head);
+    let has = |lines: &[String], line: &str| lines.iter().any(|l| l == line);
+    assert!(has(&sent, "X-Client-Case: Mixed"), "{head}");
+    assert!(has(&sent, &format!("Host: {member}")), "{head}");
+    // The client's field is replaced by the list with its address appended, under
+    // sluice's own spelling.
+    assert!(has(&sent, "x-forwarded-for: 10.1.2.3, 127.0.0.1"), "{head}");
+    assert!(has(&sent, "x-request-id: case-id-1"), "{head}");
+    let traceparent = sent
+        .iter()
+        .find(|l| l.starts_with("traceparent: "))
+        .unwrap_or_else(|| panic!("no traceparent: {head}"));
+    assert!(
+        traceparent.starts_with(&format!("traceparent: 00-{trace_id}-")),
+        "{head}"
+    );
+    assert!(
+        !sent.iter().any(|l| l.starts_with("X-FORWARDED-FOR")),
+        "{head}"
+    );
+
+    let got = lines(&answer);
+    assert!(got[0].starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(has(&got, "X-Member-Case: Kept"), "{answer}");
+    assert!(has(&got, "SERVER: raw"), "{answer}");
+    assert!(has(&got, "content-LENGTH: 2"), "{answer}");
+    assert!(has(&got, "x-request-id: case-id-1"), "{answer}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_host_gets_a_404_problem_and_no_member_is_contacted() {
     let backends = start_backends(&["b1"]).await;

@@ -19,9 +19,11 @@ use pingora_error::{Error, ErrorType::InvalidHTTPHeader, OrErr, Result};
 use pingora_http::RequestHeader;
 
 const MAX_CONNECTION_NOMINATIONS: usize = 10;
-pub(crate) const KEEP_ALIVE: &str = "keep-alive";
-pub(crate) const PROXY_CONNECTION: &str = "proxy-connection";
-pub(crate) const HTTP2_SETTINGS: &str = "http2-settings";
+// PATCH (sluice, prebuilt hop-by-hop names; third_party/PATCHES.md): `HeaderName`s, not `&str`s
+// that every `remove_header` of every request parsed into one again.
+pub(crate) static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+pub(crate) static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+pub(crate) static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
 /// Authority handling that avoids imposing standard HTTP semantics on custom downstream sessions.
 ///
@@ -176,8 +178,8 @@ impl ConnectionNominations {
 }
 
 fn strip_standard_hop_by_hop_headers(req: &mut RequestHeader) {
-    req.remove_header(KEEP_ALIVE);
-    req.remove_header(PROXY_CONNECTION);
+    req.remove_header(&KEEP_ALIVE);
+    req.remove_header(&PROXY_CONNECTION);
     req.remove_header(&header::PROXY_AUTHENTICATE);
     req.remove_header(&header::PROXY_AUTHORIZATION);
     req.remove_header(&header::TE);
@@ -185,7 +187,7 @@ fn strip_standard_hop_by_hop_headers(req: &mut RequestHeader) {
     req.remove_header(&header::TRANSFER_ENCODING);
     req.remove_header(&header::CONNECTION);
     req.remove_header(&header::UPGRADE);
-    req.remove_header(HTTP2_SETTINGS);
+    req.remove_header(&HTTP2_SETTINGS);
 }
 
 /// Set H1 `Host` from the URI or absolute-form authority.
@@ -362,7 +364,7 @@ pub(crate) fn sanitize_h1_upstream_request(
         H1UpgradePolicy::WebSocketOnly => {
             req.remove_header(&header::CONNECTION);
             req.remove_header(&header::UPGRADE);
-            req.remove_header(HTTP2_SETTINGS);
+            req.remove_header(&HTTP2_SETTINGS);
             if websocket_upgrade {
                 req.insert_header(header::CONNECTION, "Upgrade")?;
                 req.insert_header(header::UPGRADE, "websocket")?;
@@ -371,7 +373,7 @@ pub(crate) fn sanitize_h1_upstream_request(
         H1UpgradePolicy::Deny => {
             req.remove_header(&header::CONNECTION);
             req.remove_header(&header::UPGRADE);
-            req.remove_header(HTTP2_SETTINGS);
+            req.remove_header(&HTTP2_SETTINGS);
         }
         H1UpgradePolicy::Preserve => {}
     }

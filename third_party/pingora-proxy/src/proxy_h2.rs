@@ -156,8 +156,8 @@ where
             req.remove_header(&http::header::TRANSFER_ENCODING);
             req.remove_header(&http::header::CONNECTION);
             req.remove_header(&http::header::UPGRADE);
-            req.remove_header(KEEP_ALIVE);
-            req.remove_header(PROXY_CONNECTION);
+            req.remove_header(&KEEP_ALIVE);
+            req.remove_header(&PROXY_CONNECTION);
         }
 
         /* turn it into h2 */

@@ -12,7 +12,7 @@ use pingora::ErrorType;
 use sluice_state::Outcome;
 
 use super::{Failure, RequestCtx};
-use crate::headers::strip_hop_by_hop;
+use crate::headers::{strip_hop_by_hop, RATELIMIT, RATELIMIT_POLICY, X_REQUEST_ID};
 use crate::problem::{self, Problem};
 use crate::quota::RouteQuota;
 
@@ -26,8 +26,8 @@ pub(crate) fn ratelimit(quota: &RouteQuota, outcome: &Outcome, key: &str) -> Opt
 /// Adds the route's `RateLimit-Policy` and the request's `RateLimit` to a response head, as
 /// field lines of their own: a member's own items stay (see [`crate::ratelimit`]).
 fn add_ratelimit(head: &mut ResponseHeader, quota: &RouteQuota, value: HeaderValue) -> Result<()> {
-    head.append_header("ratelimit-policy", quota.policy.clone())?;
-    head.append_header("ratelimit", value)?;
+    head.append_header(&RATELIMIT_POLICY, quota.policy.clone())?;
+    head.append_header(&RATELIMIT, value)?;
     Ok(())
 }
 
@@ -56,7 +56,7 @@ async fn problem_and(
     let (mut head, body) = problem::render(&p, route.map(|r| &*r.name));
     ctx.seen.answered = Some(p.code);
     if let Some(id) = &ctx.seen.request_id {
-        head.insert_header("x-request-id", id.clone())?;
+        head.insert_header(&X_REQUEST_ID, id.clone())?;
     }
     if let Some(allow) = allow {
         head.insert_header(header::ALLOW, allow)?;
@@ -237,7 +237,7 @@ pub(crate) fn response_headers(
         add_ratelimit(response, quota, value)?;
     }
     if let Some(id) = &ctx.seen.request_id {
-        response.insert_header("x-request-id", id.clone())?;
+        response.insert_header(&X_REQUEST_ID, id.clone())?;
     }
     Ok(())
 }

@@ -19,6 +19,7 @@ use pingora::prelude::*;
 use pingora::protocols::http::ServerSession;
 
 use super::Gateway;
+use crate::headers::X_REQUEST_ID;
 use crate::metrics::UNPARSED;
 use crate::problem::{self, Problem};
 
@@ -32,7 +33,7 @@ pub(crate) async fn refuse(gateway: &Gateway, session: &mut ServerSession, e: &E
     let (mut head, body) = problem::render(&problem, None);
     // The head did not parse, so the client's own id cannot be trusted: a new one.
     let request_id = crate::trace::request_id(None);
-    let _ = head.insert_header("x-request-id", request_id.clone());
+    let _ = head.insert_header(&X_REQUEST_ID, request_id.clone());
     // A failure to write leaves nobody to answer; the status below says what was sent.
     let _ = tokio::time::timeout(WRITE_WITHIN, session.write_error_response(head, body)).await;
     // The status sent, 0 when none could be (as for every access line). A head sent whose
