@@ -199,11 +199,9 @@ async fn assert_tls_line(gw: &Gateway, reason: &str) {
     assert_eq!(line["detail"], reason, "{line}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_certificate_for_another_name_is_refused() {
-    let dir = support::TempDir::new("sluice-tls");
-    // A trusted CA, but the certificate names another host than the member's.
-    make_certificates(dir.path(), "DNS:elsewhere.example");
+/// A member whose certificate comes from a CA the gateway trusts (made in `dir`) but fails
+/// verification: 502 `upstream_tls`, with `reason` in the answer and in the access line.
+async fn assert_trusted_ca_refusal(dir: &support::TempDir, reason: &str) {
     let server = TlsServer::start(dir.path());
     let ca = dir.path().join("ca.pem").display().to_string();
     let gw = Gateway::start_with_ports_and_env(
@@ -213,27 +211,23 @@ async fn a_certificate_for_another_name_is_refused() {
     let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
-    let reason = "certificate verify failed: wrong name";
     assert_eq!(r.json()["detail"], reason);
     assert_tls_line(&gw, reason).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_for_another_name_is_refused() {
+    let dir = support::TempDir::new("sluice-tls");
+    // A trusted CA, but the certificate names another host than the member's.
+    make_certificates(dir.path(), "DNS:elsewhere.example");
+    assert_trusted_ca_refusal(&dir, "certificate verify failed: wrong name").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_certificate_is_refused_as_expired() {
     let dir = support::TempDir::new("sluice-tls");
     make_certificates_for_days(dir.path(), "IP:127.0.0.1", "-1");
-    let server = TlsServer::start(dir.path());
-    let ca = dir.path().join("ca.pem").display().to_string();
-    let gw = Gateway::start_with_ports_and_env(
-        &config(&format!("https://127.0.0.1:{}", server.port)),
-        &[("SSL_CERT_FILE", &ca)],
-    );
-    let r = request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
-    assert_eq!(r.status, 502, "{}", r.text());
-    assert_eq!(r.header("x-sluice-error"), Some("upstream_tls"));
-    let reason = "certificate verify failed: expired";
-    assert_eq!(r.json()["detail"], reason);
-    assert_tls_line(&gw, reason).await;
+    assert_trusted_ca_refusal(&dir, "certificate verify failed: expired").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -143,14 +143,7 @@ def sluice_config(procs: Procs, name: str, backends: Backends, threads: int) -> 
 threads: {threads}
 admin:
   listen: "127.0.0.1:{admin}"
-routes:
-  - name: bench
-    match:
-      hosts: ["*"]
-    upstream:
-      selection: round_robin
-      members:
-{backends.members_yaml("        ")}""")
+{backends.round_robin_routes_yaml()}""")
     return cfg, port, admin
 
 

@@ -169,14 +169,7 @@ def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: 
     port, admin = procs.free_port(), procs.free_port()
     tracing = f"tracing:\n  otlp:\n    endpoint: {otlp_sink(procs)}\n" if otlp_on else ""
     if route == "rr":
-        routes = f"""routes:
-  - name: bench
-    match:
-      hosts: ["*"]
-    upstream:
-      selection: round_robin
-      members:
-{backends.members_yaml("        ")}"""
+        routes = backends.round_robin_routes_yaml()
     else:
         rport = procs.free_port()
         start_redis(procs, "redis", rport)

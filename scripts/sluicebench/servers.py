@@ -73,6 +73,11 @@ class Backends:
     def members_yaml(self, indent: str) -> str:
         return "".join(f'{indent}- url: "http://127.0.0.1:{p}"\n' for p in self.ports)
 
+    def round_robin_routes_yaml(self) -> str:
+        """`routes:` with one round_robin route, `bench`, over both backends, matching any host."""
+        return ("routes:\n  - name: bench\n    match:\n      hosts: [\"*\"]\n    upstream:\n"
+                "      selection: round_robin\n      members:\n" + self.members_yaml("        "))
+
     def accepts(self) -> Optional[int]:
         """Connections accepted so far by both backends, from stub_status (None if unreadable).
         Each reading adds one accept per backend (its own); the difference of two readings

@@ -18,8 +18,6 @@
 //!
 //! Every key expires on its own once idle, except the pool, which holds the configured members.
 
-use crate::Window;
-
 /// Names the keys of every route under one prefix.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -101,19 +99,12 @@ impl Keys {
     pub(crate) fn cooldowns_parts<'a>(&'a self, route: &'a str) -> [&'a str; 4] {
         [&self.prefix, ":{", route, "}:cool"]
     }
-
-    /// The keys the quota scripts take, in their order: the helper hash, then one log per window.
-    pub fn quota(&self, route: &str, key: &str, windows: &[Window]) -> Vec<String> {
-        let mut keys = Vec::with_capacity(2 + windows.len());
-        keys.push(self.quota_meta(route, key));
-        keys.extend(windows.iter().map(|w| self.quota_log(route, &w.name, key)));
-        keys
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Window;
 
     #[test]
     fn every_key_of_a_route_shares_its_hash_tag() {
@@ -123,11 +114,14 @@ mod tests {
             limit: 1,
             length_us: 1,
         }];
-        let mut all = keys.quota("api", "tenant-a", &w);
-        all.push(keys.pool("api"));
-        all.push(keys.member_meta("api", "key-a"));
-        all.push(keys.member_log("api", "rpm", "key-a"));
-        all.push(keys.cooldowns("api"));
+        let all = [
+            keys.quota_meta("api", "tenant-a"),
+            keys.quota_log("api", &w[0].name, "tenant-a"),
+            keys.pool("api"),
+            keys.member_meta("api", "key-a"),
+            keys.member_log("api", "rpm", "key-a"),
+            keys.cooldowns("api"),
+        ];
         assert_eq!(
             all,
             [
