@@ -9,7 +9,7 @@ use pingora::prelude::*;
 use pingora::ErrorType;
 
 /// The hop-by-hop headers of RFC 9110 §7.6.1 that sluice removes, besides those `Connection`
-/// names.
+/// names. `Connection` comes first: [`strip_hop_by_hop`] reads its list only when it is there.
 static HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -68,32 +68,48 @@ impl HeaderEdit for ResponseHeader {
 /// Removes the hop-by-hop headers of RFC 9110 §7.6.1, including those named in `Connection`.
 /// `Transfer-Encoding` and `Trailer` are left to Pingora, which owns message framing.
 pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
-    // Several `Connection` fields are one list (RFC 9110 §5.3): every one of them names
-    // fields to remove. The common case has one field or none, so the values are taken only
-    // when there is one (cloning a parsed HeaderValue bumps a reference count; no copy).
-    let mut values = head.header_map().get_all(header::CONNECTION).iter();
-    let first = values.next().cloned();
-    // Empty, and so no allocation, unless there are several fields.
-    let rest: Vec<HeaderValue> = values.cloned().collect();
-    for value in first.iter().chain(rest.iter()) {
-        let Ok(value) = value.to_str() else { continue };
-        for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-            let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
-                || name.eq_ignore_ascii_case("trailer");
-            // `keep-alive`, the usual one, goes below with the rest of the list, by a lookup
-            // that need not parse its name first.
-            let listed = HOP_BY_HOP
-                .iter()
-                .any(|h| name.eq_ignore_ascii_case(h.as_str()));
-            if !is_framing && !listed {
-                head.remove(name);
+    // One walk over the names present, rather than a hashed lookup per hop-by-hop name: a
+    // head has a handful of names, and comparing a standard name is one integer compare,
+    // where each lookup hashed it (seven lookups per head cost about 800 instructions).
+    let mut present = [false; HOP_BY_HOP.len()];
+    let mut any = false;
+    for name in head.header_map().keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present[i] = true;
+            any = true;
+        }
+    }
+    if !any {
+        return;
+    }
+    if present[0]
+    /* Connection */
+    {
+        // Several `Connection` fields are one list (RFC 9110 §5.3): every one of them names
+        // fields to remove. The common case has one field, so the values are collected only
+        // when there are more (cloning a parsed HeaderValue bumps a reference count; no copy).
+        let mut values = head.header_map().get_all(header::CONNECTION).iter();
+        let first = values.next().cloned();
+        // Empty, and so no allocation, unless there are several fields.
+        let rest: Vec<HeaderValue> = values.cloned().collect();
+        for value in first.iter().chain(rest.iter()) {
+            let Ok(value) = value.to_str() else { continue };
+            for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
+                    || name.eq_ignore_ascii_case("trailer");
+                // Listed names, `keep-alive` the usual one, go below with the rest of the
+                // list, found by the walk above.
+                let listed = HOP_BY_HOP
+                    .iter()
+                    .any(|h| name.eq_ignore_ascii_case(h.as_str()));
+                if !is_framing && !listed {
+                    head.remove(name);
+                }
             }
         }
     }
-    for name in &HOP_BY_HOP {
-        if head.header_map().contains_key(name) {
-            head.remove(name);
-        }
+    for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, p)| *p) {
+        head.remove(name);
     }
 }
 
