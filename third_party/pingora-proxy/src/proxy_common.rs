@@ -178,16 +178,31 @@ impl ConnectionNominations {
 }
 
 fn strip_standard_hop_by_hop_headers(req: &mut RequestHeader) {
-    req.remove_header(&KEEP_ALIVE);
-    req.remove_header(&PROXY_CONNECTION);
-    req.remove_header(&header::PROXY_AUTHENTICATE);
-    req.remove_header(&header::PROXY_AUTHORIZATION);
-    req.remove_header(&header::TE);
-    req.remove_header(&header::TRAILER);
-    req.remove_header(&header::TRANSFER_ENCODING);
-    req.remove_header(&header::CONNECTION);
-    req.remove_header(&header::UPGRADE);
-    req.remove_header(&HTTP2_SETTINGS);
+    // PATCH (sluice, hop-by-hop walk): remove only the names present, found in one walk over
+    // the head's names. A remove hashes the name and probes both header maps even when it is
+    // absent, ten times a request; comparing the few names a head carries against the list is
+    // an integer compare for each standard name, and most heads carry none of these.
+    let names: [&HeaderName; 10] = [
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &header::PROXY_AUTHENTICATE,
+        &header::PROXY_AUTHORIZATION,
+        &header::TE,
+        &header::TRAILER,
+        &header::TRANSFER_ENCODING,
+        &header::CONNECTION,
+        &header::UPGRADE,
+        &HTTP2_SETTINGS,
+    ];
+    let mut present = [false; 10];
+    for name in req.headers.keys() {
+        if let Some(i) = names.iter().position(|n| *n == name) {
+            present[i] = true;
+        }
+    }
+    for (name, _) in names.iter().zip(present).filter(|(_, p)| *p) {
+        req.remove_header(*name);
+    }
 }
 
 /// Set H1 `Host` from the URI or absolute-form authority.
@@ -362,18 +377,23 @@ pub(crate) fn sanitize_h1_upstream_request(
 
     match policy.h1_upgrade {
         H1UpgradePolicy::WebSocketOnly => {
-            req.remove_header(&header::CONNECTION);
-            req.remove_header(&header::UPGRADE);
-            req.remove_header(&HTTP2_SETTINGS);
+            // PATCH (sluice, hop-by-hop walk): the standard strip above removed these three.
+            if !policy.strip_hop_by_hop {
+                req.remove_header(&header::CONNECTION);
+                req.remove_header(&header::UPGRADE);
+                req.remove_header(&HTTP2_SETTINGS);
+            }
             if websocket_upgrade {
                 req.insert_header(header::CONNECTION, "Upgrade")?;
                 req.insert_header(header::UPGRADE, "websocket")?;
             }
         }
         H1UpgradePolicy::Deny => {
-            req.remove_header(&header::CONNECTION);
-            req.remove_header(&header::UPGRADE);
-            req.remove_header(&HTTP2_SETTINGS);
+            if !policy.strip_hop_by_hop {
+                req.remove_header(&header::CONNECTION);
+                req.remove_header(&header::UPGRADE);
+                req.remove_header(&HTTP2_SETTINGS);
+            }
         }
         H1UpgradePolicy::Preserve => {}
     }
