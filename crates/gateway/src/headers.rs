@@ -150,40 +150,57 @@ pub(crate) fn keep_websocket_upgrade(head: &mut RequestHeader) -> Result<()> {
 /// §5.3), so they become one field, in order, with the address last.
 pub(crate) fn append_forwarded_for(upstream: &mut RequestHeader, ip: IpAddr) -> Result<()> {
     use std::io::Write;
-    // One buffer, written in place and handed to the header without another copy.
-    let prior = upstream.headers.get_all(X_FORWARDED_FOR.name());
-    let prior_len: usize = prior.iter().map(|p| p.len() + 2).sum();
-    let mut value = Vec::with_capacity(prior_len + 39);
-    for p in prior.iter() {
-        value.extend_from_slice(p.as_bytes());
-        value.extend_from_slice(b", ");
-    }
-    match ip {
-        IpAddr::V4(v4) => push_ipv4(&mut value, v4),
+    // The address first, on the stack, so that the value is allocated once at its final size:
+    // a `Vec` with room to spare becomes `Bytes` through a second allocation.
+    let mut addr = [0u8; 45];
+    let addr_len = match ip {
+        IpAddr::V4(v4) => ipv4_text(&mut addr, v4),
         IpAddr::V6(_) => {
-            let _ = write!(value, "{ip}");
+            let mut rest = &mut addr[..];
+            let _ = write!(rest, "{ip}");
+            45 - rest.len()
         }
+    };
+    let addr = &addr[..addr_len];
+    let prior = upstream.headers.get_all(X_FORWARDED_FOR.name());
+    let value = if prior.iter().next().is_none() {
+        HeaderValue::from_bytes(addr)
+    } else {
+        let prior_len: usize = prior.iter().map(|p| p.len() + 2).sum();
+        let mut value = Vec::with_capacity(prior_len + addr.len());
+        for p in prior.iter() {
+            value.extend_from_slice(p.as_bytes());
+            value.extend_from_slice(b", ");
+        }
+        value.extend_from_slice(addr);
+        HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
     }
-    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
-        .or_err(ErrorType::InvalidHTTPHeader, "x-forwarded-for")?;
+    .or_err(ErrorType::InvalidHTTPHeader, "x-forwarded-for")?;
     upstream.insert_header(&X_FORWARDED_FOR, value)
 }
 
-/// An IPv4 address as its `Display` writes it: `write!` costs several times as much, and this
-/// runs for every request. IPv6, rarer, goes through `Display`.
-fn push_ipv4(out: &mut Vec<u8>, ip: Ipv4Addr) {
+/// Writes an IPv4 address as its `Display` does into `out` (15 bytes or more) and returns the
+/// length: `write!` costs several times as much, and this runs for every request (here and in
+/// the access log). IPv6, rarer, goes through `Display`.
+pub(crate) fn ipv4_text(out: &mut [u8], ip: Ipv4Addr) -> usize {
+    let mut n = 0;
     for (i, octet) in ip.octets().into_iter().enumerate() {
         if i > 0 {
-            out.push(b'.');
+            out[n] = b'.';
+            n += 1;
         }
         if octet >= 100 {
-            out.push(b'0' + octet / 100);
+            out[n] = b'0' + octet / 100;
+            n += 1;
         }
         if octet >= 10 {
-            out.push(b'0' + octet / 10 % 10);
+            out[n] = b'0' + octet / 10 % 10;
+            n += 1;
         }
-        out.push(b'0' + octet % 10);
+        out[n] = b'0' + octet % 10;
+        n += 1;
     }
+    n
 }
 
 #[cfg(test)]

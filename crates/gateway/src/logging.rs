@@ -663,20 +663,14 @@ fn push_hex(buf: &mut String, bytes: &[u8]) {
 
 /// An IPv4 address and port, `a.b.c.d:port`, put together on the stack and appended once.
 fn push_v4(buf: &mut String, a: std::net::SocketAddrV4) {
-    fn put(out: &mut [u8; 21], n: &mut usize, v: u16) {
-        let mut digits = itoa::Buffer::new();
-        let d = digits.format(v).as_bytes();
-        out[*n..*n + d.len()].copy_from_slice(d);
-        *n += d.len();
-    }
     let mut out = [0u8; 21];
-    let mut n = 0;
-    for (i, octet) in a.ip().octets().into_iter().enumerate() {
-        put(&mut out, &mut n, octet.into());
-        out[n] = if i < 3 { b'.' } else { b':' };
-        n += 1;
-    }
-    put(&mut out, &mut n, a.port());
+    let mut n = crate::headers::ipv4_text(&mut out, *a.ip());
+    out[n] = b':';
+    n += 1;
+    let mut port = itoa::Buffer::new();
+    let port = port.format(a.port()).as_bytes();
+    out[n..n + port.len()].copy_from_slice(port);
+    n += port.len();
     // Digits, dots and a colon: ASCII.
     buf.push_str(std::str::from_utf8(&out[..n]).unwrap_or(""));
 }

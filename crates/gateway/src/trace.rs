@@ -29,7 +29,10 @@ pub fn request_id(incoming: Option<&HeaderValue>) -> HeaderValue {
     }
     let mut hex = [0u8; 32];
     hex_into(&mut hex, &fastrand::u128(..).to_be_bytes());
-    HeaderValue::from_bytes(&hex).expect("hex digits are a valid header value")
+    // Owned by one shared allocation from the start: the id is cloned onto the member's head
+    // and the client's answer, and a copied `Bytes` allocates again on its first clone.
+    HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(hex))
+        .expect("hex digits are a valid header value")
 }
 
 /// A request's place in a trace.
