@@ -459,6 +459,52 @@ mod downstream_limits {
         assert!(line["error"].is_string(), "{line}");
     }
 
+    /// A member that takes requests and never answers: each gets `504 upstream_timeout` once
+    /// `read_timeout` has passed, requests that wait together as well as those that come after
+    /// them. Pingora's timers share one per 10 ms bucket, and a thread now finds its last
+    /// buckets before searching its tree (third_party/PATCHES.md, "recent timer buckets"): a
+    /// timer given out from there must still fire.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_to_a_member_that_never_answers_get_504_after_read_timeout() {
+        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let member_addr = member.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut conn, _)) = member.accept().await {
+                let mut head = [0u8; 1024];
+                let _ = conn.read(&mut head).await;
+                held.push(conn);
+            }
+        });
+        let gw = start(&url(member_addr), "", "      read_timeout: 1s\n");
+        for wave in 0..2 {
+            let waiting: Vec<_> = (0..4)
+                .map(|i| {
+                    let proxy = gw.proxy_addr();
+                    tokio::spawn(async move {
+                        let path = format!("/never/{wave}/{i}");
+                        let answer = tokio::time::timeout(
+                            DEADLINE,
+                            request(proxy, "GET", "api.test", &path, &[], b""),
+                        )
+                        .await;
+                        (path, answer)
+                    })
+                })
+                .collect();
+            for task in waiting {
+                let (path, answer) = task.await.unwrap();
+                let r = answer.unwrap_or_else(|_| panic!("{path}: no answer in {DEADLINE:?}"));
+                assert_eq!(r.status, 504, "{path}: {}", r.text());
+                assert_eq!(
+                    r.header("x-sluice-error"),
+                    Some("upstream_timeout"),
+                    "{path}"
+                );
+            }
+        }
+    }
+
     /// Five pipelined requests on one connection get five answers, in order. Pingora's default
     /// answered the first with `Connection: keep-alive`, then closed the connection and silently
     /// dropped the other four.

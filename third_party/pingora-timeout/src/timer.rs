@@ -79,6 +79,8 @@ impl TimerStub {
     }
 }
 
+// PATCH (sluice, recent timer buckets): cloned into a thread's recent buckets.
+#[derive(Clone)]
 struct Timer(Arc<Notify>, Arc<AtomicBool>);
 
 impl Timer {
@@ -96,10 +98,44 @@ impl Timer {
     }
 }
 
+/// PATCH (sluice, recent timer buckets): how many of a thread's last buckets it remembers.
+const RECENT_BUCKETS: usize = 4;
+
+/// PATCH (sluice, recent timer buckets): the buckets a thread registered into last.
+///
+/// A thread's tree holds one bucket per resolution step of every timeout length it uses, for
+/// as long as that length: a 60 s timeout alone keeps 6,000 buckets in it, and searching them
+/// for each registration cost more than the rest of it. Registrations come in time order, a
+/// few timeout lengths at a time, so most of them land in one of the last few buckets.
+#[derive(Default)]
+struct RecentBuckets {
+    slots: [Option<(Time, Timer)>; RECENT_BUCKETS],
+    next: usize,
+}
+
+impl RecentBuckets {
+    fn find(&self, time: Time) -> Option<TimerStub> {
+        self.slots
+            .iter()
+            .flatten()
+            .find(|(t, _)| *t == time)
+            .map(|(_, timer)| timer.subscribe())
+    }
+
+    fn remember(&mut self, time: Time, timer: &Timer) {
+        self.slots[self.next] = Some((time, timer.clone()));
+        self.next = (self.next + 1) % RECENT_BUCKETS;
+    }
+}
+
 /// The object that holds all the timers registered to it.
 pub struct TimerManager {
     // each thread insert into its local timer tree to avoid lock contention
     timers: ThreadLocal<RwLock<BTreeMap<Time, Timer>>>,
+    // PATCH (sluice, recent timer buckets): read and written by its own thread only. A bucket
+    // remembered here after the clock thread fired and removed it is still a fired timer: a
+    // registration that lands in it has passed its time, and is woken at once.
+    recent: ThreadLocal<std::cell::RefCell<RecentBuckets>>,
     zero: Instant, // the reference zero point of Timestamp
     // Start a new clock thread if this is -1 or staled. The clock thread should keep updating this
     clock_watchdog: AtomicI64,
@@ -113,6 +149,7 @@ impl Default for TimerManager {
     fn default() -> Self {
         TimerManager {
             timers: ThreadLocal::new(),
+            recent: ThreadLocal::new(),
             zero: Instant::now(),
             clock_watchdog: AtomicI64::new(-DELAYS_SEC),
             paused: AtomicBool::new(false),
@@ -203,14 +240,21 @@ impl TimerManager {
             return timer.subscribe();
         }
         let now: Time = (Instant::now() + duration - self.zero).into();
+        // PATCH (sluice, recent timer buckets): the last few buckets first, without the tree.
+        let recent = self.recent.get_or(Default::default);
+        if let Some(stub) = recent.borrow().find(now) {
+            return stub;
+        }
         {
             let timers = self.timers.get_or(|| RwLock::new(BTreeMap::new())).read();
             if let Some(t) = timers.get(&now) {
+                recent.borrow_mut().remember(now, t);
                 return t.subscribe();
             }
         } // drop read lock
 
         let timer = Timer::new();
+        recent.borrow_mut().remember(now, &timer);
         let mut timers = self.timers.get_or(|| RwLock::new(BTreeMap::new())).write();
         // Usually we check if another thread has insert the same node before we get the write lock,
         // but because only this thread will insert anything to its local timers tree, there
