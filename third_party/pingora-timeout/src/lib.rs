@@ -136,9 +136,9 @@ where
             return Poll::Ready(Ok(v));
         }
 
-        let delay = me
-            .delay
-            .get_or_insert_with(|| Box::pin(me.callback.timeout()));
+        // PATCH (sluice, one box per timer): `timeout()` returns the pinned box already;
+        // boxing it again cost an allocation and an indirection per timer.
+        let delay = me.delay.get_or_insert_with(|| me.callback.timeout());
 
         match delay.as_mut().poll(cx) {
             Poll::Pending => Poll::Pending,
