@@ -117,12 +117,15 @@ impl<T> Router<T> {
             return Some(t);
         }
         // The most specific wildcard first: for a.b.example.com, try b.example.com, then
-        // example.com, then com.
-        let mut rest: &str = host;
-        while let Some(dot) = rest.find('.') {
-            rest = &rest[dot + 1..];
-            if let Some(t) = self.wildcard.get(rest).and_then(|b| pick(b, path, method)) {
-                return Some(t);
+        // example.com, then com. Without wildcard routes there is nothing to walk for (the
+        // walk's searches for dots cost about 400 instructions a request).
+        if !self.wildcard.is_empty() {
+            let mut rest: &str = host;
+            while let Some(dot) = rest.find('.') {
+                rest = &rest[dot + 1..];
+                if let Some(t) = self.wildcard.get(rest).and_then(|b| pick(b, path, method)) {
+                    return Some(t);
+                }
             }
         }
         pick(&self.any, path, method)
