@@ -290,8 +290,9 @@ impl EchoServer {
     /// Stops the server gracefully, like an instance leaving during a rolling
     /// deploy.
     ///
-    /// The listener is closed at once, so new connection attempts are refused.
-    /// Every connection that is already open answers its next request normally
+    /// The listener is closed at once, so new connection attempts are refused;
+    /// connections the kernel had already completed are taken from its backlog
+    /// first. Every connection that is already open answers its next request normally
     /// but with `Connection: close`, then closes; requests in flight complete
     /// the same way. Idle connections are deliberately not closed: a proxy
     /// that picks a pooled connection must never see a reset because of a
@@ -318,7 +319,10 @@ async fn accept_loop(
     loop {
         tokio::select! {
             biased;
-            _ = &mut shutdown => return,
+            _ = &mut shutdown => {
+                drain_backlog(&shared, listener);
+                return;
+            }
             accepted = listener.accept() => match accepted {
                 Ok((stream, _peer)) => {
                     tokio::spawn(serve_connection(shared.clone(), stream));
@@ -329,6 +333,29 @@ async fn accept_loop(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
+        }
+    }
+}
+
+/// Takes the connections still waiting in the listener's backlog, then drops the listener.
+///
+/// The kernel completes handshakes on its own, so a client may have connected, and sent its
+/// request, after this task stopped accepting and before it got here; closing the listener
+/// would reset those connections, which no deploy of a real server should do to a request.
+/// Each one is served like the others: one answer, with `Connection: close`. The accepts are
+/// plain system calls, not readiness waits, so none that has arrived is missed; only one that
+/// arrives in the instant between the last accept and the close can still be reset.
+fn drain_backlog(shared: &Arc<Shared>, listener: TcpListener) {
+    let Ok(listener) = listener.into_std() else {
+        return;
+    };
+    // Still non-blocking, as tokio left it: `accept` fails with WouldBlock once it is empty.
+    while let Ok((stream, _)) = listener.accept() {
+        if stream.set_nonblocking(true).is_err() {
+            continue;
+        }
+        if let Ok(stream) = TcpStream::from_std(stream) {
+            tokio::spawn(serve_connection(shared.clone(), stream));
         }
     }
 }
@@ -900,6 +927,29 @@ mod tests {
         // Stopping twice is harmless.
         server.stop().await;
         assert_eq!(server.requests(), 2);
+    }
+
+    /// A client the kernel accepted (its handshake done, its request sent) but the server had
+    /// not yet taken when it was told to stop is still answered, once, not reset. The test
+    /// runtime has one thread, and nothing yields between the blocking connect and `stop`, so
+    /// the accept loop first runs when it is already stopping.
+    #[tokio::test]
+    async fn stop_answers_connections_still_in_the_backlog() {
+        let server = start("iota").await;
+        let mut waiting = std::net::TcpStream::connect(server.local_addr()).expect("connect");
+        std::io::Write::write_all(&mut waiting, b"GET /queued HTTP/1.1\r\nHost: t\r\n\r\n")
+            .expect("write");
+        waiting.set_nonblocking(true).expect("non-blocking");
+        server.stop().await;
+        let mut queued = Client {
+            stream: TcpStream::from_std(waiting).expect("into tokio"),
+            buffer: Vec::new(),
+        };
+        let last = queued.receive().await;
+        assert_eq!(last.status, 200);
+        assert_eq!(last.header("connection"), Some("close"));
+        assert_eq!(last.json()["target"], "/queued");
+        assert!(queued.closed_by_server().await);
     }
 
     // --- the key-limited API stub -------------------------------------------------------
