@@ -252,6 +252,32 @@ impl RequestHeader {
         )
     }
 
+    /// PATCH (sluice, clone with room; third_party/PATCHES.md): a clone whose header maps have
+    /// room for `additional` more headers. A [Clone]'s maps are as full as this head's, so a
+    /// proxy adding headers to the clone grows (reallocates and rehashes) both maps; this
+    /// builds them at their final size instead. Falls back to a plain clone when the room
+    /// would pass `http`'s size limit.
+    pub fn clone_with_room(&self, additional: usize) -> Self {
+        let Some(headers) = map_with_room(&self.base.headers, additional) else {
+            return self.clone();
+        };
+        let header_name_map = match &self.header_name_map {
+            Some(names) => match map_with_room(names, additional) {
+                Some(names) => Some(names),
+                None => return self.clone(),
+            },
+            None => None,
+        };
+        let mut base = req_parts_without_headers(&self.base);
+        base.headers = headers;
+        Self {
+            base,
+            header_name_map,
+            raw_target: self.raw_target.clone(),
+            send_end_stream: self.send_end_stream,
+        }
+    }
+
     /// Write the header to the `buf` in HTTP/1.1 wire format.
     ///
     /// The header case will be preserved.
@@ -820,6 +846,13 @@ fn parse_request_target(target: &[u8]) -> Result<ParsedRequestTarget> {
 }
 
 fn clone_req_parts(me: &ReqParts) -> ReqParts {
+    let mut parts = req_parts_without_headers(me);
+    parts.headers = me.headers.clone();
+    parts
+}
+
+// PATCH (sluice, clone with room): the request line and extensions, shared by both clones.
+fn req_parts_without_headers(me: &ReqParts) -> ReqParts {
     let mut parts = ReqBuilder::new()
         .method(me.method.clone())
         .uri(me.uri.clone())
@@ -828,9 +861,20 @@ fn clone_req_parts(me: &ReqParts) -> ReqParts {
         .unwrap()
         .into_parts()
         .0;
-    parts.headers = me.headers.clone();
     parts.extensions = me.extensions.clone();
     parts
+}
+
+// PATCH (sluice, clone with room): the same entries in the same order (both maps are built
+// alike, so they still iterate in step), in a map sized for `additional` more. `None` past
+// `http`'s size limit.
+fn map_with_room<T: Clone>(map: &HMap<T>, additional: usize) -> Option<HMap<T>> {
+    let mut room = HMap::try_with_capacity(map.keys_len().checked_add(additional)?).ok()?;
+    for (name, value) in map {
+        // Cannot fail: the map holds no more than `map` already does.
+        room.try_append(name.clone(), value.clone()).ok()?;
+    }
+    Some(room)
 }
 
 fn clone_resp_parts(me: &RespParts) -> RespParts {

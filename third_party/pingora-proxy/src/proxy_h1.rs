@@ -25,6 +25,11 @@ use pingora_core::protocols::http::{
     v1::common::is_upgrade_req as is_h1_upgrade_req,
 };
 
+// PATCH (sluice, clone with room): how many headers the upstream head has room for beyond the
+// client's (an identity, forwarding and tracing header or two, a Host); more still fit, at the
+// cost of growing the maps.
+const UPSTREAM_REQUEST_HEADER_ROOM: usize = 8;
+
 impl<SV, C> HttpProxy<SV, C>
 where
     C: custom::Connector,
@@ -45,7 +50,12 @@ where
 
         // phase 2 send to upstream
 
-        let mut req = session.req_header().clone();
+        // PATCH (sluice, clone with room; third_party/PATCHES.md): the head to the upstream has
+        // room for the headers `upstream_request_filter` typically adds, so that its first
+        // inserts do not grow (reallocate and rehash) both of its maps.
+        let mut req = session
+            .req_header()
+            .clone_with_room(UPSTREAM_REQUEST_HEADER_ROOM);
         let authority_policy = AuthorityPolicy::from(session.downstream_session.is_custom());
         let downstream_had_host = req.headers.contains_key(http::header::HOST);
         req.set_version(Version::HTTP_11);
