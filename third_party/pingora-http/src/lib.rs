@@ -261,9 +261,11 @@ impl RequestHeader {
     /// [Clone], as it is when the room would pass `http`'s size limit: grow it with
     /// [Self::reserve_headers()] before adding several.
     pub fn clone_with_room(&self, additional: usize) -> Self {
-        if let Some((headers, header_name_map)) =
-            maps_with_room(&self.base.headers, self.header_name_map.as_ref(), additional)
-        {
+        if let Some((headers, header_name_map)) = maps_with_room(
+            &self.base.headers,
+            self.header_name_map.as_ref(),
+            additional,
+        ) {
             let mut base = req_parts_without_headers(&self.base);
             base.headers = headers;
             return Self {
@@ -1231,7 +1233,13 @@ mod tests {
     // PATCH (sluice, clone with room)
     #[test]
     fn clone_with_room_keeps_every_header_in_order_and_case() {
-        for count in [0, 1, CLONE_REBUILD_MAX_HEADERS, CLONE_REBUILD_MAX_HEADERS + 1, 20] {
+        for count in [
+            0,
+            1,
+            CLONE_REBUILD_MAX_HEADERS,
+            CLONE_REBUILD_MAX_HEADERS + 1,
+            20,
+        ] {
             let mut req = RequestHeader::build("POST", b"/p?q=1", Some(count)).unwrap();
             for i in 0..count {
                 // Repeated names (three values each) and mixed case.
