@@ -487,6 +487,70 @@ async fn heads_small_and_large_reach_the_member_and_the_client_whole() {
     }
 }
 
+/// An answer keeps the member's framing when it has one (a `Content-Length`, or chunks), and one
+/// whose end is the member closing its connection reaches the client in chunks, so that the
+/// client's connection is kept. Pingora decides this by looking up both framing fields of every
+/// answer, `Content-Length` first (third_party/PATCHES.md, "framing lookups first by
+/// likelihood").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_keep_their_framing_or_are_chunked_when_the_member_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let member = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut read = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    while !read.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(n) if n > 0 => read.extend_from_slice(&buf[..n]),
+                            _ => return,
+                        }
+                    }
+                    let end = read.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    let head = String::from_utf8_lossy(&read.drain(..end).collect::<Vec<_>>())
+                        .into_owned();
+                    let answer: &[u8] = if head.starts_with("GET /chunked ") {
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                    } else if head.starts_with("GET /close ") {
+                        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello"
+                    } else {
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+                    };
+                    if conn.write_all(answer).await.is_err() || head.starts_with("GET /close ") {
+                        return; // the end of a close-delimited body
+                    }
+                }
+            });
+        }
+    });
+    let gw = start(api(&[url(member)]));
+
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for (path, framing) in [
+        ("/length", "length"),
+        ("/chunked", "chunked"),
+        ("/close", "chunked"),
+        ("/length", "length"),
+    ] {
+        let r = client
+            .request("GET", "api.test", path, &[], b"")
+            .await
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!((r.status, &r.body[..]), (200, &b"hello"[..]), "{path}");
+        assert_eq!(r.header("connection"), Some("keep-alive"), "{path}");
+        let (length, chunked) = match framing {
+            "length" => (Some("5"), None),
+            _ => (None, Some("chunked")),
+        };
+        assert_eq!(r.header("content-length"), length, "{path}: {r:?}");
+        assert_eq!(r.header("transfer-encoding"), chunked, "{path}: {r:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_host_gets_a_404_problem_and_no_member_is_contacted() {
     let backends = start_backends(&["b1"]).await;
