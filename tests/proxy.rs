@@ -191,13 +191,24 @@ async fn raw_member(
     std::net::SocketAddr,
     tokio::sync::mpsc::UnboundedReceiver<String>,
 ) {
+    raw_member_with(move |_| (answer.as_bytes(), false)).await
+}
+
+/// [raw_member] with the answer chosen by `answer` from each head: its bytes, and whether the
+/// member closes the connection after them.
+async fn raw_member_with(
+    answer: impl Fn(&str) -> (&'static [u8], bool) + Clone + Send + 'static,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let member = listener.local_addr().unwrap();
     let (heads, received) = tokio::sync::mpsc::unbounded_channel::<String>();
     tokio::spawn(async move {
         while let Ok((mut conn, _)) = listener.accept().await {
-            let heads = heads.clone();
+            let (heads, answer) = (heads.clone(), answer.clone());
             tokio::spawn(async move {
                 let mut read = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -210,8 +221,10 @@ async fn raw_member(
                     }
                     let end = read.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
                     let head: Vec<u8> = read.drain(..end).collect();
-                    let _ = heads.send(String::from_utf8_lossy(&head).into_owned());
-                    if conn.write_all(answer.as_bytes()).await.is_err() {
+                    let head = String::from_utf8_lossy(&head).into_owned();
+                    let (bytes, close) = answer(&head);
+                    let _ = heads.send(head);
+                    if conn.write_all(bytes).await.is_err() || close {
                         return;
                     }
                 }
@@ -494,39 +507,22 @@ async fn heads_small_and_large_reach_the_member_and_the_client_whole() {
 /// likelihood").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_keep_their_framing_or_are_chunked_when_the_member_closes() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let member = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut read = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    while !read.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match conn.read(&mut buf).await {
-                            Ok(n) if n > 0 => read.extend_from_slice(&buf[..n]),
-                            _ => return,
-                        }
-                    }
-                    let end = read.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-                    let head = String::from_utf8_lossy(&read.drain(..end).collect::<Vec<_>>())
-                        .into_owned();
-                    let answer: &[u8] = if head.starts_with("GET /chunked ") {
-                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
-                    } else if head.starts_with("GET /close ") {
-                        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello"
-                    } else {
-                        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
-                    };
-                    if conn.write_all(answer).await.is_err() || head.starts_with("GET /close ") {
-                        return; // the end of a close-delimited body
-                    }
-                }
-            });
-        }
-    });
+    // A body ended by the member closing its connection: `/close`.
+    let (member, _received) = raw_member_with(|head| match head.split(' ').nth(1) {
+        Some("/chunked") => (
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"[..],
+            false,
+        ),
+        Some("/close") => (
+            &b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello"[..],
+            true,
+        ),
+        _ => (
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"[..],
+            false,
+        ),
+    })
+    .await;
     let gw = start(api(&[url(member)]));
 
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
