@@ -252,32 +252,6 @@ impl RequestHeader {
         )
     }
 
-    /// PATCH (sluice, clone with room; third_party/PATCHES.md): a clone whose header maps have
-    /// room for `additional` more headers, when that is cheap. A [Clone]'s maps are as full as
-    /// this head's, so a proxy adding headers to the clone grows both maps (a new index table,
-    /// the entries reinserted, the entries reallocated). For a head of a few headers this
-    /// builds the maps at their final size instead, which costs one hash per header. Past
-    /// [CLONE_REBUILD_MAX_HEADERS] that hashing costs more than the growth, so this is a plain
-    /// [Clone], as it is when the room would pass `http`'s size limit: grow it with
-    /// [Self::reserve_headers()] before adding several.
-    pub fn clone_with_room(&self, additional: usize) -> Self {
-        if let Some((headers, header_name_map)) = maps_with_room(
-            &self.base.headers,
-            self.header_name_map.as_ref(),
-            additional,
-        ) {
-            let mut base = req_parts_without_headers(&self.base);
-            base.headers = headers;
-            return Self {
-                base,
-                header_name_map,
-                raw_target: self.raw_target.clone(),
-                send_end_stream: self.send_end_stream,
-            };
-        }
-        self.clone()
-    }
-
     /// Write the header to the `buf` in HTTP/1.1 wire format.
     ///
     /// The header case will be preserved.
@@ -846,13 +820,6 @@ fn parse_request_target(target: &[u8]) -> Result<ParsedRequestTarget> {
 }
 
 fn clone_req_parts(me: &ReqParts) -> ReqParts {
-    let mut parts = req_parts_without_headers(me);
-    parts.headers = me.headers.clone();
-    parts
-}
-
-// PATCH (sluice, clone with room): the request line and extensions, shared by both clones.
-fn req_parts_without_headers(me: &ReqParts) -> ReqParts {
     let mut parts = ReqBuilder::new()
         .method(me.method.clone())
         .uri(me.uri.clone())
@@ -861,41 +828,9 @@ fn req_parts_without_headers(me: &ReqParts) -> ReqParts {
         .unwrap()
         .into_parts()
         .0;
+    parts.headers = me.headers.clone();
     parts.extensions = me.extensions.clone();
     parts
-}
-
-/// PATCH (sluice, clone with room): the most headers a head may have for
-/// [RequestHeader::clone_with_room()] to rebuild its maps rather than clone and grow them.
-/// Measured with callgrind (third_party/PATCHES.md): rebuilding is cheaper up to 6 headers,
-/// dearer from 8.
-pub const CLONE_REBUILD_MAX_HEADERS: usize = 6;
-
-// PATCH (sluice, clone with room): both maps rebuilt with the same entries in the same order
-// (built alike, they still iterate in step), sized for `additional` more. `None` for a head
-// past [CLONE_REBUILD_MAX_HEADERS], or past `http`'s size limit.
-fn maps_with_room(
-    values: &HMap,
-    names: Option<&CaseMap>,
-    additional: usize,
-) -> Option<(HMap, Option<CaseMap>)> {
-    if values.keys_len() > CLONE_REBUILD_MAX_HEADERS {
-        return None;
-    }
-    let names = match names {
-        Some(names) => Some(map_with_room(names, additional)?),
-        None => None,
-    };
-    Some((map_with_room(values, additional)?, names))
-}
-
-fn map_with_room<T: Clone>(map: &HMap<T>, additional: usize) -> Option<HMap<T>> {
-    let mut room = HMap::try_with_capacity(map.keys_len().checked_add(additional)?).ok()?;
-    for (name, value) in map {
-        // Cannot fail: the map holds no more than `map` already does.
-        room.try_append(name.clone(), value.clone()).ok()?;
-    }
-    Some(room)
 }
 
 fn clone_resp_parts(me: &RespParts) -> RespParts {
@@ -1228,49 +1163,6 @@ mod tests {
         let mut buf: Vec<u8> = vec![];
         resp.header_to_h1_wire(&mut buf);
         assert_eq!(buf, b"X-Id: 1\r\nServer: s\r\n");
-    }
-
-    // PATCH (sluice, clone with room)
-    #[test]
-    fn clone_with_room_keeps_every_header_in_order_and_case() {
-        for count in [
-            0,
-            1,
-            CLONE_REBUILD_MAX_HEADERS,
-            CLONE_REBUILD_MAX_HEADERS + 1,
-            20,
-        ] {
-            let mut req = RequestHeader::build("POST", b"/p?q=1", Some(count)).unwrap();
-            for i in 0..count {
-                // Repeated names (three values each) and mixed case.
-                req.append_header(format!("X-Name-{}", i / 3), format!("v{i}"))
-                    .unwrap();
-            }
-            req.append_header("hOsT", "h").unwrap();
-            let mut roomy = req.clone_with_room(4);
-            let mut plain = req.clone();
-            for head in [&mut roomy, &mut plain] {
-                head.insert_header(http::header::HOST, "member").unwrap();
-                head.append_header("x-added", "1").unwrap();
-                head.append_header("X-Added", "2").unwrap();
-            }
-            let wire = |h: &RequestHeader| {
-                let mut buf: Vec<u8> = vec![];
-                h.header_to_h1_wire(&mut buf);
-                buf
-            };
-            assert_eq!(wire(&roomy), wire(&plain), "{count} headers");
-            assert_eq!(roomy.headers, plain.headers);
-            assert_eq!(
-                (roomy.method.as_str(), roomy.raw_path()),
-                ("POST", &b"/p?q=1"[..])
-            );
-        }
-        let mut no_case = RequestHeader::build_no_case("GET", b"/", None).unwrap();
-        no_case.insert_header("a", "1").unwrap();
-        let roomy = no_case.clone_with_room(2);
-        assert!(!roomy.has_case());
-        assert_eq!(roomy.headers, no_case.headers);
     }
 
     #[test]

@@ -25,11 +25,6 @@ use pingora_core::protocols::http::{
     v1::common::is_upgrade_req as is_h1_upgrade_req,
 };
 
-// PATCH (sluice, clone with room): how many headers the upstream head has room for beyond the
-// client's (an identity, forwarding and tracing header or two, a Host); more still fit, at the
-// cost of growing the maps.
-const UPSTREAM_REQUEST_HEADER_ROOM: usize = 8;
-
 impl<SV, C> HttpProxy<SV, C>
 where
     C: custom::Connector,
@@ -50,12 +45,15 @@ where
 
         // phase 2 send to upstream
 
-        // PATCH (sluice, clone with room; third_party/PATCHES.md): the head to the upstream has
-        // room for the headers `upstream_request_filter` typically adds, so that its first
-        // inserts do not grow (reallocate and rehash) both of its maps.
-        let mut req = session
-            .req_header()
-            .clone_with_room(UPSTREAM_REQUEST_HEADER_ROOM);
+        // PATCH (sluice, request head handed upstream with room; third_party/PATCHES.md): the
+        // upstream gets the client's head as it was parsed, with room for the headers
+        // `upstream_request_filter` adds (pingora-core `REQUEST_HEADER_ROOM`), and the session
+        // keeps the copy, the same content. A copy's maps are full: the first inserts would grow
+        // (reallocate and rehash) both of them. A retry takes the session's copy, and grows it.
+        let mut req = {
+            let copy = session.req_header().clone();
+            std::mem::replace(session.req_header_mut(), copy)
+        };
         let authority_policy = AuthorityPolicy::from(session.downstream_session.is_custom());
         let downstream_had_host = req.headers.contains_key(http::header::HOST);
         req.set_version(Version::HTTP_11);
