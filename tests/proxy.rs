@@ -410,12 +410,12 @@ async fn answers_carry_one_current_date_and_the_connection_state() {
     assert_eq!(closed.unwrap(), 0, "nothing follows the last answer");
 }
 
-/// The head sent to the member is a copy of the client's with sluice's headers added, and the
-/// answer's a copy of the member's: small heads and large ones, with repeated names, arrive
-/// whole, in order (the values of a name together) and in the case they were written in,
-/// whatever the number of headers added. Pingora builds the member's head of a small request with room for the headers a
-/// proxy adds, and clones a large one as before (third_party/PATCHES.md, "clone with room");
-/// the member here adds nine headers of its own, more than that room.
+/// The head sent to the member is the client's with sluice's headers added, and the answer the
+/// member's: small heads and large ones, with repeated names, arrive whole, in order (the values
+/// of a name together) and in the case they were written in, whatever the number of headers
+/// added. Pingora parses both heads with room for the headers a proxy adds and hands them on as
+/// parsed (third_party/PATCHES.md, "request head handed upstream with room", "response head
+/// handed out with room"); the member here adds nine headers of its own, more than that room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heads_small_and_large_reach_the_member_and_the_client_whole() {
     use tokio::io::AsyncWriteExt;
