@@ -199,6 +199,107 @@ async fn headers_are_fixed_up_on_the_way() {
     assert_eq!(h["x-kept"], "yes");
 }
 
+/// A member on loopback that hands over each raw request head it receives (requests without a
+/// body) and answers every request on a connection with `answer`, keeping the connection.
+async fn raw_member(
+    answer: &'static str,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    raw_member_with(move |_| (answer.as_bytes(), false)).await
+}
+
+/// [raw_member] with the answer chosen by `answer` from each head: its bytes, and whether the
+/// member closes the connection after them.
+async fn raw_member_with(
+    answer: impl Fn(&str) -> (&'static [u8], bool) + Clone + Send + 'static,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let member = listener.local_addr().unwrap();
+    let (heads, received) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let (heads, answer) = (heads.clone(), answer.clone());
+            tokio::spawn(async move {
+                let mut read = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    while !read.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(n) if n > 0 => read.extend_from_slice(&buf[..n]),
+                            _ => return,
+                        }
+                    }
+                    let end = read.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    let head: Vec<u8> = read.drain(..end).collect();
+                    let head = String::from_utf8_lossy(&head).into_owned();
+                    let (bytes, close) = answer(&head);
+                    let _ = heads.send(head);
+                    if conn.write_all(bytes).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (member, received)
+}
+
+/// The next head `raw_member` received, within 10 s.
+async fn next_head(received: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), received.recv())
+        .await
+        .expect("the member got the request")
+        .unwrap()
+}
+
+/// One answer read off a raw client connection: the head and its `Content-Length` body, as
+/// text. Fails if the connection closes first or nothing whole comes within 10 s.
+async fn read_answer(client: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = answer.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&answer[..end]).to_ascii_lowercase();
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+            if answer.len() >= end + 4 + length {
+                return String::from_utf8(answer).unwrap();
+            }
+        }
+        let n = tokio::time::timeout_at(deadline, client.read(&mut buf))
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// A head's lines, the request or status line first.
+fn lines(head: &str) -> Vec<String> {
+    head.split("\r\n").map(str::to_string).collect()
+}
+
+/// The values of the field `name` (any case) among `lines`.
+fn field_values<'a>(lines: &'a [String], name: &str) -> Vec<&'a str> {
+    lines
+        .iter()
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
+        .collect()
+}
+
 /// Header names keep the case they were written in, on the wire both ways: the client's and
 /// the member's as sent, the headers sluice adds as sluice writes them (`x-request-id`,
 /// `x-forwarded-for`, `traceparent` in lowercase; `Host` titled). Pingora keeps a case map
@@ -206,32 +307,14 @@ async fn headers_are_fixed_up_on_the_way() {
 /// pingora-http), and this pins that the bytes on the wire did not change with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_names_keep_their_case_on_the_wire_both_ways() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
 
     // A member that hands over the raw head it received and answers with mixed-case names.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let member = listener.local_addr().unwrap();
-    let (heads, mut received) = tokio::sync::mpsc::unbounded_channel::<String>();
-    tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            let heads = heads.clone();
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.ends_with(b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(n) if n > 0 => head.extend_from_slice(&buf[..n]),
-                        _ => return,
-                    }
-                }
-                let _ = heads.send(String::from_utf8_lossy(&head).into_owned());
-                let answer = "HTTP/1.1 200 OK\r\nX-Member-Case: Kept\r\nSERVER: raw\r\n\
-                              content-LENGTH: 2\r\n\r\nok";
-                let _ = conn.write_all(answer.as_bytes()).await;
-            });
-        }
-    });
+    let (member, mut received) = raw_member(
+        "HTTP/1.1 200 OK\r\nX-Member-Case: Kept\r\nSERVER: raw\r\ncontent-LENGTH: 2\r\n\r\nok",
+    )
+    .await;
     let gw = start(api(&[url(member)]).preserve_host(false));
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -242,24 +325,9 @@ async fn header_names_keep_their_case_on_the_wire_both_ways() {
          traceparent: 00-{trace_id}-00f067aa0ba902b7-01\r\n\r\n"
     );
     client.write_all(ask.as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 4096];
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !answer.ends_with(b"\r\n\r\nok") {
-        let n = tokio::time::timeout_at(deadline, client.read(&mut buf))
-            .await
-            .expect("an answer within 10 s")
-            .unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&answer));
-        answer.extend_from_slice(&buf[..n]);
-    }
-    let answer = String::from_utf8(answer).unwrap();
-    let head = tokio::time::timeout(Duration::from_secs(10), received.recv())
-        .await
-        .expect("the member got the request")
-        .unwrap();
+    let answer = read_answer(&mut client).await;
+    let head = next_head(&mut received).await;
 
-    let lines = |head: &str| -> Vec<String> { head.split("\r\n").map(str::to_string).collect() };
     let sent = lines(&head);
     let has = |lines: &[String], line: &str| lines.iter().any(|l| l == line);
     assert!(has(&sent, "X-Client-Case: Mixed"), "{head}");
@@ -287,6 +355,233 @@ async fn header_names_keep_their_case_on_the_wire_both_ways() {
     assert!(has(&got, "SERVER: raw"), "{answer}");
     assert!(has(&got, "content-LENGTH: 2"), "{answer}");
     assert!(has(&got, "x-request-id: case-id-1"), "{answer}");
+}
+
+/// Every answer carries exactly one `Date`, the gateway's (a valid, current IMF-fixdate that
+/// follows the clock, not the member's), and a `Connection` that tells the client what
+/// happens to its connection: `keep-alive` while it is kept, `close` on the answer after
+/// which the gateway closes it. Pingora writes both into every response head; the value of
+/// `Connection` is a static one rather than a string parsed and copied per response
+/// (third_party/PATCHES.md, "static Connection values").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_carry_one_current_date_and_the_connection_state() {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let (member, _received) = raw_member(
+        "HTTP/1.1 200 OK\r\nDate: Thu, 01 Jan 1970 00:00:00 GMT\r\nConnection: keep-alive\r\n\
+         Content-Length: 2\r\n\r\nok",
+    )
+    .await;
+    let gw = start(api(&[url(member)]));
+    let secs = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_secs();
+    let mut client = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    // One request on the kept connection: its answer's `Date`, checked.
+    let mut ask = async |connection: &str| -> (String, Vec<String>) {
+        let before = secs(SystemTime::now());
+        let ask = format!("GET /d HTTP/1.1\r\nHost: api.test\r\n{connection}\r\n");
+        client.write_all(ask.as_bytes()).await.unwrap();
+        let answer = read_answer(&mut client).await;
+        let after = secs(SystemTime::now());
+        let got = lines(&answer);
+        assert!(got[0].starts_with("HTTP/1.1 200"), "{answer}");
+        let dates = field_values(&got, "date");
+        assert_eq!(dates.len(), 1, "one Date: {answer}");
+        let date = httpdate::parse_http_date(dates[0])
+            .unwrap_or_else(|e| panic!("not an HTTP date ({e}): {answer}"));
+        // IMF-fixdate is the form an HTTP date is sent in (RFC 9110 §5.6.7).
+        assert_eq!(httpdate::fmt_http_date(date), dates[0], "{answer}");
+        assert!(
+            (before..=after).contains(&secs(date)),
+            "a current Date, not the member's: {answer}"
+        );
+        (dates[0].to_string(), got)
+    };
+
+    let (first, got) = ask("").await;
+    assert_eq!(field_values(&got, "connection"), ["keep-alive"], "{got:?}");
+    // The gateway's date follows the clock: poll on the same connection until it moves on.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (date, got) = ask("").await;
+        assert_eq!(field_values(&got, "connection"), ["keep-alive"], "{got:?}");
+        if date != first {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "Date stayed {first} for 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let (_, got) = ask("Connection: close\r\n").await;
+    assert_eq!(field_values(&got, "connection"), ["close"], "{got:?}");
+    let mut rest = [0u8; 64];
+    let closed = tokio::time::timeout(Duration::from_secs(10), client.read(&mut rest))
+        .await
+        .expect("the gateway closes the connection after Connection: close");
+    assert_eq!(closed.unwrap(), 0, "nothing follows the last answer");
+}
+
+/// The head sent to the member is the client's with sluice's headers added, and the answer the
+/// member's: small heads and large ones, with repeated names, arrive whole, in order (the values
+/// of a name together) and in the case they were written in, whatever the number of headers
+/// added. Pingora parses both heads with room for the headers a proxy adds and hands them on as
+/// parsed (third_party/PATCHES.md, "request head handed upstream with room", "response head
+/// handed out with room"); the member here adds nine headers of its own, more than that room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_small_and_large_reach_the_member_and_the_client_whole() {
+    use tokio::io::AsyncWriteExt;
+
+    // Pingora's maps keep the values of a name together, in the order they came: the fields
+    // as the client receives them, in that order. The large answer has 16 more.
+    let small_fields = [
+        "Server: raw",
+        "Set-Cookie: a=1",
+        "set-cookie: b=2",
+        "X-Answer: One",
+    ];
+    let large_fields: Vec<String> = small_fields
+        .iter()
+        .map(|f| f.to_string())
+        .chain((0..16).map(|i| format!("X-Extra-{i}: e{i}")))
+        .collect();
+    let answer_with = |fields: &[String]| -> &'static [u8] {
+        // The set-cookie fields apart, to be put back together.
+        let (cookie, rest) = (&fields[2], [&fields[..2], &fields[3..]].concat());
+        let head: String = rest.iter().map(|f| format!("{f}\r\n")).collect();
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\nDate: Thu, 01 Jan 1970 00:00:00 GMT\r\n{head}{cookie}\r\n\
+             Connection: keep-alive\r\ncontent-length: 2\r\n\r\nok"
+        );
+        Box::leak(answer.into_boxed_str()).as_bytes()
+    };
+    let small_answer = answer_with(&small_fields.map(String::from));
+    let large_answer = answer_with(&large_fields);
+    let (member, mut received) = raw_member_with(move |head| {
+        let large = head.starts_with("GET /large ");
+        (if large { large_answer } else { small_answer }, false)
+    })
+    .await;
+    let added: Vec<(String, String)> = (1..=9)
+        .map(|i| (format!("X-Member-{i}"), format!("m{i}")))
+        .collect();
+    let key = added.iter().fold(
+        support::KeyMember::new(url(member), "key"),
+        |key, (name, value)| key.header(name, value),
+    );
+    let gw = start(Route::new("api").key_member(key).preserve_host(false));
+
+    let large: Vec<String> = (0..12)
+        .map(|i| format!("X-Client-{}: c{i}", i / 3))
+        .chain(["accept: */*".to_string(), "X-Member-1: client".to_string()])
+        .collect();
+    let mut client = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    let small_fields = small_fields.map(String::from).to_vec();
+    for (path, client_headers, member_fields) in [
+        ("/small", Vec::new(), small_fields),
+        ("/large", large, large_fields),
+    ] {
+        let ask = format!(
+            "GET {path} HTTP/1.1\r\nHost: api.test\r\n{}\r\n",
+            client_headers
+                .iter()
+                .map(|h| format!("{h}\r\n"))
+                .collect::<String>()
+        );
+        client.write_all(ask.as_bytes()).await.unwrap();
+        let answer = read_answer(&mut client).await;
+        let head = next_head(&mut received).await;
+
+        let sent = lines(&head);
+        // The client's headers in their order and case, but the one the member replaces.
+        let kept: Vec<&String> = client_headers
+            .iter()
+            .filter(|h| !h.starts_with("X-Member-1:"))
+            .collect();
+        let forwarded: Vec<&String> = sent.iter().filter(|l| kept.contains(l)).collect();
+        assert_eq!(forwarded, kept, "{head}");
+        assert_eq!(field_values(&sent, "host"), [member.to_string()], "{head}");
+        for (name, value) in &added {
+            assert_eq!(field_values(&sent, name), [value.as_str()], "{head}");
+        }
+        assert_eq!(
+            field_values(&sent, "x-forwarded-for"),
+            ["127.0.0.1"],
+            "{head}"
+        );
+        assert_eq!(field_values(&sent, "x-request-id").len(), 1, "{head}");
+
+        let got = lines(&answer);
+        assert!(got[0].starts_with("HTTP/1.1 200"), "{answer}");
+        let relayed: Vec<String> = got
+            .iter()
+            .filter(|l| member_fields.contains(l))
+            .cloned()
+            .collect();
+        assert_eq!(relayed, member_fields, "{answer}");
+        assert_eq!(field_values(&got, "date").len(), 1, "{answer}");
+        assert!(!answer.contains("1970"), "the gateway's Date: {answer}");
+        assert_eq!(field_values(&got, "connection"), ["keep-alive"], "{answer}");
+        assert_eq!(
+            field_values(&got, "x-request-id"),
+            field_values(&sent, "x-request-id"),
+            "{answer}"
+        );
+        assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+    }
+}
+
+/// An answer keeps the member's framing when it has one (a `Content-Length`, or chunks), and one
+/// whose end is the member closing its connection reaches the client in chunks, so that the
+/// client's connection is kept. Pingora decides this by looking up both framing fields of every
+/// answer, `Content-Length` first (third_party/PATCHES.md, "framing lookups first by
+/// likelihood").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_keep_their_framing_or_are_chunked_when_the_member_closes() {
+    // A body ended by the member closing its connection: `/close`.
+    let (member, _received) = raw_member_with(|head| match head.split(' ').nth(1) {
+        Some("/chunked") => (
+            &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"[..],
+            false,
+        ),
+        Some("/close") => (
+            &b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello"[..],
+            true,
+        ),
+        _ => (
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"[..],
+            false,
+        ),
+    })
+    .await;
+    let gw = start(api(&[url(member)]));
+
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for (path, framing) in [
+        ("/length", "length"),
+        ("/chunked", "chunked"),
+        ("/close", "chunked"),
+        ("/length", "length"),
+    ] {
+        let r = client
+            .request("GET", "api.test", path, &[], b"")
+            .await
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!((r.status, &r.body[..]), (200, &b"hello"[..]), "{path}");
+        assert_eq!(r.header("connection"), Some("keep-alive"), "{path}");
+        let (length, chunked) = match framing {
+            "length" => (Some("5"), None),
+            _ => (None, Some("chunked")),
+        };
+        assert_eq!(r.header("content-length"), length, "{path}: {r:?}");
+        assert_eq!(r.header("transfer-encoding"), chunked, "{path}: {r:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

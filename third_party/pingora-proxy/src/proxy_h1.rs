@@ -45,7 +45,15 @@ where
 
         // phase 2 send to upstream
 
-        let mut req = session.req_header().clone();
+        // PATCH (sluice, request head handed upstream with room; third_party/PATCHES.md): the
+        // upstream gets the client's head as it was parsed, with room for the headers
+        // `upstream_request_filter` adds (pingora-core `REQUEST_HEADER_ROOM`), and the session
+        // keeps the copy, the same content. A copy's maps are full: the first inserts would grow
+        // (reallocate and rehash) both of them. A retry takes the session's copy, and grows it.
+        let mut req = {
+            let copy = session.req_header().clone();
+            std::mem::replace(session.req_header_mut(), copy)
+        };
         let authority_policy = AuthorityPolicy::from(session.downstream_session.is_custom());
         let downstream_had_host = req.headers.contains_key(http::header::HOST);
         req.set_version(Version::HTTP_11);
@@ -938,14 +946,15 @@ where
                 // these status codes / method cannot have body, so no need to add chunked encoding
                 let no_body = session.req_header().method == http::method::Method::HEAD
                     || matches!(header.status.as_u16(), 204 | 304);
+                // PATCH (sluice, framing lookups first by likelihood; third_party/PATCHES.md):
+                // the flags before the lookups, and `Content-Length` before
+                // `Transfer-Encoding`: most answers have a length, which settles it in one
+                // lookup instead of two.
                 if !no_body
-                    && !header.status.is_informational()
-                    && header
-                        .headers
-                        .get(http::header::TRANSFER_ENCODING)
-                        .is_none()
-                    && header.headers.get(http::header::CONTENT_LENGTH).is_none()
                     && !end
+                    && !header.status.is_informational()
+                    && !header.headers.contains_key(http::header::CONTENT_LENGTH)
+                    && !header.headers.contains_key(http::header::TRANSFER_ENCODING)
                 {
                     // Upgrade the http version to 1.1 because 1.0/0.9 doesn't support chunked
                     header.set_version(Version::HTTP_11);

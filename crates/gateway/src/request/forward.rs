@@ -179,11 +179,12 @@ pub(crate) fn request_headers(
         return Ok(());
     };
     strip_hop_by_hop(upstream);
-    // The head is a clone of the client's, whose maps Pingora sized to the headers it read:
-    // full. Room for what is added below, so that each map grows once, not at every other
-    // insert (third_party/PATCHES.md, "header map reserve"): `Host` or
-    // `Proxy-Authorization`, the member's own headers, the request id, `traceparent` and
-    // `X-Forwarded-For`; `Upgrade` and `Connection` for a WebSocket.
+    // The head is the client's as Pingora parsed it, with room for 8 more headers
+    // (third_party/PATCHES.md, "request head handed upstream with room"); on a retry, a copy
+    // with none. Room for what is added below, so that each map grows at most once, not at
+    // every other insert ("header map reserve"): `Host` or `Proxy-Authorization`, the member's
+    // own headers, the request id, `traceparent` and `X-Forwarded-For`; `Upgrade` and
+    // `Connection` for a WebSocket.
     let adding = 3
         + ctx.member().map_or(0, |m| m.headers.0.len())
         + usize::from(ctx.seen.trace.is_some())

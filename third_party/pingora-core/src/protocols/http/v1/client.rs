@@ -31,6 +31,10 @@ use crate::protocols::http::HttpTask;
 use crate::protocols::{Digest, SocketAddr, Stream, UniqueID, UniqueIDType};
 use crate::utils::{BufRef, KVRef};
 
+// PATCH (sluice, response head handed out with room): how many headers a response head read from
+// the upstream has room for beyond its own: `Date`, `Connection` and a proxy's own.
+const RESPONSE_HEADER_ROOM: usize = 4;
+
 /// The HTTP 1.x client session
 pub struct HttpSession {
     buf: Bytes,
@@ -284,9 +288,11 @@ impl HttpSession {
                         // while header_refs doesn't as it is still empty
                         let _num_headers = populate_headers(base, &mut header_refs, resp.headers);
 
+                        // PATCH (sluice, response head handed out with room; third_party/PATCHES.md):
+                        // this head goes to the caller (`read_resp_header_parts`), who adds to it.
                         let mut response_header = match ResponseHeader::build(
                             resp.code.unwrap(),
-                            Some(resp.headers.len()),
+                            Some(resp.headers.len() + RESPONSE_HEADER_ROOM),
                         ) {
                             Ok(header) => Box::new(header),
                             Err(e) => return self.fail_response_header_read(e),
@@ -438,7 +444,13 @@ impl HttpSession {
     pub async fn read_resp_header_parts(&mut self) -> Result<Box<ResponseHeader>> {
         self.read_response().await?;
         // safe to unwrap because it is just read
-        Ok(Box::new(self.resp_header().unwrap().clone()))
+        // PATCH (sluice, response head handed out with room): the caller gets the head as it was
+        // read, built with room for the `Date` and `Connection` a server writes into every
+        // response (and a proxy's own headers), and the session keeps the copy, which it only
+        // reads. A copy's maps are full: the caller's first inserts would grow both.
+        let header = self.response_header.as_mut().unwrap();
+        let copy = Box::new(ResponseHeader::clone(header));
+        Ok(std::mem::replace(header, copy))
     }
 
     /// Return a reference of the [`ResponseHeader`] if the response is read

@@ -349,11 +349,13 @@ impl HttpSession {
                         // while header_refs doesn't as it is still empty
                         let _num_headers = populate_headers(base, &mut header_refs, req.headers);
 
+                        // PATCH (sluice, request head handed upstream with room): a proxy sends
+                        // this head on, adding headers (pingora-proxy `proxy_1to1`).
                         let mut request_header = Box::new(RequestHeader::build(
                             req.method.unwrap_or(""),
                             // we path httparse to allow unsafe bytes in the str
                             req.path.unwrap_or("").as_bytes(),
-                            Some(req.headers.len()),
+                            Some(req.headers.len() + REQUEST_HEADER_ROOM),
                         )?);
 
                         request_header.set_version(match req.version {
@@ -848,11 +850,12 @@ impl HttpSession {
             /* update headers */
             header.insert_header(header::DATE, date::get_cached_date())?;
 
-            // TODO: make these lazy static
+            // PATCH (sluice, static Connection values; third_party/PATCHES.md): a `&str` value
+            // was validated and copied into a new allocation on every response.
             let connection_value = if self.will_keepalive() {
-                "keep-alive"
+                HeaderValue::from_static("keep-alive")
             } else {
-                "close"
+                HeaderValue::from_static("close")
             };
             header.insert_header(header::CONNECTION, connection_value)?;
         }
@@ -1755,6 +1758,11 @@ impl HttpSession {
 }
 
 // Regex to parse request line that has illegal chars in it
+/// PATCH (sluice, request head handed upstream with room; third_party/PATCHES.md): how many
+/// headers a request head read from a client has room for beyond its own, for those a proxy
+/// adds before sending it upstream (an identity, forwarding and tracing header or two, a Host).
+pub const REQUEST_HEADER_ROOM: usize = 8;
+
 static REQUEST_LINE_REGEX: Lazy<Regex> =
     Lazy::new(|| Regex::new(r"^\w+ (?P<uri>.+) HTTP/\d(?:\.\d)?").unwrap());
 
