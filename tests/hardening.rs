@@ -385,23 +385,29 @@ mod downstream_limits {
         }
     }
 
+    /// A member that takes connections, reads the first bytes of each (the request head) and then
+    /// neither reads nor answers again, keeping them open.
+    async fn silent_member() -> std::net::SocketAddr {
+        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = member.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut conn, _)) = member.accept().await {
+                let mut head = [0u8; 1024];
+                let _ = conn.read(&mut head).await;
+                held.push(conn);
+            }
+        });
+        addr
+    }
+
     /// A member that reads the request head and then stops reading: the upload is cut after
     /// `write_timeout` (then, as Pingora does, sluice waits up to `read_timeout` for an early
     /// answer from the member) with `504 upstream_timeout` and an access-log line. Without a write
     /// timeout the blocked write pinned the request and both connections for minutes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_member_that_stops_reading_an_upload_gets_a_504_after_write_timeout() {
-        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let member_addr = member.local_addr().unwrap();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((mut conn, _)) = member.accept().await {
-                let mut head = [0u8; 1024];
-                let _ = conn.read(&mut head).await;
-                // Keep the connection open and never read again.
-                held.push(conn);
-            }
-        });
+        let member_addr = silent_member().await;
         let gw = start(
             &url(member_addr),
             "",
@@ -466,16 +472,7 @@ mod downstream_limits {
     /// timer given out from there must still fire.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn requests_to_a_member_that_never_answers_get_504_after_read_timeout() {
-        let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let member_addr = member.local_addr().unwrap();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((mut conn, _)) = member.accept().await {
-                let mut head = [0u8; 1024];
-                let _ = conn.read(&mut head).await;
-                held.push(conn);
-            }
-        });
+        let member_addr = silent_member().await;
         let gw = start(&url(member_addr), "", "      read_timeout: 1s\n");
         for wave in 0..2 {
             let waiting: Vec<_> = (0..4)

@@ -384,32 +384,37 @@ fn ipv6_host(literal: &str) -> Result<Cow<'_, str>, Reject> {
     })
 }
 
-fn name_host(name: &str) -> Result<Cow<'_, str>, Reject> {
-    let trimmed = name.strip_suffix('.').unwrap_or(name);
-    // One pass over the bytes checks them and the labels (none empty) and finds the last
-    // label: a host is a few bytes, for which `str`'s searches cost more than they save.
+/// The last label of a host name, or `None` unless every byte is a letter, digit, `-`, `_` or
+/// a dot between two non-empty labels. One pass over the bytes: a host is a few bytes, for
+/// which `str`'s searches cost more than they save.
+fn last_label(name: &str) -> Option<&str> {
     let mut after_dot = true;
     let mut last_dot = None;
-    for (i, &b) in trimmed.as_bytes().iter().enumerate() {
+    for (i, &b) in name.as_bytes().iter().enumerate() {
         if b == b'.' {
             if after_dot {
-                return Err(Reject::BadHost);
+                return None;
             }
             last_dot = Some(i);
             after_dot = true;
         } else if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_') {
             after_dot = false;
         } else {
-            return Err(Reject::BadHost);
+            return None;
         }
     }
     // Empty, or ending in an empty label.
     if after_dot {
-        return Err(Reject::BadHost);
+        return None;
     }
+    Some(last_dot.map_or(name, |i| &name[i + 1..]))
+}
+
+fn name_host(name: &str) -> Result<Cow<'_, str>, Reject> {
+    let trimmed = name.strip_suffix('.').unwrap_or(name);
+    let last = last_label(trimmed).ok_or(Reject::BadHost)?;
     // WHATWG URL parsing and inet_aton read a name ending in a number as IPv4 (`0x7f.1`,
     // `2130706433`, `127.1`); only the dotted quad is one spelling we can match.
-    let last = last_dot.map_or(trimmed, |i| &trimmed[i + 1..]);
     let numeric = last.bytes().all(|b| b.is_ascii_digit())
         || last
             .strip_prefix("0x")
@@ -1092,37 +1097,20 @@ mod tests {
         assert!(b.iter().all(|&c| CLASS[c as usize] != Class::Refuse), "{n}");
     }
 
-    /// `name_host` as it was written before its single pass: the reference it must agree with.
-    fn name_host_by_splits(name: &str) -> Result<Cow<'_, str>, Reject> {
-        let trimmed = name.strip_suffix('.').unwrap_or(name);
-        let valid = !trimmed.is_empty()
-            && trimmed
+    /// What `last_label` replaced: the checks by `str` splits, the reference it must agree with.
+    fn last_label_by_splits(name: &str) -> Option<&str> {
+        let valid = !name.is_empty()
+            && name
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
-            && trimmed.split('.').all(|label| !label.is_empty());
-        if !valid {
-            return Err(Reject::BadHost);
-        }
-        let last = trimmed.rsplit('.').next().unwrap_or(trimmed);
-        let numeric = last.bytes().all(|b| b.is_ascii_digit())
-            || last
-                .strip_prefix("0x")
-                .or_else(|| last.strip_prefix("0X"))
-                .is_some_and(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()));
-        if numeric && trimmed.parse::<Ipv4Addr>().is_err() {
-            return Err(Reject::BadHost);
-        }
-        Ok(if trimmed.bytes().any(|b| b.is_ascii_uppercase()) {
-            Cow::Owned(trimmed.to_ascii_lowercase())
-        } else {
-            Cow::Borrowed(trimmed)
-        })
+            && name.split('.').all(|label| !label.is_empty());
+        valid.then(|| name.rsplit('.').next().unwrap_or(name))
     }
 
     proptest! {
         #[test]
-        fn name_host_agrees_with_the_label_split(name in "[a-fA-F0-9xX._:@-]{0,12}") {
-            prop_assert_eq!(name_host(&name), name_host_by_splits(&name));
+        fn last_label_agrees_with_the_label_split(name in "[a-fA-F0-9xX._:@-]{0,12}") {
+            prop_assert_eq!(last_label(&name), last_label_by_splits(&name));
         }
 
         #[test]
