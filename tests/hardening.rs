@@ -600,36 +600,35 @@ mod downstream_limits {
             assert_eq!(r.json()["target"], format!("/after{i}"));
         }
 
-        // Declared past 64 KiB: answered, then closed, without waiting for the body.
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        let head = "POST /big HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 1000000\r\n\r\n";
-        client.write_raw(head.as_bytes()).await.unwrap();
-        assert_eq!(client.read_response(false).await.unwrap().status, 404);
-        assert!(
-            client.wait_closed(Duration::from_secs(10)).await,
-            "closed after a large body"
-        );
-
-        // Waiting for 100 Continue: the body never comes, so nothing is read and the
-        // connection closes.
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        let head = "POST /wait HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 10\r\nExpect: 100-continue\r\n\r\n";
-        client.write_raw(head.as_bytes()).await.unwrap();
-        assert_eq!(client.read_response(false).await.unwrap().status, 404);
-        assert!(
-            client.wait_closed(Duration::from_secs(10)).await,
-            "closed after Expect"
-        );
-
-        // A small body that stops coming holds the connection for 2 s at most.
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        let head = "POST /stall HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 10\r\n\r\nabc";
-        client.write_raw(head.as_bytes()).await.unwrap();
-        assert_eq!(client.read_response(false).await.unwrap().status, 404);
-        assert!(
-            client.wait_closed(Duration::from_secs(30)).await,
-            "closed after a stalled body"
-        );
+        // Each of these is answered, then closed: declared past 64 KiB (not waited for);
+        // waiting for 100 Continue (the body never comes, so nothing is read); a small body
+        // that stops coming (the connection held for 2 s at most).
+        let closing = [
+            (
+                "POST /big HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 1000000\r\n\r\n",
+                10,
+                "closed after a large body",
+            ),
+            (
+                "POST /wait HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 10\r\nExpect: 100-continue\r\n\r\n",
+                10,
+                "closed after Expect",
+            ),
+            (
+                "POST /stall HTTP/1.1\r\nHost: nope.test\r\nContent-Length: 10\r\n\r\nabc",
+                30,
+                "closed after a stalled body",
+            ),
+        ];
+        for (head, within, what) in closing {
+            let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+            client.write_raw(head.as_bytes()).await.unwrap();
+            assert_eq!(client.read_response(false).await.unwrap().status, 404);
+            assert!(
+                client.wait_closed(Duration::from_secs(within)).await,
+                "{what}"
+            );
+        }
         assert_eq!(backends[0].requests(), 2);
     }
 

@@ -375,52 +375,57 @@ async fn answers_carry_one_current_date_and_the_connection_state() {
     .await;
     let gw = start(api(&[url(member)]));
     let secs = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_secs();
-    let mut client = tokio::net::TcpStream::connect(gw.proxy_addr())
-        .await
-        .unwrap();
+    // One connection throughout, shared with the polling closure below.
+    let client = tokio::sync::Mutex::new(
+        tokio::net::TcpStream::connect(gw.proxy_addr())
+            .await
+            .unwrap(),
+    );
     // One request on the kept connection: its answer's `Date`, checked.
-    let mut ask = async |connection: &str| -> (String, Vec<String>) {
-        let before = secs(SystemTime::now());
-        let ask = format!("GET /d HTTP/1.1\r\nHost: api.test\r\n{connection}\r\n");
-        client.write_all(ask.as_bytes()).await.unwrap();
-        let answer = read_answer(&mut client).await;
-        let after = secs(SystemTime::now());
-        let got = lines(&answer);
-        assert!(got[0].starts_with("HTTP/1.1 200"), "{answer}");
-        let dates = field_values(&got, "date");
-        assert_eq!(dates.len(), 1, "one Date: {answer}");
-        let date = httpdate::parse_http_date(dates[0])
-            .unwrap_or_else(|e| panic!("not an HTTP date ({e}): {answer}"));
-        // IMF-fixdate is the form an HTTP date is sent in (RFC 9110 §5.6.7).
-        assert_eq!(httpdate::fmt_http_date(date), dates[0], "{answer}");
-        assert!(
-            (before..=after).contains(&secs(date)),
-            "a current Date, not the member's: {answer}"
-        );
-        (dates[0].to_string(), got)
+    let ask = |connection: &'static str| {
+        let client = &client;
+        async move {
+            let mut client = client.lock().await;
+            let before = secs(SystemTime::now());
+            let ask = format!("GET /d HTTP/1.1\r\nHost: api.test\r\n{connection}\r\n");
+            client.write_all(ask.as_bytes()).await.unwrap();
+            let answer = read_answer(&mut *client).await;
+            let after = secs(SystemTime::now());
+            let got = lines(&answer);
+            assert!(got[0].starts_with("HTTP/1.1 200"), "{answer}");
+            let dates = field_values(&got, "date");
+            assert_eq!(dates.len(), 1, "one Date: {answer}");
+            let date = httpdate::parse_http_date(dates[0])
+                .unwrap_or_else(|e| panic!("not an HTTP date ({e}): {answer}"));
+            // IMF-fixdate is the form an HTTP date is sent in (RFC 9110 §5.6.7).
+            assert_eq!(httpdate::fmt_http_date(date), dates[0], "{answer}");
+            assert!(
+                (before..=after).contains(&secs(date)),
+                "a current Date, not the member's: {answer}"
+            );
+            assert_eq!(
+                field_values(&got, "connection"),
+                [if connection.is_empty() {
+                    "keep-alive"
+                } else {
+                    "close"
+                }],
+                "{got:?}"
+            );
+            dates[0].to_string()
+        }
     };
 
-    let (first, got) = ask("").await;
-    assert_eq!(field_values(&got, "connection"), ["keep-alive"], "{got:?}");
-    // The gateway's date follows the clock: poll on the same connection until it moves on.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let (date, got) = ask("").await;
-        assert_eq!(field_values(&got, "connection"), ["keep-alive"], "{got:?}");
-        if date != first {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "Date stayed {first} for 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let first = ask("").await;
+    // The gateway's date follows the clock: ask on the same connection until it moves on.
+    let moved_on =
+        support::wait_until_async(Duration::from_secs(10), || async { ask("").await != first })
+            .await;
+    assert!(moved_on, "Date stayed {first} for 10 s");
 
-    let (_, got) = ask("Connection: close\r\n").await;
-    assert_eq!(field_values(&got, "connection"), ["close"], "{got:?}");
+    ask("Connection: close\r\n").await;
     let mut rest = [0u8; 64];
-    let closed = tokio::time::timeout(Duration::from_secs(10), client.read(&mut rest))
+    let closed = tokio::time::timeout(Duration::from_secs(10), client.lock().await.read(&mut rest))
         .await
         .expect("the gateway closes the connection after Connection: close");
     assert_eq!(closed.unwrap(), 0, "nothing follows the last answer");
