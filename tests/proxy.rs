@@ -389,7 +389,7 @@ async fn answers_carry_one_current_date_and_the_connection_state() {
             let before = secs(SystemTime::now());
             let ask = format!("GET /d HTTP/1.1\r\nHost: api.test\r\n{connection}\r\n");
             client.write_all(ask.as_bytes()).await.unwrap();
-            let answer = read_answer(&mut *client).await;
+            let answer = read_answer(&mut client).await;
             let after = secs(SystemTime::now());
             let got = lines(&answer);
             assert!(got[0].starts_with("HTTP/1.1 200"), "{answer}");
