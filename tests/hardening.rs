@@ -836,7 +836,7 @@ mod upstream_pool {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     use tokio::net::{TcpListener, TcpStream};
     use tokio::sync::watch;
 
@@ -858,6 +858,10 @@ mod upstream_pool {
 
     impl Member {
         async fn start() -> Member {
+            Member::start_closing(Close::Whole).await
+        }
+
+        async fn start_closing(close: Close) -> Member {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
             let accepted = Arc::new(AtomicUsize::new(0));
@@ -871,7 +875,7 @@ mod upstream_pool {
                     rx.mark_unchanged();
                     let clo = clo.clone();
                     tokio::spawn(async move {
-                        serve(stream, &mut rx).await;
+                        serve(stream, &mut rx, close).await;
                         clo.fetch_add(1, Ordering::SeqCst);
                     });
                 }
@@ -888,8 +892,9 @@ mod upstream_pool {
             self.accepted.load(Ordering::SeqCst)
         }
 
-        /// Closes every connection waiting for its next request; returns once all are closed,
-        /// so the closes (FINs) are already queued at sluice's end.
+        /// Closes every connection waiting for its next request; returns once all are closed:
+        /// with [`Close::Whole`] the closes (FINs) are then queued at sluice's end, and with
+        /// [`Close::Half`] sluice has closed its end too.
         async fn close_idle_connections(&self) {
             self.close_idle.send_modify(|generation| *generation += 1);
             let accepted = self.accepted();
@@ -900,9 +905,18 @@ mod upstream_pool {
         }
     }
 
+    /// How the member closes an idle connection.
+    #[derive(Clone, Copy)]
+    enum Close {
+        /// Both ways at once.
+        Whole,
+        /// Its sending side only; then it waits for sluice to close the other.
+        Half,
+    }
+
     /// Answers `GET /small` with a body written together with its head and `GET /big` with one
     /// written mostly after it, until told to close while idle or the peer closes.
-    async fn serve(stream: TcpStream, close_idle: &mut watch::Receiver<u64>) {
+    async fn serve(stream: TcpStream, close_idle: &mut watch::Receiver<u64>, close: Close) {
         let mut reader = BufReader::new(stream);
         let mut line = String::new();
         loop {
@@ -912,7 +926,17 @@ mod upstream_pool {
                     Ok([]) | Err(_) => return,
                     Ok(_) => {}
                 },
-                _ = close_idle.changed() => return,
+                _ = close_idle.changed() => {
+                    if let Close::Half = close {
+                        let stream = reader.get_mut();
+                        if stream.shutdown().await.is_ok() {
+                            // Until sluice closes its end: anything it sends is not answered.
+                            let mut rest = Vec::new();
+                            let _ = stream.read_to_end(&mut rest).await;
+                        }
+                    }
+                    return;
+                }
             }
             let mut big = false;
             loop {
@@ -993,5 +1017,35 @@ mod upstream_pool {
         let connected = lines.iter().filter(|l| l["connect_ms"].is_number()).count();
         assert_eq!(connected, 3, "{lines:?}");
         assert!(lines.iter().all(|l| l["error"].is_null()), "{lines:?}");
+    }
+
+    /// A connection that waits in sluice's pool is closed by sluice once the member closes its
+    /// side, with no request coming to find out: pooled connections do not hold descriptors
+    /// the member is done with (pingora-core's idle pool sweeper, third_party/PATCHES.md).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_the_member_half_closes_are_closed_without_a_request() {
+        let member = Member::start_closing(Close::Half).await;
+        let gw = Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{}\"\n",
+            member.addr
+        ));
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        for i in 0..3 {
+            let r = client
+                .request("GET", "api.test", "/small", &[], b"")
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "request {i}");
+        }
+        assert_eq!(member.accepted(), 1, "one upstream connection, reused");
+        // Returns once sluice has closed the connection, or fails after the deadline.
+        member.close_idle_connections().await;
+        // The client's own connection is still open, and the next request gets a new one.
+        let r = client
+            .request("GET", "api.test", "/small", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(member.accepted(), 2);
     }
 }
