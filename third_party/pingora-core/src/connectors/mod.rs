@@ -260,15 +260,8 @@ impl TransportConnector {
         while let Some(mut stream) = self.connection_pool.take(key) {
             // test_reusable_stream: we assume server would never actively send data
             // first on an idle stream.
-            // PATCH (sluice: pooled peer checked against the socket digest): the address a
-            // connected socket's digest read once (`getpeername`, at the first check) is what
-            // `matches_fd` would read again with a system call per request; a mismatch, or a
-            // peer behind a proxy, still goes through `matches_fd` as before.
             #[cfg(unix)]
-            let same_peer = stream
-                .get_socket_digest()
-                .is_some_and(|d| d.peer_addr() == Some(peer.address()))
-                || peer.matches_fd(stream.id());
+            let same_peer = peer.matches_fd(stream.id());
             #[cfg(windows)]
             let same_peer = {
                 use std::os::windows::io::{AsRawSocket, RawSocket};
