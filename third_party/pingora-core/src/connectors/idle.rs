@@ -188,7 +188,8 @@ impl<S: Send + 'static> IdlePool<S> {
     }
 
     /// Removes the connections whose idle timeout passed or that `usable` rejects (polled
-    /// without waiting, under the pool's lock). Returns them, to be dropped outside the lock,
+    /// without waiting, under the pool's lock: a readiness check each, with a system call only
+    /// for a connection the reactor saw something on; at most `size` of them once a second). Returns them, to be dropped outside the lock,
     /// and whether the sweeper should go on: it stops once the pool is empty, and the next
     /// [`IdlePool::put`] asks for a new one.
     pub(crate) fn sweep(&self, mut usable: impl FnMut(&mut S) -> bool) -> (Vec<Closed<S>>, bool) {
@@ -239,6 +240,12 @@ pub(crate) fn spawn_sweeper<S: Send + 'static>(
             }
         }
     }
+    if tokio::runtime::Handle::try_current().is_err() {
+        // No runtime to run on: leave it to a later release, rather than panic here with the
+        // flag set and the pool never swept.
+        pool.inner.lock().sweeping = false;
+        return;
+    }
     let mut running = Running(Arc::downgrade(pool), true);
     pingora_runtime::current_handle().spawn(async move {
         loop {
@@ -249,9 +256,12 @@ pub(crate) fn spawn_sweeper<S: Send + 'static>(
             };
             let (closed, go_on) = pool.sweep(&mut usable);
             drop(pool);
+            if !go_on {
+                // Before the drops below: from here on a new sweeper may own the flag.
+                running.disarm();
+            }
             drop(closed);
             if !go_on {
-                running.disarm();
                 return;
             }
         }
@@ -380,6 +390,33 @@ mod tests {
             // Takes leave their entries; puts compact: bounded by the size, not the traffic.
             assert!(inner.order.len() <= 2 * size + 33);
         }
+    }
+
+    /// A sweeper whose runtime shuts down gives the flag back, so that the next release starts
+    /// another; with no runtime at all, none is started and the flag is not left set.
+    #[test]
+    fn a_sweeper_dropped_with_its_runtime_lets_the_next_release_start_one() {
+        let p = Arc::new(pool(8));
+        let (_, start) = p.put(1, 10, None);
+        assert!(start);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async { spawn_sweeper(&p, |_: &mut u32| true) });
+        assert!(p.inner.lock().sweeping);
+        drop(rt);
+        assert!(
+            !p.inner.lock().sweeping,
+            "the dropped task cleared the flag"
+        );
+        let (_, start) = p.put(1, 11, None);
+        assert!(start, "the next release asks for a sweeper");
+        spawn_sweeper(&p, |_: &mut u32| true);
+        assert!(
+            !p.inner.lock().sweeping,
+            "no runtime: no sweeper, and the flag is clear"
+        );
     }
 
     #[tokio::test]
