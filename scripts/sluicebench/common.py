@@ -44,6 +44,10 @@ class Knobs:
         """ "A=1 B=2" for NAMES, quoting values with spaces (as a shell would need)."""
         out = []
         for n in names:
+            if n == "BUILD" and os.environ.get("SLUICE_BIN_DIR"):
+                # The binary came from SLUICE_BIN_DIR: nothing was built, whatever BUILD says.
+                out.append("SLUICE_BIN_DIR=DIR")
+                continue
             v = self.used[n]
             out.append(f'{n}="{v}"' if " " in v else f"{n}={v}")
         return " ".join(out)
