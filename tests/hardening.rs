@@ -1050,4 +1050,112 @@ mod upstream_pool {
         assert_eq!(member.accepted(), 2);
         member.close_idle_connections().await;
     }
+
+    /// With two idle connections to a member, one the member has closed: the next request
+    /// takes the other, newest first, and opens none (`reused_stream` passes over a connection
+    /// that fails its check, third_party/PATCHES.md "idle pool").
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_closed_idle_connection_is_passed_over_for_an_open_one() {
+        use tokio::sync::Notify;
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let held = Arc::new(AtomicUsize::new(0));
+        let held_closed = Arc::new(AtomicUsize::new(0));
+        let answer_held = Arc::new(Notify::new());
+        let close_held = Arc::new(Notify::new());
+        {
+            let (accepted, held, held_closed) =
+                (accepted.clone(), held.clone(), held_closed.clone());
+            let (answer_held, close_held) = (answer_held.clone(), close_held.clone());
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    accepted.fetch_add(1, Ordering::SeqCst);
+                    let (held, held_closed) = (held.clone(), held_closed.clone());
+                    let (answer_held, close_held) = (answer_held.clone(), close_held.clone());
+                    tokio::spawn(async move {
+                        let mut reader = BufReader::new(stream);
+                        let mut line = String::new();
+                        loop {
+                            let mut hold = false;
+                            loop {
+                                line.clear();
+                                match reader.read_line(&mut line).await {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(_) => {}
+                                }
+                                hold |= line.starts_with("GET /hold ");
+                                if line == "\r\n" {
+                                    break;
+                                }
+                            }
+                            if hold {
+                                held.fetch_add(1, Ordering::SeqCst);
+                                answer_held.notified().await;
+                            }
+                            let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n";
+                            if reader.get_mut().write_all(answer).await.is_err() {
+                                return;
+                            }
+                            if hold {
+                                // This connection, and only this one, is closed once idle.
+                                close_held.notified().await;
+                                drop(reader);
+                                held_closed.fetch_add(1, Ordering::SeqCst);
+                                return;
+                            }
+                        }
+                    });
+                }
+            });
+        }
+        let gw = Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{addr}\"\n"
+        ));
+        // One request held at the member while another goes through: two connections.
+        let proxy = gw.proxy_addr();
+        let holding = tokio::spawn(async move {
+            let mut client = HttpClient::connect(proxy).await.unwrap();
+            client
+                .request("GET", "api.test", "/hold", &[], b"")
+                .await
+                .unwrap()
+        });
+        assert!(wait_until(DEADLINE, || held.load(Ordering::SeqCst) == 1).await);
+        let mut client = HttpClient::connect(proxy).await.unwrap();
+        let r = client
+            .request("GET", "api.test", "/small", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!((r.status, accepted.load(Ordering::SeqCst)), (200, 2));
+        answer_held.notify_one();
+        assert_eq!(holding.await.unwrap().status, 200);
+        // Both are idle in the pool now (the held one released last, so newest), and the
+        // member closes the held one.
+        assert!(
+            wait_until(DEADLINE, || gw.log_json().len() >= 2).await,
+            "access-log lines missing"
+        );
+        close_held.notify_one();
+        assert!(wait_until(DEADLINE, || held_closed.load(Ordering::SeqCst) == 1).await);
+        for i in 0..3 {
+            let r = client
+                .request("GET", "api.test", "/small", &[], b"")
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "request {i}");
+        }
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2,
+            "the open connection was reused; none was opened"
+        );
+        assert!(
+            wait_until(DEADLINE, || gw.log_json().len() >= 5).await,
+            "access-log lines missing"
+        );
+        let lines = gw.log_json();
+        assert!(lines.iter().all(|l| l["error"].is_null()), "{lines:?}");
+    }
 }
