@@ -17,6 +17,16 @@ use redis::{
     Cmd, ErrorKind, FromRedisValue, RedisResult, RedisWrite, Script, ServerErrorKind, ToRedisArgs,
 };
 
+/// Arguments after the keys that a call is sized for before it grows: a route's and its
+/// members' limits, a clock, a cost, the members left out.
+const ARGS_ROOM: usize = 16;
+/// `EVALSHA`, the script's 40-digit hash and the key count.
+const HEAD_BYTES: usize = 56;
+/// A key: `sluice:{route}:…` with a member's name or a window's.
+const KEY_BYTES: usize = 48;
+/// The arguments' bytes, for `ARGS_ROOM` of them.
+const ARGS_BYTES: usize = 160;
+
 /// An `EVALSHA` of `script` being written: keys first, then arguments.
 pub struct ScriptCall<'s> {
     script: &'s Script,
@@ -27,8 +37,11 @@ pub struct ScriptCall<'s> {
 impl<'s> ScriptCall<'s> {
     /// A call of `script` that will take exactly `keys` keys.
     pub fn new(script: &'s Script, keys: usize) -> ScriptCall<'s> {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash()).arg(keys);
+        // Room for the whole call up front: the command's two `Vec`s (its bytes, and where each
+        // argument ends) otherwise grow by doubling, argument by argument.
+        let args = 3 + keys + ARGS_ROOM;
+        let mut cmd = Cmd::with_capacity(args, HEAD_BYTES + keys * KEY_BYTES + ARGS_BYTES);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
         ScriptCall {
             script,
             cmd,
