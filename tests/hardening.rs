@@ -905,6 +905,27 @@ mod upstream_pool {
         }
     }
 
+    /// Reads one request head, line by line into `line`; whether a line of it starts with
+    /// `prefix` (a request line), or `None` once the peer closed or the read failed.
+    async fn read_head(
+        reader: &mut BufReader<TcpStream>,
+        line: &mut String,
+        prefix: &str,
+    ) -> Option<bool> {
+        let mut found = false;
+        loop {
+            line.clear();
+            match reader.read_line(line).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => {}
+            }
+            found |= line.starts_with(prefix);
+            if line == "\r\n" {
+                return Some(found);
+            }
+        }
+    }
+
     /// How the member closes an idle connection.
     #[derive(Clone, Copy)]
     enum Close {
@@ -938,18 +959,9 @@ mod upstream_pool {
                     return;
                 }
             }
-            let mut big = false;
-            loop {
-                line.clear();
-                match reader.read_line(&mut line).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                }
-                big |= line.starts_with("GET /big ");
-                if line == "\r\n" {
-                    break;
-                }
-            }
+            let Some(big) = read_head(&mut reader, &mut line, "GET /big ").await else {
+                return;
+            };
             let stream = reader.get_mut();
             let result = if big {
                 let mut first =
@@ -1078,18 +1090,10 @@ mod upstream_pool {
                         let mut reader = BufReader::new(stream);
                         let mut line = String::new();
                         loop {
-                            let mut hold = false;
-                            loop {
-                                line.clear();
-                                match reader.read_line(&mut line).await {
-                                    Ok(0) | Err(_) => return,
-                                    Ok(_) => {}
-                                }
-                                hold |= line.starts_with("GET /hold ");
-                                if line == "\r\n" {
-                                    break;
-                                }
-                            }
+                            let Some(hold) = read_head(&mut reader, &mut line, "GET /hold ").await
+                            else {
+                                return;
+                            };
                             if hold {
                                 held.fetch_add(1, Ordering::SeqCst);
                                 answer_held.notified().await;
