@@ -905,6 +905,25 @@ mod upstream_pool {
         }
     }
 
+    /// sluice (`threads: 1`) with one route, `api.test`, to the member at `addr`.
+    fn gateway_to(addr: std::net::SocketAddr) -> Gateway {
+        Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{}\"\n",
+            addr
+        ))
+    }
+
+    /// `n` requests for `/small` on `client`, each answered 200.
+    async fn get_small(client: &mut HttpClient, n: usize) {
+        for i in 0..n {
+            let r = client
+                .request("GET", "api.test", "/small", &[], b"")
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "request {i}");
+        }
+    }
+
     /// Reads one request head, line by line into `line`; whether a line of it starts with
     /// `prefix` (a request line), or `None` once the peer closed or the read failed.
     async fn read_head(
@@ -989,10 +1008,7 @@ mod upstream_pool {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pooled_connections_are_reused_and_dropped_once_the_member_closes_them() {
         let member = Member::start().await;
-        let gw = Gateway::start_with_ports(&format!(
-            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{}\"\n",
-            member.addr
-        ));
+        let gw = gateway_to(member.addr);
         let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
         for round in 1..=3 {
             for i in 0..20 {
@@ -1037,18 +1053,9 @@ mod upstream_pool {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn idle_connections_the_member_half_closes_are_closed_without_a_request() {
         let member = Member::start_closing(Close::Half).await;
-        let gw = Gateway::start_with_ports(&format!(
-            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{}\"\n",
-            member.addr
-        ));
+        let gw = gateway_to(member.addr);
         let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        for i in 0..3 {
-            let r = client
-                .request("GET", "api.test", "/small", &[], b"")
-                .await
-                .unwrap();
-            assert_eq!(r.status, 200, "request {i}");
-        }
+        get_small(&mut client, 3).await;
         assert_eq!(member.accepted(), 1, "one upstream connection, reused");
         // Returns once sluice has closed the connection, or fails after the deadline.
         member.close_idle_connections().await;
@@ -1114,9 +1121,7 @@ mod upstream_pool {
                 }
             });
         }
-        let gw = Gateway::start_with_ports(&format!(
-            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n  - name: api\n    match: {{hosts: [api.test]}}\n    upstream:\n      members:\n        - url: \"http://{addr}\"\n"
-        ));
+        let gw = gateway_to(addr);
         // One request held at the member while another goes through: two connections.
         let proxy = gw.proxy_addr();
         let holding = tokio::spawn(async move {
@@ -1143,13 +1148,7 @@ mod upstream_pool {
         );
         close_held.notify_one();
         assert!(wait_until(DEADLINE, || held_closed.load(Ordering::SeqCst) == 1).await);
-        for i in 0..3 {
-            let r = client
-                .request("GET", "api.test", "/small", &[], b"")
-                .await
-                .unwrap();
-            assert_eq!(r.status, 200, "request {i}");
-        }
+        get_small(&mut client, 3).await;
         assert_eq!(
             accepted.load(Ordering::SeqCst),
             2,
