@@ -19,6 +19,7 @@ use std::time::{Duration, SystemTime};
 use http::{header, HeaderMap};
 
 use crate::config::CooldownConfig;
+use crate::headers::RATELIMIT;
 
 /// How long to cool a member that answered `headers` with one of `on_status`, at `now`.
 pub(crate) fn duration(config: &CooldownConfig, headers: &HeaderMap, now: SystemTime) -> Duration {
@@ -46,7 +47,7 @@ fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 /// line is read: a list may be split over several.
 fn exhausted_policy_reset(headers: &HeaderMap) -> Option<Duration> {
     let mut longest: Option<u64> = None;
-    for line in headers.get_all("ratelimit") {
+    for line in headers.get_all(RATELIMIT.name()) {
         let Ok(list) = sfv::Parser::new(line.as_bytes()).parse::<sfv::List>() else {
             continue;
         };

@@ -44,6 +44,7 @@ use sluice_state::StateStore;
 
 use crate::config::MemberKind;
 use crate::egress::{Denial, Resolver};
+use crate::headers::{TRACEPARENT, X_REQUEST_ID};
 use crate::metrics::Metrics;
 use crate::select::{Attempt, Tried};
 use crate::table::{Member, Route, Table};
@@ -308,9 +309,9 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         (self.head_parsed)(session.as_downstream());
         let headers = &session.req_header().headers;
-        ctx.seen.request_id = Some(crate::trace::request_id(headers.get("x-request-id")));
+        ctx.seen.request_id = Some(crate::trace::request_id(headers.get(X_REQUEST_ID.name())));
         ctx.seen.trace = crate::trace::TraceContext::of(
-            headers.get("traceparent"),
+            headers.get(TRACEPARENT.name()),
             crate::otel::enabled(),
             crate::otel::sample,
         );

@@ -146,7 +146,9 @@ impl Tunnels {
         };
         let authority = match head::read(&mut client, first).await {
             Ok(head) => {
-                end.request_id = Some(crate::trace::request_id(head.headers.get("x-request-id")));
+                end.request_id = Some(crate::trace::request_id(
+                    head.headers.get(crate::headers::X_REQUEST_ID.name()),
+                ));
                 self.tunnel(&mut client, &head, client_ip, &mut end).await;
                 head.authority
             }
