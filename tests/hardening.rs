@@ -1161,4 +1161,85 @@ mod upstream_pool {
         let lines = gw.log_json();
         assert!(lines.iter().all(|l| l["error"].is_null()), "{lines:?}");
     }
+
+    /// Whether an upstream connection goes back to the pool is decided by the member's answer
+    /// (RFC 9112 §9.3, §6.1): `Connection: close` and an HTTP/1.0 answer without keep-alive
+    /// end it, HTTP/1.0 with `Connection: keep-alive` keeps it, unless it came chunked. Pingora
+    /// reads this when it parses the head, and hands the head itself to the proxy
+    /// (third_party/PATCHES.md, "response head handed out without a copy"). Every member keeps
+    /// its end open, so a connection sluice wrongly reused would serve the next request: the
+    /// count of connections tells.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_member_s_answer_decides_whether_its_connection_is_reused() {
+        const CASES: [(&str, &[u8], usize); 6] = [
+            ("http11", b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n", 1),
+            (
+                "close",
+                b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 3\r\n\r\nok\n",
+                3,
+            ),
+            ("http10", b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n", 3),
+            (
+                "http10-keepalive",
+                b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=30\r\nContent-Length: 3\r\n\r\nok\n",
+                1,
+            ),
+            (
+                "http10-chunked",
+                b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nok\n\r\n0\r\n\r\n",
+                3,
+            ),
+            (
+                "http11-keepalive-timeout",
+                b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5, max=100\r\nContent-Length: 3\r\n\r\nok\n",
+                1,
+            ),
+        ];
+        let mut routes = String::new();
+        let mut members = Vec::new();
+        for (name, answer, _) in CASES {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let accepted = Arc::new(AtomicUsize::new(0));
+            let acc = accepted.clone();
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    acc.fetch_add(1, Ordering::SeqCst);
+                    tokio::spawn(async move {
+                        let mut reader = BufReader::new(stream);
+                        let mut line = String::new();
+                        while read_head(&mut reader, &mut line, "GET ").await.is_some() {
+                            if reader.get_mut().write_all(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            });
+            routes.push_str(&format!(
+                "  - name: {name}\n    match: {{hosts: [{name}.test]}}\n    upstream:\n      members:\n        - url: \"http://{addr}\"\n"
+            ));
+            members.push(accepted);
+        }
+        let gw = Gateway::start_with_ports(&format!(
+            "listen: [\"{{PROXY}}\"]\nadmin:\n  listen: \"{{ADMIN}}\"\nthreads: 1\nroutes:\n{routes}"
+        ));
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        for ((name, _, connections), accepted) in CASES.iter().zip(&members) {
+            let host = format!("{name}.test");
+            for i in 0..3 {
+                let r = client.request("GET", &host, "/", &[], b"").await.unwrap();
+                assert_eq!(
+                    (r.status, &r.body[..]),
+                    (200, &b"ok\n"[..]),
+                    "{name}, request {i}"
+                );
+            }
+            assert_eq!(
+                accepted.load(Ordering::SeqCst),
+                *connections,
+                "{name}: upstream connections for three requests"
+            );
+        }
+    }
 }

@@ -57,6 +57,10 @@ pub struct HttpSession {
     keepalive_timeout: KeepaliveStatus,
     pub(crate) digest: Box<Digest>,
     response_header: Option<Box<ResponseHeader>>,
+    // PATCH (sluice, response head handed out without a copy; third_party/PATCHES.md): what
+    // the connection's reuse depends on in the response head, read when the head is parsed, so
+    // that the head itself can go to the caller (`read_response_task`) instead of a copy.
+    response_connection: ResponseConnection,
     request_written: Option<Box<RequestHeader>>,
     bytes_sent: usize,
     /// Total response body payload bytes received from upstream
@@ -94,6 +98,7 @@ impl HttpSession {
             body_writer: BodyWriter::new(),
             keepalive_timeout: KeepaliveStatus::Off,
             response_header: None,
+            response_connection: ResponseConnection::default(),
             request_written: None,
             read_timeout: None,
             write_timeout: None,
@@ -342,6 +347,7 @@ impl HttpSession {
                         self.raw_header = Some(BufRef(0, s));
                         self.preread_body = Some(BufRef(s, total_read));
                         self.buf = buf;
+                        self.response_connection = ResponseConnection::of(&response_header);
                         self.response_header = Some(response_header);
                         if let Err(e) = self.validate_response() {
                             return self.fail_response_header_read(e);
@@ -451,6 +457,25 @@ impl HttpSession {
         let header = self.response_header.as_mut().unwrap();
         let copy = Box::new(ResponseHeader::clone(header));
         Ok(std::mem::replace(header, copy))
+    }
+
+    /// PATCH (sluice, response head handed out without a copy; third_party/PATCHES.md): like
+    /// [`Self::read_resp_header_parts()`], but the caller gets the head itself, and the session
+    /// keeps only its status line: [`Self::resp_header()`] then has no headers. What the session
+    /// still needs of them (whether the connection can be reused) was read when the head was
+    /// parsed. This saves a copy of both header maps on every response.
+    pub async fn take_resp_header_parts(&mut self) -> Result<Box<ResponseHeader>> {
+        self.read_response().await?;
+        // safe to unwrap because it is just read
+        let header = self.response_header.as_mut().unwrap();
+        // `Response::new` makes an empty header map, which allocates nothing.
+        let (mut status_line, ()) = http::Response::new(()).into_parts();
+        status_line.status = header.status;
+        status_line.version = header.version;
+        Ok(std::mem::replace(
+            header,
+            Box::new(ResponseHeader::from(status_line)),
+        ))
     }
 
     /// Return a reference of the [`ResponseHeader`] if the response is read
@@ -586,17 +611,16 @@ impl HttpSession {
         // Per [RFC 9112 Section 6.1-16](https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-16),
         // if Transfer-Encoding is received in HTTP/1.0 response, connection MUST be closed after processing.
         if self.resp_header().map(|h| h.version) == Some(Version::HTTP_10)
-            && self
-                .resp_header()
-                .and_then(|h| h.headers.get(header::TRANSFER_ENCODING))
-                .is_some()
+            && self.response_connection.transfer_encoding
         {
             self.set_keepalive(None);
             return;
         }
         if let Some(keepalive) = self.is_connection_keepalive() {
             if keepalive {
-                let (timeout, _max_use) = self.get_keepalive_values();
+                // PATCH (sluice, response head handed out without a copy): `Keep-Alive` was
+                // read with the head.
+                let timeout = self.response_connection.keepalive_timeout;
                 // TODO: respect max_use
                 match timeout {
                     Some(d) => self.set_keepalive(Some(d)),
@@ -626,7 +650,8 @@ impl HttpSession {
         match request_keepalive {
             // ignore what the server sends if request disables keepalive explicitly
             Some(false) => Some(false),
-            _ => is_buf_keepalive(self.get_header(header::CONNECTION)),
+            // PATCH (sluice, response head handed out without a copy): read with the head.
+            _ => self.response_connection.keepalive,
         }
     }
 
@@ -634,29 +659,11 @@ impl HttpSession {
     /// This is defined in the below spec, this not part of any RFC, so
     /// it's behavior is different on different platforms.
     /// https://developer.mozilla.org/en-US/docs/Web/HTTP/Headers/Keep-Alive
+    #[cfg(test)] // PATCH (sluice): reuse reads `ResponseConnection`; kept for its tests
     fn get_keepalive_values(&self) -> (Option<u64>, Option<usize>) {
-        let Some(keep_alive_header) = self.get_header("Keep-Alive") else {
-            return (None, None);
-        };
-
-        let Ok(header_value) = str::from_utf8(keep_alive_header.as_bytes()) else {
-            return (None, None);
-        };
-
-        let mut timeout = None;
-        let mut max = None;
-
-        for param in header_value.split(',') {
-            let parts = param.split_once('=').map(|(k, v)| (k.trim(), v));
-            match parts {
-                Some(("timeout", timeout_value)) => timeout = timeout_value.trim().parse().ok(),
-                Some(("max", max_value)) => max = max_value.trim().parse().ok(),
-                _ => {}
-            }
-        }
-
-        (timeout, max)
+        keepalive_values(self.get_header("Keep-Alive"))
     }
+
 
     /// Close the connection abruptly. This allows to signal the server that the connection is closed
     /// before dropping [`HttpSession`]
@@ -822,7 +829,8 @@ impl HttpSession {
 
     pub async fn read_response_task(&mut self) -> Result<HttpTask> {
         if self.should_read_resp_header() {
-            let resp_header = self.read_resp_header_parts().await?;
+            // PATCH (sluice, response head handed out without a copy): the proxy takes the head.
+            let resp_header = self.take_resp_header_parts().await?;
             let end_of_body = self.is_body_done();
             debug!("Response header: {resp_header:?}");
             trace!(
@@ -893,6 +901,63 @@ impl HttpSession {
         self.underlying_stream
     }
 }
+
+// PATCH (sluice, response head handed out without a copy; third_party/PATCHES.md): a free
+// function, so that it can run on the head before the head is handed out.
+fn keepalive_values(keep_alive_header: Option<&HeaderValue>) -> (Option<u64>, Option<usize>) {
+    let Some(keep_alive_header) = keep_alive_header else {
+        return (None, None);
+    };
+
+    let Ok(header_value) = str::from_utf8(keep_alive_header.as_bytes()) else {
+        return (None, None);
+    };
+
+    let mut timeout = None;
+    let mut max = None;
+
+    for param in header_value.split(',') {
+        let parts = param.split_once('=').map(|(k, v)| (k.trim(), v));
+        match parts {
+            Some(("timeout", timeout_value)) => timeout = timeout_value.trim().parse().ok(),
+            Some(("max", max_value)) => max = max_value.trim().parse().ok(),
+            _ => {}
+        }
+    }
+
+    (timeout, max)
+}
+
+/// PATCH (sluice, response head handed out without a copy; third_party/PATCHES.md): what the
+/// reuse of the connection depends on in a response head, read from the head when it is parsed.
+/// The session can then hand the head itself to its caller and keep only its status line.
+#[derive(Debug, Default, Clone, Copy)]
+struct ResponseConnection {
+    /// `Connection`: `Some(true)` for keep-alive, `Some(false)` for close.
+    keepalive: Option<bool>,
+    /// `Keep-Alive: timeout=`, in seconds.
+    keepalive_timeout: Option<u64>,
+    /// Whether the head has a `Transfer-Encoding`.
+    transfer_encoding: bool,
+}
+
+impl ResponseConnection {
+    fn of(head: &ResponseHeader) -> Self {
+        let connection = is_buf_keepalive(head.headers.get(header::CONNECTION));
+        ResponseConnection {
+            keepalive: connection,
+            // Only read when it can matter: `Connection: keep-alive`.
+            keepalive_timeout: match connection {
+                Some(true) => keepalive_values(head.headers.get(&KEEP_ALIVE)).0,
+                _ => None,
+            },
+            transfer_encoding: head.headers.contains_key(header::TRANSFER_ENCODING),
+        }
+    }
+}
+
+// Not among `http`'s standard names: built once, not parsed from a `&str` per lookup.
+static KEEP_ALIVE: http::HeaderName = http::HeaderName::from_static("keep-alive");
 
 #[inline]
 fn parse_resp_buffer<'buf>(
