@@ -8,3 +8,8 @@
 #[path = "../third_party/pingora-core/src/connectors/idle.rs"]
 #[allow(dead_code)]
 mod idle;
+
+/// pingora-proxy's one-lock task pipe.
+#[path = "../third_party/pingora-proxy/src/task_pipe.rs"]
+#[allow(dead_code)]
+mod task_pipe;

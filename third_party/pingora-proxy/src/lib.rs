@@ -94,6 +94,9 @@ mod proxy_h2;
 mod proxy_purge;
 mod proxy_trait;
 pub mod subrequest;
+// PATCH (sluice, one-lock task pipe; third_party/PATCHES.md)
+mod task_pipe;
+const _: () = assert!(task_pipe::CAP == TASK_BUFFER_SIZE);
 
 use subrequest::{BodyMode, Ctx as SubrequestCtx};
 

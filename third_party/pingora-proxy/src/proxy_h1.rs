@@ -147,8 +147,10 @@ where
             Err(e) => return (false, false, Some(e)),
         };
 
-        let (tx_upstream, rx_upstream) = mpsc::channel::<HttpTask>(TASK_BUFFER_SIZE);
-        let (tx_downstream, rx_downstream) = mpsc::channel::<HttpTask>(TASK_BUFFER_SIZE);
+        // PATCH (sluice, one-lock task pipe; third_party/PATCHES.md): one allocation and one
+        // uncontended lock per operation, where tokio's channel had a semaphore and a block list.
+        let (tx_upstream, rx_upstream) = crate::task_pipe::channel::<HttpTask>();
+        let (tx_downstream, rx_downstream) = crate::task_pipe::channel::<HttpTask>();
 
         session.as_mut().enable_retry_buffering();
 
@@ -256,8 +258,8 @@ where
     async fn proxy_handle_upstream(
         &self,
         client_session: &mut HttpSessionV1,
-        tx: mpsc::Sender<HttpTask>,
-        mut rx: mpsc::Receiver<HttpTask>,
+        tx: crate::task_pipe::Sender<HttpTask>,
+        mut rx: crate::task_pipe::Receiver<HttpTask>,
         pipe_state: Arc<AtomicU8>,
     ) -> Result<bool>
     where
@@ -373,7 +375,7 @@ where
         session: &mut Session,
         ctx: &mut SV::CTX,
         initial_task: HttpTask,
-        rx: &mut mpsc::Receiver<HttpTask>,
+        rx: &mut crate::task_pipe::Receiver<HttpTask>,
         serve_from_cache: &mut ServeFromCache,
         range_body_filter: &mut proxy_cache::range_filter::RangeBodyFilter,
         response_state: &mut ResponseStateMachine,
@@ -452,8 +454,8 @@ where
     async fn proxy_handle_downstream(
         &self,
         session: &mut Session,
-        tx: mpsc::Sender<HttpTask>,
-        mut rx: mpsc::Receiver<HttpTask>,
+        tx: crate::task_pipe::Sender<HttpTask>,
+        mut rx: crate::task_pipe::Receiver<HttpTask>,
         ctx: &mut SV::CTX,
         downstream_custom_message_writer: &mut Option<Box<dyn CustomMessageWrite>>,
         downstream_custom_message_reader: &mut Option<
@@ -1031,7 +1033,7 @@ where
         session: &mut Session,
         mut data: Option<Bytes>,
         end_of_body: bool,
-        tx: mpsc::Permit<'_, HttpTask>,
+        tx: crate::task_pipe::Permit<'_, HttpTask>,
         ctx: &mut SV::CTX,
     ) -> Result<bool>
     where
