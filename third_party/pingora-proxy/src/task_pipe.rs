@@ -172,22 +172,22 @@ impl<T> Permit<'_, T> {
     /// Sends `value` into the slot held. If the receiver is gone by now, `value` is dropped, as
     /// a task the receiver left in the channel would be.
     pub fn send(self, value: T) {
-        let mut state = self.sender.shared.lock();
+        let sender = self.sender;
+        // The slot is used (or gone with the receiver): this permit has nothing left to give
+        // back, whatever happens below, so its `Drop` must not run.
+        std::mem::forget(self);
+        let mut state = sender.shared.lock();
         state.reserved -= 1;
-        let waker = if state.receiver_alive {
-            let at = (state.head + state.len) % CAP;
-            state.slots[at] = Some(value);
-            state.len += 1;
-            state.recv_waker.take()
-        } else {
+        if !state.receiver_alive {
             drop(state);
             drop(value);
-            std::mem::forget(self);
             return;
-        };
+        }
+        let at = (state.head + state.len) % CAP;
+        state.slots[at] = Some(value);
+        state.len += 1;
+        let waker = state.recv_waker.take();
         drop(state);
-        // The slot is used: this permit has nothing left to give back.
-        std::mem::forget(self);
         if let Some(waker) = waker {
             waker.wake();
         }

@@ -664,7 +664,6 @@ impl HttpSession {
         keepalive_values(self.get_header("Keep-Alive"))
     }
 
-
     /// Close the connection abruptly. This allows to signal the server that the connection is closed
     /// before dropping [`HttpSession`]
     pub async fn shutdown(&mut self) {
