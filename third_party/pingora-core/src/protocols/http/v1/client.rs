@@ -479,6 +479,10 @@ impl HttpSession {
     }
 
     /// Return a reference of the [`ResponseHeader`] if the response is read
+    ///
+    /// PATCH (sluice, response head handed out without a copy): after
+    /// [`Self::read_response_task()`] (or [`Self::take_resp_header_parts()`]) the head went to the
+    /// caller, and this one has its status and version only, no header fields.
     pub fn resp_header(&self) -> Option<&ResponseHeader> {
         self.response_header.as_deref()
     }
@@ -486,7 +490,8 @@ impl HttpSession {
     /// Get the header value for the given header name from the response header
     /// If there are multiple headers under the same name, the first one will be returned
     /// Use `self.resp_header().header.get_all(name)` to get all the headers under the same name
-    /// Always return `None` if the response is not read yet.
+    /// Always return `None` if the response is not read yet, and after
+    /// [`Self::read_response_task()`] took the head (see [`Self::resp_header()`]).
     pub fn get_header(&self, name: impl AsHeaderName) -> Option<&HeaderValue> {
         self.response_header
             .as_ref()
