@@ -252,6 +252,8 @@ async fn conflicting_or_malformed_content_lengths_are_refused() {
         ("a negative length", post("Content-Length: -1\r\n", "hello")),
         ("a signed length", post("Content-Length: +5\r\n", "hello")),
         ("a word", post("Content-Length: abc\r\n", "hello")),
+        // Present but empty: an invalid length, not an absent one.
+        ("an empty length", post("Content-Length: \r\n", "hello")),
         (
             "a length past u64",
             post("Content-Length: 99999999999999999999999\r\n", "hello"),

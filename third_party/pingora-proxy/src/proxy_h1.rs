@@ -156,7 +156,9 @@ where
 
         // Shared signal so the upstream half can distinguish an expected task-pipe
         // closure (the downstream half finished and dropped rx) from an unexpected one.
-        let pipe_state = Arc::new(AtomicU8::new(PipeState::Active as u8));
+        // PATCH (sluice, one-lock task pipe): both halves run in this future, so they borrow the
+        // state from its frame rather than share an `Arc` allocated per request.
+        let pipe_state = AtomicU8::new(PipeState::Active as u8);
 
         // start bi-directional streaming
         let ret = tokio::try_join!(
@@ -167,9 +169,9 @@ where
                 ctx,
                 &mut downstream_custom_message_writer,
                 &mut downstream_custom_message_reader,
-                pipe_state.clone(),
+                &pipe_state,
             ),
-            self.proxy_handle_upstream(client_session, tx_upstream, rx_downstream, pipe_state),
+            self.proxy_handle_upstream(client_session, tx_upstream, rx_downstream, &pipe_state),
         );
 
         if let Some(custom_session) = session.downstream_session.as_custom_mut() {
@@ -260,7 +262,7 @@ where
         client_session: &mut HttpSessionV1,
         tx: crate::task_pipe::Sender<HttpTask>,
         mut rx: crate::task_pipe::Receiver<HttpTask>,
-        pipe_state: Arc<AtomicU8>,
+        pipe_state: &AtomicU8,
     ) -> Result<bool>
     where
         SV: ProxyHttp + Send + Sync,
@@ -461,7 +463,7 @@ where
         downstream_custom_message_reader: &mut Option<
             Box<dyn futures::Stream<Item = Result<Bytes>> + Unpin + Send + Sync + 'static>,
         >,
-        pipe_state: Arc<AtomicU8>,
+        pipe_state: &AtomicU8,
     ) -> Result<bool>
     where
         SV: ProxyHttp + Send + Sync,
