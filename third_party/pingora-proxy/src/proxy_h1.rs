@@ -18,6 +18,7 @@ use futures::StreamExt;
 use super::*;
 use crate::proxy_cache::{range_filter::RangeBodyFilter, ServeFromCache};
 use crate::proxy_common::*;
+use crate::task_pipe; // PATCH (sluice, one-lock task pipe; third_party/PATCHES.md)
 use pingora_cache::CachePhase;
 use pingora_core::protocols::http::{
     authority::{raw_target_authority, validate_request_authority},
@@ -149,8 +150,8 @@ where
 
         // PATCH (sluice, one-lock task pipe; third_party/PATCHES.md): one allocation and one
         // uncontended lock per operation, where tokio's channel had a semaphore and a block list.
-        let (tx_upstream, rx_upstream) = crate::task_pipe::channel::<HttpTask>();
-        let (tx_downstream, rx_downstream) = crate::task_pipe::channel::<HttpTask>();
+        let (tx_upstream, rx_upstream) = task_pipe::channel::<HttpTask>();
+        let (tx_downstream, rx_downstream) = task_pipe::channel::<HttpTask>();
 
         session.as_mut().enable_retry_buffering();
 
@@ -260,8 +261,8 @@ where
     async fn proxy_handle_upstream(
         &self,
         client_session: &mut HttpSessionV1,
-        tx: crate::task_pipe::Sender<HttpTask>,
-        mut rx: crate::task_pipe::Receiver<HttpTask>,
+        tx: task_pipe::Sender<HttpTask>,
+        mut rx: task_pipe::Receiver<HttpTask>,
         pipe_state: &AtomicU8,
     ) -> Result<bool>
     where
@@ -377,7 +378,7 @@ where
         session: &mut Session,
         ctx: &mut SV::CTX,
         initial_task: HttpTask,
-        rx: &mut crate::task_pipe::Receiver<HttpTask>,
+        rx: &mut task_pipe::Receiver<HttpTask>,
         serve_from_cache: &mut ServeFromCache,
         range_body_filter: &mut proxy_cache::range_filter::RangeBodyFilter,
         response_state: &mut ResponseStateMachine,
@@ -456,8 +457,8 @@ where
     async fn proxy_handle_downstream(
         &self,
         session: &mut Session,
-        tx: crate::task_pipe::Sender<HttpTask>,
-        mut rx: crate::task_pipe::Receiver<HttpTask>,
+        tx: task_pipe::Sender<HttpTask>,
+        mut rx: task_pipe::Receiver<HttpTask>,
         ctx: &mut SV::CTX,
         downstream_custom_message_writer: &mut Option<Box<dyn CustomMessageWrite>>,
         downstream_custom_message_reader: &mut Option<
@@ -1035,7 +1036,7 @@ where
         session: &mut Session,
         mut data: Option<Bytes>,
         end_of_body: bool,
-        tx: crate::task_pipe::Permit<'_, HttpTask>,
+        tx: task_pipe::Permit<'_, HttpTask>,
         ctx: &mut SV::CTX,
     ) -> Result<bool>
     where

@@ -66,6 +66,15 @@ fn register(slot: &mut Option<Waker>, cx: &Context<'_>) -> Option<Waker> {
     }
 }
 
+/// Puts `value` in the free slot after the queued ones (the caller checked there is one), and
+/// returns the receiver's waker, to be woken once the lock is let go.
+fn push<T>(state: &mut State<T>, value: T) -> Option<Waker> {
+    let at = (state.head + state.len) % CAP;
+    state.slots[at] = Some(value);
+    state.len += 1;
+    state.recv_waker.take()
+}
+
 /// A channel of [`CAP`] slots, with its one sender and one receiver.
 pub fn channel<T>() -> (Sender<T>, Receiver<T>) {
     let shared = Arc::new(Shared(Mutex::new(State {
@@ -95,13 +104,36 @@ impl<T> Sender<T> {
     /// Sends `value`, waiting for a free slot. Fails, giving `value` back, once the receiver is
     /// gone.
     pub async fn send(&self, value: T) -> Result<(), SendError<T>> {
-        match self.reserve().await {
-            Ok(permit) => {
-                permit.send(value);
-                Ok(())
-            }
-            Err(_) => Err(SendError(value)),
+        // Held here until a slot takes it: a `send` dropped while it waits keeps nothing.
+        let mut value = Some(value);
+        poll_fn(|cx| self.poll_send(cx, &mut value)).await
+    }
+
+    /// One lock for a send that finds room, where a reservation and then its permit took two.
+    fn poll_send(&self, cx: &Context<'_>, value: &mut Option<T>) -> Poll<Result<(), SendError<T>>> {
+        let mut state = self.shared.lock();
+        // `value` is only taken on the way to `Ready`, which ends the future: it is there.
+        let Some(v) = value.take() else {
+            return Poll::Ready(Ok(()));
+        };
+        if !state.receiver_alive {
+            return Poll::Ready(Err(SendError(v)));
         }
+        if state.len + state.reserved < CAP {
+            let waker = push(&mut state, v);
+            drop(state);
+            if let Some(waker) = waker {
+                waker.wake();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        *value = Some(v);
+        let replaced = register(&mut state.send_waker, cx);
+        drop(state);
+        if let Some(waker) = replaced {
+            waker.wake();
+        }
+        Poll::Pending
     }
 
     /// Waits for a free slot and holds it in a [`Permit`]. Fails once the receiver is gone.
@@ -183,10 +215,7 @@ impl<T> Permit<'_, T> {
             drop(value);
             return;
         }
-        let at = (state.head + state.len) % CAP;
-        state.slots[at] = Some(value);
-        state.len += 1;
-        let waker = state.recv_waker.take();
+        let waker = push(&mut state, value);
         drop(state);
         if let Some(waker) = waker {
             waker.wake();
@@ -389,6 +418,36 @@ mod tests {
             Poll::Ready(Err(SendError(())))
         ));
         assert!(matches!(tx.try_reserve(), Err(TrySendError::Closed(()))));
+    }
+
+    #[test]
+    fn a_send_waits_for_room_then_fails_with_its_value_once_the_receiver_is_gone() {
+        let (tx, mut rx) = channel::<u32>();
+        let (count, waker) = counting();
+        let cx = Context::from_waker(&waker);
+        for i in 0..CAP as u32 {
+            let mut v = Some(i);
+            assert!(matches!(tx.poll_send(&cx, &mut v), Poll::Ready(Ok(()))));
+        }
+        // Full: the send waits, keeping its value, until a receive makes room.
+        let mut waiting = Some(99);
+        assert!(tx.poll_send(&cx, &mut waiting).is_pending());
+        assert_eq!(waiting, Some(99));
+        let before = woken(&count);
+        assert_eq!(rx.poll_recv(&cx), Poll::Ready(Some(0)));
+        assert_eq!(woken(&count), before + 1);
+        assert!(matches!(
+            tx.poll_send(&cx, &mut waiting),
+            Poll::Ready(Ok(()))
+        ));
+        // Full again; then the receiver goes, and the waiting send gets its value back.
+        let mut last = Some(7);
+        assert!(tx.poll_send(&cx, &mut last).is_pending());
+        drop(rx);
+        assert!(matches!(
+            tx.poll_send(&cx, &mut last),
+            Poll::Ready(Err(SendError(7)))
+        ));
     }
 
     #[test]

@@ -189,9 +189,9 @@ impl<S: Send + 'static> IdlePool<S> {
 
     /// Removes the connections whose idle timeout passed or that `usable` rejects (polled
     /// without waiting, under the pool's lock: a readiness check each, with a system call only
-    /// for a connection the reactor saw something on; at most `size` of them once a second). Returns them, to be dropped outside the lock,
-    /// and whether the sweeper should go on: it stops once the pool is empty, and the next
-    /// [`IdlePool::put`] asks for a new one.
+    /// for a connection the reactor saw something on; at most `size` of them once a second).
+    /// Returns them, to be dropped outside the lock, and whether the sweeper should go on: it
+    /// stops once the pool is empty, and the next [`IdlePool::put`] asks for a new one.
     pub(crate) fn sweep(&self, mut usable: impl FnMut(&mut S) -> bool) -> (Vec<Closed<S>>, bool) {
         let now = Instant::now();
         let mut closed = Vec::new();
