@@ -13,3 +13,205 @@ mod idle;
 #[path = "../third_party/pingora-proxy/src/task_pipe.rs"]
 #[allow(dead_code)]
 mod task_pipe;
+
+/// pingora-http's header case kept in a list while no name repeats (`case_names.rs`): the
+/// names a head writes must be the ones upstream's two lockstep maps wrote, whatever the
+/// edits. The model is what those maps amount to: one map whose values carry their case.
+mod header_case {
+    use bytes::BytesMut;
+    use http::{HeaderMap, HeaderName};
+    use pingora::http::{RequestHeader, ResponseHeader};
+    use proptest::prelude::*;
+
+    const NAMES: &[&str] = &[
+        "host",
+        "content-length",
+        "connection",
+        "set-cookie",
+        "x-request-id",
+        "x-forwarded-for",
+        "accept",
+        "x-a",
+    ];
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A name with these case bits (bit i uppercases letter i), or `None` for the
+        /// parsed `HeaderName` itself (which brings its own case).
+        Append(usize, Option<u32>, u8),
+        Insert(usize, Option<u32>, u8),
+        /// By `&str` in these case bits, or by `&HeaderName`.
+        Remove(usize, Option<u32>),
+        Reserve(u8),
+        Clone,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let name = 0..NAMES.len();
+        let case = proptest::option::of(any::<u32>());
+        prop_oneof![
+            4 => (name.clone(), case.clone(), any::<u8>()).prop_map(|(n, c, v)| Op::Append(n, c, v)),
+            2 => (name.clone(), case.clone(), any::<u8>()).prop_map(|(n, c, v)| Op::Insert(n, c, v)),
+            2 => (name, case).prop_map(|(n, c)| Op::Remove(n, c)),
+            1 => (0..4u8).prop_map(Op::Reserve),
+            1 => Just(Op::Clone),
+        ]
+    }
+
+    fn cased(name: &str, bits: u32) -> String {
+        name.chars()
+            .enumerate()
+            .map(|(i, c)| {
+                if bits >> (i % 32) & 1 == 1 {
+                    c.to_ascii_uppercase()
+                } else {
+                    c
+                }
+            })
+            .collect()
+    }
+
+    /// How upstream writes a `HeaderName` given without case: a head that keeps none says.
+    fn own_case(name: &HeaderName) -> Vec<u8> {
+        let mut head = RequestHeader::build_no_case("GET", b"/", None).unwrap();
+        head.insert_header(name.clone(), "v").unwrap();
+        let mut wire = BytesMut::new();
+        head.header_to_h1_wire(&mut wire);
+        wire[..wire.len() - b": v\r\n".len()].to_vec()
+    }
+
+    /// The two head types, edited and written the same way.
+    trait Head: Clone {
+        fn append(&mut self, name: &'static str, case: Option<u32>, value: String);
+        fn insert(&mut self, name: &'static str, case: Option<u32>, value: String);
+        fn remove(&mut self, name: &'static str, case: Option<u32>);
+        fn reserve(&mut self, n: usize);
+        fn wire(&self) -> Vec<u8>;
+        fn cases(&self) -> Vec<(Vec<u8>, Vec<u8>)>;
+        fn mapped(&self) -> Vec<(Vec<u8>, Vec<u8>)>;
+    }
+
+    macro_rules! head {
+        ($t:ty) => {
+            impl Head for $t {
+                fn append(&mut self, name: &'static str, case: Option<u32>, value: String) {
+                    match case {
+                        Some(bits) => self.append_header(cased(name, bits), value),
+                        None => self.append_header(HeaderName::from_static(name), value),
+                    }
+                    .unwrap();
+                }
+                fn insert(&mut self, name: &'static str, case: Option<u32>, value: String) {
+                    match case {
+                        Some(bits) => self.insert_header(cased(name, bits), value),
+                        None => self.insert_header(HeaderName::from_static(name), value),
+                    }
+                    .unwrap();
+                }
+                fn remove(&mut self, name: &'static str, case: Option<u32>) {
+                    match case {
+                        Some(bits) => self.remove_header(cased(name, bits).as_str()),
+                        None => self.remove_header(&HeaderName::from_static(name)),
+                    };
+                }
+                fn reserve(&mut self, n: usize) {
+                    self.reserve_headers(n).unwrap();
+                }
+                fn wire(&self) -> Vec<u8> {
+                    let mut wire = BytesMut::new();
+                    self.header_to_h1_wire(&mut wire);
+                    wire.to_vec()
+                }
+                fn cases(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+                    self.case_header_iter()
+                        .map(|(n, v)| (n.as_slice().to_vec(), v.as_bytes().to_vec()))
+                        .collect()
+                }
+                fn mapped(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+                    let mut out = Vec::new();
+                    self.map(|name, value| {
+                        let name = match name {
+                            pingora::http::HeaderNameVariant::Case(c) => c.as_slice().to_vec(),
+                            pingora::http::HeaderNameVariant::Titled(t) => t.as_bytes().to_vec(),
+                        };
+                        out.push((name, value.as_bytes().to_vec()));
+                        Ok(())
+                    })
+                    .unwrap();
+                    out
+                }
+            }
+        };
+    }
+    head!(RequestHeader);
+    head!(ResponseHeader);
+
+    fn run<H: Head>(mut head: H, ops: &[Op]) -> Result<(), TestCaseError> {
+        let mut model: HeaderMap<(Vec<u8>, Vec<u8>)> = HeaderMap::default();
+        for op in ops {
+            match *op {
+                Op::Append(n, case, v) | Op::Insert(n, case, v) => {
+                    let key = HeaderName::from_static(NAMES[n]);
+                    let written = match case {
+                        Some(bits) => cased(NAMES[n], bits).into_bytes(),
+                        None => own_case(&key),
+                    };
+                    let value = format!("v{v}");
+                    if matches!(op, Op::Append(..)) {
+                        head.append(NAMES[n], case, value.clone());
+                        model.append(key, (written, value.into_bytes()));
+                    } else {
+                        head.insert(NAMES[n], case, value.clone());
+                        model.insert(key, (written, value.into_bytes()));
+                    }
+                }
+                Op::Remove(n, case) => {
+                    head.remove(NAMES[n], case);
+                    model.remove(NAMES[n]);
+                }
+                Op::Reserve(n) => head.reserve(n as usize),
+                Op::Clone => head = head.clone(),
+            }
+            let pairs: Vec<(Vec<u8>, Vec<u8>)> = model.values().cloned().collect();
+            let mut wire = Vec::new();
+            for (name, value) in &pairs {
+                wire.extend_from_slice(name);
+                wire.extend_from_slice(b": ");
+                wire.extend_from_slice(value);
+                wire.extend_from_slice(b"\r\n");
+            }
+            let written = head.wire();
+            prop_assert_eq!(
+                String::from_utf8_lossy(&written),
+                String::from_utf8_lossy(&wire),
+                "after {:?}",
+                op
+            );
+            prop_assert_eq!(&head.cases(), &pairs);
+            prop_assert_eq!(&head.mapped(), &pairs);
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #[test]
+        fn a_request_head_writes_each_name_as_it_was_given(ops in proptest::collection::vec(op(), 1..40)) {
+            run(RequestHeader::build("GET", b"/", None).unwrap(), &ops)?;
+        }
+
+        #[test]
+        fn a_response_head_writes_each_name_as_it_was_given(ops in proptest::collection::vec(op(), 1..40)) {
+            run(ResponseHeader::build(200, Some(2)).unwrap(), &ops)?;
+        }
+    }
+
+    /// A head built without case writes names titled or in lowercase, as upstream's does.
+    #[test]
+    fn a_head_without_case_writes_titles_and_lowercase() {
+        let mut head = ResponseHeader::build_no_case(200, None).unwrap();
+        head.append_header("X-Mixed-Case", "1").unwrap();
+        head.append_header("CONTENT-TYPE", "2").unwrap();
+        assert_eq!(head.wire(), b"x-mixed-case: 1\r\nContent-Type: 2\r\n");
+        assert!(head.case_header_iter().next().is_none());
+    }
+}

@@ -43,7 +43,10 @@ use authority::{raw_target_authority, RawTargetAuthority};
 
 mod case_header_name;
 use case_header_name::CaseHeaderName;
+// PATCH (sluice, header case kept in a list; third_party/PATCHES.md)
+mod case_names;
 pub use case_header_name::IntoCaseHeaderName;
+use case_names::{CaseMap, CaseNames};
 // PATCH (sluice, prebuilt header names; third_party/PATCHES.md)
 pub use case_header_name::StaticHeaderName;
 
@@ -51,17 +54,6 @@ pub mod prelude {
     pub use crate::RequestHeader;
     pub use crate::ResponseHeader;
 }
-
-/* an ordered header map to store the original case of each header name
-HMap({
-    "foo": ["Foo", "foO", "FoO"]
-})
-The order how HeaderMap iter over its items is "arbitrary, but consistent".
-Hopefully this property makes sure this map of header names always iterates in the
-same order of the map of header values.
-This idea is inspaired by hyper @nox
-*/
-type CaseMap = HMap<CaseHeaderName>;
 
 pub enum HeaderNameVariant<'a> {
     Case(&'a CaseHeaderName),
@@ -86,7 +78,7 @@ pub enum HeaderNameVariant<'a> {
 #[derive(Debug)]
 pub struct RequestHeader {
     base: ReqParts,
-    header_name_map: Option<CaseMap>,
+    header_name_map: CaseNames,
     raw_target: RawTarget,
     // whether we send END_STREAM with HEADERS for h2 requests
     send_end_stream: bool,
@@ -154,7 +146,7 @@ impl RequestHeader {
         base.headers.reserve(http_header_map_upper_bound(size_hint));
         RequestHeader {
             base,
-            header_name_map: None,
+            header_name_map: CaseNames::Off,
             raw_target: RawTarget::FromUri,
             send_end_stream: true,
         }
@@ -169,9 +161,7 @@ impl RequestHeader {
         size_hint: Option<usize>,
     ) -> Result<Self> {
         let mut req = Self::build_no_case(method, path, size_hint)?;
-        req.header_name_map = Some(CaseMap::with_capacity(http_header_map_upper_bound(
-            size_hint,
-        )));
+        req.header_name_map = CaseNames::with_capacity(http_header_map_upper_bound(size_hint));
         Ok(req)
     }
 
@@ -206,7 +196,7 @@ impl RequestHeader {
             .try_into()
             .explain_err(InvalidHTTPHeader, |_| "invalid value while append")?;
         append_header_value(
-            self.header_name_map.as_mut(),
+            &mut self.header_name_map,
             &mut self.base.headers,
             name,
             header_value,
@@ -226,7 +216,7 @@ impl RequestHeader {
             .try_into()
             .explain_err(InvalidHTTPHeader, |_| "invalid value while insert")?;
         insert_header_value(
-            self.header_name_map.as_mut(),
+            &mut self.header_name_map,
             &mut self.base.headers,
             name,
             header_value,
@@ -238,7 +228,7 @@ impl RequestHeader {
     where
         &'a N: 'a + AsHeaderName,
     {
-        remove_header(self.header_name_map.as_mut(), &mut self.base.headers, name)
+        remove_header(&mut self.header_name_map, &mut self.base.headers, name)
     }
 
     /// PATCH (sluice, header map reserve; third_party/PATCHES.md): room for `additional` more
@@ -246,7 +236,7 @@ impl RequestHeader {
     /// each map once, not at every other insert.
     pub fn reserve_headers(&mut self, additional: usize) -> Result<()> {
         reserve_headers(
-            self.header_name_map.as_mut(),
+            &mut self.header_name_map,
             &mut self.base.headers,
             additional,
         )
@@ -256,7 +246,7 @@ impl RequestHeader {
     ///
     /// The header case will be preserved.
     pub fn header_to_h1_wire(&self, buf: &mut impl BufMut) {
-        header_to_h1_wire(self.header_name_map.as_ref(), &self.base.headers, buf)
+        header_to_h1_wire(&self.header_name_map, &self.base.headers, buf)
     }
 
     /// If case sensitivity is enabled, returns an iterator to iterate over case-sensitive header names and values.
@@ -264,35 +254,22 @@ impl RequestHeader {
     ///
     /// Headers of the same name are visited in insertion order.
     pub fn case_header_iter(&self) -> impl Iterator<Item = (&CaseHeaderName, &HeaderValue)> + '_ {
-        case_header_iter(self.header_name_map.as_ref(), &self.base.headers)
+        case_header_iter(&self.header_name_map, &self.base.headers)
     }
 
     /// Returns true if the request has case-sensitive headers.
     pub fn has_case(&self) -> bool {
-        self.header_name_map.is_some()
+        self.header_name_map.is_on()
     }
 
     pub fn map<F: FnMut(HeaderNameVariant, &HeaderValue) -> Result<()>>(
         &self,
         mut f: F,
     ) -> Result<()> {
-        let key_map = self.header_name_map.as_ref();
-        let value_map = &self.base.headers;
-
-        if let Some(key_map) = key_map {
-            let iter = key_map.iter().zip(value_map.iter());
-            for ((header, case_header), (header2, val)) in iter {
-                if header != header2 {
-                    // in case the header iteration order changes in future versions of HMap
-                    panic!("header iter mismatch {}, {}", header, header2)
-                }
-                f(HeaderNameVariant::Case(case_header), val)?;
-            }
-        } else {
-            for (header, value) in value_map {
-                let titled_header =
-                    case_header_name::titled_header_name_str(header).unwrap_or(header.as_str());
-                f(HeaderNameVariant::Titled(titled_header), value)?;
+        for (name, case, value) in self.header_name_map.iter(&self.base.headers) {
+            match case {
+                Some(case) => f(HeaderNameVariant::Case(case), value)?,
+                None => f(HeaderNameVariant::Titled(case_names::titled(name)), value)?,
             }
         }
 
@@ -434,7 +411,7 @@ impl From<ReqParts> for RequestHeader {
     fn from(parts: ReqParts) -> RequestHeader {
         Self {
             base: parts,
-            header_name_map: None,
+            header_name_map: CaseNames::Off,
             // The Uri is the only target available here, so it is the one that serializes.
             raw_target: RawTarget::FromUri,
             send_end_stream: true,
@@ -465,7 +442,7 @@ impl From<RequestHeader> for ReqParts {
 pub struct ResponseHeader {
     base: RespParts,
     // an ordered header map to store the original case of each header name
-    header_name_map: Option<CaseMap>,
+    header_name_map: CaseNames,
     // the reason phrase of the response, if unset, a default one will be used
     reason_phrase: Option<String>,
 }
@@ -499,7 +476,7 @@ impl From<RespParts> for ResponseHeader {
     fn from(parts: RespParts) -> ResponseHeader {
         Self {
             base: parts,
-            header_name_map: None,
+            header_name_map: CaseNames::Off,
             reason_phrase: None,
         }
     }
@@ -520,9 +497,8 @@ impl From<Box<ResponseHeader>> for Box<RespParts> {
 impl ResponseHeader {
     fn new(size_hint: Option<usize>) -> Self {
         let mut resp_header = Self::new_no_case(size_hint);
-        resp_header.header_name_map = Some(CaseMap::with_capacity(http_header_map_upper_bound(
-            size_hint,
-        )));
+        resp_header.header_name_map =
+            CaseNames::with_capacity(http_header_map_upper_bound(size_hint));
         resp_header
     }
 
@@ -531,7 +507,7 @@ impl ResponseHeader {
         base.headers.reserve(http_header_map_upper_bound(size_hint));
         ResponseHeader {
             base,
-            header_name_map: None,
+            header_name_map: CaseNames::Off,
             reason_phrase: None,
         }
     }
@@ -571,7 +547,7 @@ impl ResponseHeader {
             .try_into()
             .explain_err(InvalidHTTPHeader, |_| "invalid value while append")?;
         append_header_value(
-            self.header_name_map.as_mut(),
+            &mut self.header_name_map,
             &mut self.base.headers,
             name,
             header_value,
@@ -591,7 +567,7 @@ impl ResponseHeader {
             .try_into()
             .explain_err(InvalidHTTPHeader, |_| "invalid value while insert")?;
         insert_header_value(
-            self.header_name_map.as_mut(),
+            &mut self.header_name_map,
             &mut self.base.headers,
             name,
             header_value,
@@ -603,7 +579,7 @@ impl ResponseHeader {
     where
         &'a N: 'a + AsHeaderName,
     {
-        remove_header(self.header_name_map.as_mut(), &mut self.base.headers, name)
+        remove_header(&mut self.header_name_map, &mut self.base.headers, name)
     }
 
     /// PATCH (sluice, header map reserve; third_party/PATCHES.md): room for `additional` more
@@ -611,7 +587,7 @@ impl ResponseHeader {
     /// each map once, not at every other insert.
     pub fn reserve_headers(&mut self, additional: usize) -> Result<()> {
         reserve_headers(
-            self.header_name_map.as_mut(),
+            &mut self.header_name_map,
             &mut self.base.headers,
             additional,
         )
@@ -621,7 +597,7 @@ impl ResponseHeader {
     ///
     /// The header case will be preserved.
     pub fn header_to_h1_wire(&self, buf: &mut impl BufMut) {
-        header_to_h1_wire(self.header_name_map.as_ref(), &self.base.headers, buf)
+        header_to_h1_wire(&self.header_name_map, &self.base.headers, buf)
     }
 
     /// If case sensitivity is enabled, returns an iterator to iterate over case-sensitive header names and values.
@@ -629,35 +605,22 @@ impl ResponseHeader {
     ///
     /// Headers of the same name are visited in insertion order.
     pub fn case_header_iter(&self) -> impl Iterator<Item = (&CaseHeaderName, &HeaderValue)> + '_ {
-        case_header_iter(self.header_name_map.as_ref(), &self.base.headers)
+        case_header_iter(&self.header_name_map, &self.base.headers)
     }
 
     /// Returns true if the response has case-sensitive headers.
     pub fn has_case(&self) -> bool {
-        self.header_name_map.is_some()
+        self.header_name_map.is_on()
     }
 
     pub fn map<F: FnMut(HeaderNameVariant, &HeaderValue) -> Result<()>>(
         &self,
         mut f: F,
     ) -> Result<()> {
-        let key_map = self.header_name_map.as_ref();
-        let value_map = &self.base.headers;
-
-        if let Some(key_map) = key_map {
-            let iter = key_map.iter().zip(value_map.iter());
-            for ((header, case_header), (header2, val)) in iter {
-                if header != header2 {
-                    // in case the header iteration order changes in future versions of HMap
-                    panic!("header iter mismatch {}, {}", header, header2)
-                }
-                f(HeaderNameVariant::Case(case_header), val)?;
-            }
-        } else {
-            for (header, value) in value_map {
-                let titled_header =
-                    case_header_name::titled_header_name_str(header).unwrap_or(header.as_str());
-                f(HeaderNameVariant::Titled(titled_header), value)?;
+        for (name, case, value) in self.header_name_map.iter(&self.base.headers) {
+            match case {
+                Some(case) => f(HeaderNameVariant::Case(case), value)?,
+                None => f(HeaderNameVariant::Titled(case_names::titled(name)), value)?,
             }
         }
 
@@ -871,58 +834,46 @@ fn http_header_map_upper_bound(size_hint: Option<usize>) -> usize {
 
 #[inline]
 fn append_header_value<T>(
-    name_map: Option<&mut CaseMap>,
+    name_map: &mut CaseNames,
     value_map: &mut HMap<T>,
     name: impl IntoCaseHeaderName,
     value: T,
 ) -> Result<bool> {
     // PATCH (sluice, prebuilt header names): no parse when the caller has the name.
     let (header_name, case_header_name) = name.into_header_names()?;
-    // store the original case in the map
-    if let Some(name_map) = name_map {
-        // Use the non-panicking `try_append`: the infallible `append` calls
-        // `.expect("size overflows MAX_SIZE")` internally, which would abort the
-        // process if the case map ever exceeded `http`'s `MAX_SIZE` (1 << 15).
-        name_map
-            .try_append(header_name.clone(), case_header_name)
-            .or_err(InvalidHTTPHeader, "header name map size overflows MAX_SIZE")?;
-    }
-
-    // Non-panicking `try_append` for the same reason as the case map above.
-    value_map.try_append(header_name, value).or_err(
-        InvalidHTTPHeader,
-        "header value map size overflows MAX_SIZE",
-    )
+    // Use the non-panicking `try_append`: the infallible `append` calls
+    // `.expect("size overflows MAX_SIZE")` internally, which would abort the
+    // process if a map ever exceeded `http`'s `MAX_SIZE` (1 << 15).
+    // PATCH (sluice, header case kept in a list): the case goes where `name_map` keeps it.
+    name_map
+        .append(value_map, header_name, case_header_name, value)
+        .or_err(InvalidHTTPHeader, "header map size overflows MAX_SIZE")
 }
 
 #[inline]
 fn insert_header_value<T>(
-    name_map: Option<&mut CaseMap>,
+    name_map: &mut CaseNames,
     value_map: &mut HMap<T>,
     name: impl IntoCaseHeaderName,
     value: T,
 ) -> Result<()> {
     // PATCH (sluice, prebuilt header names): no parse when the caller has the name.
     let (header_name, case_header_name) = name.into_header_names()?;
-    if let Some(name_map) = name_map {
-        // store the original case in the map
-        name_map.insert(header_name.clone(), case_header_name);
-    }
-    value_map.insert(header_name, value);
-    Ok(())
+    // PATCH (sluice, header case kept in a list): non-panicking, as `append_header_value`.
+    name_map
+        .insert(value_map, header_name, case_header_name, value)
+        .or_err(InvalidHTTPHeader, "header map size overflows MAX_SIZE")
 }
 
 // PATCH (sluice, header map reserve): both maps, so that they stay the same size.
 fn reserve_headers<T>(
-    name_map: Option<&mut CaseMap>,
+    name_map: &mut CaseNames,
     value_map: &mut HMap<T>,
     additional: usize,
 ) -> Result<()> {
-    if let Some(name_map) = name_map {
-        name_map
-            .try_reserve(additional)
-            .or_err(InvalidHTTPHeader, "header name map size overflows MAX_SIZE")?;
-    }
+    name_map
+        .try_reserve(additional)
+        .or_err(InvalidHTTPHeader, "header name map size overflows MAX_SIZE")?;
     value_map.try_reserve(additional).or_err(
         InvalidHTTPHeader,
         "header value map size overflows MAX_SIZE",
@@ -932,7 +883,7 @@ fn reserve_headers<T>(
 // the &N here is to avoid clone(). None Copy type like String can impl AsHeaderName
 #[inline]
 fn remove_header<'a, T, N: ?Sized>(
-    name_map: Option<&mut CaseMap>,
+    name_map: &mut CaseNames,
     value_map: &mut HMap<T>,
     name: &'a N,
 ) -> Option<T>
@@ -941,9 +892,9 @@ where
 {
     let removed = value_map.remove(name);
     if removed.is_some() {
-        if let Some(name_map) = name_map {
+        name_map.removed(value_map, |name_map: &mut CaseMap| {
             name_map.remove(name);
-        }
+        });
     }
     removed
 }
@@ -1046,44 +997,30 @@ fn normalize_field_value(raw: bytes::Bytes) -> bytes::Bytes {
 }
 
 #[inline]
-fn header_to_h1_wire(key_map: Option<&CaseMap>, value_map: &HMap, buf: &mut impl BufMut) {
+fn header_to_h1_wire(name_map: &CaseNames, value_map: &HMap, buf: &mut impl BufMut) {
     const CRLF: &[u8; 2] = b"\r\n";
     const HEADER_KV_DELIMITER: &[u8; 2] = b": ";
 
-    if let Some(key_map) = key_map {
-        case_header_iter(key_map.into(), value_map).for_each(|(case_header, val)| {
-            buf.put_slice(case_header.as_slice());
-            buf.put_slice(HEADER_KV_DELIMITER);
-            buf.put_slice(val.as_ref());
-            buf.put_slice(CRLF);
-        });
-    } else {
-        for (header, value) in value_map {
-            let titled_header =
-                case_header_name::titled_header_name_str(header).unwrap_or(header.as_str());
-            buf.put_slice(titled_header.as_bytes());
-            buf.put_slice(HEADER_KV_DELIMITER);
-            buf.put_slice(value.as_ref());
-            buf.put_slice(CRLF);
+    // PATCH (sluice, header case kept in a list): one walk, whichever way the case is kept.
+    for (name, case, value) in name_map.iter(value_map) {
+        match case {
+            Some(case) => buf.put_slice(case.as_slice()),
+            None => buf.put_slice(case_names::titled(name).as_bytes()),
         }
+        buf.put_slice(HEADER_KV_DELIMITER);
+        buf.put_slice(value.as_ref());
+        buf.put_slice(CRLF);
     }
 }
 
 #[inline]
 fn case_header_iter<'a>(
-    name_map: Option<&'a CaseMap>,
+    name_map: &'a CaseNames,
     value_map: &'a HMap,
 ) -> impl Iterator<Item = (&'a CaseHeaderName, &'a HeaderValue)> + 'a {
-    name_map.into_iter().flat_map(|name_map| {
-        name_map
-            .iter()
-            .zip(value_map.iter())
-            .map(|((h1, name), (h2, value))| {
-                // in case the header iteration order changes in future versions of HMap
-                assert_eq!(h1, h2, "header iter mismatch {}, {}", h1, h2);
-                (name, value)
-            })
-    })
+    name_map
+        .iter(value_map)
+        .filter_map(|(_, case, value)| Some((case?, value)))
 }
 
 #[cfg(test)]
