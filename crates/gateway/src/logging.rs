@@ -3,16 +3,18 @@
 //! Lines go through a background writer so that a request never waits on a write to stderr.
 //! Access lines, one per request, are first gathered into a batch that reaches the writer
 //! in one piece (see [`Batch`]): no queue message, allocation or thread wake-up per request.
+//! The batch's buffer itself goes to the writer, which hands it back once written, so a line
+//! is copied once, into the batch.
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use tracing_appender::non_blocking::{NonBlocking, WorkerGuard};
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
 
@@ -25,8 +27,6 @@ pub enum LogFormat {
     Text,
 }
 
-static GUARD: Mutex<Option<WorkerGuard>> = Mutex::new(None);
-
 /// Where access lines go: the batch in front of the background writer, and the format.
 static ACCESS: OnceLock<(&'static Batch, LogFormat)> = OnceLock::new();
 
@@ -34,18 +34,24 @@ static ACCESS: OnceLock<(&'static Batch, LogFormat)> = OnceLock::new();
 const BATCH_BYTES: usize = 32 * 1024;
 /// ...or at the latest this long after its first line, by the batch's flusher thread.
 const BATCH_DELAY: Duration = Duration::from_millis(20);
+/// Batches waiting for stderr beyond this many (4 MiB) are dropped rather than held: a
+/// stderr that does not drain must not grow the gateway's memory or make requests wait.
+const MAX_QUEUED_BATCHES: usize = 128;
+/// How long [`flush`] waits at exit for stderr to take what is queued.
+const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
 /// Access lines waiting for the background writer.
 ///
 /// Sending each line on its own cost a copy into a new `Vec`, a message on the writer's queue
 /// and, whenever the writer thread had gone idle, a futex wake-up: per request. Lines now
-/// gather here and go to the writer as one message per batch, sent by whoever fills it, or by
+/// gather here and go to the writer as one batch, handed over by whoever fills it, or by
 /// the flusher thread [`BATCH_DELAY`] after the first line of a quiet moment, or by
 /// [`flush`] at exit. The one lock is held only to append a finished line or to hand the
-/// batch over; every other line (the tracing events) hands the batch over first, under that
-/// lock, so lines keep the order in which they were written.
+/// batch over. A tracing event (a warning, a reload) is appended under the same lock and
+/// hands the batch over at once, so lines keep the order in which they were written and an
+/// event is not held back.
 struct Batch {
-    writer: NonBlocking,
+    writer: Writer,
     pending: Mutex<Pending>,
     /// Wakes the flusher when the first line of a batch arrives while it waits.
     arrived: Condvar,
@@ -73,12 +79,17 @@ impl Batch {
         }
     }
 
+    /// A tracing event's line: written now, after the access lines before it.
+    fn push_event(&self, line: &[u8]) {
+        let mut p = self.lock();
+        p.bytes.extend_from_slice(line);
+        self.hand_over(&mut p);
+    }
+
     /// Sends the batch to the writer; the caller holds the lock, which keeps the order.
     fn hand_over(&self, p: &mut Pending) {
         if !p.bytes.is_empty() {
-            // A full queue drops the batch rather than making a request wait.
-            let _ = self.writer.clone().write_all(&p.bytes);
-            p.bytes.clear();
+            self.writer.send(&mut p.bytes);
         }
     }
 
@@ -103,28 +114,121 @@ impl Batch {
     }
 }
 
-/// The writer tracing's events go through: the access batch is handed over first.
+/// The background writer: a thread that writes whole batches to stderr.
+///
+/// A batch's buffer is moved to the writer and comes back empty, with its capacity, for a
+/// later batch. tracing-appender's writer, used before, copied each batch into a new `Vec`
+/// for its queue and then into its `BufWriter`: two copies of every access line.
+struct Writer {
+    queue: Mutex<Queue>,
+    /// Wakes the writer thread when a batch arrives.
+    wake: Condvar,
+    /// Tells [`flush`] that everything queued was written.
+    drained: Condvar,
+}
+
+#[derive(Default)]
+struct Queue {
+    full: VecDeque<Vec<u8>>,
+    /// Written buffers, emptied, kept for the next batches.
+    spare: Vec<Vec<u8>>,
+    /// The writer thread holds a batch it has not finished writing.
+    writing: bool,
+}
+
+impl Writer {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues the bytes of `batch` and leaves it empty (a spare buffer in its place).
+    fn send(&self, batch: &mut Vec<u8>) {
+        let mut q = self.lock();
+        if q.full.len() >= MAX_QUEUED_BATCHES {
+            // A full queue drops the batch rather than making a request wait.
+            batch.clear();
+            return;
+        }
+        // No spare (the writer is behind): an empty `Vec`, which grows as lines arrive, so
+        // that a burst of events costs no allocation of a whole batch each.
+        let fresh = q.spare.pop().unwrap_or_default();
+        q.full.push_back(std::mem::replace(batch, fresh));
+        self.wake.notify_one();
+    }
+
+    fn run(&self) {
+        let mut stderr = std::io::stderr();
+        let mut q = self.lock();
+        loop {
+            let Some(mut batch) = q.full.pop_front() else {
+                q.writing = false;
+                self.drained.notify_all();
+                q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            q.writing = true;
+            drop(q);
+            // Nothing to do about a failed write to stderr; the batch is gone either way.
+            let _ = stderr.write_all(&batch);
+            batch.clear();
+            q = self.lock();
+            if q.spare.len() < 2 {
+                q.spare.push(batch);
+            }
+        }
+    }
+
+    /// Waits, at most `limit`, until everything queued was written.
+    fn wait_drained(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut q = self.lock();
+        while !q.full.is_empty() || q.writing {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            q = self
+                .drained
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// The writer tracing's events go through, behind the access lines before them.
 struct Ordered(&'static Batch);
 
 impl<'a> MakeWriter<'a> for Ordered {
-    type Writer = NonBlocking;
+    type Writer = EventWriter;
 
-    fn make_writer(&'a self) -> NonBlocking {
-        self.0.flush();
-        self.0.writer.clone()
+    fn make_writer(&'a self) -> EventWriter {
+        EventWriter(self.0)
+    }
+}
+
+struct EventWriter(&'static Batch);
+
+impl std::io::Write for EventWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.push_event(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
 /// Installs the global subscriber. `RUST_LOG` overrides the default filter, which keeps
 /// Pingora's own chatter to warnings.
 pub fn init(format: LogFormat) {
-    // The writer thread drains its queue, then flushes: buffered, the lines of a busy moment
-    // leave in one write(2) instead of one each, and a quiet gateway still writes at once.
-    let stderr = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
-    let (writer, guard) = tracing_appender::non_blocking(stderr);
-    *GUARD.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
     let batch: &'static Batch = Box::leak(Box::new(Batch {
-        writer,
+        writer: Writer {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            drained: Condvar::new(),
+        },
         pending: Mutex::new(Pending {
             bytes: Vec::with_capacity(BATCH_BYTES + 1024),
             flusher_waiting: false,
@@ -132,6 +236,9 @@ pub fn init(format: LogFormat) {
         arrived: Condvar::new(),
     }));
     let _ = ACCESS.set((batch, format));
+    let _ = std::thread::Builder::new()
+        .name("sluice-log-write".into())
+        .spawn(move || batch.writer.run());
     let _ = std::thread::Builder::new()
         .name("sluice-log-batch".into())
         .spawn(move || batch.run_flusher());
@@ -300,12 +407,13 @@ pub fn redact(text: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
-/// Writes out buffered lines; call before exiting the process.
+/// Writes out buffered lines; call before exiting the process. Waits at most
+/// [`FLUSH_WAIT`] for stderr, so that an exit never hangs on a stuck reader.
 pub fn flush() {
     if let Some((batch, _)) = ACCESS.get() {
         batch.flush();
+        batch.writer.wait_drained(FLUSH_WAIT);
     }
-    GUARD.lock().unwrap_or_else(|p| p.into_inner()).take();
 }
 
 /// One access-log line. Every field is documented, with its unit, in README.md ("Access log").
