@@ -15,7 +15,7 @@
 //! name if the order ever differs: the order is a fast path, never a correctness assumption.
 //! The names are kept rather than recovered from the cases because comparing two
 //! `HeaderName`s is one integer compare for a standard name, where comparing bytes without
-//! regard to case cost five times what the whole list saves. The first repeated name turns
+//! regard to case cost more than the whole list saves. The first repeated name turns
 //! the list into upstream's second map, which handles repeats as before.
 
 use http::header::{HeaderMap, HeaderName, MaxSizeReached};
