@@ -20,7 +20,7 @@
 
 use http::header::{HeaderMap, HeaderName, MaxSizeReached};
 
-use crate::case_header_name::{titled_header_name_str, CaseHeaderName};
+use crate::case_header_name::{titled_header_name_str, CaseHeaderName, IntoCaseHeaderName};
 
 /// Upstream's second map: each name's case, in step with the map of values.
 pub(crate) type CaseMap = HeaderMap<CaseHeaderName>;
@@ -178,7 +178,7 @@ fn to_map<T>(
     for (entry, name) in values.keys().enumerate() {
         let first = case_in_list(list, entry, name)
             .cloned()
-            .unwrap_or_else(|| CaseHeaderName::from_slice(titled(name).as_bytes()));
+            .unwrap_or_else(|| name.into_case_header_name());
         map.try_append(name.clone(), first)?;
         // Only the name just appended has a second value.
         for _ in values.get_all(name).iter().skip(1) {
