@@ -215,3 +215,186 @@ mod header_case {
         assert!(head.case_header_iter().next().is_none());
     }
 }
+
+/// pingora-core's response framing read once (`client.rs`, `ResponseFraming`): the member's body
+/// is framed by what `validate_response` found when the head was read, not by the head read a
+/// second time. Each case is a real connection. The member writes a raw response and keeps the
+/// connection open unless the case says it closes, so that a body framed by length or chunks
+/// must end without waiting for the close (a wrong framing would hang, which the timeout
+/// turns into a failure).
+mod response_framing {
+    use std::time::Duration;
+
+    use pingora::http::RequestHeader;
+    use pingora::protocols::http::v1::client::HttpSession;
+    use pingora::protocols::l4::stream::Stream;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    struct Case {
+        method: &'static str,
+        response: &'static [u8],
+        /// The member closes the connection after the response.
+        closes: bool,
+        tolerate_invalid_length: bool,
+    }
+
+    fn case(response: &'static [u8]) -> Case {
+        Case {
+            method: "GET",
+            response,
+            closes: false,
+            tolerate_invalid_length: false,
+        }
+    }
+
+    /// The body the client session reads, and whether it would reuse the connection; or the
+    /// error reading the head.
+    async fn exchange(c: Case) -> Result<(Vec<u8>, bool), String> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (response, closes) = (c.response, c.closes);
+        let member = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                if socket.read(&mut byte).await.unwrap() == 0 {
+                    return;
+                }
+                head.push(byte[0]);
+            }
+            socket.write_all(response).await.unwrap();
+            if !closes {
+                // Open until the client is done with it.
+                let mut rest = Vec::new();
+                let _ = socket.read_to_end(&mut rest).await;
+            }
+        });
+        let client = async {
+            let tcp = TcpStream::connect(addr).await.unwrap();
+            let mut session = HttpSession::new(Box::new(Stream::from(tcp)));
+            session.set_allow_h1_response_invalid_content_length(c.tolerate_invalid_length);
+            let mut req = RequestHeader::build(c.method, b"/", None).unwrap();
+            req.insert_header("host", "member.test").unwrap();
+            session.write_request_header(Box::new(req)).await.unwrap();
+            session.read_response().await.map_err(|e| e.to_string())?;
+            // An informational head is followed by the final one, as read_response_task reads.
+            while session.get_status().is_some_and(|s| s.is_informational()) {
+                session.read_response().await.map_err(|e| e.to_string())?;
+            }
+            let mut body = Vec::new();
+            while let Some(chunk) = session.read_body_bytes().await.map_err(|e| e.to_string())? {
+                body.extend_from_slice(&chunk);
+            }
+            session.respect_keepalive();
+            Ok((body, session.will_keepalive()))
+        };
+        let result = tokio::time::timeout(Duration::from_secs(10), client)
+            .await
+            .expect("the body ends as its framing says, without waiting for a close");
+        member.abort();
+        result
+    }
+
+    #[tokio::test]
+    async fn bodies_end_where_their_framing_says() {
+        let hello = |r: Result<(Vec<u8>, bool), String>| r.map(|(b, _)| b);
+        assert_eq!(
+            exchange(case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")).await,
+            Ok((b"hello".to_vec(), true)),
+            "by length"
+        );
+        assert_eq!(
+            exchange(case(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            ))
+            .await,
+            Ok((b"hello".to_vec(), true)),
+            "by chunks"
+        );
+        assert_eq!(
+            hello(
+                exchange(case(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                ))
+                .await
+            ),
+            Ok(b"hello".to_vec()),
+            "chunks win over a length"
+        );
+        assert_eq!(
+            exchange(Case {
+                closes: true,
+                ..case(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello")
+            })
+            .await,
+            Ok((b"hello".to_vec(), false)),
+            "a transfer coding without chunked: until the close"
+        );
+        assert_eq!(
+            exchange(Case {
+                closes: true,
+                ..case(b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nhello")
+            })
+            .await,
+            Ok((b"hello".to_vec(), false)),
+            "no framing: until the close"
+        );
+        assert_eq!(
+            exchange(Case {
+                method: "HEAD",
+                ..case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+            })
+            .await,
+            Ok((vec![], true)),
+            "HEAD: no body, whatever the length"
+        );
+        assert_eq!(
+            exchange(case(b"HTTP/1.1 204 No Content\r\n\r\n")).await,
+            Ok((vec![], true)),
+            "204: no body"
+        );
+        assert_eq!(
+            exchange(case(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"
+            ))
+            .await,
+            Ok((b"hello".to_vec(), true)),
+            "identical lengths are one"
+        );
+        assert!(
+            exchange(case(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"
+            ))
+            .await
+            .is_err(),
+            "conflicting lengths are refused"
+        );
+        assert!(
+            exchange(case(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello"))
+                .await
+                .is_err(),
+            "an invalid length is refused"
+        );
+        assert_eq!(
+            exchange(Case {
+                closes: true,
+                tolerate_invalid_length: true,
+                ..case(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello")
+            })
+            .await,
+            Ok((b"hello".to_vec(), false)),
+            "an invalid length tolerated: until the close"
+        );
+        // An informational head first: the final head's framing counts.
+        assert_eq!(
+            exchange(case(
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+            ))
+            .await,
+            Ok((b"hello".to_vec(), true)),
+            "after a 100"
+        );
+    }
+}

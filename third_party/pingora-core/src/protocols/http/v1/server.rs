@@ -489,13 +489,19 @@ impl HttpSession {
         // Reject an ambiguous authority before anything routes on it.
         validate_request_authority(req_header)?;
 
+        // PATCH (sluice, response framing read once; third_party/PATCHES.md): one lookup of
+        // `Transfer-Encoding` for both checks below (`validate_content_length` made its own).
+        let transfer_encoding = req_header.headers.contains_key(TRANSFER_ENCODING);
+
         // Validate/reconcile Content-Length per RFC 9110 section 8.6 (hyper
         // parity): identical duplicates and comma-combined identical values are
         // accepted and collapsed; differing or unparseable values are rejected.
         // This is a no-op when Transfer-Encoding is present (TE overrides CL).
-        super::common::validate_content_length(&req_header.headers)?;
+        if !transfer_encoding {
+            content_length_for_framing(&req_header.headers)?;
+        }
 
-        if req_header.headers.contains_key(TRANSFER_ENCODING) {
+        if transfer_encoding {
             // Per [RFC 9112 Section 6.1-16](https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-16),
             // HTTP/1.0 requests with Transfer-Encoding MUST be treated as having faulty framing.
             // We reject with 400 Bad Request and close the connection.
