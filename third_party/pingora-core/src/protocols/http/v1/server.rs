@@ -400,8 +400,6 @@ impl HttpSession {
 
                         let contains_transfer_encoding =
                             request_header.headers.contains_key(TRANSFER_ENCODING);
-                        let contains_content_length =
-                            request_header.headers.contains_key(CONTENT_LENGTH);
 
                         // Transfer encoding overrides content length, so when
                         // both are present, we can remove content length. This
@@ -409,8 +407,10 @@ impl HttpSession {
                         //
                         // RFC 9112 Section 6.1 (https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-15)
                         // also requires us to disable keepalive when both headers are present.
-                        let has_both_te_and_cl =
-                            contains_content_length && contains_transfer_encoding;
+                        // PATCH (sluice, response framing read once; third_party/PATCHES.md):
+                        // `Content-Length` is looked up only when `Transfer-Encoding` is there.
+                        let has_both_te_and_cl = contains_transfer_encoding
+                            && request_header.headers.contains_key(CONTENT_LENGTH);
                         if has_both_te_and_cl {
                             request_header.remove_header(&CONTENT_LENGTH);
                         }
