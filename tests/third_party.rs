@@ -299,102 +299,84 @@ mod response_framing {
 
     #[tokio::test]
     async fn bodies_end_where_their_framing_says() {
-        let hello = |r: Result<(Vec<u8>, bool), String>| r.map(|(b, _)| b);
-        assert_eq!(
-            exchange(case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")).await,
-            Ok((b"hello".to_vec(), true)),
-            "by length"
-        );
-        assert_eq!(
-            exchange(case(
-                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
-            ))
-            .await,
-            Ok((b"hello".to_vec(), true)),
-            "by chunks"
-        );
-        assert_eq!(
-            hello(
-                exchange(case(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
-                ))
-                .await
+        let closing = |response| Case {
+            closes: true,
+            ..case(response)
+        };
+        /// What is read: the body and whether the connection would be reused; `None` when the
+        /// head is refused.
+        type Read = Option<(Vec<u8>, bool)>;
+        let body = |b: &[u8], reused: bool| Some((b.to_vec(), reused));
+        let cases: [(&str, Case, Read); 12] = [
+            (
+                "by length",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"),
+                body(b"hello", true),
             ),
-            Ok(b"hello".to_vec()),
-            "chunks win over a length"
-        );
-        assert_eq!(
-            exchange(Case {
-                closes: true,
-                ..case(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello")
-            })
-            .await,
-            Ok((b"hello".to_vec(), false)),
-            "a transfer coding without chunked: until the close"
-        );
-        assert_eq!(
-            exchange(Case {
-                closes: true,
-                ..case(b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nhello")
-            })
-            .await,
-            Ok((b"hello".to_vec(), false)),
-            "no framing: until the close"
-        );
-        assert_eq!(
-            exchange(Case {
-                method: "HEAD",
-                ..case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
-            })
-            .await,
-            Ok((vec![], true)),
-            "HEAD: no body, whatever the length"
-        );
-        assert_eq!(
-            exchange(case(b"HTTP/1.1 204 No Content\r\n\r\n")).await,
-            Ok((vec![], true)),
-            "204: no body"
-        );
-        assert_eq!(
-            exchange(case(
-                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"
-            ))
-            .await,
-            Ok((b"hello".to_vec(), true)),
-            "identical lengths are one"
-        );
-        assert!(
-            exchange(case(
-                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"
-            ))
-            .await
-            .is_err(),
-            "conflicting lengths are refused"
-        );
-        assert!(
-            exchange(case(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello"))
-                .await
-                .is_err(),
-            "an invalid length is refused"
-        );
-        assert_eq!(
-            exchange(Case {
-                closes: true,
-                tolerate_invalid_length: true,
-                ..case(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello")
-            })
-            .await,
-            Ok((b"hello".to_vec(), false)),
-            "an invalid length tolerated: until the close"
-        );
-        // An informational head first: the final head's framing counts.
-        assert_eq!(
-            exchange(case(
-                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
-            ))
-            .await,
-            Ok((b"hello".to_vec(), true)),
-            "after a 100"
-        );
+            (
+                "by chunks",
+                case(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+                body(b"hello", true),
+            ),
+            (
+                "chunks win over a length",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+                body(b"hello", true),
+            ),
+            (
+                "a transfer coding without chunked: until the close",
+                closing(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello"),
+                body(b"hello", false),
+            ),
+            (
+                "no framing: until the close",
+                closing(b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nhello"),
+                body(b"hello", false),
+            ),
+            (
+                "HEAD: no body, whatever the length",
+                Case {
+                    method: "HEAD",
+                    ..case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+                },
+                body(b"", true),
+            ),
+            (
+                "204: no body",
+                case(b"HTTP/1.1 204 No Content\r\n\r\n"),
+                body(b"", true),
+            ),
+            (
+                "identical lengths are one",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"),
+                body(b"hello", true),
+            ),
+            (
+                "conflicting lengths are refused",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!"),
+                None,
+            ),
+            (
+                "an invalid length is refused",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello"),
+                None,
+            ),
+            (
+                "an invalid length tolerated: until the close",
+                Case {
+                    tolerate_invalid_length: true,
+                    ..closing(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\nhello")
+                },
+                body(b"hello", false),
+            ),
+            (
+                "a 100 first: the final head's framing counts",
+                case(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"),
+                body(b"hello", true),
+            ),
+        ];
+        for (name, c, expected) in cases {
+            assert_eq!(exchange(c).await.ok(), expected, "{name}");
+        }
     }
 }
