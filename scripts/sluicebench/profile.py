@@ -8,7 +8,9 @@ BUILD (1; 0 profiles ${CARGO_TARGET_DIR:-target}/release/sluice as it is), SLUIC
 directory holding a release sluice; no build), KEEP (0; 1 keeps the work directory with
 callgrind.out for callgrind_annotate / kcachegrind), OTLP (off | on: span export on, every
 request sampled, to a loopback OTLP/HTTP sink this script runs, which answers 200 and keeps
-nothing), ROUTE (rr | lu | kp: the route profiled, see below).
+nothing), ROUTE (rr | lu | kp: the route profiled, see below), CACHE_SIM (0; 1 also simulates
+the caches, valgrind's `--cache-sim=yes`, and prints data-cache misses per request: the hardware
+counters of `perf stat` are not there on every VM, this one's included).
 
 ROUTE=rr (the default): one round_robin route over two nginx backends answering "ok\\n". ROUTE=lu
 and ROUTE=kp: bench-state key-pool's `lu` and `kp` routes (least_used over three named members on one
@@ -129,12 +131,13 @@ def main(argv: list[str]) -> int:
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
     otlp_on = knobs.choice("OTLP", "off", ("off", "on")) == "on"
     route = knobs.choice("ROUTE", "rr", ("rr", "lu", "kp"))
+    cache_sim = knobs.choice("CACHE_SIM", "0", ("0", "1")) == "1"
     common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
                    "sudo apt-get install -y valgrind wrk nginx-light")
     procs = Procs("profile", keep)
     try:
         sluice = common.sluice_binary("profile", knobs)
-        print(profile(procs, sluice, seconds, connections, log_on, otlp_on, route))
+        print(profile(procs, sluice, seconds, connections, log_on, otlp_on, route, cache_sim))
     finally:
         procs.cleanup()
     return 0
@@ -163,8 +166,24 @@ def otlp_sink(procs: Procs) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def cache_misses(dump: Path, requests: int) -> str:
+    """Simulated cache misses per request, from the totals of a `--cache-sim=yes` dump: first
+    level data (D1) reads and writes, last level (LL) data, and instructions' first level (I1)."""
+    events, totals = [], []
+    for line in dump.read_text(errors="replace").splitlines():
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith(("summary:", "totals:")):
+            totals = [int(v) for v in line.split()[1:]]
+    got = dict(zip(events, totals))
+    per = {name: got.get(name, 0) / requests for name in ("D1mr", "D1mw", "DLmr", "DLmw", "I1mr")}
+    return (f"cache simulation, per request: D1 misses {per['D1mr'] + per['D1mw']:.0f} "
+            f"({per['D1mr']:.0f} reads, {per['D1mw']:.0f} writes), LL data misses "
+            f"{per['DLmr'] + per['DLmw']:.0f}, I1 misses {per['I1mr']:.0f}")
+
+
 def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: bool,
-            otlp_on: bool = False, route: str = "rr") -> str:
+            otlp_on: bool = False, route: str = "rr", cache_sim: bool = False) -> str:
     backends = start_backends(procs)
     port, admin = procs.free_port(), procs.free_port()
     tracing = f"tracing:\n  otlp:\n    endpoint: {otlp_sink(procs)}\n" if otlp_on else ""
@@ -187,6 +206,7 @@ admin:
     procs.log(f"starting sluice under callgrind (access log {'on' if log_on else 'off'})")
     s = start_sluice(procs, sluice, "sluice", cfg, port, admin, None if log_on else "warn",
                      timeout=120, wrapper=["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                                           *(["--cache-sim=yes"] if cache_sim else []),
                                            f"--callgrind-out-file={procs.work}/callgrind.out.%p"])
     url = f"http://127.0.0.1:{port}/"
     base = wrk.args(1, connections)
@@ -212,7 +232,7 @@ admin:
         raise Failure("no callgrind dump appeared")
     time.sleep(1)
 
-    annotate = ["callgrind_annotate", "--threshold=100", "--auto=no"]
+    annotate = ["callgrind_annotate", "--threshold=100", "--auto=no", "--show=Ir"]
     self_txt = procs.run([*annotate, str(dump)], timeout=600)
     incl_txt = procs.run([*annotate, "--inclusive=yes", str(dump)], timeout=600)
     totals = [line.split()[0] for line in self_txt.splitlines() if "PROGRAM TOTALS" in line]
@@ -223,6 +243,7 @@ admin:
     incl_rows = rows(incl_txt, out.requests, common.ROOT)
 
     lines = [
+        *([cache_misses(dump, out.requests), ""] if cache_sim else []),
         f"sluice {common.git_revision()}, route {route}, access log {'on' if log_on else 'off'}, "
         f"OTLP export {'on' if otlp_on else 'off'}, threads: 1,",
         f"wrk -t1 -c{connections} -d{seconds}s: {out.requests} requests in the recorded window;",
