@@ -530,8 +530,10 @@ async fn heads_small_and_large_reach_the_member_and_the_client_whole() {
             .cloned()
             .collect();
         assert_eq!(relayed, member_fields, "{answer}");
-        assert_eq!(field_values(&got, "date").len(), 1, "{answer}");
-        assert!(!answer.contains("1970"), "the gateway's Date: {answer}");
+        // The Date field itself: the random request id elsewhere in the answer may hold "1970".
+        let date = field_values(&got, "date");
+        assert_eq!(date.len(), 1, "{answer}");
+        assert!(!date[0].contains("1970"), "the gateway's Date: {answer}");
         assert_eq!(field_values(&got, "connection"), ["keep-alive"], "{answer}");
         assert_eq!(
             field_values(&got, "x-request-id"),
