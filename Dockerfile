@@ -1,6 +1,6 @@
 # sluice image: the gateway and the demo upstream (sluice-echo) in one small runtime image.
 #
-#   docker build -t sluice .
+#   docker build -t sluice .                 (--build-arg PGO=0: a plain release build, faster)
 #   docker run --rm -v "$PWD/configs:/etc/sluice:ro" -p 8080:8080 sluice run -c /etc/sluice/demo.yaml
 #
 # The default command runs /etc/sluice/sluice.yaml: mount a directory holding it (not the single
@@ -8,17 +8,30 @@
 
 # --- build ----------------------------------------------------------------------------------
 FROM rust:1-bookworm AS builder
-# pingora builds zlib-ng with cmake.
+# PGO=1 (the default): a profile-guided build, scripts/build-pgo. It builds twice and trains the
+# first build on loopback traffic in between: about twice as long as a plain build, for a
+# fifth fewer instructions per request (docs/BENCHMARKS.md). PGO=0: one plain release build.
+ARG PGO=1
+# cmake: pingora builds zlib-ng with it. The training (PGO=1) runs wrk against the gateway,
+# with nginx as its members and a redis-server for the shared-state routes, all on loopback.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends cmake \
+ && if [ "$PGO" = 1 ]; then \
+      apt-get install -y --no-install-recommends python3 wrk nginx-light redis-server \
+      && rustup component add llvm-tools; \
+    fi \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # The whole workspace: every crate, the Lua scripts and configs/default.yaml are compiled in,
 # and cargo reads the test and bench targets the manifests declare. .dockerignore keeps
 # target/ and .git/ out of the context.
 COPY . .
-RUN cargo build --release --locked --bins \
- && install -D -m 0755 target/release/sluice target/release/sluice-echo -t /out/
+RUN if [ "$PGO" = 1 ]; then \
+      scripts/build-pgo --out /out; \
+    else \
+      cargo build --release --locked --bins \
+      && install -D -m 0755 target/release/sluice target/release/sluice-echo -t /out/; \
+    fi
 
 # --- runtime --------------------------------------------------------------------------------
 FROM debian:bookworm-slim

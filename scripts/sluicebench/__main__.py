@@ -1,6 +1,5 @@
-"""python3 -m sluicebench bench|state|profile [ARGS...] (with scripts/ on sys.path).
-
-scripts/bench, scripts/bench-state and scripts/profile call this with their own command name.
+"""python3 -m sluicebench bench|bench-state|bench-tunnel|bench-idle-memory|profile|build-pgo [ARGS...]
+(with scripts/ on sys.path). The scripts of those names call this with their own command name.
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ import sys
 from .procs import Failure, install_signal_handlers, log
 
 COMMANDS = {"bench": "bench", "bench-state": "state", "bench-tunnel": "tunnel",
-            "bench-idle-memory": "idle_memory", "profile": "profile"}
+            "bench-idle-memory": "idle_memory", "profile": "profile",
+            "build-pgo": "pgo"}
 
 
 def main(argv: list[str]) -> int:
