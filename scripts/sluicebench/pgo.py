@@ -2,7 +2,7 @@
 
   scripts/build-pgo [--out DIR]     DIR defaults to ${CARGO_TARGET_DIR:-target}/pgo
 
-Four steps, each of which can be read here:
+Four steps:
 1. an instrumented release build (`-Cprofile-generate`);
 2. training: that binary serves a few seconds of wrk traffic on each kind of route the
    benchmarks measure (round-robin with the access log on and off, least-used and a quota on
