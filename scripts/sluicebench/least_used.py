@@ -18,9 +18,7 @@ LABELS = {
 
 
 def route(run: Run, name: str, selection: str, quota: bool = False) -> str:
-    text = (f'  - name: {name}\n    match:\n      hosts: ["{name}.bench"]\n    upstream:\n'
-            f"      selection: {selection}\n      members:\n" + run.backends.members_yaml("        "))
-    return text + (QUOTA_YAML if quota else "")
+    return run.backends.route_yaml(name, selection, f"{name}.bench") + (QUOTA_YAML if quota else "")
 
 
 def run(run: Run) -> str:

@@ -96,12 +96,10 @@ def forward_proxy_requests(port: int, host: str, n: int) -> None:
 
 def train(procs: Procs, sluice: Path, seconds: int, connections: int) -> None:
     backends = start_backends(procs)
-    members = backends.members_yaml("        ")
 
+    # The benchmarks' routes and host names (NAME.bench), so that key_pool.route serves as is.
     def route(name: str, selection: str, quota: bool = False) -> str:
-        return (f'  - name: {name}\n    match:\n      hosts: ["{name}.train"]\n    upstream:\n'
-                f"      selection: {selection}\n      members:\n{members}"
-                + (QUOTA_YAML if quota else ""))
+        return backends.route_yaml(name, selection, f"{name}.bench") + (QUOTA_YAML if quota else "")
 
     def serve(label: str, state: str, routes: str, runs: list[tuple[str, int]],
               rust_log: str | None = None) -> None:
@@ -113,13 +111,13 @@ def train(procs: Procs, sluice: Path, seconds: int, connections: int) -> None:
         s = start_sluice(procs, sluice, label, cfg, port, admin, rust_log, timeout=60)
         url = f"http://127.0.0.1:{port}/"
         for name, secs in runs:
-            wait_ok(url, f"{name}.train", f"route {name} ({label})")
-            procs.log(f"{label}: wrk -c{connections} -d{secs}s, Host {name}.train")
-            out = wrk.run(procs, url, wrk.args(1, connections, [f"Host: {name}.train"]),
+            wait_ok(url, f"{name}.bench", f"route {name} ({label})")
+            procs.log(f"{label}: wrk -c{connections} -d{secs}s, Host {name}.bench")
+            out = wrk.run(procs, url, wrk.args(1, connections, [f"Host: {name}.bench"]),
                           f"{secs}s", latency=False)
             if out.errors:
                 raise Failure(f"training run {label}/{name}: wrk reported {out.errors}")
-            forward_proxy_requests(port, f"{name}.train", 200)
+            forward_proxy_requests(port, f"{name}.bench", 200)
         for path in ("/metrics", "/status", "/healthz"):
             status, _ = http_get(f"http://127.0.0.1:{admin}{path}")
             if status != 200:
@@ -136,7 +134,7 @@ def train(procs: Procs, sluice: Path, seconds: int, connections: int) -> None:
     rport = procs.free_port()
     start_redis(procs, "redis", rport)
     redis_state = f'state:\n  backend: redis\n  redis:\n    url: "redis://127.0.0.1:{rport}/0"\n'
-    kp = key_pool.route("kp", backends.ports[0], key_pool=True).replace('"kp.bench"', '"kp.train"')
+    kp = key_pool.route("kp", backends.ports[0], key_pool=True)
     serve("redis", redis_state,
           route("lu", "least_used") + route("qlu", "least_used", quota=True) + kp,
           [("lu", half), ("qlu", half), ("kp", half)])

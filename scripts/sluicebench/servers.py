@@ -73,10 +73,14 @@ class Backends:
     def members_yaml(self, indent: str) -> str:
         return "".join(f'{indent}- url: "http://127.0.0.1:{p}"\n' for p in self.ports)
 
+    def route_yaml(self, name: str, selection: str, host: str) -> str:
+        """One entry of `routes:`, NAME, over both backends, for requests to HOST."""
+        return (f'  - name: {name}\n    match:\n      hosts: ["{host}"]\n    upstream:\n'
+                f"      selection: {selection}\n      members:\n" + self.members_yaml("        "))
+
     def round_robin_routes_yaml(self) -> str:
         """`routes:` with one round_robin route, `bench`, over both backends, matching any host."""
-        return ("routes:\n  - name: bench\n    match:\n      hosts: [\"*\"]\n    upstream:\n"
-                "      selection: round_robin\n      members:\n" + self.members_yaml("        "))
+        return "routes:\n" + self.route_yaml("bench", "round_robin", "*")
 
     def accepts(self) -> Optional[int]:
         """Connections accepted so far by both backends, from stub_status (None if unreadable).
