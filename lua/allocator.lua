@@ -8,7 +8,7 @@
 -- The excluded ids (members this instance sees as down, or already tried by the request):
 -- ARGV[at] is their count, ARGV[at + 1 ..] the ids. Returns the set and the index after them.
 local function pool_excluded(at)
-  local count = tonumber(ARGV[at])
+  local count = ARGV[at] + 0
   local set = {}
   for i = at + 1, at + count do
     set[ARGV[i]] = true

@@ -9,7 +9,7 @@
 --   the route quota's helper hash, then one log per window   (the route has a quota);
 --   per member sent with windows, its helper hash, then one log per window.
 -- ARGV:
---   [1] clock: "" for Redis TIME, or µs (tests)      [2] the member cost
+--   [1] clock: "" for Redis TIME, or µs (tests)      [2] the member cost (an integer)
 --   [3] "L" least-used, or "P" the members below are the candidates, best first
 --   [4] "1" skip cooling members, "0" ignore cooldowns
 --   [5] the route quota's window count, "" for none   [6] the route quota's cost
@@ -24,7 +24,7 @@
 --   4 busy: every eligible member cools or refuses; wait_us is the least time until one admits.
 -- Nothing is recorded unless a member is assigned.
 
-local cost = tonumber(ARGV[2])
+local cost = ARGV[2]
 local least_used = ARGV[3] == 'L'
 local route_windows = tonumber(ARGV[5]) or 0
 local excluded, count, at = pool_excluded(7 + 3 * route_windows)
@@ -46,7 +46,7 @@ end
 local now = quota_clock(ARGV[1])
 local q
 if ARGV[5] ~= '' then
-  q = quota_check(k, route_windows, 7, tonumber(ARGV[6]), now)
+  q = quota_check(k, route_windows, 7, ARGV[6], now)
   k = k + 1 + route_windows
   if q.admitted == 0 then
     quota_finish(q)

@@ -20,7 +20,7 @@ local first = redis.call('ZRANGE', pool, 0, count)
 if #first == 0 then
   return {3, ''}
 end
-local q = quota_check(1, windows, 3, tonumber(ARGV[1]), quota_clock(ARGV[2]))
+local q = quota_check(1, windows, 3, ARGV[1], quota_clock(ARGV[2]))
 if q.admitted == 0 then
   quota_finish(q)
   return quota_reply(q, 0, {0, ''})

@@ -18,7 +18,7 @@ local function members_cooling(cool, now)
   end
   local list = redis.call('ZRANGE', cool, '0', '-1', 'WITHSCORES')
   for i = 1, #list, 2 do
-    local left = tonumber(list[i + 1]) - now
+    local left = list[i + 1] - now
     if left > 0 then
       cooling = cooling or {}
       cooling[list[i]] = left
@@ -41,7 +41,7 @@ local function members_step(at, windows, wat)
   if k == '=' then
     return at + 2, windows, wat
   end
-  windows = tonumber(k)
+  windows = k + 0
   return at + 2 + 3 * windows, windows, at + 2
 end
 
@@ -49,7 +49,7 @@ end
 -- in KEYS of its helper hash; nil when this script was not told about the member.
 local function members_find(w, id)
   local at, k, windows, wat = w.at + 1, w.k_at, 0, 0
-  for _ = 1, tonumber(ARGV[w.at]) do
+  for _ = 1, ARGV[w.at] + 0 do
     local next_at
     next_at, windows, wat = members_step(at, windows, wat)
     if ARGV[at] == id then
@@ -114,7 +114,7 @@ end
 -- Offers the members in the order the script was told them (a preference, best first).
 local function members_walk_listed(w)
   local at, windows, wat = w.at + 1, 0, 0
-  for _ = 1, tonumber(ARGV[w.at]) do
+  for _ = 1, ARGV[w.at] + 0 do
     if members_offer(w, ARGV[at]) then
       return
     end

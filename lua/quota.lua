@@ -18,6 +18,12 @@
 -- entry once (which also says whether the log exists, whatever a stale total says), writes one
 -- entry per log and the hash once, and keeps its state in one table. Expired entries are read
 -- and removed only when the oldest one has left its window.
+--
+-- Numbers arrive as strings (ARGV, and every reply but an integer one). They are converted by
+-- arithmetic (`s + 0`, or used in a sum), not by tonumber: Redis's Lua 5.1 tonumber parses the
+-- string twice (lua_isnumber, then lua_tonumber), and each parse is a glibc strtod of about 800
+-- instructions, a tenth of a small command (scripts/redis-script-cost). Numbers go out as
+-- strings formatted once: every string.format costs about 2,000.
 
 -- Redis's own clock in µs, read at most once per call: key expiries follow it even when a test
 -- runs the decisions on a clock of its own.
@@ -29,7 +35,7 @@ local quota_now_text
 
 local function quota_time()
   local t = redis.call('TIME')
-  quota_redis_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  quota_redis_now = t[1] * 1000000 + t[2]
   return quota_redis_now, t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
 end
 
@@ -41,7 +47,7 @@ local function quota_clock(given)
     return now
   end
   quota_now_text = given
-  return tonumber(given)
+  return given + 0
 end
 
 local function quota_cost_of(member)
@@ -55,11 +61,17 @@ end
 -- read as stored, and parsed only when the log is written).
 
 -- Expires old entries and decides; records nothing. `meta` is the index in KEYS of the helper
--- hash (the logs follow it), `n` the window count, `at` the index in ARGV of the first window.
+-- hash (the logs follow it), `n` the window count, `at` the index in ARGV of the first window,
+-- `cost` the request's cost as its caller received it (a string: it is also part of the entry).
 -- Returns the state the other functions use.
 local function quota_check(meta, n, at, cost, now)
-  local q = { meta = KEYS[meta], key = meta, n = n, at = at, cost = cost, now = now,
-    admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false }
+  -- Built with every field it will hold when it has one window (the first three are that
+  -- window's), so that it is allocated once: a table that outgrows its constructor is rehashed.
+  local q = { false, false, false,
+    meta = KEYS[meta], key = meta, n = n, at = at, cost = cost + 0, cost_text = cost, now = now,
+    admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false,
+    seq = 0, seq_text = false }
+  cost = q.cost
   local stored
   if n == 1 then
     stored = redis.call('HMGET', q.meta, 'seq', 'v', 's:' .. ARGV[at], 'x:' .. ARGV[at])
@@ -71,7 +83,7 @@ local function quota_check(meta, n, at, cost, now)
     end
     stored = redis.call('HMGET', q.meta, unpack(fields))
   end
-  q.seq = tonumber(stored[1] or '0')
+  q.seq = (stored[1] or 0) + 0
   -- "v" is the entry number this library last wrote. A sluice from before it (a rolling
   -- upgrade) numbers entries without it, and sets each log's expiry to one window from its own
   -- write: then the expiries remembered here may be too late, so they are set again.
@@ -81,11 +93,11 @@ local function quota_check(meta, n, at, cost, now)
   end
   for i = 1, n do
     local log, j = KEYS[meta + i], at + 3 * (i - 1)
-    local limit, length = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2])
-    local total = tonumber(stored[2 * i + 1] or '0')
+    local limit, length = ARGV[j + 1] + 0, ARGV[j + 2] + 0
+    local total = (stored[2 * i + 1] or 0) + 0
     local horizon = now - length
     local first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
-    local oldest = first[2] and tonumber(first[2]) or false
+    local oldest = first[2] and first[2] + 0 or false
     if oldest and oldest <= horizon then
       -- Expire what left the window, keeping the running total in step.
       local expired = redis.call('ZRANGEBYSCORE', log, '-inf', horizon)
@@ -95,7 +107,7 @@ local function quota_check(meta, n, at, cost, now)
       redis.call('ZREMRANGEBYSCORE', log, '-inf', horizon)
       q.dirty = true
       first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
-      oldest = first[2] and tonumber(first[2]) or false
+      oldest = first[2] and first[2] + 0 or false
     end
     if oldest and not q.exists then
       -- The helper hash is gone (deleted, evicted) but not the log: count the log itself, and
@@ -131,7 +143,7 @@ local function quota_check(meta, n, at, cost, now)
           for k = 1, #batch, 2 do
             freed = freed + quota_cost_of(batch[k])
             if freed >= need then
-              wait = tonumber(batch[k + 1]) + length - now
+              wait = batch[k + 1] + length - now
               break
             end
           end
@@ -148,7 +160,9 @@ end
 local function quota_record(q)
   q.seq = q.seq + 1
   q.recorded, q.dirty = true, true
-  local member = string.format('%d:%d', q.seq, q.cost)
+  -- Formatted once, for the entry here and for the hash in quota_finish.
+  q.seq_text = string.format('%d', q.seq)
+  local member = q.seq_text .. ':' .. q.cost_text
   for i = 1, q.n do
     redis.call('ZADD', KEYS[q.key + i], quota_now_text, member)
     if not q[3 * i - 1] then
@@ -172,7 +186,7 @@ local function quota_finish(q)
   end
   local set, c, renewed, last = {}, 0, false, 0
   if q.recorded then
-    local seq = string.format('%d', q.seq)
+    local seq = q.seq_text
     set[1], set[2], set[3], set[4], c = 'seq', seq, 'v', seq, 4
   end
   local clock = q.recorded and (quota_redis_now or quota_time())
@@ -181,7 +195,7 @@ local function quota_finish(q)
     local name = ARGV[j]
     set[c + 1], set[c + 2], c = 's:' .. name, string.format('%d', q[3 * i - 2]), c + 2
     if q.recorded then
-      local length, lives = tonumber(ARGV[j + 2]), tonumber(q[3 * i] or '0')
+      local length, lives = ARGV[j + 2] + 0, (q[3 * i] or 0) + 0
       if lives < clock + length then
         local ms = math.ceil((length + math.floor(length / 8)) / 1000)
         redis.call('PEXPIRE', KEYS[q.key + i], string.format('%d', ms))
@@ -205,11 +219,11 @@ local function quota_reply(q, admitted, out)
   out[#out + 1] = admitted == 1 and 0 or q.retry_after
   for i = 1, q.n do
     local j = q.at + 3 * (i - 1)
-    local remaining = tonumber(ARGV[j + 1]) - q[3 * i - 2]
+    local remaining = ARGV[j + 1] - q[3 * i - 2]
     if remaining < 0 then remaining = 0 end
     local reset = 0
     if q[3 * i - 1] then
-      reset = q[3 * i - 1] + tonumber(ARGV[j + 2]) - q.now
+      reset = q[3 * i - 1] + ARGV[j + 2] - q.now
     end
     out[#out + 1] = remaining
     out[#out + 1] = reset
