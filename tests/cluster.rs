@@ -116,7 +116,7 @@ async fn routes_on_different_masters_each_cost_one_script_call_and_stay_fair() {
         "one command per request across the masters"
     );
     assert!(
-        sent.iter().all(|c| c == "EVALSHA"),
+        sent.iter().all(|c| c == "FCALL"),
         "{:?}",
         sent.iter().collect::<HashSet<_>>()
     );

@@ -1,4 +1,4 @@
-//! One `EVALSHA`, written straight into the command's buffer.
+//! One call of a state script (`FCALL`, or `EVALSHA`), written straight into the command's buffer.
 //!
 //! The redis crate's `ScriptInvocation` keeps every key and argument in a `Vec` of its own and
 //! copies them all into the command when it is invoked; sluice's keys were `format!`ted
@@ -9,41 +9,56 @@
 //! the crate's own formatting, and nothing is copied again before the socket.
 //!
 //! The price is that the number of keys must be known before the first key is written
-//! (`EVALSHA sha numkeys key… arg…`), so callers count them first.
+//! (`FCALL name numkeys key… arg…`), so callers count them first.
 
 use std::io::Write;
 
 use redis::{
-    Cmd, ErrorKind, FromRedisValue, RedisResult, RedisWrite, Script, ServerErrorKind, ToRedisArgs,
+    Arg, Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, RedisWrite, ServerErrorKind,
+    ToRedisArgs,
 };
+
+use crate::scripts::{Library, StateScript};
 
 /// Arguments after the keys that a call is sized for before it grows: a route's and its
 /// members' limits, a clock, a cost, the members left out.
 const ARGS_ROOM: usize = 16;
-/// `EVALSHA`, the script's 40-digit hash and the key count.
+/// `EVALSHA`, the script's 40-digit hash and the key count (a function's name is shorter).
 const HEAD_BYTES: usize = 56;
 /// A key: `sluice:{route}:…` with a member's name or a window's.
 const KEY_BYTES: usize = 48;
 /// The arguments' bytes, for `ARGS_ROOM` of them.
 const ARGS_BYTES: usize = 160;
 
-/// An `EVALSHA` of `script` being written: keys first, then arguments.
+/// A call of one of `library`'s operations being written: keys first, then arguments. It is
+/// an `FCALL` of the operation's function, or, when this Redis does not take functions, an
+/// `EVALSHA` of its script.
 pub struct ScriptCall<'s> {
-    script: &'s Script,
+    script: &'s StateScript,
+    library: &'s Library,
+    fcall: bool,
     cmd: Cmd,
     keys_left: usize,
 }
 
 impl<'s> ScriptCall<'s> {
     /// A call of `script` that will take exactly `keys` keys.
-    pub fn new(script: &'s Script, keys: usize) -> ScriptCall<'s> {
+    pub fn new(library: &'s Library, script: &'s StateScript, keys: usize) -> ScriptCall<'s> {
         // Room for the whole call up front: the command's two `Vec`s (its bytes, and where each
         // argument ends) otherwise grow by doubling, argument by argument.
         let args = 3 + keys + ARGS_ROOM;
         let mut cmd = Cmd::with_capacity(args, HEAD_BYTES + keys * KEY_BYTES + ARGS_BYTES);
-        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+        let fcall = library.functions();
+        if fcall {
+            cmd.arg("FCALL").arg(&script.function);
+        } else {
+            cmd.arg("EVALSHA").arg(script.eval.get_hash());
+        }
+        cmd.arg(keys);
         ScriptCall {
             script,
+            library,
+            fcall,
             cmd,
             keys_left: keys,
         }
@@ -70,20 +85,106 @@ impl<'s> ScriptCall<'s> {
         self
     }
 
-    /// Sends the call; when Redis does not know the script (first use, a restart, `SCRIPT
-    /// FLUSH`), loads it and sends the same call once more. The first attempt never ran, so
-    /// nothing runs twice.
+    /// Sends the call. Whenever Redis answers that it did not run it, the call is made again
+    /// the way that will run, once each way; a call Redis refused never ran, so nothing runs
+    /// twice:
+    /// - an unknown function (first use, a restart without persistence, `FUNCTION FLUSH`, a new
+    ///   cluster node): the library is loaded, and the `FCALL` sent once more;
+    /// - no functions at all (Redis 6, an ACL without `FUNCTION`), or a library that would not
+    ///   load (a cluster node unreachable for the load): the call goes as `EVALSHA`, and the
+    ///   first case stops this store from trying functions again;
+    /// - an unknown script (as above, for scripts): the script is loaded and sent once more.
     pub async fn invoke<T: FromRedisValue>(
         &self,
         conn: &mut impl redis::aio::ConnectionLike,
     ) -> RedisResult<T> {
         debug_assert_eq!(self.keys_left, 0, "fewer keys than announced");
-        match self.cmd.query_async(conn).await {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.script.prepare_invoke().load_async(conn).await?;
-                self.cmd.query_async(conn).await
-            }
-            other => other,
+        if !self.fcall {
+            return evalsha(&self.cmd, self.script, conn).await;
         }
+        match self.cmd.query_async(conn).await {
+            Err(e) if function_missing(&e) => match self.load(conn).await {
+                Ok(()) => match self.cmd.query_async(conn).await {
+                    Err(e) if function_missing(&e) => {}
+                    other => return other,
+                },
+                Err(e) if functions_refused(&e) => self.library.refuse_functions(),
+                Err(_) => {}
+            },
+            Err(e) if functions_refused(&e) => self.library.refuse_functions(),
+            other => return other,
+        }
+        evalsha(&self.as_evalsha(), self.script, conn).await
+    }
+
+    /// Loads the whole library on every node that takes writes (the cluster client sends
+    /// `FUNCTION LOAD` to every master). `REPLACE`: another instance of the same version may
+    /// have loaded it a moment ago, with the same text.
+    async fn load(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<()> {
+        redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg("REPLACE")
+            .arg(&self.library.source)
+            .query_async::<redis::Value>(conn)
+            .await
+            .map(drop)
+    }
+
+    /// The same call as an `EVALSHA`: the arguments after `FCALL` and the function's name.
+    fn as_evalsha(&self) -> Cmd {
+        let mut cmd = Cmd::with_capacity(self.cmd.args_iter().len(), HEAD_BYTES);
+        cmd.arg("EVALSHA").arg(self.script.eval.get_hash());
+        for a in self.cmd.args_iter().skip(2) {
+            if let Arg::Simple(bytes) = a {
+                cmd.arg(bytes);
+            }
+        }
+        cmd
+    }
+}
+
+/// Sends an `EVALSHA`; when Redis does not know the script (first use, a restart, `SCRIPT
+/// FLUSH`), loads it and sends the same call once more.
+async fn evalsha<T: FromRedisValue>(
+    cmd: &Cmd,
+    script: &StateScript,
+    conn: &mut impl redis::aio::ConnectionLike,
+) -> RedisResult<T> {
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.eval.prepare_invoke().load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        other => other,
+    }
+}
+
+/// "ERR Function not found": this node has no such function (yet).
+fn function_missing(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && e.detail()
+            .is_some_and(|d| d.starts_with("Function not found"))
+}
+
+/// Redis will not run functions for this client: it has no such command (before 7.0), or the
+/// user's ACL does not allow it (`NOPERM`). Only an error that names `FCALL` or `FUNCTION` as
+/// the command refused counts (Redis quotes it: 'fcall', `FCALL`, 'function|load'): the same
+/// codes from a command inside a function that ran part way (whose message ends "on
+/// @user_function:LINE") must not send the call again as a script.
+fn functions_refused(e: &RedisError) -> bool {
+    let about_functions = || {
+        e.detail().is_some_and(|d| {
+            let d = d.to_ascii_lowercase();
+            ["'fcall'", "`fcall`", "'function", "`function"]
+                .iter()
+                .any(|c| d.contains(c))
+        })
+    };
+    match e.kind() {
+        ErrorKind::Server(ServerErrorKind::NoPerm) => about_functions(),
+        ErrorKind::Server(ServerErrorKind::ResponseError) => {
+            e.detail().is_some_and(|d| d.starts_with("unknown command")) && about_functions()
+        }
+        _ => false,
     }
 }

@@ -42,8 +42,9 @@ fn certificates(ca_pem: &[u8]) -> redis::TlsCertificates {
 }
 
 /// A connection to a single Redis or to a Redis Cluster. The cluster connection follows
-/// `MOVED` and `ASK`, routes each script call by its keys' slot, and loads a script again on
-/// whichever node answers `NOSCRIPT`; to the stores both look the same.
+/// `MOVED` and `ASK`, routes each script call by its keys' slot, and sends `FUNCTION LOAD` to
+/// every master (a script is loaded again on whichever node answers `NOSCRIPT`); to the stores
+/// both look the same.
 #[derive(Clone)]
 pub enum Conn {
     /// A single Redis, through a reconnecting multiplexed connection.

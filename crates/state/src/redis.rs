@@ -1,7 +1,8 @@
 //! The shared backend: every instance on one Redis (or Redis Cluster) sees the same quotas, the
-//! same assignment counts, member windows and cooldowns. Each request costs one `EVALSHA`: the
-//! quota script, the allocator script, both fused into one, or (with member windows, cooldowns
-//! or a preference order) the assign script, which does all of it.
+//! same assignment counts, member windows and cooldowns. Each request costs one call (`FCALL`,
+//! or `EVALSHA` where Redis takes no functions): the quota script, the allocator script, both
+//! fused into one, or (with member windows, cooldowns or a preference order) the assign script,
+//! which does all of it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,6 +65,18 @@ impl RedisStore {
         &self.keys
     }
 
+    /// Whether calls go as `FCALL` of sluice's function library; `false` once Redis has
+    /// refused functions (Redis 6, an ACL without them), and calls go as `EVALSHA`.
+    pub fn uses_functions(&self) -> bool {
+        self.scripts.library.functions()
+    }
+
+    /// The name of the function library this version loads (`sluice_` and a hash of its
+    /// text).
+    pub fn library_name(&self) -> &str {
+        &self.scripts.library.name
+    }
+
     /// One allocator call on the pool of `route`: `leading` arguments, then the excluded ids.
     async fn allocator(
         &self,
@@ -71,7 +84,7 @@ impl RedisStore {
         leading: &[&str],
         excluded: &[&str],
     ) -> Result<Value, StoreError> {
-        let mut call = ScriptCall::new(&self.scripts.allocator, 1);
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.allocator, 1);
         call.key(&self.keys.pool_parts(route));
         for a in leading {
             call.arg(*a);
@@ -127,7 +140,7 @@ impl RedisStore {
                 .filter(|m| !m.windows.is_empty())
                 .map(|m| 1 + m.windows.len())
                 .sum::<usize>();
-        let mut call = ScriptCall::new(&self.scripts.assign, keys);
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, keys);
         if least_used {
             call.key(&self.keys.pool_parts(route));
         }
@@ -208,7 +221,11 @@ impl RedisStore {
         let reply = match &quota {
             None => self.allocator(ask.route, &["assign"], ask.excluded).await?,
             Some(q) => {
-                let mut call = ScriptCall::new(&self.scripts.fused, 2 + q.windows.len());
+                let mut call = ScriptCall::new(
+                    &self.scripts.library,
+                    &self.scripts.fused,
+                    2 + q.windows.len(),
+                );
                 self.push_quota_keys(&mut call, q);
                 call.key(&self.keys.pool_parts(ask.route));
                 scripts::push_quota_args(&mut call, q);
@@ -248,7 +265,11 @@ impl RedisStore {
 #[async_trait]
 impl StateStore for RedisStore {
     async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
-        let mut call = ScriptCall::new(&self.scripts.quota, 1 + req.windows.len());
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.quota,
+            1 + req.windows.len(),
+        );
         self.push_quota_keys(&mut call, &req);
         scripts::push_quota_args(&mut call, &req);
         let reply: Vec<i64> = self.invoke(&call).await?;
@@ -313,7 +334,11 @@ impl StateStore for RedisStore {
             cost: 0,
             at_us: None,
         };
-        let mut call = ScriptCall::new(&self.scripts.quota, 1 + member.windows.len());
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.quota,
+            1 + member.windows.len(),
+        );
         call.key(&self.keys.member_meta_parts(route, &member.id));
         for w in member.windows.iter() {
             call.key(&self.keys.member_log_parts(route, &w.name, &member.id));
@@ -351,7 +376,7 @@ impl StateStore for RedisStore {
         for_us: u64,
         at_us: Option<u64>,
     ) -> Result<u64, StoreError> {
-        let mut call = ScriptCall::new(&self.scripts.cool, 1);
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
         call.key(&self.keys.cooldowns_parts(route))
             .arg("cool")
             .arg(member)
@@ -370,7 +395,7 @@ impl StateStore for RedisStore {
     }
 
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let mut call = ScriptCall::new(&self.scripts.cool, 1);
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
         call.key(&self.keys.cooldowns_parts(route)).arg("list");
         let reply: Value = self.invoke(&call).await?;
         scripts::parse_cooldowns(&reply)

@@ -1,11 +1,20 @@
 //! The Lua scripts in `lua/`, and the protocol the Redis backend speaks with them: how each
 //! script is assembled from its libraries, how arguments are laid out, and how replies are read.
 //!
-//! The libraries (`quota.lua`, `allocator.lua`, `members.lua`) define functions; each driver (`*_run.lua`)
-//! is appended to the libraries it uses, so one `EVALSHA` composes several policies
-//! atomically. Replies are checked, never trusted: a reply of the wrong shape (another
-//! program's script under our SHA, a Redis proxy that mangles arrays) is a [`StoreError`], not
-//! a panic.
+//! The libraries (`quota.lua`, `allocator.lua`, `members.lua`) define functions; each driver
+//! (`*_run.lua`) is the body of one operation, so one call composes several policies
+//! atomically. The same files are sent two ways:
+//! - as one Redis function library (Redis 7 `FUNCTION LOAD`), called with `FCALL`. Its
+//!   functions are created once, when it is loaded;
+//! - as scripts for `EVALSHA`: each driver appended to the libraries it uses. Redis runs a
+//!   script's whole text on every call, so every library function is created again each time
+//!   (18k of a key-pool call's 188k redis-server instructions, `scripts/redis-script-cost
+//!   --fcall`). This is what Redis 6, or a user whose ACL denies `FUNCTION`, gets.
+//!
+//! Replies are checked, never trusted: a reply of the wrong shape (another program's script
+//! under our SHA, a Redis proxy that mangles arrays) is a [`StoreError`], not a panic.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::{Script, Value};
 
@@ -24,20 +33,53 @@ pub const MEMBERS_LIBRARY: &str = include_str!("../../../lua/members.lua");
 const ASSIGN_DRIVER: &str = include_str!("../../../lua/assign_run.lua");
 const COOL_DRIVER: &str = include_str!("../../../lua/cool_run.lua");
 
+/// One operation: its function in the library, and the same code as a script for `EVALSHA`.
+pub struct StateScript {
+    pub(crate) function: String,
+    pub(crate) eval: Script,
+}
+
+/// sluice's function library, and whether this Redis takes it.
+///
+/// Its name ends with a hash of its text, and so do its functions' names (Redis has one
+/// namespace of function names): during a rolling upgrade each version loads and calls its own
+/// library, and neither replaces the other's code. A library stays in Redis (it is persisted
+/// and replicated like data) until `FUNCTION DELETE`; README.md says how to remove old ones.
+pub struct Library {
+    pub(crate) name: String,
+    pub(crate) source: String,
+    /// Cleared, for good, when Redis refuses functions (Redis 6 has no `FCALL`; an ACL may deny
+    /// it): every call then goes by `EVALSHA`.
+    functions: AtomicBool,
+}
+
+impl Library {
+    /// Whether calls go by `FCALL`.
+    pub fn functions(&self) -> bool {
+        self.functions.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn refuse_functions(&self) {
+        self.functions.store(false, Ordering::Relaxed);
+    }
+}
+
 /// The scripts a Redis store runs.
 pub struct Scripts {
+    /// Every operation below, as one function library.
+    pub library: Library,
     /// One request against one quota key.
-    pub quota: Script,
+    pub quota: StateScript,
     /// Least-used `assign`, `sync` and `restore` on one pool.
-    pub allocator: Script,
+    pub allocator: StateScript,
     /// Quota and least-used assignment in one atomic call.
-    pub fused: Script,
+    pub fused: StateScript,
     /// An assignment with member windows, cooldowns or a preference order (and the route's
     /// quota): the general case, kept apart so that a plain least-used route runs fewer
     /// commands.
-    pub assign: Script,
+    pub assign: StateScript,
     /// Cooling a member, and listing the cooling members.
-    pub cool: Script,
+    pub cool: StateScript,
 }
 
 impl Default for Scripts {
@@ -46,21 +88,83 @@ impl Default for Scripts {
     }
 }
 
+/// The operations, by their function's suffix, with their drivers.
+const OPERATIONS: [(&str, &str); 5] = [
+    ("quota", QUOTA_DRIVER),
+    ("allocator", ALLOCATOR_DRIVER),
+    ("fused", FUSED_DRIVER),
+    ("assign", ASSIGN_DRIVER),
+    ("cool", COOL_DRIVER),
+];
+
+/// Stands for the library's name in its text until the text's hash gives it one.
+const NAME: &str = "@LIBRARY@";
+
+/// The library's text, every name in it still `NAME`. A library may not assign globals, so
+/// `KEYS` and `ARGV` are the library's own locals, set by each entry point, and each driver
+/// becomes a function. The quota library's clock is per call: it is cleared on entry, since a
+/// library's locals outlive the call (a script's do not).
+fn library_template() -> String {
+    let mut text = format!(
+        "#!lua name={NAME}\n\
+         -- sluice's state operations, written by crates/state/src/scripts.rs from lua/.\n\
+         local KEYS, ARGV\n\
+         {QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n"
+    );
+    for (op, driver) in OPERATIONS {
+        text.push_str(&format!("local function run_{op}()\n{driver}\nend\n"));
+    }
+    text.push_str(
+        "local function entry(run)
+  return function(keys, args)
+    KEYS, ARGV = keys, args
+    quota_redis_now, quota_now_text = nil, nil
+    return run()
+  end
+end
+",
+    );
+    for (op, _) in OPERATIONS {
+        text.push_str(&format!(
+            "redis.register_function('{NAME}_{op}', entry(run_{op}))\n"
+        ));
+    }
+    text
+}
+
 impl Scripts {
-    /// Assembles every script. Their SHAs are computed over these exact bytes.
+    /// Assembles every script and the library. Their hashes are computed over these exact
+    /// bytes.
     pub fn new() -> Scripts {
+        let template = library_template();
+        let name = format!("sluice_{}", &Script::new(&template).get_hash()[..16]);
+        let op = |suffix: &str, eval: String| StateScript {
+            function: format!("{name}_{suffix}"),
+            eval: Script::new(&eval),
+        };
         Scripts {
-            quota: Script::new(&quota_source()),
-            allocator: Script::new(&format!("{ALLOCATOR_LIBRARY}\n{ALLOCATOR_DRIVER}")),
-            fused: Script::new(&format!(
-                "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{FUSED_DRIVER}"
-            )),
-            assign: Script::new(&format!(
-                "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{ASSIGN_DRIVER}"
-            )),
-            cool: Script::new(&format!(
-                "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{COOL_DRIVER}"
-            )),
+            quota: op("quota", quota_source()),
+            allocator: op(
+                "allocator",
+                format!("{ALLOCATOR_LIBRARY}\n{ALLOCATOR_DRIVER}"),
+            ),
+            fused: op(
+                "fused",
+                format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{FUSED_DRIVER}"),
+            ),
+            assign: op(
+                "assign",
+                format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{ASSIGN_DRIVER}"),
+            ),
+            cool: op(
+                "cool",
+                format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{COOL_DRIVER}"),
+            ),
+            library: Library {
+                source: template.replace(NAME, &name),
+                name,
+                functions: AtomicBool::new(true),
+            },
         }
     }
 }

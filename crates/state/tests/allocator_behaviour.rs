@@ -381,9 +381,9 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
     }
     let sent = monitor.stop();
     // commandstats also counts what the script runs inside Redis; MONITOR tells the two apart.
-    assert_eq!(server.command_calls("evalsha"), 100);
+    assert_eq!(server.command_calls("fcall"), 100);
     assert_eq!(sent.len(), 100, "exactly one command per request: {sent:?}");
-    assert!(sent.iter().all(|c| c == "EVALSHA"), "{sent:?}");
+    assert!(sent.iter().all(|c| c == "FCALL"), "{sent:?}");
     assert_eq!(server.integer(&["ZCARD", "sluice:{rt}:pool"]), Some(3));
 
     // Redis restarts empty: the pool is synced again on the way and no call fails.

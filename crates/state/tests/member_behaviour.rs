@@ -618,6 +618,19 @@ async fn redis_members_behave() {
     }
 }
 
+/// The same suite where Redis refuses functions (Redis 6, or an ACL without them): every call
+/// goes as `EVALSHA` of the scripts assembled from the same files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_members_behave_without_functions() {
+    let server = RedisServer::start();
+    let url = server.url_without_functions();
+    suite(redis_store(&url)).await;
+    let by_member = hammered(redis_store(&url), redis_store(&url)).await;
+    check_logs(&by_member, |_| server.addr());
+    assert_eq!(server.command_calls("fcall"), 0);
+    assert!(server.command_calls("evalsha") > 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_members_behave() {
     let cluster = RedisCluster::start();
@@ -649,7 +662,7 @@ async fn redis_cluster_members_behave() {
     );
 }
 
-/// One `EVALSHA` per assignment from the client, whatever it decides: least-used with a route
+/// One `FCALL` per assignment from the client, whatever it decides: least-used with a route
 /// quota, member windows and cooldowns (one member cooling, one full), and the same with a
 /// preference order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -698,13 +711,13 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
             .or_default() += 1;
     }
     let sent = monitor.stop();
-    assert_eq!(server.command_calls("evalsha"), 200);
+    assert_eq!(server.command_calls("fcall"), 200);
     assert_eq!(
         sent.len(),
         200,
         "exactly one command per assignment: {sent:?}"
     );
-    assert!(sent.iter().all(|c| c == "EVALSHA"), "{sent:?}");
+    assert!(sent.iter().all(|c| c == "FCALL"), "{sent:?}");
     // k3 cools, k2 is full after 5 (its daily window): k1 takes the rest.
     assert_eq!(got.get("k3"), None, "{got:?}");
     assert_eq!(got.get("k2"), Some(&5), "{got:?}");
@@ -750,11 +763,11 @@ async fn redis_key_pool_assignment_runs_eight_commands() {
         };
         let calls: u64 = rest.split(',').next().unwrap().parse().unwrap();
         // Not the script's: this test's own connections to read the counts.
-        if !["evalsha", "config|resetstat", "info", "quit"].contains(&name) {
+        if !["fcall", "config|resetstat", "info", "quit"].contains(&name) {
             run.insert(name.to_string(), calls);
         }
     }
-    assert_eq!(server.command_calls("evalsha"), n);
+    assert_eq!(server.command_calls("fcall"), n);
     assert_eq!(run.values().sum::<u64>(), 8 * n, "{run:?}");
     assert_eq!(run.get("pexpire"), None, "{run:?}");
     assert_eq!(

@@ -163,6 +163,22 @@ fn redis_store(server: &RedisServer) -> RedisStore {
 async fn redis_store_matches_the_model() {
     let server = RedisServer::start();
     suite(&redis_store(&server), "redis").await;
+    assert_eq!(server.command_calls("evalsha"), 0, "every call an FCALL");
+}
+
+/// The same traces where Redis refuses functions: every call an `EVALSHA`.
+#[tokio::test]
+async fn redis_store_without_functions_matches_the_model() {
+    let server = RedisServer::start();
+    let store = RedisStore::new(RedisStoreConfig {
+        url: server.url_without_functions(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap();
+    suite(&store, "redis, scripts").await;
+    assert!(!store.uses_functions());
+    assert_eq!(server.command_calls("fcall"), 0);
 }
 
 /// Scenario checks that read better spelled out than as a trace; both stores.
@@ -281,5 +297,46 @@ async fn redis_cluster_store_matches_the_model() {
     assert!(
         masters.len() >= 2,
         "the routes' keys must span masters: {masters:?}"
+    );
+    // Every master got the library, and any master that loses it (a node replaced, a FUNCTION
+    // FLUSH) gets it again on the first call it serves, counted once.
+    assert!(store.uses_functions());
+    let masters: Vec<&sluice_testkit::RedisServer> = masters
+        .iter()
+        .map(|&port| &cluster.nodes()[cluster.index_of(port)])
+        .collect();
+    for node in &masters {
+        let libraries = node.command(&["FUNCTION", "LIST"]).unwrap();
+        assert!(libraries.contains(store.library_name()), "{libraries}");
+        assert!(node
+            .command(&["FUNCTION", "FLUSH"])
+            .unwrap()
+            .starts_with("+OK"));
+    }
+    let w = [Window {
+        name: "m".into(),
+        limit: 10,
+        length_us: 60_000_000,
+    }];
+    for route in ["trace7", "trace1234", "scenario"] {
+        let ask = Acquire {
+            route,
+            key: "after-flush",
+            windows: &w,
+            cost: 1,
+            at_us: None,
+        };
+        assert!(store.acquire(ask).await.unwrap().admitted, "{route}");
+        let master = cluster.master_of(&format!("{{{route}}}")).unwrap();
+        let node = &cluster.nodes()[cluster.index_of(master)];
+        let log = format!("sluice:{{{route}}}:q:m:after-flush");
+        assert_eq!(node.integer(&["ZCARD", &log]), Some(1), "{log}");
+    }
+    assert_eq!(
+        masters
+            .iter()
+            .map(|n| n.command_calls("evalsha"))
+            .sum::<u64>(),
+        0
     );
 }

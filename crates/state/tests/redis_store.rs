@@ -1,4 +1,5 @@
-//! What only the Redis store has to get right: reconnecting, reloading its script, timing out,
+//! What only the Redis store has to get right: reconnecting, reloading its library and scripts,
+//! falling back from functions to scripts, timing out,
 //! its key layout and the memory each admitted request costs.
 
 use std::time::{Duration, Instant};
@@ -77,21 +78,72 @@ async fn a_call_made_while_redis_restarts_waits_for_it_within_the_timeout() {
     let _server = restarted.join().unwrap();
 }
 
+/// The library is loaded on first use, and again whenever Redis has lost it; so is a script.
+/// Each call is counted once, however it had to be sent.
 #[tokio::test]
-async fn script_flush_is_transparent() {
+async fn function_and_script_flushes_are_transparent() {
     let server = RedisServer::start();
     let store = store(&server, Duration::from_secs(2));
     let w = one_window(1000);
     assert!(acquire(&store, &w, 1).await.unwrap());
-    assert!(server
-        .command(&["SCRIPT", "FLUSH"])
-        .unwrap()
-        .starts_with("+OK"));
-    assert!(acquire(&store, &w, 1).await.unwrap());
+    assert!(store.uses_functions());
+    let libraries = server.command(&["FUNCTION", "LIST"]).unwrap();
+    assert!(libraries.contains(store.library_name()), "{libraries}");
+    assert!(store.library_name().starts_with("sluice_"));
+    for flush in [["FUNCTION", "FLUSH"], ["SCRIPT", "FLUSH"]] {
+        assert!(server.command(&flush).unwrap().starts_with("+OK"));
+        assert!(acquire(&store, &w, 1).await.unwrap(), "after {flush:?}");
+    }
+    assert!(store.uses_functions());
     assert_eq!(
         server.integer(&["ZCARD", "sluice:{api}:q:minute:route"]),
-        Some(2)
+        Some(3)
     );
+    assert_eq!(server.command_calls("evalsha"), 0);
+}
+
+/// A Redis that refuses functions (Redis 6 has none; here an ACL denies them) gets every call
+/// as `EVALSHA`, from the first, and counts each once.
+#[tokio::test]
+async fn without_functions_calls_go_as_scripts() {
+    let server = RedisServer::start();
+    let store = RedisStore::new(RedisStoreConfig {
+        url: server.url_without_functions(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap();
+    let w = one_window(3);
+    for i in 0..3 {
+        assert!(acquire(&store, &w, 1).await.unwrap(), "call {i}");
+        assert!(!store.uses_functions());
+    }
+    assert!(!acquire(&store, &w, 1).await.unwrap(), "the limit holds");
+    assert_eq!(
+        server.integer(&["ZCARD", "sluice:{api}:q:minute:route"]),
+        Some(3)
+    );
+    assert_eq!(server.command_calls("evalsha"), 5, "4 calls, one NOSCRIPT");
+    assert_eq!(server.command_calls("fcall"), 0);
+}
+
+/// An ACL refusal of a command inside the library (here `ZADD`) is the call's error: the store
+/// neither gives up on functions nor sends the call again as a script, since the function may
+/// have run part way.
+#[tokio::test]
+async fn a_refusal_inside_a_function_is_not_a_refusal_of_functions() {
+    let server = RedisServer::start();
+    let store = RedisStore::new(RedisStoreConfig {
+        url: server.user_url("no-zadd", &["-zadd"]),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap();
+    let err = acquire(&store, &one_window(10), 1).await.unwrap_err();
+    assert!(err.to_string().contains("can't run this command"), "{err}");
+    assert!(store.uses_functions());
+    assert_eq!(server.command_calls("evalsha"), 0);
+    assert_eq!(server.command_calls("eval"), 0);
 }
 
 #[tokio::test]

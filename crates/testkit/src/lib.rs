@@ -138,6 +138,24 @@ impl RedisServer {
         SocketAddr::from(([127, 0, 0, 1], self.port))
     }
 
+    /// The URL of a user that may run everything but Redis functions (`FCALL`, `FUNCTION`), as
+    /// on Redis 6 or behind an ACL that denies them: the store's calls go as `EVALSHA`.
+    pub fn url_without_functions(&self) -> String {
+        self.user_url("sluice-eval", &["-fcall", "-fcall_ro", "-function"])
+    }
+
+    /// Creates (or resets) `user`, password `secret`, allowed every key, channel and command
+    /// but as `rules` say (ACL rules: `-zadd`, `-@scripting`...), and returns its URL.
+    pub fn user_url(&self, user: &str, rules: &[&str]) -> String {
+        let mut acl = vec![
+            "ACL", "SETUSER", user, "reset", "on", ">secret", "~*", "&*", "+@all",
+        ];
+        acl.extend_from_slice(rules);
+        let reply = self.command(&acl).expect("ACL SETUSER");
+        assert!(reply.starts_with("+OK"), "ACL SETUSER {user}: {reply}");
+        format!("redis://{user}:secret@127.0.0.1:{}/0", self.port)
+    }
+
     /// Kills the server (SIGKILL): connections break at once, as in a crash.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
