@@ -6,7 +6,7 @@ import time
 
 from . import common, stats
 from .procs import Failure, machine_cpu, now_ms
-from .servers import (evalsha_stats, lua_script, load_script, populate_pool, rcli, start_redis,
+from .servers import (lua_script, load_script, populate_pool, rcli, script_stats, start_redis,
                       start_sluice, store_errors, wait_ok)
 from .state import BIG_WINDOW, QUOTA_YAML, Run
 
@@ -155,11 +155,11 @@ def run(run: Run) -> str:
                    for j in range(k)]
         try:
             time.sleep(1)
-            before = [evalsha_stats(m) for m in master_ports]
+            before = [script_stats(m) for m in master_ports]
             cpu0, t0 = machine_cpu(), now_ms()
             time.sleep(scale_seconds)
             cpu1, t1 = machine_cpu(), now_ms()
-            after = [evalsha_stats(m) for m in master_ports]
+            after = [script_stats(m) for m in master_ports]
         finally:
             for p in benches:
                 procs.stop(p)
@@ -216,7 +216,7 @@ def run(run: Run) -> str:
         *run.wrk_table(["single", "cluster"]),
         "",
         f"- cluster / one Redis, req/s: {run.ratio('rps', 'cluster', 'single')}; p99: {run.ratio('p99', 'cluster', 'single')}",
-        f"- EVALSHA calls/s during the cluster runs (median over rounds), per master: {per_master_rates}",
+        f"- script calls/s (FCALL, EVALSHA) during the cluster runs (median over rounds), per master: {per_master_rates}",
         f"  one Redis: {stats.fmt(single_rate)}.",
         f"- errors reported by wrk: {run.wrk_errors(['single', 'cluster'])}; sluice store errors and fallbacks: {errors}.",
         f"- order: {run.orders['cluster']}",

@@ -181,7 +181,7 @@ def run(run: Run) -> str:
                 outs.append(None)
                 continue
             c = row["cmds"]
-            n = sum(v[0] for k, v in c.items() if not top_only or k in ("evalsha", "eval"))
+            n = sum(v[0] for k, v in c.items() if not top_only or k in ("fcall", "evalsha", "eval"))
             outs.append(n / row["requests"])
         return outs
 
@@ -189,7 +189,7 @@ def run(run: Run) -> str:
         outs = []
         for r in range(1, run.rounds + 1):
             c = (run.res.get((id, r)) or {}).get("cmds") or {}
-            calls, us = c.get("evalsha", [0, 0])
+            calls, us = (sum(c.get(k, [0, 0])[i] for k in ("fcall", "evalsha")) for i in (0, 1))
             outs.append(us / calls if calls else None)
         return outs
 
@@ -243,7 +243,7 @@ def run(run: Run) -> str:
         f"`headers: {{ Authorization: \"Bearer bench-key-…\" }}` and `quota: {MEMBER_QUOTA}`, `cooldown: {{}}` (so the",
         "script reads the cooldowns), no route quota; nothing is ever refused (`lua/assign_run.lua`).",
         f"Each target: `{run.wrk_cmd['kp']}` with the route's Host, after an unrecorded {run.warmup} warm-up;",
-        f"{run.rounds} rounds, order rotated and reversed every other round. EVALSHA per request is `cmdstat_evalsha` calls over wrk's requests.",
+        f"{run.rounds} rounds, order rotated and reversed every other round. Script calls per request are `cmdstat_fcall` + `cmdstat_evalsha` calls over wrk's requests.",
         "",
         *run.wrk_table(TARGETS),
         "",
@@ -251,9 +251,9 @@ def run(run: Run) -> str:
         f"- route quota + least_used / least_used, req/s: {run.ratio('rps', 'qlu', 'lu')}",
         f"- key pool / route quota + least_used, req/s: {run.ratio('rps', 'kp', 'qlu')}",
         f"- p99, key pool / least_used: {run.ratio('p99', 'kp', 'lu')}",
-        f"- µs per EVALSHA inside Redis (`cmdstat_evalsha` usec / calls; medians): least_used {stats.fmt(us_lu, '.2f')}, "
+        f"- µs per script call inside Redis (`cmdstat_fcall` + `cmdstat_evalsha` usec / calls; medians): least_used {stats.fmt(us_lu, '.2f')}, "
         f"route quota + least_used {stats.fmt(us_qlu, '.2f')}, key pool {stats.fmt(us_kp, '.2f')}",
-        f"- EVAL/EVALSHA per request, key pool (per round): {', '.join(stats.fmt(v, '.3f') for v in cmd_per('kp', True))}; "
+        f"- FCALL/EVAL/EVALSHA per request, key pool (per round): {', '.join(stats.fmt(v, '.3f') for v in cmd_per('kp', True))}; "
         f"every command Redis counted (scripts' own included) per request: {', '.join(stats.fmt(v, '.2f') for v in cmd_per('kp', False))}",
         f"- commandstats per request, last key-pool round: {kp_breakdown}",
         f"- commandstats per request, last least_used round: {lu_breakdown}",
@@ -262,7 +262,7 @@ def run(run: Run) -> str:
         f"- load average (1 min) before and after the rounds: {load0:.1f}, {load1:.1f} on {common.nproc()} cores.",
         "",
         *([f"The store errors above are sluice's Redis timeouts on a machine this loaded: those requests were answered",
-           "with the local fallback choice (their EVALSHA still ran in Redis, hence about one per request). The ratios are",
+           "with the local fallback choice (their script call still ran in Redis, hence about one per request). The ratios are",
            "of a saturated box; rerun on a quiet one before reading much into them.", ""] if errors != "0" else []),
         f"**Round trips, with MONITOR.** `redis-cli MONITOR` while {monitor_requests} sequential requests (one keep-alive",
         "connection) go to `kpmon.bench`, a key-pool route like `kp` that wrk never touched (after 5 unrecorded requests:",
@@ -287,7 +287,7 @@ def run(run: Run) -> str:
         mem_row(f"kpmem ({mem_requests} requests)", fresh),
         mem_row("qlu (wrk rounds, route quota only)", qlu_mem),
         "",
-        f"Reading: the key pool costs {stats.fmt(kp_calls, '.2f')} EVALSHA per request during wrk and "
+        f"Reading: the key pool costs {stats.fmt(kp_calls, '.2f')} script calls (FCALL) per request during wrk and "
         f"{stats.fmt(mon_per, '.2f')} client commands per request under MONITOR"
         + when(mon_per, lambda x: abs(x - 1) < 0.02, ": one round trip per request.",
                ": NOT exactly one round trip per request, see the commands above.")

@@ -86,7 +86,7 @@ routes:
         "`{ name: w, limit: 1000000000000, window: 1h }` at `cost.default` 1 and 100 (nothing is refused).",
         f"Each target: `{run.wrk_cmd['q1']}` (Host `noquota.bench`, `q1.bench`, `q100.bench`) after an",
         f"unrecorded {run.warmup} warm-up; {run.rounds} rounds, order rotated and reversed every other round. Medians over rounds;",
-        "sluice CPU is its utime+stime per request; EVALSHA per request is Redis's `cmdstat_evalsha` calls over wrk's requests.",
+        "sluice CPU is its utime+stime per request; script calls per request are Redis's `cmdstat_fcall` + `cmdstat_evalsha` calls over wrk's requests.",
         "",
         *run.wrk_table(["noquota", "q1", "q100"]),
         "",
@@ -97,7 +97,7 @@ routes:
         f"- order: {run.orders['quota']}",
         "",
         f"Reading: on this box a quota checked in Redis costs {stats.fmt(None if r1 is None else (1 - r1) * 100)}% "
-        "of the no-quota throughput (one EVALSHA round trip",
+        "of the no-quota throughput (one FCALL round trip",
         f"per request, paid in sluice's CPU and in latency), and cost 100 runs at {stats.fmt(r100, '.2f')}× the rate of cost 1"
         + when(r100, lambda x: x >= 0.9, ": the cost does not change the price.",
                ": noticeably slower, see the script figures below."),

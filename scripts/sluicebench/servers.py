@@ -225,13 +225,16 @@ def rcli(port: int, *args: str, stdin: Optional[bytes] = None, check: bool = Tru
     return p.stdout.decode(errors="replace").replace("\r", "")
 
 
-def evalsha_stats(port: int) -> tuple[int, int, int]:
-    """(calls, usec, failed_calls) of EVALSHA since the last CONFIG RESETSTAT."""
+def script_stats(port: int) -> tuple[int, int, int]:
+    """(calls, usec, failed_calls) of script calls since the last CONFIG RESETSTAT: FCALL (sluice's
+    function library) and EVALSHA (its scripts, where Redis takes no functions; redis-benchmark)."""
+    total = [0, 0, 0]
     for line in rcli(port, "INFO", "commandstats").splitlines():
-        if line.startswith("cmdstat_evalsha:"):
+        if line.startswith(("cmdstat_evalsha:", "cmdstat_fcall:")):
             v = dict(kv.split("=", 1) for kv in line.split(":", 1)[1].split(","))
-            return int(v.get("calls", 0)), int(v.get("usec", 0)), int(v.get("failed_calls", 0))
-    return 0, 0, 0
+            for i, k in enumerate(("calls", "usec", "failed_calls")):
+                total[i] += int(v.get(k, 0))
+    return total[0], total[1], total[2]
 
 
 def commandstats(port: int) -> dict[str, tuple[int, int]]:

@@ -46,7 +46,7 @@ from typing import Callable, Optional, Sequence
 
 from . import common, doc, stats, wrk
 from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms
-from .servers import Backends, commandstats, evalsha_stats, rcli, start_backends
+from .servers import Backends, commandstats, rcli, script_stats, start_backends
 
 START_MARK = "<!-- bench:state:start -->"
 END_MARK = "<!-- bench:state:end -->"
@@ -108,7 +108,7 @@ class Run:
                 lua: Optional[Path] = None, cpu: Sequence[int] = (),
                 redis_ports: Sequence[int] = ()) -> None:
         """A warm-up, then the recorded run against 127.0.0.1:PORT with Host HOST (or the wrk
-        script LUA). Records req/s, latencies, the CPU of the CPU pids per request, and EVALSHA
+        script LUA). Records req/s, latencies, the CPU of the CPU pids per request, and script calls (FCALL, EVALSHA)
         calls on REDIS_PORTS per request."""
         if lua is not None:
             args = wrk.args(self.wrk_threads, self.connections, script=str(lua))
@@ -121,7 +121,7 @@ class Run:
         url = f"http://127.0.0.1:{port}/"
         wrk.run(self.procs, url, args, self.warmup, latency=False)
         before = cpu_ticks(cpu) if cpu else 0
-        calls0 = {p: evalsha_stats(p)[0] for p in redis_ports}
+        calls0 = {p: script_stats(p)[0] for p in redis_ports}
         cmd0 = {p: commandstats(p) for p in redis_ports}
         t0 = now_ms()
         out = wrk.run(self.procs, url, args, self.duration)
@@ -136,7 +136,7 @@ class Run:
                     acc = cmds.setdefault(name, [0, 0])
                     acc[0] += c - c0
                     acc[1] += us - us0
-            d = evalsha_stats(p)[0] - calls0[p]
+            d = script_stats(p)[0] - calls0[p]
             calls += d
             self.call_rate[id, r, p] = d * 1000 / (t1 - t0)
         (self.work / f"wrk-{id}-{r}.txt").write_text(out.text)
@@ -147,7 +147,7 @@ class Run:
         self.res[id, r] = row
         self.log(f"round {r} {id}: {out.rps:.0f} req/s, p50 {stats.fmt(out.p50_ms, '.3f')} ms, "
                  f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, sluice CPU {stats.fmt(row['cpu'], '.1f')} µs/req, "
-                 f"EVALSHA/req {stats.fmt(row['calls'], '.2f')} {out.errors}")
+                 f"script calls/req {stats.fmt(row['calls'], '.2f')} {out.errors}")
 
     def per(self, id: str, what: str) -> list:
         return [self.res.get((id, r), {}).get(what) for r in range(1, self.rounds + 1)]
@@ -173,7 +173,7 @@ class Run:
         self.orders[part] = "".join(orders)
 
     def wrk_table(self, ids: Sequence[str]) -> list[str]:
-        out = ["| target | req/s | p50 ms | p99 ms | sluice CPU µs/req | EVALSHA per request | req/s per round | p99 ms per round |",
+        out = ["| target | req/s | p50 ms | p99 ms | sluice CPU µs/req | script calls (FCALL) per request | req/s per round | p99 ms per round |",
                "|---|---:|---:|---:|---:|---:|---|---|"]
         for id in ids:
             out.append(
@@ -200,7 +200,7 @@ class Run:
         if len(lines) < 2:
             raise Failure(f"could not read redis-benchmark's output: {out}")
         rps = float(lines[1].split(",")[1])
-        calls, usec, failed = evalsha_stats(port)
+        calls, usec, failed = script_stats(port)
         return rps, (usec / calls if calls else 0.0), calls, failed
 
 
