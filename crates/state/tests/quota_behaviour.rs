@@ -150,9 +150,9 @@ async fn memory_store_matches_the_model() {
     suite(&MemoryStore::new(), "memory").await;
 }
 
-fn redis_store(server: &RedisServer) -> RedisStore {
+fn redis_store(url: &str) -> RedisStore {
     RedisStore::new(RedisStoreConfig {
-        url: server.url(),
+        url: url.into(),
         key_prefix: "sluice".into(),
         timeout: Duration::from_secs(2),
     })
@@ -162,7 +162,7 @@ fn redis_store(server: &RedisServer) -> RedisStore {
 #[tokio::test]
 async fn redis_store_matches_the_model() {
     let server = RedisServer::start();
-    suite(&redis_store(&server), "redis").await;
+    suite(&redis_store(&server.url()), "redis").await;
     assert_eq!(server.command_calls("evalsha"), 0, "every call an FCALL");
 }
 
@@ -170,12 +170,7 @@ async fn redis_store_matches_the_model() {
 #[tokio::test]
 async fn redis_store_without_functions_matches_the_model() {
     let server = RedisServer::start();
-    let store = RedisStore::new(RedisStoreConfig {
-        url: server.url_without_functions(),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(2),
-    })
-    .unwrap();
+    let store = redis_store(&server.url_without_functions());
     suite(&store, "redis, scripts").await;
     assert!(!store.uses_functions());
     assert_eq!(server.command_calls("fcall"), 0);
@@ -251,7 +246,7 @@ async fn scenarios_hold_for_memory() {
 #[tokio::test]
 async fn scenarios_hold_for_redis() {
     let server = RedisServer::start();
-    scenarios(&redis_store(&server)).await;
+    scenarios(&redis_store(&server.url())).await;
 }
 
 #[tokio::test]
@@ -259,7 +254,7 @@ async fn all_windows_or_none() {
     let server = RedisServer::start();
     for store in [
         Arc::new(MemoryStore::new()) as Arc<dyn StateStore>,
-        Arc::new(redis_store(&server)) as Arc<dyn StateStore>,
+        Arc::new(redis_store(&server.url())) as Arc<dyn StateStore>,
     ] {
         let w = windows();
         let ask = |cost, at| Acquire {

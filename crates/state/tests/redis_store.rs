@@ -8,8 +8,12 @@ use sluice_state::{Acquire, RedisStore, RedisStoreConfig, StateStore, StoreError
 use sluice_testkit::RedisServer;
 
 fn store(server: &RedisServer, timeout: Duration) -> RedisStore {
+    store_at(server.url(), timeout)
+}
+
+fn store_at(url: String, timeout: Duration) -> RedisStore {
     RedisStore::new(RedisStoreConfig {
-        url: server.url(),
+        url,
         key_prefix: "sluice".into(),
         timeout,
     })
@@ -107,12 +111,7 @@ async fn function_and_script_flushes_are_transparent() {
 #[tokio::test]
 async fn without_functions_calls_go_as_scripts() {
     let server = RedisServer::start();
-    let store = RedisStore::new(RedisStoreConfig {
-        url: server.url_without_functions(),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(2),
-    })
-    .unwrap();
+    let store = store_at(server.url_without_functions(), Duration::from_secs(2));
     let w = one_window(3);
     for i in 0..3 {
         assert!(acquire(&store, &w, 1).await.unwrap(), "call {i}");
@@ -133,12 +132,7 @@ async fn without_functions_calls_go_as_scripts() {
 #[tokio::test]
 async fn a_refusal_inside_a_function_is_not_a_refusal_of_functions() {
     let server = RedisServer::start();
-    let store = RedisStore::new(RedisStoreConfig {
-        url: server.user_url("no-zadd", &["-zadd"]),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(2),
-    })
-    .unwrap();
+    let store = store_at(server.user_url("no-zadd", &["-zadd"]), Duration::from_secs(2));
     let err = acquire(&store, &one_window(10), 1).await.unwrap_err();
     assert!(err.to_string().contains("can't run this command"), "{err}");
     assert!(store.uses_functions());
