@@ -132,7 +132,10 @@ async fn without_functions_calls_go_as_scripts() {
 #[tokio::test]
 async fn a_refusal_inside_a_function_is_not_a_refusal_of_functions() {
     let server = RedisServer::start();
-    let store = store_at(server.user_url("no-zadd", &["-zadd"]), Duration::from_secs(2));
+    let store = store_at(
+        server.user_url("no-zadd", &["-zadd"]),
+        Duration::from_secs(2),
+    );
     let err = acquire(&store, &one_window(10), 1).await.unwrap_err();
     assert!(err.to_string().contains("can't run this command"), "{err}");
     assert!(store.uses_functions());
