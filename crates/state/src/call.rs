@@ -90,9 +90,10 @@ impl<'s> ScriptCall<'s> {
     /// twice:
     /// - an unknown function (first use, a restart without persistence, `FUNCTION FLUSH`, a new
     ///   cluster node): the library is loaded, and the `FCALL` sent once more;
-    /// - no functions at all (Redis 6, an ACL without `FUNCTION`), or a library that would not
-    ///   load (a cluster node unreachable for the load): the call goes as `EVALSHA`, and the
-    ///   first case stops this store from trying functions again;
+    /// - no functions at all (Redis 6, an ACL without `FUNCTION`), a library Redis will not
+    ///   load, or one that could not be loaded just now (a cluster node out of reach): the call
+    ///   goes as `EVALSHA`, and all but the last case stop this store from trying functions
+    ///   again;
     /// - an unknown script (as above, for scripts): the script is loaded and sent once more.
     pub async fn invoke<T: FromRedisValue>(
         &self,
@@ -108,7 +109,16 @@ impl<'s> ScriptCall<'s> {
                     Err(e) if function_missing(&e) => {}
                     other => return other,
                 },
-                Err(e) if functions_refused(&e) => self.library.refuse_functions(),
+                // Redis answered, and will not take this library (its user may not load
+                // functions, or its Lua will not compile the text): scripts from now on, rather
+                // than three round trips a call. Anything else (a node out of reach, OOM) may
+                // pass: this call goes as a script, and the next tries the library again.
+                Err(e)
+                    if functions_refused(&e)
+                        || e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) =>
+                {
+                    self.library.refuse_functions()
+                }
                 Err(_) => {}
             },
             Err(e) if functions_refused(&e) => self.library.refuse_functions(),
