@@ -125,4 +125,9 @@ def redis_version() -> str:
 
 
 def nproc() -> int:
-    return len(os.sched_getaffinity(0))
+    """The machine's CPUs, as `nproc` prints them before REDIS_CPU narrows this process's
+    affinity: the reports' "on N cores" is about the box."""
+    return len(_CPUS_AT_START)
+
+
+_CPUS_AT_START = frozenset(os.sched_getaffinity(0))

@@ -30,7 +30,9 @@ RELOAD_SIZES ("100 1000 10000"), STORM_ROUTES (1000), STORM_INTERVAL (0.1), SCAL
 ROUTES_PER_MASTER (2), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it is),
 SLUICE_BIN_DIR (a directory holding a release sluice; no build), WAIT_QUIET (1: first wait,
 polling every 20 s for at most 30 minutes, until no other wrk, cargo bench or valgrind runs),
-DOC (docs/BENCHMARKS.md), KEEP (0; 1 keeps the work directory).
+DOC (docs/BENCHMARKS.md), KEEP (0; 1 keeps the work directory), REDIS_CPU (unset; a CPU number
+runs every redis-server alone on that CPU and everything else on the others, as a Redis on a host
+of its own would be: the req/s then measure the gateway side, not Redis's share of the same cores).
 
 Everything runs on 127.0.0.1 and stops, by PID, on exit (Ctrl-C included).
 """
@@ -44,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from . import common, doc, stats, wrk
+from . import common, doc, servers, stats, wrk
 from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms
 from .servers import Backends, commandstats, rcli, script_stats, start_backends
 
@@ -71,6 +73,12 @@ class Run:
         self.sluice_threads = knobs.int("SLUICE_THREADS", 1, minimum=1)
         self.rb_requests = knobs.int("RB_REQUESTS", 200000, minimum=1)
         self.rb_clients = knobs.int("RB_CLIENTS", 50, minimum=1)
+        redis_cpu = knobs.str("REDIS_CPU", "")
+        if redis_cpu:
+            if not redis_cpu.isdigit():
+                raise Failure(f"REDIS_CPU must be a CPU number, not {redis_cpu!r}")
+            servers.pin_redis(int(redis_cpu))
+        self.redis_cpu = servers.REDIS_CPU
         wrk.seconds(self.duration), wrk.seconds(self.warmup)  # fail early on a bad duration
         self._backends: Optional[Backends] = None
         self.res: dict[tuple[str, int], dict] = {}
@@ -94,14 +102,24 @@ class Run:
         return self._backends
 
     def knob_line(self, *extra: str) -> str:
-        return self.knobs.line(WRK_KNOBS + list(extra))
+        pinned = ["REDIS_CPU"] if self.redis_cpu is not None else []
+        return self.knobs.line(WRK_KNOBS + pinned + list(extra))
 
     def command(self, part: str, *extra: str) -> str:
         return f"{self.knob_line(*extra)} scripts/bench-state {part}" + (" --write" if self.write else "")
 
     def header(self) -> str:
         return (f"Run on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, sluice {common.git_revision()}, "
-                f"`nproc` = {common.nproc()}, {common.redis_version()}, {common.wrk_version()}.")
+                f"`nproc` = {common.nproc()}, {common.redis_version()}, {common.wrk_version()}."
+                + ("" if self.redis_cpu is None else
+                   f" Redis pinned to CPU {self.redis_cpu} alone (`REDIS_CPU={self.redis_cpu}`, as a Redis on a host of"
+                   " its own); wrk, nginx and sluice share the other CPUs."))
+
+    @property
+    def shared_cores(self) -> str:
+        """Where the script's work competes with sluice's, for the reports' readings."""
+        return ("on a core of its own, apart from sluice and wrk" if self.redis_cpu is not None
+                else f"on the same {common.nproc()} cores as sluice and wrk")
 
     # --- wrk ---------------------------------------------------------------------------------
     def wrk_run(self, id: str, r: int, port: int, host: Optional[str] = None,
@@ -270,7 +288,8 @@ def write_doc(doc_path: Path, reports: dict[str, str]) -> None:
     body = [
         "## Shared state, reload and Redis Cluster (`scripts/bench-state`)",
         "",
-        "Everything on 127.0.0.1 on one shared machine (client, gateway, backends and Redis on the same cores): compare",
+        "Everything on 127.0.0.1 on one shared machine (client, gateway, backends and Redis on the same cores, unless a",
+        "part's first line says Redis was pinned to a CPU of its own with `REDIS_CPU`): compare",
         "the ratios taken within one run, not the absolute figures. Each part can be rerun alone",
         "(`scripts/bench-state quota|least-used|key-pool|reload|cluster --write`).",
     ]
