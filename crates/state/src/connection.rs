@@ -206,7 +206,12 @@ impl RedisConnection {
                 Target::Single(client) => {
                     let config = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(self.timeout))
-                        .set_response_timeout(Some(self.timeout))
+                        // No response timeout of the client's own: `run` already bounds every
+                        // call by the same timeout, and a second timer per call cost about 1.1k
+                        // instructions a request. The client's timeout did nothing more than
+                        // ours (no reconnect on it), and when it fired first it surfaced as an
+                        // I/O error that `run` then retried until its own timeout anyway.
+                        .set_response_timeout(None)
                         // A request never waits longer than its own timeout anyway, so keep
                         // the reconnect backoff short: the store is usable again within about
                         // 100 ms of Redis coming back.
