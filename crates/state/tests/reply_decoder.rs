@@ -1,0 +1,190 @@
+//! The Redis client's reply decoder, as patched in third_party/redis ("complete replies
+//! without combine", third_party/PATCHES.md): fed the same bytes in the same pieces, it
+//! gives what the decoder as released gives (`ValueCodec::combine_only`): the same replies,
+//! then the same error or the same wait for more, whatever the input.
+//!
+//! The decoder is the one every store call's reply goes through (the multiplexed connection
+//! frames the socket with it), so the store suites on a real Redis exercise it end to end;
+//! these properties cover the shapes and cuts a real server rarely produces.
+
+use bytes::BytesMut;
+use proptest::prelude::*;
+use redis::{parse_redis_value, Value, ValueCodec};
+use tokio_util::codec::Decoder;
+
+/// A reply, as RESP2 bytes: the shapes the fast path reads (integers, bulk and simple strings,
+/// nils, arrays, nested past its depth limit) and some it leaves to combine (errors, doubles,
+/// RESP3 maps).
+fn reply() -> impl Strategy<Value = Vec<u8>> {
+    let leaf = prop_oneof![
+        any::<i64>().prop_map(|n| format!(":{n}\r\n").into_bytes()),
+        proptest::collection::vec(any::<u8>(), 0..40).prop_map(|body| {
+            let mut out = format!("${}\r\n", body.len()).into_bytes();
+            out.extend_from_slice(&body);
+            out.extend_from_slice(b"\r\n");
+            out
+        }),
+        Just(b"$-1\r\n".to_vec()),
+        Just(b"*-1\r\n".to_vec()),
+        Just(b"+OK\r\n".to_vec()),
+        "[a-zA-Z0-9 :=]{0,12}".prop_map(|s| format!("+{s}\r\n").into_bytes()),
+        "[A-Z]{1,8} [a-z ]{0,12}".prop_map(|s| format!("-{s}\r\n").into_bytes()),
+        (-1000i32..1000).prop_map(|n| format!(",{n}.5\r\n").into_bytes()),
+        Just(b"%1\r\n+k\r\n:1\r\n".to_vec()),
+    ];
+    leaf.prop_recursive(12, 64, 5, |inner| {
+        proptest::collection::vec(inner, 0..5).prop_map(|items| {
+            let mut out = format!("*{}\r\n", items.len()).into_bytes();
+            for item in items {
+                out.extend_from_slice(&item);
+            }
+            out
+        })
+    })
+}
+
+/// A decoder's reading of some input: each reply or error in order, then whether it was left
+/// waiting for bytes that never came (`None` at the end).
+type Reading = Vec<Option<Result<Value, String>>>;
+
+/// What `codec` makes of `input` fed in pieces cut at `cuts`, then at its end. After an error
+/// it reads on, as the multiplexed connection's read loop does.
+fn decode_in_pieces(mut codec: ValueCodec, input: &[u8], cuts: &[usize]) -> Reading {
+    let mut buf = BytesMut::new();
+    let mut out = Vec::new();
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+    points.push(input.len());
+    points.sort_unstable();
+    let mut fed = 0;
+    for point in points {
+        buf.extend_from_slice(&input[fed..point]);
+        fed = point;
+        // Bounded: a decoder that fails without taking bytes would fail forever.
+        for _ in 0..64 {
+            match codec.decode(&mut buf) {
+                Ok(Some(v)) => out.push(Some(Ok(v))),
+                Ok(None) => break,
+                Err(e) => out.push(Some(Err(e.to_string()))),
+            }
+        }
+    }
+    for _ in 0..64 {
+        match codec.decode_eof(&mut buf) {
+            Ok(Some(v)) => out.push(Some(Ok(v))),
+            Ok(None) => {
+                out.push(None);
+                break;
+            }
+            Err(e) => out.push(Some(Err(e.to_string()))),
+        }
+    }
+    out
+}
+
+/// The patched decoder's reading of `input`, which must equal the released one's.
+fn both(input: &[u8], cuts: &[usize]) -> (Reading, Reading) {
+    (
+        decode_in_pieces(ValueCodec::default(), input, cuts),
+        decode_in_pieces(ValueCodec::combine_only(), input, cuts),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Replies back to back, cut anywhere: the same replies as released, each what the combine
+    /// parser makes of its own bytes, and nothing left over or lost.
+    #[test]
+    fn replies_decode_as_released(
+        replies in proptest::collection::vec(reply(), 1..4),
+        cuts in proptest::collection::vec(any::<usize>(), 0..4),
+    ) {
+        let input: Vec<u8> = replies.concat();
+        let (patched, released) = both(&input, &cuts);
+        prop_assert_eq!(&patched, &released);
+        let mut expected: Reading = replies
+            .iter()
+            .map(|r| Some(Ok(parse_redis_value(r).expect("a well-formed reply"))))
+            .collect();
+        expected.push(None);
+        prop_assert_eq!(patched, expected);
+    }
+
+    /// A reply with one byte changed, then a good one, cut anywhere: the same replies and
+    /// errors, in the same order, then the same wait, as released.
+    #[test]
+    fn damaged_replies_decode_as_released(
+        reply in reply(),
+        after in reply(),
+        at in any::<usize>(),
+        byte in prop_oneof![Just(b'\r'), Just(b'\n'), Just(b'-'), Just(b'9'), Just(b'*'), Just(b'$'), any::<u8>()],
+        cuts in proptest::collection::vec(any::<usize>(), 0..3),
+    ) {
+        let mut input = reply.clone();
+        let at = at % input.len();
+        input[at] = byte;
+        // A good reply behind the damaged one: what follows an error is read alike too.
+        input.extend_from_slice(&after);
+        let (patched, released) = both(&input, &cuts);
+        prop_assert_eq!(patched, released);
+    }
+
+    /// Bytes of no particular shape: the same, as released.
+    #[test]
+    fn any_bytes_decode_as_released(
+        input in proptest::collection::vec(
+            prop_oneof![Just(b'\r'), Just(b'\n'), Just(b'*'), Just(b'$'), Just(b':'), Just(b'+'), Just(b'1'), Just(b'-'), any::<u8>()],
+            0..48,
+        ),
+        cuts in proptest::collection::vec(any::<usize>(), 0..3),
+    ) {
+        let (patched, released) = both(&input, &cuts);
+        prop_assert_eq!(patched, released);
+    }
+}
+
+/// The reply shapes sluice's scripts return, and the edges of the fast path, read exactly.
+#[test]
+fn the_shapes_sluice_reads() {
+    let cases: &[(&[u8], Value)] = &[
+        (b":1\r\n", Value::Int(1)),
+        (b":-9223372036854775808\r\n", Value::Int(i64::MIN)),
+        (b"$0\r\n\r\n", Value::BulkString(vec![])),
+        (b"$4\r\na\r\nb\r\n", Value::BulkString(b"a\r\nb".to_vec())),
+        (b"$-1\r\n", Value::Nil),
+        (b"*-1\r\n", Value::Nil),
+        (b"*0\r\n", Value::Array(vec![])),
+        (b"+OK\r\n", Value::Okay),
+        (b"+QUEUED\r\n", Value::SimpleString("QUEUED".into())),
+        (
+            b"*2\r\n:1\r\n$5\r\nkey-a\r\n",
+            Value::Array(vec![Value::Int(1), Value::BulkString(b"key-a".to_vec())]),
+        ),
+        // Blanks around an integer: combine tolerates them, so they go to combine.
+        (b": 7\r\n", Value::Int(7)),
+    ];
+    for (bytes, want) in cases {
+        let (patched, released) = both(bytes, &[]);
+        assert_eq!(patched, released, "{:?}", String::from_utf8_lossy(bytes));
+        assert_eq!(
+            patched,
+            vec![Some(Ok(want.clone())), None],
+            "{:?}",
+            String::from_utf8_lossy(bytes)
+        );
+    }
+}
+
+/// A count larger than the bytes could hold is an incomplete reply, not an allocation of that
+/// size: the patched decoder waits for more, as released.
+#[test]
+fn a_huge_count_is_an_incomplete_reply() {
+    for input in [
+        &b"*9223372036854775807\r\n:1\r\n"[..],
+        b"$9223372036854775807\r\nab\r\n",
+    ] {
+        let (patched, released) = both(input, &[]);
+        assert_eq!(patched, released);
+        assert!(!patched.iter().any(|r| matches!(r, Some(Ok(_)))));
+    }
+}
