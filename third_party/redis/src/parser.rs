@@ -461,6 +461,12 @@ mod aio_support {
             // `complete::value` in one pass. Anything else, an incomplete reply included,
             // goes to combine exactly as before, from the same bytes.
             if !self.partial && !self.combine_only {
+                // The framed reader asks again after every reply, usually of an empty buffer.
+                // Combine, with no reply begun, would answer that it needs more and take
+                // nothing; answering so here keeps the flag clear for the next reply.
+                if bytes.is_empty() && !eof {
+                    return Ok(None);
+                }
                 if let Some((value, len)) = complete::value(&bytes[..], 0) {
                     bytes.advance(len);
                     return Ok(Some(value));
