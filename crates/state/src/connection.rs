@@ -207,7 +207,7 @@ impl RedisConnection {
                     let config = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(self.timeout))
                         // No response timeout of the client's own: `run` already bounds every
-                        // call by the same timeout, and a second timer per call cost about 1.1k
+                        // call by the same timeout, and a second timer per call cost about 0.9k
                         // instructions a request. The client's timeout did nothing more than
                         // ours (no reconnect on it), and when it fired first it surfaced as an
                         // I/O error that `run` then retried until its own timeout anyway.
