@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import common, doc, stats, wrk
-from .procs import (CLK_TCK, Failure, Procs, children_of, cpu_ticks, machine_cpu,
-                    waited_children_ticks)
+from .procs import (CLK_TCK, Failure, Procs, busiest_share, busiest_thread_ns, children_of,
+                    cpu_split, cpu_ticks, machine_cpu, waited_children_ticks)
 from .servers import Backends, start_backends, start_nginx, start_sluice, nginx_has_stub_status
 
 START_MARK = "<!-- bench:wrk:start -->"
@@ -224,15 +224,24 @@ def run(procs: Procs, sluice: Path, rounds: int, duration: str, connections: int
             wrk.run(procs, url, base, warmup, latency=False)
             if t.log:
                 t.log.write_bytes(b"")  # the writers append (O_APPEND): truncating is safe
-            before = cpu_ticks(t.pids) if t.pids else 0
+            before = cpu_split(t.pids) if t.pids else (0, 0)
+            threads0 = busiest_thread_ns(t.pids)
             accepts0 = backends.accepts() if has_status else None
             out = wrk.run(procs, url, base, duration)
             accepts1 = backends.accepts() if has_status else None
-            after = cpu_ticks(t.pids) if t.pids else 0
+            after = cpu_split(t.pids) if t.pids else (0, 0)
+            threads1 = busiest_thread_ns(t.pids)
             (procs.work / f"wrk-{key}-{r}.txt").write_text(out.text)
+
+            def per_request(ticks: int) -> Optional[float]:
+                return ticks / CLK_TCK * 1e6 / out.requests if t.pids else None
+
+            user, system = after[0] - before[0], after[1] - before[1]
+            busiest = busiest_share(threads0, threads1, out.requests / out.rps)
             row = {"rps": out.rps, "p50": out.p50_ms, "p99": out.p99_ms, "errors": out.errors,
-                   "cpu": (after - before) / CLK_TCK * 1e6 / out.requests if t.pids else None,
-                   "opened": None}
+                   "cpu": per_request(user + system), "user": per_request(user),
+                   "sys": per_request(system),
+                   "busiest": 100 * busiest if busiest is not None else None, "opened": None}
             if accepts0 is not None and accepts1 is not None:
                 # Each stub_status reading is one accept per backend: subtract the second's.
                 row["opened"] = accepts1 - accepts0 - len(backends.status_ports)
@@ -241,7 +250,9 @@ def run(procs: Procs, sluice: Path, rounds: int, duration: str, connections: int
                 lines = count_lines(t.log, t.log_needle)
                 log_checks[key].append(f"round {r}: {lines} lines for {out.requests} requests")
             procs.log(f"round {r} {key}: {out.rps:.0f} req/s, p50 {stats.fmt(out.p50_ms, '.3f')} ms, "
-                      f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, proxy CPU {stats.fmt(row['cpu'], '.1f')} µs/req, "
+                      f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, proxy CPU {stats.fmt(row['cpu'], '.1f')} µs/req "
+                      f"(user {stats.fmt(row['user'], '.1f')}, kernel {stats.fmt(row['sys'], '.1f')}; "
+                      f"busiest thread {stats.fmt(row['busiest'], '.0f')}% busy), "
                       f"backend connections opened {stats.fmt(row['opened'], 'd')} {out.errors}")
     cpu1, ours1, kids1 = machine_cpu(), cpu_ticks(our_pids), waited_children_ticks()
     # What else used the machine: all busy CPU time minus that of this run's own processes
@@ -280,8 +291,8 @@ def report(targets: dict[str, Target], res: dict, rounds: int, duration: str, co
         f"{other:.1f}% of the machine's",
         f"CPU time, from `/proc/stat` and `/proc/<pid>/stat`; the hypervisor stole {steal:.1f}%.",
         "",
-        "| target | req/s | p50 ms | p99 ms | proxy CPU µs/req | backend connections opened | req/s per round |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| target | req/s | p50 ms | p99 ms | proxy CPU µs/req | of it user / kernel | busiest proxy thread busy | backend connections opened | req/s per round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for key, t in targets.items():
         opened = per(key, "opened")
@@ -290,6 +301,10 @@ def report(targets: dict[str, Target], res: dict, rounds: int, duration: str, co
             f"| {stats.fmt(stats.median(per(key, 'p50')), '.3f')} "
             f"| {stats.fmt(stats.median(per(key, 'p99')), '.3f')} "
             f"| {stats.fmt(stats.median(per(key, 'cpu')), '.1f')} "
+            f"| {stats.fmt(stats.median(per(key, 'user')), '.1f')} / "
+            f"{stats.fmt(stats.median(per(key, 'sys')), '.1f')} "
+            f"| {stats.fmt(stats.median(per(key, 'busiest')), '.0f')}"
+            f"{'' if stats.median(per(key, 'busiest')) is None else '%'} "
             f"| {'-' if None in opened else sum(opened)} "
             f"| {', '.join(f'{v:.0f}' for v in per(key, 'rps'))} |")
     out += [
@@ -302,6 +317,8 @@ def report(targets: dict[str, Target], res: dict, rounds: int, duration: str, co
         f"- sluice / HAProxy, req/s: {ratio('rps', 'sluice_off', 'haproxy_off')}",
         f"- HAProxy / nginx, req/s: {ratio('rps', 'haproxy_off', 'nginx_off')}",
         f"- sluice / nginx, p99: {ratio('p99', 'sluice_off', 'nginx_off')}",
+        f"- sluice / nginx, CPU per request: {ratio('cpu', 'sluice_off', 'nginx_off')}; "
+        f"user {ratio('user', 'sluice_off', 'nginx_off')}; kernel {ratio('sys', 'sluice_off', 'nginx_off')}",
         f"- sluice / HAProxy, p99: {ratio('p99', 'sluice_off', 'haproxy_off')}",
         f"- sluice / direct, req/s: {ratio('rps', 'sluice_off', 'direct')}",
         f"- nginx / direct, req/s: {ratio('rps', 'nginx_off', 'direct')}",
@@ -312,6 +329,8 @@ def report(targets: dict[str, Target], res: dict, rounds: int, duration: str, co
         f"- sluice / HAProxy, req/s: {ratio('rps', 'sluice_on', 'haproxy_on')}",
         f"- HAProxy / nginx, req/s: {ratio('rps', 'haproxy_on', 'nginx_on')}",
         f"- sluice / nginx, p99: {ratio('p99', 'sluice_on', 'nginx_on')}",
+        f"- sluice / nginx, CPU per request: {ratio('cpu', 'sluice_on', 'nginx_on')}; "
+        f"user {ratio('user', 'sluice_on', 'nginx_on')}; kernel {ratio('sys', 'sluice_on', 'nginx_on')}",
         f"- sluice / HAProxy, p99: {ratio('p99', 'sluice_on', 'haproxy_on')}",
         "",
         "What the access log costs each proxy, log on / log off:",
@@ -336,7 +355,11 @@ def report(targets: dict[str, Target], res: dict, rounds: int, duration: str, co
         "  its JSON access log on stderr appended to a file (log on; its writer thread batches lines), or",
         "  `RUST_LOG=warn` (log off). Every proxy with its log on is a process of its own, next to its log-off twin.",
         "- Proxy CPU: utime+stime of the proxy's processes (all threads; nginx master and worker) from `/proc/<pid>/stat`",
-        "  across the recorded run, divided by wrk's request count. The backends' CPU is not included.",
+        "  across the recorded run, divided by wrk's request count; user / kernel splits it into utime and stime.",
+        "  The backends' CPU is not included. Busiest proxy thread: the largest time on CPU of any one of the",
+        "  proxy's threads (`/proc/<pid>/task/<tid>/schedstat`) over wrk's elapsed time. Near 100%, that one",
+        "  event-loop thread is what limits the proxy's req/s, and its CPU per request sets it; well below, the",
+        "  shared cores do.",
         "- Backend connections opened: the backends' `stub_status` accepts during the recorded runs, all rounds together",
         f"  (for direct, wrk's own connections, about {connections} per round). A proxy that reuses its upstream connections",
         "  opens almost none after warm-up; one that does not opens about one per request.",

@@ -183,12 +183,43 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def cpu_ticks(pids: Sequence[int]) -> int:
     """utime + stime of the processes (all their threads), in clock ticks."""
-    total = 0
+    return sum(cpu_split(pids))
+
+
+def cpu_split(pids: Sequence[int]) -> tuple[int, int]:
+    """utime and stime of the processes (all their threads), in clock ticks: user space and
+    kernel apart. A proxy on loopback spends most of its time in the kernel's socket work, which
+    callgrind's instruction counts do not see; this is the figure that does."""
+    user = system = 0
     for pid in pids:
         stat = Path(f"/proc/{pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
-        total += int(fields[11]) + int(fields[12])
-    return total
+        user += int(fields[11])
+        system += int(fields[12])
+    return user, system
+
+
+def busiest_thread_ns(pids: Sequence[int]) -> dict[int, int]:
+    """Time on CPU, in ns, of every thread of the processes (`/proc/<pid>/task/<tid>/schedstat`).
+    Taken before and after a run, the largest difference over the run's wall time says whether
+    the proxy's one event-loop thread was saturated: when it is, that thread's CPU per request
+    sets the proxy's req/s; when it is not, the machine's shared cores do."""
+    out: dict[int, int] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass  # a thread that ended meanwhile, or a kernel without schedstats
+    return out
+
+
+def busiest_share(before: dict[int, int], after: dict[int, int], wall_s: float) -> float | None:
+    """The busiest thread's share of the wall time between two `busiest_thread_ns` readings."""
+    deltas = [after[t] - before[t] for t in after if t in before]
+    if not deltas or wall_s <= 0:
+        return None
+    return max(deltas) / 1e9 / wall_s
 
 
 def children_of(pid: int) -> list[int]:
