@@ -1,4 +1,4 @@
-"""python3 -m sluicebench bench|bench-state|bench-tunnel|bench-idle-memory|profile|build-pgo [ARGS...]
+"""python3 -m sluicebench bench|bench-state|bench-tunnel|bench-idle-memory|profile|build-pgo|perf-split [ARGS...]
 (with scripts/ on sys.path). The scripts of those names call this with their own command name.
 """
 
@@ -11,7 +11,7 @@ from .procs import Failure, install_signal_handlers, log
 
 COMMANDS = {"bench": "bench", "bench-state": "state", "bench-tunnel": "tunnel",
             "bench-idle-memory": "idle_memory", "profile": "profile",
-            "build-pgo": "pgo"}
+            "build-pgo": "pgo", "perf-split": "split"}
 
 
 def main(argv: list[str]) -> int:
