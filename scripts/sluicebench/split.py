@@ -161,7 +161,8 @@ def main(argv: list[str]) -> int:
                 procs.log(f"round {r} {key}: {row['rps']:.0f} req/s, thread "
                           f"{row['thread']:.1f} µs/req ({row['busy']:.0f}% busy), wake-ups "
                           f"{stats.fmt(row['wakeups'], '.2f')}/req")
-        command = f"{knobs.line(KNOB_NAMES)} scripts/perf-split"
+        dirs = " ".join(f"{n}=DIR" for n in ("SLUICE_BIN_DIR", "SLUICE_BIN_DIR_B") if os.environ.get(n))
+        command = f"{knobs.line(KNOB_NAMES)} {dirs + ' ' if dirs else ''}scripts/perf-split"
         print(report(targets, res, rounds, command, duration, connections, wrk_threads))
     finally:
         procs.cleanup()

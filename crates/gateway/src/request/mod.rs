@@ -53,17 +53,17 @@ use crate::select::{Attempt, Tried};
 use crate::table::{Member, Route, Table};
 
 /// Called right before a head is sent, to the member or to the client: the send waits until
-/// every other request ready on this thread has run up to its own send, and then they all go
-/// out together.
+/// every other request ready on this thread has run as far as it can (to its own send, or to
+/// its next wait), and then the waiting sends go out one after another.
 ///
 /// Why: a send to a peer that is asleep in `epoll_wait` (wrk, an nginx backend, a real client)
 /// makes the kernel wake it, and in the sender's own system call. On a VM, waking a task on
-/// another CPU costs an inter-processor interrupt and a hypervisor exit: about 5 µs here, a
-/// quarter of a request's CPU. Sent one by one, each request's send found its peer asleep
-/// again (1.0 wake-ups a request, measured with `perf stat -e sched:sched_waking`); sent
-/// together, one wake-up serves several (0.56), and the proxy thread's CPU per request fell
-/// by 12% (docs/BENCHMARKS.md, "Sends that leave together"). HAProxy, which sends at the end
-/// of its loop, wakes 0.3 a request.
+/// another CPU costs an inter-processor interrupt and a hypervisor exit: 4–7 µs here, about a
+/// quarter of a request's CPU. Sent one by one, nearly every request found a peer asleep
+/// (0.87–0.98 wake-ups a request, `scripts/perf-split`); sent together, one wake-up serves
+/// several (0.49–0.61), and the proxy thread's CPU per request fell by 8–12%
+/// (docs/BENCHMARKS.md, "sends that leave together"). HAProxy, which sends at the end of its
+/// loop's pass, wakes 0.35 a request.
 ///
 /// `yield_now` hands the task to the scheduler's deferred list, which is run after the ready
 /// queue is empty or at the scheduler's maintenance (every 61 polls), so the wait is bounded
