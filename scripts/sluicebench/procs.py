@@ -214,12 +214,19 @@ def busiest_thread_ns(pids: Sequence[int]) -> dict[int, int]:
     return out
 
 
+def busiest_thread(before: dict[int, int], after: dict[int, int]) -> tuple[int, int] | None:
+    """The thread that was on CPU longest between two `busiest_thread_ns` readings, and for how
+    many ns; None if no thread was there for both."""
+    deltas = [(t, after[t] - before[t]) for t in after if t in before]
+    return max(deltas, key=lambda d: d[1]) if deltas else None
+
+
 def busiest_share(before: dict[int, int], after: dict[int, int], wall_s: float) -> float | None:
     """The busiest thread's share of the wall time between two `busiest_thread_ns` readings."""
-    deltas = [after[t] - before[t] for t in after if t in before]
-    if not deltas or wall_s <= 0:
+    busiest = busiest_thread(before, after)
+    if busiest is None or wall_s <= 0:
         return None
-    return max(deltas) / 1e9 / wall_s
+    return busiest[1] / 1e9 / wall_s
 
 
 def children_of(pid: int) -> list[int]:

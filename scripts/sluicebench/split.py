@@ -26,7 +26,6 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Optional
 
 from . import common, stats, wrk
 from .bench import Target, sluice_config, start_haproxy, start_nginx_proxy
-from .procs import CLK_TCK, Procs, busiest_thread_ns, cpu_split
+from .procs import CLK_TCK, Failure, Procs, busiest_thread, busiest_thread_ns, cpu_split
 from .servers import start_backends, start_sluice
 
 KNOB_NAMES = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP"]
@@ -79,8 +78,10 @@ def measure(procs: Procs, t: Target, base: list[str], duration: str, warmup: str
                 "-x,", "-o", str(stat_file), "--", *argv]
     out = wrk.parse(procs.run(argv, timeout=wrk.seconds(duration) + 60))
     cpu1, threads1 = cpu_split(t.pids), busiest_thread_ns(t.pids)
-    tid, busiest_ns = max(((k, threads1[k] - threads0[k]) for k in threads1 if k in threads0),
-                          key=lambda kv: kv[1])
+    busiest = busiest_thread(threads0, threads1)
+    if busiest is None:
+        raise Failure(f"{t.label}: no thread of PIDs {t.pids} lived through the run")
+    tid, busiest_ns = busiest
     wall = out.requests / out.rps
     row = {"rps": out.rps, "thread": busiest_ns / 1e3 / out.requests,
            "busy": 100 * busiest_ns / 1e9 / wall,
@@ -96,15 +97,16 @@ def measure(procs: Procs, t: Target, base: list[str], duration: str, warmup: str
     # Run 2: perf's samples of that thread, in the middle of a run of the same length.
     data = procs.work / f"perf-{t.key}-{r}.data"
     seconds = wrk.seconds(duration)
-    load = subprocess.Popen(["wrk", *base, f"-d{duration}", url], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # Started through Procs, like every process a driver runs, so that Ctrl-C stops it too.
+    load = procs.start(["wrk", *base, f"-d{duration}", url])
     try:
         time.sleep(min(1.0, seconds / 4))  # let wrk connect: the samples are of steady state
         procs.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "1999", "-g", "-t", str(tid),
                    "-o", str(data), "--", "sleep", str(max(1.0, seconds - 2))],
                   timeout=seconds + 60)
-    finally:
         load.wait(timeout=seconds + 60)
+    finally:
+        procs.stop(load)
     report = procs.run(["perf", "report", "-i", str(data), "--children", "--sort", "sym",
                         "-g", "none", "--stdio"], timeout=120)
     dsos = procs.run(["perf", "report", "-i", str(data), "--no-children", "--sort", "dso",
