@@ -8,11 +8,14 @@
 
 local pool, op = KEYS[1], ARGV[1]
 if op == 'assign' then
-  if redis.call('EXISTS', pool) == 0 then
+  local excluded, count = pool_excluded(2)
+  -- The pick's first read, made first: an empty one says the pool does not exist (Redis keeps
+  -- no empty sorted set), which saves an EXISTS.
+  local first = redis.call('ZRANGE', pool, '0', pool_text(count))
+  if #first == 0 then
     return {3, ''}
   end
-  local excluded, count = pool_excluded(2)
-  local member = pool_pick(pool, excluded, count)
+  local member = pool_pick(pool, excluded, count, first)
   if not member then
     return {2, ''}
   end

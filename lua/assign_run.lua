@@ -50,7 +50,7 @@ if ARGV[5] ~= '' then
   k = k + 1 + route_windows
   if q.admitted == 0 then
     quota_finish(q)
-    return quota_reply(q, 0, {0, '', 0})
+    return quota_reply(q, 0, {0, '', 0, 0, 0, 0, 0}, 3)
   end
 end
 
@@ -85,4 +85,4 @@ if not q then
 end
 quota_finish(q)
 -- Admissible, but recorded only when a member was assigned.
-return quota_reply(q, 1, out)
+return quota_reply(q, 1, out, 3)

@@ -16,22 +16,22 @@ local pool = KEYS[#KEYS]
 local windows = #KEYS - 2
 local excluded, count = pool_excluded(3 + 3 * windows)
 -- The pick's first read, made first: an empty one says the pool does not exist.
-local first = redis.call('ZRANGE', pool, 0, count)
+local first = redis.call('ZRANGE', pool, '0', pool_text(count))
 if #first == 0 then
   return {3, ''}
 end
 local q = quota_check(1, windows, 3, ARGV[1], quota_clock(ARGV[2]))
 if q.admitted == 0 then
   quota_finish(q)
-  return quota_reply(q, 0, {0, ''})
+  return quota_reply(q, 0, {0, '', 0, 0, 0, 0}, 2)
 end
 local member = pool_pick(pool, excluded, count, first)
 if not member then
   quota_finish(q)
   -- Admissible, but not admitted: report the quota as it stands, with nothing recorded.
-  return quota_reply(q, 1, {2, ''})
+  return quota_reply(q, 1, {2, '', 0, 0, 0, 0}, 2)
 end
 quota_record(q)
 quota_finish(q)
 pool_assign(pool, member)
-return quota_reply(q, 1, {1, member})
+return quota_reply(q, 1, {1, member, 0, 0, 0, 0}, 2)

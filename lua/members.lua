@@ -149,7 +149,7 @@ end
 -- unless members refuse. Empty when the pool does not exist (Redis keeps no empty sorted set),
 -- which makes an EXISTS unnecessary.
 local function members_first(pool, count)
-  return redis.call('ZRANGE', pool, '0', count == 0 and '0' or string.format('%d', count))
+  return redis.call('ZRANGE', pool, '0', pool_text(count))
 end
 
 -- Offers the pool's members in its order (count, then id), read in batches as pool_pick does,
@@ -167,7 +167,7 @@ local function members_walk_pool(w, pool, count, first)
     end
     offset = offset + batch
     batch = batch * 2
-    members = redis.call('ZRANGE', pool, offset, offset + batch - 1)
+    members = redis.call('ZRANGE', pool, pool_text(offset), pool_text(offset + batch - 1))
   end
 end
 

@@ -36,8 +36,12 @@ local quota_now_text
 
 local function quota_time()
   local t = redis.call('TIME')
-  quota_redis_now = t[1] * 1000000 + t[2]
-  return quota_redis_now, t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+  local us = t[2]
+  quota_redis_now = t[1] * 1000000 + us
+  if #us < 6 then
+    us = string.rep('0', 6 - #us) .. us
+  end
+  return quota_redis_now, t[1] .. us
 end
 
 -- The time in microseconds: Redis TIME, unless a test passes one.
@@ -56,33 +60,36 @@ local function quota_cost_of(member)
 end
 
 -- The windows are read from ARGV where the caller says: name, limit, length (µs) per window,
--- and their logs from KEYS, one per window, right after the helper hash. q[3i - 2], q[3i - 1]
--- and q[3i] hold window i's running total, its oldest entry's score once this call is done
--- with it (false: the log is empty), and the time until which its log lives (false: unknown;
--- read as stored, and parsed only when the log is written).
+-- and their logs from KEYS, one per window, right after the helper hash. Window i's state is
+-- the five slots of q from 5i - 4: its running total; its oldest entry's score once this call
+-- is done with it (false: the log is empty); the time until which its log lives (false:
+-- unknown; read as stored, and parsed only when the log is written); its limit and its length,
+-- parsed once here rather than again by each function that needs them.
 
 -- Expires old entries and decides; records nothing. `meta` is the index in KEYS of the helper
 -- hash (the logs follow it), `n` the window count, `at` the index in ARGV of the first window,
 -- `cost` the request's cost as its caller received it (a string: it is also part of the entry).
 -- Returns the state the other functions use.
 local function quota_check(meta, n, at, cost, now)
-  -- Built with every field it will hold when it has one window (the first three are that
+  -- Built with every field it will hold when it has one window (the first five slots are that
   -- window's), so that it is allocated once: a table that outgrows its constructor is rehashed.
-  local q = { false, false, false,
-    meta = KEYS[meta], key = meta, n = n, at = at, cost = cost + 0, cost_text = cost, now = now,
+  local q = { false, false, false, false, false,
+    key = meta, n = n, at = at, cost = cost + 0, cost_text = cost, now = now,
     admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false,
     seq = 0, seq_text = false }
   cost = q.cost
+  local hash = KEYS[meta]
   local stored
   if n == 1 then
-    stored = redis.call('HMGET', q.meta, 'seq', 'v', 's:' .. ARGV[at], 'x:' .. ARGV[at])
+    local name = ARGV[at]
+    stored = redis.call('HMGET', hash, 'seq', 'v', 's:' .. name, 'x:' .. name)
   else
     local fields = { 'seq', 'v' }
     for i = 1, n do
       local name = ARGV[at + 3 * (i - 1)]
       fields[2 * i + 1], fields[2 * i + 2] = 's:' .. name, 'x:' .. name
     end
-    stored = redis.call('HMGET', q.meta, unpack(fields))
+    stored = redis.call('HMGET', hash, unpack(fields))
   end
   q.seq = (stored[1] or 0) + 0
   -- "v" is the entry number this library last wrote. A sluice from before it (a rolling
@@ -90,22 +97,27 @@ local function quota_check(meta, n, at, cost, now)
   -- write: then the expiries remembered here may be too late, so they are set again.
   local remembered = stored[1] == stored[2]
   for j = 1, 2 * n + 2 do
-    if stored[j] then q.exists = true end
+    if stored[j] then
+      q.exists = true
+      break
+    end
   end
   for i = 1, n do
-    local log, j = KEYS[meta + i], at + 3 * (i - 1)
+    local log, j, s = KEYS[meta + i], at + 3 * (i - 1), 5 * i
     local limit, length = ARGV[j + 1] + 0, ARGV[j + 2] + 0
     local total = (stored[2 * i + 1] or 0) + 0
     local horizon = now - length
     local first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
     local oldest = first[2] and first[2] + 0 or false
     if oldest and oldest <= horizon then
-      -- Expire what left the window, keeping the running total in step.
-      local expired = redis.call('ZRANGEBYSCORE', log, '-inf', horizon)
+      -- Expire what left the window, keeping the running total in step. The bound is
+      -- formatted once for both commands (a number argument would be formatted by each).
+      local bound = string.format('%d', horizon)
+      local expired = redis.call('ZRANGEBYSCORE', log, '-inf', bound)
       for _, member in ipairs(expired) do
         total = total - quota_cost_of(member)
       end
-      redis.call('ZREMRANGEBYSCORE', log, '-inf', horizon)
+      redis.call('ZREMRANGEBYSCORE', log, '-inf', bound)
       q.dirty = true
       first = redis.call('ZRANGE', log, '0', '0', 'WITHSCORES')
       oldest = first[2] and first[2] + 0 or false
@@ -126,7 +138,8 @@ local function quota_check(meta, n, at, cost, now)
       total = 0
       q.dirty = true
     end
-    q[3 * i - 2], q[3 * i - 1], q[3 * i] = total, oldest, remembered and stored[2 * i + 2]
+    q[s - 4], q[s - 3], q[s - 2], q[s - 1], q[s] =
+      total, oldest, remembered and stored[2 * i + 2], limit, length
 
     if total + cost > limit then
       q.admitted = 0
@@ -137,7 +150,8 @@ local function quota_check(meta, n, at, cost, now)
       else
         local need, freed, offset = total + cost - limit, 0, 0
         while not wait do
-          local batch = redis.call('ZRANGE', log, offset, offset + 31, 'WITHSCORES')
+          local batch = redis.call('ZRANGE', log, string.format('%d', offset),
+            string.format('%d', offset + 31), 'WITHSCORES')
           if #batch == 0 then
             wait = length
           end
@@ -165,13 +179,14 @@ local function quota_record(q)
   q.seq_text = string.format('%d', q.seq)
   local member = q.seq_text .. ':' .. q.cost_text
   for i = 1, q.n do
+    local s = 5 * i
     redis.call('ZADD', KEYS[q.key + i], quota_now_text, member)
-    if not q[3 * i - 1] then
-      q[3 * i - 1] = q.now
+    if not q[s - 3] then
+      q[s - 3] = q.now
       -- A new log: what the hash remembers of an expiry was its predecessor's.
-      q[3 * i] = false
+      q[s - 2] = false
     end
-    q[3 * i - 2] = q[3 * i - 2] + q.cost
+    q[s - 4] = q[s - 4] + q.cost
   end
 end
 
@@ -185,18 +200,19 @@ local function quota_finish(q)
   if not q.dirty or not (q.recorded or q.exists) then
     return
   end
-  local set, c, renewed, last = {}, 0, false, 0
+  -- Sized for one window with every field (seq, v, s:, x:), so that it is not rehashed as it
+  -- fills; unpack is told how much of it is filled.
+  local set, c, renewed, last = { false, false, false, false, false, false, false, false }, 0, false, 0
   if q.recorded then
     local seq = q.seq_text
     set[1], set[2], set[3], set[4], c = 'seq', seq, 'v', seq, 4
   end
   local clock = q.recorded and (quota_redis_now or quota_time())
   for i = 1, q.n do
-    local j = q.at + 3 * (i - 1)
-    local name = ARGV[j]
-    set[c + 1], set[c + 2], c = 's:' .. name, string.format('%d', q[3 * i - 2]), c + 2
+    local name, s = ARGV[q.at + 3 * (i - 1)], 5 * i
+    set[c + 1], set[c + 2], c = 's:' .. name, string.format('%d', q[s - 4]), c + 2
     if q.recorded then
-      local length, lives = ARGV[j + 2] + 0, (q[3 * i] or 0) + 0
+      local length, lives = q[s], (q[s - 2] or 0) + 0
       if lives < clock + length then
         local ms = math.ceil((length + math.floor(length / 8)) / 1000)
         redis.call('PEXPIRE', KEYS[q.key + i], string.format('%d', ms))
@@ -207,27 +223,32 @@ local function quota_finish(q)
       if lives > last then last = lives end
     end
   end
-  redis.call('HSET', q.meta, unpack(set))
+  redis.call('HSET', KEYS[q.key], unpack(set, 1, c))
   if renewed then
-    redis.call('PEXPIRE', q.meta, string.format('%d', math.ceil((last - clock) / 1000)))
+    redis.call('PEXPIRE', KEYS[q.key], string.format('%d', math.ceil((last - clock) / 1000)))
   end
 end
 
--- Appends {admitted, retry_after_us, remaining_1, reset_us_1, ...} to `out`, where reset_us_i
--- is the time until window i's oldest counted request leaves it.
-local function quota_reply(q, admitted, out)
-  out[#out + 1] = admitted
-  out[#out + 1] = admitted == 1 and 0 or q.retry_after
+-- Writes {admitted, retry_after_us, remaining_1, reset_us_1, ...} into `out` after its first
+-- `at` elements, where reset_us_i is the time until window i's oldest counted request leaves
+-- it. A caller passes `out` built as long as the reply usually is (placeholders after its own
+-- elements), so that it is not rehashed as it fills; placeholders past the reply (a quota with
+-- no window, read for a member's metrics) are removed.
+local function quota_reply(q, admitted, out, at)
+  out[at + 1] = admitted
+  out[at + 2] = admitted == 1 and 0 or q.retry_after
+  for k = #out, at + 3 + 2 * q.n, -1 do
+    out[k] = nil
+  end
   for i = 1, q.n do
-    local j = q.at + 3 * (i - 1)
-    local remaining = ARGV[j + 1] - q[3 * i - 2]
+    local s, k = 5 * i, at + 2 * i
+    local remaining = q[s - 1] - q[s - 4]
     if remaining < 0 then remaining = 0 end
     local reset = 0
-    if q[3 * i - 1] then
-      reset = q[3 * i - 1] + ARGV[j + 2] - q.now
+    if q[s - 3] then
+      reset = q[s - 3] + q[s] - q.now
     end
-    out[#out + 1] = remaining
-    out[#out + 1] = reset
+    out[k + 1], out[k + 2] = remaining, reset
   end
   return out
 end

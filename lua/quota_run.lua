@@ -12,4 +12,4 @@
 local q = quota_check(1, #KEYS - 1, 3, ARGV[1], quota_clock(ARGV[2]))
 if q.admitted == 1 and q.cost > 0 then quota_record(q) end
 quota_finish(q)
-return quota_reply(q, q.admitted, {})
+return quota_reply(q, q.admitted, {0, 0, 0, 0}, 0)
