@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::RedisError;
+use redis::{IntoConnectionInfo, RedisError};
 
 use crate::StoreError;
 
@@ -30,6 +30,17 @@ fn ensure_crypto_provider() {
         // Another thread may have installed one meanwhile; then that one is used.
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
+}
+
+/// Every connection to Redis sends each command as soon as it is written. The client's default
+/// leaves Nagle's algorithm on: a command written while another is unacknowledged waits in the
+/// kernel for the acknowledgement, which Redis sends with its reply. On a network link that is
+/// a round trip more for every call that overlaps another, and on a multiplexed connection
+/// under load nearly every call does. Redis sets `TCP_NODELAY` on its side, as redis-py, Jedis
+/// and go-redis do on theirs. (On loopback, where a reply comes within microseconds, the
+/// benchmark did not move either way: docs/BENCHMARKS.md.)
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
 /// The client's TLS settings for a private CA: no client certificate, and `ca_pem` in place of
@@ -138,9 +149,12 @@ impl RedisConnection {
         if is_tls(url) {
             ensure_crypto_provider();
         }
+        let info = url
+            .into_connection_info()
+            .map(|info| info.set_tcp_settings(tcp_settings()));
         let client = match ca_pem {
-            None => redis::Client::open(url),
-            Some(ca) => redis::Client::build_with_tls(url, certificates(ca)),
+            None => info.and_then(redis::Client::open),
+            Some(ca) => info.and_then(|info| redis::Client::build_with_tls(info, certificates(ca))),
         }
         .map_err(|e| StoreError::Backend(e.to_string()))?;
         Ok(RedisConnection::with_target(
@@ -174,6 +188,7 @@ impl RedisConnection {
         let mut builder = ClusterClient::builder(nodes.iter().map(String::as_str))
             .connection_timeout(timeout)
             .response_timeout(timeout)
+            .tcp_settings(tcp_settings())
             // Slot moves and failovers are retried inside the client, within our timeout.
             .retries(3)
             .min_retry_wait(10)

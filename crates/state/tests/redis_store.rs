@@ -4,8 +4,12 @@
 
 use std::time::{Duration, Instant};
 
-use sluice_state::{Acquire, RedisStore, RedisStoreConfig, StateStore, StoreError, Window};
-use sluice_testkit::RedisServer;
+use std::sync::Arc;
+
+use sluice_state::{
+    Acquire, RedisConnection, RedisStore, RedisStoreConfig, StateStore, StoreError, Window,
+};
+use sluice_testkit::{RedisCluster, RedisServer};
 
 fn store(server: &RedisServer, timeout: Duration) -> RedisStore {
     store_at(server.url(), timeout)
@@ -374,4 +378,80 @@ async fn an_older_sluice_sharing_the_store_cannot_cut_a_log_short() {
     let log_end = server.integer(&["PEXPIRETIME", log]).unwrap();
     let meta_end = server.integer(&["PEXPIRETIME", meta]).unwrap();
     assert!(meta_end >= log_end, "hash {meta_end}, log {log_end}");
+}
+
+/// Whether each of this process's TCP sockets connected to 127.0.0.1:`port` has `TCP_NODELAY`
+/// set, read from the sockets themselves (every file descriptor in `/proc/self/fd`).
+#[cfg(target_os = "linux")]
+fn nodelay_of_sockets_to(port: u16) -> Vec<bool> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: getpeername and getsockopt only write into the buffers passed with their
+        // lengths; on a descriptor that is not a socket, or was closed meanwhile (another test's),
+        // they fail and the descriptor is skipped.
+        unsafe {
+            let mut peer: libc::sockaddr_in = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            if libc::getpeername(fd, (&raw mut peer).cast(), &mut len) != 0
+                || i32::from(peer.sin_family) != libc::AF_INET
+                || u16::from_be(peer.sin_port) != port
+                || u32::from_be(peer.sin_addr.s_addr) != u32::from(std::net::Ipv4Addr::LOCALHOST)
+            {
+                continue;
+            }
+            let mut on: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            if libc::getsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                (&raw mut on).cast(),
+                &mut len,
+            ) == 0
+            {
+                found.push(on != 0);
+            }
+        }
+    }
+    found
+}
+
+/// A command leaves as soon as it is written. The client's default keeps Nagle's algorithm on,
+/// and on a connection that nearly always has a command in flight that held each command back
+/// until Redis had answered the one before it.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn commands_to_redis_are_sent_without_delay() {
+    let server = RedisServer::start();
+    let store = store(&server, Duration::from_secs(2));
+    assert!(acquire(&store, &one_window(10), 1).await.unwrap());
+    let sockets = nodelay_of_sockets_to(server.port());
+    assert!(!sockets.is_empty(), "the store's connection to Redis");
+    assert!(sockets.iter().all(|&on| on), "TCP_NODELAY: {sockets:?}");
+}
+
+/// The same for every node of a cluster that the store reached.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_to_a_cluster_are_sent_without_delay() {
+    let cluster = RedisCluster::start();
+    let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    let store = RedisStore::with_connection(Arc::new(connection), "sluice");
+    assert!(acquire(&store, &one_window(10), 1).await.unwrap());
+    let master = cluster
+        .master_of("sluice:{api}:qm:route")
+        .expect("a master serves the key");
+    let sockets = nodelay_of_sockets_to(master);
+    assert!(
+        !sockets.is_empty(),
+        "the store's connection to the key's master"
+    );
+    assert!(sockets.iter().all(|&on| on), "TCP_NODELAY: {sockets:?}");
 }
