@@ -202,7 +202,8 @@ local function quota_finish(q)
   end
   -- Sized for one window with every field (seq, v, s:, x:), so that it is not rehashed as it
   -- fills; unpack is told how much of it is filled.
-  local set, c, renewed, last = { false, false, false, false, false, false, false, false }, 0, false, 0
+  local set = { false, false, false, false, false, false, false, false }
+  local c, renewed, last = 0, false, 0
   if q.recorded then
     local seq = q.seq_text
     set[1], set[2], set[3], set[4], c = 'seq', seq, 'v', seq, 4
