@@ -455,3 +455,53 @@ async fn commands_to_a_cluster_are_sent_without_delay() {
     );
     assert!(sockets.iter().all(|&on| on), "TCP_NODELAY: {sockets:?}");
 }
+
+/// A command is still sent while other tasks keep the runtime busy, so that it never runs out
+/// of ready tasks: the client defers its writes to the end of the runtime's turn
+/// (third_party/redis, "one write per runtime turn"), and the runtime's periodic check of its
+/// drivers ends a turn that would not end.
+#[test]
+fn a_command_is_sent_while_the_runtime_stays_busy() {
+    let server = RedisServer::start();
+    let connection =
+        Arc::new(RedisConnection::new(&server.url(), Duration::from_secs(10)).unwrap());
+    // Pingora's runtime: Tokio's multi-thread scheduler, here with one worker.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    rt.block_on(async move {
+        tokio::spawn(async move {
+            assert!(connection.ping().await, "Redis answers");
+            // Two tasks that wake each other without end: the run queue is never empty.
+            let (to_b, mut at_b) = tokio::sync::mpsc::unbounded_channel::<()>();
+            let (to_a, mut at_a) = tokio::sync::mpsc::unbounded_channel::<()>();
+            to_a.send(()).unwrap();
+            let a = tokio::spawn(async move {
+                while at_a.recv().await.is_some() {
+                    if to_b.send(()).is_err() {
+                        break;
+                    }
+                }
+            });
+            let b = tokio::spawn(async move {
+                while at_b.recv().await.is_some() {
+                    if to_a.send(()).is_err() {
+                        break;
+                    }
+                }
+            });
+            for _ in 0..100 {
+                assert!(
+                    connection.ping().await,
+                    "answered while the runtime is busy"
+                );
+            }
+            a.abort();
+            b.abort();
+        })
+        .await
+        .unwrap()
+    });
+}

@@ -233,6 +233,8 @@ where
 
 mod connection;
 pub(crate) use connection::connect_simple;
+// PATCH (sluice, one write per runtime turn)
+mod flush_deferral;
 pub use connection::transaction_async;
 mod multiplexed_connection;
 pub use multiplexed_connection::*;

@@ -1,3 +1,5 @@
+// PATCH (sluice, one write per runtime turn)
+use super::flush_deferral::FlushDeferral;
 use super::{
     AsyncPushSender, ConnectionLike, Runtime, SharedHandleContainer, SubscribeLikeCommand,
     TaskHandle, send_subscribe_like_command,
@@ -175,6 +177,10 @@ pin_project! {
         // reference, with the layer that owns the connection so that it can resubscribe with
         // the same state without allocating a second copy.
         subscriptions: Arc<Mutex<SubscriptionTracker>>,
+        // PATCH (sluice, one write per runtime turn): whether commands were queued since the
+        // last flush was let through, and the deferral that lets the next one through.
+        unflushed: bool,
+        deferral: FlushDeferral,
     }
 }
 
@@ -191,6 +197,10 @@ pin_project! {
         // reference, with the layer that owns the connection so that it can resubscribe with
         // the same state without allocating a second copy.
         subscriptions: Arc<Mutex<SubscriptionTracker>>,
+        // PATCH (sluice, one write per runtime turn): whether commands were queued since the
+        // last flush was let through, and the deferral that lets the next one through.
+        unflushed: bool,
+        deferral: FlushDeferral,
     }
 }
 
@@ -227,6 +237,8 @@ where
             #[cfg(feature = "cache-aio")]
             cache_manager,
             subscriptions,
+            unflushed: false,
+            deferral: FlushDeferral::new(),
         }
     }
 
@@ -497,6 +509,7 @@ where
                 };
 
                 self_.in_flight.push_back(entry);
+                *self_.unflushed = true;
                 Ok(())
             }
             Err(err) => {
@@ -520,6 +533,13 @@ where
         // See https://github.com/redis-rs/redis-rs/issues/1955.
         if matches!(self.as_mut().poll_read(cx), Poll::Ready(Err(()))) {
             return Poll::Ready(Err(()));
+        }
+        // PATCH (sluice, one write per runtime turn): commands queued since the last flush wait
+        // for the other ready tasks' commands (see `flush_deferral`). Reads went ahead above.
+        let this = self.as_mut().project();
+        if *this.unflushed {
+            ready!(this.deferral.poll_ready(cx));
+            *this.unflushed = false;
         }
         self.as_mut()
             .project()
