@@ -233,9 +233,9 @@ where
 
 mod connection;
 pub(crate) use connection::connect_simple;
+pub use connection::transaction_async;
 // PATCH (sluice, one write per runtime turn)
 mod flush_deferral;
-pub use connection::transaction_async;
 mod multiplexed_connection;
 pub use multiplexed_connection::*;
 #[cfg(feature = "connection-manager")]
