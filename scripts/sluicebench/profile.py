@@ -8,14 +8,16 @@ BUILD (1; 0 profiles ${CARGO_TARGET_DIR:-target}/release/sluice as it is), SLUIC
 directory holding a release sluice; no build), KEEP (0; 1 keeps the work directory with
 callgrind.out for callgrind_annotate / kcachegrind), OTLP (off | on: span export on, every
 request sampled, to a loopback OTLP/HTTP sink this script runs, which answers 200 and keeps
-nothing), ROUTE (rr | lu | kp: the route profiled, see below), CACHE_SIM (0; 1 also simulates
+nothing), ROUTE (rr | lu | qlu | kp: the route profiled, see below), CACHE_SIM (0; 1 also simulates
 the caches, valgrind's `--cache-sim=yes`, and prints data-cache misses per request: the hardware
 counters of `perf stat` are not there on every VM, this one's included).
 
 ROUTE=rr (the default): one round_robin route over two nginx backends answering "ok\\n". ROUTE=lu
 and ROUTE=kp: bench-state key-pool's `lu` and `kp` routes (least_used over three named members on one
 nginx, state on a redis-server this script starts; `kp` with a header, a member quota and a
-cooldown per member), so that sluice's own cost of a key pool can be told from Redis's.
+cooldown per member), so that sluice's own cost of a key pool can be told from Redis's. ROUTE=qlu:
+`lu` with bench-state's route quota (one window that never fills), the fused quota + least-used
+call of issue 14's Redis row.
 
 sluice (threads: 1) runs under
 `valgrind --tool=callgrind --instr-atstart=no`. After an unrecorded warm-up, instrumentation is
@@ -130,7 +132,7 @@ def main(argv: list[str]) -> int:
     log_on = knobs.choice("LOG", "on", ("on", "off")) == "on"
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
     otlp_on = knobs.choice("OTLP", "off", ("off", "on")) == "on"
-    route = knobs.choice("ROUTE", "rr", ("rr", "lu", "kp"))
+    route = knobs.choice("ROUTE", "rr", ("rr", "lu", "qlu", "kp"))
     cache_sim = knobs.choice("CACHE_SIM", "0", ("0", "1")) == "1"
     common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
                    "sudo apt-get install -y valgrind wrk nginx-light")
@@ -193,7 +195,8 @@ def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: 
         rport = procs.free_port()
         start_redis(procs, "redis", rport)
         routes = (f'state:\n  backend: redis\n  redis:\n    url: "redis://127.0.0.1:{rport}/0"\n'
-                  "routes:\n" + key_pool.route(route, backends.ports[0], key_pool=route == "kp")
+                  "routes:\n" + key_pool.route(route, backends.ports[0], key_pool=route == "kp",
+                                                quota=route == "qlu")
                   .replace(f'hosts: ["{route}.bench"]', 'hosts: ["*"]'))
     # Config and log in different directories: sluice watches its config's directory.
     cfg = procs.work / "conf" / "sluice.yaml"
