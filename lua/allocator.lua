@@ -12,9 +12,16 @@ local function pool_text(n)
   return n == 0 and '0' or string.format('%d', n)
 end
 
+-- No member excluded: the usual case, shared by every call that has it, so that it costs neither
+-- a table nor a number parse. Nothing writes into an excluded set.
+local pool_none_excluded = {}
+
 -- The excluded ids (members this instance sees as down, or already tried by the request):
 -- ARGV[at] is their count, ARGV[at + 1 ..] the ids. Returns the set and the index after them.
 local function pool_excluded(at)
+  if ARGV[at] == '0' then
+    return pool_none_excluded, 0, at + 1
+  end
   local count = ARGV[at] + 0
   local set = {}
   for i = at + 1, at + count do
@@ -77,8 +84,11 @@ end
 -- so that it is not flooded while it "catches up". GT never lowers a count, so instances that
 -- restore the same member at different moments cannot make its count flap.
 local function pool_restore_min(pool, member, excluded, count)
-  excluded[member] = true
-  local least = pool_pick(pool, excluded, count + 1)
+  local others = { [member] = true }
+  for m in pairs(excluded) do
+    others[m] = true
+  end
+  local least = pool_pick(pool, others, count + 1)
   if least then
     redis.call('ZADD', pool, 'GT', redis.call('ZSCORE', pool, least), member)
   end

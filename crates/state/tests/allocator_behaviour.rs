@@ -156,6 +156,41 @@ async fn restore_min_gets_no_burst(store: &dyn StateStore) {
     assert_eq!(counts(store, "min").await["http://b.test"], 12);
 }
 
+/// `min` raises a member to the least count among the others that are not excluded: an excluded
+/// member's low count is no floor (it may be down too, and about to be restored itself). In
+/// Redis the excluded set of a call is also the one every call with none shares, so the restore
+/// must not add to it.
+async fn restore_min_ignores_the_excluded(store: &dyn StateStore) {
+    let a = ["http://a.test"];
+    let a_and_c = ["http://a.test", "http://c.test"];
+    for _ in 0..20 {
+        pick(store, "minx", &a).await;
+    }
+    for _ in 0..10 {
+        pick(store, "minx", &a_and_c).await;
+    }
+    let c = counts(store, "minx").await;
+    assert_eq!(
+        (c["http://a.test"], c["http://b.test"], c["http://c.test"]),
+        (0, 20, 10),
+        "{c:?}"
+    );
+    store
+        .restore_to_min("minx", "http://a.test", &["http://c.test"])
+        .await
+        .unwrap();
+    assert_eq!(
+        counts(store, "minx").await["http://a.test"],
+        20,
+        "b's count, not c's"
+    );
+    // Calls without exclusions still see every member: a, then c, are eligible again.
+    let next = futures_join(store, "minx", 10).await;
+    assert!(next.iter().all(|m| m == "http://c.test"), "{next:?}");
+    let next = futures_join(store, "minx", 3).await;
+    assert!(next.iter().any(|m| m == "http://a.test"), "{next:?}");
+}
+
 async fn membership_follows_the_config(store: &dyn StateStore) {
     for _ in 0..9 {
         pick(store, "members", &[]).await;
@@ -328,6 +363,7 @@ async fn suite(store: Arc<dyn StateStore>) {
     down_members_are_never_chosen_and_keep_their_count(&*store).await;
     restore_keep_resumes_the_old_count(&*store).await;
     restore_min_gets_no_burst(&*store).await;
+    restore_min_ignores_the_excluded(&*store).await;
     membership_follows_the_config(&*store).await;
     quota_first_and_nothing_half_done(&*store).await;
     quota_and_assignment_are_one_step(store.clone()).await;
