@@ -186,6 +186,39 @@ def cpu_ticks(pids: Sequence[int]) -> int:
     return sum(cpu_split(pids))
 
 
+def sched_stats(pids: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """Per thread of the processes: nanoseconds spent runnable but waiting for a CPU (the second
+    field of /proc/TID/schedstat), and involuntary context switches (preemptions). A proxy that
+    is the bottleneck yet shows idle CPUs is being preempted on its own: these say so. Keyed by
+    thread id, so that a thread gone between two readings (or born) is left out of the
+    difference rather than making it negative."""
+    out: dict[int, tuple[int, int]] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                wait = int((task / "schedstat").read_text().split()[1])
+                status = (task / "status").read_text()
+            except (OSError, IndexError, ValueError):
+                continue  # the thread ended meanwhile, or the kernel keeps no schedstat
+            switches = next((int(line.split()[1]) for line in status.splitlines()
+                             if line.startswith("nonvoluntary_ctxt_switches:")), 0)
+            out[int(task.name)] = (wait, switches)
+    return out
+
+
+def sched_delta(before: dict[int, tuple[int, int]],
+                after: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """(ns waiting for a CPU, preemptions) between two sched_stats readings, over the threads
+    present in both."""
+    wait = switches = 0
+    for tid, (w1, s1) in after.items():
+        if tid in before:
+            w0, s0 = before[tid]
+            wait += max(0, w1 - w0)
+            switches += max(0, s1 - s0)
+    return wait, switches
+
+
 def cpu_split(pids: Sequence[int]) -> tuple[int, int]:
     """utime and stime of the processes (all their threads), in clock ticks: user space and
     kernel apart. A proxy on loopback spends most of its time in the kernel's socket work, which

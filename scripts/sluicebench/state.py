@@ -34,6 +34,12 @@ DOC (docs/BENCHMARKS.md), KEEP (0; 1 keeps the work directory), REDIS_CPU (unset
 runs every redis-server alone on that CPU and everything else on the others, as a Redis on a host
 of its own would be: the req/s then measure the gateway side, not Redis's share of the same cores).
 
+Every wrk table gives, per target, sluice's CPU per request and two readings of the kernel's
+scheduler for sluice's threads: the share of the run they were runnable but waiting for a CPU
+(/proc/TID/schedstat), and how often they were preempted (involuntary context switches) per 1,000
+requests. A sluice that is the bottleneck on two cores it shares with Redis, nginx and wrk
+loses its CPU to them; these show how much.
+
 Everything runs on 127.0.0.1 and stops, by PID, on exit (Ctrl-C included).
 """
 
@@ -47,7 +53,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import common, doc, servers, stats, wrk
-from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms
+from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms, sched_delta, sched_stats
 from .servers import Backends, commandstats, rcli, script_stats, start_backends
 
 START_MARK = "<!-- bench:state:start -->"
@@ -139,12 +145,14 @@ class Run:
         url = f"http://127.0.0.1:{port}/"
         wrk.run(self.procs, url, args, self.warmup, latency=False)
         before = cpu_ticks(cpu) if cpu else 0
+        sched0 = sched_stats(cpu)
         calls0 = {p: script_stats(p)[0] for p in redis_ports}
         cmd0 = {p: commandstats(p) for p in redis_ports}
         t0 = now_ms()
         out = wrk.run(self.procs, url, args, self.duration)
         t1 = now_ms()
         after = cpu_ticks(cpu) if cpu else 0
+        waited, preempted = sched_delta(sched0, sched_stats(cpu))
         calls = 0
         cmds: dict[str, list[int]] = {}  # command: [calls, usec] during the recorded run
         for p in redis_ports:
@@ -160,11 +168,17 @@ class Run:
         (self.work / f"wrk-{id}-{r}.txt").write_text(out.text)
         row = {"rps": out.rps, "p50": out.p50_ms, "p99": out.p99_ms, "errors": out.errors,
                "cpu": (after - before) / CLK_TCK * 1e6 / out.requests if cpu else None,
+               # Runnable but not running (another process had its CPU), as a share of the
+               # run's wall time; and how often it was taken off its CPU so.
+               "wait": waited / 1e6 / (t1 - t0) * 100 if cpu and t1 > t0 else None,
+               "preempt": preempted * 1000 / out.requests if cpu else None,
                "calls": calls / out.requests if redis_ports else None,
                "requests": out.requests, "cmds": cmds if redis_ports else None}
         self.res[id, r] = row
         self.log(f"round {r} {id}: {out.rps:.0f} req/s, p50 {stats.fmt(out.p50_ms, '.3f')} ms, "
-                 f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, sluice CPU {stats.fmt(row['cpu'], '.1f')} µs/req, "
+                 f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, sluice CPU {stats.fmt(row['cpu'], '.1f')} µs/req "
+                 f"(waiting for a CPU {stats.fmt(row['wait'], '.1f')}% of the run, preempted "
+                 f"{stats.fmt(row['preempt'], '.0f')} times per 1k req), "
                  f"script calls/req {stats.fmt(row['calls'], '.2f')} {out.errors}")
 
     def per(self, id: str, what: str) -> list:
@@ -191,12 +205,13 @@ class Run:
         self.orders[part] = "".join(orders)
 
     def wrk_table(self, ids: Sequence[str]) -> list[str]:
-        out = ["| target | req/s | p50 ms | p99 ms | sluice CPU µs/req | script calls (FCALL) per request | req/s per round | p99 ms per round |",
-               "|---|---:|---:|---:|---:|---:|---|---|"]
+        out = ["| target | req/s | p50 ms | p99 ms | sluice CPU µs/req | sluice waiting for a CPU, % of the run | sluice preempted per 1k req | script calls (FCALL) per request | req/s per round | p99 ms per round |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for id in ids:
             out.append(
                 f"| {self.label[id]} | {stats.fmt(self.med(id, 'rps'))} | {stats.fmt(self.med(id, 'p50'), '.3f')} "
                 f"| {stats.fmt(self.med(id, 'p99'), '.3f')} | {stats.fmt(self.med(id, 'cpu'), '.1f')} "
+                f"| {stats.fmt(self.med(id, 'wait'), '.1f')} | {stats.fmt(self.med(id, 'preempt'), '.0f')} "
                 f"| {stats.fmt(self.med(id, 'calls'), '.2f')} "
                 f"| {', '.join(stats.fmt(v) for v in self.per(id, 'rps'))} "
                 f"| {', '.join(stats.fmt(v, '.2f') for v in self.per(id, 'p99'))} |")
