@@ -3,6 +3,9 @@
 //! gives what the decoder as released gives (`ValueCodec::combine_only`): the same replies,
 //! then the same error or the same wait for more, whatever the input.
 //!
+//! The same file holds the client's `Value::extract_error` to the walk it had as released ("no
+//! rebuild of an error-free reply"): every reply passes through it after it is decoded.
+//!
 //! The decoder is the one every store call's reply goes through (the multiplexed connection
 //! frames the socket with it), so the store suites on a real Redis exercise it end to end;
 //! these properties cover the shapes and cuts a real server rarely produces.
@@ -141,6 +144,60 @@ proptest! {
         let (patched, released) = both(&input, &cuts);
         prop_assert_eq!(patched, released);
     }
+}
+
+/// `Value::extract_error` as released: every collection rebuilt, element by element, and the
+/// first server error met depth first returned.
+fn extract_error_as_released(value: Value) -> Result<Value, String> {
+    fn all(items: Vec<Value>) -> Result<Vec<Value>, String> {
+        items.into_iter().map(extract_error_as_released).collect()
+    }
+    fn pairs(items: Vec<(Value, Value)>) -> Result<Vec<(Value, Value)>, String> {
+        items
+            .into_iter()
+            .map(|(k, v)| Ok((extract_error_as_released(k)?, extract_error_as_released(v)?)))
+            .collect()
+    }
+    Ok(match value {
+        Value::Array(items) => Value::Array(all(items)?),
+        Value::Set(items) => Value::Set(all(items)?),
+        Value::Map(items) => Value::Map(pairs(items)?),
+        Value::Attribute { data, attributes } => Value::Attribute {
+            data: Box::new(extract_error_as_released(*data)?),
+            attributes: pairs(attributes)?,
+        },
+        Value::Push { kind, data } => Value::Push {
+            kind,
+            data: all(data)?,
+        },
+        Value::ServerError(e) => return Err(redis::RedisError::from(e).to_string()),
+        other => other,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Any reply, errors nested anywhere in it included: what `extract_error` gives is what it
+    /// gave as released, the same value or the same error.
+    #[test]
+    fn errors_are_extracted_as_released(reply in reply()) {
+        let value = parse_redis_value(&reply).expect("a well-formed reply");
+        let patched = value.clone().extract_error().map_err(|e| e.to_string());
+        prop_assert_eq!(patched, extract_error_as_released(value));
+    }
+}
+
+/// An error deep in a reply is still found, and the first of two is the one returned; a reply
+/// with none comes back as it was.
+#[test]
+fn a_nested_error_is_found() {
+    let with_two = parse_redis_value(b"*3\r\n:1\r\n*2\r\n:2\r\n-ERR first\r\n-ERR second\r\n")
+        .expect("a well-formed reply");
+    let err = with_two.extract_error().expect_err("an error inside");
+    assert!(err.to_string().contains("first"), "{err}");
+    let clean = parse_redis_value(b"*2\r\n:1\r\n*1\r\n$2\r\nok\r\n").expect("a well-formed reply");
+    assert_eq!(clean.clone().extract_error().expect("no error"), clean);
 }
 
 /// The reply shapes sluice's scripts return, and the edges of the fast path, read exactly.
