@@ -115,6 +115,14 @@ def run(run: Run) -> str:
         f"- Redis pool counts after the rounds (member, count; `lu` / `qlu`): {counts}",
         f"- order: {run.orders['least-used']}",
         "",
+        "**Where the machine's CPU time went, µs per request** (medians over rounds): each process's utime + stime",
+        "(`/proc/PID/stat`, summed by command name: both sluice processes, both nginx backends, every redis-server;",
+        "wrk from the driver's own `RUSAGE_CHILDREN`) and the machine's idle time (`/proc/stat`) across the recorded",
+        "run, divided by the requests wrk completed. The last column is all the CPUs' time: what is not in the others",
+        "went to interrupts or to other processes.",
+        "",
+        *run.budget_table(TARGETS),
+        "",
         f"Reading: quota + least_used on Redis runs at {stats.fmt(q, '.2f')}× the round_robin route's req/s"
         + when(q, lambda x: x >= 0.5, ", meeting issue 4's ≥ 0.5× target", ", MISSING issue 4's ≥ 0.5× target")
         + when(q, lambda x: x >= 0.66, " and issue 14's ≥ 0.66×", " but not issue 14's ≥ 0.66×")

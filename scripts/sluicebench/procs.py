@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -179,6 +180,31 @@ def install_signal_handlers() -> None:
 
 # --- CPU time ---------------------------------------------------------------------------------
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_ticks(names: Sequence[str]) -> dict[str, int]:
+    """Clock ticks of CPU time so far: per command name in NAMES, utime + stime of every process
+    of that name (`/proc/PID/comm`; all their threads); "children", what this driver's finished
+    children used (wrk, once it has exited); "idle", the machine's idle and iowait time (all
+    CPUs). The differences of two readings split a run's two cores of time among the processes
+    that share them."""
+    out = {name: 0 for name in names}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            if comm in out:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                out[comm] += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["children"] = round((children.ru_utime + children.ru_stime) * CLK_TCK)
+    with open("/proc/stat") as f:
+        cpu = f.readline().split()
+    out["idle"] = int(cpu[4]) + int(cpu[5])
+    return out
 
 
 def cpu_ticks(pids: Sequence[int]) -> int:

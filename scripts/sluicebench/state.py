@@ -38,7 +38,9 @@ Every wrk table gives, per target, sluice's CPU per request and two readings of 
 scheduler for sluice's threads: the share of the run they were runnable but waiting for a CPU
 (/proc/TID/schedstat), and how often they were preempted (involuntary context switches) per 1,000
 requests. A sluice that is the bottleneck on two cores it shares with Redis, nginx and wrk
-loses its CPU to them; these show how much.
+loses its CPU to them; these show how much. least-used also splits the machine's CPU time per
+request among sluice, redis-server, nginx, wrk and idle: on shared cores a Redis route's req/s is
+set by that sum, not by sluice's part alone.
 
 Everything runs on 127.0.0.1 and stops, by PID, on exit (Ctrl-C included).
 """
@@ -53,7 +55,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import common, doc, servers, stats, wrk
-from .procs import CLK_TCK, Failure, Procs, cpu_ticks, now_ms, sched_delta, sched_stats
+from .procs import (CLK_TCK, Failure, Procs, cpu_ticks, machine_ticks, now_ms, sched_delta,
+                    sched_stats)
 from .servers import Backends, commandstats, rcli, script_stats, start_backends
 
 START_MARK = "<!-- bench:state:start -->"
@@ -62,6 +65,10 @@ PARTS = ["quota", "least-used", "key-pool", "reload", "cluster"]
 WRK_KNOBS = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS"]
 # What the fused and quota scripts are called with: a window "w" no benchmark ever fills.
 BIG_WINDOW = ["w", "1000000000000", "3600000000"]
+# Processes whose CPU time budget_table shows, by /proc/PID/comm ("children": the driver's
+# finished children, wrk among them; "idle": the machine's idle time), and the result keys.
+BUDGET_NAMES = {"sluice": "bcpu_sluice", "redis-server": "bcpu_redis", "nginx": "bcpu_nginx",
+                "children": "bcpu_wrk", "idle": "bcpu_idle"}
 QUOTA_YAML = "    quota:\n      windows:\n        - { name: w, limit: 1000000000000, window: 1h }\n"
 
 
@@ -148,9 +155,11 @@ class Run:
         sched0 = sched_stats(cpu)
         calls0 = {p: script_stats(p)[0] for p in redis_ports}
         cmd0 = {p: commandstats(p) for p in redis_ports}
+        machine0 = machine_ticks(BUDGET_NAMES)
         t0 = now_ms()
         out = wrk.run(self.procs, url, args, self.duration)
         t1 = now_ms()
+        machine1 = machine_ticks(BUDGET_NAMES)
         after = cpu_ticks(cpu) if cpu else 0
         waited, preempted = sched_delta(sched0, sched_stats(cpu))
         calls = 0
@@ -174,6 +183,11 @@ class Run:
                "preempt": preempted * 1000 / out.requests if cpu else None,
                "calls": calls / out.requests if redis_ports else None,
                "requests": out.requests, "cmds": cmds if redis_ports else None}
+        if out.requests:
+            # Where the machine's CPU time went, per request (see budget_table).
+            for name, key in BUDGET_NAMES.items():
+                row[key] = (machine1[name] - machine0[name]) / CLK_TCK * 1e6 / out.requests
+            row["all"] = common.nproc() * (t1 - t0) * 1e3 / out.requests
         self.res[id, r] = row
         self.log(f"round {r} {id}: {out.rps:.0f} req/s, p50 {stats.fmt(out.p50_ms, '.3f')} ms, "
                  f"p99 {stats.fmt(out.p99_ms, '.3f')} ms, sluice CPU {stats.fmt(row['cpu'], '.1f')} µs/req "
@@ -215,6 +229,21 @@ class Run:
                 f"| {stats.fmt(self.med(id, 'calls'), '.2f')} "
                 f"| {', '.join(stats.fmt(v) for v in self.per(id, 'rps'))} "
                 f"| {', '.join(stats.fmt(v, '.2f') for v in self.per(id, 'p99'))} |")
+        return out
+
+    def budget_table(self, ids: Sequence[str]) -> list[str]:
+        """Where the machine's CPU time went per request, process by process (medians over
+        rounds). On cores that every process shares, a route's req/s is set by the sum, not by
+        sluice's part alone: a Redis call costs the route Redis's time, and the wake-ups and
+        idle gaps it brings to nginx and wrk, as well as sluice's own."""
+        out = ["| target | sluice | redis-server | nginx (backends) | wrk | idle | all: CPUs × run time / requests |",
+               "|---|---:|---:|---:|---:|---:|---:|"]
+        for id in ids:
+            out.append(f"| {self.label[id]} | "
+                       + " | ".join(stats.fmt(self.med(id, key), ".1f")
+                                    for key in ("bcpu_sluice", "bcpu_redis", "bcpu_nginx", "bcpu_wrk",
+                                                "bcpu_idle", "all"))
+                       + " |")
         return out
 
     def wrk_errors(self, ids: Sequence[str]) -> str:
