@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 class Failure(Exception):
@@ -182,7 +182,7 @@ def install_signal_handlers() -> None:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def machine_ticks(names: Sequence[str]) -> dict[str, int]:
+def machine_ticks(names: Iterable[str]) -> dict[str, int]:
     """Clock ticks of CPU time so far: per command name in NAMES, utime + stime of every process
     of that name (`/proc/PID/comm`; all their threads); "children", what this driver's finished
     children used (wrk, once it has exited); "idle", the machine's idle and iowait time (all
