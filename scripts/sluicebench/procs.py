@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import resource
 import shutil
 import signal
 import socket
@@ -183,11 +182,10 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def machine_ticks(names: Iterable[str]) -> dict[str, int]:
-    """Clock ticks of CPU time so far: per command name in NAMES, utime + stime of every process
-    of that name (`/proc/PID/comm`; all their threads); "children", what this driver's finished
-    children used (wrk, once it has exited); "idle", the machine's idle and iowait time (all
-    CPUs). The differences of two readings split a run's two cores of time among the processes
-    that share them."""
+    """Clock ticks of CPU time so far: per command name in NAMES, `cpu_ticks` of every process
+    of that name (`/proc/PID/comm`); "children", `waited_children_ticks` (wrk, once it has
+    exited); "idle", the machine's idle time (`machine_cpu`). The differences of two readings
+    split a run's CPUs' time among the processes that share them."""
     out = {name: 0 for name in names}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -195,15 +193,11 @@ def machine_ticks(names: Iterable[str]) -> dict[str, int]:
         try:
             comm = (entry / "comm").read_text().strip()
             if comm in out:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                out[comm] += int(fields[11]) + int(fields[12])
-        except (OSError, ValueError, IndexError):
+                out[comm] += cpu_ticks([int(entry.name)])
+        except OSError:
             continue  # gone meanwhile
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out["children"] = round((children.ru_utime + children.ru_stime) * CLK_TCK)
-    with open("/proc/stat") as f:
-        cpu = f.readline().split()
-    out["idle"] = int(cpu[4]) + int(cpu[5])
+    out["children"] = round(waited_children_ticks())
+    out["idle"] = machine_cpu()["idle"]
     return out
 
 
@@ -308,7 +302,8 @@ def machine_cpu() -> dict[str, int]:
         if line.startswith("cpu "):
             v = [int(x) for x in line.split()[1:9]]
             user, nice, system, idle, iowait, irq, softirq, steal = v
-            return {"busy": user + nice + system + irq + softirq, "steal": steal, "total": sum(v)}
+            return {"busy": user + nice + system + irq + softirq, "idle": idle + iowait,
+                    "steal": steal, "total": sum(v)}
     raise Failure("no cpu line in /proc/stat")
 
 
