@@ -66,18 +66,17 @@ end
 -- unknown; read as stored, and parsed only when the log is written); its limit and its length,
 -- parsed once here rather than again by each function that needs them.
 
--- Expires old entries and decides; records nothing. `meta` is the index in KEYS of the helper
--- hash (the logs follow it), `n` the window count, `at` the index in ARGV of the first window,
--- `cost` the request's cost as its caller received it (a string: it is also part of the entry).
--- Returns the state the other functions use.
-local function quota_check(meta, n, at, cost, now)
+-- Reads the quota's state and expires old entries; decides nothing. `meta` is the index in KEYS
+-- of the helper hash (the logs follow it), `n` the window count, `at` the index in ARGV of the
+-- first window. Returns the state the other functions use: quota_admit decides a request on it,
+-- and it can decide several, one after another, as separate calls would (fused_run.lua).
+local function quota_read(meta, n, at, now)
   -- Built with every field it will hold when it has one window (the first five slots are that
   -- window's), so that it is allocated once: a table that outgrows its constructor is rehashed.
   local q = { false, false, false, false, false,
-    key = meta, n = n, at = at, cost = cost + 0, cost_text = cost, now = now,
+    key = meta, n = n, at = at, cost = 0, cost_text = '0', now = now,
     admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false,
-    seq = 0, seq_text = false }
-  cost = q.cost
+    seq = 0, seq_text = false, pending = false }
   local hash = KEYS[meta]
   local stored
   if n == 1 then
@@ -140,7 +139,36 @@ local function quota_check(meta, n, at, cost, now)
     end
     q[s - 4], q[s - 3], q[s - 2], q[s - 1], q[s] =
       total, oldest, remembered and stored[2 * i + 2], limit, length
+  end
+  return q
+end
 
+-- Writes the entries recorded since the last write, one ZADD per log whatever their number.
+local function quota_flush(q)
+  local pending = q.pending
+  if not pending then
+    return
+  end
+  q.pending = false
+  for i = 1, q.n do
+    redis.call('ZADD', KEYS[q.key + i], unpack(pending))
+  end
+end
+
+-- Decides a request of `cost` (a string, as its caller received it: it is also part of the
+-- entry) on the state as it stands; records nothing. Sets q.admitted and q.retry_after.
+local function quota_admit(q, cost)
+  q.cost_text, q.cost = cost, cost + 0
+  cost = q.cost
+  q.admitted, q.retry_after = 1, 0
+  for i = 1, q.n do
+    local s = 5 * i
+    -- An entry recorded by an earlier request of this call is the log's oldest if the clock
+    -- went back since the others were written (an NTP step), as a call of its own would read.
+    if q.recorded and q[s - 3] and q[s - 3] > q.now then
+      q[s - 3] = q.now
+    end
+    local total, limit, length = q[s - 4], q[s - 1], q[s]
     if total + cost > limit then
       q.admitted = 0
       -- The request fits once enough of the oldest entries have left this window.
@@ -148,6 +176,9 @@ local function quota_check(meta, n, at, cost, now)
       if cost > limit then
         wait = length
       else
+        -- The walk reads the log, which must hold what this call has recorded so far.
+        quota_flush(q)
+        local log, now = KEYS[q.key + i], q.now
         local need, freed, offset = total + cost - limit, 0, 0
         while not wait do
           local batch = redis.call('ZRANGE', log, string.format('%d', offset),
@@ -168,19 +199,32 @@ local function quota_check(meta, n, at, cost, now)
       if wait > q.retry_after then q.retry_after = wait end
     end
   end
+end
+
+-- Expires old entries and decides one request; records nothing (quota_read, then quota_admit).
+local function quota_check(meta, n, at, cost, now)
+  local q = quota_read(meta, n, at, now)
+  quota_admit(q, cost)
   return q
 end
 
--- Records an admitted request in every window.
+-- Records an admitted request in every window. Its entry is written with the others by
+-- quota_finish (or by a retry walk before it), so that several requests decided in one call
+-- cost one ZADD per log.
 local function quota_record(q)
   q.seq = q.seq + 1
   q.recorded, q.dirty = true, true
-  -- Formatted once, for the entry here and for the hash in quota_finish.
+  -- Formatted once, for the entry and for the hash in quota_finish.
   q.seq_text = string.format('%d', q.seq)
   local member = q.seq_text .. ':' .. q.cost_text
+  local pending = q.pending
+  if pending then
+    pending[#pending + 1], pending[#pending + 2] = quota_now_text, member
+  else
+    q.pending = { quota_now_text, member }
+  end
   for i = 1, q.n do
     local s = 5 * i
-    redis.call('ZADD', KEYS[q.key + i], quota_now_text, member)
     if not q[s - 3] then
       q[s - 3] = q.now
       -- A new log: what the hash remembers of an expiry was its predecessor's.
@@ -197,6 +241,7 @@ end
 -- hash lives as long as its longest-lived log. A hash this call did not find is written only
 -- with a record, which gives it an expiry.
 local function quota_finish(q)
+  quota_flush(q)
   if not q.dirty or not (q.recorded or q.exists) then
     return
   end

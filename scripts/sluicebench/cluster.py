@@ -151,7 +151,7 @@ def run(run: Run) -> str:
         benches = [procs.start(["redis-benchmark", "-p", str(master_ports[j]), "-n", "1000000000",
                                 "-c", str(run.rb_clients), "-q", "evalsha", sha, "3",
                                 f"sluice:{{{tags[j]}}}:qm:k", f"sluice:{{{tags[j]}}}:q:w:k",
-                                f"sluice:{{{tags[j]}}}:pool", "1", "", *BIG_WINDOW, "0"])
+                                f"sluice:{{{tags[j]}}}:pool", "", *BIG_WINDOW, "1", "1", "0"])
                    for j in range(k)]
         try:
             time.sleep(1)
@@ -231,7 +231,7 @@ def run(run: Run) -> str:
         "",
         '**Redis-side ceiling on 1, 2, 3 masters.** The fused script (`lua/quota.lua` + "\\n" + `lua/allocator.lua` + "\\n" +',
         f"`lua/fused_run.lua`, `SCRIPT LOAD` on each master) driven by one `redis-benchmark -p MASTER -c {run.rb_clients} -q evalsha SHA 3",
-        'sluice:{T}:qm:k sluice:{T}:q:w:k sluice:{T}:pool 1 "" w 1000000000000 3600000000 0` per master in use, all at once, where',
+        'sluice:{T}:qm:k sluice:{T}:q:w:k sluice:{T}:pool "" w 1000000000000 3600000000 1 1 0` per master in use, all at once, where',
         f"the tag T of each lives on that master (tags: {' '.join(tags)}) and each pool holds 10 members. After 1 s, the masters'",
         f"`cmdstat_evalsha` calls are read, and again {scale_seconds} s later: calls/s = delta / elapsed time. "
         f"{run.rounds} rounds (order: {scale_orders}).",

@@ -75,7 +75,7 @@ def run(run: Run) -> str:
             cmd = ["evalsha", asha, "1", f"sluice:{{p{size}}}:pool", "assign", "0"]
         else:
             cmd = ["evalsha", fsha, "3", f"sluice:{{p{size}}}:qm:k", f"sluice:{{p{size}}}:q:w:k",
-                   f"sluice:{{p{size}}}:pool", "1", "", *BIG_WINDOW, "0"]
+                   f"sluice:{{p{size}}}:pool", "", *BIG_WINDOW, "1", "1", "0"]
         m = run.rb_measure(rport, run.rb_requests, run.rb_clients, *cmd)
         run.log(f"{kind} script, pool {size}: {m} (calls/s, usec per call, calls, failed)")
         rb.append((kind, size, *m))
@@ -133,7 +133,7 @@ def run(run: Run) -> str:
         f"`ZADD` (10 and 10,000 members at count 0), then `redis-benchmark -p PORT -n {run.rb_requests} -c {run.rb_clients} "
         "--csv evalsha SHA 1 sluice:{pN}:pool assign 0`",
         '(SHA of `lua/allocator.lua` + "\\n" + `lua/allocator_run.lua`), and the fused script',
-        '(`evalsha FSHA 3 sluice:{pN}:qm:k sluice:{pN}:q:w:k sluice:{pN}:pool 1 "" w 1000000000000 3600000000 0`), after `CONFIG RESETSTAT`;',
+        '(`evalsha FSHA 3 sluice:{pN}:qm:k sluice:{pN}:q:w:k sluice:{pN}:pool "" w 1000000000000 3600000000 1 1 0`), after `CONFIG RESETSTAT`;',
         "in the order listed.",
         "",
         "| script | pool size | calls/s (redis-benchmark) | µs per call in Redis | calls | failed |",

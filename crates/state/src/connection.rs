@@ -250,6 +250,11 @@ impl RedisConnection {
             .map_err(StoreError::Backend)
     }
 
+    /// The time allowed for one call, retry included.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Runs `call` within the timeout, retrying on a broken or refused connection until the
     /// timeout: after a Redis restart the first call on the old connection fails with a broken
     /// pipe while the manager reconnects, and a call made while Redis is starting is refused.

@@ -13,7 +13,8 @@
 //! Two backends implement [`StateStore`] with the same behaviour, and the same behavioural
 //! suites run against both (and against Redis Cluster):
 //! - [`MemoryStore`], for a single gateway instance (the default);
-//! - [`RedisStore`], shared by every instance: one `EVALSHA` per request, time from Redis `TIME`.
+//! - [`RedisStore`], shared by every instance: at most one script call per request (requests
+//!   that wait together share one), time from Redis `TIME`.
 //!
 //! A new backend is one file that implements [`StateStore`].
 //!
@@ -36,6 +37,7 @@
 //! `Retry-After` into [`StateStore::cool`], and passes the members it sees as down (and those a
 //! request already tried) as `excluded`.
 
+mod batch;
 mod call;
 pub mod connection;
 pub mod keys;
@@ -209,7 +211,7 @@ pub enum Assignment {
 }
 
 /// A failure to reach or use the store. The caller applies its route's `on_store_error`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum StoreError {
     /// The store did not answer within its timeout.
     Timeout,

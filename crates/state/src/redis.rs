@@ -1,8 +1,9 @@
 //! The shared backend: every instance on one Redis (or Redis Cluster) sees the same quotas, the
-//! same assignment counts, member windows and cooldowns. Each request costs one call (`FCALL`,
-//! or `EVALSHA` where Redis takes no functions): the quota script, the allocator script, both
-//! fused into one, or (with member windows, cooldowns or a preference order) the assign script,
-//! which does all of it.
+//! same assignment counts, member windows and cooldowns. Each request costs at most one call
+//! (`FCALL`, or `EVALSHA` where Redis takes no functions): the quota script, the allocator
+//! script, both fused into one, or (with member windows, cooldowns or a preference order) the
+//! assign script, which does all of it. A fused call decides every request of its route and
+//! quota key that waits for one (batch.rs).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::Value;
 
+use crate::batch::FusedBatches;
 use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
@@ -32,8 +34,10 @@ pub struct RedisStoreConfig {
 /// Quotas and least-used pools shared by every gateway instance that uses the same Redis.
 pub struct RedisStore {
     connection: Arc<RedisConnection>,
-    scripts: Scripts,
-    keys: Keys,
+    scripts: Arc<Scripts>,
+    keys: Arc<Keys>,
+    /// The fused quota + least-used calls, batched per route and quota key.
+    fused: Arc<FusedBatches>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -53,10 +57,17 @@ impl RedisStore {
 
     /// A store on a (possibly shared) connection, with keys under `key_prefix`.
     pub fn with_connection(connection: Arc<RedisConnection>, key_prefix: &str) -> RedisStore {
+        let scripts = Arc::new(Scripts::new());
+        let keys = Arc::new(Keys::new(key_prefix));
         RedisStore {
+            fused: Arc::new(FusedBatches::new(
+                connection.clone(),
+                scripts.clone(),
+                keys.clone(),
+            )),
             connection,
-            scripts: Scripts::new(),
-            keys: Keys::new(key_prefix),
+            scripts,
+            keys,
         }
     }
 
@@ -215,23 +226,14 @@ impl RedisStore {
     }
 
     /// A least-used assignment with no member windows and no cooldowns: the allocator script,
-    /// or the fused one with a route quota (fewer commands than the general script).
+    /// or the fused one with a route quota (fewer commands than the general script), which
+    /// goes with the other requests of its route and quota key that wait for a call
+    /// (batch.rs).
     async fn least_used_once(&self, ask: &Assign<'_>) -> Result<Option<Assignment>, StoreError> {
         let quota = self.quota_of(ask);
         let reply = match &quota {
             None => self.allocator(ask.route, &["assign"], ask.excluded).await?,
-            Some(q) => {
-                let mut call = ScriptCall::new(
-                    &self.scripts.library,
-                    &self.scripts.fused,
-                    2 + q.windows.len(),
-                );
-                self.push_quota_keys(&mut call, q);
-                call.key(&self.keys.pool_parts(ask.route));
-                scripts::push_quota_args(&mut call, q);
-                scripts::push_excluded(&mut call, ask.excluded);
-                self.invoke(&call).await?
-            }
+            Some(q) => self.fused.decide(q, ask.excluded).await?,
         };
         scripts::parse_assignment(&reply, quota.map(|q| q.windows.len()))
     }

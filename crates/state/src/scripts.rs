@@ -72,7 +72,8 @@ pub struct Scripts {
     pub quota: StateScript,
     /// Least-used `assign`, `sync` and `restore` on one pool.
     pub allocator: StateScript,
-    /// Quota and least-used assignment in one atomic call.
+    /// Quota and least-used assignment in one atomic call, for one or more requests of one
+    /// route and quota key (batch.rs).
     pub fused: StateScript,
     /// An assignment with member windows, cooldowns or a preference order (and the route's
     /// quota): the general case, kept apart so that a plain least-used route runs fewer

@@ -1,0 +1,275 @@
+//! Group commit for the fused quota + least-used call: the requests of one route and one quota
+//! key that reach the Redis store while a call for that pair is out go together in the next
+//! call, which decides them one after another, exactly as separate calls would
+//! (`lua/fused_run.lua`).
+//!
+//! Why: such a call costs Redis a fixed 10 µs or so before it decides anything (running the
+//! script, reading the quota's hash and logs, writing them back), and only a few µs more per
+//! request it decides. Under load that fixed cost was most of Redis's share of a request, and
+//! Redis shares the gateway's cores (docs/BENCHMARKS.md, issue 14).
+//!
+//! How:
+//! - A *lane* (route, quota key, windows, clock) exists while a task is sending its calls. The
+//!   first request to find none creates it and spawns the task; later ones queue in it. The
+//!   task takes every request waiting (at most [`MAX_BATCH`]), makes one call, hands each
+//!   request its own reply, and goes on until no request waits; then the lane is removed. A
+//!   call never waits for company: a lone request goes at once, as before.
+//! - The task, not a request, makes the call. A request that gives up (its client left, its
+//!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
+//!   call left is taken out of it, so it is never charged; once its call has left, it may have
+//!   been charged, as when a request's own call timed out before.
+//! - Every resource is bounded: lanes exist only while requests wait in them, and a call holds at
+//!   most [`MAX_BATCH`] requests.
+
+use std::collections::hash_map::{HashMap, RandomState};
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use redis::Value;
+use tokio::sync::oneshot;
+
+use crate::call::ScriptCall;
+use crate::connection::RedisConnection;
+use crate::keys::Keys;
+use crate::scripts::Scripts;
+use crate::{Acquire, StoreError, Window};
+
+/// The most requests one call decides. Redis runs nothing else while a script runs, so a call
+/// stays short (about 5 µs of Redis time per request), and its reply stays small.
+pub const MAX_BATCH: usize = 32;
+
+/// What a lane's requests share, and so what one call is for.
+struct LaneId {
+    route: String,
+    key: String,
+    windows: Vec<Window>,
+    at_us: Option<u64>,
+}
+
+impl LaneId {
+    fn is(&self, q: &Acquire<'_>) -> bool {
+        self.route == q.route
+            && self.key == q.key
+            && self.at_us == q.at_us
+            && self.windows == q.windows
+    }
+}
+
+/// A request waiting for its call.
+struct Waiter {
+    cost: u64,
+    excluded: Vec<String>,
+    reply: oneshot::Sender<Result<Value, StoreError>>,
+}
+
+struct Lane {
+    id: Arc<LaneId>,
+    waiting: Vec<Waiter>,
+}
+
+/// The lanes of one store, by a hash of their id (a lookup allocates nothing; a lane's id is
+/// copied once, when it is created).
+pub(crate) struct FusedBatches {
+    connection: Arc<RedisConnection>,
+    scripts: Arc<Scripts>,
+    keys: Arc<Keys>,
+    lanes: Mutex<HashMap<u64, Vec<Lane>>>,
+    hasher: RandomState,
+}
+
+impl FusedBatches {
+    pub(crate) fn new(
+        connection: Arc<RedisConnection>,
+        scripts: Arc<Scripts>,
+        keys: Arc<Keys>,
+    ) -> FusedBatches {
+        FusedBatches {
+            connection,
+            scripts,
+            keys,
+            lanes: Mutex::new(HashMap::new()),
+            hasher: RandomState::new(),
+        }
+    }
+
+    fn lanes(&self) -> MutexGuard<'_, HashMap<u64, Vec<Lane>>> {
+        // Nothing panics while holding the lock; if something ever did, the map is still whole.
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn hash(&self, q: &Acquire<'_>) -> u64 {
+        self.hasher.hash_one((q.route, q.key, q.at_us))
+    }
+
+    /// Decides one request of quota `q` (its route's pool least-used, `excluded` left out), in
+    /// the next call of its lane. The reply is the request's own, as `fused_run.lua` gives it.
+    pub(crate) async fn decide(
+        self: &Arc<Self>,
+        q: &Acquire<'_>,
+        excluded: &[&str],
+    ) -> Result<Value, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        let waiter = Waiter {
+            cost: q.cost,
+            excluded: excluded.iter().map(|e| e.to_string()).collect(),
+            reply: tx,
+        };
+        let hash = self.hash(q);
+        let spawn = {
+            let mut lanes = self.lanes();
+            let bucket = lanes.entry(hash).or_default();
+            match bucket.iter_mut().find(|lane| lane.id.is(q)) {
+                Some(lane) => {
+                    lane.waiting.push(waiter);
+                    None
+                }
+                None => {
+                    let id = Arc::new(LaneId {
+                        route: q.route.to_string(),
+                        key: q.key.to_string(),
+                        windows: q.windows.to_vec(),
+                        at_us: q.at_us,
+                    });
+                    bucket.push(Lane {
+                        id: id.clone(),
+                        waiting: vec![waiter],
+                    });
+                    Some(id)
+                }
+            }
+        };
+        if let Some(id) = spawn {
+            let batches = self.clone();
+            tokio::spawn(async move { batches.run(hash, id).await });
+        }
+        // The call has the store's timeout; waiting for the call before it may take as long
+        // again, so the request bounds its whole wait by the same timeout.
+        match tokio::time::timeout(self.connection.timeout(), rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => Err(StoreError::Backend(
+                "the batched call ended without a reply".into(),
+            )),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// The lane's task: one call after another while requests wait.
+    async fn run(self: Arc<Self>, hash: u64, id: Arc<LaneId>) {
+        let _guard = LaneGuard {
+            batches: &self,
+            hash,
+            id: &id,
+        };
+        while let Some(batch) = self.take(hash, &id) {
+            if batch.is_empty() {
+                continue;
+            }
+            let reply = self.call(&id, &batch).await;
+            deliver(batch, reply);
+        }
+    }
+
+    /// The requests of the next call: those waiting, up to [`MAX_BATCH`], less any that gave up.
+    /// `None` once none waits; the lane is then removed, under the same lock, so that the next
+    /// request creates a new one.
+    fn take(&self, hash: u64, id: &Arc<LaneId>) -> Option<Vec<Waiter>> {
+        let mut lanes = self.lanes();
+        let bucket = lanes.get_mut(&hash)?;
+        let at = bucket.iter().position(|l| Arc::ptr_eq(&l.id, id))?;
+        let lane = &mut bucket[at];
+        if lane.waiting.is_empty() {
+            bucket.swap_remove(at);
+            if bucket.is_empty() {
+                lanes.remove(&hash);
+            }
+            return None;
+        }
+        let n = lane.waiting.len().min(MAX_BATCH);
+        Some(
+            lane.waiting
+                .drain(..n)
+                .filter(|w| !w.reply.is_closed())
+                .collect(),
+        )
+    }
+
+    async fn call(&self, id: &LaneId, batch: &[Waiter]) -> Result<Value, StoreError> {
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.fused,
+            2 + id.windows.len(),
+        );
+        call.key(&self.keys.quota_meta_parts(&id.route, &id.key));
+        for w in &id.windows {
+            call.key(&self.keys.quota_log_parts(&id.route, &w.name, &id.key));
+        }
+        call.key(&self.keys.pool_parts(&id.route));
+        match id.at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        for w in &id.windows {
+            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        }
+        call.arg(batch.len());
+        for w in batch {
+            call.arg(w.cost).arg(w.excluded.len());
+            for e in &w.excluded {
+                call.arg(e.as_str());
+            }
+        }
+        let call = &call;
+        self.connection
+            .run(|mut conn| async move { call.invoke::<Value>(&mut conn).await })
+            .await
+    }
+}
+
+/// Hands each request its own reply: one per request, in order, or the call's error to every
+/// one (each then follows its route's `on_store_error`).
+fn deliver(batch: Vec<Waiter>, reply: Result<Value, StoreError>) {
+    let n = batch.len();
+    match reply {
+        Ok(Value::Array(replies)) if replies.len() == n => {
+            for (w, r) in batch.into_iter().zip(replies) {
+                // A request that gave up meanwhile no longer listens.
+                let _ = w.reply.send(Ok(r));
+            }
+        }
+        other => {
+            let error = match other {
+                Err(e) => e,
+                Ok(_) => StoreError::Backend(format!(
+                    "the fused script did not answer each of the {n} requests"
+                )),
+            };
+            for w in batch {
+                let _ = w.reply.send(Err(error.clone()));
+            }
+        }
+    }
+}
+
+/// Removes a lane whose task ends without removing it (its runtime shut down), so that requests
+/// do not queue behind a task that is gone. A lane removed already, or replaced by a new one of
+/// the same id, is left alone.
+struct LaneGuard<'a> {
+    batches: &'a FusedBatches,
+    hash: u64,
+    id: &'a Arc<LaneId>,
+}
+
+impl Drop for LaneGuard<'_> {
+    fn drop(&mut self) {
+        let mut lanes = self.batches.lanes();
+        if let Some(bucket) = lanes.get_mut(&self.hash) {
+            if let Some(at) = bucket.iter().position(|l| Arc::ptr_eq(&l.id, self.id)) {
+                // Those still waiting get an error from their dropped senders at once.
+                bucket.swap_remove(at);
+            }
+            if bucket.is_empty() {
+                lanes.remove(&self.hash);
+            }
+        }
+    }
+}

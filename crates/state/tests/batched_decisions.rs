@@ -1,0 +1,497 @@
+//! The Redis store decides the quota + least-used requests of one route and quota key that wait
+//! together in one script call (crates/state/src/batch.rs, lua/fused_run.lua). Each request must
+//! be decided exactly as if it had come alone: these tests hold every answer of a batched run to
+//! the memory store's sequential ones, and to the Redis store's own sequential ones, request by
+//! request, over random traces (proptest) of groups of requests that arrive together, with
+//! random costs, windows that fill and empty, and members left out per request.
+//!
+//! A group is started in one poll on a current-thread runtime (every request queues before the
+//! call's task can run), so each group is exactly one call; the tests count the calls, so that a
+//! store that stopped batching could not pass them.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use sluice_state::{
+    Acquire, Assign, Assignment, MemoryStore, Order, PoolMember, RedisConnection, RedisStore,
+    RedisStoreConfig, StateStore, Window,
+};
+use sluice_testkit::{RedisCluster, RedisServer};
+
+const MEMBER_IDS: [&str; 3] = ["http://b.test", "http://a.test", "http://c.test"];
+
+#[derive(Debug, Clone)]
+struct Request {
+    cost: u64,
+    /// Which of MEMBER_IDS this request leaves out (bit i: member i).
+    excluded: u8,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    /// Microseconds since the previous group; a group's requests share one clock.
+    after_us: u64,
+    requests: Vec<Request>,
+}
+
+#[derive(Debug, Clone)]
+struct Trace {
+    windows: Vec<Window>,
+    groups: Vec<Group>,
+}
+
+/// One or two windows of `unit` µs times 1..=8 with small limits, so that groups fill them,
+/// and groups of 1 to 8 requests whose costs reach past the smallest limit (a request that can
+/// never fit), with one member in three left out and sometimes all of them.
+fn trace(unit: u64) -> impl Strategy<Value = Trace> {
+    prop::collection::vec((1u64..=10, 1u64..=8), 1..=2).prop_flat_map(move |spec| {
+        let windows: Vec<Window> = spec
+            .iter()
+            .enumerate()
+            .map(|(i, &(limit, n))| Window {
+                name: format!("w{i}").into(),
+                limit,
+                length_us: n * unit,
+            })
+            .collect();
+        let smallest = windows.iter().map(|w| w.limit).min().unwrap();
+        let request = (
+            prop_oneof![8 => 1..=smallest, 1 => smallest + 1..=smallest + 2],
+            prop_oneof![6 => Just(0u8), 3 => 0u8..8],
+        )
+            .prop_map(|(cost, excluded)| Request { cost, excluded });
+        let group = (
+            prop_oneof![3 => Just(0u64), 4 => 0..unit, 2 => (1u64..=9).prop_map(move |n| n * unit)],
+            prop::collection::vec(request, 1..=8),
+        )
+            .prop_map(|(after_us, requests)| Group { after_us, requests });
+        (Just(windows), prop::collection::vec(group, 1..12))
+            .prop_map(|(windows, groups)| Trace { windows, groups })
+    })
+}
+
+fn excluded_ids(mask: u8) -> Vec<&'static str> {
+    MEMBER_IDS
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| mask & (1 << i) != 0)
+        .map(|(_, m)| *m)
+        .collect()
+}
+
+/// Polls every future in order, each first poll before any second: the requests of a group all
+/// queue before anything else runs.
+async fn together<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        for (f, out) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if out.is_none() {
+                if let Poll::Ready(v) = f.as_mut().poll(cx) {
+                    *out = Some(v);
+                }
+            }
+        }
+        if outputs.iter().all(Option::is_some) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    outputs.into_iter().map(|o| o.unwrap()).collect()
+}
+
+/// The group's requests on `store`: all at once, or one after another.
+async fn decide(
+    store: &dyn StateStore,
+    route: &str,
+    members: &[PoolMember],
+    windows: &[Window],
+    group: &Group,
+    now: u64,
+    at_once: bool,
+) -> Result<Vec<Assignment>, TestCaseError> {
+    let excluded: Vec<Vec<&str>> = group
+        .requests
+        .iter()
+        .map(|r| excluded_ids(r.excluded))
+        .collect();
+    let asks: Vec<Assign<'_>> = group
+        .requests
+        .iter()
+        .zip(&excluded)
+        .map(|(r, excluded)| Assign {
+            route,
+            members,
+            order: Order::LeastUsed,
+            excluded,
+            quota: Some(Acquire {
+                route,
+                key: "k",
+                windows,
+                cost: r.cost,
+                at_us: Some(now),
+            }),
+            cost: r.cost,
+            cooldowns: false,
+            at_us: Some(now),
+        })
+        .collect();
+    let results = if at_once {
+        together(asks.into_iter().map(|a| store.assign(a)).collect()).await
+    } else {
+        let mut results = Vec::new();
+        for a in asks {
+            results.push(store.assign(a).await);
+        }
+        results
+    };
+    results
+        .into_iter()
+        .map(|r| r.map_err(|e| TestCaseError::fail(format!("store error {e}"))))
+        .collect()
+}
+
+/// Replays `trace` batched on `redis` (counting its calls with `calls`), sequentially on a
+/// memory store and, when given, sequentially on `sequential` (another Redis store or route);
+/// every answer must be the same.
+async fn replay(
+    redis: &RedisStore,
+    sequential: Option<&RedisStore>,
+    route: &str,
+    trace: &Trace,
+    calls: &dyn Fn() -> u64,
+) -> Result<(), TestCaseError> {
+    let memory = MemoryStore::new();
+    let members: Vec<PoolMember> = MEMBER_IDS.iter().map(|m| PoolMember::new(*m)).collect();
+    let ids: Vec<Arc<str>> = MEMBER_IDS.iter().map(|m| Arc::from(*m)).collect();
+    let alone = format!("{route}-alone");
+    // The pools exist before the first group, so that no group has to sync first (which
+    // would make it two calls).
+    for (store, route) in [(redis, route), (redis, alone.as_str())] {
+        store
+            .sync(route, &ids, &[])
+            .await
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+    let mut now = 1_000_000_000u64;
+    for (g, group) in trace.groups.iter().enumerate() {
+        now += group.after_us;
+        let before = calls();
+        let batched = decide(redis, route, &members, &trace.windows, group, now, true).await?;
+        let made = calls() - before;
+        prop_assert_eq!(
+            made,
+            1,
+            "group {} ({} requests) took {} calls",
+            g,
+            group.requests.len(),
+            made
+        );
+        let expected = decide(&memory, route, &members, &trace.windows, group, now, false).await?;
+        prop_assert_eq!(&batched, &expected, "group {} at {}", g, now);
+        if let Some(seq) = sequential {
+            let alone = decide(seq, &alone, &members, &trace.windows, group, now, false).await?;
+            prop_assert_eq!(&batched, &alone, "group {} at {}, Redis alone", g, now);
+        }
+    }
+    let mut counts = redis.counts(route).await.unwrap();
+    let mut expected = memory.counts(route).await.unwrap();
+    counts.sort();
+    expected.sort();
+    prop_assert_eq!(counts, expected, "the pools' counts");
+    Ok(())
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn fresh_route() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("batch{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// One request on a route of its own, so that the scripts are loaded (a first call that finds
+/// them missing counts twice) before calls are counted.
+fn warm_up(rt: &tokio::runtime::Runtime, redis: &RedisStore) {
+    let members = [PoolMember::new(MEMBER_IDS[0])];
+    let windows = [Window {
+        name: "w".into(),
+        limit: 1,
+        length_us: UNIT,
+    }];
+    let quota = Acquire {
+        route: "warm-up",
+        key: "k",
+        windows: &windows,
+        cost: 1,
+        at_us: None,
+    };
+    let assigned = rt.block_on(redis.assign(Assign {
+        route: "warm-up",
+        members: &members,
+        order: Order::LeastUsed,
+        excluded: &[],
+        quota: Some(quota),
+        cost: 1,
+        cooldowns: false,
+        at_us: None,
+    }));
+    assert!(
+        matches!(assigned, Ok(Assignment::Assigned { .. })),
+        "{assigned:?}"
+    );
+}
+
+fn script_calls(server: &RedisServer) -> u64 {
+    server.command_calls("fcall") + server.command_calls("evalsha")
+}
+
+/// Redis expires idle logs in real time, while the traces run on their own clock: windows are a
+/// quarter second and up, so that no key expires within a case.
+const UNIT: u64 = 250_000;
+
+#[test]
+fn batched_decisions_are_the_sequential_ones() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let store = |url: String| {
+        RedisStore::new(RedisStoreConfig {
+            url,
+            key_prefix: "sluice".into(),
+            timeout: Duration::from_secs(5),
+        })
+        .unwrap()
+    };
+    let (redis, alone) = (store(server.url()), store(server.url()));
+    warm_up(&rt, &redis);
+    let cases = (Config::default().cases / 4).max(1);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        ..Config::default()
+    });
+    let calls = || script_calls(&server);
+    let result = runner.run(&trace(UNIT), |trace| {
+        rt.block_on(replay(&redis, Some(&alone), &fresh_route(), &trace, &calls))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+/// The same with `EVALSHA` (Redis without functions, or an ACL that denies them).
+#[test]
+fn batched_decisions_are_the_sequential_ones_by_evalsha() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = RedisStore::new(RedisStoreConfig {
+        url: server.url_without_functions(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap();
+    warm_up(&rt, &redis);
+    let mut runner = TestRunner::new(Config {
+        cases: 16,
+        ..Config::default()
+    });
+    let calls = || script_calls(&server);
+    let result = runner.run(&trace(UNIT), |trace| {
+        rt.block_on(replay(&redis, None, &fresh_route(), &trace, &calls))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    assert!(!redis.uses_functions());
+}
+
+/// On a Redis Cluster, routes on several masters.
+#[test]
+fn batched_decisions_are_the_sequential_ones_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let rt = runtime();
+    let redis = rt.block_on(async {
+        RedisStore::with_connection(
+            Arc::new(RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap()),
+            "sluice",
+        )
+    });
+    warm_up(&rt, &redis);
+    let mut runner = TestRunner::new(Config {
+        cases: 16,
+        ..Config::default()
+    });
+    let calls = || {
+        cluster
+            .nodes()
+            .iter()
+            .map(|n| n.command_calls("fcall") + n.command_calls("evalsha"))
+            .sum::<u64>()
+    };
+    let masters = std::sync::Mutex::new(std::collections::HashSet::new());
+    let result = runner.run(&trace(UNIT), |trace| {
+        let route = fresh_route();
+        masters
+            .lock()
+            .unwrap()
+            .insert(cluster.master_of(&format!("{{{route}}}")));
+        rt.block_on(replay(&redis, None, &route, &trace, &calls))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let masters = masters.into_inner().unwrap();
+    assert!(masters.len() >= 2, "routes on several masters: {masters:?}");
+}
+
+/// A request refused after others were admitted in the same call is told how long until its
+/// cost fits counting their entries too, even when Redis's clock went back since older entries
+/// were written (an NTP step): the newer entries, scored earlier, are the first to leave, as
+/// when each request has a call of its own.
+#[test]
+fn a_refusal_counts_the_admissions_of_its_own_call_on_a_clock_that_went_back() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = RedisStore::new(RedisStoreConfig {
+        url: server.url(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap();
+    warm_up(&rt, &redis);
+    let trace = Trace {
+        windows: vec![Window {
+            name: "w".into(),
+            limit: 3,
+            length_us: 4 * UNIT,
+        }],
+        groups: vec![],
+    };
+    let members: Vec<PoolMember> = MEMBER_IDS.iter().map(|m| PoolMember::new(*m)).collect();
+    let ids: Vec<Arc<str>> = MEMBER_IDS.iter().map(|m| Arc::from(*m)).collect();
+    let one = |n: usize| Group {
+        after_us: 0,
+        requests: vec![
+            Request {
+                cost: 1,
+                excluded: 0
+            };
+            n
+        ],
+    };
+    let t = 1_000_000_000u64;
+    let answers = rt.block_on(async {
+        let mut answers = Vec::new();
+        for (route, at_once) in [("back-batched", true), ("back-alone", false)] {
+            redis.sync(route, &ids, &[]).await.unwrap();
+            decide(
+                &redis,
+                route,
+                &members,
+                &trace.windows,
+                &one(2),
+                t + 10,
+                at_once,
+            )
+            .await
+            .unwrap();
+            answers.push(
+                decide(&redis, route, &members, &trace.windows, &one(2), t, at_once)
+                    .await
+                    .unwrap(),
+            );
+        }
+        answers
+    });
+    match &answers[0][1] {
+        Assignment::QuotaRefused(o) => assert_eq!(o.retry_after_us, 4 * UNIT),
+        other => panic!("the second request is refused: {other:?}"),
+    }
+    assert_eq!(answers[0], answers[1]);
+}
+
+/// A request that gives up while it waits for its call (its client left, its timeout passed) is
+/// taken out of the call before it leaves: it is neither charged nor counted, and the requests
+/// beside it are decided as if it had never come.
+#[test]
+fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = RedisStore::new(RedisStoreConfig {
+        url: server.url(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap();
+    warm_up(&rt, &redis);
+    let windows = [Window {
+        name: "w".into(),
+        limit: 10,
+        length_us: 4 * UNIT,
+    }];
+    let members: Vec<PoolMember> = MEMBER_IDS.iter().map(|m| PoolMember::new(*m)).collect();
+    let ids: Vec<Arc<str>> = MEMBER_IDS.iter().map(|m| Arc::from(*m)).collect();
+    let route = "gives-up";
+    let ask = Assign {
+        route,
+        members: &members,
+        order: Order::LeastUsed,
+        excluded: &[],
+        quota: Some(Acquire {
+            route,
+            key: "k",
+            windows: &windows,
+            cost: 1,
+            at_us: Some(1_000_000_000),
+        }),
+        cost: 1,
+        cooldowns: false,
+        at_us: Some(1_000_000_000),
+    };
+    rt.block_on(async {
+        redis.sync(route, &ids, &[]).await.unwrap();
+        let before = script_calls(&server);
+        let mut asks: Vec<_> = (0..3).map(|_| redis.assign(ask)).collect();
+        // Each request queues (the first also starts the call's task, which has not run yet).
+        std::future::poll_fn(|cx| {
+            for a in asks.iter_mut() {
+                assert!(
+                    a.as_mut().poll(cx).is_pending(),
+                    "no answer before the call"
+                );
+            }
+            Poll::Ready(())
+        })
+        .await;
+        drop(asks.remove(1));
+        let answers = together(asks).await;
+        assert_eq!(script_calls(&server) - before, 1, "one call for both");
+        let remaining: Vec<u64> = answers
+            .iter()
+            .map(|a| match a {
+                Ok(Assignment::Assigned { quota: Some(q), .. }) => q.windows[0].remaining,
+                other => panic!("assigned: {other:?}"),
+            })
+            .collect();
+        assert_eq!(remaining, [9, 8], "two requests charged");
+        let counted: u64 = redis
+            .counts(route)
+            .await
+            .unwrap()
+            .iter()
+            .map(|(_, c)| c)
+            .sum();
+        assert_eq!(counted, 2, "two requests counted");
+    });
+}
