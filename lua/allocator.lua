@@ -57,6 +57,102 @@ local function pool_assign(pool, member)
   redis.call('ZINCRBY', pool, '1', member)
 end
 
+-- Several picks in one call (fused_run.lua) without a read and a write per pick: the pool's
+-- first members are read once with their counts, each pick is made on that view, and the
+-- counts it added are written once, by pool_settle.
+--
+-- The view must pick exactly what pool_pick would after each earlier pick's ZINCRBY: the least
+-- (count, id bytes). It holds enough of the pool when it holds one member per pick, one more,
+-- and one per member any pick excludes: the k-th pick's first k + (its exclusions) members
+-- hold one that no earlier pick counted and this one does not exclude, still at its stored
+-- place, so nothing after it (never counted, since no pick reaches that far) can come first.
+--
+-- The read gives the ids of equal stored counts in byte order; ids whose counts became equal
+-- only through this call's picks are compared byte by byte (Lua's `<` will not do: it follows
+-- the locale Redis runs in).
+--
+-- The view is one flat table: per member, its id, its stored count, and the assignments added
+-- since (three slots from 3i - 2), in the pool's order.
+
+-- A view of `pool`'s first `size` members; v.n == 0 says the pool does not exist. (One pick
+-- costs less without it, by pool_pick: about 18k instructions of Lua, and a count per member
+-- read, which Redis formats with "%.17g".)
+local function pool_view(pool, size)
+  local read = redis.call('ZRANGE', pool, '0', pool_text(size - 1), 'WITHSCORES')
+  local n = #read / 2
+  local v = { pool = pool, n = n, less = false }
+  for i = 1, n do
+    local j = 3 * i
+    v[j - 2], v[j - 1], v[j] = read[2 * i - 1], read[2 * i] + 0, 0
+  end
+  return v
+end
+
+-- Whether id `a` comes before id `b` in Redis's order of equal scores (memcmp), remembered for
+-- the rest of the call: a round over a small pool asks about the same pairs again and again.
+local function pool_id_less(v, a, b)
+  local known = v.less
+  if not known then
+    known = {}
+    v.less = known
+  end
+  local of_a = known[a]
+  if of_a then
+    local answer = of_a[b]
+    if answer ~= nil then
+      return answer
+    end
+  else
+    of_a = {}
+    known[a] = of_a
+  end
+  local answer = #a < #b
+  for i = 1, #a < #b and #a or #b do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      answer = x < y
+      break
+    end
+  end
+  of_a[b] = answer
+  return answer
+end
+
+-- Picks and counts the least-used member not `excluded`, or returns nil: what pool_pick and
+-- pool_assign would do at this point of the call.
+local function pool_view_pick(v, excluded)
+  local best, least, stored = false, 0, 0
+  for i = 1, v.n do
+    local j = 3 * i
+    local id = v[j - 2]
+    if not excluded[id] then
+      local count = v[j - 1] + v[j]
+      -- On a tie, the read's order settles it when the stored counts are equal (the earlier
+      -- one stays best); otherwise the ids' bytes do.
+      if not best or count < least
+        or (count == least and v[j - 1] ~= stored and pool_id_less(v, id, v[best - 2])) then
+        best, least, stored = j, count, v[j - 1]
+      end
+    end
+  end
+  if not best then
+    return nil
+  end
+  v[best] = v[best] + 1
+  return v[best - 2]
+end
+
+-- Writes the assignments the view added.
+local function pool_settle(v)
+  for i = 1, v.n do
+    local j = 3 * i
+    local added = v[j]
+    if added > 0 then
+      redis.call('ZINCRBY', v.pool, added == 1 and '1' or pool_text(added), v[j - 2])
+    end
+  end
+end
+
 -- Makes the pool hold exactly `members`. A newcomer joins at the current minimum among the
 -- eligible members (ZADD NX: a member already there keeps its count, so an instance that starts
 -- later never resets the others'), and members no longer configured leave.

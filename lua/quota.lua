@@ -280,6 +280,8 @@ end
 -- it. A caller passes `out` built as long as the reply usually is (placeholders after its own
 -- elements), so that it is not rehashed as it fills; placeholders past the reply (a quota with
 -- no window, read for a member's metrics) are removed.
+-- A caller may also pass a table that holds nothing past `at` (the fused script's one table
+-- for every request's reply).
 local function quota_reply(q, admitted, out, at)
   out[at + 1] = admitted
   out[at + 2] = admitted == 1 and 0 or q.retry_after

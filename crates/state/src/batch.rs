@@ -165,7 +165,7 @@ impl FusedBatches {
                 continue;
             }
             let reply = self.call(&id, &batch).await;
-            deliver(batch, reply);
+            deliver(batch, 4 + 2 * id.windows.len(), reply);
         }
     }
 
@@ -225,15 +225,18 @@ impl FusedBatches {
     }
 }
 
-/// Hands each request its own reply: one per request, in order, or the call's error to every
-/// one (each then follows its route's `on_store_error`).
-fn deliver(batch: Vec<Waiter>, reply: Result<Value, StoreError>) {
+/// Hands each request its own reply (the script's flat reply, cut into rows of `width`
+/// values, one per request, in order), or the call's error to every one (each then follows its
+/// route's `on_store_error`).
+fn deliver(batch: Vec<Waiter>, width: usize, reply: Result<Value, StoreError>) {
     let n = batch.len();
     match reply {
-        Ok(Value::Array(replies)) if replies.len() == n => {
-            for (w, r) in batch.into_iter().zip(replies) {
+        Ok(Value::Array(values)) if values.len() == n * width => {
+            let mut values = values.into_iter();
+            for w in batch {
+                let row: Vec<Value> = values.by_ref().take(width).collect();
                 // A request that gave up meanwhile no longer listens.
-                let _ = w.reply.send(Ok(r));
+                let _ = w.reply.send(Ok(Value::Array(row)));
             }
         }
         other => {

@@ -24,13 +24,26 @@ use sluice_state::{
 };
 use sluice_testkit::{RedisCluster, RedisServer};
 
-const MEMBER_IDS: [&str; 3] = ["http://b.test", "http://a.test", "http://c.test"];
+/// Ids whose byte order is not their config order, with prefixes of one another and a capital
+/// letter (which sorts before every small one in bytes, and not in most locales' collations).
+const MEMBER_IDS: [&str; 10] = [
+    "http://b.test",
+    "http://a.test",
+    "http://c.test",
+    "http://a.test:8080",
+    "http://a",
+    "http://B.test",
+    "http://a.tes",
+    "http://b.test/",
+    "http://z",
+    "http://0",
+];
 
 #[derive(Debug, Clone)]
 struct Request {
     cost: u64,
-    /// Which of MEMBER_IDS this request leaves out (bit i: member i).
-    excluded: u8,
+    /// Which members this request leaves out (bit i: member i).
+    excluded: u16,
 }
 
 #[derive(Debug, Clone)]
@@ -42,41 +55,54 @@ struct Group {
 
 #[derive(Debug, Clone)]
 struct Trace {
+    /// The pool: the first `members` of MEMBER_IDS.
+    members: usize,
     windows: Vec<Window>,
     groups: Vec<Group>,
 }
 
-/// One or two windows of `unit` µs times 1..=8 with small limits, so that groups fill them,
-/// and groups of 1 to 8 requests whose costs reach past the smallest limit (a request that can
-/// never fit), with one member in three left out and sometimes all of them.
+/// A pool of 3 members, or of 10 (more than a call's view of the pool holds: it has to read
+/// on), one or two windows of `unit` µs times 1..=8 with small limits, so that groups fill them,
+/// and groups of 1 to 12 requests whose costs reach past the smallest limit (a request that can
+/// never fit), a third of them with members left out, sometimes all of them.
 fn trace(unit: u64) -> impl Strategy<Value = Trace> {
-    prop::collection::vec((1u64..=10, 1u64..=8), 1..=2).prop_flat_map(move |spec| {
-        let windows: Vec<Window> = spec
-            .iter()
-            .enumerate()
-            .map(|(i, &(limit, n))| Window {
-                name: format!("w{i}").into(),
-                limit,
-                length_us: n * unit,
-            })
-            .collect();
-        let smallest = windows.iter().map(|w| w.limit).min().unwrap();
-        let request = (
-            prop_oneof![8 => 1..=smallest, 1 => smallest + 1..=smallest + 2],
-            prop_oneof![6 => Just(0u8), 3 => 0u8..8],
-        )
-            .prop_map(|(cost, excluded)| Request { cost, excluded });
-        let group = (
+    (
+        prop_oneof![Just(3usize), Just(10usize)],
+        prop::collection::vec((1u64..=10, 1u64..=8), 1..=2),
+    )
+        .prop_flat_map(move |(members, spec)| {
+            let windows: Vec<Window> = spec
+                .iter()
+                .enumerate()
+                .map(|(i, &(limit, n))| Window {
+                    name: format!("w{i}").into(),
+                    limit,
+                    length_us: n * unit,
+                })
+                .collect();
+            let smallest = windows.iter().map(|w| w.limit).min().unwrap();
+            let request = (
+                prop_oneof![8 => 1..=smallest, 1 => smallest + 1..=smallest + 2],
+                prop_oneof![6 => Just(0u16), 3 => 0u16..(1 << members)],
+            )
+                .prop_map(|(cost, excluded)| Request { cost, excluded });
+            let group = (
             prop_oneof![3 => Just(0u64), 4 => 0..unit, 2 => (1u64..=9).prop_map(move |n| n * unit)],
-            prop::collection::vec(request, 1..=8),
+            // Calls of fewer than 6 requests pick one by one, larger ones on a view of the pool.
+            prop::collection::vec(request, 1..=12),
         )
             .prop_map(|(after_us, requests)| Group { after_us, requests });
-        (Just(windows), prop::collection::vec(group, 1..12))
-            .prop_map(|(windows, groups)| Trace { windows, groups })
-    })
+            (Just(windows), prop::collection::vec(group, 1..12)).prop_map(
+                move |(windows, groups)| Trace {
+                    members,
+                    windows,
+                    groups,
+                },
+            )
+        })
 }
 
-fn excluded_ids(mask: u8) -> Vec<&'static str> {
+fn excluded_ids(mask: u16) -> Vec<&'static str> {
     MEMBER_IDS
         .iter()
         .enumerate()
@@ -170,8 +196,9 @@ async fn replay(
     calls: &dyn Fn() -> u64,
 ) -> Result<(), TestCaseError> {
     let memory = MemoryStore::new();
-    let members: Vec<PoolMember> = MEMBER_IDS.iter().map(|m| PoolMember::new(*m)).collect();
-    let ids: Vec<Arc<str>> = MEMBER_IDS.iter().map(|m| Arc::from(*m)).collect();
+    let pool = &MEMBER_IDS[..trace.members];
+    let members: Vec<PoolMember> = pool.iter().map(|m| PoolMember::new(*m)).collect();
+    let ids: Vec<Arc<str>> = pool.iter().map(|m| Arc::from(*m)).collect();
     let alone = format!("{route}-alone");
     // The pools exist before the first group, so that no group has to sync first (which
     // would make it two calls).
@@ -371,6 +398,7 @@ fn a_refusal_counts_the_admissions_of_its_own_call_on_a_clock_that_went_back() {
     .unwrap();
     warm_up(&rt, &redis);
     let trace = Trace {
+        members: 3,
         windows: vec![Window {
             name: "w".into(),
             limit: 3,
@@ -494,4 +522,67 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
             .sum();
         assert_eq!(counted, 2, "two requests counted");
     });
+}
+
+/// A call of many requests picks on a view of the pool, where ids whose counts became equal
+/// through its own picks are compared by bytes, as Redis orders them: a capital letter before
+/// every small one, and an id before any longer id it begins.
+#[test]
+fn many_picks_in_one_call_order_ties_by_bytes() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = RedisStore::new(RedisStoreConfig {
+        url: server.url(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap();
+    warm_up(&rt, &redis);
+    // Every member but these four is left out of every request.
+    let only = |ids: &[&str]| -> u16 {
+        let mut mask = 0;
+        for (i, m) in MEMBER_IDS.iter().enumerate() {
+            if !ids.contains(m) {
+                mask |= 1 << i;
+            }
+        }
+        mask
+    };
+    let four = ["http://a", "http://a.tes", "http://B.test", "http://b.test"];
+    let group = |n: usize, ids: &[&str]| Group {
+        after_us: 1,
+        requests: vec![
+            Request {
+                cost: 1,
+                excluded: only(ids),
+            };
+            n
+        ],
+    };
+    let trace = Trace {
+        members: 10,
+        windows: vec![Window {
+            name: "w".into(),
+            limit: 1_000,
+            length_us: 4 * UNIT,
+        }],
+        // "http://a" and "http://B.test" count 1, then six picks together: the two at 0 first,
+        // then all four at 1 by bytes, "http://B.test" (stored 1) before "http://a.tes" (stored
+        // 0, counted once by this call), "http://a" before "http://a.tes".
+        groups: vec![
+            group(1, &["http://a"]),
+            group(1, &["http://B.test"]),
+            group(6, &four),
+        ],
+    };
+    let calls = || script_calls(&server);
+    rt.block_on(replay(&redis, None, "bytes", &trace, &calls))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let picked = rt.block_on(redis.counts("bytes")).unwrap();
+    let count = |id: &str| picked.iter().find(|(m, _)| m == id).map_or(0, |(_, c)| *c);
+    assert_eq!(
+        four.map(count),
+        [2, 2, 2, 2],
+        "each of the four picked: {picked:?}"
+    );
 }
