@@ -1,5 +1,5 @@
 //! Quotas and least-used pools on a real Redis Cluster (3 masters, 3 replicas): routes whose
-//! keys live on different masters, one script call per request, fair counts across two
+//! keys live on different masters, at most one script call per request, fair counts across two
 //! gateways, and a master killed under load.
 
 mod support;
@@ -57,7 +57,7 @@ fn pool_counts(cluster: &RedisCluster, route: &str) -> Vec<u64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn routes_on_different_masters_each_cost_one_script_call_and_stay_fair() {
+async fn routes_on_different_masters_cost_at_most_one_script_call_a_request_and_stay_fair() {
     let cluster = RedisCluster::start();
     let names = names_on_distinct_masters(&cluster, 3);
     assert_eq!(names.len(), 3, "three routes, one per master");
@@ -110,21 +110,26 @@ async fn routes_on_different_masters_each_cost_one_script_call_and_stay_fair() {
     }
     let sent: Vec<String> = monitors.into_iter().flat_map(|m| m.stop()).collect();
     assert_eq!(bad, 0);
-    assert_eq!(
-        sent.len(),
-        32 * 40,
-        "one command per request across the masters"
+    // Requests of one route that wait together share a call (crates/state/src/batch.rs).
+    assert!(
+        !sent.is_empty() && sent.len() <= 32 * 40,
+        "at most one command per request across the masters: {}",
+        sent.len()
     );
     assert!(
         sent.iter().all(|c| c == "FCALL"),
         "{:?}",
         sent.iter().collect::<HashSet<_>>()
     );
+    let mut counted = 0;
     for n in &names {
         let counts = pool_counts(&cluster, n);
         let spread = counts.iter().max().unwrap() - counts.iter().min().unwrap();
         assert!(spread <= 1, "route {n}: {counts:?}");
+        counted += counts.iter().sum::<u64>();
     }
+    // Every request (the warm-up's too) counted once, whatever call decided it.
+    assert_eq!(counted, 32 * 40 + 2 * 3, "assignments counted");
     for gw in &gateways {
         assert!(!gw.logs().contains("CROSSSLOT"), "{}", gw.logs());
     }
