@@ -208,7 +208,7 @@ def run(run: Run) -> str:
         "",
         f"**wrk through sluice, one Redis against the cluster.** Two sluice processes (`threads: {run.sluice_threads}`, `RUST_LOG=warn`),",
         f"the same {len(names)} routes, each quota (`{{ name: w, limit: 1000000000000, window: 1h }}`) + least_used over the two nginx",
-        "backends (one fused script call per request); one on a plain redis-server (`state.redis.url`), one with",
+        "backends (one fused script call for the requests of a route that wait together); one on a plain redis-server (`state.redis.url`), one with",
         f"`state.redis.cluster: [the 6 nodes]`. Route placement (`CLUSTER KEYSLOT`, `CLUSTER NODES`): {placement}",
         f"wrk rotates the Host header over the routes with a Lua script (`{run.wrk_cmd['cluster']}`); {run.warmup} warm-up; "
         f"{run.rounds} rounds.",

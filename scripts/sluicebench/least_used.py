@@ -101,7 +101,7 @@ def run(run: Run) -> str:
         f"**wrk through sluice, one run.** Two sluice processes (`threads: {run.sluice_threads}`, `RUST_LOG=warn`), both running all the",
         "time, each loaded in turn: one on the memory store (routes `rr`: round_robin, `lu`: least_used), one on a local Redis",
         "(routes `rr`, `lu`: least_used, `qlu`: least_used with the quota `{ name: w, limit: 1000000000000, window: 1h }`,",
-        "one fused script call per request). Every route has the same two nginx backends as members.",
+        "one fused script call for the requests of the route that wait together). Every route has the same two nginx backends as members.",
         f"Each target: `{run.wrk_cmd['qlu_redis']}` with the route's Host, after an unrecorded {run.warmup} warm-up; {run.rounds} rounds.",
         "",
         *run.wrk_table(TARGETS),
@@ -126,7 +126,7 @@ def run(run: Run) -> str:
         f"Reading: quota + least_used on Redis runs at {stats.fmt(q, '.2f')}× the round_robin route's req/s"
         + when(q, lambda x: x >= 0.5, ", meeting issue 4's ≥ 0.5× target", ", MISSING issue 4's ≥ 0.5× target")
         + when(q, lambda x: x >= 0.66, " and issue 14's ≥ 0.66×", " but not issue 14's ≥ 0.66×")
-        + "; its extra cost is the Redis round trip",
+        + "; its extra cost is the wait for the Redis round trip",
         f"and the fused script, in sluice's CPU (see its µs/req) and in Redis, {run.shared_cores}.",
         "",
         "**The allocator script against the pool size.** Pools `sluice:{p10}:pool` and `sluice:{p10000}:pool` filled with",
