@@ -285,6 +285,26 @@ fn script_calls(server: &RedisServer) -> u64 {
     server.command_calls("fcall") + server.command_calls("evalsha")
 }
 
+fn redis_store(url: String) -> RedisStore {
+    RedisStore::new(RedisStoreConfig {
+        url,
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap()
+}
+
+/// Runs `cases` random traces through `case`; the first that fails (shrunk) fails the test.
+fn run_cases(cases: u32, case: impl Fn(Trace) -> Result<(), TestCaseError>) {
+    let mut runner = TestRunner::new(Config {
+        cases,
+        ..Config::default()
+    });
+    if let Err(e) = runner.run(&trace(UNIT), case) {
+        panic!("{e}");
+    }
+}
+
 /// Redis expires idle logs in real time, while the traces run on their own clock: windows are a
 /// quarter second and up, so that no key expires within a case.
 const UNIT: u64 = 250_000;
@@ -293,28 +313,12 @@ const UNIT: u64 = 250_000;
 fn batched_decisions_are_the_sequential_ones() {
     let server = RedisServer::start();
     let rt = runtime();
-    let store = |url: String| {
-        RedisStore::new(RedisStoreConfig {
-            url,
-            key_prefix: "sluice".into(),
-            timeout: Duration::from_secs(5),
-        })
-        .unwrap()
-    };
-    let (redis, alone) = (store(server.url()), store(server.url()));
+    let (redis, alone) = (redis_store(server.url()), redis_store(server.url()));
     warm_up(&rt, &redis);
-    let cases = (Config::default().cases / 4).max(1);
-    let mut runner = TestRunner::new(Config {
-        cases,
-        ..Config::default()
-    });
     let calls = || script_calls(&server);
-    let result = runner.run(&trace(UNIT), |trace| {
+    run_cases((Config::default().cases / 4).max(1), |trace| {
         rt.block_on(replay(&redis, Some(&alone), &fresh_route(), &trace, &calls))
     });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
 }
 
 /// The same with `EVALSHA` (Redis without functions, or an ACL that denies them).
@@ -322,24 +326,12 @@ fn batched_decisions_are_the_sequential_ones() {
 fn batched_decisions_are_the_sequential_ones_by_evalsha() {
     let server = RedisServer::start();
     let rt = runtime();
-    let redis = RedisStore::new(RedisStoreConfig {
-        url: server.url_without_functions(),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(5),
-    })
-    .unwrap();
+    let redis = redis_store(server.url_without_functions());
     warm_up(&rt, &redis);
-    let mut runner = TestRunner::new(Config {
-        cases: 16,
-        ..Config::default()
-    });
     let calls = || script_calls(&server);
-    let result = runner.run(&trace(UNIT), |trace| {
+    run_cases(16, |trace| {
         rt.block_on(replay(&redis, None, &fresh_route(), &trace, &calls))
     });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
     assert!(!redis.uses_functions());
 }
 
@@ -355,10 +347,6 @@ fn batched_decisions_are_the_sequential_ones_on_a_cluster() {
         )
     });
     warm_up(&rt, &redis);
-    let mut runner = TestRunner::new(Config {
-        cases: 16,
-        ..Config::default()
-    });
     let calls = || {
         cluster
             .nodes()
@@ -367,7 +355,7 @@ fn batched_decisions_are_the_sequential_ones_on_a_cluster() {
             .sum::<u64>()
     };
     let masters = std::sync::Mutex::new(std::collections::HashSet::new());
-    let result = runner.run(&trace(UNIT), |trace| {
+    run_cases(16, |trace| {
         let route = fresh_route();
         masters
             .lock()
@@ -375,9 +363,6 @@ fn batched_decisions_are_the_sequential_ones_on_a_cluster() {
             .insert(cluster.master_of(&format!("{{{route}}}")));
         rt.block_on(replay(&redis, None, &route, &trace, &calls))
     });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
     let masters = masters.into_inner().unwrap();
     assert!(masters.len() >= 2, "routes on several masters: {masters:?}");
 }
@@ -390,12 +375,7 @@ fn batched_decisions_are_the_sequential_ones_on_a_cluster() {
 fn a_refusal_counts_the_admissions_of_its_own_call_on_a_clock_that_went_back() {
     let server = RedisServer::start();
     let rt = runtime();
-    let redis = RedisStore::new(RedisStoreConfig {
-        url: server.url(),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(5),
-    })
-    .unwrap();
+    let redis = redis_store(server.url());
     warm_up(&rt, &redis);
     let trace = Trace {
         members: 3,
@@ -456,12 +436,7 @@ fn a_refusal_counts_the_admissions_of_its_own_call_on_a_clock_that_went_back() {
 fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
     let server = RedisServer::start();
     let rt = runtime();
-    let redis = RedisStore::new(RedisStoreConfig {
-        url: server.url(),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(5),
-    })
-    .unwrap();
+    let redis = redis_store(server.url());
     warm_up(&rt, &redis);
     let windows = [Window {
         name: "w".into(),
@@ -531,12 +506,7 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
 fn many_picks_in_one_call_order_ties_by_bytes() {
     let server = RedisServer::start();
     let rt = runtime();
-    let redis = RedisStore::new(RedisStoreConfig {
-        url: server.url(),
-        key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(5),
-    })
-    .unwrap();
+    let redis = redis_store(server.url());
     warm_up(&rt, &redis);
     // Every member but these four is left out of every request.
     let only = |ids: &[&str]| -> u16 {
