@@ -276,3 +276,70 @@ impl Drop for LaneGuard<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiters(
+        n: usize,
+    ) -> (
+        Vec<Waiter>,
+        Vec<oneshot::Receiver<Result<Value, StoreError>>>,
+    ) {
+        (0..n)
+            .map(|_| {
+                let (tx, rx) = oneshot::channel();
+                let w = Waiter {
+                    cost: 1,
+                    excluded: Vec::new(),
+                    reply: tx,
+                };
+                (w, rx)
+            })
+            .unzip()
+    }
+
+    #[test]
+    fn each_request_gets_its_own_row() {
+        let (batch, mut replies) = waiters(2);
+        let flat = (0..8).map(Value::Int).collect();
+        deliver(batch, 4, Ok(Value::Array(flat)));
+        for (i, rx) in replies.iter_mut().enumerate() {
+            let row = rx.try_recv().unwrap().unwrap();
+            let first = 4 * i as i64;
+            assert_eq!(
+                row,
+                Value::Array((first..first + 4).map(Value::Int).collect())
+            );
+        }
+    }
+
+    /// A reply of the wrong shape (another program's script under our name, a proxy that mangles
+    /// arrays) is an error for every request of the call, never a panic or a row of another's.
+    #[test]
+    fn a_reply_of_the_wrong_shape_is_an_error_for_each_request() {
+        let shapes = [
+            Value::Nil,
+            Value::Int(1),
+            Value::Array(vec![]),
+            Value::Array((0..7).map(Value::Int).collect()),
+            Value::Array((0..9).map(Value::Int).collect()),
+        ];
+        for shape in shapes {
+            let (batch, mut replies) = waiters(2);
+            deliver(batch, 4, Ok(shape.clone()));
+            for rx in replies.iter_mut() {
+                assert!(
+                    matches!(rx.try_recv(), Ok(Err(StoreError::Backend(_)))),
+                    "{shape:?}"
+                );
+            }
+        }
+        let (batch, mut replies) = waiters(3);
+        deliver(batch, 4, Err(StoreError::Timeout));
+        for rx in replies.iter_mut() {
+            assert!(matches!(rx.try_recv(), Ok(Err(StoreError::Timeout))));
+        }
+    }
+}
