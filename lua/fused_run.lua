@@ -5,8 +5,9 @@
 -- Each request is decided exactly as if it had come in a call of its own, in the order given,
 -- on one clock: the quota goes first and records only once a member is assigned. What the
 -- batch saves is Redis's fixed cost per call, and the reads and writes: the quota's hash and
--- logs, and the pool, are read once and written once (one ZADD per log for every request
--- admitted, one ZINCRBY per member chosen), the picks made on a view of the pool (allocator.lua).
+-- logs are read once and written once (one ZADD per log for every request admitted), and from
+-- 6 requests a call so is the pool (one read, then one ZINCRBY per member chosen; allocator.lua,
+-- pool_view).
 --
 -- KEYS[1]              the quota key's helper hash; KEYS[2 .. #KEYS - 1] the window logs;
 -- KEYS[#KEYS]          the pool.
@@ -28,10 +29,9 @@ local at = 2 + 3 * windows
 local requests = ARGV[at] + 0
 local width = 4 + 2 * windows
 local out = {}
--- Many requests pick on a view of the pool's first members, enough for every pick unless
--- counts tie across what was read: one per request, one more, and one per member excluded
--- anywhere in the call (#ARGV counts them: each request has two arguments besides its excluded
--- ids). A view costs more to set up than it saves on a few picks (scripts/redis-script-cost
+-- Many requests pick on a view of the pool's first members, as many as every pick needs (see
+-- pool_view): one per request, one more, and one per member excluded anywhere in the call
+-- (#ARGV counts them: each request has two arguments besides its excluded ids). A view costs more to set up than it saves on a few picks (scripts/redis-script-cost
 -- --batch: the two cost the same at about 5 requests a call), so fewer requests pick one by one
 -- (pool_pick, pool_assign), after a read of the pool's first member, which is also the first
 -- pick's first read while it excludes none. Either read coming back empty says the pool does

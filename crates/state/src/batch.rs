@@ -35,7 +35,7 @@ use crate::scripts::Scripts;
 use crate::{Acquire, StoreError, Window};
 
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
-/// stays short (about 5 µs of Redis time per request), and its reply stays small.
+/// stays short (a call of 32 takes Redis about 120 µs), and its reply stays small.
 pub const MAX_BATCH: usize = 32;
 
 /// What a lane's requests share, and so what one call is for.
