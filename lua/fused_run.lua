@@ -28,14 +28,16 @@ local windows = #KEYS - 2
 local at = 2 + 3 * windows
 local requests = ARGV[at] + 0
 local width = 4 + 2 * windows
-local out = {}
+-- Sized for one request of one window, the usual reply when requests come one at a time: a
+-- table that outgrows its constructor is rehashed at each power of two.
+local out = { false, false, false, false, false, false }
 -- Many requests pick on a view of the pool's first members, as many as every pick needs (see
 -- pool_view): one per request, one more, and one per member excluded anywhere in the call
--- (#ARGV counts them: each request has two arguments besides its excluded ids). A view costs more to set up than it saves on a few picks (scripts/redis-script-cost
--- --batch: the two cost the same at about 5 requests a call), so fewer requests pick one by one
--- (pool_pick, pool_assign), after a read of the pool's first member, which is also the first
--- pick's first read while it excludes none. Either read coming back empty says the pool does
--- not exist.
+-- (#ARGV counts them: each request has two arguments besides its excluded ids). A view costs
+-- more to set up than it saves on a few picks (scripts/redis-script-cost --batch: the two cost
+-- the same at about 5 requests a call), so fewer requests pick one by one (pool_pick,
+-- pool_assign), after a read of the pool's first member, which is also the first pick's first
+-- read while it excludes none. Either read coming back empty says the pool does not exist.
 local view, first, exists
 if requests >= 6 then
   view = pool_view(pool, requests + 1 + (#ARGV - at - 2 * requests))
@@ -50,6 +52,10 @@ if not exists then
     for j = k * width + 3, (k + 1) * width do
       out[j] = 0
     end
+  end
+  -- Placeholders past the rows (a quota with no window): a false would reply as a nil.
+  for j = requests * width + 1, 6 do
+    out[j] = nil
   end
   return out
 end

@@ -61,14 +61,17 @@ struct Trace {
     groups: Vec<Group>,
 }
 
-/// A pool of 3 members, or of 10 (more than a call's view of the pool holds: it has to read
-/// on), one or two windows of `unit` µs times 1..=8 with small limits, so that groups fill them,
-/// and groups of 1 to 12 requests whose costs reach past the smallest limit (a request that can
+/// A pool of 3 members, or of 10; no window, or one or two of `unit` µs times 1..=8 with small
+/// limits, so that groups fill them; and groups of 1 to 12 requests whose costs reach past the smallest limit (a request that can
 /// never fit), a third of them with members left out, sometimes all of them.
 fn trace(unit: u64) -> impl Strategy<Value = Trace> {
     (
         prop_oneof![Just(3usize), Just(10usize)],
-        prop::collection::vec((1u64..=10, 1u64..=8), 1..=2),
+        // No window at all is not a config sluice accepts, but the store takes it.
+        prop_oneof![
+            1 => Just(Vec::new()),
+            8 => prop::collection::vec((1u64..=10, 1u64..=8), 1..=2),
+        ],
     )
         .prop_flat_map(move |(members, spec)| {
             let windows: Vec<Window> = spec
@@ -80,7 +83,7 @@ fn trace(unit: u64) -> impl Strategy<Value = Trace> {
                     length_us: n * unit,
                 })
                 .collect();
-            let smallest = windows.iter().map(|w| w.limit).min().unwrap();
+            let smallest = windows.iter().map(|w| w.limit).min().unwrap_or(3);
             let request = (
                 prop_oneof![8 => 1..=smallest, 1 => smallest + 1..=smallest + 2],
                 prop_oneof![6 => Just(0u16), 3 => 0u16..(1 << members)],
@@ -555,4 +558,64 @@ fn many_picks_in_one_call_order_ties_by_bytes() {
         [2, 2, 2, 2],
         "each of the four picked: {picked:?}"
     );
+}
+
+/// A call that finds no pool (first use, Redis restarted empty) answers every request "sync
+/// first", in rows of the call's width whatever the number of windows; each request syncs the
+/// pool and is decided.
+#[test]
+fn every_request_of_a_call_that_finds_no_pool_is_synced_and_decided() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = redis_store(server.url());
+    warm_up(&rt, &redis);
+    let one = [Window {
+        name: "w".into(),
+        limit: 100,
+        length_us: 4 * UNIT,
+    }];
+    let members: Vec<PoolMember> = MEMBER_IDS[..3]
+        .iter()
+        .map(|m| PoolMember::new(*m))
+        .collect();
+    for windows in [&[][..], &one[..]] {
+        for n in [1, 2, 7] {
+            let route = fresh_route();
+            let group = Group {
+                after_us: 0,
+                requests: vec![
+                    Request {
+                        cost: 1,
+                        excluded: 0
+                    };
+                    n
+                ],
+            };
+            let answers = rt
+                .block_on(decide(
+                    &redis,
+                    &route,
+                    &members,
+                    windows,
+                    &group,
+                    1_000_000_000,
+                    true,
+                ))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                answers
+                    .iter()
+                    .all(|a| matches!(a, Assignment::Assigned { .. })),
+                "{} windows, {n} requests: {answers:?}",
+                windows.len()
+            );
+            let counted: u64 = rt
+                .block_on(redis.counts(&route))
+                .unwrap()
+                .iter()
+                .map(|(_, c)| c)
+                .sum();
+            assert_eq!(counted, n as u64);
+        }
+    }
 }
