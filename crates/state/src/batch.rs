@@ -31,7 +31,7 @@ use tokio::sync::oneshot;
 use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
-use crate::scripts::Scripts;
+use crate::scripts::{self, Scripts};
 use crate::{Acquire, StoreError, Window};
 
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
@@ -213,10 +213,8 @@ impl FusedBatches {
         }
         call.arg(batch.len());
         for w in batch {
-            call.arg(w.cost).arg(w.excluded.len());
-            for e in &w.excluded {
-                call.arg(e.as_str());
-            }
+            call.arg(w.cost);
+            scripts::push_excluded(&mut call, &w.excluded);
         }
         let call = &call;
         self.connection

@@ -189,10 +189,10 @@ pub(crate) fn push_quota_args(invocation: &mut ScriptCall<'_>, req: &Acquire<'_>
 }
 
 /// Appends a list of excluded member ids, count first, as `pool_excluded` reads it.
-pub(crate) fn push_excluded(invocation: &mut ScriptCall<'_>, excluded: &[&str]) {
+pub(crate) fn push_excluded<S: AsRef<str>>(invocation: &mut ScriptCall<'_>, excluded: &[S]) {
     invocation.arg(excluded.len());
     for e in excluded {
-        invocation.arg(*e);
+        invocation.arg(e.as_ref());
     }
 }
 
