@@ -451,3 +451,125 @@ async fn slow_in_place_rewrites_under_load_fail_no_request() {
         &failures[..failures.len().min(5)]
     );
 }
+
+/// The sha256 of `bytes` in hex, as `/status` shows a config's version.
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A writer that rewrites the file in place and stalls half-way with the file still open (a
+/// process descheduled under load) must never get its half file loaded, however long the
+/// stall: the file is loaded when the writer closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_stalled_mid_file_is_loaded_only_when_it_closes_the_file() {
+    use std::io::Write;
+    let backends = start_backends(&["b1"]).await;
+    let m = vec![url(backends[0].local_addr())];
+    let gw = Gateway::start_with_ports(&config(&[route("a", &m), route("b", &m)]));
+    let live = std::fs::read_to_string(gw.config_path()).unwrap();
+    // The new config adds route `c` before `b`; its first half (up to `b`) is a valid config
+    // that lacks `b`, which both the old and the new config serve.
+    let full = config(&[route("a", &m), route("c", &m), route("b", &m)])
+        .replace("{PROXY}", &gw.proxy_addr().to_string())
+        .replace("{ADMIN}", &gw.admin_addr().to_string());
+    let cut = full.find("- name: b\n").expect("route b in the YAML");
+    let (half, rest) = (full[..cut].to_string(), full[cut..].to_string());
+    assert!(half.contains("name: c"), "{half}");
+    let half_version = sha256_hex(half.as_bytes());
+    let full_version = sha256_hex(full.as_bytes());
+
+    // Closing the file unchanged (as `touch` does) is a close the watcher sees: from then on
+    // the platform is known to report closes.
+    drop(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(gw.config_path())
+            .unwrap(),
+    );
+    assert_eq!(
+        std::fs::read_to_string(gw.config_path()).unwrap(),
+        live,
+        "the touch changed nothing"
+    );
+
+    // Watch what the gateway serves while the file is torn.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (stop, proxy, admin) = (stop.clone(), gw.proxy_addr(), gw.admin_addr());
+        let half_version = half_version.clone();
+        tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut client = HttpClient::connect(proxy).await.unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                let status = support::admin_get(admin, "/status").await.json();
+                if status["version"] == half_version.as_str() {
+                    seen.push("the half file in force".to_string());
+                }
+                match client.request("GET", "b.test", "/", &[], b"").await {
+                    Ok(r) if r.status == 200 => {}
+                    Ok(r) => seen.push(format!("b.test: {} {}", r.status, r.text())),
+                    Err(e) => seen.push(format!("b.test: {e}")),
+                }
+            }
+            seen
+        })
+    };
+
+    let path = gw.config_path();
+    let (stalled_tx, stalled_rx) = std::sync::mpsc::channel::<()>();
+    let writer = std::thread::spawn(move || {
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(half.as_bytes()).unwrap();
+        file.flush().unwrap();
+        // The stall: far longer than any quiet period a watcher could wait for.
+        std::thread::sleep(Duration::from_millis(1500));
+        file.write_all(rest.as_bytes()).unwrap();
+        file.flush().unwrap();
+        stalled_tx.send(()).unwrap();
+        drop(file);
+    });
+    // The whole file is loaded after the close.
+    eventually("the whole file is loaded once closed", || async {
+        gw.status().await["version"] == full_version.as_str()
+    })
+    .await;
+    stalled_rx.recv().unwrap();
+    writer.join().unwrap();
+    assert_eq!(status_of(&gw, "c.test").await, 200);
+    stop.store(true, Ordering::Relaxed);
+    let seen = watcher.await.unwrap();
+    assert!(
+        seen.is_empty(),
+        "the torn file was served: {} bad observations, e.g. {:?}",
+        seen.len(),
+        &seen[..seen.len().min(5)]
+    );
+}
+
+/// Where no close is reported for a write (polling watchers, some container mounts), a change
+/// is still loaded once the file's content has settled, even with the writer holding it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_without_a_close_is_loaded_once_it_settles() {
+    use std::io::Write;
+    let backends = start_backends(&["b1"]).await;
+    let m = vec![url(backends[0].local_addr())];
+    let gw = Gateway::start_with_ports(&config(&[route("a", &m)]));
+    let full = config(&[route("a", &m), route("c", &m)])
+        .replace("{PROXY}", &gw.proxy_addr().to_string())
+        .replace("{ADMIN}", &gw.admin_addr().to_string());
+    let mut file = std::fs::File::create(gw.config_path()).unwrap();
+    file.write_all(full.as_bytes()).unwrap();
+    file.flush().unwrap();
+    let want = sha256_hex(full.as_bytes());
+    eventually(
+        "the settled file is loaded with its writer still open",
+        || async { gw.status().await["version"] == want.as_str() },
+    )
+    .await;
+    drop(file);
+    assert_eq!(status_of(&gw, "c.test").await, 200);
+}

@@ -23,16 +23,15 @@ use crate::egress::Resolver;
 use crate::metrics::Metrics;
 use crate::table::Table;
 
-/// Bursts of file events (an editor's write, rename and chmod) become one reload once the
-/// file has been quiet this long.
-const QUIET: Duration = Duration::from_millis(250);
+/// Where the platform reports no close of a written file (polling watchers, some container
+/// mounts), a change is loaded once the file's content has stayed the same this long: a writer
+/// that pauses mid-file for less than this is never caught half-way.
+const SETTLE: Duration = Duration::from_secs(2);
 
-/// A file that never goes quiet (rewritten in a loop) is still read after this long, so
-/// reloads cannot be starved; the stability check below still refuses a moving file.
-const QUIET_CEILING: Duration = Duration::from_secs(30);
-
-/// How many times a file that changes between two reads is waited for before giving up.
-const STABLE_TRIES: u32 = 20;
+/// Once a close has been seen for the file, the platform reports them, so a change without one
+/// means a writer still holds the file open: it is waited for this long before the content is
+/// trusted anyway (a writer that never closes, or an edit by path such as `truncate`).
+const SETTLE_WITH_CLOSES: Duration = Duration::from_secs(30);
 
 /// Performs reloads, one at a time.
 pub struct Reloader {
@@ -91,14 +90,9 @@ impl Reloader {
             );
         };
         let started = Instant::now();
-        // A file event may come while an editor is still writing in place; a parse of half a
-        // file can be valid YAML with routes missing. So a file-triggered reload applies only
-        // bytes that two reads, a quiet period apart, agree on.
-        let read = if trigger == "file" {
-            read_stable(path).await
-        } else {
-            std::fs::read(path).map_err(|e| e.to_string())
-        };
+        // The watcher calls only once the writer is done (the file closed or renamed into
+        // place, or its content settled), so one read is the whole file.
+        let read = std::fs::read(path).map_err(|e| e.to_string());
         let bytes = match read {
             Ok(bytes) => bytes,
             Err(e) => {
@@ -171,21 +165,6 @@ impl Reloader {
     }
 }
 
-/// Reads `path` until two reads a quiet period apart agree: the bytes of a file nobody is
-/// writing any more. Gives up (an error, so the old config stays) if it keeps changing.
-async fn read_stable(path: &Path) -> Result<Vec<u8>, String> {
-    let mut before = std::fs::read(path).map_err(|e| e.to_string())?;
-    for _ in 0..STABLE_TRIES {
-        tokio::time::sleep(QUIET).await;
-        let now = std::fs::read(path).map_err(|e| e.to_string())?;
-        if now == before {
-            return Ok(now);
-        }
-        before = now;
-    }
-    Err("the file kept changing while it was read; the previous config stays in force".into())
-}
-
 /// Drops the metric series of routes and members that left, so dashboards do not show ghosts.
 fn forget_departed(metrics: &Metrics, old: &Table, new: &Table) {
     // By name, so that a reload stays linear in the number of routes.
@@ -220,6 +199,51 @@ fn forget_departed(metrics: &Metrics, old: &Table, new: &Table) {
     }
 }
 
+/// What a file event means for the config file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FileEvent {
+    /// The file is complete: its writer closed it, or a whole file was renamed into place.
+    Complete,
+    /// Its writer closed it (a `Complete` too, and proof that the platform reports closes).
+    Closed,
+    /// It changed, and may still be being written.
+    Changed,
+}
+
+/// Classifies a watcher event on the config file's directory; `None` when it is not a change of
+/// the config file.
+fn classify(event: &notify::Event, name: &std::ffi::OsStr) -> Option<FileEvent> {
+    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    // Other files in the directory (logs, say) are none of our business; a ConfigMap
+    // announces a new version by swapping its `..data` link.
+    let ours = event.paths.iter().any(|p| {
+        p.file_name()
+            .is_some_and(|f| f == name || f.to_string_lossy().starts_with("..data"))
+    });
+    if !ours {
+        return None;
+    }
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => Some(FileEvent::Closed),
+        // A rename is atomic: what was renamed in was written whole elsewhere.
+        EventKind::Modify(ModifyKind::Name(_)) => Some(FileEvent::Complete),
+        // A creation may be `open(O_CREAT)` with the writes still to come, so it waits like a
+        // write; a writer's close (or the content settling) loads it.
+        EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_) => {
+            Some(FileEvent::Changed)
+        }
+        // Reads (ours included) are not changes.
+        _ => None,
+    }
+}
+
+/// A change seen on the file but not loaded yet: it is loaded once the content read at
+/// `deadline` equals `seen`, read one settle period before.
+struct Pending {
+    deadline: tokio::time::Instant,
+    seen: Option<Vec<u8>>,
+}
+
 /// The Pingora background service that turns SIGHUP and changes of the file into reloads.
 pub struct ReloadTriggers {
     reloader: Arc<Reloader>,
@@ -252,17 +276,8 @@ impl BackgroundService for ReloadTriggers {
             let name = file.file_name()?.to_os_string();
             let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
                 let Ok(e) = event else { return };
-                // Reads (ours included) are not changes.
-                let changed = matches!(e.kind, EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_));
-                // Other files in the directory (logs, say) are none of our business; a
-                // ConfigMap announces a new version by swapping its `..data` link.
-                let ours = e.paths.iter().any(|p| {
-                    p.file_name().is_some_and(|f| {
-                        f == name.as_os_str() || f.to_string_lossy().starts_with("..data")
-                    })
-                });
-                if changed && ours {
-                    let _ = events_tx.send(());
+                if let Some(kind) = classify(&e, &name) {
+                    let _ = events_tx.send(kind);
                 }
             })
             .map_err(|e| tracing::warn!(target: "sluice::reload", error = %e, "cannot watch the config file"))
@@ -278,23 +293,43 @@ impl BackgroundService for ReloadTriggers {
         if _watcher.is_some() {
             let _ = self.reloader.reload("file").await;
         }
+        let read = |reloader: &Reloader| reloader.source().and_then(|p| std::fs::read(p).ok());
+        let mut pending: Option<Pending> = None;
+        let mut closes_reported = false;
         loop {
+            let deadline = pending.as_ref().map(|p| p.deadline);
             tokio::select! {
                 _ = shutdown.changed() => break,
                 Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     let _ = self.reloader.reload("sighup").await;
                 }
-                Some(()) = events.recv() => {
-                    // Wait until the file has been quiet for a while: an editor writing in
-                    // place sends an event per write.
-                    let ceiling = tokio::time::Instant::now() + QUIET_CEILING;
-                    while tokio::time::Instant::now() < ceiling {
-                        match tokio::time::timeout(QUIET, events.recv()).await {
-                            Ok(Some(())) => continue,
-                            _ => break,
+                Some(event) = events.recv() => match event {
+                    FileEvent::Closed | FileEvent::Complete => {
+                        closes_reported |= event == FileEvent::Closed;
+                        pending = None;
+                        let _ = self.reloader.reload("file").await;
+                    }
+                    FileEvent::Changed => {
+                        let settle = if closes_reported { SETTLE_WITH_CLOSES } else { SETTLE };
+                        let deadline = tokio::time::Instant::now() + settle;
+                        match &mut pending {
+                            Some(p) => p.deadline = deadline,
+                            None => pending = Some(Pending { deadline, seen: read(&self.reloader) }),
                         }
                     }
-                    let _ = self.reloader.reload("file").await;
+                },
+                _ = async { match deadline { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } } => {
+                    // No event for a settle period: load the file if its content did not move
+                    // either (a polling watcher may miss a write), else give it another period.
+                    let now = read(&self.reloader);
+                    let settled = pending.as_ref().is_some_and(|p| p.seen == now);
+                    if settled {
+                        pending = None;
+                        let _ = self.reloader.reload("file").await;
+                    } else {
+                        let settle = if closes_reported { SETTLE_WITH_CLOSES } else { SETTLE };
+                        pending = Some(Pending { deadline: tokio::time::Instant::now() + settle, seen: now });
+                    }
                 }
             }
         }
