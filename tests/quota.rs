@@ -545,3 +545,98 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
     assert!(worst <= LIMIT, "a window admitted {worst} > {LIMIT}");
     assert!(refused > 0 && ok > 100, "the test must push the quota");
 }
+
+/// The memory store's key table, once full of keys that still count, refuses a request with a
+/// new key with `429 quota_keys_exhausted`, whatever `on_store_error` says: a full table is no
+/// outage, and admitting the key unmetered would lift the quota for anyone who sprays keys.
+/// The keys it holds keep their quota. On a route whose quota is decided alone (round-robin)
+/// and on one where it is fused with the least-used pick.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_full_key_table_refuses_new_keys_and_never_admits_one_unmetered() {
+    let backends = start_backends(&["b1"]).await;
+    let member = url(backends[0].local_addr());
+    let quota = || {
+        Quota::window("hour", 2, "1h")
+            .key("header:X-Tenant")
+            .on_store_error("open")
+    };
+    let config = Config::new().routes([
+        Route::new("api").member(member.clone()).quota(quota()),
+        Route::new("pool")
+            .member(member.clone())
+            .least_used()
+            .quota(quota()),
+    ]);
+    // A small table, so that it fills in a few requests.
+    const MAX_KEYS: usize = 64;
+    let yaml = format!(
+        "{}state:\n  backend: memory\n  memory:\n    max_keys: {MAX_KEYS}\n",
+        config.yaml()
+    );
+    let gw = Gateway::start_with_ports(&yaml);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for route in ["api", "pool"] {
+        let host = format!("{route}.test");
+        let (mut held, mut refused) = (0, 0);
+        for i in 0..(3 * MAX_KEYS) {
+            let tenant = format!("tenant-{i}");
+            let headers = [("X-Tenant", tenant.as_str())];
+            let mut answers = Vec::new();
+            for _ in 0..3 {
+                let r = client
+                    .request("GET", &host, "/", &headers, b"")
+                    .await
+                    .unwrap();
+                answers.push((r.status, r.header("x-sluice-error").map(str::to_string)));
+                if r.status == 429 && r.header("x-sluice-error") == Some("quota_keys_exhausted") {
+                    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+                    assert_eq!(r.json()["type"], "urn:sluice:error:quota_keys_exhausted");
+                }
+            }
+            let exhausted = (429, Some("quota_keys_exhausted".to_string()));
+            if answers[0].0 == 200 {
+                held += 1;
+                assert_eq!(
+                    answers,
+                    [
+                        (200, None),
+                        (200, None),
+                        (429, Some("quota_exceeded".into()))
+                    ],
+                    "{route}: a key the store holds keeps exactly its quota ({tenant})"
+                );
+            } else {
+                refused += 1;
+                assert_eq!(
+                    answers,
+                    [exhausted.clone(), exhausted.clone(), exhausted],
+                    "{route}: a new key is refused while the table is full, never admitted \
+                     unmetered ({tenant})"
+                );
+            }
+        }
+        assert!(held > 0 && held <= MAX_KEYS, "{route}: {held} keys held");
+        assert!(refused > 0, "{route}: the table never filled");
+        assert_eq!(
+            gw.metric("sluice_quota_keys_refused_total", &[("route", route)])
+                .await,
+            Some(3.0 * refused as f64),
+            "{route}: every refusal is counted"
+        );
+    }
+    assert_eq!(
+        gw.metric("sluice_store_errors_total", &[("op", "quota")])
+            .await
+            .unwrap_or(0.0),
+        0.0,
+        "a full key table is not a store failure"
+    );
+    assert!(
+        gw.wait_for_log(
+            "as many quota keys as the store keeps",
+            Duration::from_secs(5)
+        )
+        .await,
+        "the refusals are logged"
+    );
+}

@@ -72,6 +72,18 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 429: the memory store holds as many quota keys as it keeps for the route, none of them
+    /// idle, and this request brings a new one. It is refused rather than admitted unmetered;
+    /// the keys already held keep working.
+    pub fn quota_keys_exhausted() -> Problem {
+        Problem {
+            status: 429,
+            code: "quota_keys_exhausted",
+            title: "Quota keys exhausted",
+            detail: "the route holds as many quota keys as the store keeps (state.memory.max_keys), each still counting; a new key is admitted once one of them is idle".into(),
+            retry_after_ms: None,
+        }
+    }
     /// 503: the pool has no eligible member.
     pub fn no_member() -> Problem {
         Problem {

@@ -1,6 +1,8 @@
 //! A route's quota, made ready to apply: its windows as the state store takes them, what a
 //! request costs, what it is counted under, and the metric handles of its refusals.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use http::HeaderValue;
 use pingora::proxy::Session;
 use prometheus::IntCounter;
@@ -25,6 +27,8 @@ pub struct RouteQuota {
     pub policy: HeaderValue,
     /// `sluice_quota_rejections_total{route,window}`, per window.
     pub rejections: Vec<IntCounter>,
+    /// The second (Unix time) of the latest warning that the route's key table is full.
+    keys_warned_at: AtomicU64,
 }
 
 /// Quota key values longer than this are replaced by their hash. The client chooses a header's
@@ -113,6 +117,22 @@ impl RouteQuota {
         }
     }
 
+    /// Logs that a request with a new key was refused because the route's key table is full:
+    /// at most once a second per route, since a client spraying keys makes every request of
+    /// its own fail this way (`sluice_quota_keys_refused_total` counts them all).
+    pub(crate) fn warn_keys_exhausted(&self, route: &str) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        if self.keys_warned_at.swap(now, Ordering::Relaxed) != now {
+            tracing::warn!(
+                target: "sluice::quota",
+                route,
+                "the route holds as many quota keys as the store keeps; requests with new keys get 429 quota_keys_exhausted"
+            );
+        }
+    }
+
     /// Builds the quota of `route` from its config.
     pub fn build(route: &str, q: &QuotaConfig, metrics: &Metrics) -> RouteQuota {
         let windows: Vec<Window> = q.windows.iter().map(window_of).collect();
@@ -140,6 +160,7 @@ impl RouteQuota {
                 })
                 .collect(),
             on_store_error: q.on_store_error,
+            keys_warned_at: AtomicU64::new(0),
         }
     }
 }

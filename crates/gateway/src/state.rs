@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use sluice_state::{MemoryStore, RedisConnection, RedisStore, StateStore};
+use sluice_state::{MemoryLimits, MemoryStore, RedisConnection, RedisStore, StateStore};
 
 use crate::config::{Config, StateBackend};
 
@@ -12,7 +12,9 @@ use crate::config::{Config, StateBackend};
 /// cannot use at all is an error here.
 pub fn open(config: &Config) -> Result<Arc<dyn StateStore>, String> {
     let (StateBackend::Redis, Some(redis)) = (&config.state.backend, &config.state.redis) else {
-        return Ok(Arc::new(MemoryStore::new()));
+        return Ok(Arc::new(MemoryStore::with_limits(MemoryLimits {
+            max_keys: config.state.memory.max_keys.get(),
+        })));
     };
     // The CA file is read once, here: like the rest of `state`, it applies at the next restart.
     let ca = match redis.tls.as_ref().and_then(|t| t.ca.as_ref()) {

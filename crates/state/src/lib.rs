@@ -53,7 +53,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 pub use connection::RedisConnection;
-pub use memory::MemoryStore;
+pub use memory::{MemoryLimits, MemoryStore};
 pub use redis::{RedisStore, RedisStoreConfig};
 
 /// One window of a quota.
@@ -218,7 +218,8 @@ pub enum StoreError {
     /// The store answered with an error, or the connection failed.
     Backend(String),
     /// The route holds as many quota keys as the memory store allows; a request with a new key
-    /// is not decided.
+    /// is not decided. This is no outage: the store works, and the keys it holds keep being
+    /// decided. The gateway refuses the request rather than admit it unmetered.
     TooManyKeys,
 }
 
@@ -227,11 +228,9 @@ impl fmt::Display for StoreError {
         match self {
             StoreError::Timeout => f.write_str("state store timed out"),
             StoreError::Backend(e) => write!(f, "state store failed: {e}"),
-            StoreError::TooManyKeys => write!(
-                f,
-                "the route holds {} quota keys, the most the memory store keeps per route",
-                memory_quota::MAX_KEYS_PER_ROUTE
-            ),
+            StoreError::TooManyKeys => {
+                f.write_str("the route holds as many quota keys as the memory store keeps")
+            }
         }
     }
 }

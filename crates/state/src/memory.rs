@@ -15,6 +15,24 @@ use crate::{
     Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError, Window,
 };
 
+/// How much a [`MemoryStore`] may hold, so that clients who choose their quota keys cannot
+/// grow it without bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryLimits {
+    /// The most quota keys one route holds (about: the bound is kept per shard of the store).
+    /// Past it, a request with a new key gets [`StoreError::TooManyKeys`], once no key whose
+    /// windows are empty is left to drop.
+    pub max_keys: usize,
+}
+
+impl Default for MemoryLimits {
+    fn default() -> MemoryLimits {
+        MemoryLimits {
+            max_keys: crate::memory_quota::MAX_KEYS_PER_ROUTE,
+        }
+    }
+}
+
 /// Quotas, least-used pools, member windows and cooldowns for a single gateway instance.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
@@ -40,6 +58,17 @@ impl MemoryStore {
     /// An empty store.
     pub fn new() -> MemoryStore {
         MemoryStore::default()
+    }
+
+    /// An empty store that holds at most what `limits` allow.
+    pub fn with_limits(limits: MemoryLimits) -> MemoryStore {
+        MemoryStore {
+            quotas: QuotaLogs::with_limits(&limits),
+            // Member logs are keyed by member ids, which the config bounds: a small
+            // `max_keys` must not refuse a route's own members.
+            members: QuotaLogs::new(),
+            pools: Pools::default(),
+        }
     }
 
     /// Number of quota keys held, across all routes (for tests and status).

@@ -13,16 +13,14 @@ use crate::{Acquire, Outcome, StoreError, WindowState};
 /// Independent shards, so that requests for different keys rarely meet on a lock.
 const SHARDS: usize = 64;
 
-/// The most quota keys one route may hold in memory, over all shards. A client that chooses its
-/// key (`key: header:X-Tenant`) could otherwise grow the store without bound. Past it, keys
-/// whose entries have all left their windows are dropped first; if the route is still full,
-/// a request with a new key is refused as a store failure (the route's `on_store_error`
-/// decides), rather than forgetting a key that still holds admitted requests, which would let
-/// its owner be admitted again.
+/// The most quota keys one route may hold in memory by default, over all shards
+/// ([`crate::MemoryLimits::max_keys`]). A client that chooses its key (`key: header:X-Tenant`)
+/// could otherwise grow the store without bound. Past it, keys whose entries have all left
+/// their windows are dropped first; if the route is still full, a request with a new key is
+/// refused ([`StoreError::TooManyKeys`]). Forgetting a key that still holds admitted requests
+/// would let its owner in again, and admitting the new key without a log would leave it
+/// unmetered: both would lift the quota.
 pub const MAX_KEYS_PER_ROUTE: usize = 100_000;
-
-/// The same bound per shard: keys spread evenly over the shards by their hash.
-const MAX_KEYS_PER_SHARD: usize = MAX_KEYS_PER_ROUTE.div_ceil(SHARDS);
 
 /// Once in this many calls, one shard (in turn) drops its idle keys. Every shard is swept once
 /// per `SWEEP_EVERY × SHARDS` calls, whichever keys the traffic hits, which bounds the memory held
@@ -86,6 +84,9 @@ pub(crate) struct QuotaLogs {
     shards: Box<[Mutex<Shard>]>,
     epoch: Instant,
     calls: AtomicU64,
+    /// The most keys one route may hold in one shard: the route's bound, spread evenly over
+    /// the shards as the keys' hashes spread them.
+    max_keys_per_shard: usize,
 }
 
 impl Default for QuotaLogs {
@@ -95,12 +96,18 @@ impl Default for QuotaLogs {
 }
 
 impl QuotaLogs {
-    /// No logs yet.
+    /// No logs yet, with the default bounds.
     pub(crate) fn new() -> QuotaLogs {
+        QuotaLogs::with_limits(&crate::MemoryLimits::default())
+    }
+
+    /// No logs yet, with these bounds.
+    pub(crate) fn with_limits(limits: &crate::MemoryLimits) -> QuotaLogs {
         QuotaLogs {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             epoch: Instant::now(),
             calls: AtomicU64::new(0),
+            max_keys_per_shard: limits.max_keys.max(1).div_ceil(SHARDS),
         }
     }
 
@@ -161,9 +168,9 @@ impl QuotaLogs {
             Some(keys) => keys,
             None => shard.routes.entry(req.route.into()).or_default(),
         };
-        if !keys.contains_key(req.key) && keys.len() >= MAX_KEYS_PER_SHARD {
+        if !keys.contains_key(req.key) && keys.len() >= self.max_keys_per_shard {
             keys.retain(|_, s| s.last_us + s.longest_us > now);
-            if keys.len() >= MAX_KEYS_PER_SHARD {
+            if keys.len() >= self.max_keys_per_shard {
                 return Err(StoreError::TooManyKeys);
             }
         }
@@ -322,7 +329,7 @@ mod tests {
             }
         }
         assert!(refused > 0, "nothing refused");
-        assert!(store.keys() <= MAX_KEYS_PER_SHARD * SHARDS);
+        assert!(store.keys() <= MAX_KEYS_PER_ROUTE.div_ceil(SHARDS) * SHARDS);
         // Other routes are not affected, and a key already held still answers.
         assert!(store
             .decide(Acquire {

@@ -177,6 +177,31 @@ pub struct StateConfig {
     /// How to reach Redis; required with `backend: redis`.
     #[serde(default)]
     pub redis: Option<RedisConfig>,
+    /// Bounds of the memory store (`backend: memory`).
+    #[serde(default)]
+    pub memory: MemoryStateConfig,
+}
+
+/// `state.memory:` — how much the memory store may hold, since clients choose quota keys.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryStateConfig {
+    /// The most quota keys one route holds; past it a request with a new key gets
+    /// `429 quota_keys_exhausted`.
+    #[serde(default = "default_max_keys")]
+    pub max_keys: NonZeroUsize,
+}
+
+impl Default for MemoryStateConfig {
+    fn default() -> MemoryStateConfig {
+        MemoryStateConfig {
+            max_keys: default_max_keys(),
+        }
+    }
+}
+
+fn default_max_keys() -> NonZeroUsize {
+    NonZeroUsize::new(100_000).unwrap_or(NonZeroUsize::MIN)
 }
 
 /// The state backend.

@@ -309,6 +309,25 @@ fn verdict(
             ratelimit: ratelimit_of(outcome.as_ref()),
             no_member: true,
         },
+        // A full key table is no outage, so on_store_error does not apply: admitting the new
+        // key would leave it unmetered, which lifts the quota for whoever sprays keys.
+        Admission::StoreFailed {
+            error: StoreError::TooManyKeys,
+            ..
+        } => {
+            metrics
+                .quota_keys_refused
+                .with_label_values(&[&route.name])
+                .inc();
+            if let Some(q) = quota {
+                q.warn_keys_exhausted(&route.name);
+            }
+            Verdict::Answer {
+                problem: Problem::quota_keys_exhausted(),
+                ratelimit: None,
+                no_member: false,
+            }
+        }
         Admission::StoreFailed {
             error,
             first,
@@ -316,12 +335,6 @@ fn verdict(
         } => {
             let op = if fallback { "select" } else { "quota" };
             metrics.store_errors.with_label_values(&[op]).inc();
-            if matches!(error, StoreError::TooManyKeys) {
-                metrics
-                    .quota_keys_refused
-                    .with_label_values(&[&route.name])
-                    .inc();
-            }
             if fallback {
                 route.selection_fallbacks.inc();
             }
