@@ -17,7 +17,11 @@
 //! - **A bound.** At most `max_waiting` requests wait per route and instance; past it a
 //!   request that is refused is answered at once. Each waiter holds a connection and a task,
 //!   and an unbounded line would let a burst hold them all.
+//! - **A waiter whose client hangs up leaves at once** ([`hung_up`]), uncharged: otherwise it
+//!   would keep its place, take the capacity at its turn for nobody, and push the live
+//!   waiters behind it past their `max_wait`.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -97,6 +101,62 @@ pub fn wake_at(now: Instant, retry_after: Duration, deadline: Instant) -> Option
     (wake <= deadline).then_some(wake)
 }
 
+/// Resolves once the client on the socket `fd` has hung up (its FIN or a reset), and never
+/// when there is no socket to watch. Bytes the client sends meanwhile (the rest of a body, a
+/// pipelined request) are left in the socket for the request to read.
+///
+/// Pingora's stream is not read while a request waits, so the socket is watched through a
+/// duplicate of its descriptor, registered with the reactor on its own; it is only made when
+/// a request actually waits.
+pub async fn hung_up(fd: Option<RawFd>) {
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::Interest;
+    let watch = fd.and_then(|fd| {
+        // SAFETY: `fd` is the open socket of the request's connection, which outlives this
+        // future; F_DUPFD_CLOEXEC returns a new descriptor (or -1).
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        // SAFETY: `dup` was just returned by fcntl and is owned by nobody else.
+        (dup >= 0).then(|| unsafe { OwnedFd::from_raw_fd(dup) })
+    });
+    let Some(watch) = watch.and_then(|w| AsyncFd::with_interest(w, Interest::READABLE).ok()) else {
+        return std::future::pending().await;
+    };
+    loop {
+        let Ok(mut ready) = watch.readable().await else {
+            return;
+        };
+        if ready.ready().is_read_closed() {
+            return;
+        }
+        match peek(watch.get_ref().as_raw_fd()) {
+            Ok(0) => return,
+            // Bytes, or nothing after all: wait for the next change.
+            Ok(_) => ready.clear_ready(),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => ready.clear_ready(),
+            Err(_) => return,
+        }
+    }
+}
+
+/// Whether a socket has a byte to read (1) or has ended (0), without taking it.
+fn peek(fd: RawFd) -> std::io::Result<usize> {
+    let mut byte = 0u8;
+    // SAFETY: one byte of room at `byte`; MSG_PEEK leaves it in the socket.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            (&raw mut byte).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,6 +214,39 @@ mod tests {
             .head(Instant::now() + Duration::from_millis(10))
             .await
             .is_none());
+    }
+
+    #[tokio::test]
+    async fn a_hang_up_is_seen_and_bytes_sent_before_it_stay_unread() {
+        use std::os::fd::AsRawFd;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut server, _) = listener.accept().await.unwrap();
+        client.write_all(b"body").await.unwrap();
+        let gone = hung_up(Some(server.as_raw_fd()));
+        tokio::pin!(gone);
+        // The bytes alone are no hang-up: the watch is still pending once they are there.
+        let mut first = [0u8; 1];
+        assert_eq!(server.peek(&mut first).await.unwrap(), 1);
+        assert!(futures_poll_once(gone.as_mut()).await.is_pending());
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("the hang-up is seen");
+        let mut body = Vec::new();
+        server.read_to_end(&mut body).await.unwrap();
+        assert_eq!(body, b"body", "nothing was taken from the socket");
+    }
+
+    /// Polls `f` once (after letting the reactor deliver what it has).
+    async fn futures_poll_once<F: std::future::Future + Unpin>(
+        mut f: F,
+    ) -> std::task::Poll<F::Output> {
+        tokio::task::yield_now().await;
+        std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut f).poll(cx))).await
     }
 
     #[test]

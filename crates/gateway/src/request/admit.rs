@@ -2,11 +2,14 @@
 //! decide the quota and the first member together, and answers itself when the request may not
 //! go on (404, 405, 429, 503).
 
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use http::{header, HeaderValue, Method};
 use pingora::prelude::*;
+use pingora::protocols::UniqueID;
 use pingora::proxy::Session;
+use pingora::ErrorType;
 use sluice_state::{Acquire, StateStore, StoreError};
 
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
@@ -118,7 +121,8 @@ pub(crate) async fn admit(
         .quota
         .as_deref()
         .map_or("", |q| q.key_of(session, &mut key_buf));
-    let verdict = decide(&*gateway.state, &gateway.metrics, &route, key, cost).await;
+    let client = session.as_downstream().stream().map(|s| s.id());
+    let verdict = decide(&*gateway.state, &gateway.metrics, &route, key, cost, client).await;
     match verdict {
         Verdict::Go {
             first,
@@ -143,6 +147,11 @@ pub(crate) async fn admit(
             answer::problem(session, ctx, problem).await?;
             Ok(true)
         }
+        Verdict::Left => Err(Error::explain(
+            ErrorType::ConnectionClosed,
+            "the client hung up while waiting for capacity",
+        )
+        .into_down()),
     }
 }
 
@@ -164,17 +173,24 @@ pub(crate) enum Verdict {
         /// The answer is `no_member` (for the access log).
         no_member: bool,
     },
+    /// The client hung up while it waited for capacity: nothing was charged, and there is
+    /// nobody to answer.
+    Left,
 }
 
 /// Charges `cost` to the route's quota under `key` and picks the first member, in one step of
 /// the route's policy; on a route with `max_wait`, waits for capacity rather than refusing
 /// (see [`crate::wait`]).
+///
+/// `client` is the socket of the client: one that hangs up while it waits leaves the line at
+/// once, uncharged ([`Verdict::Left`]).
 pub(crate) async fn decide(
     state: &dyn StateStore,
     metrics: &Metrics,
     route: &Route,
     key: &str,
     cost: u64,
+    client: Option<RawFd>,
 ) -> Verdict {
     let Some(line) = route.wait_line.as_deref() else {
         let admission = admit_once(state, route, key, cost).await;
@@ -207,21 +223,35 @@ pub(crate) async fn decide(
             None => return verdict(metrics, route, key, cost, r),
         }
     }
-    let Some(_head) = line.head(deadline).await else {
+    // Only the waits race the client's hang-up, never a call to the store: a call cut short
+    // could still charge, for nobody.
+    let gone = wait::hung_up(client);
+    tokio::pin!(gone);
+    let head = tokio::select! {
+        biased;
+        () = &mut gone => return Verdict::Left,
+        head = line.head(deadline) => head,
+    };
+    let Some(_head) = head else {
         // max_wait passed in the line: one last look, which may still admit.
         let admission = admit_once(state, route, key, cost).await;
         return verdict(metrics, route, key, cost, admission);
     };
-    if let Some(wake) = first_wake {
-        tokio::time::sleep_until(wake).await;
-    }
+    let mut wake = first_wake;
     loop {
+        if let Some(wake) = wake {
+            tokio::select! {
+                biased;
+                () = &mut gone => return Verdict::Left,
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
         let admission = admit_once(state, route, key, cost).await;
         let Some(wait) = retry_after(&admission) else {
             return verdict(metrics, route, key, cost, admission);
         };
         match wait::wake_at(tokio::time::Instant::now(), wait, deadline) {
-            Some(wake) => tokio::time::sleep_until(wake).await,
+            Some(at) => wake = Some(at),
             None => return verdict(metrics, route, key, cost, admission),
         }
     }

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::{HeaderValue, Method};
-use pingora::protocols::Stream;
+use pingora::protocols::{Stream, UniqueID};
 use sluice_state::StateStore;
 
 use crate::egress::Resolver;
@@ -229,8 +229,10 @@ impl Tunnels {
         let cost = quota.map_or(1, |q| q.cost("/", "CONNECT"));
         let mut key_buf = String::new();
         let key = quota.map_or("", |q| q.key_for(&head.headers, client_ip, &mut key_buf));
+        // The client's socket: one that hangs up while waiting for capacity leaves the line.
+        let fd = Some(client.id());
         let (first, ratelimit, fallback) =
-            match decide(&*self.state, &self.metrics, &route, key, cost).await {
+            match decide(&*self.state, &self.metrics, &route, key, cost, fd).await {
                 Verdict::Go {
                     first,
                     ratelimit,
@@ -246,6 +248,10 @@ impl Tunnels {
                         end.error = Some("no_member");
                     }
                     head::answer(client, id, &problem, Some(&route), ratelimit, None).await;
+                    return;
+                }
+                Verdict::Left => {
+                    end.error = Some("client_gone");
                     return;
                 }
             };

@@ -1,0 +1,118 @@
+//! The quota's waiting line (`max_wait`, `max_waiting`) under clients that misbehave or arrive
+//! at the wrong moment: a waiter that hangs up, a newcomer at a full line. End to end, on the
+//! memory store and on Redis.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use sluice_echo::{EchoOptions, EchoServer};
+use support::{request, url, wait_until_async, Backend, Config, Gateway, HttpClient, Quota, Route};
+use support::{request_head, Store};
+
+const HOST: &str = "line.test";
+
+/// An API that logs every request it gets, and limits nothing itself.
+async fn api() -> EchoServer {
+    EchoServer::start_with(
+        "api",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        EchoOptions::key_limited(1000, Duration::from_secs(60)),
+    )
+    .await
+    .expect("start the API stub")
+}
+
+/// How many requests wait in route `line`'s line.
+async fn waiting(gw: &Gateway) -> u64 {
+    let status = gw.status().await;
+    status["routes"]
+        .as_array()
+        .and_then(|r| r.iter().find(|r| r["name"] == "line"))
+        .and_then(|r| r["waiting"].as_u64())
+        .unwrap_or(0)
+}
+
+/// Waits until exactly `n` requests wait in the line.
+async fn until_waiting(gw: &Gateway, n: u64) {
+    let ok = wait_until_async(Duration::from_secs(10), || async { waiting(gw).await == n }).await;
+    assert!(
+        ok,
+        "{n} request(s) wait; /status says {}",
+        waiting(gw).await
+    );
+}
+
+/// The targets the API received, in order.
+fn served(api: &EchoServer) -> Vec<String> {
+    api.request_log().into_iter().map(|l| l.target).collect()
+}
+
+/// The access lines of requests to `path`.
+fn access_lines(gw: &Gateway, path: &str) -> Vec<serde_json::Value> {
+    gw.log_json()
+        .into_iter()
+        .filter(|l| l["target"] == "sluice::access" && l["path"] == path)
+        .collect()
+}
+
+on_both_stores!(a_waiter_that_hangs_up_leaves_the_line_uncharged,);
+
+/// One request per 3 s and `max_waiting: 2`. Two requests wait; the first one's client hangs
+/// up. It leaves the line at once: a newcomer finds a place instead of a 429, the gone request
+/// is never sent to the API nor charged, and the live waiter behind it is served first.
+async fn a_waiter_that_hangs_up_leaves_the_line_uncharged(backend: Backend) {
+    let store = Store::start(backend);
+    let api = api().await;
+    let route = Route::new("line")
+        .hosts(&[HOST])
+        .member(url(api.local_addr()))
+        .quota(
+            Quota::window("slow", 1, "3s")
+                .max_wait("20s")
+                .max_waiting(2),
+        );
+    let gw = Config::new().store(&store).route(route).start();
+    let addr = gw.proxy_addr();
+    assert_eq!(
+        request(addr, "GET", HOST, "/first", &[], b"").await.status,
+        200
+    );
+
+    // The waiter that will hang up: a request with its body on the way, as a POST would be.
+    let mut gone = HttpClient::connect(addr).await.unwrap();
+    gone.write_raw(request_head("POST", HOST, "/gone", &[], 4).as_bytes())
+        .await
+        .unwrap();
+    gone.write_raw(b"body").await.unwrap();
+    until_waiting(&gw, 1).await;
+    let live = tokio::spawn(async move { request(addr, "GET", HOST, "/live", &[], b"").await });
+    until_waiting(&gw, 2).await;
+
+    drop(gone);
+    until_waiting(&gw, 1).await;
+    let newcomer =
+        tokio::spawn(async move { request(addr, "GET", HOST, "/newcomer", &[], b"").await });
+    until_waiting(&gw, 2).await;
+
+    let live = live.await.unwrap();
+    assert_eq!(live.status, 200, "{}", live.text());
+    let newcomer = newcomer.await.unwrap();
+    assert_eq!(newcomer.status, 200, "{}", newcomer.text());
+    assert_eq!(served(&api), ["/first", "/live", "/newcomer"]);
+
+    // The gone request's access line: no answer, no member, the client's hang-up.
+    let ok = wait_until_async(Duration::from_secs(10), || async {
+        !access_lines(&gw, "/gone").is_empty()
+    })
+    .await;
+    assert!(ok, "the gone request has its access line");
+    let line = &access_lines(&gw, "/gone")[0];
+    assert_eq!(line["status"], 0, "{line}");
+    assert_eq!(line["error"], "client_closed", "{line}");
+    assert!(
+        line["member"].as_str().is_none_or(str::is_empty),
+        "it was never admitted (admission is where a request is charged): {line}"
+    );
+}
