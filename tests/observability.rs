@@ -484,3 +484,106 @@ async fn a_quota_refusal_has_its_line_code_and_request_id() {
     assert_eq!(line["members_tried"], serde_json::json!([]));
     assert_eq!(line["bytes_out"].as_u64(), Some(refused.body.len() as u64));
 }
+
+/// A member that answers every request with a JSON body echoing `secret`, as an API that
+/// echoes the key it was sent would; keeps each connection open for more requests.
+async fn member_echoing(secret: &'static str) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    // A whole head, then as many body bytes as its Content-Length says.
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    while buf.len() < end + 4 + length {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..end + 4 + length);
+                    let body = format!("{{\"echoed_key\":\"{secret}\"}}");
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if stream.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// With every log target at trace, neither a member's response body (an echoed key), nor a
+/// client's request body, nor a key sluice injects reaches the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_logging_carries_no_body_and_no_injected_key() {
+    const ECHOED: &str = "sk-echoed-by-member-7Qx2";
+    const SENT: &str = "client-body-secret-9Kd4";
+    const INJECTED: &str = "sk-injected-by-sluice-3Hw8";
+    let member = member_echoing(ECHOED).await;
+    let yaml = Config::new()
+        .route(
+            Route::new("api").key_member(
+                support::KeyMember::new(url(member), "k1")
+                    .header("Authorization", &format!("Bearer {INJECTED}")),
+            ),
+        )
+        .yaml();
+    let gw = Gateway::start_with_ports_and_env(&yaml, &[("RUST_LOG", "trace")]);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for method in ["GET", "POST"] {
+        let body = format!("{{\"prompt\":\"{SENT}\"}}");
+        let body = if method == "POST" {
+            body.as_bytes()
+        } else {
+            b""
+        };
+        let r = client
+            .request(method, "api.test", "/v1/echo", &[], body)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(r.text().contains(ECHOED), "the member echoed: {}", r.text());
+    }
+    // The access lines of both requests are written, and so is everything before them.
+    access_lines(&gw, 2).await;
+    let logs = gw.logs();
+    assert!(
+        logs.contains("\"level\":\"TRACE\"") || logs.contains("\"level\":\"DEBUG\""),
+        "RUST_LOG=trace took effect"
+    );
+    for secret in [ECHOED, SENT, INJECTED] {
+        assert!(
+            !logs.contains(secret),
+            "{secret} is in the log:\n{}",
+            logs.lines()
+                .filter(|l| l.contains(secret))
+                .take(3)
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}

@@ -280,16 +280,31 @@ pub fn init(format: LogFormat) {
 
 /// The bridge from the `log` crate (Pingora's own lines) to tracing, with [`redact`] applied:
 /// Pingora's messages quote request URLs with their query, raw request heads and `Host`
-/// values, which sluice's logs never carry.
+/// values, which sluice's logs never carry. Pingora's debug and trace lines are dropped
+/// whatever `RUST_LOG` says: they quote whole request and response heads (with the keys
+/// sluice injects) and body bytes (with whatever a member echoes), which no redaction of
+/// free text can reliably find.
 struct Redacting(tracing_log::LogTracer);
+
+/// Whether a `log` record may be written at all. Besides Pingora's, the file watcher's trace
+/// lines are dropped: they report every event in the config file's directory, so a log file
+/// kept there would feed itself, a line per line, for ever.
+fn admitted(metadata: &log::Metadata<'_>) -> bool {
+    let target = metadata.target();
+    match metadata.level() {
+        log::Level::Error | log::Level::Warn | log::Level::Info => true,
+        log::Level::Debug => !target.starts_with("pingora"),
+        log::Level::Trace => !target.starts_with("pingora") && !target.starts_with("notify"),
+    }
+}
 
 impl log::Log for Redacting {
     fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        self.0.enabled(metadata)
+        admitted(metadata) && self.0.enabled(metadata)
     }
 
     fn log(&self, record: &log::Record<'_>) {
-        if !self.0.enabled(record.metadata()) {
+        if !admitted(record.metadata()) || !self.0.enabled(record.metadata()) {
             return;
         }
         // A String per line: Pingora logs only on failures, and only those past the filter.
