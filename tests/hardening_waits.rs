@@ -57,7 +57,10 @@ fn access_lines(gw: &Gateway, path: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
-on_both_stores!(a_waiter_that_hangs_up_leaves_the_line_uncharged,);
+on_both_stores!(
+    a_waiter_that_hangs_up_leaves_the_line_uncharged,
+    a_newcomer_at_a_full_line_does_not_go_ahead,
+);
 
 /// One request per 3 s and `max_waiting: 2`. Two requests wait; the first one's client hangs
 /// up. It leaves the line at once: a newcomer finds a place instead of a 429, the gone request
@@ -115,4 +118,60 @@ async fn a_waiter_that_hangs_up_leaves_the_line_uncharged(backend: Backend) {
         line["member"].as_str().is_none_or(str::is_empty),
         "it was never admitted (admission is where a request is charged): {line}"
     );
+}
+
+/// Quota per tenant, one request per 5 s each, `max_waiting: 1`. Tenant a's second request
+/// waits and fills the line. A newcomer of tenant b, whose own window has room, is answered
+/// 429 at once: a full line is full for everyone, and a newcomer never takes capacity ahead
+/// of the requests already waiting. It is not charged: once the line is free, tenant b's next
+/// request is admitted.
+async fn a_newcomer_at_a_full_line_does_not_go_ahead(backend: Backend) {
+    let store = Store::start(backend);
+    let api = api().await;
+    let route = Route::new("line")
+        .hosts(&[HOST])
+        .member(url(api.local_addr()))
+        .quota(
+            Quota::window("slow", 1, "5s")
+                .key("header:X-Tenant")
+                .max_wait("20s")
+                .max_waiting(1),
+        );
+    let gw = Config::new().store(&store).route(route).start();
+    let addr = gw.proxy_addr();
+    let a = [("X-Tenant", "a")];
+    let b = [("X-Tenant", "b")];
+    assert_eq!(request(addr, "GET", HOST, "/a1", &a, b"").await.status, 200);
+    let waiter =
+        tokio::spawn(
+            async move { request(addr, "GET", HOST, "/a2", &[("X-Tenant", "a")], b"").await },
+        );
+    until_waiting(&gw, 1).await;
+
+    let refused = request(addr, "GET", HOST, "/b1", &b, b"").await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(
+        refused.json()["type"],
+        "urn:sluice:error:quota_exceeded",
+        "{}",
+        refused.text()
+    );
+    let retry_after: u64 = refused
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .expect("whole seconds");
+    assert!((1..=5).contains(&retry_after), "Retry-After {retry_after}");
+    assert!(
+        !waiter.is_finished(),
+        "the line was full when b1 was refused"
+    );
+
+    let waited = waiter.await.unwrap();
+    assert_eq!(waited.status, 200, "{}", waited.text());
+    assert_eq!(served(&api), ["/a1", "/a2"]);
+    // Nothing was charged to tenant b: its window admits at once now the line is empty.
+    until_waiting(&gw, 0).await;
+    let b2 = request(addr, "GET", HOST, "/b2", &b, b"").await;
+    assert_eq!(b2.status, 200, "{}", b2.text());
 }

@@ -15,14 +15,17 @@
 //!   would end past the deadline is not started: the request is refused at once, with the
 //!   exact `Retry-After`.
 //! - **A bound.** At most `max_waiting` requests wait per route and instance; past it a
-//!   request that is refused is answered at once. Each waiter holds a connection and a task,
-//!   and an unbounded line would let a burst hold them all.
+//!   request is answered `429` at once, without asking the store: capacity that frees then
+//!   is owed to the requests already waiting, and a newcomer that asked could take it ahead
+//!   of them. Its `Retry-After` is the time until the head of the line asks again
+//!   ([`WaitLine::until_next_ask`]). Each waiter holds a connection and a task, and an
+//!   unbounded line would let a burst hold them all.
 //! - **A waiter whose client hangs up leaves at once** ([`hung_up`]), uncharged: otherwise it
 //!   would keep its place, take the capacity at its turn for nobody, and push the live
 //!   waiters behind it past their `max_wait`.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Mutex, MutexGuard};
@@ -36,6 +39,10 @@ pub struct WaitLine {
     head: Mutex<()>,
     /// Requests in the line, the head included.
     waiting: AtomicUsize,
+    /// When the head asks the store next, in microseconds since `born`; 0 when it is not
+    /// asleep (or nobody waits).
+    next_ask_us: AtomicU64,
+    born: Instant,
     /// `quota.max_wait`.
     pub max_wait: Duration,
     /// `quota.max_waiting`.
@@ -59,6 +66,8 @@ impl WaitLine {
         WaitLine {
             head: Mutex::new(()),
             waiting: AtomicUsize::new(0),
+            next_ask_us: AtomicU64::new(0),
+            born: Instant::now(),
             max_wait,
             max_waiting,
         }
@@ -82,6 +91,21 @@ impl WaitLine {
                 (n < self.max_waiting).then_some(n + 1)
             });
         taken.ok().map(|_| Place { line: self })
+    }
+
+    /// The head sleeps until `at` and then asks the store again.
+    pub fn asks_at(&self, at: Instant) {
+        let us =
+            u64::try_from(at.saturating_duration_since(self.born).as_micros()).unwrap_or(u64::MAX);
+        self.next_ask_us.store(us.max(1), Ordering::Release);
+    }
+
+    /// The time from `now` until the head of the line asks the store again: the earliest a
+    /// request refused at a full line could find the line moving. Zero when the head is not
+    /// asleep.
+    pub fn until_next_ask(&self, now: Instant) -> Duration {
+        let us = self.next_ask_us.load(Ordering::Acquire);
+        (self.born + Duration::from_micros(us)).saturating_duration_since(now)
     }
 
     /// Waits for the head of the line until `deadline`; `None` when the deadline came first.
@@ -173,6 +197,19 @@ mod tests {
         let _c = line.join().expect("a place was given back");
         drop(b);
         assert!(!line.is_empty());
+    }
+
+    #[test]
+    fn a_full_line_says_when_its_head_asks_next() {
+        let line = WaitLine::new(Duration::from_secs(10), 1);
+        let now = Instant::now();
+        assert_eq!(line.until_next_ask(now), Duration::ZERO);
+        line.asks_at(now + Duration::from_millis(1500));
+        assert_eq!(line.until_next_ask(now), Duration::from_millis(1500));
+        assert_eq!(
+            line.until_next_ask(now + Duration::from_secs(2)),
+            Duration::ZERO
+        );
     }
 
     #[tokio::test]

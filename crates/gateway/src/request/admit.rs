@@ -207,12 +207,12 @@ pub(crate) async fn decide(
         refusal = Some(admission);
     }
     let Some(_place) = line.join() else {
-        // The line is full: answered at once, refused or (if capacity just freed) admitted.
-        let admission = match refusal {
-            Some(r) => r,
-            None => admit_once(state, route, key, cost).await,
+        // The line is full: answered at once. Not by asking the store: capacity that frees
+        // now is owed to the requests already waiting, and the newcomer would take it.
+        return match refusal {
+            Some(r) => verdict(metrics, route, key, cost, r),
+            None => line_full(metrics, route, line),
         };
-        return verdict(metrics, route, key, cost, admission);
     };
     // The first refusal already says whether waiting could help, and until when.
     let mut first_wake = None;
@@ -240,6 +240,7 @@ pub(crate) async fn decide(
     let mut wake = first_wake;
     loop {
         if let Some(wake) = wake {
+            line.asks_at(wake);
             tokio::select! {
                 biased;
                 () = &mut gone => return Verdict::Left,
@@ -254,6 +255,29 @@ pub(crate) async fn decide(
             Some(at) => wake = Some(at),
             None => return verdict(metrics, route, key, cost, admission),
         }
+    }
+}
+
+/// The 429 of a request that finds the line full, counted under `window="max_waiting"`. It
+/// comes back when the head of the line asks again, the first moment the line may move.
+fn line_full(metrics: &Metrics, route: &Route, line: &wait::WaitLine) -> Verdict {
+    metrics
+        .quota_rejections
+        .with_label_values(&[&route.name, "max_waiting"])
+        .inc();
+    let ms = u64::try_from(line.until_next_ask(tokio::time::Instant::now()).as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1);
+    Verdict::Answer {
+        problem: Problem {
+            detail: format!(
+                "{} requests already wait for this route's capacity (quota.max_waiting)",
+                line.max_waiting
+            ),
+            ..Problem::quota_exceeded("", ms)
+        },
+        ratelimit: None,
+        no_member: false,
     }
 }
 
