@@ -792,6 +792,52 @@ async fn a_connect_port_outside_connect_ports_is_denied_before_any_lookup() {
     assert_eq!(contacted.load(Ordering::SeqCst), 1);
 }
 
+/// The default `connect_ports` is 443 and 80: clients that CONNECT for `http://` and `ws://`
+/// targets too (Node's fetch, Python's websockets) are not refused for the port. With the
+/// default guard, loopback is what refuses 127.0.0.1:80; nothing listens there and nothing is
+/// contacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_to_port_80_passes_the_default_connect_ports() {
+    let gw = Config::new()
+        .route(Route::new("any").hosts(&["*"]).direct_member())
+        .start();
+    assert_connect_denied(&gw, "127.0.0.1:80", "127.0.0.1 is loopback").await;
+    assert_connect_denied(&gw, "127.0.0.1:443", "127.0.0.1 is loopback").await;
+    assert_connect_denied(
+        &gw,
+        "127.0.0.1:22",
+        "port 22 is not in egress.connect_ports",
+    )
+    .await;
+}
+
+/// A route that charges by path must see each request, which a tunnel hides: its CONNECT is
+/// refused with `405 connect_not_supported`, `Allow` and the reason, before anything is charged
+/// or contacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_that_charges_by_path_refuses_tunnels() {
+    let (port, contacted) = counting_listener().await;
+    let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(
+            Route::new("paid")
+                .hosts(&["*"])
+                .direct_member()
+                .quota(Quota::window("day", 10, "1d").cost_rule("/v1/search", &["GET"], 5)),
+        )
+        .start();
+    let (mut client, r) = connect(&gw, &format!("127.0.0.1:{port}")).await;
+    assert_eq!(r.status, 405, "{}", gw.logs());
+    assert_eq!(r.header("x-sluice-error"), Some("connect_not_supported"));
+    assert!(r.header("allow").is_some_and(|a| !a.contains("CONNECT")));
+    let r = client.read_response(false).await;
+    drop((client, r));
+    assert_eq!(contacted.load(Ordering::SeqCst), 0);
+    // Nothing was charged: the day's 10 units are all left for plain requests.
+    let status = gw.status().await;
+    assert_eq!(status["routes"][0]["quota"][0]["remaining"], 10, "{status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allowed_destination_still_goes_through() {
     let (port, contacted) = counting_listener().await;

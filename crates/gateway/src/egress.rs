@@ -38,12 +38,16 @@
 //!
 //! # sluice's own listeners
 //!
-//! Built from the whole config, the guard also refuses the proxy and admin listeners (a
-//! listener on `0.0.0.0` or `::` as every loopback address on its port), even with `deny: []`
-//! and whatever `allow_cidrs` say, as Smokescreen refuses self-connections: a client could
-//! otherwise make sluice tunnel to itself, again and again. A wildcard listener reached through
-//! one of the host's own interface addresses is not recognised (that would need the interface
-//! list); with `deny: [private]` those are usually private addresses, denied anyway.
+//! Built from the whole config, the guard also refuses the proxy and admin listeners, even
+//! with `deny: []` and whatever `allow_cidrs` say, as Smokescreen refuses self-connections: a
+//! client could otherwise make sluice connect to itself, again and again (each hop holding a
+//! connection and its memory), or reach the admin API through the proxy. A listener on
+//! `0.0.0.0` or `::` is reached through every address of the host's interfaces, loopback
+//! included, on its port. Unspecified addresses (`0.0.0.0/8`, `::`, and the IPv6 forms carrying
+//! them) reach the host itself and are refused always, on every port. Inside a `direct`
+//! tunnel the client writes the bytes, so these address checks are what stops a loop there;
+//! for requests sluice forwards, its `Via` header also catches loops that no address shows
+//! (through another proxy, say).
 //!
 //! # Names
 //!
@@ -299,6 +303,9 @@ pub enum Rule {
     Cidr(IpNet),
     /// It is sluice's own listener (this one): a tunnel to it would loop through sluice.
     OwnListener(SocketAddr),
+    /// It is unspecified (`0.0.0.0/8`, `::`): connecting to it reaches this host itself, so it
+    /// is refused whatever `deny` and `allow_cidrs` say.
+    Unspecified,
 }
 
 /// An address the guard refuses, and why.
@@ -320,6 +327,7 @@ impl Denial {
             Rule::Class { class, .. } => class.name().to_string(),
             Rule::Cidr(net) => net.to_string(),
             Rule::OwnListener(_) => "own-listener".to_string(),
+            Rule::Unspecified => "unspecified".to_string(),
         }
     }
 }
@@ -338,6 +346,10 @@ impl fmt::Display for Denial {
                 f,
                 " port {} is sluice's own listener {own}: a tunnel to it would loop",
                 own.port()
+            ),
+            Rule::Unspecified => write!(
+                f,
+                " is unspecified: it reaches this host itself, and is never allowed"
             ),
         }
     }
@@ -475,21 +487,46 @@ impl Guard {
         Ok(Allowed::NotDenied)
     }
 
-    /// May sluice connect to `addr` for a client? [`Guard::check_ip`], and not one of sluice's
-    /// own listeners, even with `deny: []` and whatever `allow_cidrs` say: a loop is never
-    /// wanted.
+    /// May sluice connect to `addr` for a client? [`Guard::check_ip`], and never, even with
+    /// `deny: []` and whatever `allow_cidrs` say, an unspecified address or one of sluice's own
+    /// listeners: a loop is never wanted. A listener on `0.0.0.0` or `::` is reached through
+    /// every address of the host's own interfaces, loopback included.
     pub fn check_addr(&self, addr: SocketAddr) -> Result<Allowed, Denial> {
         let ip = addr.ip();
-        let carried = match ip {
-            IpAddr::V6(v6) => embedded(v6).map(|e| IpAddr::V4(e.v4)),
+        let embedded = match ip {
+            IpAddr::V6(v6) => embedded(v6),
             IpAddr::V4(_) => None,
         };
-        let reaches = |own: &SocketAddr| {
+        let carried = embedded.map(|e| IpAddr::V4(e.v4));
+        // `0.0.0.0`, `0.x.y.z` and `::` connect to the host itself on Linux: to whatever
+        // listens on the port, sluice included.
+        if let Some(unspecified) = [Some(ip), carried]
+            .into_iter()
+            .flatten()
+            .find(|ip| is_unspecified(*ip))
+        {
+            return Err(Denial {
+                addr: ip,
+                via: embedded.filter(|_| unspecified != ip),
+                rule: Rule::Unspecified,
+            });
+        }
+        // The host's addresses are read only when the port is a wildcard listener's, and then
+        // afresh (interfaces come and go): no cost on any other destination.
+        let mut host_addrs: Option<Vec<IpAddr>> = None;
+        let mut is_host = |ip: IpAddr| {
+            ip.is_loopback()
+                || host_addrs
+                    .get_or_insert_with(host_addresses)
+                    .iter()
+                    .any(|a| *a == ip)
+        };
+        let mut reaches = |own: &SocketAddr| {
             own.port() == addr.port()
-                && [Some(ip), carried].into_iter().flatten().any(|ip| {
-                    ip == own.ip()
-                        || (own.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified()))
-                })
+                && [Some(ip), carried]
+                    .into_iter()
+                    .flatten()
+                    .any(|ip| ip == own.ip() || (own.ip().is_unspecified() && is_host(ip)))
         };
         if let Some(own) = self.own.iter().find(|own| reaches(own)) {
             return Err(Denial {
@@ -509,6 +546,32 @@ impl Guard {
             Err(PortDenied { port })
         }
     }
+}
+
+/// `0.0.0.0/8` ("this network", which Linux connects to the host itself) and `::`.
+fn is_unspecified(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.octets()[0] == 0,
+        IpAddr::V6(v6) => v6.is_unspecified(),
+    }
+}
+
+/// Every address of the host's own interfaces, as the kernel lists them now. An empty list if
+/// they cannot be read: loopback and unspecified are refused apart, without it.
+fn host_addresses() -> Vec<IpAddr> {
+    let Ok(interfaces) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    interfaces
+        .filter_map(|i| i.address)
+        .filter_map(|a| {
+            if let Some(v4) = a.as_sockaddr_in() {
+                Some(IpAddr::V4(v4.ip()))
+            } else {
+                a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+            }
+        })
+        .collect()
 }
 
 /// The class of `private` that `ip` falls in, not looking through embedding forms.

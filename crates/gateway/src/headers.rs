@@ -31,6 +31,38 @@ pub(crate) static RATELIMIT: StaticHeaderName = StaticHeaderName::from_static("r
 pub(crate) static RATELIMIT_POLICY: StaticHeaderName =
     StaticHeaderName::from_static("ratelimit-policy");
 
+/// This instance's `Via` value (RFC 9110 §7.6.3): `1.1 sluice-<random>`, drawn once per
+/// process. sluice adds it to every request it forwards, and answers `508 loop_detected` to a
+/// request that already carries it ([`is_own_loop`]): a request that came back to the instance
+/// that sent it would otherwise go round again, each hop holding a connection, until memory or
+/// file descriptors run out. The name is random so that two instances behind one balancer, or
+/// one proxying through the other, never take each other for themselves.
+pub(crate) fn via() -> &'static HeaderValue {
+    static VIA: std::sync::LazyLock<HeaderValue> = std::sync::LazyLock::new(|| {
+        let name = format!("1.1 sluice-{:016x}", fastrand::u64(..));
+        HeaderValue::from_str(&name).expect("ASCII")
+    });
+    &VIA
+}
+
+/// Whether any `Via` entry of `headers` names this instance: the request went out from here
+/// and came back.
+pub(crate) fn is_own_loop(headers: &http::HeaderMap) -> bool {
+    let own = via().as_bytes();
+    // "1.1 sluice-…": the entry as sluice writes it, after the protocol.
+    let own_name = &own[4..];
+    headers.get_all(header::VIA).iter().any(|value| {
+        value.as_bytes().split(|&b| b == b',').any(|entry| {
+            // `received-protocol received-by [comment]`: the second token is the name.
+            let mut tokens = entry
+                .split(|b| b.is_ascii_whitespace())
+                .filter(|t| !t.is_empty());
+            tokens.next();
+            tokens.next() == Some(own_name)
+        })
+    })
+}
+
 /// Pingora's request and response heads keep a case map beside their `HeaderMap`, so headers
 /// must be removed through their own methods.
 pub(crate) trait HeaderEdit {
@@ -282,6 +314,28 @@ mod tests {
             .collect();
         left.sort_unstable();
         assert_eq!(left, [("connection", "upgrade"), ("upgrade", "websocket")]);
+    }
+
+    #[test]
+    fn only_this_instances_own_via_entry_is_a_loop() {
+        let own = via().to_str().unwrap().to_string();
+        let name = own.strip_prefix("1.1 ").unwrap();
+        assert!(name.starts_with("sluice-"), "{own}");
+        let loops = |values: &[&str]| {
+            let mut map = http::HeaderMap::new();
+            for v in values {
+                map.append(header::VIA, HeaderValue::from_str(v).unwrap());
+            }
+            is_own_loop(&map)
+        };
+        assert!(!loops(&[]));
+        assert!(loops(&[&own]));
+        assert!(loops(&[&format!("1.0 fred, 1.1 {name} (sluice)")]));
+        assert!(loops(&["HTTP/1.1 squid", &format!("  2 {name}")]));
+        // Another instance, a prefix of the name, or the name as a comment: not this one.
+        assert!(!loops(&["1.1 sluice-0000000000000000"]));
+        assert!(!loops(&[&format!("1.1 {}", &name[..name.len() - 1])]));
+        assert!(!loops(&[&format!("1.1 proxy ({name})")]));
     }
 
     #[test]

@@ -234,6 +234,28 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 508: the request carries this instance's own `Via` entry: it left here and came back,
+    /// and forwarding it again would go round until a resource ran out.
+    pub fn loop_detected() -> Problem {
+        Problem {
+            status: 508,
+            code: "loop_detected",
+            title: "Loop detected",
+            detail: "this request already passed through this sluice instance (its Via header names it); forwarding it again would loop".into(),
+            retry_after_ms: None,
+        }
+    }
+    /// 405: a CONNECT on a route whose tunnel could not carry what the route promises;
+    /// `reason` says which part of the route needs to see the requests.
+    pub fn connect_not_supported(reason: &str) -> Problem {
+        Problem {
+            status: 405,
+            code: "connect_not_supported",
+            title: "CONNECT not supported on this route",
+            detail: reason.into(),
+            retry_after_ms: None,
+        }
+    }
     /// 500: a bug in sluice.
     pub fn internal() -> Problem {
         Problem {

@@ -1275,8 +1275,10 @@ fn default_deny() -> Vec<DenyEntry> {
     vec![DenyEntry::Private]
 }
 
+/// 443, and 80: Node's fetch, got with hpagent and Python's websockets open a CONNECT for
+/// `http://` and `ws://` targets too.
 fn default_connect_ports() -> Vec<NonZeroU16> {
-    vec![NonZeroU16::new(443).unwrap()]
+    vec![NonZeroU16::new(443).unwrap(), NonZeroU16::new(80).unwrap()]
 }
 
 impl Default for EgressConfig {

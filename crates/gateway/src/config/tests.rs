@@ -634,7 +634,10 @@ fn egress_defaults_and_a_full_section() {
     assert_eq!(config.egress.deny, vec![DenyEntry::Private]);
     assert_eq!(
         config.egress.connect_ports,
-        vec![std::num::NonZeroU16::new(443).unwrap()]
+        vec![
+            std::num::NonZeroU16::new(443).unwrap(),
+            std::num::NonZeroU16::new(80).unwrap()
+        ]
     );
     let config = parse(
         "egress:\n  deny: [private, 198.51.100.0/24, \"2001:db8::/32\", 192.0.2.7]\n  allow_cidrs: [10.20.0.0/16, \"fd00::/8\"]\n  connect_ports: [443, 8443]\nroutes: []\n",

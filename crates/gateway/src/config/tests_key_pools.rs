@@ -234,3 +234,23 @@ fn waiting_needs_something_to_wait_for() {
         "",
     );
 }
+
+#[test]
+fn headers_on_members_that_reach_the_clients_target_are_refused() {
+    // A direct or proxy member goes where the client points: its headers would follow.
+    for member in [
+        "        - { direct: true, headers: { Authorization: \"Bearer sk-SECRET\" } }\n",
+        "        - { proxy: \"http://10.0.0.5:3128\", headers: { Authorization: \"Bearer sk-SECRET\" } }\n",
+    ] {
+        let all = errors(&pool(member, ""));
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert!(
+            all[0].contains("routes[0].upstream.members[0].headers")
+                && all[0].contains("sent only to an origin member's own url"),
+            "{all:?}"
+        );
+        assert!(!all[0].contains("sk-SECRET"), "{all:?}");
+    }
+    // On an origin member they are what a key pool is made of.
+    assert_eq!(errors(&pool(KEY_POOL, "")), Vec::<String>::new());
+}

@@ -421,6 +421,19 @@ impl Config {
                     continue;
                 }
                 names.entry(&member.name).or_insert(j);
+                // A member's headers are its credentials for its own origin. A `direct` or
+                // `proxy` member goes wherever the client points, and inside a CONNECT nothing
+                // can be added at all, so a key set there would follow the client's choice of
+                // host and port, in cleartext.
+                if member.kind.reaches_target() && !member.headers.0.is_empty() {
+                    problems.push((
+                        member_at.clone().key("headers"),
+                        format!(
+                            "headers are sent only to an origin member's own url; a {} member reaches the destination the client chooses, so its headers (a key) would go there too",
+                            if member.kind == MemberKind::Direct { "direct" } else { "proxy" }
+                        ),
+                    ));
+                }
                 if let Some(quota) = &member.quota {
                     let at = member_at.clone().key("quota");
                     if quota.windows.is_empty() {

@@ -40,14 +40,15 @@ fn assert_classes(guard: &Guard, cases: &[(&str, Option<&str>)]) {
 }
 
 #[test]
-fn the_default_is_deny_private_and_connect_to_443() {
+fn the_default_is_deny_private_and_connect_to_443_and_80() {
     let config = Config::parse("t.yaml", "routes: []\n").unwrap();
     assert_eq!(config.egress, EgressConfig::default());
     let g = Guard::from(&config.egress);
     assert_eq!(g, Guard::default());
     assert!(!g.is_off());
     assert_eq!(g.check_connect_port(443), Ok(()));
-    assert_eq!(g.check_connect_port(80), Err(PortDenied { port: 80 }));
+    assert_eq!(g.check_connect_port(80), Ok(()));
+    assert_eq!(g.check_connect_port(22), Err(PortDenied { port: 22 }));
 }
 
 #[test]
@@ -335,7 +336,7 @@ fn an_empty_deny_turns_the_address_checks_off_but_not_the_ports() {
     ] {
         assert_eq!(g.check_ip(ip(addr)), Ok(Allowed::GuardOff), "{addr}");
     }
-    assert_eq!(g.check_connect_port(80), Err(PortDenied { port: 80 }));
+    assert_eq!(g.check_connect_port(22), Err(PortDenied { port: 22 }));
 }
 
 #[test]
@@ -669,8 +670,21 @@ fn sluice_never_connects_to_its_own_listeners() {
     assert_eq!(own("127.0.0.1:3128").as_deref(), Some("0.0.0.0:3128"));
     assert_eq!(own("127.9.9.9:3128").as_deref(), Some("0.0.0.0:3128"));
     assert_eq!(own("[::1]:3128").as_deref(), Some("0.0.0.0:3128"));
-    assert_eq!(own("0.0.0.0:3128").as_deref(), Some("0.0.0.0:3128"));
     assert_eq!(own("8.8.8.8:3128"), None);
+    // ...and every address of the host's own interfaces, on its port only. Nothing is
+    // contacted: this asks the guard, which reads the interface list from the kernel.
+    for host in super::host_addresses() {
+        let addr = std::net::SocketAddr::new(host, 3128);
+        assert_eq!(
+            own(&addr.to_string()).as_deref(),
+            Some("0.0.0.0:3128"),
+            "{addr}"
+        );
+        let other = std::net::SocketAddr::new(host, 3129);
+        if !host.is_loopback() {
+            assert!(g.check_addr(other).is_ok(), "{other}");
+        }
+    }
     // The admin listener too.
     assert_eq!(own("[::1]:9901").as_deref(), Some("[::1]:9901"));
     assert_eq!(own("127.0.0.1:9901"), None);
@@ -689,6 +703,39 @@ fn sluice_never_connects_to_its_own_listeners() {
         "10.1.2.3 port 8080 is sluice's own listener 10.1.2.3:8080: a tunnel to it would loop"
     );
     assert!(g.check_addr("10.1.2.3:443".parse().unwrap()).is_ok());
+}
+
+#[test]
+fn unspecified_addresses_are_refused_whatever_the_config_says() {
+    for egress in [
+        "{deny: []}",
+        "{allow_cidrs: [0.0.0.0/8, \"::/0\"]}",
+        "{deny: [], allow_cidrs: [0.0.0.0/0]}",
+    ] {
+        let g = guard(egress);
+        for addr in [
+            "0.0.0.0:80",
+            "0.255.1.2:443",
+            "[::]:80",
+            "[::ffff:0.0.0.0]:80",
+            "[::ffff:0.1.2.3]:443",
+            "[64:ff9b::]:80",
+        ] {
+            let d = g
+                .check_addr(addr.parse().unwrap())
+                .expect_err(&format!("{egress}: {addr}"));
+            assert_eq!(d.rule, Rule::Unspecified, "{egress}: {addr}");
+            assert_eq!(d.reason(), "unspecified");
+        }
+        assert!(g.check_addr("8.8.8.8:443".parse().unwrap()).is_ok());
+    }
+    let d = guard("{deny: []}")
+        .check_addr("[::ffff:0.0.0.0]:80".parse().unwrap())
+        .unwrap_err();
+    assert_eq!(
+        d.to_string(),
+        "::ffff:0.0.0.0 carries 0.0.0.0 (IPv4-mapped), which is unspecified: it reaches this host itself, and is never allowed"
+    );
 }
 
 #[tokio::test]

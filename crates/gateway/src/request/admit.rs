@@ -56,6 +56,10 @@ pub(crate) async fn admit(
         return Ok(true);
     }
     let req = session.req_header();
+    if crate::headers::is_own_loop(&req.headers) {
+        answer::problem(session, ctx, Problem::loop_detected()).await?;
+        return Ok(true);
+    }
     if req.method == Method::CONNECT {
         // A CONNECT that opens a connection never gets here: crate::tunnel takes it first.
         // One that follows other requests on a kept-alive connection cannot become a tunnel

@@ -183,9 +183,9 @@ pub(crate) fn request_headers(
     // (third_party/PATCHES.md, "request head handed upstream with room"); on a retry, a copy
     // with none. Room for what is added below, so that each map grows at most once, not at
     // every other insert ("header map reserve"): `Host` or `Proxy-Authorization`, the member's
-    // own headers, the request id, `traceparent` and `X-Forwarded-For`; `Upgrade` and
+    // own headers, the request id, `traceparent`, `Via` and `X-Forwarded-For`; `Upgrade` and
     // `Connection` for a WebSocket.
-    let adding = 3
+    let adding = 4
         + ctx.member().map_or(0, |m| m.headers.0.len())
         + usize::from(ctx.seen.trace.is_some())
         + 2 * usize::from(ctx.websocket);
@@ -237,8 +237,10 @@ pub(crate) fn request_headers(
         _ => {}
     }
     // The member's own headers (its API key) replace whatever the client sent under the same
-    // names: a client must not choose which key is spent.
-    if let Some(m) = ctx.member() {
+    // names: a client must not choose which key is spent. Only toward an origin member's own
+    // url: `check` refuses headers on members that reach the client's target, and this holds
+    // even if a config got past it, since a key must never follow the client's choice.
+    if let Some(m) = ctx.member().filter(|m| m.kind == MemberKind::Origin) {
         for (name, value) in &m.headers.0 {
             upstream.insert_header(name.clone(), value.clone())?;
         }
@@ -255,6 +257,9 @@ pub(crate) fn request_headers(
     if let Some(trace) = &ctx.seen.trace {
         upstream.insert_header(&TRACEPARENT, trace.traceparent())?;
     }
+    // sluice's own name, after any the client's request carries: a request that comes back
+    // to this instance is answered 508 instead of going round again.
+    upstream.append_header(header::VIA, crate::headers::via().clone())?;
     if let Some(ip) = session
         .client_addr()
         .and_then(|a| a.as_inet())

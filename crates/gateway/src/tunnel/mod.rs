@@ -178,6 +178,15 @@ impl Tunnels {
             .clone()
             .unwrap_or_else(|| crate::trace::request_id(None));
         let id = &id;
+        // A CONNECT that carries this instance's own Via left here and came back (through a
+        // proxy member that leads back to sluice): another hop would only go round again.
+        if crate::headers::is_own_loop(&head.headers) {
+            let p = Problem::loop_detected();
+            end.status = p.status;
+            end.error = Some(p.code);
+            head::answer(client, id, &p, None, None, None).await;
+            return;
+        }
         let host = head.headers.get(http::header::HOST).map(|h| h.as_bytes());
         let target = match target::parse(
             &Method::CONNECT,
@@ -214,6 +223,17 @@ impl Tunnels {
             return;
         };
         end.route = Some(route.clone());
+
+        // A tunnel carries bytes sluice cannot read: refused on a route that must see each
+        // request, before anything is charged or contacted.
+        if let Some(reason) = connect_refusal(&route) {
+            let p = Problem::connect_not_supported(reason);
+            end.status = p.status;
+            end.error = Some(p.code);
+            head::answer(client, id, &p, Some(&route), None, allow_without_connect(&route))
+                .await;
+            return;
+        }
 
         // egress.connect_ports, for every CONNECT whatever its member kind (SPEC §7): before
         // the quota is charged and before any lookup.
@@ -465,6 +485,49 @@ struct End {
     request_id: Option<HeaderValue>,
     /// The members tried, in order (at most the route's retries + 1).
     tried: Vec<usize>,
+}
+
+/// Why a CONNECT cannot be served on `route`, if it cannot (SPEC §7). Inside a tunnel sluice
+/// sees no request, so a route that must see each one cannot carry a tunnel:
+/// - origin members stand in for the client's target: a tunnel to one would carry TLS for a
+///   name the member does not serve (or plain HTTP that the client takes for TLS), and their
+///   `headers` (a key) cannot be added to bytes sluice does not write;
+/// - cost rules by path charge each request by what it asks for; a tunnel is charged once.
+fn connect_refusal(route: &Route) -> Option<&'static str> {
+    let origins = !route.members.is_empty()
+        && route
+            .members
+            .iter()
+            .all(|m| m.kind == crate::config::MemberKind::Origin);
+    if origins {
+        return Some("this route's members are origin servers, which sluice must send each request to itself; CONNECT tunnels need a direct or proxy member. Send the request to sluice as plain http://, or in gateway form");
+    }
+    let by_path = route.config.quota.as_ref().is_some_and(|q| {
+        q.cost
+            .rules
+            .iter()
+            .any(|r| r.path_prefix.0 != "/")
+    });
+    if by_path {
+        return Some("this route charges requests by path, which a tunnel would hide; send the requests to sluice as plain http://, or in gateway form");
+    }
+    None
+}
+
+/// `Allow` for a route that refuses CONNECT: its methods, or every method but CONNECT.
+fn allow_without_connect(route: &Route) -> Option<HeaderValue> {
+    let methods = &route.config.matcher.methods;
+    if methods.is_empty() {
+        return Some(HeaderValue::from_static(
+            "GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS",
+        ));
+    }
+    let listed: Vec<&str> = methods
+        .iter()
+        .map(|m| m.0.as_str())
+        .filter(|m| *m != "CONNECT")
+        .collect();
+    HeaderValue::from_str(&listed.join(", ")).ok()
 }
 
 /// `Allow` for a route that does not allow CONNECT: its methods (it has some, or it would

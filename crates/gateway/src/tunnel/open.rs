@@ -120,14 +120,12 @@ pub(super) async fn connect(
                 head.push_str(auth.to_str().unwrap_or_default());
                 head.push_str("\r\n");
             }
-            // The member's own headers go to the proxy it is (a vendor's key header, say).
-            for (name, value) in &member.headers.0 {
-                head.push_str(name.as_str());
-                head.push_str(": ");
-                head.push_str(value.to_str().unwrap_or_default());
-                head.push_str("\r\n");
-            }
-            head.push_str("\r\n");
+            // `check` refuses headers on a proxy member: a key there would go wherever the
+            // client's CONNECT points. sluice's own name goes on, so that a proxy chain that
+            // leads back to this instance is caught.
+            head.push_str("Via: ");
+            head.push_str(crate::headers::via().to_str().unwrap_or_default());
+            head.push_str("\r\n\r\n");
             let answer = async {
                 stream
                     .write_all(head.as_bytes())
