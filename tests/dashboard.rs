@@ -9,20 +9,6 @@ use std::time::Duration;
 
 use support::{start_backends, url, Config, HealthCheck, KeyMember, Quota, Route};
 
-/// The venv's Python (with Selenium), from `SLUICE_TEST_PYTHON`. Unset: in CI (`CI=true`) a
-/// failure, elsewhere a skip that says so.
-fn test_python() -> Option<String> {
-    match std::env::var("SLUICE_TEST_PYTHON") {
-        Ok(python) if !python.is_empty() => Some(python),
-        _ if in_ci() => {
-            panic!("CI=true but SLUICE_TEST_PYTHON is unset: .ci/run makes the venv and sets it")
-        }
-        _ => {
-            eprintln!("SKIPPED: SLUICE_TEST_PYTHON is unset; run .ci/run");
-            None
-        }
-    }
-}
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
@@ -30,7 +16,7 @@ fn in_ci() -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_status_and_follows_health() {
-    let Some(python) = test_python() else {
+    let Some(python) = support::test_python() else {
         return;
     };
     let backends = start_backends(&["a", "b", "metered"]).await;

@@ -860,27 +860,10 @@ async fn an_allowed_destination_still_goes_through() {
     assert_eq!(contacted.load(Ordering::SeqCst), 1);
 }
 
-/// The Python interpreter of the venv `.ci/run` makes (with `requests` and `httpx`), from
-/// `SLUICE_TEST_PYTHON`. Unset: in CI (`CI=true`) a failure, elsewhere a skip that says so.
-fn test_python() -> Option<String> {
-    match std::env::var("SLUICE_TEST_PYTHON") {
-        Ok(python) if !python.is_empty() => Some(python),
-        _ if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!("CI=true but SLUICE_TEST_PYTHON is unset: .ci/run makes the venv and sets it")
-        }
-        _ => {
-            eprintln!(
-                "SKIPPED: SLUICE_TEST_PYTHON is unset; run .ci/run, or make a venv with \
-                 requests and httpx and point SLUICE_TEST_PYTHON at its python"
-            );
-            None
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_requests_and_httpx_reach_a_tls_origin_through_sluice() {
-    let Some(python) = test_python() else {
+    let Some(python) = support::test_python() else {
         return;
     };
     let dir = TempDir::new("egress-requests-httpx");

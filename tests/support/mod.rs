@@ -944,3 +944,21 @@ pub async fn start_hang_up_member() -> (SocketAddr, std::sync::Arc<AtomicU64>) {
     });
     (addr, received)
 }
+
+/// The CI venv's Python (requests, httpx, the openai SDK, Selenium), from `SLUICE_TEST_PYTHON`.
+/// Unset: in CI (`CI=true`) a failure, elsewhere a skip that says so.
+pub fn test_python() -> Option<String> {
+    match std::env::var("SLUICE_TEST_PYTHON") {
+        Ok(python) if !python.is_empty() => Some(python),
+        _ if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("CI=true but SLUICE_TEST_PYTHON is unset: .ci/run makes the venv and sets it")
+        }
+        _ => {
+            eprintln!(
+                "SKIPPED: SLUICE_TEST_PYTHON is unset; run .ci/run (or scripts its README names) \
+                 and point SLUICE_TEST_PYTHON at the venv's python"
+            );
+            None
+        }
+    }
+}

@@ -270,12 +270,20 @@ impl Problem {
 
 /// The response head and body for `p` on `route`.
 pub fn render(p: &Problem, route: Option<&str>) -> (ResponseHeader, Bytes) {
+    // The problem fields (RFC 9457), and `error` in the shape the OpenAI, Anthropic and Stripe
+    // SDKs read: they show `error.message` and would otherwise print a bare status. The message
+    // names sluice, so nobody takes the gateway's refusal for the provider's.
     let mut body = serde_json::json!({
         "type": format!("urn:sluice:error:{}", p.code),
         "title": p.title,
         "status": p.status,
         "detail": p.detail,
         "route": route,
+        "error": {
+            "message": format!("sluice: {}: {}", p.title, p.detail),
+            "type": p.code,
+            "code": p.code,
+        },
     });
     if let Some(ms) = p.retry_after_ms {
         body["retry_after_ms"] = ms.into();
