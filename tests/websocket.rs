@@ -236,16 +236,25 @@ async fn websocket_echo_through_the_gateway() {
 /// the handshake is written here and the framing is handed to tungstenite after the 101.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn websocket_echo_in_forward_proxy_form() {
+    echo_in_forward_proxy_form("http").await;
+}
+
+/// The same with a `ws://` target, as aiohttp's `ws_connect` sends it through a proxy: the
+/// same request as `http://`, proxied the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_echo_in_forward_proxy_form_with_a_ws_target() {
+    echo_in_forward_proxy_form("ws").await;
+}
+
+async fn echo_in_forward_proxy_form(scheme: &str) {
     let (member, seen) = echo_member().await;
     let gw = start(member);
 
     let mut stream = TcpStream::connect(gw.proxy_addr()).await.unwrap();
-    stream
-        .write_all(
-            b"GET http://ws.test/feed HTTP/1.1\r\nHost: ws.test\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
-        )
-        .await
-        .unwrap();
+    let head = format!(
+        "GET {scheme}://ws.test/feed HTTP/1.1\r\nHost: ws.test\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
     // Read the head byte by byte, so no frame byte is taken with it.
     let mut head = Vec::new();
     let mut byte = [0u8; 1];

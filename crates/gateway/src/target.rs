@@ -129,7 +129,7 @@ pub enum Reject {
     /// a numeric name that is not a dotted quad, a bad IPv6 literal or zone, port 0 or above
     /// 65535, or a CONNECT target without a port.
     BadHost,
-    /// An absolute-form scheme other than `http` and `https`.
+    /// An absolute-form scheme other than `http`, `https`, `ws` and `wss`.
     UnsupportedScheme,
 }
 
@@ -157,7 +157,7 @@ impl Reject {
             Reject::BadQuery => "the query string holds control bytes, a space or a '#'",
             Reject::MissingHost => "the request names no host",
             Reject::BadHost => "the request's host or port is malformed or ambiguous",
-            Reject::UnsupportedScheme => "only http and https targets can be proxied",
+            Reject::UnsupportedScheme => "only http, https, ws and wss targets can be proxied",
         }
     }
 }
@@ -299,9 +299,12 @@ fn split_scheme(target: &[u8]) -> Result<(Scheme, &[u8]), Reject> {
         Some(rest) if is_scheme => rest,
         _ => return Err(Reject::BadPath),
     };
-    if name.eq_ignore_ascii_case(b"http") {
+    // `ws://` and `wss://` are what WebSocket clients put in the absolute form through a
+    // proxy (aiohttp's `ws_connect`): the same request as `http://` and `https://` with an
+    // `Upgrade` (RFC 6455 §3), proxied the same way.
+    if name.eq_ignore_ascii_case(b"http") || name.eq_ignore_ascii_case(b"ws") {
         Ok((Scheme::Http, rest))
-    } else if name.eq_ignore_ascii_case(b"https") {
+    } else if name.eq_ignore_ascii_case(b"https") || name.eq_ignore_ascii_case(b"wss") {
         Ok((Scheme::Https, rest))
     } else {
         Err(Reject::UnsupportedScheme)
@@ -774,12 +777,12 @@ mod tests {
     fn https_is_reported_and_other_schemes_refused() {
         let t = get("https://api.test/x", None).unwrap();
         assert_eq!(t.scheme, Some(Scheme::Https));
-        for target in [
-            "ftp://api.test/x",
-            "ws://api.test/",
-            "wss://api.test/",
-            "file:///etc",
-        ] {
+        assert_eq!(get("ws://api.test/", None).unwrap().scheme, Some(Scheme::Http));
+        assert_eq!(
+            get("WSS://api.test/", None).unwrap().scheme,
+            Some(Scheme::Https)
+        );
+        for target in ["ftp://api.test/x", "wsx://api.test/", "file:///etc"] {
             assert_eq!(
                 get(target, None),
                 Err(Reject::UnsupportedScheme),
