@@ -587,3 +587,60 @@ async fn trace_logging_carries_no_body_and_no_injected_key() {
         );
     }
 }
+
+/// A stderr nobody reads fills its pipe; the log writer then drops whole batches rather than
+/// hold requests, and `sluice_log_lines_dropped_total` counts every line it dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_lines_dropped_on_a_stuck_stderr_are_counted() {
+    let backends = start_backends(&["b1"]).await;
+    let dir = support::TempDir::new("sluice-stuck-stderr");
+    let [proxy_port, admin_port] = support::free_ports::<2>();
+    let proxy = std::net::SocketAddr::from(([127, 0, 0, 1], proxy_port));
+    let admin = std::net::SocketAddr::from(([127, 0, 0, 1], admin_port));
+    let yaml = Config::new()
+        .route(Route::new("api").member(url(backends[0].local_addr())))
+        .yaml()
+        .replace("{PROXY}", &proxy.to_string())
+        .replace("{ADMIN}", &admin.to_string());
+    let config = dir.path().join("sluice.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    // Stderr is a pipe this test holds open and never reads.
+    let mut child = std::process::Command::new(support::sluice_binary())
+        .args(["run", "-c"])
+        .arg(&config)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let up = support::wait_until_async(support::STARTUP_TIMEOUT, || async {
+        support::try_request(admin, "GET", "admin", "/healthz", &[], b"")
+            .await
+            .is_ok_and(|r| r.status == 200)
+    })
+    .await;
+    assert!(up, "the gateway did not start");
+
+    let dropped = || async {
+        let text = support::admin_get(admin, "/metrics").await.text();
+        support::metric_value(&text, "sluice_log_lines_dropped_total", &[])
+    };
+    assert_eq!(dropped().await, Some(0.0), "the counter starts at 0");
+    // Each request writes an access line; enough of them fill the pipe and then the queue.
+    let mut client = HttpClient::connect(proxy).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut counted = false;
+    while !counted && tokio::time::Instant::now() < deadline {
+        for _ in 0..500 {
+            let r = client
+                .request("GET", "api.test", "/", &[], b"")
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "requests are served while the log is stuck");
+        }
+        counted = dropped().await.is_some_and(|n| n > 0.0);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(counted, "no dropped line counted");
+}

@@ -40,6 +40,19 @@ const MAX_QUEUED_BATCHES: usize = 128;
 /// How long [`flush`] waits at exit for stderr to take what is queued.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
+/// `sluice_log_lines_dropped_total`: log lines (access lines and events) dropped because
+/// stderr did not take them fast enough. One per process, as the log writer is; every
+/// gateway's registry exports it (`Metrics::new`).
+pub static LINES_DROPPED: std::sync::LazyLock<prometheus::IntCounter> = std::sync::LazyLock::new(
+    || {
+        prometheus::IntCounter::new(
+            "sluice_log_lines_dropped_total",
+            "Log lines (access lines and events) dropped because stderr did not take them fast enough.",
+        )
+        .expect("valid metric")
+    },
+);
+
 /// Access lines waiting for the background writer.
 ///
 /// Sending each line on its own cost a copy into a new `Vec`, a message on the writer's queue
@@ -145,7 +158,10 @@ impl Writer {
     fn send(&self, batch: &mut Vec<u8>) {
         let mut q = self.lock();
         if q.full.len() >= MAX_QUEUED_BATCHES {
-            // A full queue drops the batch rather than making a request wait.
+            // A full queue drops the batch rather than making a request wait; counted, since
+            // a gap in the access log must not pass unnoticed.
+            let lines = batch.iter().filter(|&&b| b == b'\n').count();
+            LINES_DROPPED.inc_by(lines as u64);
             batch.clear();
             return;
         }
