@@ -384,3 +384,45 @@ async fn dns_servers_from_the_config_resolve_members_and_destinations() {
     assert_eq!(r.status, 200, "{}", gw.logs());
     assert_eq!(r.header("x-upstream"), Some("second"));
 }
+
+/// A name that resolves to `0.0.0.0` reaches the host itself, sluice's own ports included: it
+/// is refused even with the address checks off, for plain requests and tunnels alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_resolves_to_an_unspecified_address_is_refused() {
+    let stub = Stub::start("zero.test", Ipv4Addr::UNSPECIFIED).await;
+    let [proxy, admin] = support::free_ports::<2>();
+    let yaml = Config::new()
+        .dns_servers(&[stub.addr])
+        .egress(Egress::default().deny(&[]).connect_ports(&[proxy, admin]))
+        .route(Route::new("open").hosts(&["*"]).direct_member())
+        .yaml()
+        .replace("{PROXY}", &format!("127.0.0.1:{proxy}"))
+        .replace("{ADMIN}", &format!("127.0.0.1:{admin}"));
+    let gw = support::Gateway::start(&yaml);
+    for port in [admin, proxy] {
+        let authority = format!("zero.test:{port}");
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let r = client
+            .send(
+                &format!("GET http://{authority}/status HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
+                b"",
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 403, "{}\n{}", r.text(), gw.logs());
+        assert!(
+            r.text().contains("zero.test: 0.0.0.0 is unspecified"),
+            "{}",
+            r.text()
+        );
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        client
+            .write_raw(
+                format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+        let r = client.read_response(false).await.unwrap();
+        assert_eq!(r.status, 403, "CONNECT {authority}");
+    }
+}
