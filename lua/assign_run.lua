@@ -56,7 +56,12 @@ end
 
 local cooling = false
 if cool then
-  cooling = members_cooling(cool, now)
+  local raised
+  cooling, raised = members_cooling(cool, now, pool, excluded)
+  if raised then
+    -- The pool's first read came before a member back from its cooldown was raised.
+    first = members_first(pool, count)
+  end
 end
 local w = members_walk(at, k, excluded, cooling, cost, now)
 if least_used then

@@ -7,24 +7,66 @@
 -- - cool: a sorted set, member = member id, score = the time in µs until which it cools;
 -- - per member with windows: its helper hash, then one log per window, as quota.lua keeps them.
 
--- The members cooling at `now`: id → µs left, or false when none does (no table to collect).
--- The set holds only recent cooldowns (entries past are trimmed by members_cool, and the key
--- expires with its longest), so it is read whole.
-local function members_cooling(cool, now)
+-- Raises each member of `ended` (whose cooldowns are over) to the least count in the least-used
+-- `pool` among the members that could take requests meanwhile: not cooling, not `excluded`, not
+-- just back themselves. As on_restore: min does for a member back from ill health: at its old
+-- count it would take every request until it caught up, which tends to bring the provider's
+-- 429 straight back. GT never lowers a count and XX never adds a member the pool no longer has,
+-- so instances that settle the same cooldown at once agree.
+local function members_raise(pool, ended, cooling, excluded)
+  local others, count = {}, 0
+  for m in pairs(excluded) do
+    others[m] = true
+    count = count + 1
+  end
+  for m in pairs(cooling or {}) do
+    others[m] = true
+    count = count + 1
+  end
+  for _, m in ipairs(ended) do
+    others[m] = true
+    count = count + 1
+  end
+  local least = pool_pick(pool, others, count)
+  if not least then
+    return
+  end
+  local floor = redis.call('ZSCORE', pool, least)
+  for _, m in ipairs(ended) do
+    redis.call('ZADD', pool, 'XX', 'GT', floor, m)
+  end
+end
+
+-- The members cooling at `now`: id → µs left, or false when none does (no table to collect),
+-- and whether a count in `pool` may have changed (a read of the pool made before is stale).
+-- The set holds only cooldowns not yet settled, so it is read whole. A cooldown that is over
+-- is settled here, once, by the first assignment that sees it: on a least-used `pool` (nil for
+-- other orders) its member is raised (members_raise), then it leaves the set.
+local function members_cooling(cool, now, pool, excluded)
   local cooling = false
   -- Usually nobody cools and the key does not exist: EXISTS costs Redis a third of a ZRANGE.
   if redis.call('EXISTS', cool) == 0 then
-    return cooling
+    return cooling, false
   end
   local list = redis.call('ZRANGE', cool, '0', '-1', 'WITHSCORES')
+  local ended = false
   for i = 1, #list, 2 do
     local left = list[i + 1] - now
     if left > 0 then
       cooling = cooling or {}
       cooling[list[i]] = left
+    else
+      ended = ended or {}
+      ended[#ended + 1] = list[i]
     end
   end
-  return cooling
+  if ended then
+    if pool then
+      members_raise(pool, ended, cooling, excluded)
+    end
+    redis.call('ZREM', cool, unpack(ended))
+  end
+  return cooling, ended and pool and true or false
 end
 
 -- The members are read from ARGV[at] on: their count, then per member its id, then its window
@@ -171,19 +213,25 @@ local function members_walk_pool(w, pool, count, first)
   end
 end
 
--- Cools `member` until now + for_us, never shortening a longer cooldown (ZADD GT), trims the
--- cooldowns that are over, and keeps the key as long as its longest. Returns the µs left.
+-- How long the cooldowns key outlives its longest cooldown: a cooldown that is over stays in
+-- the set until an assignment settles it (members_cooling), so that its member is raised to the
+-- pool's least count even when the first request after it comes much later.
+local MEMBERS_SETTLE_MS = 86400000
+
+-- Cools `member` until now + for_us, never shortening a longer cooldown (ZADD GT), and keeps the
+-- key as long as its longest, and a day more for the settling. Cooldowns that are over are not
+-- trimmed here: members_cooling settles them. Returns the µs left.
 local function members_cool(cool, member, for_us, now)
-  redis.call('ZREMRANGEBYSCORE', cool, '-inf', now)
   if for_us > 0 then
     redis.call('ZADD', cool, 'GT', now + for_us, member)
   end
   local last = redis.call('ZRANGE', cool, -1, -1, 'WITHSCORES')
   if #last > 0 then
-    redis.call('PEXPIRE', cool, math.ceil((tonumber(last[2]) - now) / 1000))
+    local left_ms = math.max(0, math.ceil((tonumber(last[2]) - now) / 1000))
+    redis.call('PEXPIRE', cool, left_ms + MEMBERS_SETTLE_MS)
   end
   local score = redis.call('ZSCORE', cool, member)
-  if not score then
+  if not score or tonumber(score) <= now then
     return 0
   end
   return tonumber(score) - now

@@ -131,6 +131,7 @@ on_both_stores!(
     a_burst_over_every_instance_never_reaches_the_api_limit,
     a_cooldown_keeps_every_instance_off_the_key,
     a_cooled_key_comes_back,
+    a_key_back_from_its_cooldown_starts_at_the_least_count,
     retry_answers_from_another_key_and_sends_the_body_once_to_each,
     waiters_are_served_in_arrival_order,
     past_max_waiting_the_answer_is_immediate,
@@ -270,6 +271,49 @@ async fn a_cooled_key_comes_back(backend: Backend) {
     })
     .await;
     assert!(back, "key-a is used again after its cooldown");
+}
+
+/// A key back from its cooldown resumes at the least count of the keys that worked meanwhile,
+/// rather than at its old count: otherwise it would take every request until it caught up,
+/// which tends to bring the API's 429 straight back. On Redis, both gateways see it so.
+async fn a_key_back_from_its_cooldown_starts_at_the_least_count(backend: Backend) {
+    let store = Store::start(backend);
+    let api = api(1000, Duration::from_secs(60)).await;
+    let route = pool(&api, &KEYS[..2], 0, "")
+        .least_used()
+        .cooldown(Cooldown::new());
+    let gateways = start(&Config::new().store(&store).route(route), &store);
+    let addr = |i: usize| gateways[i % gateways.len()].proxy_addr();
+    api.refuse_next(&bearer("key-a"), 1, "3").unwrap();
+    // Ties go to the smallest name: key-a gets the first request, and its 429.
+    let first = request(addr(0), "GET", HOST, "/", &[], b"").await;
+    assert_eq!(first.status, 429, "{}", first.text());
+
+    // key-b takes the traffic while key-a cools: ten assignments ahead of it.
+    for i in 0..10 {
+        let r = request(addr(i), "GET", HOST, "/", &[], b"").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let ended = wait_until_async(Duration::from_secs(20), || async {
+        let mut over = true;
+        for gw in &gateways {
+            over &= member_status(gw, "key-a").await["cooling_ms"].is_null();
+        }
+        over
+    })
+    .await;
+    assert!(ended, "key-a's cooldown ends");
+
+    let before = api.served(&bearer("key-a"));
+    for i in 0..6 {
+        let r = request(addr(i), "GET", HOST, "/", &[], b"").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let back = api.served(&bearer("key-a")) - before;
+    assert!(
+        (1..=3).contains(&back),
+        "key-a shares the six requests after its cooldown with key-b, not takes them all: {back}"
+    );
 }
 
 /// With `retry: true`, a 429 on one key is answered from another key: the client sees 200,

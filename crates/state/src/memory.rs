@@ -91,6 +91,10 @@ impl MemoryStore {
         excluded: &Excluded<'_>,
         now: u64,
     ) -> Result<Pick, StoreError> {
+        if ask.cooldowns {
+            let least_used = matches!(ask.order, Order::LeastUsed);
+            route.settle_cooldowns(excluded, now, least_used);
+        }
         let mut eligible = false;
         let mut wait: Option<u64> = None;
         let cooling = &route.cooling;
@@ -313,8 +317,8 @@ impl StateStore for MemoryStore {
         let now = at_us.unwrap_or_else(|| self.quotas.now_us());
         let route = self.pools.route(route);
         let cooling = &mut route.lock().unwrap_or_else(|p| p.into_inner()).cooling;
-        // As the Redis script: what is over leaves, and a cooldown only ever grows.
-        cooling.retain(|_, until| *until > now);
+        // As the Redis script: a cooldown only ever grows, and one that is over stays until an
+        // assignment settles it (`Route::settle_cooldowns`).
         if for_us > 0 {
             let until = now.saturating_add(for_us);
             match cooling.get_mut(member) {
@@ -324,7 +328,9 @@ impl StateStore for MemoryStore {
                 }
             }
         }
-        Ok(cooling.get(member).map_or(0, |until| until - now))
+        Ok(cooling
+            .get(member)
+            .map_or(0, |until| until.saturating_sub(now)))
     }
 
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {

@@ -11,9 +11,53 @@ use std::sync::{Arc, Mutex, RwLock};
 pub(crate) struct Route {
     /// The least-used pool (empty for routes that never used least-used).
     pub(crate) counts: Counts,
-    /// Member id → the time in µs until which it cools. Trimmed whenever a member is cooled,
-    /// so it holds only recent cooldowns of configured members.
+    /// Member id → the time in µs until which it cools. A cooldown that is over stays until
+    /// the next assignment settles it ([`Route::settle_cooldowns`]), so this holds at most one
+    /// entry per member that was cooled.
     pub(crate) cooling: HashMap<Arc<str>, u64>,
+}
+
+impl Route {
+    /// Settles the cooldowns that are over at `now`: on a least-used pool, each of their
+    /// members is raised to the least count among the members that could take requests
+    /// meanwhile (not cooling, not `excluded`, not just back themselves), as `on_restore: min`
+    /// does after ill health; at its old count it would take every request until it caught
+    /// up, which tends to bring the provider's 429 straight back. Never lowers a count. The
+    /// same rule as `members_cooling` in `lua/members.lua`.
+    pub(crate) fn settle_cooldowns(&mut self, excluded: &Excluded<'_>, now: u64, least_used: bool) {
+        if self.cooling.values().all(|&until| until > now) {
+            return;
+        }
+        let ended: Vec<Arc<str>> = self
+            .cooling
+            .iter()
+            .filter(|(_, &until)| until <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        self.cooling.retain(|_, until| *until > now);
+        if !least_used {
+            return;
+        }
+        let cooling = &self.cooling;
+        let least = self
+            .counts
+            .order
+            .iter()
+            .find(|(_, id)| {
+                !excluded.contains(id) && !cooling.contains_key(id) && !ended.contains(id)
+            })
+            .map(|(count, _)| *count);
+        let Some(least) = least else {
+            return;
+        };
+        for id in &ended {
+            if let Some(&count) = self.counts.by_member.get(id) {
+                if count < least {
+                    self.counts.set(id, least);
+                }
+            }
+        }
+    }
 }
 
 /// One pool's counts, ordered as the Redis sorted set orders them: by count, then by id.

@@ -335,6 +335,46 @@ async fn cooldowns_on_a_trace_clock(store: &dyn StateStore) {
     assert_eq!(assigned(store, at(W)).await, "a");
 }
 
+/// A least-used member back from its cooldown starts at the least count of the members that
+/// could take requests meanwhile (not one still cooling), settled by the first assignment after
+/// the cooldown ends, even when another member was cooled in between; never lowered.
+async fn a_member_back_from_its_cooldown_starts_at_the_least_count(store: &dyn StateStore) {
+    let route = "lu-back";
+    let members = [member("a", &[]), member("b", &[]), member("c", &[])];
+    let at = |t: u64| ask(route, &members, Order::LeastUsed, T0 + t);
+    store.cool(route, "a", W, Some(T0)).await.unwrap();
+    store.cool(route, "c", 10 * W, Some(T0)).await.unwrap();
+    for t in 1..=4 {
+        assert_eq!(assigned(store, at(t)).await, "b");
+    }
+    // c still cools at W: a rises to b's count, not c's 0, and wins the tie by its name.
+    assert_eq!(assigned(store, at(W)).await, "a");
+    assert_eq!(
+        counts(store, route).await,
+        count_map(&[("a", 5), ("b", 4), ("c", 0)])
+    );
+    assert_eq!(assigned(store, at(W + 1)).await, "b");
+
+    // c's cooldown is over at 10W, and settled by the next assignment even though b is cooled
+    // in between: c rises to a's 5 (b cools), and a wins the tie.
+    store
+        .cool(route, "b", 5, Some(T0 + 10 * W + 1))
+        .await
+        .unwrap();
+    assert_eq!(assigned(store, at(10 * W + 2)).await, "a");
+    assert_eq!(
+        counts(store, route).await,
+        count_map(&[("a", 6), ("b", 5), ("c", 5)])
+    );
+    assert_eq!(assigned(store, at(10 * W + 3)).await, "c");
+    // b's cooldown ended at 10W + 6: it rises to 6, and a wins the three-way tie.
+    assert_eq!(assigned(store, at(10 * W + 10)).await, "a");
+    assert_eq!(
+        counts(store, route).await,
+        count_map(&[("a", 7), ("b", 6), ("c", 6)])
+    );
+}
+
 /// On the store's own clock: `cooldowns` lists what cools, soonest first, and a cooldown ends
 /// by itself (polled with a deadline; no timing is asserted).
 async fn cooldowns_on_the_store_clock(store: &dyn StateStore) {
@@ -536,6 +576,7 @@ async fn suite(store: Arc<dyn StateStore>) {
     least_used_skips_full_members(&*store).await;
     preference_with_windows_and_cooldowns(&*store).await;
     cooldowns_on_a_trace_clock(&*store).await;
+    a_member_back_from_its_cooldown_starts_at_the_least_count(&*store).await;
     cooldowns_on_the_store_clock(&*store).await;
 }
 
@@ -599,11 +640,13 @@ async fn redis_members_behave() {
     // Two instances, each with its own connection, on one Redis.
     let by_member = hammered(redis_store(&server.url()), redis_store(&server.url())).await;
     check_logs(&by_member, |_| server.addr());
-    // The cooldowns key lives only as long as its longest cooldown, member logs and their
-    // helper hashes as long as their windows (and at most an eighth longer: lua/quota.lua
-    // pushes an expiry back only when it would come too soon).
+    // The cooldowns key lives a day longer than its longest cooldown (a cooldown that is over
+    // waits there for the assignment that settles it), member logs and their helper hashes as
+    // long as their windows (and at most an eighth longer: lua/quota.lua pushes an expiry back
+    // only when it would come too soon).
+    const DAY_MS: i64 = 86_400_000;
     let ttl = server.integer(&["PTTL", "sluice:{cool-now}:cool"]).unwrap();
-    assert!(ttl > 55_000 && ttl <= 60_000, "{ttl}");
+    assert!(ttl > DAY_MS + 55_000 && ttl <= DAY_MS + 60_000, "{ttl}");
     for (key, longest_ms) in [
         ("sluice:{hammer}:mq:rpm:m1", 3_600_000),
         ("sluice:{hammer}:mqm:m1", 3_600_000),
