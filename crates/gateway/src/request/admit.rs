@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use http::{header, HeaderValue, Method};
 use pingora::prelude::*;
-use pingora::protocols::UniqueID;
 use pingora::proxy::Session;
 use pingora::ErrorType;
 use sluice_state::{Acquire, StateStore, StoreError};

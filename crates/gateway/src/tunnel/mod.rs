@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::{HeaderValue, Method};
-use pingora::protocols::{Stream, UniqueID};
+use pingora::protocols::Stream;
 use sluice_state::StateStore;
 
 use crate::egress::Resolver;
