@@ -44,6 +44,8 @@ mod open;
 mod pump;
 #[cfg(target_os = "linux")]
 mod splice;
+#[cfg(test)]
+mod tests;
 
 use std::net::IpAddr;
 use std::sync::atomic::AtomicUsize;
@@ -367,11 +369,14 @@ impl Tunnels {
             return;
         }
         end.status = 200;
-        let active = self
-            .metrics
-            .tunnels_active
-            .with_label_values(&[&route.name]);
-        active.inc();
+        // A guard, not inc/dec around the pump: a tunnel whose task is dropped mid-way (its
+        // connection's task cancelled, or a panic unwinding) must still leave the gauge.
+        let _active = crate::metrics::GaugeGuard::enter(
+            &self
+                .metrics
+                .tunnels_active
+                .with_label_values(&[&route.name]),
+        );
         let counters = pump::Counters {
             up: self
                 .metrics
@@ -416,7 +421,6 @@ impl Tunnels {
                 .await
             }
         };
-        active.dec();
         end.bytes = Some((pumped.up, pumped.down));
         end.error = pumped.ended;
     }
