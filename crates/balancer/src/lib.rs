@@ -25,3 +25,11 @@ pub use members::{HealthObserver, MemberSpec, Members, Rebuild};
 pub use probe::{report_to, spawn_active_check, ActiveCheck, Probe, ProbeReport, TcpProbe};
 pub use round_robin::{Pick, WeightedRoundRobin};
 pub use schedule::Schedule;
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+}

@@ -1199,3 +1199,11 @@ mod tests {
         assert_eq!(reply.header("connection"), Some("close"));
     }
 }
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+}

@@ -2,6 +2,9 @@
 //!
 //! Tests talk to a real `redis-server` (Debian's package), started on a free loopback port for
 //! each test so that the test can kill it and start it again. Nothing here is a mock.
+//!
+//! [`architecture`] reads a crate's module graph from its source, for the test in each crate
+//! that keeps module cycles out.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -9,6 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod architecture;
 mod ports;
 
 /// A `redis-server` child process on 127.0.0.1.
@@ -726,4 +730,12 @@ pub fn zrange_with_scores_at(addr: SocketAddr, key: &str) -> Vec<(String, f64)> 
         i += 4;
     }
     out
+}
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    architecture::assert_no_cycles(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
 }
