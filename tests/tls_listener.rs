@@ -290,9 +290,10 @@ async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> 
     }
 }
 
-/// Connections in their TLS handshake hold a slot of `limits.max_connections`, and a handshake
-/// that never ends is cut by the header timeout: raw TCP connections that send nothing cannot
-/// pile up on a TLS listener (Pingora alone handshakes outside any cap, for up to 60 s).
+/// Connections in their TLS handshake hold a slot of `limits.max_connections`, at most a quarter
+/// of them, and a handshake that never ends is cut by the header timeout: raw TCP connections
+/// that send nothing cannot pile up on a TLS listener (Pingora alone handshakes outside any cap,
+/// for up to 60 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_handshakes_count_against_the_connection_cap_and_the_header_timeout() {
     const DEADLINE: Duration = Duration::from_secs(20);
@@ -305,11 +306,11 @@ async fn tls_handshakes_count_against_the_connection_cap_and_the_header_timeout(
         plain_port,
         &url(backends[0].local_addr()),
         free_port(),
-        "{max_connections: 2, header_timeout: 1s}",
+        "{max_connections: 8, header_timeout: 1s}",
     ));
     let open = || async { gw.metric("sluice_connections_open", &[]).await };
 
-    // Two connections that never start their handshake take both slots.
+    // Two connections that never start their handshake take the handshakes' two slots.
     let mut silent = Vec::new();
     for _ in 0..2 {
         silent.push(
@@ -324,18 +325,19 @@ async fn tls_handshakes_count_against_the_connection_cap_and_the_header_timeout(
         open().await,
         gw.logs()
     );
-    // A third is over the cap: closed at once, with no answer (an answer would need TLS).
+    // A third is over the handshakes' share: closed at once, with no answer (an answer would
+    // need TLS).
     let mut extra = tokio::net::TcpStream::connect(gw.proxy_addr())
         .await
         .unwrap();
     assert!(
         closed_within(&mut extra, DEADLINE).await,
-        "a connection over the cap was kept open"
+        "a connection over the handshakes' share was kept open"
     );
     assert_eq!(
         gw.metric(
             "sluice_connections_closed_total",
-            &[("reason", "max_connections")]
+            &[("reason", "max_handshakes")]
         )
         .await,
         Some(1.0)
@@ -385,4 +387,57 @@ async fn tls_handshakes_count_against_the_connection_cap_and_the_header_timeout(
     ])
     .await;
     assert!(ok && out == "200", "{out} {err}");
+}
+
+/// Many TLS connections that never send a ClientHello take at most the handshakes' share of
+/// `limits.max_connections`: the plain listener next to them still serves its clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_tls_connections_cannot_starve_the_plain_listener() {
+    const DEADLINE: Duration = Duration::from_secs(20);
+    const SILENT: usize = 40;
+    let dir = TempDir::new("sluice-tls-starve");
+    make_certificates(dir.path());
+    let backends = start_backends(&["a"]).await;
+    let plain_port = free_port();
+    let gw = Gateway::start_with_ports(&config_with_limits(
+        dir.path(),
+        plain_port,
+        &url(backends[0].local_addr()),
+        free_port(),
+        "{max_connections: 8}",
+    ));
+    let mut silent = Vec::new();
+    for _ in 0..SILENT {
+        silent.push(
+            tokio::net::TcpStream::connect(gw.proxy_addr())
+                .await
+                .unwrap(),
+        );
+    }
+    // Every one of them has been either taken in or closed.
+    let seen = || async {
+        let metrics = gw.metrics().await;
+        let open = support::metric_value(&metrics, "sluice_connections_open", &[]);
+        let closed = support::metric_value(&metrics, "sluice_connections_closed_total", &[]);
+        open.unwrap_or(0.0) + closed.unwrap_or(0.0)
+    };
+    assert!(
+        support::wait_until_async(DEADLINE, || async { seen().await >= SILENT as f64 }).await,
+        "the gateway did not take in the silent connections: {}",
+        seen().await
+    );
+    let plain = std::net::SocketAddr::from(([127, 0, 0, 1], plain_port));
+    let r = support::request(plain, "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        gw.metric(
+            "sluice_connections_closed_total",
+            &[("reason", "max_handshakes")]
+        )
+        .await
+        .is_some_and(|n| n > 0.0),
+        "{}",
+        gw.metrics().await
+    );
+    drop(silent);
 }

@@ -19,6 +19,9 @@
 //! - a connection first takes a slot of [`LimitedApp`]'s count; at `max_connections` it gets a
 //!   `503` and is closed at once (on a TLS listener it is closed with no answer: answering would
 //!   take the handshake the cap is there to refuse);
+//! - before its slot, a connection to a TLS listener takes a place among those in their handshake, at
+//!   most a quarter of `max_connections`, and is closed with no answer when they are all taken:
+//!   clients that never finish a handshake cannot take the slots of plain clients;
 //! - on a TLS listener the handshake comes next, here, inside the slot and within
 //!   `min(idle_timeout, header_timeout)`, as the first bytes of a plain connection must arrive.
 //!   Pingora would do it before `process_new`, outside any cap, with a fixed 60 s timeout
@@ -72,11 +75,19 @@ use crate::metrics::Metrics;
 /// clients, Redis, health checks, the config watcher, logs and Pingora's own.
 const RESERVED_FDS: u64 = 256;
 
+/// The share of `max_connections` that connections still in their TLS handshake may hold: a
+/// quarter. Clients that open TLS connections and never finish the handshake can then take no
+/// more than that, and plain clients (and TLS clients past their handshake) keep the rest. A
+/// handshake takes milliseconds, so a quarter of the cap is far more than honest clients need.
+const HANDSHAKE_SHARE: usize = 4;
+
 /// The limits in force, fixed at start.
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// Most client connections open at once.
     pub max_connections: usize,
+    /// Most of those that may be in their TLS handshake at once (a share of the cap).
+    pub max_handshakes: usize,
     /// Longest wait for the next request on an idle connection.
     pub idle_timeout: Duration,
     /// Longest time from the first byte of a request head to its end.
@@ -124,6 +135,7 @@ pub fn prepare(config: &LimitsConfig) -> Limits {
     );
     Limits {
         max_connections,
+        max_handshakes: (max_connections / HANDSHAKE_SHARE).max(1),
         idle_timeout: config.idle_timeout.0,
         header_timeout: config.header_timeout.0,
     }
@@ -155,6 +167,8 @@ pub struct LimitedApp<A> {
     inner: Arc<A>,
     limits: Limits,
     open: Arc<AtomicUsize>,
+    /// Connections in their TLS handshake now.
+    handshaking: Arc<AtomicUsize>,
     /// The most connections open at once since [`MemoryTrim`] last trimmed.
     high: Arc<AtomicUsize>,
     trims: IntCounter,
@@ -162,8 +176,11 @@ pub struct LimitedApp<A> {
     closed_idle: IntCounter,
     closed_head: IntCounter,
     refused: IntCounter,
+    refused_handshakes: IntCounter,
     /// When a refusal was last logged, in seconds since start; refusals come in floods.
     refusal_logged: AtomicU64,
+    /// The same for refusals at the handshakes' share.
+    handshake_refusal_logged: AtomicU64,
     started: Instant,
     /// Where a connection that opens with a CONNECT goes, instead of Pingora's HTTP loop.
     tunnels: Option<crate::tunnel::Tunnels>,
@@ -209,13 +226,16 @@ impl<A> LimitedApp<A> {
             inner: Arc::new(inner),
             limits,
             open: Arc::new(AtomicUsize::new(0)),
+            handshaking: Arc::new(AtomicUsize::new(0)),
             high: Arc::new(AtomicUsize::new(0)),
             trims: metrics.memory_trims.clone(),
             gauge: metrics.connections_open.clone(),
             closed_idle: closed("idle_timeout"),
             closed_head: closed("header_timeout"),
             refused: closed("max_connections"),
+            refused_handshakes: closed("max_handshakes"),
             refusal_logged: AtomicU64::new(u64::MAX),
+            handshake_refusal_logged: AtomicU64::new(u64::MAX),
             started: Instant::now(),
             tunnels: None,
             tls: Vec::new(),
@@ -255,6 +275,33 @@ impl<A> LimitedApp<A> {
                 Err(now) => open = now,
             }
         }
+    }
+
+    /// Takes a place among the connections in their TLS handshake, or None when their share of
+    /// the cap is taken.
+    fn take_handshake(&self) -> Option<Handshaking> {
+        let taken = self
+            .handshaking
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < self.limits.max_handshakes).then_some(n + 1)
+            })
+            .is_ok();
+        taken.then(|| Handshaking(self.handshaking.clone()))
+    }
+
+    /// Closes, with no answer (an answer would take the handshake), a TLS connection that
+    /// finds the handshakes' share of the cap taken.
+    async fn refuse_handshake(&self, mut stream: Stream) {
+        self.refused_handshakes.inc();
+        let now = self.started.elapsed().as_secs();
+        if self.handshake_refusal_logged.swap(now, Ordering::Relaxed) != now {
+            tracing::warn!(
+                target: "sluice::server",
+                max_handshakes = self.limits.max_handshakes,
+                "TLS connection refused: a quarter of limits.max_connections are in their TLS handshake (logged at most once a second)"
+            );
+        }
+        Shutdown::shutdown(&mut *stream).await;
     }
 
     /// Answers a connection over the cap with a 503 and closes it, without reading anything:
@@ -396,6 +443,15 @@ fn malloc_trim() -> bool {
     false
 }
 
+/// One connection in its TLS handshake, counted until dropped.
+struct Handshaking(Arc<AtomicUsize>);
+
+impl Drop for Handshaking {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// One open client connection, counted until dropped.
 struct Slot {
     open: Arc<AtomicUsize>,
@@ -424,6 +480,18 @@ where
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
         let acceptor = self.acceptor_for(&stream);
+        // Handshakes have a share of the cap of their own, so that connections that never
+        // finish theirs cannot take the slots of everyone else.
+        let handshaking = match acceptor {
+            Some(_) => match self.take_handshake() {
+                Some(h) => Some(h),
+                None => {
+                    self.refuse_handshake(stream).await;
+                    return None;
+                }
+            },
+            None => None,
+        };
         let Some(slot) = self.take_slot() else {
             self.refuse(stream, acceptor.is_some()).await;
             return None;
@@ -433,7 +501,9 @@ where
         let within = self.limits.idle_timeout.min(self.limits.header_timeout);
         let mut stream = match acceptor {
             Some(acceptor) => {
-                match tokio::time::timeout(within, tls_handshake(&acceptor, stream)).await {
+                let done = tokio::time::timeout(within, tls_handshake(&acceptor, stream)).await;
+                drop(handshaking);
+                match done {
                     Ok(Some(stream)) => stream,
                     // A failed handshake (not TLS, a bad client hello, a client that left):
                     // rustls has said why to the client, if it could.

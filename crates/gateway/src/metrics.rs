@@ -259,7 +259,12 @@ impl Metrics {
         for result in ["ok", "error"] {
             config_reloads.with_label_values(&[result]);
         }
-        for reason in ["idle_timeout", "header_timeout", "max_connections"] {
+        for reason in [
+            "idle_timeout",
+            "header_timeout",
+            "max_connections",
+            "max_handshakes",
+        ] {
             connections_closed.with_label_values(&[reason]);
         }
         requests.with_label_values(&[NO_ROUTE, "404"]);
