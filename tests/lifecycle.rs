@@ -278,3 +278,37 @@ async fn access_log_has_one_json_line_per_request() {
     assert_eq!(missing["status"], 404);
     assert_eq!(missing["route"], "_none");
 }
+
+/// A request still in flight when the drain period ends is cut, and the exit status says so:
+/// 3, not the 0 of a stop in which every request finished (SPEC §1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_cuts_requests_exits_3() {
+    let backends = start_backends(&["slow"]).await;
+    let mut gw = Config::new()
+        .route(Route::new("api").members([url(backends[0].local_addr())]))
+        .start_with_env(&[("SLUICE_DRAIN_PERIOD", "500ms")]);
+    let addr = gw.proxy_addr();
+    let slow = tokio::spawn(async move {
+        support::try_request(
+            addr,
+            "GET",
+            "api.test",
+            "/slow",
+            &[("x-delay-ms", "30000")],
+            b"",
+        )
+        .await
+    });
+    assert!(support::wait_until(Duration::from_secs(5), || backends[0].requests() == 1).await);
+    gw.sigterm();
+    let status = gw
+        .wait_exit_async(Duration::from_secs(15))
+        .await
+        .expect("sluice exits once the drain period is over");
+    assert_eq!(status.code(), Some(3), "{}", gw.logs());
+    assert!(
+        slow.await.unwrap().is_err(),
+        "the slow request was cut, not answered"
+    );
+    assert!(gw.logs().contains("requests in flight, which are cut"));
+}

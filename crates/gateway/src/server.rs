@@ -25,8 +25,29 @@ use crate::request::Gateway;
 use crate::table::Table;
 use crate::tunnel::Tunnels;
 
-/// The longest a graceful stop waits for requests in flight before it cuts them.
+/// The longest a graceful stop waits for requests in flight before it cuts them, unless
+/// [`DRAIN_PERIOD_ENV`] says otherwise.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// The drain period instead of [`DRAIN_LIMIT`], as a duration (`500ms`, `10s`, `2m`): for
+/// deployments whose orchestrator kills sooner or later than 30 s, and for tests.
+pub const DRAIN_PERIOD_ENV: &str = "SLUICE_DRAIN_PERIOD";
+
+/// The exit status of a graceful stop whose drain period ended with requests still in flight,
+/// cut (SPEC §1); 0 when every request finished.
+pub const EXIT_REQUESTS_CUT: i32 = 3;
+
+/// The drain period: [`DRAIN_PERIOD_ENV`] when set, else [`DRAIN_LIMIT`].
+fn drain_period() -> Result<Duration, String> {
+    match std::env::var(DRAIN_PERIOD_ENV) {
+        Ok(text) if !text.trim().is_empty() => {
+            humantime::parse_duration(text.trim()).map_err(|e| {
+                format!("{DRAIN_PERIOD_ENV}: {text:?} is not a duration such as 10s: {e}")
+            })
+        }
+        _ => Ok(DRAIN_LIMIT),
+    }
+}
 
 /// Where the config comes from.
 pub enum ConfigSource<'a> {
@@ -53,6 +74,7 @@ pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors
 pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<(), String> {
     // Before anything else starts: a port that is taken must stop the process at once.
     check_listeners(&config)?;
+    let drain = drain_period()?;
     warn_if_admin_exposed(&config);
     let limits = crate::limits::prepare(&config.limits);
     crate::logging::set_log_query(config.log.query);
@@ -95,8 +117,10 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let mut conf = ServerConf {
         threads,
-        // Pingora sleeps the whole grace period; we exit as soon as the drain is done.
-        grace_period_seconds: Some(DRAIN_LIMIT.as_secs()),
+        // Pingora sleeps the whole grace period and then returns from `run`, which would
+        // exit 0; the drain thread exits first, as soon as the drain is done and with the
+        // status that says whether requests were cut. The margin keeps it first.
+        grace_period_seconds: Some(drain.as_secs() + 5),
         graceful_shutdown_timeout_seconds: Some(1),
         // Pool at least as many idle upstream connections as there are concurrent clients,
         // or requests keep opening new ones.
@@ -192,7 +216,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     let (stop_tx, stop_rx) = mpsc::channel();
     std::thread::Builder::new()
         .name("sluice-drain".into())
-        .spawn(move || drain_then_exit(stop_rx, in_flight))
+        .spawn(move || drain_then_exit(stop_rx, in_flight, drain))
         .expect("spawn the drain thread");
 
     tracing::info!(
@@ -270,22 +294,32 @@ impl ShutdownSignalWatch for StopSignals {
     }
 }
 
-/// After the stop signal, waits until no request is in flight (or the drain limit), then exits
-/// with status 0 rather than sitting out Pingora's fixed grace period.
-fn drain_then_exit(stop: mpsc::Receiver<()>, in_flight: Arc<AtomicUsize>) {
+/// After the stop signal, waits until no request is in flight (or the drain period ends),
+/// then exits rather than sitting out Pingora's fixed grace period: with status 0 when every
+/// request finished, [`EXIT_REQUESTS_CUT`] when some were still in flight and are cut.
+fn drain_then_exit(stop: mpsc::Receiver<()>, in_flight: Arc<AtomicUsize>, drain: Duration) {
     if stop.recv().is_err() {
         return;
     }
-    let deadline = Instant::now() + DRAIN_LIMIT;
+    let deadline = Instant::now() + drain;
     // Listeners close right after the signal; give a request accepted at that instant time to
     // reach its first hook and be counted.
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(100).min(drain));
     while in_flight.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
     let left = in_flight.load(Ordering::Acquire);
-    tracing::info!(target: "sluice::server", cut = left, "sluice stopped");
+    if left > 0 {
+        tracing::warn!(
+            target: "sluice::server",
+            cut = left,
+            drain_ms = drain.as_millis() as u64,
+            "sluice stopped: the drain period ended with requests in flight, which are cut"
+        );
+    } else {
+        tracing::info!(target: "sluice::server", cut = left, "sluice stopped");
+    }
     crate::otel::flush();
     crate::logging::flush();
-    std::process::exit(0);
+    std::process::exit(if left > 0 { EXIT_REQUESTS_CUT } else { 0 });
 }
