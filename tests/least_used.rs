@@ -12,7 +12,7 @@ use std::time::Duration;
 use sluice_testkit::RedisServer;
 use support::{
     dead_url, request, start_backends, url, Backend, Config, Gateway, HealthCheck, HttpClient,
-    Passive, Quota, Route, State, Store,
+    KeyMember, Passive, Quota, Route, State, Store,
 };
 
 // Every behaviour that does not need Redis itself runs on both stores; the Redis-only ones
@@ -24,6 +24,7 @@ on_both_stores!(
     down_members_are_skipped_and_no_member_costs_no_quota,
     on_restore_min_gives_a_revived_member_no_burst,
     on_restore_keep_lets_a_revived_member_catch_up,
+    a_down_members_trial_obeys_its_windows_and_is_counted,
 );
 
 /// The least-used route `pool` (host `pool.test`) over `members`, with two retries.
@@ -256,6 +257,65 @@ async fn down_members_are_skipped_and_no_member_costs_no_quota(backend: Backend)
     let again = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
     assert_eq!(again.status, 503);
     assert_eq!(remaining(&again), 100 - charged, "no quota consumed");
+}
+
+/// A down member's trial request is an assignment like any other: counted in the pool, and
+/// charged to the member's own windows, which it must fit. Member `a` (2 requests an hour of
+/// its own) fails its first request, comes back, and gets its trial: that spends its second
+/// request, so it gets nothing more this hour, and its count is 2.
+async fn a_down_members_trial_obeys_its_windows_and_is_counted(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b"]).await;
+    let port = support::free_port();
+    let a_url = format!("http://127.0.0.1:{port}");
+    let gw = Config::new()
+        .store(&store)
+        .route(
+            Route::new("pool")
+                .least_used()
+                .retries(1)
+                .passive(Passive::cooldown("1s"))
+                .key_member(KeyMember::new(a_url, "a").window("hour", 2, "1h"))
+                .key_member(KeyMember::new(url(backends[0].local_addr()), "b")),
+        )
+        .start();
+    let send = || async {
+        let r = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    let assignments = |status: serde_json::Value, name: &str| {
+        status["routes"][0]["members"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["name"] == name))
+            .and_then(|m| m["assignments"].as_u64())
+            .unwrap_or_else(|| panic!("member {name} in {status}"))
+    };
+    // Ties go to the smallest name: `a` is assigned first, fails to connect, goes down, and
+    // the retry goes to `b`.
+    send().await;
+    assert_eq!(assignments(gw.status().await, "a"), 1);
+    let a = sluice_echo::EchoServer::start("a", ([127, 0, 0, 1], port).into())
+        .await
+        .expect("start member a on its port");
+    let tried = support::wait_until_async(Duration::from_secs(20), || async {
+        send().await;
+        a.proxied_requests() > 0
+    })
+    .await;
+    assert!(tried, "a gets its trial once its cooldown is over");
+    assert_eq!(
+        assignments(gw.status().await, "a"),
+        2,
+        "the trial is counted in the pool"
+    );
+    for _ in 0..5 {
+        send().await;
+    }
+    assert_eq!(
+        a.proxied_requests(),
+        1,
+        "the trial spent a's second request of the hour"
+    );
 }
 
 /// Takes the second of two members down with its active check, sends 20 requests, brings it

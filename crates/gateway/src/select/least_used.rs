@@ -7,12 +7,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore};
 
-use super::{charge, Admission, Attempt, Limits, RoundRobin, Selector, Tried};
+use super::{Admission, Attempt, Limits, RoundRobin, Selector, Tried};
 
 /// Least-used over a pool whose counts live in the state store.
 pub(crate) struct LeastUsed {
@@ -105,6 +105,53 @@ impl LeastUsed {
         }
     }
 
+    /// A down member's trial request, decided by the store like any other assignment to it:
+    /// the route's quota, the member's cooldown and its own windows, and its count. Only the
+    /// member itself is a candidate. `None` when the member cannot take the request now
+    /// (cooling, or its windows full): its trial is put off until it can, and the request goes
+    /// to the members that are up.
+    async fn try_trial(
+        &self,
+        state: &dyn StateStore,
+        mut trial: Attempt,
+        quota: Option<Acquire<'_>>,
+        cost: u64,
+    ) -> Option<Admission> {
+        let index = trial.index();
+        let others: Vec<&str> = self
+            .ids
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != index)
+            .map(|(_, id)| &**id)
+            .collect();
+        match state.assign(self.ask(&others, quota, cost)).await {
+            Ok(Assignment::Assigned { member, quota }) => {
+                // Another instance may have synced a newer member list a moment ago: a
+                // member this table does not know was counted there, and the trial waits.
+                let first = match self.index_of.get(&*member) {
+                    Some(&i) if i == index => Some(trial),
+                    _ => self.attempt_for(&member, &Tried::default()),
+                };
+                Some(Admission::Admitted { first, quota })
+            }
+            Ok(Assignment::QuotaRefused(outcome)) => Some(Admission::QuotaRefused(outcome)),
+            Ok(Assignment::Busy { retry_after_us, .. }) => {
+                trial.put_off(Duration::from_micros(retry_after_us));
+                None
+            }
+            // Nowhere to go for the trial (the pool no longer lists the member): given back
+            // as the attempt drops.
+            Ok(Assignment::NoMember { .. }) => None,
+            // The store cannot say: the trial goes, and the route's on_store_error decides.
+            Err(error) => Some(Admission::StoreFailed {
+                error,
+                first: Some(trial),
+                fallback: true,
+            }),
+        }
+    }
+
     /// The attempt for a member the store named. A member this table does not know (another
     /// instance synced a newer list a moment ago) was counted there; this request takes
     /// round-robin instead.
@@ -123,14 +170,14 @@ impl Selector for LeastUsed {
         quota: Option<Acquire<'_>>,
         cost: u64,
     ) -> Admission {
-        // A passive-only pool gives a due member its trial here, as round-robin does. The
-        // quota is charged after the claim; a refusal drops the attempt, which gives the trial
-        // back.
+        self.ensure_synced(state).await;
+        // A passive-only pool gives a due member its trial here, as round-robin does.
         if let Some(index) = self.pool.take_due_trial(Instant::now()) {
             let trial = Attempt::new(self.pool.clone(), index, true);
-            return charge(state, quota, Some(trial)).await;
+            if let Some(admission) = self.try_trial(state, trial, quota, cost).await {
+                return admission;
+            }
         }
-        self.ensure_synced(state).await;
         let down = self.down_ids();
         match state.assign(self.ask(&down, quota, cost)).await {
             Ok(assignment) => Admission::of(assignment, |member| {

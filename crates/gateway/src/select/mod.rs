@@ -373,6 +373,15 @@ impl Attempt {
         self.index
     }
 
+    /// A trial that the member cannot take now (it cools, or its own windows are full): given
+    /// back to be claimed again `after` this, not by the very next request.
+    pub(crate) fn put_off(&mut self, after: std::time::Duration) {
+        if self.trial && !self.settled {
+            self.settled = true;
+            self.pool.release_trial(self.index, Instant::now() + after);
+        }
+    }
+
     /// The connection is made: the member is reachable, which is all passive health asks.
     pub(crate) fn connected(&mut self) {
         if !self.settled {
