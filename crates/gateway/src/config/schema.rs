@@ -256,8 +256,15 @@ fn default_redis_timeout() -> Dur {
 }
 
 /// A `redis://` or `rediss://` (TLS) URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisUrl(pub String);
+
+// The URL may hold Redis's password, and a config is debug-printed (a panic, a trace line).
+impl std::fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RedisUrl").field(&redact(&self.0)).finish()
+    }
+}
 
 impl<'de> Deserialize<'de> for RedisUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -300,6 +307,31 @@ impl RedisUrl {
         self.0
             .get(..9)
             .is_some_and(|scheme| scheme.eq_ignore_ascii_case("rediss://"))
+    }
+}
+
+#[cfg(test)]
+mod redis_url_tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_the_password() {
+        let url = RedisUrl::parse("redis://sluice:hunter2-secret@127.0.0.1:6379/0").unwrap();
+        let config = RedisConfig {
+            url: Some(url.clone()),
+            cluster: Some(vec![url.clone()]),
+            key_prefix: default_key_prefix(),
+            timeout: default_redis_timeout(),
+            tls: None,
+        };
+        for shown in [
+            format!("{url:?}"),
+            format!("{config:?}"),
+            format!("{config:#?}"),
+        ] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(shown.contains("redis://***@127.0.0.1:6379/0"), "{shown}");
+        }
     }
 }
 
