@@ -10,9 +10,14 @@ use crate::metrics::NO_ROUTE;
 
 /// Whether the member's response was cut after its head reached the client (a body shorter
 /// than its `Content-Length`, a connection closed mid-chunk). The status already sent says
-/// nothing of it; the client can only see its connection cut.
-fn truncated(session: &Session, e: &Error) -> bool {
-    session.response_written().is_some() && e.esource() == &ErrorSource::Upstream
+/// nothing of it; the client can only see its connection cut. A head the gateway wrote
+/// itself (its 504 for a read timeout, its 502 for an answer that is not HTTP) is no member's
+/// response cut short.
+fn truncated(session: &Session, e: &Error, ctx: &RequestCtx) -> bool {
+    ctx.upstream_answered
+        && ctx.seen.answered.is_none()
+        && session.response_written().is_some()
+        && e.esource() == &ErrorSource::Upstream
 }
 
 pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ctx: &RequestCtx) {
@@ -146,7 +151,7 @@ fn error_of(
         // An open WebSocket that went quiet for read_timeout: closed by the idle rule, like a
         // tunnel, not cut short.
         "idle_timeout"
-    } else if truncated(session, e) {
+    } else if truncated(session, e, ctx) {
         "upstream_truncated"
     } else {
         code_of(e)
