@@ -1,5 +1,9 @@
 //! `sluice demo`: the embedded default config with its three demo upstreams and a client that
-//! sends a request every half second, so traffic visibly flows with nothing else installed.
+//! sends a request every half second, so traffic visibly flows with nothing else installed;
+//! and, every few seconds, one `https://` request through a CONNECT tunnel to the demo's own
+//! TLS origin ([`tunnel`]).
+
+mod tunnel;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -33,11 +37,35 @@ pub fn start(gateway: SocketAddr) {
                         }
                     }
                 }
+                let tls = match tunnel::Tls::new() {
+                    Ok(tls) => match tls.serve_origin().await {
+                        Ok(()) => Some(tls),
+                        Err(e) => {
+                            tracing::error!(target: "sluice::demo", error = %e, "cannot start the demo TLS origin");
+                            None
+                        }
+                    },
+                    Err(e) => {
+                        tracing::error!(target: "sluice::demo", error = %e, "cannot start the demo TLS origin");
+                        None
+                    }
+                };
                 // Let the gateway come up before the first request.
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 let mut n: u64 = 0;
                 loop {
                     n += 1;
+                    if let Some(tls) = tls.as_ref().filter(|_| n % 10 == 1) {
+                        match tls.get(gateway).await {
+                            Ok(status) => tracing::info!(
+                                target: "sluice::demo",
+                                request = n, status,
+                                "demo client: GET https://{}:9443/ through a CONNECT tunnel, TLS end to end",
+                                tunnel::HOST
+                            ),
+                            Err(e) => tracing::warn!(target: "sluice::demo", request = n, error = %e, "demo client: https through a tunnel"),
+                        }
+                    }
                     match get(gateway, n).await {
                         Ok((status, upstream)) => tracing::info!(
                             target: "sluice::demo",
