@@ -318,6 +318,54 @@ async fn a_down_members_trial_obeys_its_windows_and_is_counted(backend: Backend)
     );
 }
 
+/// The memory store drops a least-used pool when a reload removes its route: reloads that
+/// come and go would otherwise grow the store for good. Seen from outside: a route that comes
+/// back starts a fresh pool, its counts at 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_route_removed_by_a_reload_drops_its_pool() {
+    let backends = start_backends(&["b1", "b2"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let with_pool = Config::new()
+        .route(pool(&members))
+        .route(Route::new("other").members(&members));
+    let without_pool = Config::new().route(Route::new("other").members(&members));
+    let gw = with_pool.start();
+    for _ in 0..4 {
+        let r = request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(status_counts(&gw).await.values().sum::<u64>(), 4);
+    let reload = |config: &Config| {
+        gw.write_config_template(&config.yaml());
+        async {
+            let r = request(
+                gw.admin_addr(),
+                "POST",
+                "admin",
+                "/reload",
+                &[("X-Sluice-Admin", "1")],
+                b"",
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+    };
+    reload(&without_pool).await;
+    assert_eq!(
+        request(gw.proxy_addr(), "GET", "pool.test", "/", &[], b"")
+            .await
+            .status,
+        404,
+        "the route is gone"
+    );
+    reload(&with_pool).await;
+    assert_eq!(
+        status_counts(&gw).await.values().sum::<u64>(),
+        0,
+        "the route came back to a fresh pool: the old one was dropped"
+    );
+}
+
 /// Takes the second of two members down with its active check, sends 20 requests, brings it
 /// back, and returns how many of the next 10 requests it took, and every backend's total.
 async fn restored_member_after_an_outage(

@@ -141,6 +141,9 @@ impl Reloader {
         self.table.store(new.clone());
         self.supervisor.apply(&new);
         forget_departed(&self.metrics, &old, &new);
+        // What the store keeps in process for routes that left would otherwise stay for good.
+        let names: Vec<&str> = new.routes.iter().map(|r| &*r.name).collect();
+        self.state.retain_routes(&names).await;
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.metrics.config_reloads.with_label_values(&["ok"]).inc();
         tracing::info!(

@@ -299,6 +299,13 @@ pub trait StateStore: Send + Sync + 'static {
     /// first (for `/status`).
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError>;
 
+    /// The routes of the config in force, after a reload. A store that keeps per-route state in
+    /// process drops the least-used pools and cooldowns of every other route: no request asks
+    /// for them again, and reloads that come and go would otherwise grow it without end. Quota
+    /// logs stay until their windows pass (the idle sweep drops them), so a route that comes
+    /// back in a later reload keeps its quota. Redis drops nothing here.
+    async fn retain_routes(&self, _routes: &[&str]) {}
+
     /// Whether the store can be used right now (for readiness).
     async fn ready(&self) -> bool {
         true

@@ -76,6 +76,11 @@ impl MemoryStore {
         self.quotas.keys()
     }
 
+    /// Number of routes holding a least-used pool or cooldowns (for tests and status).
+    pub fn pool_routes(&self) -> usize {
+        self.pools.len()
+    }
+
     /// The quota decision, synchronously: memory never waits on anything but its locks.
     pub fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         self.quotas.decide(req)
@@ -267,7 +272,10 @@ impl StateStore for MemoryStore {
         member: &str,
         excluded: &[&str],
     ) -> Result<(), StoreError> {
-        let route = self.pools.route(route);
+        // A route with no pool has no count to raise.
+        let Some(route) = self.pools.get(route) else {
+            return Ok(());
+        };
         let counts = &mut route.lock().unwrap_or_else(|p| p.into_inner()).counts;
         let mut others: Vec<&str> = excluded.to_vec();
         others.push(member);
@@ -297,7 +305,9 @@ impl StateStore for MemoryStore {
     }
 
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let route = self.pools.route(route);
+        let Some(route) = self.pools.get(route) else {
+            return Ok(Vec::new());
+        };
         let route = route.lock().unwrap_or_else(|p| p.into_inner());
         Ok(route
             .counts
@@ -333,9 +343,15 @@ impl StateStore for MemoryStore {
             .map_or(0, |until| until.saturating_sub(now)))
     }
 
+    async fn retain_routes(&self, routes: &[&str]) {
+        self.pools.retain(routes);
+    }
+
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
         let now = self.quotas.now_us();
-        let route = self.pools.route(route);
+        let Some(route) = self.pools.get(route) else {
+            return Ok(Vec::new());
+        };
         let route = route.lock().unwrap_or_else(|p| p.into_inner());
         let mut cooling: Vec<(u64, &Arc<str>)> = route
             .cooling
@@ -349,5 +365,44 @@ impl StateStore for MemoryStore {
             .into_iter()
             .map(|(until, id)| (id.to_string(), until - now))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A route that left the config (a reload) leaves nothing behind in the pools; the routes
+    /// that stay keep their counts and cooldowns, and reading a route that left creates nothing.
+    #[tokio::test]
+    async fn a_route_that_left_drops_its_pool_and_cooldowns() {
+        let store = MemoryStore::new();
+        let members = [PoolMember::new("a"), PoolMember::new("b")];
+        for route in ["stays", "goes"] {
+            let ask = Assign {
+                route,
+                members: &members,
+                order: Order::LeastUsed,
+                excluded: &[],
+                quota: None,
+                cost: 1,
+                cooldowns: true,
+                at_us: None,
+            };
+            store.assign(ask).await.unwrap();
+            store.cool(route, "b", 60_000_000, None).await.unwrap();
+        }
+        assert_eq!(store.pool_routes(), 2);
+        store.retain_routes(&["stays"]).await;
+        assert_eq!(store.pool_routes(), 1);
+        assert!(store.counts("goes").await.unwrap().is_empty());
+        assert!(store.cooldowns("goes").await.unwrap().is_empty());
+        store.restore_to_min("goes", "a", &[]).await.unwrap();
+        assert_eq!(store.pool_routes(), 1, "reads create nothing");
+        assert_eq!(
+            store.counts("stays").await.unwrap(),
+            [("b".to_string(), 0), ("a".to_string(), 1)]
+        );
+        assert_eq!(store.cooldowns("stays").await.unwrap().len(), 1);
     }
 }

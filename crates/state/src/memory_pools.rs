@@ -134,6 +134,29 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
+    /// The state of `route`, if it has any; for reads, which must not create it.
+    pub(crate) fn get(&self, route: &str) -> Option<Arc<Mutex<Route>>> {
+        self.pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(route)
+            .cloned()
+    }
+
+    /// Drops the state of every route not in `routes`.
+    pub(crate) fn retain(&self, routes: &[&str]) {
+        let keep: HashSet<&str> = routes.iter().copied().collect();
+        self.pools
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|route, _| keep.contains(&**route));
+    }
+
+    /// How many routes hold state (for tests).
+    pub(crate) fn len(&self) -> usize {
+        self.pools.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
     /// The state of `route`, created empty if it does not exist.
     pub(crate) fn route(&self, route: &str) -> Arc<Mutex<Route>> {
         if let Some(p) = self
