@@ -515,11 +515,7 @@ impl Guard {
         // afresh (interfaces come and go): no cost on any other destination.
         let mut host_addrs: Option<Vec<IpAddr>> = None;
         let mut is_host = |ip: IpAddr| {
-            ip.is_loopback()
-                || host_addrs
-                    .get_or_insert_with(host_addresses)
-                    .iter()
-                    .any(|a| *a == ip)
+            ip.is_loopback() || host_addrs.get_or_insert_with(host_addresses).contains(&ip)
         };
         let mut reaches = |own: &SocketAddr| {
             own.port() == addr.port()
