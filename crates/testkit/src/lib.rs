@@ -6,11 +6,12 @@
 //! [`architecture`] reads a crate's module graph from its source, for the test in each crate
 //! that keeps module cycles out.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use redis::IntoConnectionInfo;
 
 pub mod architecture;
 mod ports;
@@ -203,8 +204,8 @@ impl RedisServer {
         panic!("redis-server on port {} did not answer PING", self.port);
     }
 
-    /// Sends one command and returns the raw RESP reply (enough for tests: `INFO`, `MEMORY
-    /// USAGE`, `SCRIPT FLUSH`, `ZCARD`...).
+    /// Sends one command and returns its reply as text (see [`command_at`]): enough for tests
+    /// (`INFO`, `SCRIPT FLUSH`, `KEYS`...).
     pub fn command(&self, args: &[&str]) -> std::io::Result<String> {
         command_at(self.addr(), args)
     }
@@ -214,20 +215,23 @@ impl RedisServer {
         zrange_with_scores_at(self.addr(), key)
     }
 
-    /// The integer of a `:N` reply, e.g. from `ZCARD` or `MEMORY USAGE`.
+    /// The integer reply of a command, e.g. `ZCARD` or `MEMORY USAGE`.
     pub fn integer(&self, args: &[&str]) -> Option<i64> {
-        let r = self.command(args).ok()?;
-        r.strip_prefix(':')?.trim().parse().ok()
+        query(self.addr(), args).ok()
     }
 
     /// Calls of a command since start or `CONFIG RESETSTAT`, from `INFO commandstats`.
     pub fn command_calls(&self, name: &str) -> u64 {
-        let info = self.command(&["INFO", "commandstats"]).unwrap_or_default();
-        let needle = format!("cmdstat_{}:calls=", name.to_ascii_lowercase());
-        info.lines()
-            .find_map(|l| l.strip_prefix(&needle))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
+        let Ok(info) = query::<redis::InfoDict>(self.addr(), &["INFO", "commandstats"]) else {
+            return 0;
+        };
+        // `cmdstat_<name>:calls=N,usec=...`
+        info.get::<String>(&format!("cmdstat_{}", name.to_ascii_lowercase()))
+            .and_then(|stats| {
+                stats
+                    .split(',')
+                    .find_map(|f| f.strip_prefix("calls=")?.parse().ok())
+            })
             .unwrap_or(0)
     }
 }
@@ -239,71 +243,49 @@ impl RedisServer {
     /// that is in the stream, so nothing the test sends next can be missed.
     pub fn monitor(&self) -> Monitor {
         static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let mut conn = TcpStream::connect(self.addr()).expect("connect for MONITOR");
-        conn.write_all(b"*1\r\n$7\r\nMONITOR\r\n")
-            .expect("send MONITOR");
-        conn.set_read_timeout(Some(MONITOR_READ_TIMEOUT))
+        let mut conn = connect(self.addr()).expect("connect for MONITOR");
+        conn.set_read_timeout(Some(MONITOR_DEADLINE))
             .expect("timeout");
-        let mut seen = Vec::new();
-        let deadline = Instant::now() + MONITOR_DEADLINE;
-        while !seen.starts_with(b"+OK\r\n") {
-            assert!(
-                Instant::now() < deadline,
-                "MONITOR on port {} was not confirmed: {:?}",
-                self.port,
-                String::from_utf8_lossy(&seen)
-            );
-            let mut buf = [0u8; 512];
-            match conn.read(&mut buf) {
-                Ok(0) => panic!("Redis closed the MONITOR connection"),
-                Ok(n) => seen.extend_from_slice(&buf[..n]),
-                Err(_) => {}
-            }
+        let confirmed: redis::RedisResult<()> = redis::cmd("MONITOR").query(&mut conn);
+        if let Err(err) = confirmed {
+            panic!("MONITOR on port {} was not confirmed: {err}", self.port);
         }
+        // Before `stop` there is no bound: a test may monitor for a long time. `stop` bounds
+        // the wait for the marker on its side.
+        conn.set_read_timeout(None).expect("timeout");
         let marker = format!(
             "sluice-monitor-end-{}-{}-{}",
             std::process::id(),
             self.port,
             MONITORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
-        let stop_requested = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
-        let reader = {
-            let (marker, stop_requested) = (marker.clone(), stop_requested.clone());
-            let mut seen = String::from_utf8_lossy(&seen).into_owned();
+        let (sender, seen) = std::sync::mpsc::channel();
+        {
+            let marker = marker.clone();
+            // Each command Redis runs comes as one status line: `<time> [<db> <client>]
+            // "<name>" "<arg>"...`.
             std::thread::spawn(move || {
-                // Reads until the marker shows up. Before `stop` there is no bound (a test may
-                // monitor for a long time); after it, at most MONITOR_DEADLINE.
-                let mut buf = [0u8; 8192];
-                loop {
-                    if seen.contains(&marker) {
-                        return (seen, true);
+                let mut lines = Vec::new();
+                let complete = loop {
+                    match conn.recv_response() {
+                        Ok(redis::Value::SimpleString(line)) if line.contains(&marker) => {
+                            break true
+                        }
+                        Ok(redis::Value::SimpleString(line)) => lines.push(line),
+                        Ok(_) => {}
+                        Err(_) => break false,
                     }
-                    let given_up = stop_requested
-                        .lock()
-                        .unwrap()
-                        .is_some_and(|at: Instant| at.elapsed() > MONITOR_DEADLINE);
-                    if given_up {
-                        return (seen, false);
-                    }
-                    match conn.read(&mut buf) {
-                        Ok(0) => return (seen, false),
-                        Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
-                        Err(_) => {}
-                    }
-                }
-            })
-        };
+                };
+                let _ = sender.send((lines, complete));
+            });
+        }
         Monitor {
             addr: self.addr(),
             marker,
-            stop_requested,
-            reader,
+            seen,
         }
     }
 }
-
-/// How long a `MONITOR` read blocks before the reader looks at its deadline again.
-const MONITOR_READ_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// How long `MONITOR` may take to confirm, and to show the end marker after [`Monitor::stop`].
 const MONITOR_DEADLINE: Duration = Duration::from_secs(10);
@@ -314,8 +296,8 @@ pub struct Monitor {
     /// Sent as `PING <marker>` by [`Monitor::stop`]: once the stream shows it, it has shown
     /// every command Redis ran before it.
     marker: String,
-    stop_requested: std::sync::Arc<std::sync::Mutex<Option<Instant>>>,
-    reader: std::thread::JoinHandle<(String, bool)>,
+    /// The lines before the marker, and whether the marker came (not the connection's end).
+    seen: std::sync::mpsc::Receiver<(Vec<String>, bool)>,
 }
 
 impl Monitor {
@@ -326,17 +308,15 @@ impl Monitor {
     /// and feeds each to the monitors as it runs it, so the stream is read up to a marker
     /// command sent now, not for a while.
     pub fn stop(self) -> Vec<String> {
-        *self.stop_requested.lock().unwrap() = Some(Instant::now());
         command_at(self.addr, &["PING", &self.marker]).expect("send the MONITOR end marker");
-        let (seen, complete) = self.reader.join().expect("the MONITOR reader");
+        let (seen, complete) = self.seen.recv_timeout(MONITOR_DEADLINE).unwrap_or_default();
         assert!(
             complete,
             "MONITOR on {} never showed the end marker within {MONITOR_DEADLINE:?}",
             self.addr
         );
-        seen.lines()
-            .take_while(|l| !l.contains(&self.marker))
-            .filter(|l| l.starts_with('+') && l.contains('[') && !l.contains(" lua]"))
+        seen.iter()
+            .filter(|l| l.contains('[') && !l.contains(" lua]"))
             .filter_map(|l| l.split('"').nth(1).map(str::to_ascii_uppercase))
             .collect()
     }
@@ -517,7 +497,7 @@ impl RedisCluster {
                 continue;
             };
             let mut out = Vec::new();
-            for line in raw.lines().skip(1) {
+            for line in raw.lines() {
                 let fields: Vec<&str> = line.split(' ').collect();
                 if fields.len() < 8 {
                     continue;
@@ -690,46 +670,77 @@ pub fn make_certificates(dir: &std::path::Path, subject_alt_names: &str) {
     );
 }
 
-/// Sends one command to the Redis at `addr` and returns the raw RESP reply.
+/// A connection to the Redis at `addr` that sends nothing but what the caller asks: no `CLIENT
+/// SETINFO` on connect, which would show in `MONITOR` and in `INFO commandstats`.
+fn connect(addr: SocketAddr) -> redis::RedisResult<redis::Connection> {
+    let info = redis::ConnectionAddr::Tcp(addr.ip().to_string(), addr.port())
+        .into_connection_info()?;
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    let client = redis::Client::open(info.set_redis_settings(settings))?;
+    let conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+    Ok(conn)
+}
+
+/// `args` as a command.
+fn cmd(args: &[&str]) -> redis::Cmd {
+    let mut cmd = redis::cmd(args.first().copied().unwrap_or_default());
+    cmd.arg(&args[1..]);
+    cmd
+}
+
+/// Runs `args` on a connection of its own.
+fn query<T: redis::FromRedisValue>(addr: SocketAddr, args: &[&str]) -> redis::RedisResult<T> {
+    cmd(args).query(&mut connect(addr)?)
+}
+
+/// A reply as text for tests to search: a status as `+STATUS` (`+OK`, `+PONG`), an integer as
+/// `:N`, a string as itself, the items of an array one per line.
+fn text_of(value: &redis::Value) -> String {
+    use redis::Value;
+    match value {
+        Value::Nil => String::new(),
+        Value::Okay => "+OK".to_string(),
+        Value::SimpleString(s) => format!("+{s}"),
+        Value::Int(n) => format!(":{n}"),
+        Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        Value::Array(items) | Value::Set(items) => lines_of(items),
+        Value::Map(pairs) => lines_of(pairs.iter().flat_map(|(k, v)| [k, v])),
+        Value::Double(d) => d.to_string(),
+        Value::Boolean(b) => b.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// [`text_of`] of each value, one per line.
+fn lines_of<'a>(values: impl IntoIterator<Item = &'a redis::Value>) -> String {
+    values.into_iter().map(text_of).collect::<Vec<_>>().join("\r\n")
+}
+
+/// Sends one command to the Redis at `addr` and returns its reply as text ([`text_of`]); an
+/// error reply is an `Err`.
 pub fn command_at(addr: SocketAddr, args: &[&str]) -> std::io::Result<String> {
     commands_at(addr, &[args])
 }
 
-/// Sends several commands on one connection, in order, and returns their raw RESP replies,
-/// concatenated. For what needs a connection state, e.g. `READONLY` before reading a key on a
+/// Sends several commands on one connection, in order, and returns their replies as text, one
+/// per line. For what needs a connection state, e.g. `READONLY` before reading a key on a
 /// cluster replica.
 pub fn commands_at(addr: SocketAddr, commands: &[&[&str]]) -> std::io::Result<String> {
-    let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut req = String::new();
+    let mut conn = connect(addr).map_err(std::io::Error::other)?;
+    let mut replies = Vec::with_capacity(commands.len());
     for args in commands {
-        req.push_str(&format!("*{}\r\n", args.len()));
-        for a in *args {
-            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-        }
+        let reply = cmd(args).query::<redis::Value>(&mut conn);
+        replies.push(reply.map_err(std::io::Error::other)?);
     }
-    conn.write_all(req.as_bytes())?;
-    conn.write_all(b"*1\r\n$4\r\nQUIT\r\n")?;
-    let mut reply = String::new();
-    conn.read_to_string(&mut reply)?;
-    // Drop QUIT's "+OK".
-    Ok(reply.strip_suffix("+OK\r\n").unwrap_or(&reply).to_string())
+    Ok(lines_of(&replies))
 }
 
 /// Members and scores of the sorted set `key` on the Redis at `addr`, lowest score first.
 pub fn zrange_with_scores_at(addr: SocketAddr, key: &str) -> Vec<(String, f64)> {
-    let reply = command_at(addr, &["ZRANGE", key, "0", "-1", "WITHSCORES"]).unwrap_or_default();
-    // *N, then $len / member / $len / score for each member.
-    let lines: Vec<&str> = reply.split("\r\n").collect();
-    let mut out = Vec::new();
-    let mut i = 1;
-    while i + 3 < lines.len() {
-        if let Ok(score) = lines[i + 3].parse() {
-            out.push((lines[i + 1].to_string(), score));
-        }
-        i += 4;
-    }
-    out
+    query(addr, &["ZRANGE", key, "0", "-1", "WITHSCORES"]).unwrap_or_default()
 }
 
 /// No module of this crate depends on one that depends on it back, at any depth
