@@ -841,85 +841,23 @@ pub async fn admin_get(addr: SocketAddr, path: &str) -> Response {
 
 /// The value of the sample named `name` whose labels include all of
 /// `labels` (in any order); values of several matching samples are summed.
-/// `None` if no sample matches.
+/// `None` if no sample matches. Single-valued samples only: counters, gauges,
+/// untyped, and a histogram's `_sum` and `_count` (the parser folds its
+/// `_bucket` lines into one value).
 pub fn metric_value(metrics_text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    metrics_text
-        .lines()
-        .filter_map(parse_sample)
-        .filter(|sample| {
-            sample.name == name
-                && labels
-                    .iter()
-                    .all(|(key, value)| sample.labels.iter().any(|(k, v)| k == key && v == value))
+    let scrape =
+        prometheus_parse::Scrape::parse(metrics_text.lines().map(|l| Ok(l.to_string()))).ok()?;
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .filter_map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            _ => None,
         })
-        .map(|sample| sample.value)
         .reduce(|a, b| a + b)
-}
-
-/// One sample line of the Prometheus text format.
-#[derive(Debug, PartialEq)]
-struct Sample {
-    name: String,
-    labels: Vec<(String, String)>,
-    value: f64,
-}
-
-/// Parses `name{label="value",...} value [timestamp]`; comments, blank and
-/// malformed lines give `None`.
-fn parse_sample(line: &str) -> Option<Sample> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let name_end = line
-        .find(|c: char| c == '{' || c.is_whitespace())
-        .unwrap_or(line.len());
-    let name = line[..name_end].to_string();
-    let mut rest = &line[name_end..];
-
-    let mut labels = Vec::new();
-    if let Some(after_brace) = rest.strip_prefix('{') {
-        let mut chars = after_brace.char_indices();
-        loop {
-            // Label name, up to '=' (or the closing brace).
-            let mut key = String::new();
-            let (index, c) = chars.find(|&(_, c)| c != ',' && !c.is_whitespace())?;
-            if c == '}' {
-                rest = &after_brace[index + 1..];
-                break;
-            }
-            key.push(c);
-            for (_, c) in chars.by_ref() {
-                if c == '=' {
-                    break;
-                }
-                key.push(c);
-            }
-            // Quoted value with \\, \" and \n escapes.
-            if chars.next()?.1 != '"' {
-                return None;
-            }
-            let mut value = String::new();
-            loop {
-                match chars.next()?.1 {
-                    '"' => break,
-                    '\\' => match chars.next()?.1 {
-                        'n' => value.push('\n'),
-                        other => value.push(other),
-                    },
-                    other => value.push(other),
-                }
-            }
-            labels.push((key.trim().to_string(), value));
-        }
-    }
-
-    let value = rest.split_whitespace().next()?.parse().ok()?;
-    Some(Sample {
-        name,
-        labels,
-        value,
-    })
 }
 
 /// A member that accepts a connection, reads a request and hangs up without answering, as a
