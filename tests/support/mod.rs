@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use sluice_echo::EchoServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -103,42 +103,24 @@ where
 // The gateway process
 // ---------------------------------------------------------------------------
 
-/// A directory under the system temp dir that is removed on drop.
+/// A directory under the system temp dir that is removed on drop: a [`tempfile::TempDir`]
+/// whose name starts with a prefix that says which test made it.
 #[derive(Debug)]
-pub struct TempDir {
-    path: PathBuf,
-}
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
-    /// Creates a fresh directory whose name includes `prefix`.
+    /// Creates a fresh directory whose name starts with `prefix`.
     pub fn new(prefix: &str) -> TempDir {
-        // Process id plus a counter keeps parallel tests and parallel test
-        // binaries apart; the timestamp guards against a recycled pid finding
-        // the leftovers of a killed earlier run.
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let unique = format!(
-            "{prefix}-{}-{}-{nanos}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        );
-        let path = std::env::temp_dir().join(unique);
-        fs::create_dir_all(&path)
-            .unwrap_or_else(|err| panic!("cannot create {}: {err}", path.display()));
-        TempDir { path }
+        tempfile::Builder::new()
+            .prefix(&format!("{prefix}-"))
+            .tempdir()
+            .map(TempDir)
+            .unwrap_or_else(|err| panic!("cannot create a temp dir {prefix}-*: {err}"))
     }
 
     /// The directory itself.
     pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.path);
+        self.0.path()
     }
 }
 
