@@ -6,9 +6,9 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use support::{request, url, Config, Gateway, Route};
+use support::{dead_url, request, url, Config, Gateway, Route};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 const HOST: &str = "api.test";
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -71,4 +71,112 @@ async fn an_answer_that_is_not_http_is_logged_as_upstream_bad_response() {
     let line = access_line(&gw, "/garbage").await;
     assert_eq!(line["status"], 502, "{line}");
     assert_eq!(line["error"], "upstream_bad_response", "{line}");
+}
+
+/// A listener whose accept queue is full: connections to it are neither accepted nor
+/// refused, the kernel drops their SYNs, so connecting times out. The connections that
+/// filled it are returned with it, to be kept open.
+async fn full_listener() -> (SocketAddr, tokio::net::TcpListener, Vec<TcpStream>) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut filled = Vec::new();
+    for _ in 0..16 {
+        match tokio::time::timeout(Duration::from_millis(300), TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => filled.push(stream),
+            // A connect that hangs: the queue is full.
+            Err(_) => return (addr, listener, filled),
+            Ok(Err(e)) => panic!("connect to the listener: {e}"),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
+/// A DNS server on loopback that answers every query with NXDOMAIN: no name resolves.
+async fn nxdomain_dns_server() -> SocketAddr {
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = socket.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+            let query = &buf[..n];
+            // The header and the question, up to the end of its name and its type and class.
+            let mut at = 12;
+            while at < n && query[at] != 0 {
+                at += 1 + usize::from(query[at]);
+            }
+            let Some(question) = query.get(..at + 5) else {
+                continue;
+            };
+            let mut out = question.to_vec();
+            out[2] = 0x84 | (query[2] & 0x01); // a response, authoritative, RD copied
+            out[3] = 0x83; // RA, NXDOMAIN
+            out[6..12].copy_from_slice(&[0; 6]);
+            let _ = socket.send_to(&out, from).await;
+        }
+    });
+    addr
+}
+
+/// `502 upstream_unreachable` says why each attempt failed, in the problem's detail and in the
+/// access line: a refused port, then a connect that timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_answer_says_why_each_attempt_failed() {
+    let (slow, _listener, _filled) = full_listener().await;
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .priority()
+                .member(dead_url())
+                .member(url(slow))
+                .retries(1)
+                .connect_timeout("300ms"),
+        )
+        .start();
+    let r = request(gw.proxy_addr(), "GET", HOST, "/down", &[], b"").await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_unreachable"));
+    assert_eq!(
+        r.json()["detail"],
+        "2 connection attempt(s) failed: refused; timed out",
+        "{}",
+        r.text()
+    );
+    let line = access_line(&gw, "/down").await;
+    assert_eq!(line["error"], "upstream_unreachable", "{line}");
+    assert_eq!(line["detail"], "refused; timed out", "{line}");
+}
+
+/// A TLS handshake that fails, then a name that does not resolve: each reason is given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_dns_failures_are_named_too() {
+    let plain = support::start_backends(&["plain"]).await;
+    let tls_member = format!("https://{}", plain[0].local_addr());
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .priority()
+                .member(tls_member)
+                .member("http://nowhere.test:80")
+                .retries(1)
+                .connect_timeout("2s"),
+        )
+        .start_with_env(&[(
+            "SLUICE_DNS_SERVERS",
+            &nxdomain_dns_server().await.to_string(),
+        )]);
+    let r = request(gw.proxy_addr(), "GET", HOST, "/both", &[], b"").await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_unreachable"));
+    let detail = r.json()["detail"].as_str().unwrap_or_default().to_string();
+    assert_eq!(
+        detail,
+        "2 connection attempt(s) failed: TLS: the member does not speak TLS; DNS: the name did not resolve",
+    );
+    let line = access_line(&gw, "/both").await;
+    assert_eq!(
+        line["detail"], "TLS: the member does not speak TLS; DNS: the name did not resolve",
+        "{line}"
+    );
 }

@@ -253,7 +253,7 @@ async fn gateway_answers_and_parser_rejections_carry_a_request_id_and_a_code() {
     assert_eq!(access_line(&gw, &id).await["error"], "no_route");
     let unreachable = access_line(&gw, &unreachable_id).await;
     assert_eq!(unreachable["error"], "upstream_unreachable");
-    assert_eq!(unreachable["detail"], "ConnectRefused");
+    assert_eq!(unreachable["detail"], "refused");
     let parsed = access_line(&gw, &parsed_id).await;
     assert_eq!(parsed["error"], "bad_request");
     assert!(parsed["client"].is_string());

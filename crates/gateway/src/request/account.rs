@@ -1,6 +1,8 @@
 //! Accounting: the last step of every request, whatever its fate. It writes the access-log
 //! line and the request's metrics.
 
+use std::borrow::Cow;
+
 use pingora::prelude::*;
 use pingora::proxy::Session;
 use pingora::ErrorType;
@@ -102,7 +104,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
         request_id: seen.request_id.as_ref().and_then(|v| v.to_str().ok()),
         trace: seen.trace.map(|t| (t.trace_id, t.span_id)),
         error,
-        detail,
+        detail: detail.as_deref(),
         tunnel: None,
     });
     if let Some(trace) = seen.trace.filter(|t| t.sampled() && crate::otel::enabled()) {
@@ -123,19 +125,24 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
 }
 
 /// The access line's `error` (one of sluice's codes, README "Errors") and `detail` (Pingora's
-/// error type, or the reason of a TLS failure; never request bytes).
+/// error type, the reason of a TLS failure, or why each connection attempt failed; never
+/// request bytes).
 fn error_of(
     session: &Session,
     e: Option<&Error>,
     ctx: &RequestCtx,
     status: u16,
-) -> (Option<&'static str>, Option<&'static str>) {
+) -> (Option<&'static str>, Option<Cow<'static, str>>) {
     match ctx.failure {
         Some(Failure::Unreachable) => {
-            return match ctx.seen.tls_failure {
-                Some(reason) => (Some("upstream_tls"), Some(reason)),
-                None => (Some("upstream_unreachable"), ctx.seen.connect_error),
-            }
+            // The last attempt's failure decides the code, all of them the detail.
+            return match ctx.seen.connect_failures.last() {
+                Some(ConnectFailure::Tls(reason)) => (Some("upstream_tls"), Some((*reason).into())),
+                _ => (
+                    Some("upstream_unreachable"),
+                    Some(describe_failures(&ctx.seen.connect_failures).into()),
+                ),
+            };
         }
         Some(Failure::NoMember) => return (Some("no_member"), None),
         Some(Failure::Denied(_)) => return (Some("destination_denied"), None),
@@ -146,7 +153,7 @@ fn error_of(
         return (ctx.seen.answered, None);
     };
     let kind = e.etype();
-    let detail = Some(kind.as_str());
+    let detail = Some(kind.as_str().into());
     let code = if status == 101 && ctx.websocket && kind == &ErrorType::ReadTimedout {
         // An open WebSocket that went quiet for read_timeout: closed by the idle rule, like a
         // tunnel, not cut short.
@@ -187,10 +194,98 @@ fn code_of(e: &Error) -> &'static str {
     }
 }
 
+/// Why one connection attempt failed, as the client and the access log are told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnectFailure {
+    /// The member (or the client's destination) refused the connection.
+    Refused,
+    /// No answer within `connect_timeout`.
+    TimedOut,
+    /// Its name did not resolve.
+    Dns,
+    /// The connection was reset, or closed, while it was being made.
+    Reset,
+    /// No route to the host.
+    NoRoute,
+    /// The TLS handshake failed, for this reason ([`tls_failure`]).
+    Tls(&'static str),
+    /// Anything else.
+    Other,
+}
+
+impl std::fmt::Display for ConnectFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectFailure::Refused => f.write_str("refused"),
+            ConnectFailure::TimedOut => f.write_str("timed out"),
+            ConnectFailure::Dns => f.write_str("DNS: the name did not resolve"),
+            ConnectFailure::Reset => f.write_str("reset"),
+            ConnectFailure::NoRoute => f.write_str("no route to host"),
+            ConnectFailure::Tls(reason) => write!(f, "TLS: {reason}"),
+            ConnectFailure::Other => f.write_str("connection failed"),
+        }
+    }
+}
+
+/// Why a connect failed, from Pingora's error: its type, else the system's error under it.
+pub(crate) fn connect_failure(e: &Error) -> ConnectFailure {
+    use std::io::ErrorKind;
+    let io = io_kind(e);
+    if matches!(
+        io,
+        Some(ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe)
+    ) {
+        return ConnectFailure::Reset;
+    }
+    if let Some(reason) = tls_failure(e) {
+        return ConnectFailure::Tls(reason);
+    }
+    match (e.etype(), io) {
+        (ErrorType::ConnectRefused, _) | (_, Some(ErrorKind::ConnectionRefused)) => {
+            ConnectFailure::Refused
+        }
+        (ErrorType::ConnectTimedout, _) | (_, Some(ErrorKind::TimedOut)) => {
+            ConnectFailure::TimedOut
+        }
+        (ErrorType::ConnectNoRoute, _) | (_, Some(ErrorKind::HostUnreachable)) => {
+            ConnectFailure::NoRoute
+        }
+        (ErrorType::ConnectionClosed, _) | (_, Some(ErrorKind::UnexpectedEof)) => {
+            ConnectFailure::Reset
+        }
+        _ => ConnectFailure::Other,
+    }
+}
+
+/// The kind of the system error under `e`, if there is one.
+fn io_kind(e: &Error) -> Option<std::io::ErrorKind> {
+    let mut cause = e.cause.as_deref();
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        cause = c.downcast_ref::<Error>().and_then(|e| e.cause.as_deref());
+    }
+    None
+}
+
+/// The reasons of `failures`, in order: `refused; timed out`.
+pub(crate) fn describe_failures(failures: &[ConnectFailure]) -> String {
+    let mut out = String::new();
+    for (i, f) in failures.iter().enumerate() {
+        if i > 0 {
+            out.push_str("; ");
+        }
+        use std::fmt::Write;
+        let _ = write!(out, "{f}");
+    }
+    out
+}
+
 /// The reason a connect failure was the TLS handshake's, as a fixed phrase: Pingora keeps
 /// rustls's error only as text in the error's context (`TLS connect() failed: ... invalid peer
 /// certificate: UnknownIssuer, SNI: ...`), which may also name the host.
-pub(super) fn tls_failure(e: &Error) -> Option<&'static str> {
+fn tls_failure(e: &Error) -> Option<&'static str> {
     use ErrorType::*;
     if !matches!(
         e.etype(),
@@ -258,5 +353,47 @@ mod tests {
         assert_eq!(tls_failure(&e), Some("certificate verify failed: expired"));
         let e = Error::explain(ErrorType::ConnectRefused, "refused");
         assert_eq!(tls_failure(&e), None);
+    }
+
+    #[test]
+    fn connect_failures_say_why() {
+        let io = |kind| std::io::Error::from(kind);
+        let cases = [
+            (
+                Error::explain(ErrorType::ConnectRefused, "x"),
+                ConnectFailure::Refused,
+            ),
+            (
+                Error::explain(ErrorType::ConnectTimedout, "x"),
+                ConnectFailure::TimedOut,
+            ),
+            (
+                Error::because(
+                    ErrorType::ConnectError,
+                    "x",
+                    io(std::io::ErrorKind::ConnectionReset),
+                ),
+                ConnectFailure::Reset,
+            ),
+            (
+                Error::because(
+                    ErrorType::ConnectError,
+                    "x",
+                    io(std::io::ErrorKind::ConnectionRefused),
+                ),
+                ConnectFailure::Refused,
+            ),
+            (
+                Error::explain(ErrorType::TLSHandshakeFailure, "received corrupt message"),
+                ConnectFailure::Tls("the member does not speak TLS"),
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(connect_failure(&e), want, "{e}");
+        }
+        assert_eq!(
+            describe_failures(&[ConnectFailure::Refused, ConnectFailure::Dns]),
+            "refused; DNS: the name did not resolve"
+        );
     }
 }

@@ -11,6 +11,7 @@ use pingora::proxy::{FailToProxy, Session};
 use pingora::ErrorType;
 use sluice_state::Outcome;
 
+use super::account::ConnectFailure;
 use super::{Failure, RequestCtx};
 use crate::headers::{strip_hop_by_hop, RATELIMIT, RATELIMIT_POLICY, X_REQUEST_ID};
 use crate::problem::{self, Problem};
@@ -253,10 +254,20 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
                 host, &denial,
             )))
         }
-        Some(Failure::Unreachable) if attempts > 0 => Some(match ctx.seen.tls_failure {
-            Some(reason) => Problem::upstream_tls(reason),
-            None => Problem::unreachable(attempts),
-        }),
+        // The last attempt's failure decides the code, all of them the detail.
+        Some(Failure::Unreachable) if attempts > 0 => {
+            Some(match ctx.seen.connect_failures.last() {
+                Some(ConnectFailure::Tls(reason)) => Problem::upstream_tls(reason),
+                None => Problem::unreachable(attempts),
+                Some(_) => Problem {
+                    detail: format!(
+                        "{attempts} connection attempt(s) failed: {}",
+                        super::account::describe_failures(&ctx.seen.connect_failures)
+                    ),
+                    ..Problem::unreachable(attempts)
+                },
+            })
+        }
         _ => match e.esource() {
             ErrorSource::Upstream => Some(match e.etype() {
                 ErrorType::ReadTimedout => Problem::upstream_timeout(),

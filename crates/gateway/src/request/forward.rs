@@ -9,6 +9,7 @@ use pingora::{ErrorType, HTTPStatus};
 
 use std::net::SocketAddr;
 
+use super::account::ConnectFailure;
 use super::{Dest, DirectRest, Failure, Gateway, RequestCtx};
 use crate::config::MemberKind;
 use crate::egress::{Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
@@ -85,6 +86,7 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
                 Err(_) => {
                     // The client's target does not resolve: not the member's fault, so its
                     // health is not touched.
+                    ctx.seen.connect_failures.push(ConnectFailure::Dns);
                     member.attempts_connect_failure.inc();
                     drop(attempt);
                     continue;
@@ -98,6 +100,7 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
             }
             None => {
                 // An unresolvable host is a connect failure that never reached Pingora.
+                ctx.seen.connect_failures.push(ConnectFailure::Dns);
                 member.attempts_connect_failure.inc();
                 attempt.failed_to_connect();
             }

@@ -201,10 +201,10 @@ pub(crate) struct Seen {
     ttfb: Option<Duration>,
     /// The code of the gateway's own answer, when it made one.
     answered: Option<&'static str>,
-    /// The last connect failure was the TLS handshake's, for this reason.
-    tls_failure: Option<&'static str>,
-    /// Pingora's error type of the last connect failure.
-    connect_error: Option<&'static str>,
+    /// Why each connection attempt failed, in order (for `502 upstream_unreachable` and its
+    /// access line): at most one per attempt, and attempts are bounded by the route's retries
+    /// and a direct destination's addresses.
+    connect_failures: Vec<account::ConnectFailure>,
 }
 
 /// What the member is sent instead of the client's target, read from [`crate::target`]: the
@@ -376,7 +376,6 @@ impl ProxyHttp for Gateway {
             attempt.connected();
             // An earlier attempt's connect failure is no longer what happened to the request.
             ctx.failure = None;
-            ctx.seen.tls_failure = None;
         }
         ctx.seen.upstream_addr = peer_addr(peer);
         ctx.seen.connect = (!reused)
@@ -394,8 +393,7 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         ctx.seen.upstream_addr = peer_addr(peer);
         ctx.seen.connect = None;
-        ctx.seen.tls_failure = account::tls_failure(&e);
-        ctx.seen.connect_error = Some(e.etype().as_str());
+        ctx.seen.connect_failures.push(account::connect_failure(&e));
         if let Some(mut attempt) = ctx.current.take() {
             if let Some(member) = ctx.member() {
                 member.attempts_connect_failure.inc();
