@@ -644,3 +644,108 @@ async fn log_lines_dropped_on_a_stuck_stderr_are_counted() {
     let _ = child.wait();
     assert!(counted, "no dropped line counted");
 }
+
+/// An OTLP receiver that is down (a closed port on loopback) is not silent: failed spans are
+/// counted and a warning names the failure, and a SIGTERM still exits at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_otlp_receiver_is_counted_and_logged_and_does_not_hold_the_exit() {
+    let dead = support::free_port();
+    let (_backend, mut gw) = one_member(&format!(
+        "tracing:\n  otlp:\n    endpoint: http://127.0.0.1:{dead}\n    sample_ratio: 1.0\n"
+    ))
+    .await;
+    let failed = || async {
+        gw.metric("sluice_otlp_spans_failed_total", &[])
+            .await
+            .unwrap_or(0.0)
+    };
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while failed().await == 0.0 && tokio::time::Instant::now() < deadline {
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(failed().await > 0.0, "{}", gw.metrics().await);
+    assert!(
+        gw.wait_for_log(
+            "span export to the OTLP receiver failed",
+            Duration::from_secs(10)
+        )
+        .await,
+        "{}",
+        gw.logs()
+    );
+    // The warning is rate-limited: more failed exports, still one line.
+    let before = failed().await;
+    for _ in 0..3 {
+        client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+    }
+    assert!(
+        support::wait_until_async(Duration::from_secs(20), || async {
+            failed().await > before
+        })
+        .await
+    );
+    let warnings = gw
+        .logs()
+        .matches("span export to the OTLP receiver failed")
+        .count();
+    assert_eq!(warnings, 1, "{}", gw.logs());
+
+    gw.sigterm();
+    assert!(
+        gw.wait_exit_async(Duration::from_secs(20)).await.is_some(),
+        "the gateway did not exit"
+    );
+}
+
+/// A receiver that takes the connection and never answers holds each export until its
+/// timeout: spans past `max_queue` meanwhile are dropped and counted, and the exit does not
+/// wait for the stuck export.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_past_the_queue_of_a_stuck_receiver_are_counted_as_dropped() {
+    // Accepts, reads, and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let receiver = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let (_backend, mut gw) = one_member(&format!(
+        "tracing:\n  otlp:\n    endpoint: http://{receiver}\n    sample_ratio: 1.0\n    max_queue: 2\n"
+    ))
+    .await;
+    let dropped = || async {
+        gw.metric("sluice_otlp_spans_dropped_total", &[])
+            .await
+            .unwrap_or(0.0)
+    };
+    assert_eq!(
+        gw.metric("sluice_otlp_spans_dropped_total", &[]).await,
+        Some(0.0)
+    );
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while dropped().await == 0.0 && tokio::time::Instant::now() < deadline {
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "requests are served while export is stuck");
+    }
+    assert!(dropped().await > 0.0, "{}", gw.metrics().await);
+    gw.sigterm();
+    assert!(
+        gw.wait_exit_async(Duration::from_secs(20)).await.is_some(),
+        "the gateway did not exit"
+    );
+}

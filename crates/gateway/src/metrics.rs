@@ -249,8 +249,10 @@ impl Metrics {
                 prometheus::process_collector::ProcessCollector::for_self(),
             ))
             .expect("unique metric");
-        // Process-wide counters kept by the log writer.
+        // Process-wide counters kept by the log writer and the span exporter.
         registered(&registry, crate::logging::LINES_DROPPED.clone());
+        registered(&registry, crate::otel::SPANS_DROPPED.clone());
+        registered(&registry, crate::otel::SPANS_FAILED.clone());
         // Every label value known up front starts at 0, so that a rate() or an alert over
         // them needs no first event.
         for op in STORE_OPS {

@@ -9,14 +9,19 @@
 //!   it ends and handed to the SDK's batch processor: a bounded queue (`max_queue`) that drops
 //!   when full, drained by a thread of its own, so a slow or absent receiver never holds a
 //!   request.
+//! - Export is not silent when it fails: spans dropped at a full queue and spans whose export
+//!   failed are counted ([`SPANS_DROPPED`], [`SPANS_FAILED`]), and failures are logged at most
+//!   once every [`WARN_EVERY`]. At shutdown, what is queued gets [`SHUTDOWN_WAIT`] to go out:
+//!   a dead receiver must not hold the exit.
 //! - The span's ids are the ones the request's trace context already holds (its trace id,
 //!   sluice's span id that the member got as parent id): the SDK makes its own, so the
 //!   [`Ids`] generator hands it ours, through a thread-local set just before the span is built
 //!   on the same thread.
 
 use std::cell::Cell;
-use std::sync::OnceLock;
-use std::time::{Duration, SystemTime};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{LazyLock, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::trace::{
     Span as _, SpanContext, SpanId, SpanKind, TraceContextExt as _, TraceFlags, TraceId,
@@ -24,10 +29,13 @@ use opentelemetry::trace::{
 };
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
+use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{
-    BatchConfigBuilder, BatchSpanProcessor, IdGenerator, Sampler, SdkTracerProvider, Tracer,
+    BatchConfigBuilder, BatchSpanProcessor, IdGenerator, Sampler, SdkTracerProvider, SpanData,
+    SpanExporter, Tracer,
 };
 use opentelemetry_sdk::Resource;
+use prometheus::IntCounter;
 
 use crate::config::OtlpConfig;
 use crate::trace::TraceContext;
@@ -37,12 +45,43 @@ static EXPORT: OnceLock<Export> = OnceLock::new();
 
 struct Export {
     sample_ratio: f64,
+    /// `tracing.otlp.max_queue`: spans handed to the SDK and not yet exported, at most.
+    max_queue: usize,
     provider: SdkTracerProvider,
     tracer: Tracer,
 }
 
 /// How long one export may take (connect, send, answer) before the batch is given up.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the exit waits for queued spans to go out. A receiver that is down or slow would
+/// otherwise hold the process for a whole export timeout after its requests are done.
+const SHUTDOWN_WAIT: Duration = Duration::from_millis(800);
+
+/// Failed exports are logged at most this often: a dead receiver fails every second.
+const WARN_EVERY: Duration = Duration::from_secs(30);
+
+/// `sluice_otlp_spans_dropped_total`: spans not exported because the queue was full.
+pub static SPANS_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
+    IntCounter::new(
+        "sluice_otlp_spans_dropped_total",
+        "Spans not exported because the export queue (tracing.otlp.max_queue) was full.",
+    )
+    .expect("valid metric")
+});
+
+/// `sluice_otlp_spans_failed_total`: spans whose export to the receiver failed.
+pub static SPANS_FAILED: LazyLock<IntCounter> = LazyLock::new(|| {
+    IntCounter::new(
+        "sluice_otlp_spans_failed_total",
+        "Spans whose export to the OTLP receiver failed (unreachable, timed out, or refused).",
+    )
+    .expect("valid metric")
+});
+
+/// Spans handed to the SDK and not yet through an export. The SDK's queue drops silently
+/// when full, so sluice keeps its own count and drops (and counts) first.
+static QUEUED: AtomicUsize = AtomicUsize::new(0);
 
 /// Starts the exporter for `config`. Called once, at start; no request waits for it.
 pub fn start(config: &OtlpConfig) -> Result<(), String> {
@@ -55,10 +94,17 @@ pub fn start(config: &OtlpConfig) -> Result<(), String> {
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_http_client(Ureq(agent))
-        .with_endpoint(endpoint)
+        .with_endpoint(endpoint.clone())
         .with_timeout(EXPORT_TIMEOUT)
         .build()
         .map_err(|e| format!("cannot set up the OTLP exporter: {e}"))?;
+    let exporter = Counted {
+        inner: exporter,
+        endpoint: crate::logging::redact(&endpoint).into_owned(),
+        last_warning: AtomicU64::new(u64::MAX),
+        failed_since_warning: AtomicU64::new(0),
+        started: Instant::now(),
+    };
     let queue = config.max_queue.get() as usize;
     let processor = BatchSpanProcessor::builder(exporter)
         .with_batch_config(
@@ -85,16 +131,31 @@ pub fn start(config: &OtlpConfig) -> Result<(), String> {
     EXPORT
         .set(Export {
             sample_ratio: config.sample_ratio,
+            max_queue: queue,
             provider,
             tracer,
         })
         .map_err(|_| "the OTLP exporter is already running".to_string())
 }
 
-/// Sends what is queued, within a few seconds; call before the process exits.
+/// Sends what is queued, waiting at most [`SHUTDOWN_WAIT`] (about a second); call before the
+/// process exits. What has not gone out by then is left behind.
 pub fn flush() {
-    if let Some(e) = EXPORT.get() {
-        let _ = e.provider.force_flush();
+    let Some(e) = EXPORT.get() else {
+        return;
+    };
+    // On a thread of its own, so that no wait inside the SDK or the HTTP client can outlast
+    // the bound.
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let provider = e.provider.clone();
+    let spawned = std::thread::Builder::new()
+        .name("sluice-otlp-flush".into())
+        .spawn(move || {
+            let _ = provider.shutdown_with_timeout(SHUTDOWN_WAIT);
+            let _ = done_tx.send(());
+        });
+    if spawned.is_ok() {
+        let _ = done.recv_timeout(SHUTDOWN_WAIT + Duration::from_millis(100));
     }
 }
 
@@ -133,6 +194,13 @@ pub fn export(f: &Finished<'_>) {
         return;
     };
     if !f.trace.sampled() {
+        return;
+    }
+    let queued = QUEUED.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+        (n < e.max_queue).then_some(n + 1)
+    });
+    if queued.is_err() {
+        SPANS_DROPPED.inc();
         return;
     }
     let trace_id = TraceId::from_bytes(f.trace.trace_id);
@@ -205,6 +273,61 @@ impl IdGenerator for Ids {
             Some((_, span)) => SpanId::from_bytes(span),
             None => SpanId::from(fastrand::u64(1..)),
         }
+    }
+}
+
+/// The OTLP exporter, counting what it failed to send and saying so in the log, at a bounded
+/// rate: the SDK itself drops a failed batch without a word.
+#[derive(Debug)]
+struct Counted<E> {
+    inner: E,
+    /// Where spans go, for the warning (with any credentials redacted).
+    endpoint: String,
+    /// When a failure was last logged, in seconds since `started`.
+    last_warning: AtomicU64,
+    failed_since_warning: AtomicU64,
+    started: Instant,
+}
+
+impl<E: SpanExporter> SpanExporter for Counted<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        QUEUED.fetch_sub(spans, Ordering::AcqRel);
+        if let Err(error) = &result {
+            SPANS_FAILED.inc_by(spans as u64);
+            let failed = self
+                .failed_since_warning
+                .fetch_add(spans as u64, Ordering::Relaxed)
+                + spans as u64;
+            let now = self.started.elapsed().as_secs();
+            let last = self.last_warning.load(Ordering::Relaxed);
+            if last == u64::MAX || now.saturating_sub(last) >= WARN_EVERY.as_secs() {
+                self.last_warning.store(now, Ordering::Relaxed);
+                self.failed_since_warning.store(0, Ordering::Relaxed);
+                let error = error.to_string();
+                tracing::warn!(
+                    target: "sluice::otel",
+                    endpoint = %self.endpoint,
+                    error = %crate::logging::redact(&error),
+                    spans_failed = failed,
+                    "span export to the OTLP receiver failed; its spans are dropped (logged at most every 30 s, counted in sluice_otlp_spans_failed_total)"
+                );
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
     }
 }
 
