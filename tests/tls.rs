@@ -1,5 +1,5 @@
 //! https members: TLS origination with SNI and certificate verification, against real TLS
-//! servers (`openssl s_server`) with certificates from a CA made for each test.
+//! servers (`openssl s_server`) with certificates from a CA made for each test (by the testkit).
 
 mod support;
 
@@ -7,89 +7,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use sluice_testkit::{make_certificates, make_expired_certificates};
 use support::{free_port, request, Config, Gateway, Passive, Route};
-
-/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl must be installed");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA, and a server certificate it signed for `subject_alt_names` (e.g. `IP:127.0.0.1`).
-fn make_certificates(dir: &Path, subject_alt_names: &str) {
-    make_certificates_for_days(dir, subject_alt_names, "1");
-}
-
-/// [`make_certificates`] with the server certificate valid for `days` from now (`-1`: it
-/// expired before it began, so it is expired now).
-fn make_certificates_for_days(dir: &Path, subject_alt_names: &str, days: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=sluice test CA",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=member",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ],
-    );
-    std::fs::write(
-        dir.join("san.ext"),
-        format!("subjectAltName={subject_alt_names}\n"),
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            days,
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.pem",
-        ],
-    );
-}
 
 /// `openssl s_server -www` on 127.0.0.1: a TLS server answering GET with a status page.
 struct TlsServer {
@@ -226,7 +145,7 @@ async fn a_certificate_for_another_name_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_certificate_is_refused_as_expired() {
     let dir = support::TempDir::new("sluice-tls");
-    make_certificates_for_days(dir.path(), "IP:127.0.0.1", "-1");
+    make_expired_certificates(dir.path(), "IP:127.0.0.1");
     assert_trusted_ca_refusal(&dir, "certificate verify failed: expired").await;
 }
 

@@ -593,88 +593,70 @@ pub fn free_port() -> u16 {
     ports::reserve(false)
 }
 
-/// Runs `openssl` with `args` in `dir`, panicking with its output on failure.
-fn openssl(dir: &std::path::Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl must be installed");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+/// In `dir`: a CA (`ca.pem`, `ca.key`), and a server certificate it signed (`server.pem`,
+/// `server.key`) for `subject_alt_names` (e.g. `DNS:localhost,IP:127.0.0.1`), both valid from a
+/// day ago to a day from now (clocks may differ a little).
+pub fn make_certificates(dir: &std::path::Path, subject_alt_names: &str) {
+    make_certificates_valid(dir, subject_alt_names, 1);
 }
 
-/// In `dir`: a CA (`ca.pem`, `ca.key`), and a server certificate it signed (`server.pem`,
-/// `server.key`) for `subject_alt_names` (e.g. `IP:127.0.0.1`).
-pub fn make_certificates(dir: &std::path::Path, subject_alt_names: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=sluice test CA",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=sluice test server",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ],
-    );
-    std::fs::write(
-        dir.join("san.ext"),
-        format!("subjectAltName={subject_alt_names}\n"),
-    )
-    .expect("write the SAN extension file");
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "1",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.pem",
-        ],
-    );
+/// Like [`make_certificates`], with a server certificate that expired a day ago (the CA is
+/// valid).
+pub fn make_expired_certificates(dir: &std::path::Path, subject_alt_names: &str) {
+    make_certificates_valid(dir, subject_alt_names, -1);
+}
+
+/// [`make_certificates`] with the server certificate valid from `days_until_expiry - 1` days
+/// before until `days_until_expiry` days after now.
+fn make_certificates_valid(dir: &std::path::Path, subject_alt_names: &str, days_until_expiry: i64) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let day = time::Duration::days(1);
+    let now = time::OffsetDateTime::now_utc();
+    let write = |name: &str, pem: String| {
+        std::fs::write(dir.join(name), pem).unwrap_or_else(|err| panic!("write {name}: {err}"))
+    };
+
+    let ca_key = KeyPair::generate().expect("a CA key");
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name
+        .push(DnType::CommonName, "sluice test CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    (ca.not_before, ca.not_after) = (now - day, now + day);
+    let ca = ca.self_signed(&ca_key).expect("the CA certificate");
+
+    let server_key = KeyPair::generate().expect("a server key");
+    let mut server = CertificateParams::default();
+    server
+        .distinguished_name
+        .push(DnType::CommonName, "sluice test server");
+    server.subject_alt_names = subject_alt_names
+        .split(',')
+        .map(|san| match san.trim().split_once(':') {
+            Some(("DNS", name)) => {
+                rcgen::SanType::DnsName(name.try_into().expect("an ASCII DNS name"))
+            }
+            Some(("IP", ip)) => rcgen::SanType::IpAddress(ip.parse().expect("an IP address")),
+            _ => panic!("a subject alt name is DNS:<name> or IP:<address>, not {san:?}"),
+        })
+        .collect();
+    server.not_after = now + time::Duration::days(days_until_expiry);
+    server.not_before = server.not_after - day - day;
+    let server = server
+        .signed_by(&server_key, &ca, &ca_key)
+        .expect("the server certificate");
+
+    write("ca.pem", ca.pem());
+    write("ca.key", ca_key.serialize_pem());
+    write("server.pem", server.pem());
+    write("server.key", server_key.serialize_pem());
 }
 
 /// A connection to the Redis at `addr` that sends nothing but what the caller asks: no `CLIENT
 /// SETINFO` on connect, which would show in `MONITOR` and in `INFO commandstats`.
 fn connect(addr: SocketAddr) -> redis::RedisResult<redis::Connection> {
-    let info = redis::ConnectionAddr::Tcp(addr.ip().to_string(), addr.port())
-        .into_connection_info()?;
+    let info =
+        redis::ConnectionAddr::Tcp(addr.ip().to_string(), addr.port()).into_connection_info()?;
     let settings = info.redis_settings().clone().set_skip_set_lib_name();
     let client = redis::Client::open(info.set_redis_settings(settings))?;
     let conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
@@ -716,7 +698,11 @@ fn text_of(value: &redis::Value) -> String {
 
 /// [`text_of`] of each value, one per line.
 fn lines_of<'a>(values: impl IntoIterator<Item = &'a redis::Value>) -> String {
-    values.into_iter().map(text_of).collect::<Vec<_>>().join("\r\n")
+    values
+        .into_iter()
+        .map(text_of)
+        .collect::<Vec<_>>()
+        .join("\r\n")
 }
 
 /// Sends one command to the Redis at `addr` and returns its reply as text ([`text_of`]); an
