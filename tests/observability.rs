@@ -343,10 +343,6 @@ async fn otlp_receiver() -> (
     (addr, spans)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
     let (receiver, spans) = otlp_receiver().await;
@@ -383,10 +379,10 @@ async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
     let spans = spans.lock().unwrap().clone();
     let span = spans
         .iter()
-        .find(|s| hex(&s.trace_id) == TRACE_ID)
+        .find(|s| hex::encode(&s.trace_id) == TRACE_ID)
         .unwrap_or_else(|| panic!("no span of the client's trace: {spans:?}"));
-    assert_eq!(hex(&span.span_id), sluice_span);
-    assert_eq!(hex(&span.parent_span_id), CLIENT_SPAN);
+    assert_eq!(hex::encode(&span.span_id), sluice_span);
+    assert_eq!(hex::encode(&span.parent_span_id), CLIENT_SPAN);
     assert_eq!(span.name, "GET api");
     let attr = |key: &str| {
         span.attributes
@@ -404,8 +400,8 @@ async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
         Some(V::StringValue(url(backend.local_addr())))
     );
     assert!(format!("{spans:?}").find("secret").is_none());
-    let other = spans.iter().find(|s| hex(&s.trace_id) != TRACE_ID).unwrap();
-    assert_eq!(hex(&other.trace_id), new_trace.split('-').nth(1).unwrap());
+    let other = spans.iter().find(|s| hex::encode(&s.trace_id) != TRACE_ID).unwrap();
+    assert_eq!(hex::encode(&other.trace_id), new_trace.split('-').nth(1).unwrap());
     assert!(other.parent_span_id.is_empty());
 }
 

@@ -429,11 +429,7 @@ async fn slow_in_place_rewrites_under_load_fail_no_request() {
         .await
         .unwrap();
         let written = std::fs::read(gw.config_path()).unwrap();
-        let want = {
-            use sha2::Digest;
-            let d = sha2::Sha256::digest(&written);
-            d.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        };
+        let want = sha256_hex(&written);
         eventually("the finished rewrite is loaded", || async {
             gw.status().await["version"] == want.as_str()
         })
@@ -455,10 +451,7 @@ async fn slow_in_place_rewrites_under_load_fail_no_request() {
 /// The sha256 of `bytes` in hex, as `/status` shows a config's version.
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 /// A writer that rewrites the file in place and stalls half-way with the file still open (a

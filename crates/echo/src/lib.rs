@@ -497,7 +497,7 @@ impl Shared {
             return;
         }
         let (body_sha256, body) = match &request.body {
-            Some(captured) => (hex(&captured.sha256), captured.kept.clone()),
+            Some(captured) => (hex::encode(captured.sha256), captured.kept.clone()),
             None => (String::new(), Vec::new()),
         };
         self.log().push(LoggedRequest {
@@ -580,10 +580,6 @@ fn ratelimit_fields(response: &mut Response, quota: &Quota) {
         "ratelimit",
         format!("\"{POLICY}\";r={};t={}", quota.remaining, quota.reset_secs),
     ));
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn invalid_input(message: &str) -> io::Error {
@@ -1166,7 +1162,7 @@ mod tests {
         assert_eq!(big_entry.body_len, big.len() as u64);
         assert_eq!(big_entry.body, &big[..MAX_KEPT_BODY]);
         use sha2::Digest;
-        assert_eq!(big_entry.body_sha256, hex(&sha2::Sha256::digest(&big)));
+        assert_eq!(big_entry.body_sha256, hex::encode(sha2::Sha256::digest(&big)));
     }
 
     #[tokio::test]

@@ -896,10 +896,10 @@ fn json_escape(buf: &mut String, s: &str) {
             b'"' => buf.push_str("\\\""),
             b'\\' => buf.push_str("\\\\"),
             b => {
-                let hex = b"0123456789abcdef";
+                let mut hex = [0u8; 2];
+                crate::trace::hex_into(&mut hex, &[b]);
                 buf.push_str("\\u00");
-                buf.push(hex[usize::from(b >> 4)].into());
-                buf.push(hex[usize::from(b & 0xf)].into());
+                buf.extend(hex.map(char::from));
             }
         }
         // The byte escaped is ASCII, so `i + 1` is a character boundary.

@@ -43,13 +43,10 @@ fn bounded_key<'a>(value: &'a str, buf: &'a mut String) -> &'a str {
         return value;
     }
     use sha2::Digest;
-    use std::fmt::Write;
     let digest = sha2::Sha256::digest(value.as_bytes());
     buf.clear();
     buf.push_str("sha256:");
-    for b in &digest[..16] {
-        let _ = write!(buf, "{b:02x}");
-    }
+    buf.push_str(&hex::encode(&digest[..16]));
     buf
 }
 

@@ -395,10 +395,5 @@ pub(crate) fn peer_for(addr: SocketAddr, tls: bool, sni: String, up: &UpstreamCo
 /// The hex sha256 of a config file's bytes: its version.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    let digest = sha2::Sha256::digest(bytes);
-    let mut out = String::with_capacity(64);
-    for b in digest {
-        out.push_str(&format!("{b:02x}"));
-    }
-    out
+    hex::encode(sha2::Sha256::digest(bytes))
 }
