@@ -6,7 +6,7 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use support::{dead_url, request, url, Config, Gateway, Route};
+use support::{dead_url, request, url, Config, Cooldown, Gateway, KeyMember, Route};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -179,4 +179,41 @@ async fn tls_and_dns_failures_are_named_too() {
         line["detail"], "TLS: the member does not speak TLS; DNS: the name did not resolve",
         "{line}"
     );
+}
+
+/// A cooldown replay (`retry: true`) that succeeds is logged at info, as the replay it is,
+/// not as Pingora's warning about a failure to proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_replay_is_no_warning() {
+    let api = sluice_echo::EchoServer::start_with(
+        "api",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        sluice_echo::EchoOptions::key_limited(1000, Duration::from_secs(60)),
+    )
+    .await
+    .unwrap();
+    let route = ["key-a", "key-b"]
+        .iter()
+        .fold(Route::new("api").least_used(), |route, name| {
+            route.key_member(
+                KeyMember::new(url(api.local_addr()), name)
+                    .header("Authorization", &format!("Bearer {name}")),
+            )
+        })
+        .cooldown(Cooldown::new().retry());
+    let gw = Config::new().route(route).start();
+    api.refuse_next("Bearer key-a", 1, "30").unwrap();
+    let r = request(gw.proxy_addr(), "GET", HOST, "/replayed", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(api.refused("Bearer key-a"), 1, "key-a answered 429 first");
+    access_line(&gw, "/replayed").await;
+    let lines = gw.log_json();
+    let replay = lines
+        .iter()
+        .find(|l| l["message"] == "replaying the request to another member (cooldown.retry)")
+        .unwrap_or_else(|| panic!("the replay is logged: {}", gw.logs()));
+    assert_eq!(replay["level"], "INFO", "{replay}");
+    assert_eq!(replay["status"], 429, "{replay}");
+    let warnings: Vec<_> = lines.iter().filter(|l| l["level"] == "WARN").collect();
+    assert!(warnings.is_empty(), "no warning for a replay: {warnings:?}");
 }

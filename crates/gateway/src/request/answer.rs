@@ -191,6 +191,15 @@ pub(crate) async fn learn_cooldown(
         // The next member is chosen now: a replay with nowhere to go would turn the member's
         // answer into a 503, and the client is better served by the answer itself.
         if let Some(next) = route.policy.next(&*gateway.state, &mut ctx.tried).await {
+            tracing::info!(
+                target: "sluice::cooldown",
+                route = %route.name,
+                member = %member.name,
+                next = %route.members.get(next.index()).map_or("", |m| &*m.name),
+                status,
+                request_id = ctx.seen.request_id.as_ref().and_then(|v| v.to_str().ok()),
+                "replaying the request to another member (cooldown.retry)"
+            );
             ctx.first = Some(next);
             ctx.replayed = true;
             ctx.replay_pending = true;

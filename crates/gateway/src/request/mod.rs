@@ -41,7 +41,7 @@ use pingora::modules::http::HttpModules;
 use pingora::prelude::*;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::Digest;
-use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 use pingora::upstreams::peer::HttpPeer;
 use sluice_state::StateStore;
 
@@ -487,6 +487,21 @@ impl ProxyHttp for Gateway {
             req.uri.path(),
             id.unwrap_or("-")
         )
+    }
+
+    // A cooldown replay is no failure: Pingora would warn "Fail to proxy: HTTPStatus(429)" for
+    // it, so its own line is left out, and `learn_cooldown` logs the replay at info instead.
+    // A retried connect failure keeps Pingora's warning.
+    fn suppress_proxy_warn_log(
+        &self,
+        _session: &Session,
+        ctx: &RequestCtx,
+        error: &Error,
+        context: ProxyWarnLogContext,
+    ) -> bool {
+        matches!(context, ProxyWarnLogContext::UpstreamRetry)
+            && ctx.replayed
+            && matches!(error.etype(), pingora::ErrorType::HTTPStatus(_))
     }
 
     // Failures are logged once, in the access log, with their cause.
