@@ -89,14 +89,17 @@ pub(crate) async fn admit(
 
     ctx.target = Forward::of(&target);
 
-    // Route: by host, path and method, on the table this request keeps to its end.
-    let table = gateway.table.load();
+    // Route: by host, path and method. The request keeps its route to its end, not the
+    // table: the table's guard is let go at once, since what follows may wait (for capacity,
+    // for the client), and a guard held that long would keep a replaced table alive.
     let method = req.method.as_str();
-    let Some(route) = table
+    let found = gateway
+        .table
+        .load()
         .router
         .find_normalized(&target.host, &target.path, method)
-        .cloned()
-    else {
+        .cloned();
+    let Some(route) = found else {
         answer::problem(session, ctx, Problem::no_route()).await?;
         return Ok(true);
     };

@@ -64,7 +64,8 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
         ctx.tried.push(index);
         let member = &route.members[index];
         if member.kind == MemberKind::Direct {
-            let table = gateway.table.load();
+            // An `Arc`, not a guard: the lookup below waits.
+            let table = gateway.table.load_full();
             let dest = ctx.target.dest.as_ref();
             match direct_peer(&gateway.resolver, &table.guard, &route, dest).await {
                 Ok((peer, rest)) => {

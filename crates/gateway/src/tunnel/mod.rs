@@ -204,7 +204,10 @@ impl Tunnels {
                 return;
             }
         };
-        let table = self.table.load();
+        // An `Arc`, not a guard: the tunnel waits (for capacity, for its connection), and it
+        // lets the table go once connected, so that a tunnel open for hours does not keep a
+        // replaced table alive.
+        let table = self.table.load_full();
         let Some(route) = table
             .router
             .find_normalized(&target.host, "/", "CONNECT")
@@ -341,6 +344,7 @@ impl Tunnels {
                 }
             }
         };
+        drop(table);
         end.attempts = tried.count() as u32;
         end.tried = tried.iter().collect();
         let Some(upstream) = upstream else {

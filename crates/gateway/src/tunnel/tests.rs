@@ -18,7 +18,12 @@ use crate::table::Table;
 /// 127.0.0.1 on `port`.
 struct Harness {
     tunnels: Arc<Tunnels>,
+    table: Arc<ArcSwap<Table>>,
     metrics: Arc<Metrics>,
+    config: Config,
+    text: String,
+    state: Arc<dyn sluice_state::StateStore>,
+    resolver: crate::egress::Resolver,
 }
 
 impl Harness {
@@ -40,16 +45,36 @@ impl Harness {
         let first = Table::build(&config, text.as_bytes(), &metrics, &state, &resolver, None).await;
         let table = Arc::new(ArcSwap::from_pointee(first));
         let tunnels = Arc::new(Tunnels::new(
-            table,
+            table.clone(),
             metrics.clone(),
             Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-            state,
-            resolver,
+            state.clone(),
+            resolver.clone(),
         ));
         Harness {
             tunnels,
+            table,
             metrics,
+            config,
+            text,
+            state,
+            resolver,
         }
+    }
+
+    /// Builds the table again and swaps it in, as a reload does.
+    async fn reload(&self) {
+        let previous = self.table.load_full();
+        let next = Table::build(
+            &self.config,
+            self.text.as_bytes(),
+            &self.metrics,
+            &self.state,
+            &self.resolver,
+            Some(&previous),
+        )
+        .await;
+        self.table.store(Arc::new(next));
     }
 }
 
@@ -124,4 +149,29 @@ async fn a_tunnel_dropped_mid_way_leaves_the_active_gauge() {
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
     assert_eq!(active.get(), 0, "a dropped tunnel is no longer counted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_tunnel_does_not_hold_the_table_a_reload_replaced() {
+    let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = upstream.local_addr().unwrap().port();
+    let h = Harness::new(port).await;
+    let (mut client, mut far_end, task) = open_tunnel(&h, &upstream, port).await;
+    let old = Arc::downgrade(&h.table.load_full());
+    h.reload().await;
+    assert!(
+        eventually(|| old.upgrade().is_none()).await,
+        "the replaced table is freed while the tunnel stays open"
+    );
+    // The tunnel still carries bytes.
+    client.write_all(b"ping").await.unwrap();
+    let mut got = [0u8; 4];
+    far_end.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"ping");
+    drop(client);
+    drop(far_end);
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("the tunnel ends once both sides close")
+        .unwrap();
 }
