@@ -9,7 +9,7 @@ Those five entry points are thin wrappers around ``python3 -m sluicebench COMMAN
                   CPU time from /proc
     stats.py      medians, per-round ratios, the order of targets in a round, number formatting
     wrk.py        running wrk and parsing its output
-    doc.py        rewriting a marked section of docs/BENCHMARKS.md
+    doc.py        rewriting a marked section of docs/benchmark-runs.md
     common.py     knobs (environment variables), required tools, locating or building binaries
     servers.py    the nginx backends, sluice and redis-server, as every benchmark starts them
     bench.py      scripts/bench: wrk against direct, nginx, HAProxy and sluice

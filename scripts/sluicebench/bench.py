@@ -1,12 +1,12 @@
 """scripts/bench: wrk against sluice, nginx and HAProxy as reverse proxies, and a backend hit directly.
 
   scripts/bench            run and print a Markdown table
-  scripts/bench --write    also replace the wrk section of docs/BENCHMARKS.md with it
+  scripts/bench --write    also replace the wrk section of docs/benchmark-runs.md with it
 
 Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2),
 WARMUP (2s), SLUICE_THREADS (1), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it
 is), SLUICE_BIN_DIR (a directory holding a release sluice; no build), KEEP (0; 1 keeps the
-work directory with configs, logs and wrk outputs), DOC (docs/BENCHMARKS.md: the file --write
+work directory with configs, logs and wrk outputs), DOC (docs/benchmark-runs.md: the file --write
 rewrites).
 
 Everything runs on 127.0.0.1: two nginx backends answering a fixed "ok\\n"; nginx and HAProxy
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true",
-                        help="replace the wrk section of docs/BENCHMARKS.md with the report")
+                        help="replace the wrk section of docs/benchmark-runs.md with the report")
     opts = parser.parse_args(argv)
 
     knobs = common.Knobs()

@@ -1,4 +1,4 @@
-"""bench-state cluster: quota + least_used on one Redis against a Redis Cluster (issue 7)."""
+"""bench-state cluster: quota + least_used on one Redis against a Redis Cluster ."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def run(run: Run) -> str:
         for j, m in enumerate(master_ports))
     ranges = " ".join(f"{i}:{' '.join(rr)}" for i, (_, rr) in enumerate(masters))
     out = [
-        "### Redis Cluster (issue 7)",
+        "### Redis Cluster",
         "",
         run.header(),
         "",

@@ -13,7 +13,7 @@ from typing import Sequence
 from .procs import Failure, log
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "BENCHMARKS.md"
+DOC = ROOT / "docs" / "benchmark-runs.md"
 
 
 class Knobs:

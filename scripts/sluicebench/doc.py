@@ -1,4 +1,4 @@
-"""Rewriting the marked sections of docs/BENCHMARKS.md.
+"""Rewriting the marked sections of docs/benchmark-runs.md.
 
 A section is the lines between a start and an end marker line (HTML comments, invisible in the
 rendered Markdown). Everything outside the markers is left byte for byte as it was.
@@ -25,7 +25,7 @@ def section(doc: Path, start: str, end: str) -> str | None:
 def replace_section(doc: Path, start: str, end: str, body: str) -> None:
     """Puts BODY between the markers, adding the markers at the end of DOC if missing."""
     doc.parent.mkdir(parents=True, exist_ok=True)
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    text = doc.read_text() if doc.exists() else "# Benchmark runs\n"
     lines = text.split("\n")
     if start not in lines or end not in lines[lines.index(start) + 1:]:
         if lines and lines[-1] == "":

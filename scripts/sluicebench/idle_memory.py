@@ -1,6 +1,6 @@
 """scripts/bench-idle-memory: sluice's resident memory around 5,000 idle client connections.
 
-Issue 11 ("Memory not returned"): 5,000 idle connections grew RSS by 224 MB, and it stayed after
+Why: 5,000 idle connections once grew RSS by 224 MB, and it stayed after
 they left. This starts sluice (one route to a sluice-echo member, `limits.idle_timeout: 10m` so
 the connections stay while measured), and for each round:
 
@@ -22,7 +22,7 @@ Every wait polls a condition with a deadline.
 Knobs (environment): CONNS (5000), ROUNDS (2), MODES ("request silent"), PROFILE (release, or
 debug: the unoptimised binary, quicker to build), SLUICE_THREADS (2), ARENA_MAX (unset, or a
 number for glibc's MALLOC_ARENA_MAX), TRIM_PROBE (1), BUILD (1), SLUICE_BIN_DIR, KEEP (0),
-DOC (docs/BENCHMARKS.md).
+DOC (docs/benchmark-runs.md).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench-idle-memory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true",
-                        help="replace the idle-memory section of docs/BENCHMARKS.md with the report")
+                        help="replace the idle-memory section of docs/benchmark-runs.md with the report")
     opts = parser.parse_args(argv)
 
     knobs = common.Knobs()

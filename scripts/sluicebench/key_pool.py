@@ -1,5 +1,5 @@
-"""bench-state key-pool: a key-pool route (member quotas and cooldowns, as issue 13 names it) on Redis
-against a plain least-used route (issue 13): req/s, Redis commands per request (INFO
+"""bench-state key-pool: a key-pool route (member quotas and cooldowns) on Redis
+against a plain least-used route: req/s, Redis commands per request (INFO
 commandstats and a MONITOR sample) and Redis memory per admitted request."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def route(name: str, port: int, key_pool: bool = False, quota: bool = False) -> 
     """A least_used route of three named members on one upstream; with KEY_POOL each member
     carries its own Authorization header and quota, and the route has `cooldown: {}` (so the
     script reads the cooldowns and checks the member windows). A route quota on top costs what
-    `qlu` shows over `lu`, and a second log entry per request; it is left out, as issue 13's
-    benchmark names member quotas and cooldowns only."""
+    `qlu` shows over `lu`, and a second log entry per request; it is left out, as the key-pool
+    benchmark is about member quotas and cooldowns only."""
     text = (f'  - name: {name}\n    match:\n      hosts: ["{name}.bench"]\n    upstream:\n'
             "      selection: least_used\n      members:\n")
     for m in MEMBERS:
@@ -225,7 +225,7 @@ def run(run: Run) -> str:
                 f"| {by.get('pool', 0) + by.get('cool', 0)} | {stats.fmt(m['per_all'], '.1f')} | {m['enc']} |")
 
     out = [
-        "### Key pools (issue 13)",
+        "### Key pools",
         "",
         run.header(),
         "",

@@ -1,4 +1,4 @@
-"""bench-state least-used: least-used selection, in memory and in Redis (issue 4)."""
+"""bench-state least-used: least-used selection, in memory and in Redis."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def run(run: Run) -> str:
     a10k = stats.median(usec for kind, size, _, usec, _, _ in rb if kind == "allocator" and size == 10000)
     ar = a10k / a10 if a10 else None
     out = [
-        "### Least-used (issue 4)",
+        "### Least-used",
         "",
         run.header(),
         "",
@@ -124,8 +124,8 @@ def run(run: Run) -> str:
         *run.budget_table(TARGETS),
         "",
         f"Reading: quota + least_used on Redis runs at {stats.fmt(q, '.2f')}× the round_robin route's req/s"
-        + when(q, lambda x: x >= 0.5, ", meeting issue 4's ≥ 0.5× target", ", MISSING issue 4's ≥ 0.5× target")
-        + when(q, lambda x: x >= 0.66, " and issue 14's ≥ 0.66×", " but not issue 14's ≥ 0.66×")
+        + when(q, lambda x: x >= 0.5, ", meeting the ≥ 0.5× target", ", MISSING the ≥ 0.5× target")
+        + when(q, lambda x: x >= 0.66, " and the ≥ 0.66× target", " but not the ≥ 0.66× target")
         + "; its extra cost is the wait for the Redis round trip",
         f"and the fused script, in sluice's CPU (see its µs/req) and in Redis, {run.shared_cores}.",
         "",

@@ -21,14 +21,14 @@ With BOLT=1, three more (Debian's `bolt-19`; LLVM_BOLT names another llvm-bolt):
 Why BOLT on top of the profile-guided build: LLVM lays out blocks within a function and can
 order hot and cold functions apart, but only BOLT reorders the whole binary's hot blocks by the
 calls actually made, across crates. On this VM it took about 3% off a request's thread time,
-better in 10 rounds of 12 (docs/BENCHMARKS.md, "a binary laid out by BOLT"): small, so it is
+better in 10 rounds of 12 (docs/benchmarks.md, "Build"): small, so it is
 not the default. Its instrumentation trains on the memory store only: BOLT 19's runtime
 aborts while it writes the profile of a process that ran the Redis client's decoder (a Rust
 symbol name longer than its buffer), so the Redis paths keep the layout LLVM gave them. The
 bolted binary carries no debug sections (function names remain).
 
-Why: the gateway's code does not fit the first-level instruction cache (docs/BENCHMARKS.md,
-"Where a request's time goes besides its instructions"). With a profile, LLVM lays hot code
+Why: the gateway's code does not fit the first-level instruction cache (docs/benchmarks.md,
+"Build"). With a profile, LLVM lays hot code
 together, inlines by measured frequency and moves cold paths out of the way. The profile belongs
 to one compiler and one source tree, so it is made by every build rather than committed.
 

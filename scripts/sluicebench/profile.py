@@ -17,7 +17,7 @@ and ROUTE=kp: bench-state key-pool's `lu` and `kp` routes (least_used over three
 nginx, state on a redis-server this script starts; `kp` with a header, a member quota and a
 cooldown per member), so that sluice's own cost of a key pool can be told from Redis's. ROUTE=qlu:
 `lu` with bench-state's route quota (one window that never fills), the fused quota + least-used
-call of issue 14's Redis row.
+call of the benchmarks' Redis row.
 
 sluice (threads: 1) runs under
 `valgrind --tool=callgrind --instr-atstart=no`. After an unrecorded warm-up, instrumentation is

@@ -1,4 +1,4 @@
-"""bench-state quota: what a sliding-window quota checked in Redis costs (issue 3)."""
+"""bench-state quota: what a sliding-window quota checked in Redis costs."""
 
 from __future__ import annotations
 

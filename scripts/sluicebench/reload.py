@@ -1,4 +1,4 @@
-"""bench-state reload: how long a hot reload takes, and what a reload storm does to requests (issue 5)."""
+"""bench-state reload: how long a hot reload takes, and what a reload storm does to requests."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def run(run: Run) -> str:
                         for r in range(1, run.rounds + 1))
     errors = run.wrk_errors(["none", "storm"])
     out = [
-        "### Hot reload (issue 5)",
+        "### Hot reload",
         "",
         run.header(),
         "",

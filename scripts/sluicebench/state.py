@@ -4,7 +4,7 @@ hot reload, Redis Cluster.
   scripts/bench-state [PART...] [--write]
 
 PART is quota, least-used, key-pool, reload or cluster (default: all five, in that order). --write also
-replaces each part's section of docs/BENCHMARKS.md (between <!-- bench:state:start --> and
+replaces each part's section of docs/benchmark-runs.md (between <!-- bench:state:start --> and
 <!-- bench:state:end -->, one sub-section per part, so parts can be run one at a time).
 
   quota       wrk against three routes of one sluice (no quota, quota at cost 1, at cost 100);
@@ -30,7 +30,7 @@ RELOAD_SIZES ("100 1000 10000"), STORM_ROUTES (1000), STORM_INTERVAL (0.1), SCAL
 ROUTES_PER_MASTER (2), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it is),
 SLUICE_BIN_DIR (a directory holding a release sluice; no build), WAIT_QUIET (1: first wait,
 polling every 20 s for at most 30 minutes, until no other wrk, cargo bench or valgrind runs),
-DOC (docs/BENCHMARKS.md), KEEP (0; 1 keeps the work directory), REDIS_CPU (unset; a CPU number
+DOC (docs/benchmark-runs.md), KEEP (0; 1 keeps the work directory), REDIS_CPU (unset; a CPU number
 runs every redis-server alone on that CPU and everything else on the others, as a Redis on a host
 of its own would be: the req/s then measure the gateway side, not Redis's share of the same cores).
 
@@ -289,7 +289,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("parts", nargs="*", metavar="PART",
                         help="quota, least-used, key-pool, reload or cluster (default: all five)")
     parser.add_argument("--write", action="store_true",
-                        help="replace the parts' sections of docs/BENCHMARKS.md with the report")
+                        help="replace the parts' sections of docs/benchmark-runs.md with the report")
     opts = parser.parse_args(argv)
     for part in opts.parts:
         if part not in PARTS:

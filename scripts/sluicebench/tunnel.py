@@ -1,8 +1,8 @@
 """scripts/bench-tunnel: CONNECT tunnels through sluice against a direct connection, tinyproxy and
-squid (issue 12, "Benchmark"; issue 14's bytes/s per core).
+squid: throughput, setup rate, and bytes/s per core of proxy CPU.
 
   scripts/bench-tunnel             run both parts and print a Markdown report
-  scripts/bench-tunnel --write     also replace the tunnel section of docs/BENCHMARKS.md
+  scripts/bench-tunnel --write     also replace the tunnel section of docs/benchmark-runs.md
 
   throughput  SIZE_MIB through one tunnel, each way (down: the sink sends, the client counts;
               up: the client sends, the sink counts and acknowledges), against the sink reached
@@ -18,7 +18,7 @@ Knobs (environment): ROUNDS (3), SIZE_MIB (1024), DIRECTIONS ("down up"), SETUP_
 CONNECTIONS (32), CLIENT_PROCS (2), SLUICE_THREADS (1), SQUID (auto: used if installed; 0: not),
 BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it is), SLUICE_BIN_DIR (a directory
 holding a release sluice; no build), WAIT_QUIET (1: first wait until no other wrk, cargo bench
-or valgrind runs), DOC (docs/BENCHMARKS.md), KEEP (0; 1 keeps the work directory).
+or valgrind runs), DOC (docs/benchmark-runs.md), KEEP (0; 1 keeps the work directory).
 
 The sink and the clients are this module run as `python3 -m sluicebench.tunnel sink|transfer|setup`
 in processes of their own, so that none of them shares a GIL with another or with the driver.
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench-tunnel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true",
-                        help="replace the tunnel section of docs/BENCHMARKS.md with the report")
+                        help="replace the tunnel section of docs/benchmark-runs.md with the report")
     opts = parser.parse_args(argv)
 
     knobs = common.Knobs()
@@ -478,7 +478,7 @@ pinger_enable off
         verdict = "meets" if r is not None and r >= 0.9 else "misses"
         lines.append(f"- {d}, sluice / direct: "
                      f"{stats.fmt_ratio(per(tp, f'sluice:{d}', 'bps'), per(tp, f'direct:{d}', 'bps'))}: "
-                     f"{verdict} the issue's target of ≥ 0.9× direct")
+                     f"{verdict} the target of ≥ 0.9× direct")
         for other in [k for k in proxies if k != "sluice"]:
             lines.append(f"- {d}, sluice / {other}: "
                          f"{stats.fmt_ratio(per(tp, f'sluice:{d}', 'bps'), per(tp, f'{other}:{d}', 'bps'))}")
