@@ -600,15 +600,24 @@ async fn log_lines_dropped_on_a_stuck_stderr_are_counted() {
         .replace("{ADMIN}", &admin.to_string());
     let config = dir.path().join("sluice.yaml");
     std::fs::write(&config, yaml).unwrap();
-    // Stderr is a pipe this test holds open and never reads.
-    let mut child = std::process::Command::new(support::sluice_binary())
-        .args(["run", "-c"])
-        .arg(&config)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    // Stderr is a pipe this test holds open and never reads. Killed however the test ends.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Killed(
+        std::process::Command::new(support::sluice_binary())
+            .args(["run", "-c"])
+            .arg(&config)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let up = support::wait_until_async(support::STARTUP_TIMEOUT, || async {
         support::try_request(admin, "GET", "admin", "/healthz", &[], b"")
             .await
@@ -636,8 +645,6 @@ async fn log_lines_dropped_on_a_stuck_stderr_are_counted() {
         }
         counted = dropped().await.is_some_and(|n| n > 0.0);
     }
-    let _ = child.kill();
-    let _ = child.wait();
     assert!(counted, "no dropped line counted");
 }
 
