@@ -10,7 +10,7 @@
 FROM rust:1-bookworm AS builder
 # PGO=1 (the default): a profile-guided build, scripts/build-pgo. It builds twice and trains the
 # first build on loopback traffic in between: about twice as long as a plain build, for a
-# fifth fewer instructions per request (docs/BENCHMARKS.md). PGO=0: one plain release build.
+# fifth fewer instructions per request (docs/benchmarks.md). PGO=0: one plain release build.
 ARG PGO=1
 # cmake: pingora builds zlib-ng with it. The training (PGO=1) runs wrk against the gateway,
 # with nginx as its members and a redis-server for the shared-state routes, all on loopback.

@@ -38,7 +38,7 @@
 //!
 //! [`MemoryTrim`] gives memory back to the system once many connections have closed: glibc's
 //! malloc keeps what they freed, scattered between chunks still in use, and its own trimming only
-//! releases the top of a heap (issue 11, "Memory not returned"; docs/BENCHMARKS.md).
+//! releases the top of a heap (docs/benchmarks.md).
 
 use std::future::Future;
 use std::io;
@@ -414,7 +414,7 @@ impl BackgroundService for MemoryTrim {
 
 /// With the `jemalloc` allocator: purges the unused dirty pages of every arena
 /// (`arena.<MALLCTL_ARENAS_ALL>.purge`), which jemalloc's own decay only does when the process
-/// allocates (docs/BENCHMARKS.md, "Allocator"). True if the purge ran.
+/// allocates (docs/benchmarks.md). True if the purge ran.
 #[cfg(feature = "jemalloc")]
 fn malloc_trim() -> bool {
     // MALLCTL_ARENAS_ALL is 4096 in jemalloc 5.

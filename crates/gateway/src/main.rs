@@ -8,7 +8,7 @@ use sluice_gateway::logging::{self, LogFormat};
 use sluice_gateway::server::{self, ConfigSource};
 
 // The global allocator: jemalloc (default feature), mimalloc, or glibc's malloc with neither
-// (docs/BENCHMARKS.md, "Allocator"). Both at once is a build error rather than a silent choice.
+// (docs/benchmarks.md). Both at once is a build error rather than a silent choice.
 #[cfg(all(feature = "mimalloc", feature = "jemalloc"))]
 compile_error!(
     "features `mimalloc` and `jemalloc` are exclusive: for mimalloc, build with \

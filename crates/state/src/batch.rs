@@ -6,7 +6,7 @@
 //! Why: such a call costs Redis a fixed 10 µs or so before it decides anything (running the
 //! script, reading the quota's hash and logs, writing them back), and only a few µs more per
 //! request it decides. Under load that fixed cost was most of Redis's share of a request, and
-//! Redis shares the gateway's cores (docs/BENCHMARKS.md, issue 14).
+//! Redis shares the gateway's cores (docs/benchmarks.md).
 //!
 //! How:
 //! - A *lane* (route, quota key, windows, clock) exists while a task is sending its calls. The

@@ -38,7 +38,7 @@ fn ensure_crypto_provider() {
 /// a round trip more for every call that overlaps another, and on a multiplexed connection
 /// under load nearly every call does. Redis sets `TCP_NODELAY` on its side, as redis-py, Jedis
 /// and go-redis do on theirs. (On loopback, where a reply comes within microseconds, the
-/// benchmark did not move either way: docs/BENCHMARKS.md.)
+/// benchmark did not move either way: docs/benchmarks.md.)
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }

@@ -64,7 +64,7 @@ use crate::table::{Member, Route, Table};
 /// quarter of a request's CPU. Sent one by one, nearly every request found a peer asleep
 /// (0.87–0.98 wake-ups a request, `scripts/perf-split`); sent together, one wake-up serves
 /// several (0.49–0.61), and the proxy thread's CPU per request fell by 8–12%
-/// (docs/BENCHMARKS.md, "sends that leave together"). HAProxy, which sends at the end of its
+/// (docs/benchmarks.md). HAProxy, which sends at the end of its
 /// loop's pass, wakes 0.35 a request.
 ///
 /// `yield_now` hands the task to the scheduler's deferred list, which is run after the ready
