@@ -632,11 +632,55 @@ async fn memory_full_key_table_refuses_new_keys_and_never_admits_one_unmetered()
         "a full key table is not a store failure"
     );
     assert!(
-        gw.wait_for_log(
-            "as many quota keys as the store keeps",
-            Duration::from_secs(5)
-        )
-        .await,
+        gw.wait_for_log("as many quota keys, or entries", Duration::from_secs(5))
+            .await,
         "the refusals are logged"
+    );
+}
+
+/// The memory store bounds a route's log entries too, not only its keys: one key with a large
+/// limit fills the budget (`state.memory.max_entries`), and past it a request is refused with
+/// `429 quota_keys_exhausted`, never admitted unrecorded, whatever `on_store_error` says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
+    let backends = start_backends(&["b1"]).await;
+    let config = Config::new().route(
+        Route::new("api")
+            .member(url(backends[0].local_addr()))
+            .quota(Quota::window("hour", 1_000, "1h").on_store_error("open")),
+    );
+    // 64 entries a route: one in each shard of the store, the shard of the key `route`.
+    let yaml = format!(
+        "{}state:\n  backend: memory\n  memory:\n    max_entries: 64\n",
+        config.yaml()
+    );
+    let gw = Gateway::start_with_ports(&yaml);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let first = client
+        .request("GET", "api.test", "/", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(first.status, 200, "{}", first.text());
+    for _ in 0..3 {
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.status, r.header("x-sluice-error")),
+            (429, Some("quota_keys_exhausted")),
+            "{}",
+            r.text()
+        );
+    }
+    assert_eq!(
+        backends[0].proxied_requests(),
+        1,
+        "only the recorded request went"
+    );
+    assert_eq!(
+        gw.metric("sluice_quota_keys_refused_total", &[("route", "api")])
+            .await,
+        Some(3.0)
     );
 }

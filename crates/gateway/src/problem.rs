@@ -72,15 +72,15 @@ impl Problem {
             retry_after_ms: None,
         }
     }
-    /// 429: the memory store holds as many quota keys as it keeps for the route, none of them
-    /// idle, and this request brings a new one. It is refused rather than admitted unmetered;
-    /// the keys already held keep working.
+    /// 429: the memory store holds as many quota keys, or log entries, as it keeps for the
+    /// route, none of them idle, and this request would add one. It is refused rather than
+    /// admitted unmetered.
     pub fn quota_keys_exhausted() -> Problem {
         Problem {
             status: 429,
             code: "quota_keys_exhausted",
             title: "Quota keys exhausted",
-            detail: "the route holds as many quota keys as the store keeps (state.memory.max_keys), each still counting; a new key is admitted once one of them is idle".into(),
+            detail: "the route holds as many quota keys (state.memory.max_keys) or entries (state.memory.max_entries) as the store keeps, each still counting; there is room again once some leave their windows".into(),
             retry_after_ms: None,
         }
     }

@@ -114,9 +114,10 @@ impl RouteQuota {
         }
     }
 
-    /// Logs that a request with a new key was refused because the route's key table is full:
-    /// at most once a second per route, since a client spraying keys makes every request of
-    /// its own fail this way (`sluice_quota_keys_refused_total` counts them all).
+    /// Logs that a request was refused because the route's key table (its keys or their
+    /// entries) is full: at most once a second per route, since a client spraying keys makes
+    /// every request of its own fail this way (`sluice_quota_keys_refused_total` counts them
+    /// all).
     pub(crate) fn warn_keys_exhausted(&self, route: &str) {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -125,7 +126,7 @@ impl RouteQuota {
             tracing::warn!(
                 target: "sluice::quota",
                 route,
-                "the route holds as many quota keys as the store keeps; requests with new keys get 429 quota_keys_exhausted"
+                "the route holds as many quota keys, or entries, as the store keeps; requests that would add one get 429 quota_keys_exhausted"
             );
         }
     }

@@ -14,6 +14,7 @@ pub fn open(config: &Config) -> Result<Arc<dyn StateStore>, String> {
     let (StateBackend::Redis, Some(redis)) = (&config.state.backend, &config.state.redis) else {
         return Ok(Arc::new(MemoryStore::with_limits(MemoryLimits {
             max_keys: config.state.memory.max_keys.get(),
+            max_entries: config.state.memory.max_entries.get(),
         })));
     };
     // The CA file is read once, here: like the rest of `state`, it applies at the next restart.

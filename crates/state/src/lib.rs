@@ -217,9 +217,10 @@ pub enum StoreError {
     Timeout,
     /// The store answered with an error, or the connection failed.
     Backend(String),
-    /// The route holds as many quota keys as the memory store allows; a request with a new key
-    /// is not decided. This is no outage: the store works, and the keys it holds keep being
-    /// decided. The gateway refuses the request rather than admit it unmetered.
+    /// The route holds as many quota keys, or log entries, as the memory store allows, each
+    /// still counting: a request with a new key, or one that would add entries, is not decided.
+    /// This is no outage: the store works, and what it holds keeps being decided. The gateway
+    /// refuses the request rather than admit it unmetered.
     TooManyKeys,
 }
 
@@ -228,9 +229,9 @@ impl fmt::Display for StoreError {
         match self {
             StoreError::Timeout => f.write_str("state store timed out"),
             StoreError::Backend(e) => write!(f, "state store failed: {e}"),
-            StoreError::TooManyKeys => {
-                f.write_str("the route holds as many quota keys as the memory store keeps")
-            }
+            StoreError::TooManyKeys => f.write_str(
+                "the route holds as many quota keys, or entries, as the memory store keeps",
+            ),
         }
     }
 }

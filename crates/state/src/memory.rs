@@ -23,12 +23,18 @@ pub struct MemoryLimits {
     /// Past it, a request with a new key gets [`StoreError::TooManyKeys`], once no key whose
     /// windows are empty is left to drop.
     pub max_keys: usize,
+    /// The most log entries one route holds, over all its keys and windows (about, likewise):
+    /// one per admitted request per window, still in the window. Past it, once the entries
+    /// that left their windows are dropped, a request that would add entries gets
+    /// [`StoreError::TooManyKeys`].
+    pub max_entries: usize,
 }
 
 impl Default for MemoryLimits {
     fn default() -> MemoryLimits {
         MemoryLimits {
             max_keys: crate::memory_quota::MAX_KEYS_PER_ROUTE,
+            max_entries: crate::memory_quota::MAX_ENTRIES_PER_ROUTE,
         }
     }
 }

@@ -22,6 +22,15 @@ const SHARDS: usize = 64;
 /// unmetered: both would lift the quota.
 pub const MAX_KEYS_PER_ROUTE: usize = 100_000;
 
+/// The most log entries one route may hold in memory by default, over all its keys and windows
+/// ([`crate::MemoryLimits::max_entries`]). A key holds one entry per admitted request per
+/// window, so its size is its limits', not its name's: bounding keys alone would let one key
+/// with a large limit, or many keys with moderate ones, hold any amount. An entry is 16 bytes
+/// (a log's buffer holds at most four times its entries, see [`Log::shrink`]). Past the bound,
+/// once entries that left their windows are dropped, a request that would add entries is
+/// refused ([`StoreError::TooManyKeys`]) rather than admitted unrecorded.
+pub const MAX_ENTRIES_PER_ROUTE: usize = 2_000_000;
+
 /// Once in this many calls, one shard (in turn) drops its idle keys. Every shard is swept once
 /// per `SWEEP_EVERY × SHARDS` calls, whichever keys the traffic hits, which bounds the memory held
 /// by keys nobody uses any more.
@@ -38,16 +47,34 @@ struct Entry {
 struct Log {
     entries: VecDeque<Entry>,
     total: u64,
+    /// The window's length as last asked, so that a purge can expire the log on its own.
+    length_us: u64,
 }
 
 impl Log {
-    fn expire(&mut self, now_us: u64, length_us: u64) {
+    /// Drops the entries that left the window; returns how many.
+    fn expire(&mut self, now_us: u64, length_us: u64) -> usize {
+        let before = self.entries.len();
         while let Some(e) = self.entries.front() {
             if e.at_us + length_us > now_us {
                 break;
             }
             self.total -= e.cost;
             self.entries.pop_front();
+        }
+        let gone = before - self.entries.len();
+        if gone > 0 {
+            self.shrink();
+        }
+        gone
+    }
+
+    /// A log that held many entries and now holds few gives the memory back: a buffer never
+    /// shrinks by itself, so the entry budget would otherwise not bound what is held.
+    fn shrink(&mut self) {
+        let (len, capacity) = (self.entries.len(), self.entries.capacity());
+        if capacity > 64 && len < capacity / 4 {
+            self.entries.shrink_to(len * 2);
         }
     }
 
@@ -72,10 +99,57 @@ struct KeyState {
     longest_us: u64,
 }
 
+impl KeyState {
+    /// Entries held, over every window.
+    fn entries(&self) -> usize {
+        self.logs.iter().map(|(_, log)| log.entries.len()).sum()
+    }
+
+    /// Whether every entry has left its window.
+    fn idle(&self, now: u64) -> bool {
+        self.last_us + self.longest_us <= now
+    }
+}
+
+/// The keys of one route in one shard.
+#[derive(Debug, Default)]
+struct RouteKeys {
+    keys: HashMap<Box<str>, KeyState>,
+    /// Entries held by these keys' logs, over every window: what the entry budget counts.
+    entries: usize,
+}
+
+impl RouteKeys {
+    /// Drops the keys whose every entry has left its window.
+    fn drop_idle(&mut self, now: u64) {
+        let mut dropped = 0;
+        self.keys.retain(|_, s| {
+            let keep = !s.idle(now);
+            if !keep {
+                dropped += s.entries();
+            }
+            keep
+        });
+        self.entries -= dropped;
+    }
+
+    /// Drops every entry that left its window, and the keys left with none.
+    fn purge(&mut self, now: u64) {
+        let mut gone = 0;
+        for state in self.keys.values_mut() {
+            for (_, log) in &mut state.logs {
+                gone += log.expire(now, log.length_us);
+            }
+        }
+        self.entries -= gone;
+        self.drop_idle(now);
+    }
+}
+
 #[derive(Debug, Default)]
 struct Shard {
     /// route → quota key → state; two levels so that lookups borrow `&str` and never allocate.
-    routes: HashMap<Arc<str>, HashMap<Box<str>, KeyState>>,
+    routes: HashMap<Arc<str>, RouteKeys>,
 }
 
 /// Every quota log of one gateway instance.
@@ -87,6 +161,8 @@ pub(crate) struct QuotaLogs {
     /// The most keys one route may hold in one shard: the route's bound, spread evenly over
     /// the shards as the keys' hashes spread them.
     max_keys_per_shard: usize,
+    /// The most log entries one route may hold in one shard, likewise.
+    max_entries_per_shard: usize,
 }
 
 impl Default for QuotaLogs {
@@ -108,6 +184,7 @@ impl QuotaLogs {
             epoch: Instant::now(),
             calls: AtomicU64::new(0),
             max_keys_per_shard: limits.max_keys.max(1).div_ceil(SHARDS),
+            max_entries_per_shard: limits.max_entries.max(1).div_ceil(SHARDS),
         }
     }
 
@@ -117,7 +194,7 @@ impl QuotaLogs {
             .iter()
             .map(|s| {
                 let s = s.lock().unwrap_or_else(|p| p.into_inner());
-                s.routes.values().map(HashMap::len).sum::<usize>()
+                s.routes.values().map(|r| r.keys.len()).sum::<usize>()
             })
             .sum()
     }
@@ -164,30 +241,45 @@ impl QuotaLogs {
             .shard(req.route, req.key)
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let keys = match shard.routes.get_mut(req.route) {
-            Some(keys) => keys,
+        let route = match shard.routes.get_mut(req.route) {
+            Some(route) => route,
             None => shard.routes.entry(req.route.into()).or_default(),
         };
-        if !keys.contains_key(req.key) && keys.len() >= self.max_keys_per_shard {
-            keys.retain(|_, s| s.last_us + s.longest_us > now);
-            if keys.len() >= self.max_keys_per_shard {
+        if !route.keys.contains_key(req.key) && route.keys.len() >= self.max_keys_per_shard {
+            route.drop_idle(now);
+            if route.keys.len() >= self.max_keys_per_shard {
                 return Err(StoreError::TooManyKeys);
             }
         }
+        // What this request would add: one entry per window. When that would pass the budget,
+        // the entries that already left their windows go first (every key's, not only this
+        // one's); what is left is refused in `decide`, before anything is recorded.
+        let adds = if req.cost > 0 { req.windows.len() } else { 0 };
+        if route.entries + adds > self.max_entries_per_shard {
+            route.purge(now);
+        }
+        let max_entries = self.max_entries_per_shard;
+        let RouteKeys { keys, entries } = route;
         let state = match keys.get_mut(req.key) {
             Some(state) => state,
             None => keys.entry(req.key.into()).or_default(),
         };
-        Ok(decide(state, &req, now, then))
+        decide(state, entries, max_entries, &req, now, then)
     }
 }
 
+/// Decides on one request for the key whose logs are `state`. `entries` is the route's count
+/// of entries in this shard, kept up to date; a request that would take it past `max_entries`
+/// is refused with [`StoreError::TooManyKeys`] once it is known to be admissible, before
+/// `then` runs, so that nothing anywhere is recorded for it.
 fn decide<T>(
     state: &mut KeyState,
+    entries: &mut usize,
+    max_entries: usize,
     req: &Acquire<'_>,
     now: u64,
     then: impl FnOnce() -> Option<T>,
-) -> (Outcome, Option<T>) {
+) -> Result<(Outcome, Option<T>), StoreError> {
     state.last_us = now;
     state.longest_us = req.windows.iter().map(|w| w.length_us).max().unwrap_or(0);
     // Windows are few; a linear search by name keeps state across config reloads that
@@ -197,9 +289,15 @@ fn decide<T>(
             state.logs.push((w.name.clone(), Log::default()));
         }
     }
-    state
-        .logs
-        .retain(|(name, _)| req.windows.iter().any(|w| w.name == *name));
+    let mut dropped = 0;
+    state.logs.retain(|(name, log)| {
+        let keep = req.windows.iter().any(|w| w.name == *name);
+        if !keep {
+            dropped += log.entries.len();
+        }
+        keep
+    });
+    *entries -= dropped;
 
     let mut admitted = true;
     let mut retry_after_us = 0;
@@ -211,7 +309,8 @@ fn decide<T>(
             .find(|(name, _)| *name == w.name)
             .expect("added above")
             .1;
-        log.expire(now, w.length_us);
+        log.length_us = w.length_us;
+        *entries -= log.expire(now, w.length_us);
         if log.total + req.cost > w.limit {
             admitted = false;
             let wait = if req.cost > w.limit {
@@ -221,6 +320,9 @@ fn decide<T>(
             };
             retry_after_us = retry_after_us.max(wait);
         }
+    }
+    if admitted && req.cost > 0 && *entries + req.windows.len() > max_entries {
+        return Err(StoreError::TooManyKeys);
     }
     let taken = if admitted { then() } else { None };
     let record = taken.is_some();
@@ -237,6 +339,7 @@ fn decide<T>(
                 cost: req.cost,
             });
             log.total += req.cost;
+            *entries += 1;
         }
         windows.push(WindowState {
             remaining: w.limit.saturating_sub(log.total),
@@ -251,15 +354,15 @@ fn decide<T>(
         retry_after_us,
         windows,
     };
-    (outcome, taken)
+    Ok((outcome, taken))
 }
 
 /// Drops keys whose every entry has left its window.
 fn sweep(shard: &mut Shard, now: u64) {
-    for keys in shard.routes.values_mut() {
-        keys.retain(|_, s| s.last_us + s.longest_us > now);
+    for route in shard.routes.values_mut() {
+        route.drop_idle(now);
     }
-    shard.routes.retain(|_, keys| !keys.is_empty());
+    shard.routes.retain(|_, route| !route.keys.is_empty());
 }
 
 #[cfg(test)]
@@ -340,6 +443,121 @@ mod tests {
         assert!(store.decide(ask(&w, "k1", 0)).is_ok());
         // Once the entries have left their windows, new keys take the idle ones' place.
         assert!(store.decide(ask(&w, "fresh", 10_000)).is_ok());
+    }
+
+    impl QuotaLogs {
+        /// The entries every route's count says it holds, and those its logs really hold.
+        fn entry_counts(&self) -> (usize, usize) {
+            let mut counted = 0;
+            let mut held = 0;
+            for shard in self.shards.iter() {
+                let shard = shard.lock().unwrap();
+                for route in shard.routes.values() {
+                    counted += route.entries;
+                    held += route.keys.values().map(KeyState::entries).sum::<usize>();
+                }
+            }
+            (counted, held)
+        }
+    }
+
+    /// A key with a large limit cannot hold more entries than the route's budget: past it, a
+    /// request that would add entries is refused, never admitted unrecorded, until entries
+    /// leave their windows. A read (cost 0) still answers.
+    #[test]
+    fn a_route_holds_a_bounded_number_of_entries() {
+        let limits = crate::MemoryLimits {
+            max_keys: MAX_KEYS_PER_ROUTE,
+            max_entries: 10 * SHARDS,
+        };
+        let store = QuotaLogs::with_limits(&limits);
+        let w = [
+            Window {
+                name: "a".into(),
+                limit: 1_000,
+                length_us: 1_000,
+            },
+            Window {
+                name: "b".into(),
+                limit: 1_000,
+                length_us: 2_000,
+            },
+        ];
+        let ask = |cost: u64, at_us: u64| Acquire {
+            route: "r",
+            key: "k",
+            windows: &w,
+            cost,
+            at_us: Some(at_us),
+        };
+        // Two windows: two entries a request, ten in the shard.
+        for i in 0..5 {
+            assert!(store.decide(ask(1, i)).unwrap().admitted);
+        }
+        assert!(matches!(
+            store.decide(ask(1, 5)),
+            Err(StoreError::TooManyKeys)
+        ));
+        assert_eq!(store.entry_counts(), (10, 10));
+        assert_eq!(
+            store.decide(ask(0, 6)).unwrap().windows[0].remaining,
+            995,
+            "the refusal recorded nothing, and reads still answer"
+        );
+        // At 1,000 µs the first entry has left window a only: one entry freed, not enough.
+        assert!(matches!(
+            store.decide(ask(1, 1_000)),
+            Err(StoreError::TooManyKeys)
+        ));
+        // At 2,001 µs every request has left window a, and the first two window b: seven
+        // entries freed, room for three more requests.
+        for _ in 0..3 {
+            assert!(store.decide(ask(1, 2_001)).unwrap().admitted);
+        }
+        assert!(store.decide(ask(1, 2_001)).is_err());
+        assert_eq!(store.entry_counts(), (9, 9));
+    }
+
+    /// The entry count follows every way entries leave: windows passing, a window removed from
+    /// the quota, idle keys swept.
+    #[test]
+    fn the_entry_count_matches_the_logs() {
+        let store = QuotaLogs::new();
+        let two = [
+            Window {
+                name: "a".into(),
+                limit: 50,
+                length_us: 100,
+            },
+            Window {
+                name: "b".into(),
+                limit: 50,
+                length_us: 1_000,
+            },
+        ];
+        for t in 0..2_000u64 {
+            let key = format!("k{}", t % 37);
+            let windows = if t % 5 == 0 { &two[..1] } else { &two[..] };
+            let _ = store.decide(Acquire {
+                route: if t % 2 == 0 { "r" } else { "s" },
+                key: &key,
+                windows,
+                cost: 1 + t % 3,
+                at_us: Some(t * 7),
+            });
+            let (counted, held) = store.entry_counts();
+            assert_eq!(counted, held, "at {t}");
+        }
+        for _ in 0..(SWEEP_EVERY * SHARDS as u64) {
+            let _ = store.decide(Acquire {
+                route: "r",
+                key: "k0",
+                windows: &two,
+                cost: 1,
+                at_us: Some(1_000_000),
+            });
+        }
+        assert_eq!(store.entry_counts().0, store.entry_counts().1);
     }
 
     #[test]

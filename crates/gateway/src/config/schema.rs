@@ -190,18 +190,28 @@ pub struct MemoryStateConfig {
     /// `429 quota_keys_exhausted`.
     #[serde(default = "default_max_keys")]
     pub max_keys: NonZeroUsize,
+    /// The most log entries one route holds over all its keys and windows (one per admitted
+    /// request per window, while in the window); past it a request that would add entries
+    /// gets `429 quota_keys_exhausted`.
+    #[serde(default = "default_max_entries")]
+    pub max_entries: NonZeroUsize,
 }
 
 impl Default for MemoryStateConfig {
     fn default() -> MemoryStateConfig {
         MemoryStateConfig {
             max_keys: default_max_keys(),
+            max_entries: default_max_entries(),
         }
     }
 }
 
 fn default_max_keys() -> NonZeroUsize {
     NonZeroUsize::new(100_000).unwrap_or(NonZeroUsize::MIN)
+}
+
+fn default_max_entries() -> NonZeroUsize {
+    NonZeroUsize::new(2_000_000).unwrap_or(NonZeroUsize::MIN)
 }
 
 /// The state backend.

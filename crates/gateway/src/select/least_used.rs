@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_balancer::{Members, WeightedRoundRobin};
-use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore};
+use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore, StoreError};
 
 use super::{Admission, Attempt, Limits, RoundRobin, Selector, Tried};
 
@@ -200,6 +200,9 @@ impl Selector for LeastUsed {
         match state.assign(self.ask(&excluded, None, tried.cost)).await {
             Ok(Assignment::Assigned { member, .. }) => self.attempt_for(&member, tried),
             Ok(_) => None,
+            // A full key table refuses (the member's windows could not be charged): no
+            // unmetered retry.
+            Err(StoreError::TooManyKeys) => None,
             Err(error) => {
                 tracing::debug!(route = %self.route, %error, "least-used retry falls back to round-robin");
                 tried.fallback = true;

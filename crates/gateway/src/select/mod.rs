@@ -317,6 +317,13 @@ pub(crate) async fn choose_among(
         Ok(assignment) => Admission::of(assignment, |member| {
             index_of(member).and_then(|i| pick(i, claimed))
         }),
+        // A full key table refuses: a member whose windows were not charged must not be sent
+        // the request (on a retry, nothing else would stop it).
+        Err(error @ StoreError::TooManyKeys) => Admission::StoreFailed {
+            error,
+            first: None,
+            fallback: false,
+        },
         // The store cannot say: the in-process first choice goes, as on a route without
         // member limits, and the route's on_store_error decides.
         Err(error) => Admission::StoreFailed {
