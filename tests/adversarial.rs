@@ -1,4 +1,4 @@
-//! Adversarial HTTP/1.1 input (issue 11): request smuggling shapes, oversized heads, bad
+//! Adversarial HTTP/1.1 input: request smuggling shapes, oversized heads, bad
 //! chunking, Host/URI disagreement, `Expect`, `Upgrade`, HTTP/1.0 without Host, garbage and NUL
 //! bytes.
 //!
@@ -16,7 +16,7 @@
 //!
 //! Most refusals come from Pingora's parser, before sluice sees a request. They used to get a
 //! bare Pingora 400 with no access-log line and no metric; they now get sluice's problem+json,
-//! an access line and a count (issue 15 item 2), on the first request of a connection and on
+//! an access line and a count, on the first request of a connection and on
 //! later keep-alive and pipelined ones alike: see the tests at the end, beside the 431 and the
 //! two header defects the suite found, which are fixed too.
 
@@ -748,7 +748,6 @@ async fn hop_by_hop_fields_of_a_members_answer_are_removed() {
 /// Requests Pingora's parser refuses never reach sluice's routing. They get sluice's
 /// problem+json `400 bad_request` (not Pingora's bare 400), one access-log line with route `-`
 /// and a detail that quotes nothing of the request, and a count in `sluice_requests_total`.
-/// Issue 15 item 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parser_rejections_are_answered_logged_and_counted() {
     let fx = Fixture::start().await;

@@ -1,4 +1,4 @@
-//! Defects an adversarial run found (issue 11), each pinned end to end.
+//! Defects an adversarial run found, each pinned end to end.
 
 mod support;
 
@@ -139,7 +139,7 @@ async fn long_quota_key_values_are_hashed_into_short_keys() {
 
 // --- downstream limits ---
 //
-// Issue 11: bounds on client connections (limits:), bind failures, upstream write timeouts, the
+// Bounds on client connections (limits:), bind failures, upstream write timeouts, the
 // admin API's POST guard, pipelining, request head size and truncated responses.
 
 mod downstream_limits {

@@ -1,4 +1,4 @@
-//! What operators see of a request (issue 15 items 1 and 4): the access line's fields, the
+//! What operators see of a request: the access line's fields, the
 //! redaction of queries and Pingora's own lines, request ids and W3C trace context, against the
 //! real binary and echo members.
 

@@ -359,7 +359,7 @@ async fn a_refused_handshake_is_a_plain_answer() {
     }
 }
 
-/// The idle rule (README "WebSockets"): an open WebSocket closes when the member sends nothing
+/// The idle rule (docs/https-proxy.md, "WebSockets"): an open WebSocket closes when the member sends nothing
 /// for the route's `read_timeout`; a client that only listens is not cut while the member
 /// pushes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

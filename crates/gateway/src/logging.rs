@@ -447,7 +447,7 @@ pub fn flush() {
     }
 }
 
-/// One access-log line. Every field is documented, with its unit, in README.md ("Access log").
+/// One access-log line. Every field is documented, with its unit, in docs/operations.md ("Access log").
 #[derive(Default)]
 pub struct AccessLine<'a> {
     /// The route, or `_none`.
@@ -489,7 +489,7 @@ pub struct AccessLine<'a> {
     pub request_id: Option<&'a str>,
     /// The trace id and sluice's span id.
     pub trace: Option<([u8; 16], [u8; 8])>,
-    /// What failed, if anything: one of sluice's codes (README "Errors").
+    /// What failed, if anything: one of sluice's codes (docs/operations.md, "Access log").
     pub error: Option<&'a str>,
     /// What went wrong, in words, when `error` alone does not say it.
     pub detail: Option<&'a str>,
@@ -791,7 +791,7 @@ fn cut(s: &str, max: usize) -> &str {
 }
 
 // Numbers, addresses and ids are written by hand: `write!` goes through `core::fmt`, which
-// cost about 4,000 instructions per line for the fields of issue 15 (callgrind).
+// cost about 4,000 instructions per line for the access line's fields (callgrind).
 fn push_hex(buf: &mut String, bytes: &[u8]) {
     let mut out = [0u8; 32];
     let n = bytes.len().min(16);

@@ -1,4 +1,4 @@
-//! Span export over OTLP (issue 15 item 4): one server span per request, sent in batches to
+//! Span export over OTLP: one server span per request, sent in batches to
 //! `tracing.otlp.endpoint` (OTLP/HTTP, protobuf). Off by default.
 //!
 //! - With export off, a request pays one load of a `OnceLock` in [`sample`] and one in

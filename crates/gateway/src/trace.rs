@@ -1,4 +1,4 @@
-//! Request ids and W3C trace context (issue 15 item 4): what links one request across the
+//! Request ids and W3C trace context: what links one request across the
 //! client, sluice's access line, the member and a tracing backend.
 //!
 //! - `X-Request-Id`: the client's own when it is sane ([`request_id`]), else a new random

@@ -44,7 +44,7 @@ pub struct StateScript {
 /// Its name ends with a hash of its text, and so do its functions' names (Redis has one
 /// namespace of function names): during a rolling upgrade each version loads and calls its own
 /// library, and neither replaces the other's code. A library stays in Redis (it is persisted
-/// and replicated like data) until `FUNCTION DELETE`; README.md says how to remove old ones.
+/// and replicated like data) until `FUNCTION DELETE`; docs/operations.md says how to remove old ones.
 pub struct Library {
     pub(crate) name: String,
     pub(crate) source: String,

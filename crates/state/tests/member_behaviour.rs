@@ -767,7 +767,7 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
     assert_eq!(got.get("k1"), Some(&195), "{got:?}");
 }
 
-/// What a key-pool assignment costs Redis, counted rather than timed (issue 13's benchmark
+/// What a key-pool assignment costs Redis, counted rather than timed (the key-pool benchmark
 /// compares it with plain least-used on a loaded machine): least-used over members with a
 /// window each, cooldowns read, nobody cooling, nothing refused. The script runs 8 commands:
 /// TIME, the pool's first members, EXISTS on the cooldowns, the chosen member's hash (HMGET)

@@ -1,4 +1,4 @@
-//! The quota stores against the naive model, driven by proptest (issue 11): small random
+//! The quota stores against the naive model, driven by proptest: small random
 //! traces (several windows, two keys, costs up to the smallest limit, bursts in one microsecond
 //! and gaps past every window) that shrink to a minimal failing trace.
 //!

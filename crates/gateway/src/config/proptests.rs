@@ -1,4 +1,4 @@
-//! Property tests of `Config::parse` on broken input (issue 11): whatever the bytes, parsing
+//! Property tests of `Config::parse` on broken input: whatever the bytes, parsing
 //! never panics, and every mistake reads `FILE:LINE:COL: PATH: message` on one line, with LINE
 //! and COL inside the file.
 //!

@@ -1337,8 +1337,8 @@ impl Default for EgressConfig {
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct LogConfig {
-    /// Log the query string, with the values of secret-looking parameters redacted (README
-    /// "Access log"). Off: the path alone.
+    /// Log the query string, with the values of secret-looking parameters redacted
+    /// (docs/operations.md, "Access log"). Off: the path alone.
     #[serde(default)]
     pub query: bool,
 }

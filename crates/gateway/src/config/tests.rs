@@ -366,7 +366,7 @@ fn a_document_that_is_not_a_mapping_is_an_error() {
     one_error("[1, 2]\n", "1:1: .", "found a sequence");
 }
 
-// Issue 11: what passed `check` and then failed, panicked or misbehaved at `run`.
+// What once passed `check` and then failed, panicked or misbehaved at `run`.
 
 fn with_redis(redis: &str) -> String {
     format!("state:\n  backend: redis\n  redis:\n{redis}routes: []\n")

@@ -124,7 +124,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
     }
 }
 
-/// The access line's `error` (one of sluice's codes, README "Errors") and `detail` (Pingora's
+/// The access line's `error` (one of sluice's codes, docs/operations.md "Access log") and `detail` (Pingora's
 /// error type, the reason of a TLS failure, or why each connection attempt failed; never
 /// request bytes).
 fn error_of(
@@ -166,7 +166,7 @@ fn error_of(
     (Some(code), detail)
 }
 
-/// sluice's code for a Pingora error (README "Errors" has the table).
+/// sluice's code for a Pingora error (docs/operations.md, "Access log", has the table).
 fn code_of(e: &Error) -> &'static str {
     use ErrorType::*;
     let kind = e.etype();

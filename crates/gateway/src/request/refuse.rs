@@ -1,4 +1,4 @@
-//! Requests whose head Pingora's parser refuses (issue 15 item 2): a garbage request line,
+//! Requests whose head Pingora's parser refuses: a garbage request line,
 //! invalid bytes in a field, conflicting framing (two different `Content-Length`s, a final
 //! `Transfer-Encoding` other than chunked), a `Host` that disagrees with the request target.
 //!

@@ -1,4 +1,4 @@
-//! The router against a naive reference model of SPEC §3 (issue 11).
+//! The router against a naive reference model of the routing rules.
 //!
 //! The model scans every (route, host pattern) pair and keeps the best by, in order: the host
 //! tier (exact, then wildcards from the longest suffix to the shortest, then `*`), the longest
