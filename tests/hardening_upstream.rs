@@ -6,7 +6,9 @@ mod support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use support::{dead_url, request, url, Config, Cooldown, Gateway, KeyMember, Route};
+use support::{
+    dead_url, request, url, Config, Cooldown, Egress, Gateway, HttpClient, KeyMember, Route,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -216,4 +218,42 @@ async fn a_cooldown_replay_is_no_warning() {
     assert_eq!(replay["status"], 429, "{replay}");
     let warnings: Vec<_> = lines.iter().filter(|l| l["level"] == "WARN").collect();
     assert!(warnings.is_empty(), "no warning for a replay: {warnings:?}");
+}
+
+/// A CONNECT whose every attempt fails says why too, in its 502 and its access line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_tunnel_says_why() {
+    let port = support::free_port();
+    let gw = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(
+            Route::new("out")
+                .hosts(&["127.0.0.1"])
+                .direct_member()
+                .methods(&["CONNECT"]),
+        )
+        .start();
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let target = format!("127.0.0.1:{port}");
+    client
+        .write_raw(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let r = client.read_response(false).await.unwrap();
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_unreachable"));
+    assert_eq!(
+        r.json()["detail"],
+        "1 connection attempt(s) failed: refused",
+        "{}",
+        r.text()
+    );
+    assert!(gw.wait_for_log("\"method\":\"CONNECT\"", DEADLINE).await);
+    let line = gw
+        .log_json()
+        .into_iter()
+        .find(|l| l["target"] == "sluice::access" && l["method"] == "CONNECT")
+        .unwrap();
+    assert_eq!(line["error"], "upstream_unreachable", "{line}");
+    assert_eq!(line["detail"], "refused", "{line}");
 }

@@ -29,6 +29,8 @@ pub(crate) mod answer;
 mod forward;
 mod refuse;
 
+pub(crate) use account::{describe_failures, ConnectFailure};
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

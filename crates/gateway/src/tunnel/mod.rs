@@ -287,6 +287,8 @@ impl Tunnels {
         tried.fallback = fallback;
         let mut next = first;
         let mut all_refused = true;
+        // Why each attempt failed, for the 502's detail.
+        let mut failures = Vec::new();
         let egress = open::Egress {
             resolver: &self.resolver,
             guard: &table.guard,
@@ -334,6 +336,7 @@ impl Tunnels {
                 Err(failure) => {
                     member.attempts_connect_failure.inc();
                     all_refused &= failure.refused;
+                    failures.push(failure.reason);
                     tracing::debug!(target: "sluice::tunnel", route = %route.name, member = %member.name, %failure, "tunnel attempt failed");
                     if member.kind == crate::config::MemberKind::Direct {
                         // The client's target failed, not the member: health is not touched.
@@ -357,7 +360,13 @@ impl Tunnels {
             } else if all_refused {
                 (Problem::proxy_refused(attempts), "proxy_refused")
             } else {
-                (Problem::unreachable(attempts), "upstream_unreachable")
+                let mut p = Problem::unreachable(attempts);
+                if !failures.is_empty() {
+                    let why = crate::request::describe_failures(&failures);
+                    p.detail = format!("{attempts} connection attempt(s) failed: {why}");
+                    end.detail = Some(why);
+                }
+                (p, "upstream_unreachable")
             };
             end.status = p.status;
             end.error = Some(code);
@@ -474,6 +483,7 @@ impl Tunnels {
             bytes_out: down,
             request_id: end.request_id.as_ref().and_then(|v| v.to_str().ok()),
             error: end.error,
+            detail: end.detail.as_deref(),
             tunnel: end.bytes,
             ..Default::default()
         });
@@ -493,6 +503,8 @@ struct End {
     request_id: Option<HeaderValue>,
     /// The members tried, in order (at most the route's retries + 1).
     tried: Vec<usize>,
+    /// More on `error`: why each connection attempt failed.
+    detail: Option<String>,
 }
 
 /// Why a CONNECT cannot be served on `route`, if it cannot (SPEC §7). Inside a tunnel sluice

@@ -9,6 +9,7 @@ use tokio::net::TcpStream;
 
 use crate::config::{MemberKind, UpstreamConfig};
 use crate::egress::{Denial, Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
+use crate::request::ConnectFailure;
 use crate::table::Member;
 use crate::target::Target;
 
@@ -28,14 +29,17 @@ pub(super) struct Failure {
     pub(super) refused: bool,
     /// The egress guard refused the target (a `direct` member): nothing was contacted.
     pub(super) denied: Option<Denial>,
+    /// Why, as the client is told (`502 upstream_unreachable` lists each attempt's).
+    pub(super) reason: ConnectFailure,
     what: String,
 }
 
 impl Failure {
-    fn unreachable(what: impl Into<String>) -> Failure {
+    fn unreachable(reason: ConnectFailure, what: impl Into<String>) -> Failure {
         Failure {
             refused: false,
             denied: None,
+            reason,
             what: what.into(),
         }
     }
@@ -87,13 +91,27 @@ pub(super) async fn connect(
                     return Err(Failure {
                         refused: false,
                         denied: Some(denial),
+                        reason: ConnectFailure::Other,
                         what: format!("destination denied: {denial}"),
                     })
                 }
-                Ok(Err(refusal)) => return Err(Failure::unreachable(refusal.to_string())),
-                Err(_) => return Err(Failure::unreachable("name lookup timed out")),
+                Ok(Err(refusal)) => {
+                    return Err(Failure::unreachable(
+                        ConnectFailure::Dns,
+                        refusal.to_string(),
+                    ))
+                }
+                Err(_) => {
+                    return Err(Failure::unreachable(
+                        ConnectFailure::Dns,
+                        "name lookup timed out",
+                    ))
+                }
             };
-            let mut last = Failure::unreachable(format!("{} has no address", target.host));
+            let mut last = Failure::unreachable(
+                ConnectFailure::Dns,
+                format!("{} has no address", target.host),
+            );
             for addr in addrs.into_iter().take(MAX_ADDRESSES_TRIED) {
                 match tcp(addr, up).await {
                     Ok(stream) => {
@@ -127,17 +145,21 @@ pub(super) async fn connect(
             head.push_str(crate::headers::via().to_str().unwrap_or_default());
             head.push_str("\r\n\r\n");
             let answer = async {
-                stream
-                    .write_all(head.as_bytes())
-                    .await
-                    .map_err(|e| Failure::unreachable(format!("proxy write: {e}")))?;
+                stream.write_all(head.as_bytes()).await.map_err(|e| {
+                    Failure::unreachable(reason_of(&e), format!("proxy write: {e}"))
+                })?;
                 proxy_answer(&mut stream).await
             };
             // The proxy connects to the target before it answers, so its answer gets the
             // route's read_timeout.
             let early = tokio::time::timeout(up.read_timeout.0, answer)
                 .await
-                .map_err(|_| Failure::unreachable("the proxy did not answer CONNECT in time"))??;
+                .map_err(|_| {
+                    Failure::unreachable(
+                        ConnectFailure::TimedOut,
+                        "the proxy did not answer CONNECT in time",
+                    )
+                })??;
             Ok(Upstream { stream, early })
         }
     }
@@ -145,9 +167,9 @@ pub(super) async fn connect(
 
 /// The member's resolved address (origins and proxies).
 fn member_address(member: &Member) -> Result<SocketAddr, Failure> {
-    member
-        .address()
-        .ok_or_else(|| Failure::unreachable("the member's host did not resolve"))
+    member.address().ok_or_else(|| {
+        Failure::unreachable(ConnectFailure::Dns, "the member's host did not resolve")
+    })
 }
 
 async fn tcp(addr: SocketAddr, up: &UpstreamConfig) -> Result<TcpStream, Failure> {
@@ -156,8 +178,26 @@ async fn tcp(addr: SocketAddr, up: &UpstreamConfig) -> Result<TcpStream, Failure
             let _ = s.set_nodelay(true);
             Ok(s)
         }
-        Ok(Err(e)) => Err(Failure::unreachable(format!("connect {addr}: {e}"))),
-        Err(_) => Err(Failure::unreachable(format!("connect {addr}: timed out"))),
+        Ok(Err(e)) => Err(Failure::unreachable(
+            reason_of(&e),
+            format!("connect {addr}: {e}"),
+        )),
+        Err(_) => Err(Failure::unreachable(
+            ConnectFailure::TimedOut,
+            format!("connect {addr}: timed out"),
+        )),
+    }
+}
+
+/// Why a socket call failed, in the words the client is told.
+fn reason_of(e: &std::io::Error) -> ConnectFailure {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        ConnectionRefused => ConnectFailure::Refused,
+        TimedOut => ConnectFailure::TimedOut,
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => ConnectFailure::Reset,
+        HostUnreachable | NetworkUnreachable => ConnectFailure::NoRoute,
+        _ => ConnectFailure::Other,
     }
 }
 
@@ -168,9 +208,10 @@ async fn proxy_answer(stream: &mut TcpStream) -> Result<Bytes, Failure> {
         let n = stream
             .read_buf(&mut buf)
             .await
-            .map_err(|e| Failure::unreachable(format!("proxy read: {e}")))?;
+            .map_err(|e| Failure::unreachable(reason_of(&e), format!("proxy read: {e}")))?;
         if n == 0 {
             return Err(Failure::unreachable(
+                ConnectFailure::Reset,
                 "the proxy closed before answering CONNECT",
             ));
         }
@@ -185,11 +226,17 @@ async fn proxy_answer(stream: &mut TcpStream) -> Result<Bytes, Failure> {
                 return Err(Failure {
                     refused: true,
                     denied: None,
+                    reason: ConnectFailure::Other,
                     what: format!("the proxy answered CONNECT with {status}"),
                 });
             }
             Ok(httparse::Status::Partial) if buf.len() <= MAX_PROXY_HEAD => {}
-            _ => return Err(Failure::unreachable("the proxy's answer is not HTTP")),
+            _ => {
+                return Err(Failure::unreachable(
+                    ConnectFailure::Other,
+                    "the proxy's answer is not HTTP",
+                ))
+            }
         }
     }
 }
