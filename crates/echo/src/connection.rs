@@ -1,30 +1,31 @@
-//! HTTP/1.1 framing for a single client connection.
+//! One client connection, served by hyper's HTTP/1.1 server.
 //!
-//! [`Connection`] turns a byte stream into [`Request`]s and writes [`Response`]s
-//! back. Request bodies are read and discarded: the echo server only reports
-//! how long they were, so there is no reason to keep them in memory. A
-//! connection made with `capture` set also hashes each body and keeps its
-//! first [`MAX_KEPT_BODY`] bytes, for the request log.
+//! hyper frames requests and responses (Content-Length, chunked bodies and trailers,
+//! `Expect: 100-continue`, keep-alive, HTTP/1.0, pipelining); this module turns a request into
+//! the [`Request`] the echo logic reads, and a [`Response`] back into hyper's. Request bodies
+//! are read and discarded: the echo server only reports how long they were. A connection made
+//! with `capture` set also hashes each body and keeps its first [`MAX_KEPT_BODY`] bytes, for
+//! the request log.
 
-use std::io;
+use std::convert::Infallible;
+use std::future::Future;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderName, HeaderValue};
+use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Upper bound for a request head; anything larger is answered with 400
-/// instead of letting a broken client grow the buffer forever.
+/// Upper bound for a request head; hyper answers a larger one with 431 and closes, instead of
+/// letting a broken client grow the buffer forever.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
-
-/// Upper bound for one line of chunked framing (chunk size or trailer).
-const MAX_LINE_BYTES: usize = 8 * 1024;
 
 /// Number of header fields accepted in a request head.
 const MAX_HEADERS: usize = 100;
-
-/// How many bytes to ask the socket for at a time.
-const READ_CHUNK: usize = 8 * 1024;
 
 /// How much of a captured body is kept; the hash covers all of it.
 pub const MAX_KEPT_BODY: usize = 64 * 1024;
@@ -38,7 +39,7 @@ const LINGER: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub(crate) struct Request {
     pub(crate) method: String,
-    /// The request-target exactly as it appeared on the request line.
+    /// The request-target as it appeared on the request line.
     pub(crate) target: String,
     /// The minor HTTP version: 0 for HTTP/1.0, 1 for HTTP/1.1.
     pub(crate) minor_version: u8,
@@ -86,6 +87,27 @@ impl BodySink {
 }
 
 impl Request {
+    /// The head of `parts`, with no body yet.
+    fn of(parts: &hyper::http::request::Parts) -> Request {
+        Request {
+            method: parts.method.to_string(),
+            target: parts.uri.to_string(),
+            minor_version: u8::from(parts.version != hyper::Version::HTTP_10),
+            headers: parts
+                .headers
+                .iter()
+                .map(|(name, value)| {
+                    (
+                        name.as_str().to_string(),
+                        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                    )
+                })
+                .collect(),
+            body_len: 0,
+            body: None,
+        }
+    }
+
     /// The first value of header `name` (which must be lowercase).
     pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers
@@ -118,68 +140,22 @@ impl Request {
             .any(|t| t.trim().eq_ignore_ascii_case(token))
     }
 
-    fn expects_continue(&self) -> bool {
-        self.header("expect")
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("100-continue"))
-    }
-
-    fn body_framing(&self) -> Result<BodyFraming, ReadError> {
-        let mut codings = Vec::new();
-        let mut length: Option<u64> = None;
-        for (name, value) in &self.headers {
-            match name.as_str() {
-                "transfer-encoding" => codings.extend(
-                    value
-                        .split(',')
-                        .map(str::trim)
-                        .filter(|coding| !coding.is_empty()),
-                ),
-                "content-length" => {
-                    let parsed = value
-                        .trim()
-                        .parse::<u64>()
-                        .map_err(|_| ReadError::Malformed("invalid content-length"))?;
-                    // Disagreeing lengths are the classic request smuggling
-                    // vector, so refuse them rather than pick one.
-                    if length.is_some_and(|previous| previous != parsed) {
-                        return Err(ReadError::Malformed("conflicting content-length"));
-                    }
-                    length = Some(parsed);
-                }
-                _ => {}
-            }
+    /// Refuses what hyper lets through but the echo server does not frame: a transfer coding
+    /// other than `chunked` alone. hyper reads `gzip, chunked` as chunked; a server that
+    /// cannot undo the gzip must not pretend it read the body.
+    fn check_framing(&self) -> Result<(), &'static str> {
+        let mut codings = self
+            .headers
+            .iter()
+            .filter(|(name, _)| name == "transfer-encoding")
+            .flat_map(|(_, value)| value.split(','))
+            .map(str::trim)
+            .filter(|coding| !coding.is_empty());
+        match (codings.next(), codings.next()) {
+            (None, _) => Ok(()),
+            (Some(coding), None) if coding.eq_ignore_ascii_case("chunked") => Ok(()),
+            _ => Err("unsupported transfer-encoding"),
         }
-
-        // Transfer-Encoding takes precedence over Content-Length (RFC 9112 §6.3).
-        match codings.as_slice() {
-            [] => Ok(length.map_or(BodyFraming::Empty, BodyFraming::Length)),
-            [coding] if coding.eq_ignore_ascii_case("chunked") => Ok(BodyFraming::Chunked),
-            _ => Err(ReadError::Malformed("unsupported transfer-encoding")),
-        }
-    }
-}
-
-/// How the body of a request is delimited.
-enum BodyFraming {
-    Empty,
-    Length(u64),
-    Chunked,
-}
-
-/// Why no request could be read.
-#[derive(Debug)]
-pub(crate) enum ReadError {
-    /// The socket failed or the peer went away mid-request. The cause is
-    /// dropped because nothing can be answered on such a connection anyway.
-    Disconnected,
-    /// The peer sent something we cannot frame; the connection is unusable
-    /// afterwards, so the caller should answer 400 and hang up.
-    Malformed(&'static str),
-}
-
-impl From<io::Error> for ReadError {
-    fn from(_: io::Error) -> Self {
-        ReadError::Disconnected
     }
 }
 
@@ -187,7 +163,7 @@ impl From<io::Error> for ReadError {
 #[derive(Debug)]
 pub(crate) struct Response {
     pub(crate) status: u16,
-    /// Extra header fields; framing headers are added by [`Connection::write_response`].
+    /// Extra header fields; hyper adds the framing ones (`content-length`).
     pub(crate) headers: Vec<(&'static str, String)>,
     pub(crate) body: Vec<u8>,
     /// Whether the connection must end after this response whatever the client wants.
@@ -205,292 +181,102 @@ impl Response {
         }
     }
 
-    /// Whether this status code forbids a message body (RFC 9110 §6.4.1).
-    fn is_bodiless(&self) -> bool {
-        matches!(self.status, 204 | 304)
+    /// hyper's response. A `connection: close` field makes hyper end the connection after it.
+    fn into_hyper(self) -> hyper::Response<Full<Bytes>> {
+        let mut response = hyper::Response::new(Full::new(Bytes::from(self.body)));
+        *response.status_mut() =
+            hyper::StatusCode::from_u16(self.status).unwrap_or(hyper::StatusCode::OK);
+        if response.status().canonical_reason().is_none() {
+            // hyper would write `<none>`; a neutral phrase reads better in a log.
+            response
+                .extensions_mut()
+                .insert(hyper::ext::ReasonPhrase::from_static(b"Status"));
+        }
+        let headers = response.headers_mut();
+        for (name, value) in self.headers {
+            // Every value was checked when it was set (names, scripted fields) or came from a
+            // request field hyper accepted; one that still fails is left out, not a panic.
+            if let Ok(value) = HeaderValue::from_bytes(value.as_bytes()) {
+                headers.append(HeaderName::from_static(name), value);
+            }
+        }
+        if self.close {
+            headers.insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        response
     }
 }
 
-/// One client connection with its read buffer.
-///
-/// The buffer may hold bytes beyond the current request; they belong to the
-/// next (pipelined) request and are kept for the next [`Connection::read_request`].
-pub(crate) struct Connection {
-    stream: TcpStream,
-    buffer: Vec<u8>,
-    /// Whether request bodies are hashed and their beginnings kept.
+/// Serves requests on `stream` until either side wants it closed, answering each with
+/// `answer(Ok(request))`, or `answer(Err(reason))` for a request the server cannot frame,
+/// after which the connection ends.
+pub(crate) async fn serve<A, F>(stream: TcpStream, capture: bool, answer: A)
+where
+    A: Fn(Result<Request, &'static str>) -> F + Clone + Send + 'static,
+    F: Future<Output = Response> + Send,
+{
+    // Small answers are written in one go; don't let Nagle hold them back.
+    let _ = stream.set_nodelay(true);
+    let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+        let answer = answer.clone();
+        async move {
+            let (parts, body) = request.into_parts();
+            let mut request = Request::of(&parts);
+            let request = read_body(&mut request, body, capture)
+                .await
+                .map(|()| request);
+            let malformed = request.is_err();
+            let mut response = answer(request).await;
+            response.close |= malformed;
+            Ok::<_, Infallible>(response.into_hyper())
+        }
+    });
+    let connection = hyper::server::conn::http1::Builder::new()
+        .max_buf_size(MAX_HEAD_BYTES)
+        .max_headers(MAX_HEADERS)
+        // An idle keep-alive connection stays open for as long as the client keeps it: a proxy
+        // that picks a pooled connection must find it there.
+        .header_read_timeout(None)
+        // A client that shuts its write side after a request still gets the answer.
+        .half_close(true)
+        .serve_connection(TokioIo::new(stream), service)
+        // The socket comes back when the exchange is over, to be closed with a linger below.
+        .without_shutdown();
+    if let Ok(parts) = connection.await {
+        close(parts.io.into_inner()).await;
+    }
+}
+
+/// Reads the body of `request` to its end: its length, and what a capturing connection keeps.
+async fn read_body(
+    request: &mut Request,
+    mut body: Incoming,
     capture: bool,
+) -> Result<(), &'static str> {
+    request.check_framing()?;
+    let mut sink = capture.then(BodySink::new);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| "invalid body")?;
+        if let Some(data) = frame.data_ref() {
+            request.body_len += data.len() as u64;
+            if let Some(sink) = &mut sink {
+                sink.take(data);
+            }
+        }
+    }
+    request.body = sink.map(BodySink::finish);
+    Ok(())
 }
 
-impl Connection {
-    pub(crate) fn new(stream: TcpStream, capture: bool) -> Connection {
-        Connection {
-            stream,
-            buffer: Vec::with_capacity(READ_CHUNK),
-            capture,
-        }
+/// Ends the connection politely: send FIN, then drain input for a short
+/// while so that the kernel does not answer unread data with a reset.
+async fn close(mut stream: TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
     }
-
-    /// Reads the next complete request, head and body.
-    ///
-    /// Returns `Ok(None)` when the peer closed the connection between requests,
-    /// which is the normal end of a keep-alive connection.
-    pub(crate) async fn read_request(&mut self) -> Result<Option<Request>, ReadError> {
-        let (mut request, head_len) = loop {
-            if let Some(parsed) = parse_head(&self.buffer)? {
-                break parsed;
-            }
-            if self.buffer.len() > MAX_HEAD_BYTES {
-                return Err(ReadError::Malformed("request head too large"));
-            }
-            if self.fill().await? == 0 {
-                if self.buffer.is_empty() {
-                    return Ok(None);
-                }
-                return Err(unexpected_eof().into());
-            }
-        };
-        self.buffer.drain(..head_len);
-
-        let framing = request.body_framing()?;
-        if request.expects_continue() && !matches!(framing, BodyFraming::Empty) {
-            // Clients such as curl otherwise wait a second before sending the body.
-            self.stream
-                .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-                .await?;
-        }
-        let mut sink = self.capture.then(BodySink::new);
-        request.body_len = match framing {
-            BodyFraming::Empty => 0,
-            BodyFraming::Length(len) => {
-                self.skip_exact(len, &mut sink).await?;
-                len
-            }
-            BodyFraming::Chunked => self.skip_chunked(&mut sink).await?,
-        };
-        request.body = sink.map(BodySink::finish);
-        Ok(Some(request))
-    }
-
-    /// Writes `response`, omitting the body when `head_only` (the answer to a
-    /// HEAD request). Framing headers are added here so handlers cannot get
-    /// them wrong.
-    pub(crate) async fn write_response(
-        &mut self,
-        response: &Response,
-        head_only: bool,
-    ) -> io::Result<()> {
-        let mut head = format!(
-            "HTTP/1.1 {} {}\r\n",
-            response.status,
-            reason_phrase(response.status)
-        );
-        for (name, value) in &response.headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
-        }
-        // 204 must not carry Content-Length, and for 304 it would describe a
-        // representation we do not have; every other response gets one.
-        if !response.is_bodiless() {
-            head.push_str(&format!("content-length: {}\r\n", response.body.len()));
-        }
-        if response.close {
-            head.push_str("connection: close\r\n");
-        }
-        head.push_str("\r\n");
-
-        let mut out = head.into_bytes();
-        if !head_only && !response.is_bodiless() {
-            out.extend_from_slice(&response.body);
-        }
-        self.stream.write_all(&out).await?;
-        self.stream.flush().await
-    }
-
-    /// Ends the connection politely: send FIN, then drain input for a short
-    /// while so that the kernel does not answer unread data with a reset.
-    pub(crate) async fn close(mut self) {
-        if self.stream.shutdown().await.is_err() {
-            return;
-        }
-        let drain = async {
-            let mut sink = [0u8; 1024];
-            while matches!(self.stream.read(&mut sink).await, Ok(n) if n > 0) {}
-        };
-        let _ = tokio::time::timeout(LINGER, drain).await;
-    }
-
-    /// Reads more bytes from the socket into the buffer; 0 means end of stream.
-    async fn fill(&mut self) -> io::Result<usize> {
-        self.buffer.reserve(READ_CHUNK);
-        self.stream.read_buf(&mut self.buffer).await
-    }
-
-    /// Like [`Connection::fill`], but end of stream is an error because we are
-    /// in the middle of a request.
-    async fn fill_required(&mut self) -> io::Result<()> {
-        match self.fill().await? {
-            0 => Err(unexpected_eof()),
-            _ => Ok(()),
-        }
-    }
-
-    /// Consumes exactly `len` body bytes, passing them to `sink` if there is one.
-    async fn skip_exact(&mut self, mut len: u64, sink: &mut Option<BodySink>) -> io::Result<()> {
-        loop {
-            let available = self
-                .buffer
-                .len()
-                .min(usize::try_from(len).unwrap_or(usize::MAX));
-            if let Some(sink) = sink {
-                sink.take(&self.buffer[..available]);
-            }
-            self.buffer.drain(..available);
-            len -= available as u64;
-            if len == 0 {
-                return Ok(());
-            }
-            self.fill_required().await?;
-        }
-    }
-
-    /// Consumes a chunked body including trailers and returns its decoded length.
-    async fn skip_chunked(&mut self, sink: &mut Option<BodySink>) -> Result<u64, ReadError> {
-        let mut total: u64 = 0;
-        loop {
-            let size = self.read_chunk_size().await?;
-            if size == 0 {
-                self.skip_trailers().await?;
-                return Ok(total);
-            }
-            self.skip_exact(size, sink).await?;
-            if self.read_line().await? != 0 {
-                return Err(ReadError::Malformed("chunk data not followed by CRLF"));
-            }
-            total = total.saturating_add(size);
-        }
-    }
-
-    async fn read_chunk_size(&mut self) -> Result<u64, ReadError> {
-        loop {
-            match httparse::parse_chunk_size(&self.buffer) {
-                Ok(httparse::Status::Complete((used, size))) => {
-                    self.buffer.drain(..used);
-                    return Ok(size);
-                }
-                Ok(httparse::Status::Partial) if self.buffer.len() > MAX_LINE_BYTES => {
-                    return Err(ReadError::Malformed("chunk size line too long"));
-                }
-                Ok(httparse::Status::Partial) => self.fill_required().await?,
-                Err(_) => return Err(ReadError::Malformed("invalid chunk size")),
-            }
-        }
-    }
-
-    /// Trailer fields are not interesting to us; skip lines up to the empty one.
-    async fn skip_trailers(&mut self) -> Result<(), ReadError> {
-        let mut trailer_bytes = 0;
-        loop {
-            let len = self.read_line().await?;
-            if len == 0 {
-                return Ok(());
-            }
-            trailer_bytes += len;
-            if trailer_bytes > MAX_HEAD_BYTES {
-                return Err(ReadError::Malformed("trailers too large"));
-            }
-        }
-    }
-
-    /// Consumes one line and returns its length without the line ending.
-    async fn read_line(&mut self) -> Result<usize, ReadError> {
-        loop {
-            if let Some(newline) = self.buffer.iter().position(|&b| b == b'\n') {
-                let line_len = if newline > 0 && self.buffer[newline - 1] == b'\r' {
-                    newline - 1
-                } else {
-                    newline
-                };
-                self.buffer.drain(..=newline);
-                return Ok(line_len);
-            }
-            if self.buffer.len() > MAX_LINE_BYTES {
-                return Err(ReadError::Malformed("line too long"));
-            }
-            self.fill_required().await?;
-        }
-    }
-}
-
-/// Parses a request head from the start of `buffer`. Returns the request
-/// (without body) and the length of the head, or `None` if more bytes are needed.
-fn parse_head(buffer: &[u8]) -> Result<Option<(Request, usize)>, ReadError> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut parsed = httparse::Request::new(&mut headers);
-    let head_len = match parsed.parse(buffer) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(ReadError::Malformed("too many header fields"))
-        }
-        Err(_) => return Err(ReadError::Malformed("invalid request head")),
+    let drain = async {
+        let mut sink = [0u8; 1024];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
     };
-
-    // A complete parse always fills method, path and version.
-    let request = Request {
-        method: parsed.method.unwrap_or_default().to_string(),
-        target: parsed.path.unwrap_or_default().to_string(),
-        minor_version: parsed.version.unwrap_or(1),
-        headers: parsed
-            .headers
-            .iter()
-            .map(|h| {
-                (
-                    h.name.to_ascii_lowercase(),
-                    String::from_utf8_lossy(h.value).into_owned(),
-                )
-            })
-            .collect(),
-        body_len: 0,
-        body: None,
-    };
-    Ok(Some((request, head_len)))
-}
-
-fn unexpected_eof() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::UnexpectedEof,
-        "connection closed mid-request",
-    )
-}
-
-/// The canonical reason phrase, or a neutral one for codes without a common name.
-fn reason_phrase(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        201 => "Created",
-        202 => "Accepted",
-        204 => "No Content",
-        206 => "Partial Content",
-        301 => "Moved Permanently",
-        302 => "Found",
-        303 => "See Other",
-        304 => "Not Modified",
-        307 => "Temporary Redirect",
-        308 => "Permanent Redirect",
-        400 => "Bad Request",
-        401 => "Unauthorized",
-        403 => "Forbidden",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        409 => "Conflict",
-        413 => "Content Too Large",
-        429 => "Too Many Requests",
-        500 => "Internal Server Error",
-        501 => "Not Implemented",
-        502 => "Bad Gateway",
-        503 => "Service Unavailable",
-        504 => "Gateway Timeout",
-        _ => "Status",
-    }
+    let _ = tokio::time::timeout(LINGER, drain).await;
 }

@@ -3,7 +3,9 @@
 //! `sluice-echo` is the demo upstream for sluice and the backend used by its
 //! tests. Every answer says which server produced it (the `x-upstream` header
 //! and the `upstream` field of the JSON body), so a test can tell where the
-//! gateway sent a request.
+//! gateway sent a request. hyper serves the HTTP/1.1 (framing, keep-alive, pipelining,
+//! `Expect: 100-continue`); tests that need a member answering with broken framing run a raw
+//! TCP member of their own.
 //!
 //! Besides echoing, a few knobs make failure scenarios easy to script:
 //!
@@ -74,7 +76,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Mutex};
 use tokio::task::JoinHandle;
 
-use connection::{Connection, ReadError, Request, Response};
+use connection::{Request, Response};
 use keys::{Decision, Keys, Quota, Scripted, POLICY};
 
 pub use connection::MAX_KEPT_BODY;
@@ -362,47 +364,35 @@ fn drain_backlog(shared: &Arc<Shared>, listener: TcpListener) {
 
 /// Serves requests on one connection until either side wants it closed.
 async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
-    // Small answers are written in one go; don't let Nagle hold them back.
-    let _ = stream.set_nodelay(true);
-    let mut connection = Connection::new(stream, shared.options.log_requests);
-    loop {
-        let request = match connection.read_request().await {
-            Ok(Some(request)) => request,
-            Ok(None) | Err(ReadError::Disconnected) => return,
-            Err(ReadError::Malformed(reason)) => {
-                let mut response = shared.tagged(text(400, &format!("bad request: {reason}\n")));
-                response.close = true;
-                let _ = connection.write_response(&response, false).await;
-                connection.close().await;
-                return;
+    let capture = shared.options.log_requests;
+    let answer = move |request: Result<Request, &'static str>| {
+        let shared = shared.clone();
+        async move {
+            match request {
+                Ok(request) => shared.answer(request).await,
+                Err(reason) => shared.tagged(text(400, &format!("bad request: {reason}\n"))),
             }
-        };
-        shared.record(&request);
+        }
+    };
+    connection::serve(stream, capture, answer).await;
+}
 
-        let mut response = shared.respond(&request).await;
+impl Shared {
+    /// The answer to one request, with `connection` fields that say whether it is the last.
+    async fn answer(&self, request: Request) -> Response {
+        self.record(&request);
+        let mut response = self.respond(&request).await;
         // Read only now, after any delay, so that requests in flight when
         // `stop` is called also announce the close.
-        response.close |= request.wants_close() || shared.stopping.load(Ordering::SeqCst);
+        response.close |= request.wants_close() || self.stopping.load(Ordering::SeqCst);
         if !response.close && request.minor_version == 0 {
             response
                 .headers
                 .push(("connection", "keep-alive".to_string()));
         }
-
-        let written = connection
-            .write_response(&response, request.method == "HEAD")
-            .await;
-        if written.is_err() {
-            return;
-        }
-        if response.close {
-            connection.close().await;
-            return;
-        }
+        response
     }
-}
 
-impl Shared {
     fn record(&self, request: &Request) {
         self.requests.fetch_add(1, Ordering::SeqCst);
         if request.path() != "/healthz" {
@@ -1162,7 +1152,10 @@ mod tests {
         assert_eq!(big_entry.body_len, big.len() as u64);
         assert_eq!(big_entry.body, &big[..MAX_KEPT_BODY]);
         use sha2::Digest;
-        assert_eq!(big_entry.body_sha256, hex::encode(sha2::Sha256::digest(&big)));
+        assert_eq!(
+            big_entry.body_sha256,
+            hex::encode(sha2::Sha256::digest(&big))
+        );
     }
 
     #[tokio::test]
@@ -1201,5 +1194,7 @@ mod tests {
 #[cfg(test)]
 #[test]
 fn no_module_cycles() {
-    sluice_testkit::architecture::assert_no_cycles(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
 }
