@@ -14,7 +14,6 @@ use std::collections::HashMap;
 
 use sluice_state::StateStore;
 
-use crate::config::Selection;
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
 use crate::table::Table;
@@ -110,8 +109,7 @@ impl AdminApi {
             for m in r.members.iter() {
                 member_left.push(read.member(&r.name, m).await);
             }
-            let least_used = r.selection == Selection::LeastUsed;
-            let counts: Option<HashMap<String, u64>> = if least_used {
+            let counts: Option<HashMap<String, u64>> = if r.policy.counts() {
                 self.state
                     .counts(&r.name)
                     .await
@@ -156,7 +154,7 @@ impl AdminApi {
                     if !proxied.windows.is_empty() {
                         member["quota"] = windows_json(proxied.windows.iter(), left).into();
                     }
-                    if least_used {
+                    if r.policy.counts() {
                         member["assignments"] = counts
                             .as_ref()
                             .map(|c| c.get(&*m.id).copied().unwrap_or(0))
@@ -170,11 +168,7 @@ impl AdminApi {
             let quota = windows_json(r.quota.iter().flat_map(|q| &q.windows), &remaining);
             routes.push(json!({
                 "name": &*r.name,
-                "selection": match r.selection {
-                    Selection::RoundRobin => "round_robin",
-                    Selection::LeastUsed => "least_used",
-                    Selection::Priority => "priority",
-                },
+                "selection": r.policy.name(),
                 "members": members,
                 "quota": quota,
                 "waiting": r.wait_line.as_ref().map_or(0, |l| l.len()),

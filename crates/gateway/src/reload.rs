@@ -114,7 +114,10 @@ impl Reloader {
         // API (a POST /reload) nor the watcher's runtime stalls meanwhile.
         let name = path.display().to_string();
         let text = String::from_utf8_lossy(&bytes).into_owned();
-        let parsed = tokio::task::spawn_blocking(move || Config::parse(&name, &text)).await;
+        let parsed = tokio::task::spawn_blocking(move || {
+            Config::parse_with(&name, &text, &crate::select::RULES)
+        })
+        .await;
         let config = match parsed {
             Ok(Ok(config)) => config,
             Ok(Err(errors)) => return Err(self.failed(trigger, errors.to_string())),

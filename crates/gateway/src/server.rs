@@ -57,13 +57,14 @@ pub enum ConfigSource<'a> {
     Embedded,
 }
 
-/// Loads and validates the config.
+/// Loads and validates the config, the selection policies' own rules included.
 pub fn load(source: &ConfigSource<'_>) -> Result<(Config, Vec<u8>), ConfigErrors> {
     match source {
-        ConfigSource::File(path) => Config::load(path),
+        ConfigSource::File(path) => Config::load_with(path, &crate::select::RULES),
         ConfigSource::Embedded => {
             let text = crate::config::EMBEDDED_DEFAULT;
-            Config::parse("<embedded default>", text).map(|c| (c, text.as_bytes().to_vec()))
+            Config::parse_with("<embedded default>", text, &crate::select::RULES)
+                .map(|c| (c, text.as_bytes().to_vec()))
         }
     }
 }

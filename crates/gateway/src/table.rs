@@ -19,7 +19,7 @@ use sluice_state::{PoolMember, StateStore, Window};
 
 use crate::config::{
     AdminConfig, Config, DnsConfig, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl,
-    RouteConfig, Selection, StateConfig, UpstreamConfig,
+    RouteConfig, StateConfig, UpstreamConfig,
 };
 use crate::dns::PeerCell;
 use crate::egress::{Guard, Resolver};
@@ -77,7 +77,7 @@ pub struct Route {
     /// The quota gating the route, if any; shared with the previous table when unchanged.
     pub quota: Option<Arc<RouteQuota>>,
     /// How members are chosen, as configured.
-    pub selection: Selection,
+
     /// The waiting line of a route with `quota.max_wait` (see [`crate::wait`]); shared with
     /// the previous table when the quota is unchanged, so a reload keeps the line's order.
     pub wait_line: Option<Arc<WaitLine>>,
@@ -293,11 +293,10 @@ async fn build_route(
         selection_fallbacks: metrics.selection_fallbacks.with_label_values(&[&name]),
         requests: crate::metrics::RouteRequests::new(name.clone(), &metrics.requests),
         bytes: ["in", "out"].map(|d| metrics.bytes.with_label_values(&[&name, d])),
-        selection: up.selection,
         // A new policy per table: least-used writes this table's member list to the store on
         // the route's first request.
         policy: Policy::new(
-            up.selection,
+            &up.selection,
             &name,
             &pool,
             before.map(|b| &b.policy),

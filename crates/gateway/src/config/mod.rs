@@ -104,7 +104,47 @@ impl fmt::Display for ConfigErrors {
 
 impl std::error::Error for ConfigErrors {}
 
+/// Rules that only the code serving a config can judge, because the config does not know that
+/// code: which `upstream.selection` names exist, and what each policy asks of its route. Each
+/// problem names the YAML path to blame, and comes back placed at its line and column like
+/// every other config error ([`Config::load_with`], [`Config::parse_with`]).
+pub trait Rules {
+    /// The problems of `config`, each at its YAML path.
+    fn check(&self, config: &Config) -> Vec<(YamlPath, String)>;
+}
+
 impl Config {
+    /// [`Config::load`], then `rules`.
+    pub fn load_with(path: &Path, rules: &dyn Rules) -> Result<(Config, Vec<u8>), ConfigErrors> {
+        let (config, bytes) = Config::load(path)?;
+        let text = String::from_utf8_lossy(&bytes);
+        let config = config.checked(&path.display().to_string(), &text, rules)?;
+        Ok((config, bytes))
+    }
+
+    /// [`Config::parse`], then `rules`.
+    pub fn parse_with(file: &str, text: &str, rules: &dyn Rules) -> Result<Config, ConfigErrors> {
+        Config::parse(file, text)?.checked(file, text, rules)
+    }
+
+    fn checked(self, file: &str, text: &str, rules: &dyn Rules) -> Result<Config, ConfigErrors> {
+        let problems = rules.check(&self);
+        if problems.is_empty() {
+            return Ok(self);
+        }
+        let positions = Positions::of(text);
+        Err(ConfigErrors(inside(
+            text,
+            problems
+                .into_iter()
+                .map(|(path, message)| {
+                    let at = positions.nearest(&path);
+                    ConfigError::at(file, at, path.to_string(), message)
+                })
+                .collect(),
+        )))
+    }
+
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<(Config, Vec<u8>), ConfigErrors> {
         let name = path.display().to_string();

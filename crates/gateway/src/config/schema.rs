@@ -701,17 +701,46 @@ fn default_retries() -> u32 {
     2
 }
 
-/// Member selection policy.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum Selection {
-    /// Smooth weighted round-robin over healthy members, in process.
-    #[default]
-    RoundRobin,
-    /// The eligible member with the fewest assignments across every instance.
-    LeastUsed,
-    /// The first healthy member in list order; the members after it are backups.
-    Priority,
+/// `upstream.selection`: the name of the policy that chooses a member (default `round_robin`).
+///
+/// The config reads only the name. Which names exist, and what each asks of a route, belong to
+/// the policies themselves (the gateway's `select` module, through [`super::Rules`]), so that a
+/// new policy needs no change here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection(Arc<str>);
+
+impl Selection {
+    /// The policy named `name`.
+    pub fn named(name: &str) -> Selection {
+        Selection(name.into())
+    }
+
+    /// The name as written.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for Selection {
+    fn default() -> Self {
+        Selection::named("round_robin")
+    }
+}
+
+impl<'de> Deserialize<'de> for Selection {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        let word = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !word {
+            return Err(de::Error::custom(format!(
+                "{name:?} is not a policy name (lowercase letters, digits and _)"
+            )));
+        }
+        Ok(Selection(name.into()))
+    }
 }
 
 /// What a least-used member's count becomes when it is restored.

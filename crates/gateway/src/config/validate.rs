@@ -464,19 +464,6 @@ impl Config {
                 } else {
                     members.insert(key, j);
                 }
-                if member.weight.is_some() {
-                    let why = match up.selection {
-                        Selection::RoundRobin => None,
-                        Selection::LeastUsed => Some("least_used counts assignments"),
-                        Selection::Priority => Some("priority follows the list order"),
-                    };
-                    if let Some(why) = why {
-                        problems.push((
-                            member_at.key("weight"),
-                            format!("weight applies to round_robin only; {why}"),
-                        ));
-                    }
-                }
             }
             // Origins stand in for the target; proxy and direct members reach the target the
             // client named. One pool cannot mean both.
@@ -490,13 +477,6 @@ impl Config {
                         o.min(e),
                         if o < e { "an origin (url)" } else { "a proxy or direct member" }
                     ),
-                ));
-            }
-            // Only least_used keeps a count that a restored member could resume.
-            if up.selection != Selection::LeastUsed && up.on_restore.is_some() {
-                problems.push((
-                    at.clone().key("upstream").key("on_restore"),
-                    "on_restore applies to selection: least_used only".to_string(),
                 ));
             }
             if let Some(cooldown) = &up.cooldown {

@@ -20,7 +20,7 @@ use sluice_balancer::{
 };
 use sluice_state::StateStore;
 
-use crate::config::{OnRestore, RouteConfig, Selection};
+use crate::config::{OnRestore, RouteConfig};
 use crate::metrics::Metrics;
 
 /// The pool of a route's members. A member that survives a reload (same id in the route it
@@ -60,11 +60,11 @@ pub(crate) fn pool_for(
             }
         })
         .collect();
-    let restore = (up.selection == Selection::LeastUsed && up.on_restore == Some(OnRestore::Min))
-        .then(|| RestoreToMin {
-            state: state.clone(),
-            pool: OnceLock::new(),
-        });
+    // `check` lets only a policy that counts assignments have `on_restore`.
+    let restore = (up.on_restore == Some(OnRestore::Min)).then(|| RestoreToMin {
+        state: state.clone(),
+        pool: OnceLock::new(),
+    });
     let observer = Arc::new(HealthLog {
         restore,
         route: name.clone(),

@@ -12,7 +12,12 @@ use std::time::{Duration, Instant};
 use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore, StoreError};
 
-use super::{Admission, Attempt, Limits, RoundRobin, Selector, Tried};
+use async_trait::async_trait;
+
+use super::{
+    refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems, RoundRobin, Selector, Tried,
+};
+use crate::config::{UpstreamConfig, YamlPath};
 
 /// Least-used over a pool whose counts live in the state store.
 pub(crate) struct LeastUsed {
@@ -59,11 +64,6 @@ impl LeastUsed {
             index_of,
             synced: AtomicBool::new(false),
         }
-    }
-
-    /// The fallback's schedule, whose position a replacing table carries on from.
-    pub(crate) fn schedule(&self) -> &Arc<WeightedRoundRobin> {
-        self.fallback.schedule()
     }
 
     /// Ids of the members that are down, for exclusion.
@@ -163,7 +163,33 @@ impl LeastUsed {
     }
 }
 
+impl Kind for LeastUsed {
+    const NAME: &'static str = "least_used";
+    const COUNTS: bool = true;
+
+    fn check(up: &UpstreamConfig, at: &YamlPath, problems: &mut Problems) {
+        refuse_weights(up, at, "least_used counts assignments", problems);
+    }
+
+    fn build(parts: &Parts<'_>) -> LeastUsed {
+        // The fallback (store down) is plain round-robin: without the store there are no
+        // shared windows or cooldowns to apply.
+        let fallback = RoundRobin::new(parts.schedule(), parts.route.clone(), None);
+        LeastUsed::new(
+            parts.route.clone(),
+            parts.pool.clone(),
+            fallback,
+            parts.limits,
+        )
+    }
+}
+
+#[async_trait]
 impl Selector for LeastUsed {
+    fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
+        Some(self.fallback.schedule())
+    }
+
     async fn admit(
         &self,
         state: &dyn StateStore,

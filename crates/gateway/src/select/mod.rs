@@ -1,17 +1,22 @@
 //! Selection: which member a request goes to, decided together with the route's quota.
 //!
-//! Each route holds one [`Policy`], chosen once when the table is built. A policy answers two
-//! questions, both through the [`Selector`] trait:
+//! Each route holds one [`Policy`], built once when the table is built. A policy answers two
+//! questions, through the [`Selector`] trait:
 //! - [`Selector::admit`]: may this request go, and to which member first? The quota and the
 //!   first pick are decided together, in one store call where the policy needs the store, so
 //!   that a request is charged only when it has somewhere to go;
 //! - [`Selector::next`]: after a connect failure, which untried member next?
 //!
+//! What a policy is before any route uses it comes from the [`Kind`] trait: its name in the
+//! config (`upstream.selection`), what it asks of a route (its own `check` rules, which
+//! `sluice check` reports like any other config error), whether it keeps a shared count, and
+//! how it is built. **A new policy is one new file that implements [`Selector`] and [`Kind`],
+//! plus its line in [`KINDS`]**: the config, its validation and `/status` take the rest from
+//! the trait.
+//!
 //! What every policy shares lives here: [`Attempt`], the guard of one try of one member, which
 //! reports its outcome to the pool's health and gives back a down member's trial if the request
 //! ends without using it; and [`Tried`], the members a request has tried.
-//!
-//! A new policy is one new file that implements [`Selector`], plus one arm in [`Policy`].
 
 mod least_used;
 mod priority;
@@ -20,16 +25,25 @@ mod round_robin;
 use std::sync::Arc;
 use std::time::Instant;
 
+use async_trait::async_trait;
 use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_state::{
     Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError,
 };
 
-use crate::config::Selection;
+use crate::config::{Config, Rules, Selection, UpstreamConfig, YamlPath};
 
 pub(crate) use least_used::LeastUsed;
 pub(crate) use priority::Priority;
 pub(crate) use round_robin::RoundRobin;
+
+/// Every policy sluice knows, by the name `upstream.selection` gives it. A new policy is one
+/// file, and one line here.
+pub(crate) static KINDS: &[Entry] = &[
+    Entry::of::<RoundRobin>(),
+    Entry::of::<LeastUsed>(),
+    Entry::of::<Priority>(),
+];
 
 /// What admission decided about a request.
 pub(crate) enum Admission {
@@ -91,9 +105,13 @@ impl Admission {
     }
 }
 
-/// What one policy does. Implementations know the route's pool; the state store and the
-/// request's quota ask are given per call.
-pub(crate) trait Selector {
+/// What one policy does for a request. Implementations know the route's pool; the state store
+/// and the request's quota ask are given per call.
+///
+/// A route calls its policy through `dyn Selector`: one boxed future per call, which is what
+/// lets a policy be a file of its own rather than an arm in every match of this module.
+#[async_trait]
+pub(crate) trait Selector: Send + Sync {
     /// Decides the quota and the first member of a request.
     async fn admit(
         &self,
@@ -104,66 +122,194 @@ pub(crate) trait Selector {
 
     /// The member of the next attempt, skipping those `tried`; `None` when none is left.
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt>;
+
+    /// The round-robin schedule the policy picks from, if it has one: a table that replaces
+    /// this one goes on from its position.
+    fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
+        None
+    }
 }
 
-/// The selection policy of one route: enum dispatch, so that a request pays no allocation or
-/// virtual call to reach it.
-pub(crate) enum Policy {
-    RoundRobin(RoundRobin),
-    LeastUsed(LeastUsed),
-    Priority(Priority),
+/// What a policy is before a route uses it: its config name, its rules, and how it is built.
+pub(crate) trait Kind: Selector + Sized + 'static {
+    /// The name `upstream.selection` gives it.
+    const NAME: &'static str;
+
+    /// Whether it keeps a count per member in the store: `/status` shows `assignments`, and
+    /// `on_restore` applies to it.
+    const COUNTS: bool = false;
+
+    /// What it asks of a route's upstream (at `at`) beyond what every route is checked for.
+    fn check(_upstream: &UpstreamConfig, _at: &YamlPath, _problems: &mut Problems) {}
+
+    /// The policy of one route.
+    fn build(parts: &Parts<'_>) -> Self;
 }
 
-macro_rules! each_policy {
-    ($self:ident, $p:ident => $body:expr) => {
-        match $self {
-            Policy::RoundRobin($p) => $body,
-            Policy::LeastUsed($p) => $body,
-            Policy::Priority($p) => $body,
+/// Config problems, each at its YAML path.
+pub(crate) type Problems = Vec<(YamlPath, String)>;
+
+/// One line of [`KINDS`]: a policy's [`Kind`], as plain values.
+pub(crate) struct Entry {
+    name: &'static str,
+    counts: bool,
+    check: fn(&UpstreamConfig, &YamlPath, &mut Problems),
+    build: fn(&Parts<'_>) -> Box<dyn Selector>,
+}
+
+impl Entry {
+    const fn of<K: Kind>() -> Entry {
+        Entry {
+            name: K::NAME,
+            counts: K::COUNTS,
+            check: K::check,
+            build: build_boxed::<K>,
         }
-    };
+    }
+
+    /// The entry `selection` names; `check` refuses any other, so a config that got here
+    /// names one (round-robin otherwise, the default).
+    fn named(selection: &Selection) -> &'static Entry {
+        KINDS
+            .iter()
+            .find(|k| k.name == selection.as_str())
+            .unwrap_or(&KINDS[0])
+    }
+}
+
+fn build_boxed<K: Kind>(parts: &Parts<'_>) -> Box<dyn Selector> {
+    Box::new(K::build(parts))
+}
+
+/// The rules every policy brings to `sluice check` ([`crate::config::Rules`]): the name must
+/// be one of [`KINDS`], `on_restore` needs a policy that counts, and each policy's own checks.
+pub(crate) static RULES: PolicyRules = PolicyRules;
+
+/// See [`RULES`].
+pub(crate) struct PolicyRules;
+
+impl Rules for PolicyRules {
+    fn check(&self, config: &Config) -> Vec<(YamlPath, String)> {
+        let mut problems = Vec::new();
+        for (i, route) in config.routes.iter().enumerate() {
+            let at = YamlPath::root().key("routes").index(i).key("upstream");
+            let up = &route.upstream;
+            let Some(entry) = KINDS.iter().find(|k| k.name == up.selection.as_str()) else {
+                let names: Vec<&str> = KINDS.iter().map(|k| k.name).collect();
+                problems.push((
+                    at.key("selection"),
+                    format!(
+                        "unknown selection {:?}; one of: {}",
+                        up.selection.as_str(),
+                        names.join(", ")
+                    ),
+                ));
+                continue;
+            };
+            if up.on_restore.is_some() && !entry.counts {
+                let counting: Vec<&str> =
+                    KINDS.iter().filter(|k| k.counts).map(|k| k.name).collect();
+                problems.push((
+                    at.clone().key("on_restore"),
+                    format!(
+                        "on_restore applies to selection: {} only: {} keeps no count to restore",
+                        counting.join(" or "),
+                        entry.name
+                    ),
+                ));
+            }
+            (entry.check)(up, &at, &mut problems);
+        }
+        problems
+    }
+}
+
+/// For a policy's [`Kind::check`]: a member `weight` is refused, since `why` the policy does
+/// not weigh members.
+pub(crate) fn refuse_weights(
+    up: &UpstreamConfig,
+    at: &YamlPath,
+    why: &str,
+    problems: &mut Problems,
+) {
+    for (j, member) in up.members.iter().enumerate() {
+        if member.weight.is_some() {
+            problems.push((
+                at.clone().key("members").index(j).key("weight"),
+                format!("weight applies to round_robin only; {why}"),
+            ));
+        }
+    }
+}
+
+/// What a policy is built from ([`Kind::build`]).
+pub(crate) struct Parts<'a> {
+    /// The route's name.
+    pub(crate) route: &'a Arc<str>,
+    /// Its members and their health.
+    pub(crate) pool: &'a Arc<Members>,
+    /// The route's policy in the table this one replaces, if any.
+    before: Option<&'a Policy>,
+    /// Every member with its own windows, and whether cooldowns apply.
+    pub(crate) limits: &'a Limits,
+}
+
+impl Parts<'_> {
+    /// The round-robin schedule over the pool, going on from the replaced policy's
+    /// ([`schedule_for`]).
+    pub(crate) fn schedule(&self) -> Arc<WeightedRoundRobin> {
+        schedule_for(self.pool, self.before)
+    }
+
+    /// Member windows and cooldowns, when the route has any: only then must an in-process
+    /// policy let the store choose.
+    pub(crate) fn active_limits(&self) -> Option<Limits> {
+        self.limits.active().then(|| self.limits.clone())
+    }
+}
+
+/// The selection policy of one route.
+pub(crate) struct Policy {
+    entry: &'static Entry,
+    selector: Box<dyn Selector>,
 }
 
 impl Policy {
     /// The policy `selection` names, over `pool`. `before` is the route's policy in the table
     /// this one replaces: round-robin goes on from where it was.
     pub(crate) fn new(
-        selection: Selection,
+        selection: &Selection,
         route: &Arc<str>,
         pool: &Arc<Members>,
         before: Option<&Policy>,
         limits: Limits,
     ) -> Policy {
-        let round_robin = |limits: Option<Limits>| {
-            RoundRobin::new(schedule_for(pool, before), route.clone(), limits)
+        let entry = Entry::named(selection);
+        let parts = Parts {
+            route,
+            pool,
+            before,
+            limits: &limits,
         };
-        let limits = limits.active().then_some(limits);
-        match selection {
-            Selection::RoundRobin => Policy::RoundRobin(round_robin(limits)),
-            Selection::LeastUsed => {
-                let all = limits.clone().unwrap_or_else(|| Limits::plain(pool));
-                // The fallback (store down) is plain round-robin: without the store there are
-                // no shared windows or cooldowns to apply.
-                Policy::LeastUsed(LeastUsed::new(
-                    route.clone(),
-                    pool.clone(),
-                    round_robin(None),
-                    &all,
-                ))
-            }
-            Selection::Priority => {
-                Policy::Priority(Priority::new(pool.clone(), route.clone(), limits))
-            }
+        Policy {
+            entry,
+            selector: (entry.build)(&parts),
         }
+    }
+
+    /// Its name in the config, for `/status`.
+    pub(crate) fn name(&self) -> &'static str {
+        self.entry.name
+    }
+
+    /// Whether it keeps a count per member in the store ([`Kind::COUNTS`]).
+    pub(crate) fn counts(&self) -> bool {
+        self.entry.counts
     }
 
     /// The round-robin schedule this policy picks from, least-used's fallback included.
     fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
-        match self {
-            Policy::RoundRobin(p) => Some(p.schedule()),
-            Policy::LeastUsed(p) => Some(p.schedule()),
-            Policy::Priority(_) => None,
-        }
+        self.selector.schedule()
     }
 
     pub(crate) async fn admit(
@@ -172,11 +318,11 @@ impl Policy {
         quota: Option<Acquire<'_>>,
         cost: u64,
     ) -> Admission {
-        each_policy!(self, p => p.admit(state, quota, cost).await)
+        self.selector.admit(state, quota, cost).await
     }
 
     pub(crate) async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
-        each_policy!(self, p => p.next(state, tried).await)
+        self.selector.next(state, tried).await
     }
 }
 
@@ -192,6 +338,7 @@ pub(crate) struct Limits {
 
 impl Limits {
     /// The members of `pool` with no windows, and no cooldowns.
+    #[cfg(test)]
     pub(crate) fn plain(pool: &Members) -> Limits {
         Limits {
             members: pool
@@ -222,9 +369,15 @@ pub(crate) trait InProcess {
     fn pick(&self, tried: &Tried) -> Option<Attempt>;
     /// Every untried candidate, best first, and the down member's trial claimed among them.
     fn order(&self, tried: &Tried) -> (Vec<usize>, Option<usize>);
+    /// The round-robin schedule it picks from, if any ([`Selector::schedule`]).
+    fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
+        None
+    }
 }
 
-impl<P: InProcess> Selector for P {
+/// Round-robin and priority share their whole request path; each says only how it orders.
+#[async_trait]
+impl<P: InProcess + Send + Sync> Selector for P {
     async fn admit(
         &self,
         state: &dyn StateStore,
@@ -249,10 +402,14 @@ impl<P: InProcess> Selector for P {
                 .into_attempt(),
         }
     }
+
+    fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
+        InProcess::schedule(self)
+    }
 }
 
 /// The store's choice among what `policy` orders for a request that has `tried` some members.
-async fn choose_in_order<P: InProcess>(
+async fn choose_in_order<P: InProcess + Sync>(
     policy: &P,
     state: &dyn StateStore,
     limits: &Limits,
@@ -562,7 +719,7 @@ mod tests {
         let route: Arc<str> = "r".into();
         let pool = three_members();
         let old = Policy::new(
-            Selection::RoundRobin,
+            &Selection::named("round_robin"),
             &route,
             &pool,
             None,
@@ -573,7 +730,7 @@ mod tests {
         schedule.pick(Instant::now(), |_| false);
 
         let same = Policy::new(
-            Selection::RoundRobin,
+            &Selection::named("round_robin"),
             &route,
             &pool,
             Some(&old),
@@ -586,7 +743,7 @@ mod tests {
 
         let other = three_members();
         let moved = Policy::new(
-            Selection::LeastUsed,
+            &Selection::named("least_used"),
             &route,
             &other,
             Some(&same),
@@ -597,12 +754,84 @@ mod tests {
         assert_eq!(fallback.cursor(), 2, "a new member set goes on from there");
 
         let priority = Policy::new(
-            Selection::Priority,
+            &Selection::named("priority"),
             &route,
             &pool,
             Some(&moved),
             Limits::plain(&pool),
         );
         assert!(priority.schedule().is_none(), "priority needs no schedule");
+    }
+    /// `sluice check`'s errors for `yaml`, the policies' rules included.
+    fn check(yaml: &str) -> Vec<String> {
+        match Config::parse_with("t.yaml", yaml, &RULES) {
+            Ok(_) => Vec::new(),
+            Err(e) => {
+                e.0.iter()
+                    .map(|e| format!("{}:{}: {}: {}", e.line, e.column, e.path, e.message))
+                    .collect()
+            }
+        }
+    }
+
+    fn one_error(yaml: &str, at: &str, message: &str) {
+        let all = check(yaml);
+        assert!(
+            all.len() == 1 && all[0].starts_with(&format!("{at}: ")) && all[0].contains(message),
+            "expected one error `{at}: …{message}…`, got {all:#?}"
+        );
+    }
+
+    #[test]
+    fn each_policy_brings_its_own_rules() {
+        one_error(
+            "routes:\n  - name: a\n    upstream:\n      selection: least_used\n      members:\n        - url: \"http://127.0.0.1:1\"\n          weight: 2\n",
+            "7:19: routes[0].upstream.members[0].weight",
+            "weight applies to round_robin only; least_used counts assignments",
+        );
+        one_error(
+            "routes:\n  - name: a\n    upstream:\n      selection: priority\n      members:\n        - {url: \"http://a.test\", weight: 2}\n",
+            "6:42: routes[0].upstream.members[0].weight",
+            "weight applies to round_robin only; priority follows the list order",
+        );
+        // Only a policy that counts has a count to restore.
+        for policy in ["round_robin", "priority"] {
+            one_error(
+                &format!("routes:\n  - name: a\n    upstream:\n      selection: {policy}\n      on_restore: keep\n"),
+                "5:19: routes[0].upstream.on_restore",
+                &format!("on_restore applies to selection: least_used only: {policy} keeps no count"),
+            );
+        }
+        one_error(
+            "routes:\n  - name: a\n    upstream:\n      on_restore: min\n",
+            "4:19: routes[0].upstream.on_restore",
+            "applies to selection: least_used only",
+        );
+        one_error(
+            "routes:\n  - name: a\n    upstream:\n      selection: random\n",
+            "4:18: routes[0].upstream.selection",
+            "unknown selection \"random\"; one of: round_robin, least_used, priority",
+        );
+        assert_eq!(
+            check("routes:\n  - name: a\n    upstream:\n      selection: least_used\n      on_restore: min\n      members:\n        - url: \"http://a.test\"\n"),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn every_policy_is_known_by_its_own_name_in_status() {
+        let route: Arc<str> = "r".into();
+        let pool = three_members();
+        for entry in KINDS {
+            let policy = Policy::new(
+                &Selection::named(entry.name),
+                &route,
+                &pool,
+                None,
+                Limits::plain(&pool),
+            );
+            assert_eq!(policy.name(), entry.name);
+            assert_eq!(policy.counts(), entry.name == "least_used");
+        }
     }
 }

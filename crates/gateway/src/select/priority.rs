@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use sluice_balancer::Members;
 
-use super::{Attempt, InProcess, Limits, Tried};
+use super::{refuse_weights, Attempt, InProcess, Kind, Limits, Parts, Problems, Tried};
+use crate::config::{UpstreamConfig, YamlPath};
 
 /// Priority over a pool; the quota, if any, is charged in the store.
 pub(crate) struct Priority {
@@ -52,6 +53,22 @@ impl Priority {
             .enumerate()
             .position(|(i, m)| m.health.is_up() && !tried.contains(i))?;
         Some(Attempt::new(self.pool.clone(), index, false))
+    }
+}
+
+impl Kind for Priority {
+    const NAME: &'static str = "priority";
+
+    fn check(up: &UpstreamConfig, at: &YamlPath, problems: &mut Problems) {
+        refuse_weights(up, at, "priority follows the list order", problems);
+    }
+
+    fn build(parts: &Parts<'_>) -> Priority {
+        Priority::new(
+            parts.pool.clone(),
+            parts.route.clone(),
+            parts.active_limits(),
+        )
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use sluice_balancer::{Members, WeightedRoundRobin};
 
-use super::{Attempt, InProcess, Limits, Tried};
+use super::{Attempt, InProcess, Kind, Limits, Parts, Tried};
 
 /// Round-robin over a pool's schedule; the quota, if any, is charged in the store.
 pub(crate) struct RoundRobin {
@@ -49,7 +49,19 @@ impl RoundRobin {
     }
 }
 
+impl Kind for RoundRobin {
+    const NAME: &'static str = "round_robin";
+
+    fn build(parts: &Parts<'_>) -> RoundRobin {
+        RoundRobin::new(parts.schedule(), parts.route.clone(), parts.active_limits())
+    }
+}
+
 impl InProcess for RoundRobin {
+    fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
+        Some(&self.schedule)
+    }
+
     fn pool(&self) -> &Arc<Members> {
         self.schedule.members()
     }
