@@ -8,7 +8,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use sluice_echo::{EchoOptions, EchoServer};
-use support::{request, url, wait_until_async, Backend, Config, Gateway, HttpClient, Quota, Route};
+use support::{
+    request, url, wait_until_async, Backend, Config, Egress, Gateway, HttpClient, Quota, Route,
+};
 use support::{request_head, Store};
 
 const HOST: &str = "line.test";
@@ -60,6 +62,7 @@ fn access_lines(gw: &Gateway, path: &str) -> Vec<serde_json::Value> {
 on_both_stores!(
     a_waiter_that_hangs_up_leaves_the_line_uncharged,
     a_newcomer_at_a_full_line_does_not_go_ahead,
+    a_tunnel_that_hangs_up_while_waiting_leaves_the_line,
 );
 
 /// One request per 4 s (time enough for the steps below on a loaded machine, and short
@@ -176,4 +179,48 @@ async fn a_newcomer_at_a_full_line_does_not_go_ahead(backend: Backend) {
     until_waiting(&gw, 0).await;
     let b2 = request(addr, "GET", HOST, "/b2", &b, b"").await;
     assert_eq!(b2.status, 200, "{}", b2.text());
+}
+
+/// A CONNECT that waits for capacity leaves the line at once when its client hangs up, as a
+/// request does: nothing is charged, and its access line says the client went away. The
+/// window is long, so only the hang-up can empty the line within the test's deadline.
+async fn a_tunnel_that_hangs_up_while_waiting_leaves_the_line(backend: Backend) {
+    let store = Store::start(backend);
+    let api = api().await;
+    let port = api.local_addr().port();
+    let route = Route::new("line")
+        .hosts(&["127.0.0.1"])
+        .direct_member()
+        .methods(&["CONNECT"])
+        .quota(Quota::window("slow", 1, "60s").max_wait("60s"));
+    let gw = Config::new()
+        .store(&store)
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(route)
+        .start();
+    let connect = format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n");
+    let mut first = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    first.write_raw(connect.as_bytes()).await.unwrap();
+    assert_eq!(first.read_response(true).await.unwrap().status, 200);
+    drop(first);
+
+    let mut second = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    second.write_raw(connect.as_bytes()).await.unwrap();
+    until_waiting(&gw, 1).await;
+    drop(second);
+    until_waiting(&gw, 0).await;
+
+    let ok = wait_until_async(Duration::from_secs(10), || async {
+        gw.log_json().iter().any(|l| {
+            l["target"] == "sluice::access" && l["method"] == "CONNECT" && l["status"] == 0
+        })
+    })
+    .await;
+    assert!(ok, "the gone tunnel has its access line: {}", gw.logs());
+    let gone = gw
+        .log_json()
+        .into_iter()
+        .find(|l| l["target"] == "sluice::access" && l["method"] == "CONNECT" && l["status"] == 0)
+        .unwrap();
+    assert_eq!(gone["error"], "client_gone", "{gone}");
 }
