@@ -475,19 +475,15 @@ async fn a_writer_stalled_mid_file_is_loaded_only_when_it_closes_the_file() {
     let half_version = sha256_hex(half.as_bytes());
     let full_version = sha256_hex(full.as_bytes());
 
-    // Closing the file unchanged (as `touch` does) is a close the watcher sees: from then on
-    // the platform is known to report closes.
-    drop(
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(gw.config_path())
-            .unwrap(),
-    );
-    assert_eq!(
-        std::fs::read_to_string(gw.config_path()).unwrap(),
-        live,
-        "the touch changed nothing"
-    );
+    // An in-place write, closed, is loaded: the watcher has seen a close, so from then on the
+    // platform is known to report closes.
+    let primed = format!("{live}# primed\n");
+    std::fs::write(gw.config_path(), &primed).unwrap();
+    let primed_version = sha256_hex(primed.as_bytes());
+    eventually("the closed in-place write is loaded", || async {
+        gw.status().await["version"] == primed_version.as_str()
+    })
+    .await;
 
     // Watch what the gateway serves while the file is torn.
     let stop = Arc::new(AtomicBool::new(false));

@@ -28,6 +28,11 @@ use crate::table::Table;
 /// that pauses mid-file for less than this is never caught half-way.
 const SETTLE: Duration = Duration::from_secs(2);
 
+/// A close (or a rename into place) is acted on this long after it, if no write came in the
+/// meantime: a writer that reopens the file at once to write it again is not read half-way,
+/// and the events of one save (an editor's write, rename and chmod) make one reload.
+const CLOSE_GRACE: Duration = Duration::from_millis(100);
+
 /// Once a close has been seen for the file, the platform reports them, so a change without one
 /// means a writer still holds the file open: it is waited for this long before the content is
 /// trusted anyway (a writer that never closes, or an edit by path such as `truncate`).
@@ -214,12 +219,15 @@ enum FileEvent {
     Closed,
     /// It changed, and may still be being written.
     Changed,
+    /// Its metadata changed (permissions, times): an editor may do that right after its
+    /// close, which must not put the load off.
+    Touched,
 }
 
 /// Classifies a watcher event on the config file's directory; `None` when it is not a change of
 /// the config file.
 fn classify(event: &notify::Event, name: &std::ffi::OsStr) -> Option<FileEvent> {
-    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
     // Other files in the directory (logs, say) are none of our business; a ConfigMap
     // announces a new version by swapping its `..data` link.
     let ours = event.paths.iter().any(|p| {
@@ -231,8 +239,11 @@ fn classify(event: &notify::Event, name: &std::ffi::OsStr) -> Option<FileEvent> 
     }
     match event.kind {
         EventKind::Access(AccessKind::Close(AccessMode::Write)) => Some(FileEvent::Closed),
+        // The file (or the `..data` link) moved away: a new one is still to come.
+        EventKind::Modify(ModifyKind::Name(RenameMode::From)) => Some(FileEvent::Changed),
         // A rename is atomic: what was renamed in was written whole elsewhere.
         EventKind::Modify(ModifyKind::Name(_)) => Some(FileEvent::Complete),
+        EventKind::Modify(ModifyKind::Metadata(_)) => Some(FileEvent::Touched),
         // A creation may be `open(O_CREAT)` with the writes still to come, so it waits like a
         // write; a writer's close (or the content settling) loads it.
         EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_) => {
@@ -301,6 +312,10 @@ impl BackgroundService for ReloadTriggers {
         }
         let read = |reloader: &Reloader| reloader.source().and_then(|p| std::fs::read(p).ok());
         let mut pending: Option<Pending> = None;
+        // When a writer's close (or a rename) was seen and nothing changed the file since: the
+        // file is loaded then, unless a write comes in the meantime (a new writer already at
+        // work), which makes it pending again.
+        let mut complete: Option<tokio::time::Instant> = None;
         let mut closes_reported = false;
         loop {
             let deadline = pending.as_ref().map(|p| p.deadline);
@@ -313,9 +328,12 @@ impl BackgroundService for ReloadTriggers {
                     FileEvent::Closed | FileEvent::Complete => {
                         closes_reported |= event == FileEvent::Closed;
                         pending = None;
-                        let _ = self.reloader.reload("file").await;
+                        complete = Some(tokio::time::Instant::now() + CLOSE_GRACE);
                     }
-                    FileEvent::Changed => {
+                    // A close just seen stands: the content did not change.
+                    FileEvent::Touched if complete.is_some() => {}
+                    FileEvent::Changed | FileEvent::Touched => {
+                        complete = None;
                         let settle = if closes_reported { SETTLE_WITH_CLOSES } else { SETTLE };
                         let deadline = tokio::time::Instant::now() + settle;
                         match &mut pending {
@@ -324,6 +342,10 @@ impl BackgroundService for ReloadTriggers {
                         }
                     }
                 },
+                _ = async { match complete { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } } => {
+                    complete = None;
+                    let _ = self.reloader.reload("file").await;
+                }
                 _ = async { match deadline { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } } => {
                     // No event for a settle period: load the file if its content did not move
                     // either (a polling watcher may miss a write), else give it another period.
