@@ -235,8 +235,15 @@ impl Tunnels {
             let p = Problem::connect_not_supported(reason);
             end.status = p.status;
             end.error = Some(p.code);
-            head::answer(client, id, &p, Some(&route), None, allow_without_connect(&route))
-                .await;
+            head::answer(
+                client,
+                id,
+                &p,
+                Some(&route),
+                None,
+                allow_without_connect(&route),
+            )
+            .await;
             return;
         }
 
@@ -522,12 +529,11 @@ fn connect_refusal(route: &Route) -> Option<&'static str> {
     if origins {
         return Some("this route's members are origin servers, which sluice must send each request to itself; CONNECT tunnels need a direct or proxy member. Send the request to sluice as plain http://, or in gateway form");
     }
-    let by_path = route.config.quota.as_ref().is_some_and(|q| {
-        q.cost
-            .rules
-            .iter()
-            .any(|r| r.path_prefix.0 != "/")
-    });
+    let by_path = route
+        .config
+        .quota
+        .as_ref()
+        .is_some_and(|q| q.cost.rules.iter().any(|r| r.path_prefix.0 != "/"));
     if by_path {
         return Some("this route charges requests by path, which a tunnel would hide; send the requests to sluice as plain http://, or in gateway form");
     }
