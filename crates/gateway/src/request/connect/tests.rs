@@ -22,7 +22,7 @@ struct Harness {
     metrics: Arc<Metrics>,
     config: Config,
     text: String,
-    state: Arc<dyn sluice_state::StateStore>,
+    state: Arc<dyn sluice_allocator::StateStore>,
     resolver: crate::egress::Resolver,
 }
 
