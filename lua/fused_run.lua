@@ -1,6 +1,6 @@
 -- sluice quota + least-used in one atomic call, for one or more requests of one route and one
 -- quota key: the gateway sends every such request that arrived while the previous call was out
--- in one call (crates/state/src/batch.rs). Runs after quota.lua and allocator.lua.
+-- in one call (crates/store/src/batch.rs). Runs after quota.lua and allocator.lua.
 --
 -- Each request is decided exactly as if it had come in a call of its own, in the order given,
 -- on one clock: the quota goes first and records only once a member is assigned. What the

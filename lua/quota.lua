@@ -1,7 +1,7 @@
 -- sluice quota library: a sliding-window quota, checked and recorded atomically over every
 -- window of one quota key. Drivers (quota_run.lua, and the allocator's fused script) call
 -- these functions. Redis runs them as one function library with every driver (Redis 7), or
--- as one script per driver, the driver concatenated after this file (crates/state/src/scripts.rs).
+-- as one script per driver, the driver concatenated after this file (crates/store/src/scripts.rs).
 --
 -- Keys of one quota key:
 -- - meta: a hash. Field "seq" numbers admitted requests, so that two requests in the same

@@ -110,7 +110,7 @@ async fn routes_on_different_masters_cost_at_most_one_script_call_a_request_and_
     }
     let sent: Vec<String> = monitors.into_iter().flat_map(|m| m.stop()).collect();
     assert_eq!(bad, 0);
-    // Requests of one route that wait together share a call (crates/state/src/batch.rs).
+    // Requests of one route that wait together share a call (crates/store/src/batch.rs).
     assert!(
         !sent.is_empty() && sent.len() <= 32 * 40,
         "at most one command per request across the masters: {}",

@@ -12,7 +12,7 @@ use subtle::ConstantTimeEq;
 
 use std::collections::HashMap;
 
-use sluice_state::StateStore;
+use sluice_allocator::StateStore;
 
 use crate::metrics::Metrics;
 use crate::reload::Reloader;
@@ -208,7 +208,7 @@ impl<'a> Remaining<'a> {
         if quota.key != crate::config::QuotaKey::Route || self.failed {
             return None;
         }
-        let read = self.state.acquire(sluice_state::Acquire {
+        let read = self.state.acquire(sluice_limiter::Acquire {
             route: &route.name,
             key: "route",
             windows: &quota.windows,
@@ -224,7 +224,7 @@ impl<'a> Remaining<'a> {
         if member.windows.is_empty() || self.failed {
             return None;
         }
-        let pool_member = sluice_state::PoolMember {
+        let pool_member = sluice_allocator::PoolMember {
             id: member.name.clone(),
             windows: member.windows.clone(),
         };
@@ -232,7 +232,7 @@ impl<'a> Remaining<'a> {
         self.answer(read)
     }
 
-    fn answer<T>(&mut self, result: Result<T, sluice_state::StoreError>) -> Option<T> {
+    fn answer<T>(&mut self, result: Result<T, sluice_limiter::StoreError>) -> Option<T> {
         self.failed |= result.is_err();
         result.ok()
     }
@@ -240,7 +240,7 @@ impl<'a> Remaining<'a> {
 
 /// Quota windows for `/status`, each with what is left of it when `remaining` is known.
 fn windows_json<'a>(
-    windows: impl Iterator<Item = &'a sluice_state::Window>,
+    windows: impl Iterator<Item = &'a sluice_limiter::Window>,
     remaining: &Option<Vec<u64>>,
 ) -> Vec<serde_json::Value> {
     windows

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use http::HeaderValue;
 use pingora::proxy::Session;
 use prometheus::IntCounter;
-use sluice_state::Window;
+use sluice_limiter::Window;
 
 use crate::config::{OnStoreError, QuotaConfig, QuotaKey};
 use crate::metrics::Metrics;

@@ -9,7 +9,7 @@
 //! API's own limits are what its clients most need to see.
 
 use http::HeaderValue;
-use sluice_state::{Outcome, Window};
+use sluice_limiter::{Outcome, Window};
 
 /// `"<name>";q=<limit>;w=<seconds>, …` for every window. Structured-field integers have no
 /// fractions, so a window shorter than a second is announced as 1 s.
@@ -71,7 +71,7 @@ fn partition_key(key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sluice_state::WindowState;
+    use sluice_limiter::WindowState;
 
     #[test]
     fn items_parse_as_structured_field_lists() {

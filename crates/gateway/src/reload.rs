@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use notify::{EventKind, RecursiveMode, Watcher};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use sluice_state::StateStore;
+use sluice_allocator::StateStore;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::checks::HealthSupervisor;

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use sluice_state::{MemoryLimits, MemoryStore, RedisConnection, RedisStore, StateStore};
+use sluice_allocator::{MemoryStore, StateStore};
+use sluice_limiter::MemoryLimits;
+use sluice_store::{RedisConnection, RedisStore};
 
 use crate::config::{Config, StateBackend};
 

@@ -14,8 +14,9 @@ use std::time::SystemTime;
 use http::HeaderValue;
 use pingora::upstreams::peer::HttpPeer;
 use prometheus::{Histogram, IntCounter, IntGauge};
+use sluice_allocator::{PoolMember, StateStore};
 use sluice_balancer::Members;
-use sluice_state::{PoolMember, StateStore, Window};
+use sluice_limiter::Window;
 
 use crate::config::{
     AdminConfig, Config, DnsConfig, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl,

@@ -15,10 +15,10 @@
 use std::sync::{Arc, OnceLock, Weak};
 
 use prometheus::IntGauge;
+use sluice_allocator::StateStore;
 use sluice_balancer::{
     HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Members, Transition,
 };
-use sluice_state::StateStore;
 
 use crate::config::{OnRestore, RouteConfig};
 use crate::metrics::Metrics;

@@ -10,7 +10,8 @@ use http::{header, HeaderValue, Method};
 use pingora::prelude::*;
 use pingora::proxy::Session;
 use pingora::ErrorType;
-use sluice_state::{Acquire, StateStore, StoreError};
+use sluice_allocator::StateStore;
+use sluice_limiter::{Acquire, StoreError};
 
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
 use crate::config::{MemberKind, OnStoreError};
@@ -359,7 +360,7 @@ fn verdict(
     admission: Admission,
 ) -> Verdict {
     let quota = route.quota.as_deref();
-    let ratelimit_of = |outcome: Option<&sluice_state::Outcome>| {
+    let ratelimit_of = |outcome: Option<&sluice_limiter::Outcome>| {
         quota
             .zip(outcome)
             .and_then(|(q, o)| answer::ratelimit(q, o, key))

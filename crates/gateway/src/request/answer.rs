@@ -9,7 +9,7 @@ use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, Session};
 use pingora::ErrorType;
-use sluice_state::Outcome;
+use sluice_limiter::Outcome;
 
 use super::account::ConnectFailure;
 use super::{Failure, RequestCtx};

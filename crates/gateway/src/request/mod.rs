@@ -45,7 +45,7 @@ use pingora::protocols::http::ServerSession;
 use pingora::protocols::Digest;
 use pingora::proxy::{FailToProxy, ProxyHttp, ProxyWarnLogContext, Session};
 use pingora::upstreams::peer::HttpPeer;
-use sluice_state::StateStore;
+use sluice_allocator::StateStore;
 
 use crate::config::MemberKind;
 use crate::egress::{Denial, Resolver};

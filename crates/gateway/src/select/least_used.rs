@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
 use sluice_balancer::{Members, WeightedRoundRobin};
-use sluice_state::{Acquire, Assign, Assignment, Order, PoolMember, StateStore, StoreError};
+use sluice_limiter::{Acquire, StoreError};
 
 use async_trait::async_trait;
 

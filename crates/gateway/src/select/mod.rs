@@ -26,10 +26,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
+use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
 use sluice_balancer::{Members, WeightedRoundRobin};
-use sluice_state::{
-    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError,
-};
+use sluice_limiter::{Acquire, Outcome, StoreError};
 
 use crate::config::{Config, Rules, Selection, UpstreamConfig, YamlPath};
 

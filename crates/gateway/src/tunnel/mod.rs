@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use http::{HeaderValue, Method};
 use pingora::protocols::Stream;
-use sluice_state::StateStore;
+use sluice_allocator::StateStore;
 
 use crate::egress::Resolver;
 use crate::metrics::{Metrics, NO_ROUTE};

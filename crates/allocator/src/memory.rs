@@ -9,35 +9,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use sluice_limiter::{Acquire, MemoryLimits, Outcome, QuotaLogs, StoreError, Window};
+
 use crate::memory_pools::{Excluded, Pools, Route};
-use crate::memory_quota::QuotaLogs;
-use crate::{
-    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError, Window,
-};
-
-/// How much a [`MemoryStore`] may hold, so that clients who choose their quota keys cannot
-/// grow it without bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryLimits {
-    /// The most quota keys one route holds (about: the bound is kept per shard of the store).
-    /// Past it, a request with a new key gets [`StoreError::TooManyKeys`], once no key whose
-    /// windows are empty is left to drop.
-    pub max_keys: usize,
-    /// The most log entries one route holds, over all its keys and windows (about, likewise):
-    /// one per admitted request per window, still in the window. Past it, once the entries
-    /// that left their windows are dropped, a request that would add entries gets
-    /// [`StoreError::TooManyKeys`].
-    pub max_entries: usize,
-}
-
-impl Default for MemoryLimits {
-    fn default() -> MemoryLimits {
-        MemoryLimits {
-            max_keys: crate::memory_quota::MAX_KEYS_PER_ROUTE,
-            max_entries: crate::memory_quota::MAX_ENTRIES_PER_ROUTE,
-        }
-    }
-}
+use crate::{Assign, Assignment, Order, PoolMember, StateStore};
 
 /// Quotas, least-used pools, member windows and cooldowns for a single gateway instance.
 #[derive(Debug, Default)]

@@ -18,6 +18,8 @@ use redis::{
     ToRedisArgs,
 };
 
+use sluice_limiter::Acquire;
+
 use crate::scripts::{Library, StateScript};
 
 /// Arguments after the keys that a call is sized for before it grows: a route's and its
@@ -82,6 +84,29 @@ impl<'s> ScriptCall<'s> {
     pub fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
         debug_assert_eq!(self.keys_left, 0, "an argument before the last key");
         self.cmd.arg(arg);
+        self
+    }
+
+    /// Appends the quota arguments (cost, clock, then name, limit, length per window), as the
+    /// quota library's drivers read them.
+    pub fn quota_args(&mut self, req: &Acquire<'_>) -> &mut Self {
+        self.arg(req.cost);
+        match req.at_us {
+            Some(t) => self.arg(t),
+            None => self.arg(""),
+        };
+        for w in req.windows {
+            self.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        }
+        self
+    }
+
+    /// Appends a list of excluded member ids, count first, as `pool_excluded` reads it.
+    pub fn excluded<S: AsRef<str>>(&mut self, excluded: &[S]) -> &mut Self {
+        self.arg(excluded.len());
+        for e in excluded {
+            self.arg(e.as_ref());
+        }
         self
     }
 

@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_state::{Acquire, MemoryStore, RedisStore, RedisStoreConfig, StateStore, Window};
+use sluice_allocator::{MemoryStore, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::RedisServer;
 
 mod quota_model;
@@ -281,7 +283,7 @@ async fn all_windows_or_none() {
 async fn redis_cluster_store_matches_the_model() {
     let cluster = sluice_testkit::RedisCluster::start();
     let connection =
-        sluice_state::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+        sluice_store::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
     let store = RedisStore::with_connection(Arc::new(connection), "sluice");
     suite(&store, "cluster").await;
     scenarios(&store).await;

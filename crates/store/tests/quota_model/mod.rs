@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use sluice_state::{Outcome, Window, WindowState};
+use sluice_limiter::{Outcome, Window, WindowState};
 
 /// The obviously-correct model: a request admitted at t counts in a window of length L while
 /// now < t + L.

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use sluice_state::{
-    Acquire, RedisConnection, RedisStore, RedisStoreConfig, StateStore, StoreError, Window,
-};
+use sluice_allocator::StateStore;
+use sluice_limiter::{Acquire, StoreError, Window};
+use sluice_store::{RedisConnection, RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
 
 fn store(server: &RedisServer, timeout: Duration) -> RedisStore {

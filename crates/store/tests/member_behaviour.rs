@@ -8,10 +8,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_state::{
-    Acquire, Assign, Assignment, MemoryStore, Order, Outcome, PoolMember, RedisConnection,
-    RedisStore, StateStore, Window,
-};
+use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Outcome, Window};
+use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::{RedisCluster, RedisServer};
 
 const SEC: u64 = 1_000_000;

@@ -1,5 +1,5 @@
 //! The Redis store decides the quota + least-used requests of one route and quota key that wait
-//! together in one script call (crates/state/src/batch.rs, lua/fused_run.lua). Each request must
+//! together in one script call (crates/store/src/batch.rs, lua/fused_run.lua). Each request must
 //! be decided exactly as if it had come alone: these tests hold every answer of a batched run to
 //! the memory store's sequential ones, and to the Redis store's own sequential ones, request by
 //! request, over random traces (proptest) of groups of requests that arrive together, with
@@ -18,10 +18,9 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use sluice_state::{
-    Acquire, Assign, Assignment, MemoryStore, Order, PoolMember, RedisConnection, RedisStore,
-    RedisStoreConfig, StateStore, Window,
-};
+use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisConnection, RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
 
 /// Ids whose byte order is not their config order, with prefixes of one another and a capital

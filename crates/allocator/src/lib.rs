@@ -1,25 +1,21 @@
-//! sluice-state: the state that every gateway instance shares — sliding-window quotas,
-//! least-used assignment counts, pool members' own quota windows and their cooldowns — and the
-//! one operation that decides all of them for a request.
+//! sluice-allocator: choose the member of a pool that a request goes to, against shared state.
 //!
-//! This crate has one job: own that state. It is the only place that knows
-//! - the [`StateStore`] trait, the single interface the gateway uses;
-//! - the Redis connection and its call discipline (timeout, one retry after a reconnect),
-//!   in [`connection`];
-//! - the Redis key schema (SPEC §6), in [`keys`];
-//! - how the Lua scripts in `lua/` are assembled, called and answered, in [`scripts`];
-//! - [`StoreError`], whatever part of the state failed.
+//! This crate has one job: decide, in one atomic step, which member of a route takes a request
+//! (or why none does), counting it where every instance sees the count. It holds
+//! - the semantics and their types: [`PoolMember`] (an id and its own quota windows), the
+//!   [`Order`] candidates are walked in, the [`Assign`] asked and the [`Assignment`] answered;
+//! - [`StateStore`], the one interface the gateway uses for shared state;
+//! - [`MemoryStore`], its in-process backend: least-used counts and cooldowns (`memory_pools`)
+//!   with the limiter's memory logs ([`sluice_limiter::QuotaLogs`]) for quotas and member windows;
+//! - [`lua`], the same rules as Redis runs them (`lua/allocator.lua`, `lua/members.lua` and the
+//!   drivers that combine them with the quota).
 //!
-//! Two backends implement [`StateStore`] with the same behaviour, and the same behavioural
-//! suites run against both (and against Redis Cluster):
-//! - [`MemoryStore`], for a single gateway instance (the default);
-//! - [`RedisStore`], shared by every instance: at most one script call per request (requests
-//!   that wait together share one), time from Redis `TIME`.
+//! [`StateStore`] lives here, not in the store crate, because its central call,
+//! [`StateStore::assign`], is this crate's decision: the route's quota (the limiter) and the
+//! member walk (this crate) decided together. A backend is a way to keep that decision's state
+//! (`sluice-store` runs it over Redis); the decision and its contract belong with its semantics,
+//! and the gateway can use the memory backend without linking a Redis client.
 //!
-//! A new backend is one file that implements [`StateStore`].
-//!
-//! The decisions are exact. For quotas, the units admitted in any interval as long as a window
-//! never exceed its limit, and a refused request learns exactly how long until its cost fits.
 //! For least-used, the member with the fewest assignments is picked and counted in the same
 //! atomic step, so two instances can never both take the same minimum; ties go to the
 //! lexically smallest member id.
@@ -33,84 +29,20 @@
 //! nothing is charged anywhere. Cooldowns are set with [`StateStore::cool`], which never
 //! shortens one, so that instances learning from 429s at once agree.
 //!
-//! It knows nothing of Pingora or HTTP: the gateway turns an [`Outcome`] into headers, a
-//! `Retry-After` into [`StateStore::cool`], and passes the members it sees as down (and those a
-//! request already tried) as `excluded`.
+//! It knows nothing of Pingora, HTTP or Redis: the gateway turns a `Retry-After` into
+//! [`StateStore::cool`], and passes the members it sees as down (and those a request already
+//! tried) as `excluded`.
 
-mod batch;
-mod call;
-pub mod connection;
-pub mod keys;
+pub mod lua;
 mod memory;
 mod memory_pools;
-mod memory_quota;
-mod redis;
-pub mod scripts;
 
-use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use sluice_limiter::{Acquire, Outcome, StoreError, Window};
 
-pub use connection::RedisConnection;
-pub use memory::{MemoryLimits, MemoryStore};
-pub use redis::{RedisStore, RedisStoreConfig};
-
-/// One window of a quota.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Window {
-    /// Name, unique within the quota; part of the store keys.
-    pub name: Arc<str>,
-    /// Units admitted per window, at least 1.
-    pub limit: u64,
-    /// Length in microseconds, at least 1.
-    pub length_us: u64,
-}
-
-/// What is asked of the quota for one request.
-#[derive(Debug, Clone, Copy)]
-pub struct Acquire<'a> {
-    /// The route; the store keeps each route's keys apart (and on one Redis Cluster slot).
-    pub route: &'a str,
-    /// The quota key within the route (`route`, a header value or a client address).
-    pub key: &'a str,
-    /// The windows, all of which must admit the request.
-    pub windows: &'a [Window],
-    /// The request's cost in units. 0 records nothing and only reports the windows' state
-    /// ([`StateStore::acquire`] only; the gateway's metrics read the quota this way).
-    pub cost: u64,
-    /// The time in microseconds, for tests that replay a trace. `None` (always, in the gateway)
-    /// uses the store's own clock: monotonic in memory, Redis `TIME` in Redis.
-    pub at_us: Option<u64>,
-}
-
-/// The state of one window after a decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WindowState {
-    /// Units still available in the window, after this request if it was admitted.
-    pub remaining: u64,
-    /// Microseconds until the window's oldest counted request leaves it; 0 when empty.
-    pub reset_us: u64,
-}
-
-/// The quota's decision for one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
-    /// True when every window admitted the request, which is then recorded in all of them.
-    pub admitted: bool,
-    /// For a refused request, microseconds until its cost fits every window if no other traffic
-    /// arrives; 0 when admitted.
-    pub retry_after_us: u64,
-    /// Per window, in the order of [`Acquire::windows`].
-    pub windows: Vec<WindowState>,
-}
-
-impl Outcome {
-    /// The index of the window with the least remaining units (the first, on a tie).
-    pub fn tightest(&self) -> Option<usize> {
-        (0..self.windows.len()).min_by_key(|&i| self.windows[i].remaining)
-    }
-}
+pub use memory::MemoryStore;
 
 /// A pool member as the store sees it.
 ///
@@ -210,34 +142,6 @@ pub enum Assignment {
     },
 }
 
-/// A failure to reach or use the store. The caller applies its route's `on_store_error`.
-#[derive(Debug, Clone)]
-pub enum StoreError {
-    /// The store did not answer within its timeout.
-    Timeout,
-    /// The store answered with an error, or the connection failed.
-    Backend(String),
-    /// The route holds as many quota keys, or log entries, as the memory store allows, each
-    /// still counting: a request with a new key, or one that would add entries, is not decided.
-    /// This is no outage: the store works, and what it holds keeps being decided. The gateway
-    /// refuses the request rather than admit it unmetered.
-    TooManyKeys,
-}
-
-impl fmt::Display for StoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StoreError::Timeout => f.write_str("state store timed out"),
-            StoreError::Backend(e) => write!(f, "state store failed: {e}"),
-            StoreError::TooManyKeys => f.write_str(
-                "the route holds as many quota keys, or entries, as the memory store keeps",
-            ),
-        }
-    }
-}
-
-impl std::error::Error for StoreError {}
-
 /// Where quota logs and least-used pools live.
 ///
 /// Implementations are atomic per route: concurrent calls behave as if they ran one after
@@ -311,4 +215,14 @@ pub trait StateStore: Send + Sync + 'static {
     async fn ready(&self) -> bool {
         true
     }
+}
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
 }

@@ -11,14 +11,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::Value;
 
+use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Outcome, StoreError, Window};
+
 use crate::batch::FusedBatches;
 use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
-use crate::{
-    Acquire, Assign, Assignment, Order, Outcome, PoolMember, StateStore, StoreError, Window,
-};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -100,7 +100,7 @@ impl RedisStore {
         for a in leading {
             call.arg(*a);
         }
-        scripts::push_excluded(&mut call, excluded);
+        call.excluded(excluded);
         self.invoke(&call).await
     }
 
@@ -188,7 +188,7 @@ impl RedisStore {
                 call.arg("").arg(0);
             }
         }
-        scripts::push_excluded(&mut call, if least_used { ask.excluded } else { &[] });
+        call.excluded(if least_used { ask.excluded } else { &[] });
         // Per member: its id, then its window count and windows, in the order of its keys
         // above, or "=" when they are the previous member's (members.lua, members_step).
         call.arg(members().count());
@@ -273,7 +273,7 @@ impl StateStore for RedisStore {
             1 + req.windows.len(),
         );
         self.push_quota_keys(&mut call, &req);
-        scripts::push_quota_args(&mut call, &req);
+        call.quota_args(&req);
         let reply: Vec<i64> = self.invoke(&call).await?;
         scripts::parse_quota(&reply, req.windows.len())
     }
@@ -345,7 +345,7 @@ impl StateStore for RedisStore {
         for w in member.windows.iter() {
             call.key(&self.keys.member_log_parts(route, &w.name, &member.id));
         }
-        scripts::push_quota_args(&mut call, &read);
+        call.quota_args(&read);
         let reply: Vec<i64> = self.invoke(&call).await?;
         let outcome = scripts::parse_quota(&reply, member.windows.len())?;
         Ok(outcome.windows.iter().map(|w| w.remaining).collect())

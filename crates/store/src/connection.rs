@@ -14,7 +14,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{IntoConnectionInfo, RedisError};
 
-use crate::StoreError;
+use sluice_limiter::StoreError;
 
 /// Whether `url` asks for TLS (`rediss://`).
 fn is_tls(url: &str) -> bool {

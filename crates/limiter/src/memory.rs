@@ -1,5 +1,6 @@
 //! Sliding-window quota logs in process: the same logs as the Redis script keeps, on a
-//! monotonic clock. Part of [`crate::MemoryStore`].
+//! monotonic clock. `sluice-allocator`'s memory store keeps its route quotas and its members'
+//! own windows in two of these.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
@@ -154,7 +155,7 @@ struct Shard {
 
 /// Every quota log of one gateway instance.
 #[derive(Debug)]
-pub(crate) struct QuotaLogs {
+pub struct QuotaLogs {
     shards: Box<[Mutex<Shard>]>,
     epoch: Instant,
     calls: AtomicU64,
@@ -173,12 +174,12 @@ impl Default for QuotaLogs {
 
 impl QuotaLogs {
     /// No logs yet, with the default bounds.
-    pub(crate) fn new() -> QuotaLogs {
+    pub fn new() -> QuotaLogs {
         QuotaLogs::with_limits(&crate::MemoryLimits::default())
     }
 
     /// No logs yet, with these bounds.
-    pub(crate) fn with_limits(limits: &crate::MemoryLimits) -> QuotaLogs {
+    pub fn with_limits(limits: &crate::MemoryLimits) -> QuotaLogs {
         QuotaLogs {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             epoch: Instant::now(),
@@ -189,7 +190,7 @@ impl QuotaLogs {
     }
 
     /// Number of quota keys held, across all routes (for tests and status).
-    pub(crate) fn keys(&self) -> usize {
+    pub fn keys(&self) -> usize {
         self.shards
             .iter()
             .map(|s| {
@@ -200,7 +201,7 @@ impl QuotaLogs {
     }
 
     /// The store's clock: microseconds since these logs were made, monotonic.
-    pub(crate) fn now_us(&self) -> u64 {
+    pub fn now_us(&self) -> u64 {
         self.epoch.elapsed().as_micros() as u64
     }
 
@@ -212,7 +213,7 @@ impl QuotaLogs {
     }
 
     /// Decides on one request and records it if admitted.
-    pub(crate) fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
+    pub fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         // A cost of 0 only reads the windows (see `Acquire::cost`).
         self.decide_then(req, || (req.cost > 0).then_some(()))
             .map(|(outcome, _)| outcome)
@@ -223,7 +224,7 @@ impl QuotaLogs {
     /// This is how a least-used assignment and its quota become one atomic step: the quota is
     /// never charged for a request that found no member, and never left uncharged for one
     /// that did.
-    pub(crate) fn decide_then<T>(
+    pub fn decide_then<T>(
         &self,
         req: Acquire<'_>,
         then: impl FnOnce() -> Option<T>,

@@ -14,7 +14,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use quota_model::Model;
-use sluice_state::{Acquire, MemoryStore, RedisStore, RedisStoreConfig, StateStore, Window};
+use sluice_allocator::{MemoryStore, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::RedisServer;
 
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_state::RedisConnection;
+use sluice_store::RedisConnection;
 use sluice_testkit::RedisServer;
 
 /// Write system calls (`write`, `writev`, ...) made by this process so far.

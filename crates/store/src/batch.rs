@@ -28,11 +28,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use redis::Value;
 use tokio::sync::oneshot;
 
+use sluice_limiter::{Acquire, StoreError, Window};
+
 use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
-use crate::scripts::{self, Scripts};
-use crate::{Acquire, StoreError, Window};
+use crate::scripts::Scripts;
 
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
 /// stays short (a call of 32 takes Redis about 120 µs), and its reply stays small.
@@ -214,7 +215,7 @@ impl FusedBatches {
         call.arg(batch.len());
         for w in batch {
             call.arg(w.cost);
-            scripts::push_excluded(&mut call, &w.excluded);
+            call.excluded(&w.excluded);
         }
         let call = &call;
         self.connection

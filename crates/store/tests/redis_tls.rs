@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_state::{
-    Acquire, Assign, Assignment, Order, PoolMember, RedisConnection, RedisStore, StateStore, Window,
-};
+use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::RedisServer;
 
 /// A plain least-used assignment over `members`.
@@ -117,7 +117,7 @@ async fn the_server_certificate_is_verified() {
         .expect_err("another CA did not sign the server's certificate");
 
     // Nothing was counted.
-    let log = sluice_state::keys::Keys::new("sluice").quota_log("q", "m", "route");
+    let log = sluice_store::keys::Keys::new("sluice").quota_log("q", "m", "route");
     assert_eq!(server.integer(&["ZCARD", &log]), Some(0));
 }
 

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_state::{Acquire, Assign, Order, PoolMember, Window};
-use sluice_state::{Assignment, MemoryStore, RedisConnection, RedisStore, StateStore};
+use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::RedisServer;
 
 const MEMBER_IDS: [&str; 3] = ["http://b.test", "http://a.test", "http://c.test"];

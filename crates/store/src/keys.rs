@@ -104,7 +104,7 @@ impl Keys {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Window;
+    use sluice_limiter::Window;
 
     #[test]
     fn every_key_of_a_route_shares_its_hash_tag() {

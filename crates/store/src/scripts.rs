@@ -1,9 +1,10 @@
 //! The Lua scripts in `lua/`, and the protocol the Redis backend speaks with them: how each
-//! script is assembled from its libraries, how arguments are laid out, and how replies are read.
+//! script is assembled from its libraries, and how replies are read (how arguments are laid
+//! out is `call.rs`'s, which writes them).
 //!
-//! The libraries (`quota.lua`, `allocator.lua`, `members.lua`) define functions; each driver
-//! (`*_run.lua`) is the body of one operation, so one call composes several policies
-//! atomically. The same files are sent two ways:
+//! The libraries (`quota.lua` from `sluice-limiter`, `allocator.lua` and `members.lua` from
+//! `sluice-allocator`) define functions; each driver (`*_run.lua`) is the body of one
+//! operation, so one call composes several policies atomically. The same files are sent two ways:
 //! - as one Redis function library (Redis 7 `FUNCTION LOAD`), called with `FCALL`. Its
 //!   functions are created once, when it is loaded;
 //! - as scripts for `EVALSHA`: each driver appended to the libraries it uses. Redis runs a
@@ -18,20 +19,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::{Script, Value};
 
-use crate::call::ScriptCall;
-use crate::{Acquire, Assignment, Outcome, StoreError, WindowState};
-
-/// The quota library: functions that check and record a quota.
-pub const QUOTA_LIBRARY: &str = include_str!("../../../lua/quota.lua");
-/// The least-used library: functions that pick, count, sync and restore pool members.
-pub const ALLOCATOR_LIBRARY: &str = include_str!("../../../lua/allocator.lua");
-const QUOTA_DRIVER: &str = include_str!("../../../lua/quota_run.lua");
-const ALLOCATOR_DRIVER: &str = include_str!("../../../lua/allocator_run.lua");
-const FUSED_DRIVER: &str = include_str!("../../../lua/fused_run.lua");
-/// The member library: member windows, cooldowns, and the walk over candidates.
-pub const MEMBERS_LIBRARY: &str = include_str!("../../../lua/members.lua");
-const ASSIGN_DRIVER: &str = include_str!("../../../lua/assign_run.lua");
-const COOL_DRIVER: &str = include_str!("../../../lua/cool_run.lua");
+use sluice_allocator::lua::{
+    ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, MEMBERS_LIBRARY,
+};
+use sluice_allocator::Assignment;
+use sluice_limiter::lua::{DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY};
+use sluice_limiter::{Outcome, StoreError, WindowState};
 
 /// One operation: its function in the library, and the same code as a script for `EVALSHA`.
 pub struct StateScript {
@@ -108,7 +101,7 @@ const NAME: &str = "@LIBRARY@";
 fn library_template() -> String {
     let mut text = format!(
         "#!lua name={NAME}\n\
-         -- sluice's state operations, written by crates/state/src/scripts.rs from lua/.\n\
+         -- sluice's state operations, written by crates/store/src/scripts.rs from lua/.\n\
          local KEYS, ARGV\n\
          {QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n"
     );
@@ -173,27 +166,6 @@ impl Scripts {
 /// The source of the quota script: the library followed by its driver.
 pub fn quota_source() -> String {
     format!("{QUOTA_LIBRARY}\n{QUOTA_DRIVER}")
-}
-
-/// Appends the quota arguments (cost, clock, then name, limit, length per window), as the quota
-/// library's drivers read them.
-pub(crate) fn push_quota_args(invocation: &mut ScriptCall<'_>, req: &Acquire<'_>) {
-    invocation.arg(req.cost);
-    match req.at_us {
-        Some(t) => invocation.arg(t),
-        None => invocation.arg(""),
-    };
-    for w in req.windows {
-        invocation.arg(&*w.name).arg(w.limit).arg(w.length_us);
-    }
-}
-
-/// Appends a list of excluded member ids, count first, as `pool_excluded` reads it.
-pub(crate) fn push_excluded<S: AsRef<str>>(invocation: &mut ScriptCall<'_>, excluded: &[S]) {
-    invocation.arg(excluded.len());
-    for e in excluded {
-        invocation.arg(e.as_ref());
-    }
 }
 
 /// Parses `{admitted, retry_after_us, remaining_i, reset_us_i...}` as the quota library replies.

@@ -1,0 +1,143 @@
+//! sluice-limiter: the sliding-window log that every quota is.
+//!
+//! This crate has one job: say whether a request's cost fits every window of its quota key
+//! now, and how long until it does. It holds
+//! - the semantics and their types: a quota is [`Window`]s, a request asks with an
+//!   [`Acquire`], and the answer is an [`Outcome`] ([`WindowState`] per window);
+//! - [`QuotaLogs`], the log kept in process ([`MemoryLimits`] bounds it), which the memory
+//!   store of `sluice-allocator` decides with;
+//! - [`lua`], the same log as Redis keeps it (`lua/quota.lua`), which `sluice-store` runs;
+//! - [`StoreError`], how deciding on shared state fails: here because the memory log is the
+//!   first store to fail (its bounds), and every crate above it (the allocator, the Redis store,
+//!   the gateway) speaks of the same failures.
+//!
+//! The decision is exact: the units admitted in any interval as long as a window never exceed
+//! its limit, and a refused request learns exactly how long until its cost fits.
+//!
+//! It knows nothing of Pingora, HTTP or Redis: the gateway turns an [`Outcome`] into headers.
+
+pub mod lua;
+mod memory;
+
+use std::fmt;
+use std::sync::Arc;
+
+pub use memory::{QuotaLogs, MAX_ENTRIES_PER_ROUTE, MAX_KEYS_PER_ROUTE};
+
+/// One window of a quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Window {
+    /// Name, unique within the quota; part of the store keys.
+    pub name: Arc<str>,
+    /// Units admitted per window, at least 1.
+    pub limit: u64,
+    /// Length in microseconds, at least 1.
+    pub length_us: u64,
+}
+
+/// What is asked of the quota for one request.
+#[derive(Debug, Clone, Copy)]
+pub struct Acquire<'a> {
+    /// The route; the store keeps each route's keys apart (and on one Redis Cluster slot).
+    pub route: &'a str,
+    /// The quota key within the route (`route`, a header value or a client address).
+    pub key: &'a str,
+    /// The windows, all of which must admit the request.
+    pub windows: &'a [Window],
+    /// The request's cost in units. 0 records nothing and only reports the windows' state
+    /// (`StateStore::acquire` only, in `sluice-allocator`; the gateway's metrics read the quota this way).
+    pub cost: u64,
+    /// The time in microseconds, for tests that replay a trace. `None` (always, in the gateway)
+    /// uses the store's own clock: monotonic in memory, Redis `TIME` in Redis.
+    pub at_us: Option<u64>,
+}
+
+/// The state of one window after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowState {
+    /// Units still available in the window, after this request if it was admitted.
+    pub remaining: u64,
+    /// Microseconds until the window's oldest counted request leaves it; 0 when empty.
+    pub reset_us: u64,
+}
+
+/// The quota's decision for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// True when every window admitted the request, which is then recorded in all of them.
+    pub admitted: bool,
+    /// For a refused request, microseconds until its cost fits every window if no other traffic
+    /// arrives; 0 when admitted.
+    pub retry_after_us: u64,
+    /// Per window, in the order of [`Acquire::windows`].
+    pub windows: Vec<WindowState>,
+}
+
+impl Outcome {
+    /// The index of the window with the least remaining units (the first, on a tie).
+    pub fn tightest(&self) -> Option<usize> {
+        (0..self.windows.len()).min_by_key(|&i| self.windows[i].remaining)
+    }
+}
+
+/// How much a [`QuotaLogs`] (and so a memory store) may hold, so that clients who choose their
+/// quota keys cannot grow it without bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryLimits {
+    /// The most quota keys one route holds (about: the bound is kept per shard of the store).
+    /// Past it, a request with a new key gets [`StoreError::TooManyKeys`], once no key whose
+    /// windows are empty is left to drop.
+    pub max_keys: usize,
+    /// The most log entries one route holds, over all its keys and windows (about, likewise):
+    /// one per admitted request per window, still in the window. Past it, once the entries
+    /// that left their windows are dropped, a request that would add entries gets
+    /// [`StoreError::TooManyKeys`].
+    pub max_entries: usize,
+}
+
+impl Default for MemoryLimits {
+    fn default() -> MemoryLimits {
+        MemoryLimits {
+            max_keys: memory::MAX_KEYS_PER_ROUTE,
+            max_entries: memory::MAX_ENTRIES_PER_ROUTE,
+        }
+    }
+}
+
+/// A failure to reach or use the store. The caller applies its route's `on_store_error`.
+#[derive(Debug, Clone)]
+pub enum StoreError {
+    /// The store did not answer within its timeout.
+    Timeout,
+    /// The store answered with an error, or the connection failed.
+    Backend(String),
+    /// The route holds as many quota keys, or log entries, as the memory store allows, each
+    /// still counting: a request with a new key, or one that would add entries, is not decided.
+    /// This is no outage: the store works, and what it holds keeps being decided. The gateway
+    /// refuses the request rather than admit it unmetered.
+    TooManyKeys,
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Timeout => f.write_str("state store timed out"),
+            StoreError::Backend(e) => write!(f, "state store failed: {e}"),
+            StoreError::TooManyKeys => f.write_str(
+                "the route holds as many quota keys, or entries, as the memory store keeps",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
+}

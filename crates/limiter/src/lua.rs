@@ -1,0 +1,8 @@
+//! The quota's Lua, as Redis runs it: the files stay in the repository's `lua/`, next to the
+//! other libraries they are assembled with (`sluice-store`'s `scripts.rs`), and are compiled
+//! into this crate so that the limiter's semantics and their Redis form change together.
+
+/// The quota library (`lua/quota.lua`): functions that check and record a quota.
+pub const LIBRARY: &str = include_str!("../../../lua/quota.lua");
+/// The quota driver (`lua/quota_run.lua`): one request against one quota key.
+pub const DRIVER: &str = include_str!("../../../lua/quota_run.lua");
