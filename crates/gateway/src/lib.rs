@@ -16,7 +16,6 @@
 
 pub mod admin;
 pub mod checks;
-pub mod config;
 pub mod cooldown;
 pub mod demo;
 pub mod dns;
@@ -43,6 +42,9 @@ pub mod target;
 pub mod trace;
 pub mod tunnel;
 pub mod wait;
+
+/// The YAML config, its own crate so that it carries no Pingora; `crate::config::X` names it.
+pub use sluice_config as config;
 
 #[cfg(test)]
 mod architecture;

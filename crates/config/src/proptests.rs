@@ -37,7 +37,7 @@ routes:
 fn bases() -> [&'static str; 3] {
     [
         EMBEDDED_DEFAULT,
-        include_str!("../../../../configs/demo.yaml"),
+        include_str!("../../../configs/demo.yaml"),
         SMALL,
     ]
 }

@@ -124,7 +124,7 @@ fn quota_mistakes() {
 
 #[test]
 fn selection_names_a_policy() {
-    // Which policies exist is the policies' own rule (`crate::select::RULES`); the config
+    // Which policies exist is the policies' own rule (the gateway's `select::RULES`); the config
     // reads a name.
     one_error(
         "routes:\n  - name: a\n    upstream:\n      selection: Least-Used\n",
@@ -469,10 +469,10 @@ fn passwords_never_appear_in_error_messages() {
     assert!(errors(&cases[0])[0].contains("\"redis://***@127.0.0.1/x\""));
     assert!(errors(&cases[3])[0].contains("credentials in a member url are never sent"));
     assert_eq!(
-        super::schema::redact("http://a@b@c/x@y"),
+        super::urls::redact("http://a@b@c/x@y"),
         "http://***@c/x@y"
     );
-    assert_eq!(super::schema::redact("redis://h:1/0"), "redis://h:1/0");
+    assert_eq!(super::urls::redact("redis://h:1/0"), "redis://h:1/0");
 }
 
 #[test]
@@ -1398,4 +1398,25 @@ fn log_and_tracing_are_off_by_default_and_checked() {
         "2:3: log.queries",
         "unknown field",
     );
+}
+
+/// A Redis URL may hold its password: no debug output of it, or of its config, shows it.
+#[test]
+fn debug_output_hides_the_password() {
+    let url = RedisUrl::parse("redis://sluice:hunter2-secret@127.0.0.1:6379/0").unwrap();
+    let config = RedisConfig {
+        url: Some(url.clone()),
+        cluster: Some(vec![url.clone()]),
+        key_prefix: "sluice".into(),
+        timeout: Dur(std::time::Duration::from_millis(50)),
+        tls: None,
+    };
+    for shown in [
+        format!("{url:?}"),
+        format!("{config:?}"),
+        format!("{config:#?}"),
+    ] {
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("redis://***@127.0.0.1:6379/0"), "{shown}");
+    }
 }

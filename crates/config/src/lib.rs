@@ -1,18 +1,27 @@
-//! The YAML configuration (SPEC §2): types, defaults and validation.
+//! sluice-config: the YAML configuration (SPEC §2), read into a checked [`Config`].
+//!
+//! This crate has one job: turn a config file into a [`Config`] every rule has passed, or into
+//! errors that each name their place, `FILE:LINE:COL: PATH: message`, with PATH the YAML path
+//! such as `routes[1].upstream.members[0].url`.
 //!
 //! Every field type checks itself while it is parsed (durations, URLs, names, addresses), so
 //! serde_yaml reports the exact line and column. Rules that span several fields run afterwards
-//! and find their position again by path (see `position`). Either way a mistake reads
-//! `FILE:LINE:COL: PATH: message`, with PATH the YAML path such as
-//! `routes[1].upstream.members[0].url`.
+//! and find their position again by path (see `position`). Either way a mistake is placed.
 //!
-//! `schema` holds the serde types, `validate` the cross-field rules, `position` the YAML
-//! paths and `interpolate` the `${NAME}` read from the environment; everything is re-exported
-//! here so that callers only ever name `crate::config::X`.
+//! `schema` holds the serde types, `urls` the URLs taken apart and decoded, `validate` the
+//! cross-field rules, `position` the YAML paths, `interpolate` the `${NAME}` read from the
+//! environment and [`listen_tls`] the check of a TLS listener's files; everything is
+//! re-exported here so that callers only ever name `sluice_config::X` (`crate::config::X` in
+//! the gateway).
+//!
+//! It knows nothing of Pingora, nor of the code that serves a config: which selection policies
+//! exist is the gateway's to say, through [`Rules`].
 
 mod interpolate;
+pub mod listen_tls;
 mod position;
 mod schema;
+mod urls;
 mod validate;
 
 use std::fmt;
@@ -26,11 +35,12 @@ use serde_yaml::Value;
 pub use position::{locate, YamlPath};
 use position::{Positions, Segment};
 pub use schema::*;
-pub(crate) use validate::load_ca;
+pub use urls::{base64, MemberUrl, ProxyUrl, RedisUrl};
+pub use validate::load_ca;
 
 /// The config sluice runs on when none is given: three local demo upstreams behind one
 /// round-robin route. `sluice demo` starts those upstreams too.
-pub const EMBEDDED_DEFAULT: &str = include_str!("../../../../configs/default.yaml");
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../../configs/default.yaml");
 
 /// The whole configuration file, as [`Config::parse`] returns it once every rule has passed.
 #[derive(Debug, Clone, PartialEq)]
@@ -506,3 +516,13 @@ mod proptests;
 
 #[cfg(test)]
 mod tests_key_pools;
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
+}

@@ -121,7 +121,7 @@ fn redis_tls_problems(redis: &RedisConfig, tls: &RedisTlsConfig) -> Vec<(YamlPat
 
 /// Reads the PEM CA file at `path` as the Redis client will at startup, and returns its bytes:
 /// at least one certificate, each one a usable trust anchor.
-pub(crate) fn load_ca(path: &std::path::Path) -> Result<Vec<u8>, String> {
+pub fn load_ca(path: &std::path::Path) -> Result<Vec<u8>, String> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::CertificateDer;
     let pem = std::fs::read(path).map_err(|e| format!("cannot be read: {e}"))?;
@@ -293,7 +293,7 @@ impl Config {
             }
         }
 
-        // allow_cidrs always win over deny (crate::egress), so a deny CIDR inside an allowed one
+        // allow_cidrs always win over deny (the gateway's egress guard), so a deny CIDR inside an allowed one
         // would do nothing; say so rather than let the reader believe it denies.
         for (i, entry) in self.egress.deny.iter().enumerate() {
             let DenyEntry::Cidr(denied) = entry else {
