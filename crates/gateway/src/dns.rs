@@ -26,7 +26,7 @@ use arc_swap::ArcSwapOption;
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::config::{DnsConfig, MemberUrl, UpstreamConfig};
-use crate::egress::Resolver;
+use crate::resolve::Resolver;
 
 /// The shortest time an answer is kept, whatever its TTL.
 pub const MIN_REFRESH: Duration = Duration::from_secs(1);

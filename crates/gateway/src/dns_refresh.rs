@@ -11,7 +11,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use crate::dns::IDLE_PASS;
-use crate::egress::Resolver;
+use crate::resolve::Resolver;
 use crate::table::Table;
 
 /// The background service that keeps every named member's address as fresh as its TTL.

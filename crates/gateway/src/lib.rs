@@ -9,7 +9,8 @@
 //! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
 //! - [`cooldown`]: how long a member's answer asks it to be left alone;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
-//! - [`egress`]: the guard on destinations the client chooses, and the resolver behind it;
+//! - [`egress`]: the guard on destinations the client chooses; [`resolve`]: the process's
+//!   resolver, behind the guard and member DNS ([`dns`]);
 //! - [`admin`], [`metrics`], [`logging`], [`problem`]: what operators and clients see;
 //! - [`trace`]: request ids and W3C trace context; [`otel`]: span export over OTLP;
 //! - [`server`]: process life; [`limits`]: bounds on client connections.
@@ -33,6 +34,7 @@ pub mod quota;
 pub mod ratelimit;
 pub mod reload;
 pub mod request;
+pub mod resolve;
 pub mod router;
 pub mod select;
 pub mod server;
@@ -46,5 +48,12 @@ pub mod wait;
 /// The YAML config, its own crate so that it carries no Pingora; `crate::config::X` names it.
 pub use sluice_config as config;
 
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
 #[cfg(test)]
-mod architecture;
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
+}
