@@ -632,10 +632,12 @@ async fn log_lines_dropped_on_a_stuck_stderr_are_counted() {
             .spawn()
             .unwrap(),
     );
+    // Ready means both listeners answer: the admin API and the proxy bind in parallel.
     let up = support::wait_until_async(support::STARTUP_TIMEOUT, || async {
         support::try_request(admin, "GET", "admin", "/healthz", &[], b"")
             .await
             .is_ok_and(|r| r.status == 200)
+            && tokio::net::TcpStream::connect(proxy).await.is_ok()
     })
     .await;
     assert!(up, "the gateway did not start");
