@@ -27,7 +27,7 @@ pub const MAX_KEYS_PER_ROUTE: usize = 100_000;
 /// ([`crate::MemoryLimits::max_entries`]). A key holds one entry per admitted request per
 /// window, so its size is its limits', not its name's: bounding keys alone would let one key
 /// with a large limit, or many keys with moderate ones, hold any amount. An entry is 16 bytes
-/// (a log's buffer holds at most four times its entries, see [`Log::shrink`]). Past the bound,
+/// (a log's buffer holds at most four times its entries, see `Log::shrink`). Past the bound,
 /// once entries that left their windows are dropped, a request that would add entries is
 /// refused ([`StoreError::TooManyKeys`]) rather than admitted unrecorded.
 pub const MAX_ENTRIES_PER_ROUTE: usize = 2_000_000;
