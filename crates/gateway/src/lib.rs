@@ -48,5 +48,12 @@ pub mod wait;
 /// The YAML config, its own crate so that it carries no Pingora; `crate::config::X` names it.
 pub use sluice_config as config;
 
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
 #[cfg(test)]
-mod architecture;
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
+}

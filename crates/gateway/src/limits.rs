@@ -183,14 +183,14 @@ pub struct LimitedApp<A> {
     handshake_refusal_logged: AtomicU64,
     started: Instant,
     /// Where a connection that opens with a CONNECT goes, instead of Pingora's HTTP loop.
-    tunnels: Option<crate::tunnel::Tunnels>,
+    tunnels: Option<crate::request::Tunnels>,
     /// The TLS listeners, by address, and their acceptors: the handshake is done here.
     tls: Vec<(SocketAddr, Arc<Acceptor>)>,
 }
 
 impl<A> LimitedApp<A> {
     /// Sends each connection that opens with a CONNECT to `tunnels`.
-    pub fn with_tunnels(mut self, tunnels: crate::tunnel::Tunnels) -> LimitedApp<A> {
+    pub fn with_tunnels(mut self, tunnels: crate::request::Tunnels) -> LimitedApp<A> {
         self.tunnels = Some(tunnels);
         self
     }

@@ -268,6 +268,52 @@ impl Problem {
     }
 }
 
+/// Why one connection attempt failed, as the client and the access log are told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnectFailure {
+    /// The member (or the client's destination) refused the connection.
+    Refused,
+    /// No answer within `connect_timeout`.
+    TimedOut,
+    /// Its name did not resolve.
+    Dns,
+    /// The connection was reset, or closed, while it was being made.
+    Reset,
+    /// No route to the host.
+    NoRoute,
+    /// The TLS handshake failed, for this reason: a fixed phrase, never the peer's text.
+    Tls(&'static str),
+    /// Anything else.
+    Other,
+}
+
+impl std::fmt::Display for ConnectFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectFailure::Refused => f.write_str("refused"),
+            ConnectFailure::TimedOut => f.write_str("timed out"),
+            ConnectFailure::Dns => f.write_str("DNS: the name did not resolve"),
+            ConnectFailure::Reset => f.write_str("reset"),
+            ConnectFailure::NoRoute => f.write_str("no route to host"),
+            ConnectFailure::Tls(reason) => write!(f, "TLS: {reason}"),
+            ConnectFailure::Other => f.write_str("connection failed"),
+        }
+    }
+}
+
+/// The reasons of `failures`, in order: `refused; timed out`.
+pub(crate) fn describe_failures(failures: &[ConnectFailure]) -> String {
+    let mut out = String::new();
+    for (i, f) in failures.iter().enumerate() {
+        if i > 0 {
+            out.push_str("; ");
+        }
+        use std::fmt::Write;
+        let _ = write!(out, "{f}");
+    }
+    out
+}
+
 /// The response head and body for `p` on `route`.
 pub fn render(p: &Problem, route: Option<&str>) -> (ResponseHeader, Bytes) {
     // The problem fields (RFC 9457), and `error` in the shape the OpenAI, Anthropic and Stripe

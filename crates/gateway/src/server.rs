@@ -22,8 +22,8 @@ use crate::limits::LimitedApp;
 use crate::metrics::Metrics;
 use crate::reload::{ReloadTriggers, Reloader};
 use crate::request::Gateway;
+use crate::request::Tunnels;
 use crate::table::Table;
-use crate::tunnel::Tunnels;
 
 /// The longest a graceful stop waits for requests in flight before it cuts them, unless
 /// [`DRAIN_PERIOD_ENV`] says otherwise.

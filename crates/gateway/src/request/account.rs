@@ -8,7 +8,8 @@ use pingora::proxy::Session;
 use pingora::ErrorType;
 
 use super::{Failure, Gateway, RequestCtx};
-use crate::metrics::NO_ROUTE;
+use crate::metrics::{Metrics, NO_ROUTE};
+pub(crate) use crate::problem::{describe_failures, ConnectFailure};
 
 /// Whether the member's response was cut after its head reached the client (a body shorter
 /// than its `Content-Length`, a connection closed mid-chunk). The status already sent says
@@ -22,16 +23,15 @@ fn truncated(session: &Session, e: &Error, ctx: &RequestCtx) -> bool {
         && e.esource() == &ErrorSource::Upstream
 }
 
+/// The last step of a request that went through Pingora: its durations and the members'
+/// attempt counts, which only a request has (a tunnel lives for minutes, which would drown
+/// the latencies; its member is counted when it connects), then [`record`].
 pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ctx: &RequestCtx) {
-    let elapsed = ctx.started.elapsed();
+    let secs = ctx.started.elapsed().as_secs_f64();
     let status = session
         .response_written()
         .map(|r| r.status.as_u16())
         .unwrap_or(0);
-    let route_name = ctx.route.as_ref().map_or(NO_ROUTE, |r| &*r.name);
-
-    let secs = elapsed.as_secs_f64();
-    // Through the route's kept handles: no label lookup per request.
     match &ctx.route {
         Some(route) => {
             let member = ctx.member();
@@ -49,25 +49,73 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
                 }
                 None => route.duration_gateway.observe(secs),
             }
-            route.requests.inc(&gateway.metrics.requests, status);
         }
-        None => {
-            gateway.metrics.no_route_duration.observe(secs);
-            crate::metrics::requests_of(&gateway.metrics.requests, NO_ROUTE, status).inc();
-        }
+        None => gateway.metrics.no_route_duration.observe(secs),
     }
-
-    let bytes_in = session.as_downstream().body_bytes_read() as u64;
-    let bytes_out = session.as_downstream().body_bytes_sent() as u64;
-    if let Some(route) = &ctx.route {
-        route.bytes[0].inc_by(bytes_in);
-        route.bytes[1].inc_by(bytes_out);
-    }
-
     let req = session.req_header();
     let (authority, path) = ctx.target.authority_and_path(req);
-    let member = ctx.member().map_or("", |m| &*m.name);
     let (error, detail) = error_of(session, e, ctx, status);
+    record(
+        &gateway.metrics,
+        ctx,
+        &Ended {
+            method: req.method.as_str(),
+            authority,
+            path,
+            query: req.uri.query(),
+            status,
+            client: session.client_addr().and_then(|a| a.as_inet()).copied(),
+            bytes_in: session.as_downstream().body_bytes_read() as u64,
+            bytes_out: session.as_downstream().body_bytes_sent() as u64,
+            user_agent: req
+                .headers
+                .get(http::header::USER_AGENT)
+                .and_then(|v| v.to_str().ok()),
+            error,
+            detail,
+            tunnel: None,
+        },
+    );
+}
+
+/// What the last step needs to know of a request or tunnel that its [`RequestCtx`] does not
+/// hold: what the client sent and got.
+pub(crate) struct Ended<'a> {
+    pub(crate) method: &'a str,
+    /// As routed: the absolute form's or CONNECT's authority, else `Host`.
+    pub(crate) authority: &'a str,
+    /// As routed and charged; empty for a tunnel.
+    pub(crate) path: &'a str,
+    pub(crate) query: Option<&'a str>,
+    /// The status the client got; 0 when it got none.
+    pub(crate) status: u16,
+    pub(crate) client: Option<std::net::SocketAddr>,
+    /// Body bytes read from and sent to the client (a tunnel's bytes up and down).
+    pub(crate) bytes_in: u64,
+    pub(crate) bytes_out: u64,
+    pub(crate) user_agent: Option<&'a str>,
+    /// One of sluice's codes, and more on it (never request bytes).
+    pub(crate) error: Option<&'static str>,
+    pub(crate) detail: Option<Cow<'static, str>>,
+    /// A tunnel's bytes up and down, once it was open.
+    pub(crate) tunnel: Option<(u64, u64)>,
+}
+
+/// The last step of every request and tunnel, whatever its fate: the request and byte
+/// counts, the access-log line and the span.
+pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
+    let elapsed = ctx.started.elapsed();
+    let route_name = ctx.route.as_ref().map_or(NO_ROUTE, |r| &*r.name);
+    // Through the route's kept handles: no label lookup per request.
+    match &ctx.route {
+        Some(route) => {
+            route.requests.inc(&metrics.requests, ended.status);
+            route.bytes[0].inc_by(ended.bytes_in);
+            route.bytes[1].inc_by(ended.bytes_out);
+        }
+        None => crate::metrics::requests_of(&metrics.requests, NO_ROUTE, ended.status).inc(),
+    }
+    let member = ctx.member().map_or("", |m| &*m.name);
     let members = ctx.route.as_ref().map(|r| &r.members);
     let each_tried = |put: &mut dyn FnMut(&str)| {
         if let Some(members) = members {
@@ -80,46 +128,44 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
     };
     let seen = &ctx.seen;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+    let request_id = seen.request_id.as_ref().and_then(|v| v.to_str().ok());
     crate::logging::access(&crate::logging::AccessLine {
         route: route_name,
-        method: req.method.as_str(),
-        authority,
-        path,
-        query: req.uri.query(),
-        status,
+        method: ended.method,
+        authority: ended.authority,
+        path: ended.path,
+        query: ended.query,
+        status: ended.status,
         member,
         members_tried: Some(&each_tried),
         attempts: ctx.tried.count() as u32,
         duration_ms: ms(elapsed),
-        client: session.client_addr().and_then(|a| a.as_inet()).copied(),
-        bytes_in,
-        bytes_out,
+        client: ended.client,
+        bytes_in: ended.bytes_in,
+        bytes_out: ended.bytes_out,
         upstream_addr: seen.upstream_addr,
         connect_ms: seen.connect.map(ms),
         ttfb_ms: seen.ttfb.map(ms),
-        user_agent: req
-            .headers
-            .get(http::header::USER_AGENT)
-            .and_then(|v| v.to_str().ok()),
-        request_id: seen.request_id.as_ref().and_then(|v| v.to_str().ok()),
+        user_agent: ended.user_agent,
+        request_id,
         trace: seen.trace.map(|t| (t.trace_id, t.span_id)),
-        error,
-        detail: detail.as_deref(),
-        tunnel: None,
+        error: ended.error,
+        detail: ended.detail.as_deref(),
+        tunnel: ended.tunnel,
     });
     if let Some(trace) = seen.trace.filter(|t| t.sampled() && crate::otel::enabled()) {
         crate::otel::export(&crate::otel::Finished {
             trace,
             started: std::time::SystemTime::now() - elapsed,
-            method: req.method.as_str(),
+            method: ended.method,
             route: route_name,
-            authority,
-            path,
+            authority: ended.authority,
+            path: ended.path,
             member,
-            status,
+            status: ended.status,
             attempts: ctx.tried.count() as u32,
-            error,
-            request_id: seen.request_id.as_ref().and_then(|v| v.to_str().ok()),
+            error: ended.error,
+            request_id,
         });
     }
 }
@@ -194,39 +240,6 @@ fn code_of(e: &Error) -> &'static str {
     }
 }
 
-/// Why one connection attempt failed, as the client and the access log are told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ConnectFailure {
-    /// The member (or the client's destination) refused the connection.
-    Refused,
-    /// No answer within `connect_timeout`.
-    TimedOut,
-    /// Its name did not resolve.
-    Dns,
-    /// The connection was reset, or closed, while it was being made.
-    Reset,
-    /// No route to the host.
-    NoRoute,
-    /// The TLS handshake failed, for this reason ([`tls_failure`]).
-    Tls(&'static str),
-    /// Anything else.
-    Other,
-}
-
-impl std::fmt::Display for ConnectFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ConnectFailure::Refused => f.write_str("refused"),
-            ConnectFailure::TimedOut => f.write_str("timed out"),
-            ConnectFailure::Dns => f.write_str("DNS: the name did not resolve"),
-            ConnectFailure::Reset => f.write_str("reset"),
-            ConnectFailure::NoRoute => f.write_str("no route to host"),
-            ConnectFailure::Tls(reason) => write!(f, "TLS: {reason}"),
-            ConnectFailure::Other => f.write_str("connection failed"),
-        }
-    }
-}
-
 /// Why a connect failed, from Pingora's error: its type, else the system's error under it.
 pub(crate) fn connect_failure(e: &Error) -> ConnectFailure {
     use std::io::ErrorKind;
@@ -267,19 +280,6 @@ fn io_kind(e: &Error) -> Option<std::io::ErrorKind> {
         cause = c.downcast_ref::<Error>().and_then(|e| e.cause.as_deref());
     }
     None
-}
-
-/// The reasons of `failures`, in order: `refused; timed out`.
-pub(crate) fn describe_failures(failures: &[ConnectFailure]) -> String {
-    let mut out = String::new();
-    for (i, f) in failures.iter().enumerate() {
-        if i > 0 {
-            out.push_str("; ");
-        }
-        use std::fmt::Write;
-        let _ = write!(out, "{f}");
-    }
-    out
 }
 
 /// The reason a connect failure was the TLS handshake's, as a fixed phrase: Pingora keeps

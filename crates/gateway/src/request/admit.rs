@@ -2,9 +2,7 @@
 //! decide the quota and the first member together, and answers itself when the request may not
 //! go on (404, 405, 429, 503).
 
-use std::collections::HashMap;
 use std::os::fd::RawFd;
-use std::sync::{LazyLock, Mutex, PoisonError};
 
 use http::{header, HeaderValue, Method};
 use pingora::prelude::*;
@@ -13,58 +11,14 @@ use pingora::ErrorType;
 use sluice_allocator::StateStore;
 use sluice_limiter::{Acquire, StoreError};
 
+use super::store_warning::warn_store_error;
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
-use crate::config::{MemberKind, OnStoreError};
+use crate::config::OnStoreError;
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::select::{Admission, Attempt};
 use crate::table::Route;
-use crate::target::{self, Scheme};
 use crate::wait;
-
-/// Store failures are logged at most once a second per route: during an outage every request
-/// fails the same way, and the metric counts them all. Each route has its own second, so that
-/// one busy route's failures cannot hide another route's.
-static STORE_WARNINGS: LazyLock<WarnLimiter> = LazyLock::new(WarnLimiter::default);
-
-pub(crate) fn warn_store_error(route: &str, error: &StoreError, what: &str) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    if STORE_WARNINGS.allow(route, now) {
-        tracing::warn!(target: "sluice::store", route, %error, "state store failed; {what}");
-    }
-}
-
-/// The most routes [`WarnLimiter`] keeps a second for. Routes come from the config, so this
-/// is only reached by a very large one; past it, the routes not yet warned about in the
-/// current second wait for the next, and a second never has more lines than this.
-const MAX_WARNED_ROUTES: usize = 1024;
-
-/// When each route was last warned about, in whole seconds.
-#[derive(Default)]
-struct WarnLimiter {
-    last: Mutex<HashMap<Box<str>, u64>>,
-}
-
-impl WarnLimiter {
-    /// Whether `route` may be warned about in the second `now`; if so, it is not again in
-    /// that second.
-    fn allow(&self, route: &str, now: u64) -> bool {
-        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(at) = last.get_mut(route) {
-            return std::mem::replace(at, now) != now;
-        }
-        if last.len() >= MAX_WARNED_ROUTES {
-            last.retain(|_, at| *at == now);
-            if last.len() >= MAX_WARNED_ROUTES {
-                return false;
-            }
-        }
-        last.insert(route.into(), now);
-        true
-    }
-}
 
 /// A 431 for a request head larger than `limits.max_header_bytes`. Pingora reads heads of up
 /// to 1 MiB (and answers 400 past that) before any hook runs, so this is the first place the
@@ -88,10 +42,6 @@ pub(crate) async fn admit(
         return Ok(true);
     }
     let req = session.req_header();
-    if crate::headers::is_own_loop(&req.headers) {
-        answer::problem(session, ctx, Problem::loop_detected()).await?;
-        return Ok(true);
-    }
     if req.method == Method::CONNECT {
         // A CONNECT that opens a connection never gets here: crate::tunnel takes it first.
         // One that follows other requests on a kept-alive connection cannot become a tunnel
@@ -105,52 +55,46 @@ pub(crate) async fn admit(
         return Ok(true);
     }
 
-    // What the request addresses, read once: the host to route on and the normalized path
-    // that is routed, charged and forwarded (what is charged is what is served).
-    let host_header = req
-        .headers
-        .get(header::HOST)
-        .map(|h| h.as_bytes())
-        .or_else(|| req.uri.authority().map(|a| a.as_str().as_bytes()));
-    let target = match target::parse(&req.method, req.version, req.raw_path(), host_header) {
-        Ok(target) => target,
-        Err(reject) => {
-            answer::problem(session, ctx, Problem::bad_target(reject)).await?;
+    // What the request addresses, read once, and its route: the step tunnels take too. The
+    // request keeps its route to its end, not the table: the table's guard is let go at once,
+    // since what follows may wait (for capacity, for the client), and a guard held that long
+    // would keep a replaced table alive.
+    let head = super::route::Head {
+        method: &req.method,
+        version: req.version,
+        raw_target: req.raw_path(),
+        host: req
+            .headers
+            .get(header::HOST)
+            .map(|h| h.as_bytes())
+            .or_else(|| req.uri.authority().map(|a| a.as_str().as_bytes())),
+        headers: &req.headers,
+    };
+    let routed = super::route::route(&gateway.table.load(), &head);
+    let (target, route) = match routed {
+        Ok(routed) => routed,
+        Err(refused) => {
+            if let Some(target) = &refused.target {
+                ctx.target = Forward::of(target);
+            }
+            ctx.route = refused.route;
+            match refused.allow {
+                Some(allow) => {
+                    answer::problem_with_allow(session, ctx, refused.problem, allow).await?
+                }
+                None => answer::problem(session, ctx, refused.problem).await?,
+            }
             return Ok(true);
         }
     };
-
     ctx.target = Forward::of(&target);
-
-    // Route: by host, path and method. The request keeps its route to its end, not the
-    // table: the table's guard is let go at once, since what follows may wait (for capacity,
-    // for the client), and a guard held that long would keep a replaced table alive.
-    let method = req.method.as_str();
-    let found = gateway
-        .table
-        .load()
-        .router
-        .find_normalized(&target.host, &target.path, method)
-        .cloned();
-    let Some(route) = found else {
-        answer::problem(session, ctx, Problem::no_route()).await?;
-        return Ok(true);
-    };
-    // A direct member reaches an https:// target with TLS itself; a proxy would get it in
-    // cleartext.
-    let tls_to_target = |m: &crate::table::Member| m.url.tls || m.kind == MemberKind::Direct;
-    if target.scheme == Some(Scheme::Https) && !route.members.iter().all(tls_to_target) {
-        ctx.route = Some(route);
-        answer::problem(session, ctx, Problem::cleartext_https()).await?;
-        return Ok(true);
-    }
     if route.members.iter().any(|m| m.kind.reaches_target()) {
         ctx.target.dest = Some(super::Dest::of(&target));
     }
     let cost = route
         .quota
         .as_deref()
-        .map_or(1, |q| q.cost(&target.path, method));
+        .map_or(1, |q| q.cost(&target.path, req.method.as_str()));
     ctx.route = Some(route.clone());
 
     // Quota and first member, decided together. This is the only place a request is charged:
@@ -456,37 +400,5 @@ fn verdict(
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn store_warnings_are_limited_per_route() {
-        let limiter = WarnLimiter::default();
-        assert!(limiter.allow("a", 5));
-        assert!(
-            !limiter.allow("a", 5),
-            "a is rate-limited within its second"
-        );
-        assert!(
-            limiter.allow("b", 5),
-            "b's failure is logged while a is rate-limited"
-        );
-        assert!(!limiter.allow("b", 5));
-        assert!(limiter.allow("a", 6), "the next second logs a again");
-    }
-
-    #[test]
-    fn the_routes_kept_are_bounded() {
-        let limiter = WarnLimiter::default();
-        for i in 0..MAX_WARNED_ROUTES {
-            assert!(limiter.allow(&format!("r{i}"), 7));
-        }
-        assert!(!limiter.allow("one-more", 7), "a full second logs no more");
-        assert!(limiter.allow("one-more", 8), "the next second makes room");
-        assert!(limiter.last.lock().unwrap().len() <= MAX_WARNED_ROUTES);
     }
 }

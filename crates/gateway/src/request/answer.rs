@@ -4,6 +4,8 @@
 
 use std::time::SystemTime;
 
+use bytes::Bytes;
+
 use http::{header, HeaderValue};
 use pingora::http::ResponseHeader;
 use pingora::prelude::*;
@@ -16,6 +18,7 @@ use super::{Failure, RequestCtx};
 use crate::headers::{strip_hop_by_hop, RATELIMIT, RATELIMIT_POLICY, X_REQUEST_ID};
 use crate::problem::{self, Problem};
 use crate::quota::RouteQuota;
+use crate::table::Route;
 
 /// The `RateLimit` item of a request on a route with a quota; `key` is the request's quota
 /// key, which a per-key quota announces as the partition key.
@@ -53,27 +56,46 @@ async fn problem_and(
     p: Problem,
     allow: Option<HeaderValue>,
 ) -> Result<()> {
-    let route = ctx.route.as_deref();
-    let (mut head, body) = problem::render(&p, route.map(|r| &*r.name));
+    let ratelimit = ctx.ratelimit.take();
+    let (head, body) = problem_head(
+        &p,
+        ctx.route.as_deref(),
+        ctx.seen.request_id.as_ref(),
+        ratelimit,
+        allow,
+    )?;
     ctx.seen.answered = Some(p.code);
-    if let Some(id) = &ctx.seen.request_id {
+    keep_if_body_small(session);
+    session.write_response_header(Box::new(head), false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+/// The head and body of a gateway-made answer, for requests and tunnels alike: the problem
+/// (`crate::problem::render`), the request's id, `Allow` for a 405, the route's
+/// `RateLimit-Policy` and the request's `RateLimit` when it has them, and `Retry-After` for a
+/// refusal that says when to come back.
+pub(crate) fn problem_head(
+    p: &Problem,
+    route: Option<&Route>,
+    request_id: Option<&HeaderValue>,
+    ratelimit: Option<HeaderValue>,
+    allow: Option<HeaderValue>,
+) -> Result<(ResponseHeader, Bytes)> {
+    let (mut head, body) = problem::render(p, route.map(|r| &*r.name));
+    if let Some(id) = request_id {
         head.insert_header(&X_REQUEST_ID, id.clone())?;
     }
     if let Some(allow) = allow {
         head.insert_header(header::ALLOW, allow)?;
     }
-    if let (Some(quota), Some(value)) =
-        (route.and_then(|r| r.quota.as_deref()), ctx.ratelimit.take())
-    {
+    if let (Some(quota), Some(value)) = (route.and_then(|r| r.quota.as_deref()), ratelimit) {
         add_ratelimit(&mut head, quota, value)?;
     }
     if let Some(retry_after_ms) = p.retry_after_ms {
         // Whole seconds, rounded up, at least 1 (SPEC §3).
         head.insert_header(header::RETRY_AFTER, retry_after_ms.div_ceil(1000).max(1))?;
     }
-    keep_if_body_small(session);
-    session.write_response_header(Box::new(head), false).await?;
-    session.write_response_body(Some(body), true).await
+    Ok((head, body))
 }
 
 /// The largest unread request body a gateway-made answer reads and throws away to keep the
@@ -183,7 +205,11 @@ pub(crate) async fn learn_cooldown(
                     .store_errors
                     .with_label_values(&["cool"])
                     .inc();
-                super::admit::warn_store_error(&route.name, &error, "the cooldown is not shared");
+                super::store_warning::warn_store_error(
+                    &route.name,
+                    &error,
+                    "the cooldown is not shared",
+                );
             }
         }
     }

@@ -10,6 +10,7 @@ use pingora::{ErrorType, HTTPStatus};
 use std::net::SocketAddr;
 
 use super::account::ConnectFailure;
+use super::attempt::{next_member, NoAttempt};
 use super::{Dest, DirectRest, Failure, Gateway, RequestCtx};
 use crate::config::MemberKind;
 use crate::egress::{Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
@@ -31,37 +32,28 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
     }
     loop {
         // The cooldown replay is not a connect retry: it does not spend the retry budget.
-        let budget = route.config.upstream.retries as usize + usize::from(ctx.replayed);
-        if ctx.tried.count() > budget {
-            ctx.failure = Some(Failure::Unreachable);
-            return Err(Error::explain(HTTPStatus(502), "retries exhausted"));
-        }
-        let attempt = match ctx.first.take() {
-            Some(first) => Some(first),
-            None => {
-                let fell_back = ctx.tried.fallback;
-                let next = route.policy.next(&*gateway.state, &mut ctx.tried).await;
-                if ctx.tried.fallback && !fell_back {
-                    gateway
-                        .metrics
-                        .store_errors
-                        .with_label_values(&["select"])
-                        .inc();
-                    route.selection_fallbacks.inc();
-                }
-                next
+        let extra = usize::from(ctx.replayed);
+        let next = next_member(
+            &*gateway.state,
+            &gateway.metrics,
+            &route,
+            &mut ctx.first,
+            &mut ctx.tried,
+            extra,
+        )
+        .await;
+        let mut attempt = match next {
+            Ok(attempt) => attempt,
+            Err(NoAttempt::NoMember) => {
+                ctx.failure = Some(Failure::NoMember);
+                return Err(Error::explain(HTTPStatus(503), "no eligible member"));
+            }
+            Err(NoAttempt::Exhausted) => {
+                ctx.failure = Some(Failure::Unreachable);
+                return Err(Error::explain(HTTPStatus(502), "retries exhausted"));
             }
         };
-        let Some(mut attempt) = attempt else {
-            ctx.failure = Some(if ctx.tried.count() == 0 {
-                Failure::NoMember
-            } else {
-                Failure::Unreachable
-            });
-            return Err(Error::explain(HTTPStatus(503), "no eligible member"));
-        };
         let index = attempt.index();
-        ctx.tried.push(index);
         let member = &route.members[index];
         if member.kind == MemberKind::Direct {
             // An `Arc`, not a guard: the lookup below waits.

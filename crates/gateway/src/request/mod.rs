@@ -26,10 +26,14 @@
 mod account;
 pub(crate) mod admit;
 pub(crate) mod answer;
+pub(crate) mod attempt;
+mod connect;
 mod forward;
 mod refuse;
+pub(crate) mod route;
+mod store_warning;
 
-pub(crate) use account::{describe_failures, ConnectFailure};
+pub use connect::Tunnels;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -294,17 +298,8 @@ fn peer_addr(peer: &HttpPeer) -> Option<SocketAddr> {
 }
 
 impl RequestCtx {
-    /// The member of the latest attempt.
-    fn member(&self) -> Option<&Member> {
-        self.route.as_ref()?.members.get(self.tried.last()?)
-    }
-}
-
-#[async_trait]
-impl ProxyHttp for Gateway {
-    type CTX = RequestCtx;
-
-    fn new_ctx(&self) -> RequestCtx {
+    /// The context of a request or tunnel that starts now, counted in `in_flight`.
+    pub(crate) fn new(in_flight: &Arc<AtomicUsize>) -> RequestCtx {
         RequestCtx {
             started: Instant::now(),
             route: None,
@@ -321,8 +316,22 @@ impl ProxyHttp for Gateway {
             seen: Seen::default(),
             upstream_answered: false,
             route_in_flight: None,
-            _in_flight: InFlight::enter(&self.in_flight),
+            _in_flight: InFlight::enter(in_flight),
         }
+    }
+
+    /// The member of the latest attempt.
+    fn member(&self) -> Option<&Member> {
+        self.route.as_ref()?.members.get(self.tried.last()?)
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx::new(&self.in_flight)
     }
 
     // No compression or other downstream modules: they cost time on every request.

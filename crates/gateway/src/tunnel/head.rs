@@ -7,7 +7,9 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Version};
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::problem::{self, Problem};
+use pingora::http::ResponseHeader;
+
+use crate::problem::Problem;
 use crate::table::Route;
 
 /// The longest CONNECT head sluice reads.
@@ -18,20 +20,20 @@ const MAX_HEADERS: usize = 64;
 const HEAD_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A CONNECT request head.
-pub(super) struct Head {
-    pub(super) version: Version,
+pub(crate) struct Head {
+    pub(crate) version: Version,
     /// The request target: `host:port`.
-    pub(super) authority: String,
-    pub(super) headers: HeaderMap,
+    pub(crate) authority: String,
+    pub(crate) headers: HeaderMap,
     /// Bytes the client sent after the head without waiting for the answer (a TLS
     /// ClientHello, say): they go up first once the tunnel is open.
-    pub(super) early: Bytes,
+    pub(crate) early: Bytes,
 }
 
 /// Reads the CONNECT head. `Err(None)` when the client left or was too slow; `Err(Some(p))`
 /// when it sent something that is not a CONNECT head sluice can serve.
 /// `first` holds what was already read of the connection.
-pub(super) async fn read(stream: &mut Stream, first: Vec<u8>) -> Result<Head, Option<Problem>> {
+pub(crate) async fn read(stream: &mut Stream, first: Vec<u8>) -> Result<Head, Option<Problem>> {
     let mut buf = BytesMut::with_capacity(first.len().max(1024));
     buf.extend_from_slice(&first);
     let read = async {
@@ -92,36 +94,9 @@ fn parse(buf: &mut BytesMut) -> Result<Option<Head>, Option<Problem>> {
     }))
 }
 
-/// Answers the CONNECT with a gateway-made problem and closes the connection.
-pub(super) async fn answer(
-    stream: &mut Stream,
-    id: &HeaderValue,
-    p: &Problem,
-    route: Option<&Route>,
-    ratelimit: Option<HeaderValue>,
-    allow: Option<HeaderValue>,
-) {
-    let (mut head, body) = problem::render(p, route.map(|r| &*r.name));
-    let mut extra: Vec<(HeaderName, HeaderValue)> = Vec::new();
-    if let (Some(q), Some(value)) = (route.and_then(|r| r.quota.as_deref()), ratelimit) {
-        extra.push((
-            HeaderName::from_static("ratelimit-policy"),
-            q.policy.clone(),
-        ));
-        extra.push((HeaderName::from_static("ratelimit"), value));
-    }
-    if let Some(ms) = p.retry_after_ms {
-        // Whole seconds, rounded up, at least 1 (SPEC §3).
-        extra.push((header::RETRY_AFTER, ms.div_ceil(1000).max(1).into()));
-    }
-    if let Some(allow) = allow {
-        extra.push((header::ALLOW, allow));
-    }
-    extra.push((HeaderName::from_static("x-request-id"), id.clone()));
-    extra.push((header::CONNECTION, HeaderValue::from_static("close")));
-    for (name, value) in extra {
-        let _ = head.insert_header(name, value);
-    }
+/// Writes sluice's own answer to the CONNECT (a head and body made the way every request's
+/// answer is, `crate::request::answer::problem_head`) and closes the connection.
+pub(crate) async fn answer(stream: &mut Stream, head: ResponseHeader, body: Bytes) {
     let mut out = BytesMut::with_capacity(512 + body.len());
     status_line(
         &mut out,
@@ -131,6 +106,11 @@ pub(super) async fn answer(
     for (name, value) in head.headers.iter() {
         field(&mut out, name, value);
     }
+    field(
+        &mut out,
+        &header::CONNECTION,
+        &HeaderValue::from_static("close"),
+    );
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(&body);
     let _ = stream.write_all(&out).await;
@@ -140,7 +120,7 @@ pub(super) async fn answer(
 
 /// Sends `200 Connection Established`, with the request id and the route's RateLimit headers.
 /// False when the client is gone.
-pub(super) async fn established(
+pub(crate) async fn established(
     stream: &mut Stream,
     id: &HeaderValue,
     route: &Route,

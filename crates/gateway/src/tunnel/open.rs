@@ -9,7 +9,7 @@ use tokio::net::TcpStream;
 
 use crate::config::{MemberKind, UpstreamConfig};
 use crate::egress::{Denial, Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
-use crate::request::ConnectFailure;
+use crate::problem::ConnectFailure;
 use crate::table::Member;
 use crate::target::Target;
 
@@ -17,20 +17,20 @@ use crate::target::Target;
 const MAX_PROXY_HEAD: usize = 16 * 1024;
 
 /// An open member side.
-pub(super) struct Upstream {
-    pub(super) stream: TcpStream,
+pub(crate) struct Upstream {
+    pub(crate) stream: TcpStream,
     /// Bytes a proxy sent after its `200` head: they go down first.
-    pub(super) early: Bytes,
+    pub(crate) early: Bytes,
 }
 
 /// Why an attempt failed. Nothing of the client's was sent in any case.
-pub(super) struct Failure {
+pub(crate) struct Failure {
     /// A proxy answered our CONNECT with a non-2xx status (else: no connection).
-    pub(super) refused: bool,
+    pub(crate) refused: bool,
     /// The egress guard refused the target (a `direct` member): nothing was contacted.
-    pub(super) denied: Option<Denial>,
+    pub(crate) denied: Option<Denial>,
     /// Why, as the client is told (`502 upstream_unreachable` lists each attempt's).
-    pub(super) reason: ConnectFailure,
+    pub(crate) reason: ConnectFailure,
     what: String,
 }
 
@@ -52,9 +52,9 @@ impl fmt::Display for Failure {
 }
 
 /// What the egress guard needs: the process's resolver and the current table's guard.
-pub(super) struct Egress<'a> {
-    pub(super) resolver: &'a Resolver,
-    pub(super) guard: &'a Guard,
+pub(crate) struct Egress<'a> {
+    pub(crate) resolver: &'a Resolver,
+    pub(crate) guard: &'a Guard,
 }
 
 /// Opens the member side of a tunnel to `target`:
@@ -63,7 +63,7 @@ pub(super) struct Egress<'a> {
 ///   (else a [`Failure`] with `denied`, before anything is contacted);
 /// - `proxy`: a connection to the proxy, then `CONNECT target` through it, with the URL's
 ///   credentials as `Proxy-Authorization: Basic`; a non-2xx answer is a refusal.
-pub(super) async fn connect(
+pub(crate) async fn connect(
     member: &Member,
     target: &Target<'_>,
     up: &UpstreamConfig,

@@ -7,19 +7,19 @@ use prometheus::IntCounter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// `sluice_tunnel_bytes_total` of the tunnel's route, by direction.
-pub(super) struct Counters {
-    pub(super) up: IntCounter,
-    pub(super) down: IntCounter,
+pub(crate) struct Counters {
+    pub(crate) up: IntCounter,
+    pub(crate) down: IntCounter,
 }
 
 /// What a tunnel carried.
-pub(super) struct Pumped {
+pub(crate) struct Pumped {
     /// Client to member.
-    pub(super) up: u64,
+    pub(crate) up: u64,
     /// Member to client.
-    pub(super) down: u64,
+    pub(crate) down: u64,
     /// Why it ended, when not by both sides closing: `idle_timeout` or `io_error`.
-    pub(super) ended: Option<&'static str>,
+    pub(crate) ended: Option<&'static str>,
 }
 
 const BUF: usize = 32 * 1024;
