@@ -15,68 +15,13 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use support::tls::{make_certificates, tls_origin, wait_listening, Process};
+use support::tinyproxy::Tinyproxy;
+use support::tls::{make_certificates, tls_origin};
 use support::{
     free_port, start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// Debian's tinyproxy in the foreground, logging every request line to a file.
-struct Tinyproxy {
-    _process: Process,
-    port: u16,
-    log: PathBuf,
-}
-
-impl Tinyproxy {
-    fn start(dir: &Path, name: &str, basic_auth: Option<(&str, &str)>) -> Tinyproxy {
-        let port = free_port();
-        let conf = dir.join(format!("{name}.conf"));
-        let log = dir.join(format!("{name}.log"));
-        let mut text = format!(
-            "Port {port}\nListen 127.0.0.1\nTimeout 30\nLogLevel Info\nMaxClients 64\nAllow 127.0.0.1\n"
-        );
-        if let Some((user, pass)) = basic_auth {
-            text.push_str(&format!("BasicAuth {user} {pass}\n"));
-        }
-        fs::write(&conf, text).unwrap();
-        let mut child = Command::new("tinyproxy")
-            .arg("-d")
-            .arg("-c")
-            .arg(&conf)
-            .stdin(Stdio::null())
-            .stdout(fs::File::create(&log).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("tinyproxy must be installed");
-        wait_listening(port, &mut child, "tinyproxy");
-        Tinyproxy {
-            _process: Process(child),
-            port,
-            log,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// The request lines tinyproxy received that start with `prefix` (e.g. `CONNECT `).
-    fn requests(&self, prefix: &str) -> Vec<String> {
-        let text = fs::read_to_string(&self.log).unwrap_or_default();
-        text.lines()
-            .filter_map(|l| l.split_once("Request (file descriptor ").map(|(_, r)| r))
-            .filter_map(|r| r.split_once("): ").map(|(_, line)| line.to_string()))
-            .filter(|line| line.starts_with(prefix))
-            .collect()
-    }
-
-    async fn wait_requests(&self, prefix: &str, n: usize) -> usize {
-        support::wait_until(WAIT, || self.requests(prefix).len() >= n).await;
-        self.requests(prefix).len()
-    }
-}
 
 /// A forward proxy that answers every CONNECT with `status`, counting them.
 async fn refusing_proxy(status: u16) -> (SocketAddr, Arc<AtomicU64>) {
@@ -859,7 +804,6 @@ async fn an_allowed_destination_still_goes_through() {
     assert_connect_denied(&gw, &format!("127.0.0.2:{port}"), "127.0.0.2 is loopback").await;
     assert_eq!(contacted.load(Ordering::SeqCst), 1);
 }
-
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_requests_and_httpx_reach_a_tls_origin_through_sluice() {

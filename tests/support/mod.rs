@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod store;
+pub mod tinyproxy;
 pub mod tls;
 
 #[allow(unused_imports)]
