@@ -4,10 +4,9 @@
 
 mod support;
 
-use std::fs;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,9 +16,7 @@ use tokio::net::TcpListener;
 
 use support::tinyproxy::Tinyproxy;
 use support::tls::{make_certificates, tls_origin};
-use support::{
-    free_port, start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir,
-};
+use support::{start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir};
 
 const WAIT: Duration = Duration::from_secs(10);
 

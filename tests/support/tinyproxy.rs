@@ -13,7 +13,7 @@ const WAIT: Duration = Duration::from_secs(10);
 /// Debian's tinyproxy in the foreground, logging every request line to a file.
 pub struct Tinyproxy {
     _process: Process,
-    port: u16,
+    pub port: u16,
     log: PathBuf,
 }
 
