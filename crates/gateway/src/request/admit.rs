@@ -112,10 +112,7 @@ pub(crate) async fn admit(
             ratelimit,
             fallback,
         } => {
-            ctx.first = first;
-            ctx.ratelimit = ratelimit;
-            ctx.tried.fallback = fallback;
-            ctx.tried.cost = cost;
+            ctx.admitted(first, ratelimit, fallback, cost);
             Ok(false)
         }
         Verdict::Answer {

@@ -298,6 +298,22 @@ fn peer_addr(peer: &HttpPeer) -> Option<SocketAddr> {
 }
 
 impl RequestCtx {
+    /// Admission let the request go: its first member when the policy picked it, the
+    /// `RateLimit` item of its answer, whether selection fell back to round-robin, and its
+    /// cost (which a retry charges to another member's own windows).
+    pub(crate) fn admitted(
+        &mut self,
+        first: Option<Attempt>,
+        ratelimit: Option<HeaderValue>,
+        fallback: bool,
+        cost: u64,
+    ) {
+        self.first = first;
+        self.ratelimit = ratelimit;
+        self.tried.fallback = fallback;
+        self.tried.cost = cost;
+    }
+
     /// The context of a request or tunnel that starts now, counted in `in_flight`.
     pub(crate) fn new(in_flight: &Arc<AtomicUsize>) -> RequestCtx {
         RequestCtx {

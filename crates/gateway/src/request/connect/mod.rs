@@ -180,10 +180,7 @@ impl Tunnels {
                 ratelimit,
                 fallback,
             } => {
-                ctx.first = first;
-                ctx.ratelimit = ratelimit;
-                ctx.tried.fallback = fallback;
-                ctx.tried.cost = cost;
+                ctx.admitted(first, ratelimit, fallback, cost);
             }
             Verdict::Answer {
                 problem,
