@@ -1,0 +1,188 @@
+use super::*;
+use sluice_balancer::{HealthObserver, HealthPolicy, MemberHealth, MemberSpec, Transition};
+use std::time::Duration;
+
+struct Quiet;
+impl HealthObserver for Quiet {
+    fn health_changed(&self, _: &MemberSpec, _: Transition, _: &'static str) {}
+}
+
+/// A passive-only pool of one member, down and due for its trial.
+fn pool_with_a_due_trial() -> Arc<Members> {
+    let policy = HealthPolicy {
+        passive_fall: 1,
+        cooldown: Duration::ZERO,
+        active: None,
+    };
+    let pool = Arc::new(Members::new(
+        vec![MemberSpec {
+            id: "m".into(),
+            weight: 1,
+            health: Arc::new(MemberHealth::new()),
+        }],
+        policy,
+        Arc::new(Quiet),
+    ));
+    pool.report_connect_failure(0, Instant::now());
+    pool
+}
+
+#[test]
+fn a_dropped_attempt_gives_its_trial_back() {
+    let pool = pool_with_a_due_trial();
+    let index = pool
+        .take_due_trial(Instant::now())
+        .expect("the trial is due");
+    drop(Attempt::new(pool.clone(), index, true));
+    assert_eq!(
+        pool.take_due_trial(Instant::now()),
+        Some(0),
+        "the next request gets the trial"
+    );
+}
+
+#[test]
+fn a_settled_attempt_keeps_its_outcome() {
+    let pool = pool_with_a_due_trial();
+    let index = pool.take_due_trial(Instant::now()).unwrap();
+    let mut attempt = Attempt::new(pool.clone(), index, true);
+    attempt.connected();
+    drop(attempt);
+    assert_eq!(pool.healthy_count(), 1, "the trial succeeded");
+}
+
+fn three_members() -> Arc<Members> {
+    let specs = (0..3)
+        .map(|i| MemberSpec {
+            id: format!("m{i}").into(),
+            weight: 1,
+            health: Arc::new(MemberHealth::new()),
+        })
+        .collect();
+    Arc::new(Members::new(
+        specs,
+        HealthPolicy::default(),
+        Arc::new(Quiet),
+    ))
+}
+
+#[test]
+fn a_replacing_policy_goes_on_from_the_previous_position() {
+    let route: Arc<str> = "r".into();
+    let pool = three_members();
+    let old = Policy::new(
+        &Selection::named("round_robin"),
+        &route,
+        &pool,
+        None,
+        Limits::plain(&pool),
+    );
+    let schedule = old.schedule().unwrap().clone();
+    schedule.pick(Instant::now(), |_| false);
+    schedule.pick(Instant::now(), |_| false);
+
+    let same = Policy::new(
+        &Selection::named("round_robin"),
+        &route,
+        &pool,
+        Some(&old),
+        Limits::plain(&pool),
+    );
+    assert!(
+        Arc::ptr_eq(same.schedule().unwrap(), &schedule),
+        "an unchanged member set keeps its schedule, shared with requests of the old table"
+    );
+
+    let other = three_members();
+    let moved = Policy::new(
+        &Selection::named("least_used"),
+        &route,
+        &other,
+        Some(&same),
+        Limits::plain(&other),
+    );
+    let fallback = moved.schedule().unwrap();
+    assert!(!Arc::ptr_eq(fallback, &schedule));
+    assert_eq!(fallback.cursor(), 2, "a new member set goes on from there");
+
+    let priority = Policy::new(
+        &Selection::named("priority"),
+        &route,
+        &pool,
+        Some(&moved),
+        Limits::plain(&pool),
+    );
+    assert!(priority.schedule().is_none(), "priority needs no schedule");
+}
+/// `sluice check`'s errors for `yaml`, the policies' rules included.
+fn check(yaml: &str) -> Vec<String> {
+    match Config::parse_with("t.yaml", yaml, &RULES) {
+        Ok(_) => Vec::new(),
+        Err(e) => {
+            e.0.iter()
+                .map(|e| format!("{}:{}: {}: {}", e.line, e.column, e.path, e.message))
+                .collect()
+        }
+    }
+}
+
+fn one_error(yaml: &str, at: &str, message: &str) {
+    let all = check(yaml);
+    assert!(
+        all.len() == 1 && all[0].starts_with(&format!("{at}: ")) && all[0].contains(message),
+        "expected one error `{at}: …{message}…`, got {all:#?}"
+    );
+}
+
+#[test]
+fn each_policy_brings_its_own_rules() {
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      selection: least_used\n      members:\n        - url: \"http://127.0.0.1:1\"\n          weight: 2\n",
+        "7:19: routes[0].upstream.members[0].weight",
+        "weight applies to round_robin only; least_used counts assignments",
+    );
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      selection: priority\n      members:\n        - {url: \"http://a.test\", weight: 2}\n",
+        "6:42: routes[0].upstream.members[0].weight",
+        "weight applies to round_robin only; priority follows the list order",
+    );
+    // Only a policy that counts has a count to restore.
+    for policy in ["round_robin", "priority"] {
+        one_error(
+            &format!("routes:\n  - name: a\n    upstream:\n      selection: {policy}\n      on_restore: keep\n"),
+            "5:19: routes[0].upstream.on_restore",
+            &format!("on_restore applies to selection: least_used only: {policy} keeps no count"),
+        );
+    }
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      on_restore: min\n",
+        "4:19: routes[0].upstream.on_restore",
+        "applies to selection: least_used only",
+    );
+    one_error(
+        "routes:\n  - name: a\n    upstream:\n      selection: random\n",
+        "4:18: routes[0].upstream.selection",
+        "unknown selection \"random\"; one of: round_robin, least_used, priority",
+    );
+    assert_eq!(
+        check("routes:\n  - name: a\n    upstream:\n      selection: least_used\n      on_restore: min\n      members:\n        - url: \"http://a.test\"\n"),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn every_policy_is_known_by_its_own_name_in_status() {
+    let route: Arc<str> = "r".into();
+    let pool = three_members();
+    for entry in KINDS {
+        let policy = Policy::new(
+            &Selection::named(entry.name),
+            &route,
+            &pool,
+            None,
+            Limits::plain(&pool),
+        );
+        assert_eq!(policy.name(), entry.name);
+        assert_eq!(policy.counts(), entry.name == "least_used");
+    }
+}
