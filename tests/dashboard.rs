@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use support::{start_backends, url, Config, HealthCheck, KeyMember, Quota, Route};
 
-
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true")
 }

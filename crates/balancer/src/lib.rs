@@ -31,5 +31,7 @@ pub use schedule::Schedule;
 #[cfg(test)]
 #[test]
 fn no_module_cycles() {
-    sluice_testkit::architecture::assert_no_cycles(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
 }

@@ -468,10 +468,7 @@ fn passwords_never_appear_in_error_messages() {
     }
     assert!(errors(&cases[0])[0].contains("\"redis://***@127.0.0.1/x\""));
     assert!(errors(&cases[3])[0].contains("credentials in a member url are never sent"));
-    assert_eq!(
-        super::urls::redact("http://a@b@c/x@y"),
-        "http://***@c/x@y"
-    );
+    assert_eq!(super::urls::redact("http://a@b@c/x@y"), "http://***@c/x@y");
     assert_eq!(super::urls::redact("redis://h:1/0"), "redis://h:1/0");
 }
 
