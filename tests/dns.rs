@@ -328,12 +328,7 @@ async fn a_direct_destination_falls_back_to_its_next_checked_address() {
     assert_eq!(access["status"], 200, "{access}");
 
     // A CONNECT tunnel to the same name.
-    let mut tunnel = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-    tunnel
-        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let r = tunnel.read_response(true).await.unwrap();
+    let (mut tunnel, r) = support::open_tunnel(gw.proxy_addr(), &authority, true).await;
     assert_eq!(r.status, 200, "{}", gw.logs());
     let r = tunnel
         .send(
@@ -415,14 +410,7 @@ async fn a_name_that_resolves_to_an_unspecified_address_is_refused() {
             "{}",
             r.text()
         );
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        client
-            .write_raw(
-                format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes(),
-            )
-            .await
-            .unwrap();
-        let r = client.read_response(false).await.unwrap();
+        let (_, r) = support::open_tunnel(gw.proxy_addr(), &authority, false).await;
         assert_eq!(r.status, 403, "CONNECT {authority}");
     }
 }

@@ -118,13 +118,7 @@ async fn wait_tunnel_lines(gw: &Gateway, n: usize) -> Vec<serde_json::Value> {
 
 /// Opens a CONNECT to `authority` through the gateway and reads the answer's head.
 async fn connect(gw: &Gateway, authority: &str) -> (HttpClient, support::Response) {
-    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-    client
-        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let r = client.read_response(true).await.unwrap();
-    (client, r)
+    support::open_tunnel(gw.proxy_addr(), authority, true).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -616,13 +610,8 @@ async fn curl_status_via(gw: &Gateway, url: &str) -> (String, String) {
 /// Asserts a raw CONNECT to `authority` gets 403 `destination_denied` whose detail mentions
 /// `reason`.
 async fn assert_connect_denied(gw: &Gateway, authority: &str, reason: &str) {
-    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-    client
-        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
     // A refusal has a problem+json body, unlike a 200.
-    let r = client.read_response(false).await.unwrap();
+    let (_, r) = support::open_tunnel(gw.proxy_addr(), authority, false).await;
     assert_eq!(r.status, 403, "CONNECT {authority}\n{}", gw.logs());
     assert_eq!(r.header("x-sluice-error"), Some("destination_denied"));
     let body = String::from_utf8_lossy(&r.body);

@@ -159,26 +159,14 @@ async fn a_members_key_reaches_only_its_own_origin() {
     // CONNECT to the pool's hosts is refused: a tunnel could carry no key, and to an origin
     // it would carry the client's bytes to a server that stands in for another.
     for authority in [format!("api.test:{spy}"), format!("x.api.test:{spy}")] {
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        let r = client
-            .send(
-                &format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
-                b"",
-            )
-            .await
-            .unwrap();
+        let (_, r) = support::open_tunnel(gw.proxy_addr(), &authority, false).await;
         assert_eq!(r.status, 405, "{authority}: {}", r.text());
         assert_eq!(r.header("x-sluice-error"), Some("connect_not_supported"));
         assert!(r.header("allow").is_some_and(|a| !a.contains("CONNECT")));
     }
     // A CONNECT to the listener through the direct route: a tunnel, the client's bytes only.
-    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     let authority = format!("127.0.0.1:{spy}");
-    client
-        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let r = client.read_response(true).await.unwrap();
+    let (mut client, r) = support::open_tunnel(gw.proxy_addr(), &authority, true).await;
     assert_eq!(r.status, 200, "{}", gw.logs());
     client
         .write_raw(b"GET /through HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -252,14 +240,7 @@ async fn unspecified_addresses_and_own_listeners_are_never_reached() {
             format!("[::ffff:0.0.0.0]:{proxy}"),
             format!("127.0.0.1:{proxy}"),
         ] {
-            let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-            let r = client
-                .send(
-                    &format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n"),
-                    b"",
-                )
-                .await
-                .unwrap();
+            let (_, r) = support::open_tunnel(gw.proxy_addr(), &authority, false).await;
             assert_eq!(r.status, 403, "{authority}: {}", r.text());
             assert_eq!(r.header("x-sluice-error"), Some("destination_denied"));
         }

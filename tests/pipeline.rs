@@ -39,10 +39,10 @@ struct Seen {
 
 /// One exchange of `kind` through `gw` to `target`.
 async fn exchange(gw: &Gateway, kind: Kind, target: SocketAddr) -> Seen {
-    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     let header = |r: &support::Response, name: &str| r.header(name).map(str::to_string);
     match kind {
         Kind::Request => {
+            let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
             let r = client
                 .send(
                     &format!("GET http://{target}/x HTTP/1.1\r\nHost: {target}\r\n\r\n"),
@@ -58,13 +58,8 @@ async fn exchange(gw: &Gateway, kind: Kind, target: SocketAddr) -> Seen {
             }
         }
         Kind::Tunnel => {
-            client
-                .write_raw(
-                    format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes(),
-                )
-                .await
-                .unwrap();
-            let head = client.read_response(true).await.unwrap();
+            let (mut client, head) =
+                support::open_tunnel(gw.proxy_addr(), &target.to_string(), true).await;
             let mut seen = Seen {
                 status: head.status,
                 retry_after: header(&head, "retry-after"),

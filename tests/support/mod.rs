@@ -883,3 +883,20 @@ pub fn test_python() -> Option<String> {
         }
     }
 }
+
+/// Sends `CONNECT authority` through the gateway at `proxy` on a new connection and reads the
+/// answer: its head only when `head_only` (a `200` opens the tunnel on the returned client, and
+/// has no body), else head and body (a refusal's problem+json).
+pub async fn open_tunnel(
+    proxy: SocketAddr,
+    authority: &str,
+    head_only: bool,
+) -> (HttpClient, Response) {
+    let mut client = HttpClient::connect(proxy).await.unwrap();
+    client
+        .write_raw(format!("CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let r = client.read_response(head_only).await.unwrap();
+    (client, r)
+}
