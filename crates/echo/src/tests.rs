@@ -589,10 +589,16 @@ async fn request_in_flight_during_stop_completes_with_close() {
     let server = start("iota").await;
     let mut client = Client::connect(server.local_addr()).await;
 
+    // The answer is held long enough for the stop to come while it is in flight: the stop
+    // is sent as soon as the server has the request, not after a guessed pause.
     client
-        .send(b"GET / HTTP/1.1\r\nHost: i\r\nx-delay-ms: 200\r\n\r\n")
+        .send(b"GET / HTTP/1.1\r\nHost: i\r\nx-delay-ms: 2000\r\n\r\n")
         .await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while server.requests() == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(server.requests(), 1, "the request never arrived");
     server.stop().await;
 
     let reply = client.receive().await;
