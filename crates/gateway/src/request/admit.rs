@@ -50,7 +50,7 @@ pub(crate) async fn admit(
         let p = Problem::method_not_allowed(
             "CONNECT opens a tunnel only as the first request of a connection",
         );
-        let allow = HeaderValue::from_static("GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS");
+        let allow = HeaderValue::from_static(super::route::EVERY_METHOD_BUT_CONNECT);
         answer::problem_with_allow(session, ctx, p, allow).await?;
         return Ok(true);
     }

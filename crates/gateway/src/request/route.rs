@@ -165,14 +165,15 @@ fn connect_refusal(route: &Route) -> Option<&'static str> {
     None
 }
 
+/// `Allow` for a route that lists no methods, where a CONNECT cannot be served.
+pub(crate) const EVERY_METHOD_BUT_CONNECT: &str = "GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS";
+
 /// `Allow` for a route that takes no CONNECT: the methods it lists, or, when it lists none,
 /// every method but CONNECT.
 fn methods_of(route: &Route) -> Option<HeaderValue> {
     let methods = &route.config.matcher.methods;
     if methods.is_empty() {
-        return Some(HeaderValue::from_static(
-            "GET, HEAD, POST, PUT, DELETE, PATCH, OPTIONS",
-        ));
+        return Some(HeaderValue::from_static(EVERY_METHOD_BUT_CONNECT));
     }
     let listed: Vec<&str> = methods
         .iter()

@@ -100,10 +100,9 @@ impl Tunnels {
             // The client left before its head was complete.
             Err(None) => String::new(),
         };
-        let (error, detail) = match ctx.seen.answered {
-            Some(code) => (Some(code), end.detail.take()),
-            None => (end.error, end.detail.take()),
-        };
+        // A gateway answer's code, else how the tunnel ended.
+        let error = ctx.seen.answered.or(end.error);
+        let detail = end.detail.take();
         let (up, down) = end.bytes.unwrap_or_default();
         account::record(
             &self.metrics,
