@@ -142,17 +142,7 @@ impl Config {
         if problems.is_empty() {
             return Ok(self);
         }
-        let positions = Positions::of(text);
-        Err(ConfigErrors(inside(
-            text,
-            problems
-                .into_iter()
-                .map(|(path, message)| {
-                    let at = positions.nearest(&path);
-                    ConfigError::at(file, at, path.to_string(), message)
-                })
-                .collect(),
-        )))
+        Err(placed(file, text, problems))
     }
 
     /// Reads and validates `path`.
@@ -240,23 +230,29 @@ impl Config {
                 if problems.is_empty() {
                     return Ok(config);
                 }
-                let positions = Positions::of(text);
-                return Err(ConfigErrors(inside(
-                    text,
-                    problems
-                        .into_iter()
-                        .map(|(path, message)| {
-                            let at = positions.nearest(&path);
-                            ConfigError::at(file, at, path.to_string(), message)
-                        })
-                        .collect(),
-                )));
+                return Err(placed(file, text, problems));
             }
             Ok(_) => None,
             Err(e) => Some(e),
         };
         Err(ConfigErrors(inside(text, diagnose(file, text, plain))))
     }
+}
+
+/// `problems`, each at its YAML path, as errors placed at their line and column in `text`:
+/// validation's and the rules of the code that serves the config alike.
+fn placed(file: &str, text: &str, problems: Vec<(YamlPath, String)>) -> ConfigErrors {
+    let positions = Positions::of(text);
+    ConfigErrors(inside(
+        text,
+        problems
+            .into_iter()
+            .map(|(path, message)| {
+                let at = positions.nearest(&path);
+                ConfigError::at(file, at, path.to_string(), message)
+            })
+            .collect(),
+    ))
 }
 
 /// Moves every position past the last line of `text` to the end of that line. libyaml's scanner
