@@ -13,7 +13,7 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
-use rustls::InconsistentKeys;
+use rustls::{InconsistentKeys, RootCertStore};
 
 /// Which part of `listen[].tls` a problem is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +24,8 @@ pub enum Blame {
     Key,
     /// The two together: the key is not the certificate's.
     Pair,
+    /// The CA bundle client certificates are verified against (`client_ca`).
+    ClientCa,
 }
 
 /// Why a listener's certificate or key cannot be used; names the file, never its content.
@@ -88,9 +90,32 @@ pub fn load(cert: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, TlsFileEr
     Ok(Arc::new(certified))
 }
 
+/// Reads the CA bundle at `path` (`listen[].tls.client_ca`) that client certificates are
+/// verified against: PEM, at least one certificate, and every one a CA certificate webpki can
+/// use as a trust anchor. A bundle with one bad certificate is refused whole, rather than
+/// trusting the rest and leaving the operator to find out which clients fail.
+pub fn load_client_ca(path: &Path) -> Result<Arc<RootCertStore>, TlsFileError> {
+    let certs = read_certs(path).map_err(|e| fail(Blame::ClientCa, e.message))?;
+    let mut roots = RootCertStore::empty();
+    for (i, cert) in certs.into_iter().enumerate() {
+        roots.add(cert).map_err(|e| {
+            fail(
+                Blame::ClientCa,
+                format!(
+                    "{}: certificate {} is not a CA certificate sluice can verify clients with: {e}",
+                    path.display(),
+                    i + 1
+                ),
+            )
+        })?;
+    }
+    Ok(Arc::new(roots))
+}
+
 /// The process-wide rustls provider, or ring's (the one Pingora installs) when none is yet:
-/// only its key loader is used, so nothing is installed here.
-fn provider() -> Arc<CryptoProvider> {
+/// its key loader, and the gateway's client-certificate verifier, use it; nothing is installed
+/// here, since `sluice check` needs no process-wide state.
+pub fn provider() -> Arc<CryptoProvider> {
     CryptoProvider::get_default()
         .cloned()
         .unwrap_or_else(|| Arc::new(rustls::crypto::ring::default_provider()))

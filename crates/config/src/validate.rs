@@ -192,6 +192,7 @@ impl Config {
                         crate::listen_tls::Blame::Cert => tls_at.key("cert"),
                         crate::listen_tls::Blame::Key => tls_at.key("key"),
                         crate::listen_tls::Blame::Pair => tls_at,
+                        crate::listen_tls::Blame::ClientCa => tls_at.key("client_ca"),
                     };
                     problems.push((blamed, e.message));
                 }
