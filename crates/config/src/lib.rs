@@ -63,6 +63,8 @@ pub struct Config {
     pub log: LogConfig,
     /// Span export.
     pub tracing: TracingConfig,
+    /// Who may call, and what each caller may use; absent, everyone may use everything.
+    pub clients: Option<ClientsConfig>,
     /// The routes, matched as SPEC §3 says.
     pub routes: Vec<RouteConfig>,
 }
@@ -212,6 +214,7 @@ impl Config {
                 limits,
                 log,
                 tracing,
+                clients,
                 routes: Some(routes),
             }) => {
                 let config = Config {
@@ -224,6 +227,7 @@ impl Config {
                     limits,
                     log,
                     tracing,
+                    clients,
                     routes,
                 };
                 let problems = config.validate();
@@ -308,6 +312,8 @@ struct Document<R> {
     log: LogConfig,
     #[serde(default)]
     tracing: TracingConfig,
+    #[serde(default)]
+    clients: Option<ClientsConfig>,
     #[serde(default)]
     routes: Option<Vec<R>>,
 }
@@ -512,6 +518,9 @@ mod proptests;
 
 #[cfg(test)]
 mod tests_key_pools;
+
+#[cfg(test)]
+mod tests_clients;
 
 /// No module of this crate depends on one that depends on it back, at any depth
 /// (`sluice_testkit::architecture`).

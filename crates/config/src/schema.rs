@@ -13,7 +13,9 @@ use serde::Deserialize;
 
 use crate::urls::RedisUrl;
 
+mod clients;
 mod route;
+pub use clients::*;
 pub use route::*;
 
 /// A socket address to listen on, such as `127.0.0.1:8080` or `[::1]:8080`.
@@ -58,12 +60,47 @@ impl Listener {
 /// `sluice check`); a new certificate takes a restart, like any listener change. Relative paths
 /// are taken from the working directory.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "RawListenTls")]
 pub struct ListenTls {
     /// PEM certificate chain, the listener's own certificate first.
     pub cert: std::path::PathBuf,
     /// PEM private key of that certificate (PKCS#8, PKCS#1 or SEC1), unencrypted.
     pub key: std::path::PathBuf,
+    /// PEM bundle of the CAs that sign client certificates; absent, none is asked for.
+    pub client_ca: Option<std::path::PathBuf>,
+    /// With `client_ca`: whether a client must present a certificate (the default) or may
+    /// present none.
+    pub client_cert: ClientCertMode,
+}
+
+/// `listen[].tls` as written: `client_cert` means nothing without `client_ca`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawListenTls {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    #[serde(default)]
+    client_ca: Option<std::path::PathBuf>,
+    #[serde(default)]
+    client_cert: Option<ClientCertMode>,
+}
+
+impl TryFrom<RawListenTls> for ListenTls {
+    type Error = String;
+    fn try_from(raw: RawListenTls) -> Result<ListenTls, String> {
+        if raw.client_ca.is_none() && raw.client_cert.is_some() {
+            return Err(
+                "client_cert needs client_ca: the CA bundle client certificates are checked against"
+                    .into(),
+            );
+        }
+        Ok(ListenTls {
+            cert: raw.cert,
+            key: raw.key,
+            client_ca: raw.client_ca,
+            client_cert: raw.client_cert.unwrap_or_default(),
+        })
+    }
 }
 
 impl<'de> Deserialize<'de> for Listener {

@@ -876,7 +876,7 @@ fn a_proxy_password_can_come_from_the_environment() {
 // process state.
 
 /// `Config::parse` with `vars` as the whole environment.
-fn parse_env(yaml: &str, vars: &[(&str, &str)]) -> Result<Config, Vec<String>> {
+pub(super) fn parse_env(yaml: &str, vars: &[(&str, &str)]) -> Result<Config, Vec<String>> {
     let env = |name: &str| {
         vars.iter()
             .find(|(k, _)| *k == name)

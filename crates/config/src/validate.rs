@@ -9,6 +9,8 @@ use super::position::YamlPath;
 use super::schema::*;
 use super::Config;
 
+mod clients;
+
 /// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
 /// a timestamp and a window far inside the stores' u64 microseconds.
 const MAX_WINDOW: Duration = Duration::from_secs(366 * 86_400);
@@ -593,6 +595,7 @@ impl Config {
                 }
             }
         }
+        problems.extend(clients::problems(self));
         problems
     }
 }

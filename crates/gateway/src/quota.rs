@@ -111,6 +111,9 @@ impl RouteQuota {
                 }
                 buf
             }
+            // Keyed by the identified client where the request's identity is known
+            // (`crate::clients`); a caller with none shares the anonymous key.
+            QuotaKey::Client => crate::config::ANONYMOUS,
         }
     }
 

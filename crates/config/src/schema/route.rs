@@ -26,6 +26,28 @@ pub struct RouteConfig {
     /// The sliding-window quota that gates the route.
     #[serde(default)]
     pub quota: Option<QuotaConfig>,
+    /// Gateway form: the request header whose token identifies the client (`Bearer <token>`
+    /// or the bare token), lowercased. It is removed before the request goes on, whether or
+    /// not it identified anyone.
+    #[serde(default, deserialize_with = "client_token_header")]
+    pub client_token: Option<http::HeaderName>,
+}
+
+/// `client_token`: a header name a client may carry its token in. Not one that sluice or
+/// Pingora owns (the connection, the framing, `Host`), and not `Proxy-Authorization`, which
+/// identifies clients in any case.
+fn client_token_header<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<http::HeaderName>, D::Error> {
+    let name = String::deserialize(d)?;
+    let header = http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| de::Error::custom(format!("invalid header name {name:?}")))?;
+    if RESERVED_HEADERS.contains(&header.as_str()) || header == http::header::PROXY_AUTHORIZATION {
+        return Err(de::Error::custom(format!(
+            "{name:?} cannot carry a client token: it belongs to the connection or the message framing, or (proxy-authorization) identifies clients already"
+        )));
+    }
+    Ok(Some(header))
 }
 
 /// `quota:` — a sliding-window quota.
@@ -72,6 +94,8 @@ pub enum QuotaKey {
     Header(String),
     /// One quota per client IP address.
     ClientIp,
+    /// One quota per identified client (`clients`), which a header cannot spoof.
+    Client,
 }
 
 impl<'de> Deserialize<'de> for QuotaKey {
@@ -80,6 +104,7 @@ impl<'de> Deserialize<'de> for QuotaKey {
         match s.as_str() {
             "route" => Ok(QuotaKey::Route),
             "client_ip" => Ok(QuotaKey::ClientIp),
+            "client" => Ok(QuotaKey::Client),
             _ => match s.strip_prefix("header:") {
                 Some("") => Err(de::Error::custom(
                     "quota key \"header:\" needs a header name, e.g. header:X-Tenant",
@@ -88,7 +113,7 @@ impl<'de> Deserialize<'de> for QuotaKey {
                     .map(|h| QuotaKey::Header(h.as_str().to_string()))
                     .map_err(|_| de::Error::custom(format!("invalid header name {name:?}"))),
                 None => Err(de::Error::custom(format!(
-                    "invalid quota key {s:?}: expected route, header:<Name> or client_ip"
+                    "invalid quota key {s:?}: expected route, header:<Name>, client_ip or client"
                 ))),
             },
         }
@@ -223,7 +248,13 @@ pub enum HostPattern {
 
 impl<'de> Deserialize<'de> for HostPattern {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
+        HostPattern::parse(&String::deserialize(d)?).map_err(de::Error::custom)
+    }
+}
+
+impl HostPattern {
+    /// `s` as a host pattern: `*`, `*.domain`, a DNS name or an IP address, without a port.
+    pub(crate) fn parse(s: &str) -> Result<HostPattern, String> {
         let lower = s.trim_end_matches('.').to_ascii_lowercase();
         let valid_name = |h: &str| {
             !h.is_empty()
@@ -240,21 +271,21 @@ impl<'de> Deserialize<'de> for HostPattern {
             if valid_name(suffix) {
                 Ok(HostPattern::Wildcard(suffix.to_string()))
             } else {
-                Err(de::Error::custom(format!("invalid wildcard host {s:?}")))
+                Err(format!("invalid wildcard host {s:?}"))
             }
         } else if let Some(v6) = ipv6(&lower) {
             // One spelling for every way of writing the address, the one the router looks up.
             Ok(HostPattern::Exact(v6.to_string()))
         } else if lower.contains(':') {
-            Err(de::Error::custom(format!(
+            Err(format!(
                 "invalid host {s:?}: give the host without a port; ports are ignored when matching"
-            )))
+            ))
         } else if valid_name(&lower) {
             Ok(HostPattern::Exact(lower))
         } else {
-            Err(de::Error::custom(format!(
+            Err(format!(
                 "invalid host {s:?}: expected a DNS name, an IP address, \"*.domain\" or \"*\""
-            )))
+            ))
         }
     }
 }
