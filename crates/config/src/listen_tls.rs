@@ -91,9 +91,9 @@ pub fn load(cert: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, TlsFileEr
 }
 
 /// Reads the CA bundle at `path` (`listen[].tls.client_ca`) that client certificates are
-/// verified against: PEM, at least one certificate, and every one a CA certificate webpki can
-/// use as a trust anchor. A bundle with one bad certificate is refused whole, rather than
-/// trusting the rest and leaving the operator to find out which clients fail.
+/// verified against: PEM, at least one certificate, and every one a certificate webpki can use
+/// as a trust anchor. A bundle with one bad certificate is refused whole, rather than trusting
+/// the rest and leaving the operator to find out which clients fail.
 pub fn load_client_ca(path: &Path) -> Result<Arc<RootCertStore>, TlsFileError> {
     let certs = read_certs(path).map_err(|e| fail(Blame::ClientCa, e.message))?;
     let mut roots = RootCertStore::empty();
@@ -102,7 +102,7 @@ pub fn load_client_ca(path: &Path) -> Result<Arc<RootCertStore>, TlsFileError> {
             fail(
                 Blame::ClientCa,
                 format!(
-                    "{}: certificate {} is not a CA certificate sluice can verify clients with: {e}",
+                    "{}: certificate {} is not one sluice can verify clients with: {e}",
                     path.display(),
                     i + 1
                 ),

@@ -1311,6 +1311,53 @@ fn tls_listener_files_are_checked_and_named() {
     );
 }
 
+/// [`tls_listen`] with `client_ca` (a file in [`tls_files`]) and `client_cert` (when given).
+fn tls_listen_with_client_ca(client_ca: &str, client_cert: Option<&str>) -> String {
+    let dir = tls_files().display();
+    let mut yaml = tls_listen("cert.pem", "key.pem").replace(
+        "routes: []\n",
+        &format!("      client_ca: {dir}/{client_ca}\n"),
+    );
+    if let Some(mode) = client_cert {
+        yaml.push_str(&format!("      client_cert: {mode}\n"));
+    }
+    yaml + "routes: []\n"
+}
+
+#[test]
+fn a_client_ca_is_read_and_client_cert_defaults_to_required() {
+    let config = parse(&tls_listen_with_client_ca("cert.pem", None));
+    let tls = config.listen[1].tls.as_ref().expect("tls");
+    assert_eq!(
+        tls.client_ca.as_deref(),
+        Some(&*tls_files().join("cert.pem"))
+    );
+    assert_eq!(tls.client_cert, ClientCertMode::Required);
+    let config = parse(&tls_listen_with_client_ca("cert.pem", Some("optional")));
+    let tls = config.listen[1].tls.as_ref().expect("tls");
+    assert_eq!(tls.client_cert, ClientCertMode::Optional);
+}
+
+#[test]
+fn an_unreadable_client_ca_is_named_at_its_key() {
+    let dir = tls_files().display().to_string();
+    one_error(
+        &tls_listen_with_client_ca("missing-ca.pem", None),
+        "7:18: listen[1].tls.client_ca",
+        &format!("cannot read {dir}/missing-ca.pem: No such file or directory"),
+    );
+    one_error(
+        &tls_listen_with_client_ca("key.pem", Some("optional")),
+        "7:18: listen[1].tls.client_ca",
+        &format!("{dir}/key.pem: no certificate in it"),
+    );
+    one_error(
+        &tls_listen_with_client_ca("garbage.key", None),
+        "7:18: listen[1].tls.client_ca",
+        &format!("{dir}/garbage.key: not a PEM certificate chain"),
+    );
+}
+
 #[test]
 fn a_bad_key_file_is_never_quoted() {
     let all = errors(&tls_listen("cert.pem", "garbage.key"));

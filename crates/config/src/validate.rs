@@ -198,6 +198,11 @@ impl Config {
                     };
                     problems.push((blamed, e.message));
                 }
+                if let Some(ca) = &tls.client_ca {
+                    if let Err(e) = crate::listen_tls::load_client_ca(ca) {
+                        problems.push((at.clone().key("tls").key("client_ca"), e.message));
+                    }
+                }
             }
             if addr.0.port() == 0 {
                 problems.push((
