@@ -7,27 +7,39 @@
 --   the pool                         (least-used order);
 --   the cooldowns                    (the route has cooldowns);
 --   the route quota's helper hash, then one log per window   (the route has a quota);
+--   the client's helper hash, then one log per window         (the client has windows);
 --   per member sent with windows, its helper hash, then one log per window.
 -- ARGV:
 --   [1] clock: "" for Redis TIME, or µs (tests)      [2] the member cost (an integer)
---   [3] "L" least-used, or "P" the members below are the candidates, best first
+--   [3] "L" least-used, or "P" the members below are the candidates, best first; "Lc" or
+--       "Pc" when the client's own windows follow the route quota's
 --   [4] "1" skip cooling members, "0" ignore cooldowns
---   [5] the route quota's window count, "" for none   [6] the route quota's cost
+--   [5] the route quota's window count, "" for none   [6] the quota's cost (the route's, and the client's)
 --   then the route quota's windows (name, limit, length)
+--   then, for "Lc" and "Pc", the client's window count and windows, charged [6] too, in the
+--   same step as the route's quota, the member windows and the selection
 --   then the excluded ids (count, ids)
 --   then the members (count; per member: id, then window count and windows, or "=" for the
 --   previous member's windows). For "L", only the members with windows (the others admit
 --   anything); for "P", every candidate.
--- Returns {status, member, wait_us, then the route quota's reply when it has one}:
---   1 assigned `member`; 0 the route quota refused; 2 no eligible member;
+-- Returns {status, member, wait_us, then the quota reply when there is a route quota or a
+-- client's windows: admitted, retry_after_us, then the route's windows, then the client's}:
+--   1 assigned `member`; 0 the route quota or the client's windows refused; 2 no eligible member;
 --   3 the pool does not exist (nothing changed: sync and ask again);
 --   4 busy: every eligible member cools or refuses; wait_us is the least time until one admits.
 -- Nothing is recorded unless a member is assigned.
 
 local cost = ARGV[2]
-local least_used = ARGV[3] == 'L'
+local order = ARGV[3]
+local least_used = order == 'L' or order == 'Lc'
 local route_windows = tonumber(ARGV[5]) or 0
-local excluded, count, at = pool_excluded(7 + 3 * route_windows)
+local client_at = 7 + 3 * route_windows
+local client_windows = 0
+if order == 'Lc' or order == 'Pc' then
+  client_windows = ARGV[client_at] + 0
+end
+local excluded, count, at =
+  pool_excluded(client_windows > 0 and client_at + 1 + 3 * client_windows or client_at)
 local k = 1
 local pool, first, cool
 if least_used then
@@ -44,14 +56,37 @@ if ARGV[4] == '1' then
 end
 
 local now = quota_clock(ARGV[1])
-local q
+local q, c
 if ARGV[5] ~= '' then
   q = quota_check(k, route_windows, 7, ARGV[6], now)
   k = k + 1 + route_windows
-  if q.admitted == 0 then
+end
+if client_windows > 0 then
+  c = quota_check(k, client_windows, client_at + 1, ARGV[6], now)
+  k = k + 1 + client_windows
+end
+
+-- Writes back both quotas and appends their reply to `out`.
+local function reply(out, admitted)
+  if q then
     quota_finish(q)
-    return quota_reply(q, 0, {0, '', 0, 0, 0, 0, 0}, 3)
   end
+  if c then
+    quota_finish(c)
+  end
+  if q then
+    quota_reply(q, admitted, out, 3)
+    if c then
+      quota_reply_also(c, admitted, out, 3)
+    end
+  elseif c then
+    quota_reply(c, admitted, out, 3)
+  end
+  return out
+end
+
+if (q and q.admitted == 0) or (c and c.admitted == 0) then
+  return reply({0, '', 0, 0, 0, 0, 0}, 0)
 end
 
 local cooling = false
@@ -75,6 +110,9 @@ if w.chosen then
   if q then
     quota_record(q)
   end
+  if c then
+    quota_record(c)
+  end
   if least_used then
     pool_assign(pool, w.chosen)
   end
@@ -85,9 +123,8 @@ elseif w.eligible then
 else
   out = {2, '', 0}
 end
-if not q then
+if not q and not c then
   return out
 end
-quota_finish(q)
 -- Admissible, but recorded only when a member was assigned.
-return quota_reply(q, 1, out, 3)
+return reply(out, 1)

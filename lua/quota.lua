@@ -275,6 +275,21 @@ local function quota_finish(q)
   end
 end
 
+-- Writes {remaining_i, reset_us_i} per window of `q` into `out`, after its first `at` elements,
+-- where reset_us_i is the time until window i's oldest counted request leaves it.
+local function quota_reply_windows(q, out, at)
+  for i = 1, q.n do
+    local s, k = 5 * i, at + 2 * i
+    local remaining = q[s - 1] - q[s - 4]
+    if remaining < 0 then remaining = 0 end
+    local reset = 0
+    if q[s - 3] then
+      reset = q[s - 3] + q[s] - q.now
+    end
+    out[k - 1], out[k] = remaining, reset
+  end
+end
+
 -- Writes {admitted, retry_after_us, remaining_1, reset_us_1, ...} into `out` after its first
 -- `at` elements, where reset_us_i is the time until window i's oldest counted request leaves
 -- it. A caller passes `out` built as long as the reply usually is (placeholders after its own
@@ -288,15 +303,33 @@ local function quota_reply(q, admitted, out, at)
   for k = #out, at + 3 + 2 * q.n, -1 do
     out[k] = nil
   end
-  for i = 1, q.n do
-    local s, k = 5 * i, at + 2 * i
-    local remaining = q[s - 1] - q[s - 4]
-    if remaining < 0 then remaining = 0 end
-    local reset = 0
-    if q[s - 3] then
-      reset = q[s - 3] + q[s] - q.now
-    end
-    out[k + 1], out[k + 2] = remaining, reset
-  end
+  quota_reply_windows(q, out, at + 2)
   return out
+end
+
+-- A client's own windows (`c`), decided in the same call as the quota whose reply
+-- quota_reply wrote into `out` at `at`: their states follow that reply's, and a refusal waits
+-- for the later of the two.
+local function quota_reply_also(c, admitted, out, at)
+  if admitted == 0 and c.retry_after > out[at + 2] then
+    out[at + 2] = c.retry_after
+  end
+  quota_reply_windows(c, out, #out)
+  return out
+end
+
+-- Takes back an entry (`<seq>:<cost>`) that a call recorded in the quota whose helper hash is
+-- KEYS[meta] and whose logs follow it, one per window named in ARGV from `at`: on Redis
+-- Cluster a client's windows are charged in a call of their own before the route decides, and
+-- given back when it refuses. An entry that already left a window (and its total) is not
+-- taken twice; a total whose hash is gone is not made again, without an expiry.
+local function quota_give_back(meta, at, entry)
+  local cost = quota_cost_of(entry)
+  for i = at, #ARGV do
+    local field = 's:' .. ARGV[i]
+    if redis.call('ZREM', KEYS[meta + 1 + i - at], entry) == 1
+      and redis.call('HEXISTS', KEYS[meta], field) == 1 then
+      redis.call('HINCRBY', KEYS[meta], field, string.format('%d', -cost))
+    end
+  end
 end

@@ -2,8 +2,9 @@
 //! windows and cooldowns in memory, with the same behaviour as the Redis scripts.
 //!
 //! Locks are always taken in one order, so no two calls can deadlock: the route's state (pool
-//! and cooldowns) first, then the route quota key's shard, then one member log shard at a time.
-//! A plain `acquire` takes only a route quota shard, and member shards are never held together.
+//! and cooldowns) first, then the route quota key's shard, then the client's shard, then one
+//! member log shard at a time. A plain `acquire` takes only a route quota shard (and the
+//! client's), and member shards are never held together.
 
 use std::sync::Arc;
 
@@ -14,6 +15,9 @@ use sluice_limiter::{Acquire, MemoryLimits, Outcome, QuotaLogs, StoreError, Wind
 use crate::memory_pools::{Excluded, Pools, Route};
 use crate::{Assign, Assignment, Order, PoolMember, StateStore};
 
+/// The route name the clients' own windows are kept under, in a [`QuotaLogs`] of their own.
+const CLIENTS: &str = "clients";
+
 /// Quotas, least-used pools, member windows and cooldowns for a single gateway instance.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
@@ -22,6 +26,9 @@ pub struct MemoryStore {
     /// The members' own windows, by member id: apart from `quotas`, so that no client-chosen
     /// quota key can collide with a member's logs.
     members: QuotaLogs,
+    /// The clients' own windows, by client name (under the route name [`CLIENTS`]): apart from
+    /// `quotas`, since they are the client's on every route it uses.
+    clients: QuotaLogs,
     pools: Pools,
 }
 
@@ -48,6 +55,8 @@ impl MemoryStore {
             // Member logs are keyed by member ids, which the config bounds: a small
             // `max_keys` must not refuse a route's own members.
             members: QuotaLogs::new(),
+            // Keyed by client names, which the config bounds likewise.
+            clients: QuotaLogs::new(),
             pools: Pools::default(),
         }
     }
@@ -64,7 +73,57 @@ impl MemoryStore {
 
     /// The quota decision, synchronously: memory never waits on anything but its locks.
     pub fn decide(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
-        self.quotas.decide(req)
+        // A cost of 0 only reads the windows (see `Acquire::cost`).
+        self.decide_then(req, || (req.cost > 0).then_some(()))
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// Decides `req` on its route's quota and, when it has one, its client's own windows, in
+    /// one step: `then` runs (as in [`QuotaLogs::decide_then`]) only when both admit it, under
+    /// both keys' locks, and the request is recorded in both only when it returns `Some`.
+    fn decide_then<T>(
+        &self,
+        req: Acquire<'_>,
+        then: impl FnOnce() -> Option<T>,
+    ) -> Result<(Outcome, Option<T>), StoreError> {
+        let Some(client) = req.client else {
+            return self.quotas.decide_then(req, then);
+        };
+        let now = req.at_us.unwrap_or_else(|| self.quotas.now_us());
+        let mine = Acquire {
+            route: CLIENTS,
+            key: client.name,
+            windows: client.windows,
+            cost: req.cost,
+            at_us: Some(now),
+            client: None,
+        };
+        if req.windows.is_empty() {
+            return self.clients.decide_then(mine, then);
+        }
+        let route = Acquire {
+            at_us: Some(now),
+            client: None,
+            ..req
+        };
+        let mut decided = None;
+        let (outcome, taken) = self.quotas.decide_then(route, || {
+            let (outcome, taken) = match self.clients.decide_then(mine, then) {
+                Ok(decision) => decision,
+                Err(error) => {
+                    decided = Some(Err(error));
+                    return None;
+                }
+            };
+            decided = Some(Ok(outcome));
+            taken
+        })?;
+        let client = match decided {
+            Some(decision) => decision?,
+            // The route refused: the client's windows are read for the answer, charging nothing.
+            None => self.clients.decide_then(mine, || None::<()>)?.0,
+        };
+        Ok((outcome.with_client(client), taken))
     }
 
     /// Walks the candidates of `ask` in order, and takes the first that is not excluded, not
@@ -112,6 +171,7 @@ impl MemoryStore {
                     windows,
                     cost: ask.cost,
                     at_us: Some(now),
+                    client: None,
                 };
                 let (outcome, taken) = self
                     .members
@@ -207,14 +267,13 @@ impl StateStore for MemoryStore {
             ..q
         };
         let (outcome, member) =
-            self.quotas
-                .decide_then(q, || match self.walk(&mut route, &ask, &excluded, now) {
-                    Ok(Pick::Chosen(id)) => Some(id),
-                    other => {
-                        missed = Some(other);
-                        None
-                    }
-                })?;
+            self.decide_then(q, || match self.walk(&mut route, &ask, &excluded, now) {
+                Ok(Pick::Chosen(id)) => Some(id),
+                other => {
+                    missed = Some(other);
+                    None
+                }
+            })?;
         Ok(match (member, missed) {
             (Some(id), _) => Assignment::Assigned {
                 member: id.to_string(),
@@ -281,6 +340,7 @@ impl StateStore for MemoryStore {
             windows: &member.windows,
             cost: 0,
             at_us: None,
+            client: None,
         })?;
         Ok(outcome.windows.iter().map(|w| w.remaining).collect())
     }

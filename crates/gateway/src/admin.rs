@@ -214,6 +214,7 @@ impl<'a> Remaining<'a> {
             windows: &quota.windows,
             cost: 0,
             at_us: None,
+            client: None,
         });
         let outcome = self.answer(read.await)?;
         Some(outcome.windows.iter().map(|w| w.remaining).collect())

@@ -50,6 +50,22 @@ pub struct Acquire<'a> {
     /// The time in microseconds, for tests that replay a trace. `None` (always, in the gateway)
     /// uses the store's own clock: monotonic in memory, Redis `TIME` in Redis.
     pub at_us: Option<u64>,
+    /// The calling client's own windows, decided in the same step as [`Acquire::windows`]
+    /// (which may then be empty: a route without a quota of its own): the request is admitted
+    /// only when both admit it, and recorded in both or in neither. Its windows' states follow
+    /// the route's in [`Outcome::windows`].
+    pub client: Option<ClientWindows<'a>>,
+}
+
+/// A client's own quota: windows of its own, charged with the request's cost on every route
+/// it uses, and shared by every instance. The stores keep them apart from every route's keys,
+/// under the client's name (on Redis Cluster, in a slot of the client's own).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientWindows<'a> {
+    /// The client's name, unique in the config.
+    pub name: &'a str,
+    /// Its windows, at least one.
+    pub windows: &'a [Window],
 }
 
 /// The state of one window after a decision.
@@ -69,11 +85,26 @@ pub struct Outcome {
     /// For a refused request, microseconds until its cost fits every window if no other traffic
     /// arrives; 0 when admitted.
     pub retry_after_us: u64,
-    /// Per window, in the order of [`Acquire::windows`].
+    /// Per window, in the order of [`Acquire::windows`], then the client's
+    /// ([`Acquire::client`]), when it has any.
     pub windows: Vec<WindowState>,
 }
 
 impl Outcome {
+    /// This decision (a route's quota's) joined with the one its client's own windows made on
+    /// the same request: admitted only when both admit it, waiting for the later of the two
+    /// refusals, the client's windows after these.
+    pub fn with_client(mut self, client: Outcome) -> Outcome {
+        self.admitted &= client.admitted;
+        self.retry_after_us = if self.admitted {
+            0
+        } else {
+            self.retry_after_us.max(client.retry_after_us)
+        };
+        self.windows.extend(client.windows);
+        self
+    }
+
     /// The index of the window with the least remaining units (the first, on a tie).
     pub fn tightest(&self) -> Option<usize> {
         (0..self.windows.len()).min_by_key(|&i| self.windows[i].remaining)

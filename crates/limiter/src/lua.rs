@@ -6,3 +6,6 @@
 pub const LIBRARY: &str = include_str!("../../../lua/quota.lua");
 /// The quota driver (`lua/quota_run.lua`): one request against one quota key.
 pub const DRIVER: &str = include_str!("../../../lua/quota_run.lua");
+/// The client quota driver (`lua/client_run.lua`): one request against its route's quota and
+/// its client's own windows together, or (Redis Cluster) the client's alone, and their give-back.
+pub const CLIENT_DRIVER: &str = include_str!("../../../lua/client_run.lua");

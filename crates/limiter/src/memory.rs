@@ -391,6 +391,7 @@ mod tests {
             windows: &w,
             cost: 1,
             at_us: Some(0),
+            client: None,
         };
         let (outcome, held) = logs
             .decide_then(req, || Some(logs.shard("r", "k").try_lock().is_err()))
@@ -422,6 +423,7 @@ mod tests {
                 windows: w,
                 cost: 1,
                 at_us: Some(at_us),
+                client: None,
             }
         }
         let mut refused = 0;
@@ -490,6 +492,7 @@ mod tests {
             windows: &w,
             cost,
             at_us: Some(at_us),
+            client: None,
         };
         // Two windows: two entries a request, ten in the shard.
         for i in 0..5 {
@@ -545,6 +548,7 @@ mod tests {
                 windows,
                 cost: 1 + t % 3,
                 at_us: Some(t * 7),
+                client: None,
             });
             let (counted, held) = store.entry_counts();
             assert_eq!(counted, held, "at {t}");
@@ -556,6 +560,7 @@ mod tests {
                 windows: &two,
                 cost: 1,
                 at_us: Some(1_000_000),
+                client: None,
             });
         }
         assert_eq!(store.entry_counts().0, store.entry_counts().1);
@@ -573,6 +578,7 @@ mod tests {
                 windows: &w,
                 cost: 1,
                 at_us: Some(0),
+                client: None,
             });
         }
         assert_eq!(store.keys(), 100);
@@ -584,6 +590,7 @@ mod tests {
                 windows: &w,
                 cost: 1,
                 at_us: Some(5_000),
+                client: None,
             });
         }
         assert!(store.keys() <= 1, "idle keys remain: {}", store.keys());

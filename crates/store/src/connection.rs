@@ -250,6 +250,11 @@ impl RedisConnection {
             .map_err(StoreError::Backend)
     }
 
+    /// Whether this is a Redis Cluster: a script may then touch the keys of one slot only.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster(_))
+    }
+
     /// The time allowed for one call, retry included.
     pub fn timeout(&self) -> Duration {
         self.timeout

@@ -12,6 +12,10 @@
 //! - `…:mq:<window>:<member>` — a window of a member's own quota, the same log as `…:q:`;
 //! - `…:mqm:<member>` — the member quota's helper hash, as `…:qm:`. Member logs have their
 //!   own names so that no client-chosen quota key (`key: header:…`) can collide with them;
+//! - `<prefix>:{client:<name>}:cq:<window>` and `…:cqm` — a client's own windows and their
+//!   helper hash, as `…:q:` and `…:qm:`. They are the client's on every route it uses, so they
+//!   have a hash tag (a Redis Cluster slot) of their own: on a single Redis one script decides
+//!   them with a route's keys; on a cluster, a call of their own goes first;
 //! - `…:cool` — the cooldowns: a sorted set, member = member id, score = the time in µs (Redis
 //!   `TIME`) until which it cools. Entries past are trimmed when a member is cooled, and the key
 //!   expires with its longest cooldown.
@@ -62,6 +66,16 @@ impl Keys {
         self.cooldowns_parts(route).concat()
     }
 
+    /// The helper hash of a client's own windows.
+    pub fn client_meta(&self, client: &str) -> String {
+        self.client_meta_parts(client).concat()
+    }
+
+    /// The log of one of a client's own windows.
+    pub fn client_log(&self, client: &str, window: &str) -> String {
+        self.client_log_parts(client, window).concat()
+    }
+
     // The same names as pieces, for a request's script call to write them straight into its
     // command (`ScriptCall::key`) rather than allocate each one. Each layout is defined here
     // only: the `String` forms above are these, concatenated.
@@ -99,6 +113,14 @@ impl Keys {
     pub(crate) fn cooldowns_parts<'a>(&'a self, route: &'a str) -> [&'a str; 4] {
         [&self.prefix, ":{", route, "}:cool"]
     }
+
+    pub(crate) fn client_meta_parts<'a>(&'a self, client: &'a str) -> [&'a str; 4] {
+        [&self.prefix, ":{client:", client, "}:cqm"]
+    }
+
+    pub(crate) fn client_log_parts<'a>(&'a self, client: &'a str, window: &'a str) -> [&'a str; 5] {
+        [&self.prefix, ":{client:", client, "}:cq:", window]
+    }
 }
 
 #[cfg(test)]
@@ -133,5 +155,25 @@ mod tests {
                 "sluice:{api}:cool"
             ]
         );
+    }
+
+    /// A client's windows are its own on every route: their keys share one hash tag, the
+    /// client's, and none of a route's (whatever the route is named), so that on a single
+    /// Redis one script decides them with any route's keys, and on a cluster they stay in one
+    /// slot.
+    #[test]
+    fn a_clients_keys_share_a_hash_tag_of_their_own() {
+        let keys = Keys::new("sluice");
+        assert_eq!(keys.client_meta("billing"), "sluice:{client:billing}:cqm");
+        assert_eq!(
+            keys.client_log("billing", "daily"),
+            "sluice:{client:billing}:cq:daily"
+        );
+        // A route named like the client's tag still has keys of other names.
+        assert_ne!(
+            keys.quota_meta("client:billing", "x"),
+            keys.client_meta("billing")
+        );
+        assert!(!keys.pool("client:billing").ends_with(":cqm"));
     }
 }

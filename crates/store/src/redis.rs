@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use redis::Value;
 
 use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
-use sluice_limiter::{Acquire, Outcome, StoreError, Window};
+use sluice_limiter::{Acquire, ClientWindows, Outcome, StoreError, Window, WindowState};
 
 use crate::batch::FusedBatches;
 use crate::call::ScriptCall;
@@ -115,7 +115,9 @@ impl RedisStore {
 
     /// One assignment; `None` when the pool does not exist and must be synced first.
     async fn assign_once(&self, ask: &Assign<'_>) -> Result<Option<Assignment>, StoreError> {
+        let client = ask.quota.and_then(|q| q.client);
         if matches!(ask.order, Order::LeastUsed)
+            && client.is_none()
             && !ask.cooldowns
             && !ask
                 .members
@@ -126,7 +128,9 @@ impl RedisStore {
         }
         let route = ask.route;
         let least_used = matches!(ask.order, Order::LeastUsed);
-        let quota = self.quota_of(ask);
+        // The route's own quota, when it has windows: a client's windows may come without one.
+        let quota = self.quota_of(ask).filter(|q| !q.windows.is_empty());
+        let cost = ask.quota.map_or(0, |q| q.cost);
         // The members the script needs: for least-used, those with windows (the others admit
         // anything); for a preference, every candidate, best first. Excluded ones never.
         let preference: &[usize] = match ask.order {
@@ -147,6 +151,7 @@ impl RedisStore {
         let keys = usize::from(least_used)
             + usize::from(ask.cooldowns)
             + quota.as_ref().map_or(0, |q| 1 + q.windows.len())
+            + client.map_or(0, |c| 1 + c.windows.len())
             + members()
                 .filter(|m| !m.windows.is_empty())
                 .map(|m| 1 + m.windows.len())
@@ -161,6 +166,9 @@ impl RedisStore {
         if let Some(q) = &quota {
             self.push_quota_keys(&mut call, q);
         }
+        if let Some(c) = client {
+            self.push_client_keys(&mut call, c);
+        }
         for m in members() {
             if !m.windows.is_empty() {
                 call.key(&self.keys.member_meta_parts(route, &m.id));
@@ -174,8 +182,14 @@ impl RedisStore {
             Some(t) => call.arg(t),
             None => call.arg(""),
         };
+        let order = match (least_used, client.is_some()) {
+            (true, false) => "L",
+            (false, false) => "P",
+            (true, true) => "Lc",
+            (false, true) => "Pc",
+        };
         call.arg(ask.cost)
-            .arg(if least_used { "L" } else { "P" })
+            .arg(order)
             .arg(if ask.cooldowns { "1" } else { "0" });
         match &quota {
             Some(q) => {
@@ -185,7 +199,13 @@ impl RedisStore {
                 }
             }
             None => {
-                call.arg("").arg(0);
+                call.arg("").arg(cost);
+            }
+        }
+        if let Some(c) = client {
+            call.arg(c.windows.len());
+            for w in c.windows {
+                call.arg(&*w.name).arg(w.limit).arg(w.length_us);
             }
         }
         call.excluded(if least_used { ask.excluded } else { &[] });
@@ -206,7 +226,155 @@ impl RedisStore {
             previous = Some(&m.windows);
         }
         let reply: Value = self.invoke(&call).await?;
-        scripts::parse_assign(&reply, quota.map(|q| q.windows.len()))
+        let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
+        let replied = (quota.is_some() || client.is_some()).then_some(windows);
+        scripts::parse_assign(&reply, replied)
+    }
+
+    /// A client's keys, as the client script and the assign script take them: its helper hash,
+    /// then one log per window.
+    fn push_client_keys(&self, call: &mut ScriptCall<'_>, c: ClientWindows<'_>) {
+        call.key(&self.keys.client_meta_parts(c.name));
+        for w in c.windows {
+            call.key(&self.keys.client_log_parts(c.name, &w.name));
+        }
+    }
+
+    /// A request against a client's own windows, with its route's (`with_route`, when it has
+    /// any) in the same call: the client script. Returns the decision, the route's windows
+    /// first, and the client's entry when it was recorded.
+    async fn client_decide(
+        &self,
+        req: &Acquire<'_>,
+        client: ClientWindows<'_>,
+        with_route: bool,
+    ) -> Result<(Outcome, Option<String>), StoreError> {
+        let route: &[Window] = if with_route { req.windows } else { &[] };
+        let keys = if route.is_empty() { 0 } else { 1 + route.len() } + 1 + client.windows.len();
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.client, keys);
+        if !route.is_empty() {
+            self.push_quota_keys(&mut call, req);
+        }
+        self.push_client_keys(&mut call, client);
+        call.arg("decide").arg(req.cost);
+        match req.at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        call.arg(route.len());
+        for w in route.iter().chain(client.windows) {
+            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        }
+        let reply: Value = self.invoke(&call).await?;
+        scripts::parse_client(&reply, route.len() + client.windows.len())
+    }
+
+    /// Takes back a client's `entry`, charged by its own call (Redis Cluster) for a request
+    /// that its route then refused. When Redis cannot be asked, the charge stands until it
+    /// leaves the client's windows: the client is refused early, never admitted over its limit.
+    async fn give_back(&self, client: ClientWindows<'_>, entry: &str) {
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.client,
+            1 + client.windows.len(),
+        );
+        self.push_client_keys(&mut call, client);
+        call.arg("back").arg(entry);
+        for w in client.windows {
+            call.arg(&*w.name);
+        }
+        let _ = self.invoke::<Value>(&call).await;
+    }
+
+    /// Redis Cluster: a client's windows live in a slot of their own, apart from every route's,
+    /// so no script can decide both. The client's go first, in a call of their own; the route
+    /// decides only when they admit, and when it then refuses (or cannot be asked), the
+    /// client's charge is given back. When the client refuses, the route's windows are read,
+    /// charging nothing, for the answer's `RateLimit`.
+    async fn decide_split<F, Fut>(
+        &self,
+        req: &Acquire<'_>,
+        client: ClientWindows<'_>,
+        route: F,
+    ) -> Result<Assignment, StoreError>
+    where
+        F: FnOnce(bool) -> Fut,
+        Fut: std::future::Future<Output = Result<Assignment, StoreError>>,
+    {
+        let (mine, entry) = self.client_decide(req, client, false).await?;
+        if !mine.admitted {
+            let read = if req.windows.is_empty() {
+                None
+            } else {
+                let read = Acquire {
+                    cost: 0,
+                    client: None,
+                    ..*req
+                };
+                Some(match self.route_acquire(&read).await {
+                    Ok(outcome) => outcome,
+                    // The client's refusal stands whatever the route holds.
+                    Err(_) => untouched(req.windows),
+                })
+            };
+            return Ok(Assignment::QuotaRefused(join(read, mine)));
+        }
+        let decided = route(!req.windows.is_empty()).await;
+        let assigned = matches!(decided, Ok(Assignment::Assigned { .. }));
+        let mine = match (&entry, assigned) {
+            (Some(entry), false) => {
+                self.give_back(client, entry).await;
+                given_back(mine, client.windows, req.cost)
+            }
+            _ => mine,
+        };
+        Ok(match decided? {
+            Assignment::Assigned { member, quota } => Assignment::Assigned {
+                member,
+                quota: Some(join(quota, mine)),
+            },
+            Assignment::NoMember { quota } => Assignment::NoMember {
+                quota: Some(join(quota, mine)),
+            },
+            Assignment::QuotaRefused(quota) => Assignment::QuotaRefused(join(Some(quota), mine)),
+            Assignment::Busy {
+                retry_after_us,
+                quota,
+            } => Assignment::Busy {
+                retry_after_us,
+                quota: Some(join(quota, mine)),
+            },
+        })
+    }
+
+    /// One request against its route's quota alone: the quota script.
+    async fn route_acquire(&self, req: &Acquire<'_>) -> Result<Outcome, StoreError> {
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.quota,
+            1 + req.windows.len(),
+        );
+        self.push_quota_keys(&mut call, req);
+        call.quota_args(req);
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        scripts::parse_quota(&reply, req.windows.len())
+    }
+
+    /// An assignment without a client's windows, or with them on a single Redis (one call).
+    async fn assign_route(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
+        if let Some(a) = Self::trivial_preference(&ask) {
+            return Ok(a);
+        }
+        if let Some(a) = self.assign_once(&ask).await? {
+            return Ok(a);
+        }
+        // The pool is missing: first use, or Redis restarted empty. Counts start again from
+        // the agreed floor, and the request goes on.
+        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
+        self.sync(ask.route, &ids, ask.excluded).await?;
+        self.assign_once(&ask)
+            .await?
+            .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
     }
 
     /// A quota's keys, in the quota library's order: the helper hash, then one log per window.
@@ -267,15 +435,42 @@ impl RedisStore {
 #[async_trait]
 impl StateStore for RedisStore {
     async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
-        let mut call = ScriptCall::new(
-            &self.scripts.library,
-            &self.scripts.quota,
-            1 + req.windows.len(),
-        );
-        self.push_quota_keys(&mut call, &req);
-        call.quota_args(&req);
-        let reply: Vec<i64> = self.invoke(&call).await?;
-        scripts::parse_quota(&reply, req.windows.len())
+        let Some(client) = req.client else {
+            return self.route_acquire(&req).await;
+        };
+        if !self.connection.is_cluster() {
+            return Ok(self.client_decide(&req, client, true).await?.0);
+        }
+        let route = |with_route: bool| async move {
+            if !with_route {
+                return Ok(Assignment::Assigned {
+                    member: String::new(),
+                    quota: None,
+                });
+            }
+            let route = Acquire {
+                client: None,
+                ..req
+            };
+            let outcome = self.route_acquire(&route).await?;
+            Ok(if outcome.admitted {
+                Assignment::Assigned {
+                    member: String::new(),
+                    quota: Some(outcome),
+                }
+            } else {
+                Assignment::QuotaRefused(outcome)
+            })
+        };
+        // The route's part is a quota alone: the answer is always one of these two.
+        match self.decide_split(&req, client, route).await? {
+            Assignment::QuotaRefused(outcome)
+            | Assignment::Assigned {
+                quota: Some(outcome),
+                ..
+            } => Ok(outcome),
+            _ => Err(StoreError::Backend("a decision without its windows".into())),
+        }
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
@@ -283,19 +478,24 @@ impl StateStore for RedisStore {
         if ask.members.is_empty() {
             return Ok(Assignment::NoMember { quota: None });
         }
-        if let Some(a) = Self::trivial_preference(&ask) {
-            return Ok(a);
-        }
-        if let Some(a) = self.assign_once(&ask).await? {
-            return Ok(a);
-        }
-        // The pool is missing: first use, or Redis restarted empty. Counts start again from
-        // the agreed floor, and the request goes on.
-        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
-        self.sync(ask.route, &ids, ask.excluded).await?;
-        self.assign_once(&ask)
-            .await?
-            .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
+        let split = ask
+            .quota
+            .and_then(|q| q.client.map(|c| (q, c)))
+            .filter(|_| self.connection.is_cluster());
+        let Some((quota, client)) = split else {
+            return self.assign_route(ask).await;
+        };
+        let route = |with_route: bool| {
+            let plain = Acquire {
+                client: None,
+                ..quota
+            };
+            self.assign_route(Assign {
+                quota: with_route.then_some(plain),
+                ..ask
+            })
+        };
+        self.decide_split(&quota, client, route).await
     }
 
     async fn sync(
@@ -335,6 +535,7 @@ impl StateStore for RedisStore {
             windows: &member.windows,
             cost: 0,
             at_us: None,
+            client: None,
         };
         let mut call = ScriptCall::new(
             &self.scripts.library,
@@ -406,4 +607,36 @@ impl StateStore for RedisStore {
     async fn ready(&self) -> bool {
         self.connection.ping().await
     }
+}
+
+/// The state of `windows` that nothing was charged to: each whole, nothing to wait for.
+fn untouched(windows: &[Window]) -> Outcome {
+    Outcome {
+        admitted: true,
+        retry_after_us: 0,
+        windows: windows
+            .iter()
+            .map(|w| WindowState {
+                remaining: w.limit,
+                reset_us: 0,
+            })
+            .collect(),
+    }
+}
+
+/// One decision from the route's (if it has a quota) and the client's, decided apart (Redis
+/// Cluster).
+fn join(route: Option<Outcome>, client: Outcome) -> Outcome {
+    match route {
+        Some(route) => route.with_client(client),
+        None => client,
+    }
+}
+
+/// A client's decision after its charge of `cost` was given back.
+fn given_back(mut outcome: Outcome, windows: &[Window], cost: u64) -> Outcome {
+    for (state, w) in outcome.windows.iter_mut().zip(windows) {
+        state.remaining = state.remaining.saturating_add(cost).min(w.limit);
+    }
+    outcome
 }

@@ -23,7 +23,7 @@ use sluice_allocator::lua::{
     ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, MEMBERS_LIBRARY,
 };
 use sluice_allocator::Assignment;
-use sluice_limiter::lua::{DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY};
+use sluice_limiter::lua::{CLIENT_DRIVER, DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY};
 use sluice_limiter::{Outcome, StoreError, WindowState};
 
 /// One operation: its function in the library, and the same code as a script for `EVALSHA`.
@@ -63,6 +63,9 @@ pub struct Scripts {
     pub library: Library,
     /// One request against one quota key.
     pub quota: StateScript,
+    /// One request against its route's quota and its client's own windows together; on Redis
+    /// Cluster, the client's windows alone, and the give-back of their charge.
+    pub client: StateScript,
     /// Least-used `assign`, `sync` and `restore` on one pool.
     pub allocator: StateScript,
     /// Quota and least-used assignment in one atomic call, for one or more requests of one
@@ -83,8 +86,9 @@ impl Default for Scripts {
 }
 
 /// The operations, by their function's suffix, with their drivers.
-const OPERATIONS: [(&str, &str); 5] = [
+const OPERATIONS: [(&str, &str); 6] = [
     ("quota", QUOTA_DRIVER),
+    ("client", CLIENT_DRIVER),
     ("allocator", ALLOCATOR_DRIVER),
     ("fused", FUSED_DRIVER),
     ("assign", ASSIGN_DRIVER),
@@ -138,6 +142,7 @@ impl Scripts {
         };
         Scripts {
             quota: op("quota", quota_source()),
+            client: op("client", format!("{QUOTA_LIBRARY}\n{CLIENT_DRIVER}")),
             allocator: op(
                 "allocator",
                 format!("{ALLOCATOR_LIBRARY}\n{ALLOCATOR_DRIVER}"),
@@ -189,6 +194,35 @@ pub fn parse_quota(reply: &[i64], windows: usize) -> Result<Outcome, StoreError>
             })
             .collect(),
     })
+}
+
+/// `{admitted, retry_after_us, remaining_i, reset_us_i..., entry}` (`client_run.lua`) → the
+/// decision over `windows` windows (the route's, then the client's), and the client's entry
+/// when one was recorded.
+pub fn parse_client(
+    reply: &Value,
+    windows: usize,
+) -> Result<(Outcome, Option<String>), StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(unexpected(reply));
+    };
+    let Some((last, rest)) = items.split_last() else {
+        return Err(unexpected(reply));
+    };
+    let entry = match last {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        _ => return Err(unexpected(reply)),
+    };
+    let numbers = rest
+        .iter()
+        .map(|v| match v {
+            Value::Int(i) => Ok(*i),
+            _ => Err(unexpected(reply)),
+        })
+        .collect::<Result<Vec<i64>, StoreError>>()?;
+    let outcome = parse_quota(&numbers, windows)?;
+    Ok((outcome, (!entry.is_empty()).then_some(entry)))
 }
 
 fn unexpected(reply: &Value) -> StoreError {

@@ -249,6 +249,7 @@ async fn quota_first_and_nothing_half_done(store: &dyn StateStore) {
         windows: &windows,
         cost: 1,
         at_us: Some(at),
+        client: None,
     };
     let all = ["http://a.test", "http://b.test", "http://c.test"];
     // No eligible member: no quota consumed.
@@ -324,6 +325,7 @@ async fn quota_and_assignment_are_one_step(store: Arc<dyn StateStore>) {
         windows,
         cost: 1,
         at_us: None,
+        client: None,
     };
     let mut tasks = Vec::new();
     for fused in [true, false].into_iter().cycle().take(16) {
@@ -402,6 +404,7 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
         windows: &windows,
         cost: 1,
         at_us: None,
+        client: None,
     };
     // Warm up: the first call syncs the pool and loads the script.
     store
@@ -517,6 +520,7 @@ fn memory_fused_assignment_and_plain_quota_never_both_win() {
                         windows,
                         cost: 1,
                         at_us: None,
+                        client: None,
                     };
                     won.push(if fused {
                         matches!(

@@ -166,6 +166,7 @@ async fn decide(
                 windows,
                 cost: r.cost,
                 at_us: Some(now),
+                client: None,
             }),
             cost: r.cost,
             cooldowns: false,
@@ -266,6 +267,7 @@ fn warm_up(rt: &tokio::runtime::Runtime, redis: &RedisStore) {
         windows: &windows,
         cost: 1,
         at_us: None,
+        client: None,
     };
     let assigned = rt.block_on(redis.assign(Assign {
         route: "warm-up",
@@ -459,6 +461,7 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
             windows: &windows,
             cost: 1,
             at_us: Some(1_000_000_000),
+            client: None,
         }),
         cost: 1,
         cooldowns: false,

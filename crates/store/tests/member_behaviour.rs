@@ -43,6 +43,7 @@ fn route_quota<'a>(route: &'a str, windows: &'a [Window], at_us: u64) -> Acquire
         windows,
         cost: 1,
         at_us: Some(at_us),
+        client: None,
     }
 }
 
@@ -463,6 +464,7 @@ async fn hammered(
                             windows: &rq,
                             cost: 1,
                             at_us: None,
+                            client: None,
                         }),
                         cost: 1,
                         cooldowns: true,
@@ -735,6 +737,7 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
             windows: &rq,
             cost: 1,
             at_us: None,
+            client: None,
         }),
         cost: 1,
         cooldowns: true,

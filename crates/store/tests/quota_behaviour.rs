@@ -113,6 +113,7 @@ async fn replay(
                 windows: &windows,
                 cost: step.cost,
                 at_us: Some(step.at_us),
+                client: None,
             })
             .await
             .expect("store answers");
@@ -191,6 +192,7 @@ async fn scenarios(store: &dyn StateStore) {
         windows: Box::leak(Box::new(w.clone())),
         cost,
         at_us: Some(at),
+        client: None,
     };
     // Two requests in the same microsecond are two entries, not one.
     assert!(store.acquire(ask("same", 4, 500)).await.unwrap().admitted);
@@ -265,6 +267,7 @@ async fn all_windows_or_none() {
             windows: &w,
             cost,
             at_us: Some(at),
+            client: None,
         };
         // Fill the short window (limit 300); the long one (limit 1000) still has room.
         for t in 0..3 {
@@ -322,6 +325,7 @@ async fn redis_cluster_store_matches_the_model() {
             windows: &w,
             cost: 1,
             at_us: None,
+            client: None,
         };
         assert!(store.acquire(ask).await.unwrap().admitted, "{route}");
         let master = cluster.master_of(&format!("{{{route}}}")).unwrap();

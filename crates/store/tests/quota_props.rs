@@ -84,6 +84,7 @@ async fn replay(store: &dyn StateStore, route: &str, trace: &Trace) -> Result<()
                 windows: &trace.windows,
                 cost: step.cost,
                 at_us: Some(now),
+                client: None,
             })
             .await
             .map_err(|e| TestCaseError::fail(format!("step {i}: store error {e:?}")))?;

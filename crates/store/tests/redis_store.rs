@@ -40,6 +40,7 @@ async fn acquire(store: &RedisStore, windows: &[Window], cost: u64) -> Result<bo
             windows,
             cost,
             at_us: None,
+            client: None,
         })
         .await
         .map(|o| o.admitted)

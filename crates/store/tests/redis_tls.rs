@@ -51,6 +51,7 @@ async fn quota_and_least_used_over_rediss_with_a_private_ca() {
         windows: &windows,
         cost: 1,
         at_us: None,
+        client: None,
     };
     let admitted: Vec<bool> = {
         let mut v = Vec::new();
@@ -100,6 +101,7 @@ async fn the_server_certificate_is_verified() {
                 windows: &windows,
                 cost: 1,
                 at_us: None,
+                client: None,
             })
             .await
     };
@@ -170,6 +172,7 @@ async fn quota_and_least_used_over_a_rediss_cluster() {
                     windows: &windows,
                     cost: 1,
                     at_us: None,
+                    client: None,
                 })
                 .await
                 .unwrap();

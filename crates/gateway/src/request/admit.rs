@@ -70,10 +70,12 @@ pub(crate) async fn admit(
             .or_else(|| req.uri.authority().map(|a| a.as_str().as_bytes())),
         headers: &req.headers,
     };
-    let routed = super::route::route(&gateway.table.load(), &head);
+    let table = gateway.table.load();
+    let routed = super::route::route(&table, &head);
     let (target, route) = match routed {
         Ok(routed) => routed,
         Err(refused) => {
+            drop(table);
             if let Some(target) = &refused.target {
                 ctx.target = Forward::of(target);
             }
@@ -90,6 +92,24 @@ pub(crate) async fn admit(
     ctx.target = Forward::of(&target);
     if route.members.iter().any(|m| m.kind.reaches_target()) {
         ctx.target.dest = Some(super::Dest::of(&target));
+    }
+    // Who is calling, and whether it may: on the table that routed the request.
+    let caller = super::authorize::Caller {
+        cert_names: crate::listen_tls::peer_names(session),
+        headers: &req.headers,
+        addr: session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip()),
+    };
+    let clients = table.clients.as_ref();
+    let authorized =
+        super::authorize::authorize(clients, &gateway.metrics, &route, &target, &caller, ctx);
+    drop(table);
+    if let Err(problem) = authorized {
+        ctx.route = Some(route);
+        answer::problem(session, ctx, problem).await?;
+        return Ok(true);
     }
     let cost = route
         .quota
@@ -288,6 +308,7 @@ async fn admit_once(state: &dyn StateStore, route: &Route, key: &str, cost: u64)
             windows: &q.windows,
             cost,
             at_us: None,
+            client: None,
         });
     route.policy.admit(state, acquire, cost).await
 }
