@@ -119,6 +119,11 @@ impl TlsAccept for TakeNames {
 
 /// The URI and DNS SANs of the DER certificate `der`. One that webpki accepted but this parser
 /// cannot read gives no names: the caller then stays unmatched, never matched by accident.
+///
+/// A client's `certs` entry is a URI when it has `://` and a DNS name otherwise; a SAN whose
+/// form belongs to the other kind (a DNS SAN `spiffe://…`, a URI SAN `billing.corp.example`,
+/// both mere IA5 strings to X.509) is no name, so that a CA allowed to issue one kind of name
+/// cannot issue, through the other, a certificate matching a client it never meant.
 fn names_of(der: &[u8]) -> Vec<String> {
     let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
         return Vec::new();
@@ -130,8 +135,8 @@ fn names_of(der: &[u8]) -> Vec<String> {
         .general_names
         .iter()
         .filter_map(|name| match name {
-            GeneralName::URI(uri) => Some((*uri).to_string()),
-            GeneralName::DNSName(dns) => Some(dns.to_ascii_lowercase()),
+            GeneralName::URI(uri) if uri.contains("://") => Some((*uri).to_string()),
+            GeneralName::DNSName(dns) if !dns.contains("://") => Some(dns.to_ascii_lowercase()),
             _ => None,
         })
         .collect()

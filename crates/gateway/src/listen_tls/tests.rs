@@ -200,6 +200,22 @@ async fn a_verified_certificate_puts_its_uri_and_dns_names_on_the_connection() {
         ])
     );
 
+    // A SAN in the form of the other kind of name is none: a DNS SAN cannot pass for a SPIFFE
+    // ID, nor a URI SAN for a DNS name.
+    let disguised = client_ca.client(
+        vec![
+            dns("spiffe://corp.example/ns/billing/sa/api"),
+            uri("billing.corp.example"),
+            uri("spiffe://corp.example/ns/jobs/sa/cron"),
+        ],
+        false,
+    );
+    let names = accepted(handshake(dir.path(), true, &server_ca, Some(&disguised)).await);
+    assert_eq!(
+        names,
+        Some(vec!["spiffe://corp.example/ns/jobs/sa/cron".to_string()])
+    );
+
     // Verified but naming no one: a certificate presented all the same, not the absence of one.
     let nameless = client_ca.client(Vec::new(), false);
     let names = accepted(handshake(dir.path(), true, &server_ca, Some(&nameless)).await);
