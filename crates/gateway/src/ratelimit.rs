@@ -31,14 +31,18 @@ pub(crate) fn policy(windows: &[Window]) -> HeaderValue {
 
 /// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room, with
 /// `;pk=:<partition>:` when the quota is kept per key (`key` is `None` for a route-wide quota).
+/// Only `windows` are described: the states of a client's own windows, which follow them in
+/// `outcome`, are no part of the route's policy.
 pub(crate) fn item(
     windows: &[Window],
     outcome: &Outcome,
     key: Option<&str>,
 ) -> Option<HeaderValue> {
-    let i = outcome.tightest()?;
-    let w = outcome.windows.get(i)?;
-    let name = &windows.get(i)?.name;
+    let states = outcome.windows.get(..windows.len())?;
+    // The least remaining, the first on a tie (as `Outcome::tightest`).
+    let i = (0..states.len()).min_by_key(|&i| states[i].remaining)?;
+    let w = &states[i];
+    let name = &windows[i].name;
     // Written into the buffer the header value keeps (one allocation, no `format!`): this runs
     // on every answer of a quota route. 48 bytes past the name hold the punctuation, the two
     // numbers as long as they usually are, and a partition key.
@@ -136,5 +140,32 @@ mod tests {
                 assert!(!value.to_str().unwrap().contains("tenant-a"));
             }
         }
+    }
+
+    /// A client's own windows follow the route's in an outcome; the item describes the route's
+    /// windows only, however full the client's are.
+    #[test]
+    fn a_clients_windows_are_not_the_routes_item() {
+        let windows = [Window {
+            name: "rpm".into(),
+            limit: 60,
+            length_us: 60_000_000,
+        }];
+        let outcome = Outcome {
+            admitted: false,
+            retry_after_us: 5,
+            windows: vec![
+                WindowState {
+                    remaining: 10,
+                    reset_us: 1_000_000,
+                },
+                WindowState {
+                    remaining: 0,
+                    reset_us: 9_000_000,
+                },
+            ],
+        };
+        let value = item(&windows, &outcome, None).unwrap();
+        assert_eq!(value, "\"rpm\";r=10;t=1");
     }
 }
