@@ -17,6 +17,7 @@
 
 pub mod admin;
 pub mod checks;
+pub mod clients;
 pub mod cooldown;
 pub mod demo;
 pub mod dns;

@@ -71,6 +71,13 @@ pub struct Metrics {
     pub selection_fallbacks: IntCounterVec,
     /// `sluice_quota_keys_refused_total{route}`
     pub quota_keys_refused: IntCounterVec,
+    /// `sluice_client_denials_total{mode,code}`: what `clients` refused (`mode="enforce"`),
+    /// or would have refused and let go (`mode="report"`), by answer code.
+    pub client_denials: IntCounterVec,
+    /// `sluice_client_auth_failures_total{reason}`: failed identifications, by why they
+    /// failed (`crate::clients::throttle::Failure`); each counts toward its address's
+    /// `failed_auth` bound.
+    pub client_auth_failures: IntCounterVec,
     /// `sluice_connections_closed_total{reason}`: client connections sluice closed on a
     /// limit: `idle_timeout`, `header_timeout` or `max_connections`.
     pub connections_closed: IntCounterVec,
@@ -126,6 +133,20 @@ impl Metrics {
             "Requests with a new quota key refused because their route holds as many keys as the memory store keeps.",
             &["route"],
         );
+        let client_denials = counter(
+            "sluice_client_denials_total",
+            "Requests and tunnels clients refused (mode=enforce) or would have refused and let go (mode=report), by answer code.",
+            &["mode", "code"],
+        );
+        let client_auth_failures = counter(
+            "sluice_client_auth_failures_total",
+            "Failed identifications of callers (clients), by reason.",
+            &["reason"],
+        );
+        // Present from the start, so a rate over them needs no first failure.
+        for failure in crate::clients::throttle::Failure::ALL {
+            client_auth_failures.with_label_values(&[failure.as_str()]);
+        }
         let config_reloads = counter(
             "sluice_config_reloads_total",
             "Config reloads, by result.",
@@ -287,6 +308,8 @@ impl Metrics {
             store_errors,
             selection_fallbacks,
             quota_keys_refused,
+            client_denials,
+            client_auth_failures,
             connections_closed,
             connections_open,
             memory_trims,

@@ -256,6 +256,49 @@ impl Problem {
             retry_after_ms: None,
         }
     }
+    /// 407: a proxy-form request or a CONNECT from a caller that no client matched, or whose
+    /// credential failed (SPEC §9); the answer carries `Proxy-Authenticate`.
+    pub fn proxy_auth_required(detail: &str) -> Problem {
+        Problem {
+            status: 407,
+            code: PROXY_AUTH_REQUIRED,
+            title: "Proxy authentication required",
+            detail: detail.into(),
+            retry_after_ms: None,
+        }
+    }
+    /// 401: the same, for a gateway-form request; the answer carries `WWW-Authenticate`.
+    pub fn client_auth_required(detail: &str) -> Problem {
+        Problem {
+            status: 401,
+            code: CLIENT_AUTH_REQUIRED,
+            title: "Client authentication required",
+            detail: detail.into(),
+            retry_after_ms: None,
+        }
+    }
+    /// 403: the client may not use the route.
+    pub fn route_denied(client: &str, route: &str) -> Problem {
+        Problem {
+            status: 403,
+            code: "route_denied",
+            title: "Route denied",
+            detail: format!("client {client:?} may not use route {route:?} (its routes)"),
+            retry_after_ms: None,
+        }
+    }
+    /// 429: too many failed identifications from the caller's address (or its IPv6 /64);
+    /// refused without trying its credentials until the cooldown ends.
+    pub fn auth_throttled(retry_after_ms: u64) -> Problem {
+        Problem {
+            status: 429,
+            code: "auth_throttled",
+            title: "Too many failed identifications",
+            detail: "too many failed identifications from this address: wait for Retry-After"
+                .into(),
+            retry_after_ms: Some(retry_after_ms),
+        }
+    }
     /// 500: a bug in sluice.
     pub fn internal() -> Problem {
         Problem {
@@ -267,6 +310,11 @@ impl Problem {
         }
     }
 }
+
+/// The code of a 407, whose answer carries `Proxy-Authenticate`.
+pub const PROXY_AUTH_REQUIRED: &str = "proxy_auth_required";
+/// The code of a 401, whose answer carries `WWW-Authenticate`.
+pub const CLIENT_AUTH_REQUIRED: &str = "client_auth_required";
 
 /// Why one connection attempt failed, as the client and the access log are told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -76,6 +76,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     // Before anything else starts: a port that is taken must stop the process at once.
     check_listeners(&config)?;
     let drain = drain_period()?;
+    warn_if_proxy_open(&config);
     warn_if_admin_exposed(&config);
     let limits = crate::limits::prepare(&config.limits);
     crate::logging::set_log_query(config.log.query);
@@ -263,6 +264,21 @@ fn check_listeners(config: &Config) -> Result<(), String> {
             .map_err(|e| format!("cannot listen on {addr} ({what}): {e}"))?;
     }
     Ok(())
+}
+
+/// Without `clients`, whoever reaches a proxy listener may use every route, with the keys the
+/// routes hold: say so when a listener is reachable from beyond this machine.
+fn warn_if_proxy_open(config: &Config) {
+    if config.clients.is_some() {
+        return;
+    }
+    for listener in config.listen.iter().filter(|l| !l.addr.ip().is_loopback()) {
+        tracing::warn!(
+            target: "sluice::server",
+            listen = %listener.addr,
+            "a proxy listener is on a non-loopback address and there is no clients section: anyone who can reach it can use every route; add clients (docs/config.md, \"Clients\")"
+        );
+    }
 }
 
 /// The admin API can reload the config and shows its internals: say so when it listens beyond

@@ -48,6 +48,9 @@ pub struct Table {
     /// The listeners the process runs with (proxy and admin): the first table's settings,
     /// carried over by every reload, since only a restart changes them.
     pub(crate) own_listeners: Arc<[SocketAddr]>,
+    /// `clients`, ready to serve; rebuilt with the table, so a reload applies it. `None`
+    /// without a `clients` section: every caller may use every route, as before.
+    pub clients: Option<Arc<crate::clients::Clients>>,
 }
 
 /// One route, ready to serve.
@@ -184,6 +187,14 @@ impl Table {
             settings: Settings::of(config),
             guard: Guard::from(&config.egress).with_own_listeners(own_listeners.iter().copied()),
             own_listeners,
+            clients: config.clients.as_ref().map(|c| {
+                let mut clients = crate::clients::Clients::new(c);
+                // Failed identifications outlive a reload: it must free no throttled address.
+                if let Some(before) = previous.and_then(|p| p.clients.as_ref()) {
+                    clients.throttle = before.throttle.clone();
+                }
+                Arc::new(clients)
+            }),
         }
     }
 }

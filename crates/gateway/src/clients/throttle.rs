@@ -254,7 +254,9 @@ impl Throttle {
             t.counting.push_back((source, seq));
         }
         let settings = *s;
-        let entry = t.entries.get_mut(&source)?;
+        let Some(entry) = t.entries.get_mut(&source) else {
+            return None;
+        };
         if let Some(left) = entry.refused_for(now) {
             // Already throttled (a failure that raced its check): it stays where it is.
             return Some(left);

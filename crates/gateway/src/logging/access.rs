@@ -60,6 +60,10 @@ pub struct AccessLine<'a> {
     pub detail: Option<&'a str>,
     /// A CONNECT tunnel's bytes: up (client to member) and down.
     pub tunnel: Option<(u64, u64)>,
+    /// The identified client's name (`clients`).
+    pub client_name: Option<&'a str>,
+    /// `would_deny` when `clients.mode: report` let a refusal go.
+    pub authz: Option<&'a str>,
 }
 
 /// Calls its argument with each name of a list, in order: how a line gets the names of the
@@ -171,6 +175,12 @@ fn fields<F: Format>(buf: &mut Vec<u8>, line: &AccessLine<'_>) {
     if let Some(c) = line.client {
         F::addr(buf, field!("client"), c);
     }
+    if let Some(name) = line.client_name {
+        F::str(buf, field!("client_name"), name);
+    }
+    if let Some(authz) = line.authz {
+        F::str(buf, field!("authz"), authz);
+    }
     F::num(buf, field!("bytes_in"), line.bytes_in);
     F::num(buf, field!("bytes_out"), line.bytes_out);
     if let Some(a) = line.upstream_addr {
@@ -262,11 +272,15 @@ trait Format {
         }
         push_u64(buf, frac);
     }
-    /// A socket address, a string in JSON.
+    /// A socket address, a string in JSON; the address alone for port 0, which no peer has
+    /// (an address a trusted proxy's `X-Forwarded-For` named).
     fn addr(buf: &mut Vec<u8>, name: &Field, a: SocketAddr) {
         Self::name(buf, name);
         Self::open(buf);
         match a {
+            _ if a.port() == 0 => {
+                let _ = write!(buf, "{}", a.ip());
+            }
             SocketAddr::V4(v4) => push_v4(buf, v4),
             SocketAddr::V6(_) => {
                 let _ = write!(buf, "{a}");

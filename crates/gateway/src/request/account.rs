@@ -140,7 +140,11 @@ pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
         members_tried: Some(&each_tried),
         attempts: ctx.tried.count() as u32,
         duration_ms: ms(elapsed),
-        client: ended.client,
+        // Port 0: a trusted proxy's `X-Forwarded-For` names an address, not a socket.
+        client: seen
+            .forwarded_client
+            .map(|ip| std::net::SocketAddr::new(ip, 0))
+            .or(ended.client),
         bytes_in: ended.bytes_in,
         bytes_out: ended.bytes_out,
         upstream_addr: seen.upstream_addr,
@@ -152,6 +156,8 @@ pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
         error: ended.error,
         detail: ended.detail.as_deref(),
         tunnel: ended.tunnel,
+        client_name: ctx.client.as_ref().map(|c| &*c.name),
+        authz: seen.authz,
     });
     if let Some(trace) = seen.trace.filter(|t| t.sampled() && crate::otel::enabled()) {
         crate::otel::export(&crate::otel::Finished {

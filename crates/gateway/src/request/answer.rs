@@ -88,6 +88,14 @@ pub(crate) fn problem_head(
     if let Some(allow) = allow {
         head.insert_header(header::ALLOW, allow)?;
     }
+    // The challenge says how to identify (RFC 9110 §11.6.1, §11.7.1).
+    match p.code {
+        problem::PROXY_AUTH_REQUIRED => {
+            head.insert_header(header::PROXY_AUTHENTICATE, "Basic realm=\"sluice\"")?
+        }
+        problem::CLIENT_AUTH_REQUIRED => head.insert_header(header::WWW_AUTHENTICATE, "Bearer")?,
+        _ => {}
+    }
     if let (Some(quota), Some(value)) = (route.and_then(|r| r.quota.as_deref()), ratelimit) {
         add_ratelimit(&mut head, quota, value)?;
     }

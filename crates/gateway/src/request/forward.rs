@@ -174,7 +174,13 @@ pub(crate) fn request_headers(
     let Some(route) = &ctx.route else {
         return Ok(());
     };
+    // Proxy-Authorization goes with the hop-by-hop headers, whoever it identified.
     strip_hop_by_hop(upstream);
+    // A sluice token is for sluice alone, whether or not it identified anyone; a member's
+    // `headers` then put the provider's key in its place (virtual keys).
+    if let Some(name) = &route.config.client_token {
+        upstream.remove_header(name);
+    }
     // The head is the client's as Pingora parsed it, with room for 8 more headers
     // (third_party/PATCHES.md, "request head handed upstream with room"); on a retry, a copy
     // with none. Room for what is added below, so that each map grows at most once, not at

@@ -27,6 +27,7 @@ mod account;
 pub(crate) mod admit;
 pub(crate) mod answer;
 pub(crate) mod attempt;
+pub(crate) mod authorize;
 mod connect;
 mod forward;
 mod refuse;
@@ -187,6 +188,9 @@ pub struct RequestCtx {
     /// `sluice_requests_in_flight{route}`, held from admission (after any wait in the quota
     /// line) to the end of the request.
     route_in_flight: Option<crate::metrics::GaugeGuard>,
+    /// The client identified (SPEC §9): `anonymous` for an unidentified caller under
+    /// `unknown: anonymous`; none without a `clients` section, or when nobody was identified.
+    pub(crate) client: Option<Arc<crate::clients::Client>>,
     _in_flight: InFlight,
 }
 
@@ -207,6 +211,11 @@ pub(crate) struct Seen {
     ttfb: Option<Duration>,
     /// The code of the gateway's own answer, when it made one.
     answered: Option<&'static str>,
+    /// `would_deny` when `clients.mode: report` let a refusal go.
+    authz: Option<&'static str>,
+    /// The client's address when a trusted proxy's `X-Forwarded-For` named it: the access
+    /// line's `client` (with no port) instead of the connection's.
+    forwarded_client: Option<std::net::IpAddr>,
     /// Why each connection attempt failed, in order (for `502 upstream_unreachable` and its
     /// access line): at most one per attempt, and attempts are bounded by the route's retries
     /// and a direct destination's addresses.
@@ -332,6 +341,7 @@ impl RequestCtx {
             seen: Seen::default(),
             upstream_answered: false,
             route_in_flight: None,
+            client: None,
             _in_flight: InFlight::enter(in_flight),
         }
     }

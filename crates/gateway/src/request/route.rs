@@ -147,12 +147,16 @@ fn tunnel_route(table: &Table, target: &Target<'_>) -> Result<Arc<Route>, Box<Re
 /// - origin members stand in for the client's target: a tunnel to one would carry TLS for a
 ///   name the member does not serve (or plain HTTP that the client takes for TLS), and their
 ///   `headers` (a key) cannot be added to bytes sluice does not write;
+/// - a `client_token` header identifies each request, and a tunnel shows none;
 /// - cost rules by path charge each request by what it asks for; a tunnel is charged once.
 fn connect_refusal(route: &Route) -> Option<&'static str> {
     let origins =
         !route.members.is_empty() && route.members.iter().all(|m| m.kind == MemberKind::Origin);
     if origins {
         return Some("this route's members are origin servers, which sluice must send each request to itself; CONNECT tunnels need a direct or proxy member. Send the request to sluice as plain http://, or in gateway form");
+    }
+    if route.config.client_token.is_some() {
+        return Some("this route identifies clients by a request header (client_token), which a tunnel would hide; send the requests to sluice in gateway form");
     }
     let by_path = route
         .config

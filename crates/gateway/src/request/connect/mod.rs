@@ -165,6 +165,27 @@ impl Tunnels {
             }
         };
         ctx.route = Some(route.clone());
+        // Who is calling, and whether it may: the step requests take too.
+        let ssl = client.get_ssl_digest();
+        let caller = super::authorize::Caller {
+            cert_names: ssl.as_deref().and_then(crate::listen_tls::peer_names_of),
+            headers: &head.headers,
+            addr: client_addr.map(|a| a.ip()),
+        };
+        let authorized = super::authorize::authorize(
+            table.clients.as_ref(),
+            &self.metrics,
+            &route,
+            &target,
+            &caller,
+            ctx,
+        );
+        drop(ssl);
+        if let Err(problem) = authorized {
+            end.status = problem.status;
+            answer(client, ctx, &id, problem, None, None).await;
+            return;
+        }
 
         let quota = route.quota.as_deref();
         let cost = quota.map_or(1, |q| q.cost("/", "CONNECT"));
