@@ -106,8 +106,25 @@ impl Files {
 /// gateway form) both to `echo`; `extra` is appended to the top level (e.g. a `clients:`
 /// section).
 fn start(files: &Files, mode: &str, echo: &EchoServer, extra: &str) -> Gateway {
+    start_with_origin(files, mode, echo, 443, extra)
+}
+
+/// [`start`], where route `web` (host 127.0.0.1) takes tunnels to a `direct` target, which the
+/// egress guard lets reach loopback on `origin_port`.
+fn start_with_origin(
+    files: &Files,
+    mode: &str,
+    echo: &EchoServer,
+    origin_port: u16,
+    extra: &str,
+) -> Gateway {
+    Gateway::start_with_ports(&config(files, mode, echo, origin_port, extra))
+}
+
+/// The config template of [`start_with_origin`].
+fn config(files: &Files, mode: &str, echo: &EchoServer, origin_port: u16, extra: &str) -> String {
     let echo = url(echo.local_addr());
-    Gateway::start_with_ports(&format!(
+    format!(
         r#"listen:
   - addr: "{{PROXY}}"
     tls:
@@ -117,6 +134,7 @@ fn start(files: &Files, mode: &str, echo: &EchoServer, extra: &str) -> Gateway {
       client_cert: {mode}
 admin: {{listen: "{{ADMIN}}"}}
 threads: 1
+egress: {{allow_cidrs: ["127.0.0.0/8"], connect_ports: [{origin_port}]}}
 routes:
   - name: api
     match: {{hosts: [api.test]}}
@@ -124,41 +142,44 @@ routes:
   - name: local
     match: {{hosts: [localhost]}}
     upstream: {{members: [{{url: "{echo}"}}]}}
+  - name: web
+    match: {{hosts: ["127.0.0.1"]}}
+    upstream: {{members: [{{direct: true}}]}}
 {extra}"#,
         cert = files.arg("server.pem"),
         key = files.arg("server.key"),
         client_ca = files.arg("clients-ca.pem"),
-    ))
+    )
 }
 
-/// curl with `args` and none of the caller's proxy settings: the status code it got, or None
-/// when it got none (the TLS handshake failed).
+/// curl with none of the caller's proxy settings.
+fn curl_command() -> Command {
+    let mut cmd = Command::new("curl");
+    for var in [
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+        "no_proxy",
+        "NO_PROXY",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.args(["-sS", "--max-time", "20"]);
+    cmd
+}
+
+/// curl with `args`: the status code it got, or None when it got none (the TLS handshake
+/// failed).
 async fn curl(args: Vec<String>) -> Option<String> {
     tokio::task::spawn_blocking(move || {
-        let mut cmd = Command::new("curl");
-        for var in [
-            "http_proxy",
-            "https_proxy",
-            "HTTP_PROXY",
-            "HTTPS_PROXY",
-            "all_proxy",
-            "ALL_PROXY",
-            "no_proxy",
-            "NO_PROXY",
-        ] {
-            cmd.env_remove(var);
-        }
-        cmd.args([
-            "-sS",
-            "--max-time",
-            "20",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .args(&args);
-        let out = cmd.output().expect("curl must be installed");
+        let out = curl_command()
+            .args(["-o", "/dev/null", "-w", "%{http_code}"])
+            .args(&args)
+            .output()
+            .expect("curl must be installed");
         let code = String::from_utf8_lossy(&out.stdout).into_owned();
         (out.status.success() && code != "000").then_some(code)
     })
@@ -167,22 +188,10 @@ async fn curl(args: Vec<String>) -> Option<String> {
 }
 
 /// curl in proxy form (`--proxy https://…`, `http://api.test/`), presenting the client
-/// certificate `cert` (a name in [`Files`]) to sluice with `--proxy-cert`, or none.
+/// certificate `cert` (a name in [`Files`]) to sluice with `--proxy-cert`, or none: the status
+/// code it got.
 async fn via_proxy(files: &Files, gw: &Gateway, cert: Option<&str>) -> Option<String> {
-    let mut args = vec![
-        "--proxy".to_string(),
-        format!("https://{}", gw.proxy_addr()),
-        "--proxy-cacert".to_string(),
-        files.arg("ca.pem"),
-    ];
-    if let Some(cert) = cert {
-        args.extend([
-            "--proxy-cert".to_string(),
-            files.arg(&format!("{cert}.pem")),
-            "--proxy-key".to_string(),
-            files.arg(&format!("{cert}.key")),
-        ]);
-    }
+    let mut args = cert_args(files, gw, cert, true);
     args.push("http://api.test/hello".to_string());
     curl(args).await
 }
@@ -190,15 +199,7 @@ async fn via_proxy(files: &Files, gw: &Gateway, cert: Option<&str>) -> Option<St
 /// curl in gateway form (`https://localhost:<port>/` straight to sluice), presenting `cert`
 /// with `--cert`/`--key`, or none.
 async fn direct(files: &Files, gw: &Gateway, cert: Option<&str>) -> Option<String> {
-    let mut args = vec!["--cacert".to_string(), files.arg("ca.pem")];
-    if let Some(cert) = cert {
-        args.extend([
-            "--cert".to_string(),
-            files.arg(&format!("{cert}.pem")),
-            "--key".to_string(),
-            files.arg(&format!("{cert}.key")),
-        ]);
-    }
+    let mut args = cert_args(files, gw, cert, false);
     args.push(format!(
         "https://localhost:{}/hello",
         gw.proxy_addr().port()
@@ -208,6 +209,149 @@ async fn direct(files: &Files, gw: &Gateway, cert: Option<&str>) -> Option<Strin
 
 fn ok() -> Option<String> {
     Some("200".to_string())
+}
+
+/// curl with `-i` and `args`: what it printed (the answer's head and body), once it got an
+/// answer; None when the handshake failed.
+async fn answer(args: Vec<String>) -> Option<String> {
+    tokio::task::spawn_blocking(move || {
+        let out = curl_command()
+            .arg("-i")
+            .args(&args)
+            .output()
+            .expect("curl must be installed");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.starts_with("HTTP/").then_some(text)
+    })
+    .await
+    .unwrap()
+}
+
+/// The arguments of [`via_proxy`] (`proxy: true`) or [`direct`] for `cert`, before the URL.
+fn cert_args(files: &Files, gw: &Gateway, cert: Option<&str>, proxy: bool) -> Vec<String> {
+    let (cert_flag, key_flag) = if proxy {
+        ("--proxy-cert", "--proxy-key")
+    } else {
+        ("--cert", "--key")
+    };
+    let mut args = if proxy {
+        vec![
+            "--proxy".to_string(),
+            format!("https://{}", gw.proxy_addr()),
+            "--proxy-cacert".to_string(),
+            files.arg("ca.pem"),
+        ]
+    } else {
+        Vec::new()
+    };
+    args.extend(["--cacert".to_string(), files.arg("ca.pem")]);
+    if let Some(cert) = cert {
+        args.extend([
+            cert_flag.to_string(),
+            files.arg(&format!("{cert}.pem")),
+            key_flag.to_string(),
+            files.arg(&format!("{cert}.key")),
+        ]);
+    }
+    args
+}
+
+/// The answer to `http://api.test/hello` through the TLS listener as a proxy, presenting `cert`.
+async fn proxy_answer(files: &Files, gw: &Gateway, cert: Option<&str>) -> Option<String> {
+    let mut args = cert_args(files, gw, cert, true);
+    args.push("http://api.test/hello".to_string());
+    answer(args).await
+}
+
+/// The answer to `https://localhost:<port>/hello` in gateway form, presenting `cert`.
+async fn direct_answer(files: &Files, gw: &Gateway, cert: Option<&str>) -> Option<String> {
+    let mut args = cert_args(files, gw, cert, false);
+    args.push(format!(
+        "https://localhost:{}/hello",
+        gw.proxy_addr().port()
+    ));
+    answer(args).await
+}
+
+/// The status sluice gave the CONNECT of a tunnel to `127.0.0.1:origin_port`, asked for
+/// through the TLS listener presenting `cert`, and whether the request inside it succeeded.
+async fn tunnel(
+    files: &Files,
+    gw: &Gateway,
+    cert: Option<&str>,
+    origin_port: u16,
+) -> (String, bool) {
+    let mut args = cert_args(files, gw, cert, true);
+    args.extend([
+        "-o".to_string(),
+        "/dev/null".to_string(),
+        "-w".to_string(),
+        "%{http_connect}".to_string(),
+        format!("https://127.0.0.1:{origin_port}/"),
+    ]);
+    tokio::task::spawn_blocking(move || {
+        let out = curl_command()
+            .args(&args)
+            .output()
+            .expect("curl must be installed");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            out.status.success(),
+        )
+    })
+    .await
+    .unwrap()
+}
+
+/// The status line's code of `text`, an answer [`answer`] printed.
+fn status(text: &Option<String>) -> &str {
+    text.as_deref()
+        .and_then(|t| t.split(' ').nth(1))
+        .unwrap_or("no answer")
+}
+
+/// The token of the client `ops` in [`clients`].
+const OPS_TOKEN: &str = "ops-token-0123456789abcdef";
+
+/// `clients:` with `billing` (the SPIFFE ID [`BILLING`]; routes `api` and `web`, and the
+/// origin on `origin_port` as its one destination), `reports` (the DNS name [`REPORTS`];
+/// route `local`) and `ops` (a token; every route). `billing_cidrs` and `reports_cidrs` are
+/// their `cidrs` (YAML flow lists).
+fn clients(origin_port: u16, billing_cidrs: &str, reports_cidrs: &str) -> String {
+    format!(
+        r#"clients:
+  list:
+    - name: billing
+      certs: ["{BILLING}"]
+      cidrs: {billing_cidrs}
+      routes: [api, web]
+      destinations: ["127.0.0.1:{origin_port}"]
+{}"#,
+        others(reports_cidrs)
+    )
+}
+
+/// The entries of [`clients`] after `billing`.
+fn others(reports_cidrs: &str) -> String {
+    format!(
+        r#"    - name: reports
+      certs: ["{REPORTS}"]
+      cidrs: {reports_cidrs}
+      routes: [local]
+    - name: ops
+      tokens: ["{OPS_TOKEN}"]
+      routes: ["*"]
+"#
+    )
+}
+
+/// The `client_name` of each access line of a request to `route`, in order.
+fn client_names(gw: &Gateway, route: &str) -> Vec<String> {
+    gw.log_json()
+        .into_iter()
+        .filter(|l| l["target"] == "sluice::access" && l["route"] == route)
+        .map(|l| l["client_name"].as_str().unwrap_or("-").to_string())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,25 +395,166 @@ async fn an_optional_client_certificate_may_be_absent_but_never_bad() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_identifies_its_client_for_requests_and_tunnels_alike() {
+    let files = Files::new();
+    let backends = start_backends(&["a"]).await;
+    let (_origin, origin_port) = support::tls::tls_origin(files.0.path());
+    let gw = start_with_origin(
+        &files,
+        "optional",
+        &backends[0],
+        origin_port,
+        &clients(origin_port, "[]", "[]"),
+    );
+
+    // Each client reaches its own routes, by proxy form, gateway form and tunnel.
+    let billing = proxy_answer(&files, &gw, Some("spiffe")).await;
+    assert_eq!(status(&billing), "200", "{billing:?}\n{}", gw.logs());
+    let reports = direct_answer(&files, &gw, Some("dns")).await;
+    assert_eq!(status(&reports), "200", "{reports:?}\n{}", gw.logs());
+    assert_eq!(
+        tunnel(&files, &gw, Some("spiffe"), origin_port).await,
+        ("200".to_string(), true)
+    );
+    assert!(
+        support::wait_until(std::time::Duration::from_secs(10), || {
+            client_names(&gw, "api") == ["billing"] && client_names(&gw, "local") == ["reports"]
+        })
+        .await,
+        "{}",
+        gw.logs()
+    );
+
+    // And no other.
+    let denied = direct_answer(&files, &gw, Some("spiffe")).await;
+    assert_eq!(status(&denied), "403", "{denied:?}");
+    assert!(denied.unwrap().contains("route_denied"));
+    let denied = proxy_answer(&files, &gw, Some("dns")).await;
+    assert_eq!(status(&denied), "403", "{denied:?}");
+    assert!(denied.unwrap().contains("route_denied"));
+    let (code, ok) = tunnel(&files, &gw, Some("dns"), origin_port).await;
+    assert_eq!((code.as_str(), ok), ("403", false));
+    assert_eq!(backends[0].requests(), 2);
+
+    // A verified certificate that names no listed client, or nothing at all, is a credential
+    // that failed: 407 in proxy form, 401 in gateway form.
+    for cert in ["unlisted", "nosan"] {
+        let refused = proxy_answer(&files, &gw, Some(cert)).await;
+        assert_eq!(status(&refused), "407", "{cert}: {refused:?}");
+        let refused = refused.unwrap();
+        assert!(
+            refused
+                .to_ascii_lowercase()
+                .contains("proxy-authenticate: basic realm=\"sluice\""),
+            "{cert}: {refused}"
+        );
+        let refused = direct_answer(&files, &gw, Some(cert)).await;
+        assert_eq!(status(&refused), "401", "{cert}: {refused:?}");
+        let (code, ok) = tunnel(&files, &gw, Some(cert), origin_port).await;
+        assert_eq!((code.as_str(), ok), ("407", false), "{cert}");
+    }
+    // It is never passed over for a credential that would have worked: ops's token identifies
+    // ops with no certificate, and not beside one that failed.
+    let token = [
+        "--proxy-user".to_string(),
+        format!("ops:{OPS_TOKEN}"),
+        "http://api.test/hello".to_string(),
+    ];
+    let mut alone = cert_args(&files, &gw, None, true);
+    alone.extend(token.clone());
+    assert_eq!(status(&answer(alone).await), "200");
+    let mut beside_a_failed_cert = cert_args(&files, &gw, Some("unlisted"), true);
+    beside_a_failed_cert.extend(token);
+    assert_eq!(status(&answer(beside_a_failed_cert).await), "407");
+    // No certificate and no token, on an optional listener: unidentified, so 407.
+    assert_eq!(status(&proxy_answer(&files, &gw, None).await), "407");
+    assert_eq!(backends[0].requests(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_listing_cidrs_with_its_certs_must_also_connect_from_them() {
+    let files = Files::new();
+    let backends = start_backends(&["a"]).await;
+    let gw = start(
+        &files,
+        "required",
+        &backends[0],
+        &clients(443, "[10.0.0.0/8]", "[127.0.0.0/8]"),
+    );
+    // billing's certificate, from an address outside billing's cidrs.
+    let refused = proxy_answer(&files, &gw, Some("spiffe")).await;
+    assert_eq!(status(&refused), "407", "{refused:?}\n{}", gw.logs());
+    // reports's, from inside reports's.
+    let reports = direct_answer(&files, &gw, Some("dns")).await;
+    assert_eq!(status(&reports), "200", "{reports:?}\n{}", gw.logs());
+    assert_eq!(backends[0].requests(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_clients_reload_with_the_config_and_the_client_ca_stays_the_one_read_at_start()
+{
+    let files = Files::new();
+    let backends = start_backends(&["a"]).await;
+    let gw = start(&files, "required", &backends[0], &clients(443, "[]", "[]"));
+    assert_eq!(via_proxy(&files, &gw, Some("spiffe")).await, ok());
+
+    // billing leaves the list, and the bundle on disk now names another CA.
+    std::fs::write(
+        files.path("clients-ca.pem"),
+        Ca::new("a CA made after the start").cert.pem(),
+    )
+    .unwrap();
+    let without_billing = format!("clients:\n  list:\n{}", others("[]"));
+    gw.write_config_template(&config(
+        &files,
+        "required",
+        &backends[0],
+        443,
+        &without_billing,
+    ));
+    let reloaded = support::request(
+        gw.admin_addr(),
+        "POST",
+        "admin",
+        "/reload",
+        &[("X-Sluice-Admin", "1")],
+        b"",
+    )
+    .await;
+    assert_eq!(reloaded.status, 200, "{}", gw.logs());
+
+    // billing's next request is refused; reports's certificate still passes the handshake,
+    // since the CA is the one read at start.
+    let refused = proxy_answer(&files, &gw, Some("spiffe")).await;
+    assert_eq!(status(&refused), "407", "{refused:?}");
+    assert_eq!(direct(&files, &gw, Some("dns")).await, ok());
+    assert_eq!(backends[0].requests(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_requests_presents_its_certificate_with_cert() {
     let Some(python) = support::test_python() else {
         return;
     };
     let files = Files::new();
     let backends = start_backends(&["a"]).await;
-    let gw = start(&files, "required", &backends[0], "");
+    let gw = start(&files, "required", &backends[0], &clients(443, "[]", "[]"));
+    // reports's certificate, to the route reports may use; then billing's, to the same route.
     let script = format!(
         "import requests\n\
          url = 'https://localhost:{port}/hello'\n\
          print(requests.get(url, cert=({cert:?}, {key:?}), verify={ca:?}, timeout=20).status_code)\n\
+         print(requests.get(url, cert=({other:?}, {other_key:?}), verify={ca:?}, timeout=20).status_code)\n\
          try:\n\
          \x20   requests.get(url, verify={ca:?}, timeout=20)\n\
          \x20   print('no certificate: admitted')\n\
          except requests.exceptions.RequestException:\n\
          \x20   print('no certificate: refused')\n",
         port = gw.proxy_addr().port(),
-        cert = files.arg("spiffe.pem"),
-        key = files.arg("spiffe.key"),
+        cert = files.arg("dns.pem"),
+        key = files.arg("dns.key"),
+        other = files.arg("spiffe.pem"),
+        other_key = files.arg("spiffe.key"),
         ca = files.arg("ca.pem"),
     );
     let out = tokio::task::spawn_blocking(move || {
@@ -290,9 +575,17 @@ async fn python_requests_presents_its_certificate_with_cert() {
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        "200\nno certificate: refused\n"
+        "200\n403\nno certificate: refused\n"
     );
     assert_eq!(backends[0].requests(), 1);
+    assert!(
+        support::wait_until(std::time::Duration::from_secs(10), || {
+            client_names(&gw, "local") == ["reports", "billing"]
+        })
+        .await,
+        "{}",
+        gw.logs()
+    );
 }
 
 #[test]

@@ -144,7 +144,6 @@ fn names_of(der: &[u8]) -> Vec<String> {
 
 /// The names of the verified client certificate the request's connection presented (see
 /// [`peer_names_of`]).
-#[allow(dead_code)] // until the clients step reads it
 pub(crate) fn peer_names(session: &pingora::proxy::Session) -> Option<&[String]> {
     peer_names_of(session.digest()?.ssl_digest.as_deref()?)
 }
