@@ -168,7 +168,9 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
         state.clone(),
         resolver.clone(),
     );
-    let mut app = LimitedApp::new(http, limits, &metrics).with_tunnels(tunnels);
+    let mut app = LimitedApp::new(http, limits, &metrics)
+        .with_tunnels(tunnels)
+        .with_trusted_proxies(table.clone());
     // TLS listeners (listen[].tls, crate::listen_tls): LimitedApp does the handshake, inside the
     // connection cap and its timers (Pingora would do it outside both), then requests and
     // CONNECT tunnels run as on a plain listener. To Pingora every listener is plain TCP. The

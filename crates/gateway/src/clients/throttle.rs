@@ -254,9 +254,7 @@ impl Throttle {
             t.counting.push_back((source, seq));
         }
         let settings = *s;
-        let Some(entry) = t.entries.get_mut(&source) else {
-            return None;
-        };
+        let entry = t.entries.get_mut(&source)?;
         if let Some(left) = entry.refused_for(now) {
             // Already throttled (a failure that raced its check): it stays where it is.
             return Some(left);

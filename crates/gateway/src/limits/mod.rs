@@ -41,8 +41,10 @@
 //! releases the top of a heap (docs/benchmarks.md).
 //!
 //! Here: the limits, the app and its caps. The connection loop is in `serve.rs`, the stream
-//! and its timers in `timers.rs`, the trimming in `trim.rs`.
+//! and its timers in `timers.rs`, the trimming in `trim.rs`, a trusted load balancer's PROXY
+//! header in `proxy.rs`.
 
+mod proxy;
 mod serve;
 mod timers;
 mod trim;
@@ -52,6 +54,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use pingora::listeners::tls::{Acceptor, TlsSettings};
 use pingora::protocols::{Shutdown, Stream};
 use prometheus::{IntCounter, IntGauge};
@@ -59,6 +62,7 @@ use tokio::io::AsyncWriteExt;
 
 use crate::config::LimitsConfig;
 use crate::metrics::Metrics;
+use crate::table::Table;
 
 pub use timers::{head_parsed, LimitedStream};
 pub use trim::MemoryTrim;
@@ -146,6 +150,8 @@ pub struct LimitedApp<A> {
     gauge: IntGauge,
     closed_idle: IntCounter,
     closed_head: IntCounter,
+    /// Connections from a trusted proxy closed on a PROXY header that does not parse.
+    closed_proxy_header: IntCounter,
     refused: IntCounter,
     refused_handshakes: IntCounter,
     /// When a refusal was last logged, in seconds since start; refusals come in floods.
@@ -157,12 +163,22 @@ pub struct LimitedApp<A> {
     tunnels: Option<crate::request::Tunnels>,
     /// The TLS listeners, by address, and their acceptors: the handshake is done here.
     tls: Vec<(SocketAddr, Arc<Acceptor>)>,
+    /// The table whose `clients.trusted_proxies` may open their connections with a PROXY
+    /// header; None reads no header.
+    table: Option<Arc<ArcSwap<Table>>>,
 }
 
 impl<A> LimitedApp<A> {
     /// Sends each connection that opens with a CONNECT to `tunnels`.
     pub fn with_tunnels(mut self, tunnels: crate::request::Tunnels) -> LimitedApp<A> {
         self.tunnels = Some(tunnels);
+        self
+    }
+
+    /// Reads the PROXY header that may open a connection from one of the current table's
+    /// `clients.trusted_proxies`.
+    pub fn with_trusted_proxies(mut self, table: Arc<ArcSwap<Table>>) -> LimitedApp<A> {
+        self.table = Some(table);
         self
     }
 
@@ -203,6 +219,7 @@ impl<A> LimitedApp<A> {
             gauge: metrics.connections_open.clone(),
             closed_idle: closed("idle_timeout"),
             closed_head: closed("header_timeout"),
+            closed_proxy_header: closed("proxy_header"),
             refused: closed("max_connections"),
             refused_handshakes: closed("max_handshakes"),
             refusal_logged: AtomicU64::new(u64::MAX),
@@ -210,6 +227,7 @@ impl<A> LimitedApp<A> {
             started: Instant::now(),
             tunnels: None,
             tls: Vec::new(),
+            table: None,
         }
     }
 

@@ -51,6 +51,8 @@ where
         // A client that sends nothing is idle; one whose head (here: handshake) is slow is
         // late. A handshake bounded by both, as the first bytes of a plain connection are.
         let within = self.limits.idle_timeout.min(self.limits.header_timeout);
+        // A trusted load balancer's PROXY header comes first, before TLS, within the same time.
+        let stream = self.past_proxy_header(stream, within).await?;
         let mut stream = match acceptor {
             Some(acceptor) => {
                 let done = tokio::time::timeout(within, tls_handshake(&acceptor, stream)).await;
