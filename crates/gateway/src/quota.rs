@@ -78,14 +78,20 @@ impl RouteQuota {
             .map_or(self.default_cost, |r| r.cost)
     }
 
-    /// The quota key of a request: `route`, a header's value, or the client address. Only the
-    /// client address and long header values need a buffer of their own.
-    pub(crate) fn key_of<'a>(&self, session: &'a Session, buf: &'a mut String) -> &'a str {
+    /// The quota key of a request: `route`, a header's value, the client address, or the
+    /// name of the client identified (`identified`). Only the client address and long header
+    /// values need a buffer of their own.
+    pub(crate) fn key_of<'a>(
+        &self,
+        session: &'a Session,
+        identified: Option<&'a str>,
+        buf: &'a mut String,
+    ) -> &'a str {
         let client = session
             .client_addr()
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
-        self.key_for(&session.req_header().headers, client, buf)
+        self.key_for(&session.req_header().headers, client, identified, buf)
     }
 
     /// [`RouteQuota::key_of`] from a request's headers and client address, for requests that
@@ -94,6 +100,7 @@ impl RouteQuota {
         &self,
         headers: &'a http::HeaderMap,
         client: Option<std::net::IpAddr>,
+        identified: Option<&'a str>,
         buf: &'a mut String,
     ) -> &'a str {
         match &self.key {
@@ -111,9 +118,10 @@ impl RouteQuota {
                 }
                 buf
             }
-            // Keyed by the identified client where the request's identity is known
-            // (`crate::clients`); a caller with none shares the anonymous key.
-            QuotaKey::Client => crate::config::ANONYMOUS,
+            // The identity, which no header can spoof. A caller that `mode: report` lets
+            // through unidentified counts under `unknown`, which no client may be named: not
+            // as `anonymous`, a client of its own with its own grants.
+            QuotaKey::Client => identified.unwrap_or(crate::config::UNKNOWN),
         }
     }
 

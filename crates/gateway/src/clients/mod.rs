@@ -49,6 +49,9 @@ pub struct Client {
     pub name: Arc<str>,
     /// The client as configured (its own `quota` included); `Debug` hides its tokens.
     pub config: ClientConfig,
+    /// Its own quota's windows as the store takes them (empty: none), built once per table:
+    /// every request it makes is charged to them, on whatever route.
+    pub windows: Arc<[sluice_limiter::Window]>,
     /// The routes it may use.
     routes: Grants,
     /// Where it must connect from, when it lists `cidrs` with tokens or certs.
@@ -83,6 +86,18 @@ impl Client {
         Client {
             name: config.name.0.as_str().into(),
             config: config.clone(),
+            // As `quota::window_of` builds a route's; not called, so that this module stays
+            // below `quota` (and the metrics it names) in the module graph.
+            windows: config
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(|w| sluice_limiter::Window {
+                    name: w.name.0.as_str().into(),
+                    limit: w.limit.get(),
+                    length_us: u64::try_from(w.window.0.as_micros()).unwrap_or(u64::MAX),
+                })
+                .collect(),
             routes,
             cidrs: config.cidrs.iter().map(|c| c.0).collect(),
         }

@@ -9,13 +9,15 @@ use pingora::prelude::*;
 use pingora::proxy::Session;
 use pingora::ErrorType;
 use sluice_allocator::StateStore;
-use sluice_limiter::{Acquire, StoreError};
+use sluice_limiter::{Acquire, ClientWindows, Outcome, StoreError};
 
 use super::store_warning::warn_store_error;
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
+use crate::clients::Client;
 use crate::config::OnStoreError;
 use crate::metrics::Metrics;
 use crate::problem::Problem;
+use crate::quota::RouteQuota;
 use crate::select::{Admission, Attempt};
 use crate::table::Route;
 use crate::wait;
@@ -120,12 +122,22 @@ pub(crate) async fn admit(
     // Quota and first member, decided together. This is the only place a request is charged:
     // retries happen after this hook and never come back to it.
     let mut key_buf = String::new();
-    let key = route
-        .quota
-        .as_deref()
-        .map_or("", |q| q.key_of(session, &mut key_buf));
+    // The client identified, held apart from `ctx`, which admission changes.
+    let caller = ctx.client.clone();
+    let key = route.quota.as_deref().map_or("", |q| {
+        q.key_of(session, caller.as_deref().map(|c| &*c.name), &mut key_buf)
+    });
     let client = session.as_downstream().stream().map(|s| s.id());
-    let verdict = decide(&*gateway.state, &gateway.metrics, &route, key, cost, client).await;
+    let verdict = decide(
+        &*gateway.state,
+        &gateway.metrics,
+        &route,
+        key,
+        caller.as_deref(),
+        cost,
+        client,
+    )
+    .await;
     match verdict {
         Verdict::Go {
             first,
@@ -178,9 +190,9 @@ pub(crate) enum Verdict {
     Left,
 }
 
-/// Charges `cost` to the route's quota under `key` and picks the first member, in one step of
-/// the route's policy; on a route with `max_wait`, waits for capacity rather than refusing
-/// (see [`crate::wait`]).
+/// Charges `cost` to the route's quota under `key`, and to the own windows of `caller` (the
+/// client identified, if any), and picks the first member, in one step of the route's policy;
+/// on a route with `max_wait`, waits for capacity rather than refusing (see [`crate::wait`]).
 ///
 /// `client` is the socket of the client: one that hangs up while it waits leaves the line at
 /// once, uncharged ([`Verdict::Left`]).
@@ -189,20 +201,21 @@ pub(crate) async fn decide(
     metrics: &Metrics,
     route: &Route,
     key: &str,
+    caller: Option<&Client>,
     cost: u64,
     client: Option<RawFd>,
 ) -> Verdict {
     let Some(line) = route.wait_line.as_deref() else {
-        let admission = admit_once(state, route, key, cost).await;
-        return verdict(metrics, route, key, cost, admission);
+        let admission = admit_once(state, route, key, caller, cost).await;
+        return verdict(metrics, route, key, caller, cost, admission);
     };
     let deadline = tokio::time::Instant::now() + line.max_wait;
     // Newcomers go straight to the store only while nobody waits: arrival order.
     let mut refusal = None;
     if line.is_empty() {
-        let admission = admit_once(state, route, key, cost).await;
+        let admission = admit_once(state, route, key, caller, cost).await;
         if retry_after(&admission).is_none() {
-            return verdict(metrics, route, key, cost, admission);
+            return verdict(metrics, route, key, caller, cost, admission);
         }
         refusal = Some(admission);
     }
@@ -210,7 +223,7 @@ pub(crate) async fn decide(
         // The line is full: answered at once. Not by asking the store: capacity that frees
         // now is owed to the requests already waiting, and the newcomer would take it.
         return match refusal {
-            Some(r) => verdict(metrics, route, key, cost, r),
+            Some(r) => verdict(metrics, route, key, caller, cost, r),
             None => line_full(metrics, route, line),
         };
     };
@@ -220,7 +233,7 @@ pub(crate) async fn decide(
         let wait = retry_after(&r).unwrap_or_default();
         match wait::wake_at(tokio::time::Instant::now(), wait, deadline) {
             Some(wake) => first_wake = Some(wake),
-            None => return verdict(metrics, route, key, cost, r),
+            None => return verdict(metrics, route, key, caller, cost, r),
         }
     }
     // Only the waits race the client's hang-up, never a call to the store: a call cut short
@@ -234,8 +247,8 @@ pub(crate) async fn decide(
     };
     let Some(_head) = head else {
         // max_wait passed in the line: one last look, which may still admit.
-        let admission = admit_once(state, route, key, cost).await;
-        return verdict(metrics, route, key, cost, admission);
+        let admission = admit_once(state, route, key, caller, cost).await;
+        return verdict(metrics, route, key, caller, cost, admission);
     };
     let mut wake = first_wake;
     loop {
@@ -247,13 +260,13 @@ pub(crate) async fn decide(
                 () = tokio::time::sleep_until(wake) => {}
             }
         }
-        let admission = admit_once(state, route, key, cost).await;
+        let admission = admit_once(state, route, key, caller, cost).await;
         let Some(wait) = retry_after(&admission) else {
-            return verdict(metrics, route, key, cost, admission);
+            return verdict(metrics, route, key, caller, cost, admission);
         };
         match wait::wake_at(tokio::time::Instant::now(), wait, deadline) {
             Some(at) => wake = Some(at),
-            None => return verdict(metrics, route, key, cost, admission),
+            None => return verdict(metrics, route, key, caller, cost, admission),
         }
     }
 }
@@ -296,21 +309,66 @@ fn retry_after(admission: &Admission) -> Option<std::time::Duration> {
 }
 
 /// One decision of the route's policy.
-async fn admit_once(state: &dyn StateStore, route: &Route, key: &str, cost: u64) -> Admission {
+async fn admit_once(
+    state: &dyn StateStore,
+    route: &Route,
+    key: &str,
+    caller: Option<&Client>,
+    cost: u64,
+) -> Admission {
     // A quota with no windows only sets max_wait (for member quotas): nothing to charge.
-    let acquire = route
-        .quota
-        .as_deref()
-        .filter(|q| !q.windows.is_empty())
-        .map(|q| Acquire {
-            route: &route.name,
-            key,
-            windows: &q.windows,
-            cost,
-            at_us: None,
-            client: None,
+    let windows = route.quota.as_deref().map_or(&[][..], |q| &q.windows[..]);
+    // The client's own windows are charged in the same step, on every policy: they travel
+    // with the route's quota, which the policy hands the store as it is.
+    let client = caller
+        .filter(|c| !c.windows.is_empty())
+        .map(|c| ClientWindows {
+            name: &c.name,
+            windows: &c.windows,
         });
+    let acquire = (!windows.is_empty() || client.is_some()).then_some(Acquire {
+        route: &route.name,
+        key,
+        windows,
+        cost,
+        at_us: None,
+        client,
+    });
     route.policy.admit(state, acquire, cost).await
+}
+
+/// The 429 of a request its quota refused: naming the route's window that refused it, or else
+/// the client's (whose states follow the route's in `outcome`).
+fn quota_refusal(
+    quota: Option<&RouteQuota>,
+    caller: Option<&Client>,
+    cost: u64,
+    outcome: &Outcome,
+) -> Problem {
+    let route_windows = quota.map_or(0, |q| q.windows.len());
+    let full = |states: &[sluice_limiter::WindowState]| states.iter().any(|w| w.remaining < cost);
+    if let Some(q) = quota.filter(|_| full(outcome.windows.get(..route_windows).unwrap_or(&[]))) {
+        return answer::quota_refusal(q, cost, outcome);
+    }
+    let client_full = caller.and_then(|c| {
+        let states = outcome.windows.get(route_windows..).unwrap_or(&[]);
+        c.windows
+            .iter()
+            .zip(states)
+            .find(|(_, s)| s.remaining < cost)
+            .map(|(w, _)| (c, w))
+    });
+    match (client_full, quota) {
+        (Some((c, w)), _) => Problem {
+            detail: format!(
+                "the quota window {:?} of client {:?} has no room for this request's cost",
+                w.name, c.name
+            ),
+            ..Problem::quota_exceeded(&w.name, outcome.retry_after_us.div_ceil(1000))
+        },
+        (None, Some(q)) => answer::quota_refusal(q, cost, outcome),
+        (None, None) => Problem::internal(),
+    }
 }
 
 /// What an admission means for the request.
@@ -318,6 +376,7 @@ fn verdict(
     metrics: &Metrics,
     route: &Route,
     key: &str,
+    caller: Option<&Client>,
     cost: u64,
     admission: Admission,
 ) -> Verdict {
@@ -337,11 +396,8 @@ fn verdict(
             fallback: false,
         },
         Admission::QuotaRefused(outcome) => {
-            // Only a route with a quota is ever refused.
-            let problem = match quota {
-                Some(q) => answer::quota_refusal(q, cost, &outcome),
-                None => Problem::internal(),
-            };
+            // Only a route with a quota, or a client with windows, is ever refused.
+            let problem = quota_refusal(quota, caller, cost, &outcome);
             Verdict::Answer {
                 problem,
                 ratelimit: ratelimit_of(Some(&outcome)),

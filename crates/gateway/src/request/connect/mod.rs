@@ -191,10 +191,25 @@ impl Tunnels {
         let cost = quota.map_or(1, |q| q.cost("/", "CONNECT"));
         let mut key_buf = String::new();
         let client_ip = client_addr.map(|a| a.ip());
-        let key = quota.map_or("", |q| q.key_for(&head.headers, client_ip, &mut key_buf));
+        // The client identified, held apart from `ctx`, which admission changes.
+        let caller = ctx.client.clone();
+        let identified = caller.as_deref().map(|c| &*c.name);
+        let key = quota.map_or("", |q| {
+            q.key_for(&head.headers, client_ip, identified, &mut key_buf)
+        });
         // The client's socket: one that hangs up while waiting for capacity leaves the line.
         let fd = Some(client.id());
-        match decide(&*self.state, &self.metrics, &route, key, cost, fd).await {
+        match decide(
+            &*self.state,
+            &self.metrics,
+            &route,
+            key,
+            caller.as_deref(),
+            cost,
+            fd,
+        )
+        .await
+        {
             Verdict::Go {
                 first,
                 ratelimit,

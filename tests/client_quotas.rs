@@ -1,0 +1,220 @@
+//! Per-client quotas end to end: a client's own windows on every route it uses, decided with
+//! the route's quota (a route that refuses charges the client nothing), `quota.key: client`
+//! keyed by identity, and on Redis the client's windows shared by two gateways at one store
+//! call per request.
+
+mod support;
+
+use support::{
+    start_backends, url, Backend, Config, Egress, Gateway, HttpClient, Quota, Response, Route,
+    Store,
+};
+
+const BILLING: &str = "billing-token-0123456789";
+const SEARCH: &str = "search-token-0123456789";
+
+/// `config` with a `clients` section: `billing`, whose own quota is `daily` windows of
+/// `limit` requests, and `search`, with no quota of its own; both may use every route and
+/// reach every destination.
+fn with_clients(config: &Config, limit: u64) -> String {
+    format!(
+        "{}clients:
+  list:
+    - name: billing
+      tokens: [\"{BILLING}\"]
+      routes: [\"*\"]
+      destinations: [\"*\"]
+      quota: {{ windows: [{{ name: daily, limit: {limit}, window: 1h }}] }}
+    - name: search
+      tokens: [\"{SEARCH}\"]
+      routes: [\"*\"]
+      destinations: [\"*\"]
+",
+        config.yaml()
+    )
+}
+
+/// A request to `host` by the client holding `token`.
+async fn call(client: &mut HttpClient, host: &str, token: &str) -> Response {
+    let auth = format!("Bearer {token}");
+    client
+        .request("GET", host, "/", &[("Proxy-Authorization", &auth)], b"")
+        .await
+        .unwrap()
+}
+
+on_both_stores!(
+    a_clients_own_quota_holds_on_every_route,
+    a_route_that_refuses_charges_the_client_nothing,
+    quota_key_client_counts_per_identity,
+    tunnels_and_requests_share_the_clients_windows,
+);
+
+/// `billing`'s three requests a day count on every route it uses, with or without a quota of
+/// the route's own; the fourth is refused on each, naming the client's window, without reaching
+/// a member. `search` is not limited by `billing`'s windows.
+async fn a_clients_own_quota_holds_on_every_route(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let member = url(backends[0].local_addr());
+    let config = Config::new().store(&store).routes([
+        Route::new("api")
+            .member(&member)
+            .quota(Quota::window("rpm", 100, "1m")),
+        Route::new("other").member(&member),
+    ]);
+    let gw = Gateway::start_with_ports(&with_clients(&config, 3));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for host in ["api.test", "other.test", "api.test"] {
+        assert_eq!(call(&mut client, host, BILLING).await.status, 200, "{host}");
+    }
+    let refused = call(&mut client, "api.test", BILLING).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("x-sluice-error"), Some("quota_exceeded"));
+    let body = refused.json();
+    let detail = body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("billing") && detail.contains("daily"),
+        "{detail}"
+    );
+    let retry_ms = body["retry_after_ms"].as_u64().unwrap();
+    assert!(retry_ms > 0 && retry_ms <= 3_600_000, "{retry_ms}");
+    assert!(refused.header("retry-after").is_some());
+    // The route's RateLimit is the route's own window: untouched by the refusal.
+    assert_eq!(refused.header("ratelimit"), Some("\"rpm\";r=98;t=60"));
+    assert_eq!(call(&mut client, "other.test", BILLING).await.status, 429);
+    assert_eq!(
+        backends[0].proxied_requests(),
+        3,
+        "a refused request reaches no member"
+    );
+    for host in ["api.test", "other.test"] {
+        assert_eq!(call(&mut client, host, SEARCH).await.status, 200);
+    }
+}
+
+/// A request that its route refuses is not charged to the client's own windows: it has the
+/// same requests left as before it.
+async fn a_route_that_refuses_charges_the_client_nothing(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let member = url(backends[0].local_addr());
+    let config = Config::new().store(&store).routes([
+        Route::new("tight")
+            .member(&member)
+            .quota(Quota::window("rpm", 1, "1m")),
+        Route::new("other").member(&member),
+    ]);
+    let gw = Gateway::start_with_ports(&with_clients(&config, 3));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    assert_eq!(call(&mut client, "tight.test", BILLING).await.status, 200);
+    for _ in 0..3 {
+        let refused = call(&mut client, "tight.test", BILLING).await;
+        assert_eq!(refused.status, 429);
+        let detail = refused.json()["detail"].as_str().unwrap().to_string();
+        assert!(detail.contains("\"rpm\""), "the route's window: {detail}");
+    }
+    // One of billing's three used: two left.
+    for _ in 0..2 {
+        assert_eq!(call(&mut client, "other.test", BILLING).await.status, 200);
+    }
+    assert_eq!(call(&mut client, "other.test", BILLING).await.status, 429);
+}
+
+/// `quota.key: client` keeps one quota per identified client: `billing` and `search` each get
+/// the route's two requests, and a header cannot make one of them another.
+async fn quota_key_client_counts_per_identity(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let config = Config::new().store(&store).route(
+        Route::new("api")
+            .member(url(backends[0].local_addr()))
+            .quota(Quota::window("rpm", 2, "1m").key("client")),
+    );
+    let gw = Gateway::start_with_ports(&with_clients(&config, 1_000));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for token in [BILLING, SEARCH] {
+        for _ in 0..2 {
+            assert_eq!(call(&mut client, "api.test", token).await.status, 200);
+        }
+        let refused = call(&mut client, "api.test", token).await;
+        assert_eq!(refused.status, 429);
+        let ratelimit = refused.header("ratelimit").unwrap();
+        assert!(ratelimit.contains(";pk="), "keyed: {ratelimit}");
+    }
+    assert_eq!(backends[0].proxied_requests(), 4);
+}
+
+/// A CONNECT tunnel is charged to its client's windows once, like a request, and one the
+/// windows refuse is a 429 on the CONNECT itself.
+async fn tunnels_and_requests_share_the_clients_windows(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["target"]).await;
+    let target = backends[0].local_addr();
+    let config = Config::new()
+        .store(&store)
+        .egress(Egress::loopback_allowed().connect_ports(&[target.port()]))
+        .routes([
+            Route::new("out").hosts(&["127.0.0.1"]).direct_member(),
+            Route::new("api").member(url(target)),
+        ]);
+    let gw = Gateway::start_with_ports(&with_clients(&config, 2));
+    let connect = |token: &str| {
+        format!(
+            "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Bearer {token}\r\n\r\n"
+        )
+    };
+    let mut tunnel = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    tunnel.write_raw(connect(BILLING).as_bytes()).await.unwrap();
+    assert_eq!(tunnel.read_response(true).await.unwrap().status, 200);
+    drop(tunnel);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    assert_eq!(call(&mut client, "api.test", BILLING).await.status, 200);
+    let mut refused = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    refused
+        .write_raw(connect(BILLING).as_bytes())
+        .await
+        .unwrap();
+    let r = refused.read_response(false).await.unwrap();
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-sluice-error"), Some("quota_exceeded"));
+    assert!(r.header("retry-after").is_some());
+    let mut other = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    other.write_raw(connect(SEARCH).as_bytes()).await.unwrap();
+    assert_eq!(other.read_response(true).await.unwrap().status, 200);
+}
+
+/// On Redis, two gateways share `billing`'s windows exactly, and a request with a client's own
+/// quota still costs one store call: one script call per request, checked with `INFO
+/// commandstats` on the real `redis-server`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_share_a_clients_quota_at_one_store_call_a_request() {
+    let store = Store::start(Backend::Redis);
+    let redis = store.redis().unwrap();
+    let backends = start_backends(&["b1"]).await;
+    let config = Config::new().store(&store).route(
+        Route::new("api")
+            .member(url(backends[0].local_addr()))
+            .quota(Quota::window("rpm", 1_000, "1m")),
+    );
+    let yaml = with_clients(&config, 4);
+    let gateways = [
+        Gateway::start_with_ports(&yaml),
+        Gateway::start_with_ports(&yaml),
+    ];
+    let mut clients = Vec::new();
+    for gw in &gateways {
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        // Each gateway's first call loads sluice's library (or scripts) into Redis.
+        assert_eq!(call(&mut client, "api.test", SEARCH).await.status, 200);
+        clients.push(client);
+    }
+    redis.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    let mut statuses = Vec::new();
+    for i in 0..6 {
+        statuses.push(call(&mut clients[i % 2], "api.test", BILLING).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 429, 429]);
+    let calls = redis.command_calls("fcall") + redis.command_calls("evalsha");
+    assert_eq!(calls, 6, "one script call per request");
+}
