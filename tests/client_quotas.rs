@@ -1,13 +1,15 @@
 //! Per-client quotas end to end: a client's own windows on every route it uses, decided with
 //! the route's quota (a route that refuses charges the client nothing), `quota.key: client`
 //! keyed by identity, and on Redis the client's windows shared by two gateways at one store
-//! call per request.
+//! call per request; on a Redis Cluster, two calls, and the client's charge given back when
+//! the route refuses.
 
 mod support;
 
+use sluice_testkit::RedisCluster;
 use support::{
     start_backends, url, Backend, Config, Egress, Gateway, HttpClient, Quota, Response, Route,
-    Store,
+    State, Store,
 };
 
 const BILLING: &str = "billing-token-0123456789";
@@ -217,4 +219,51 @@ async fn two_gateways_share_a_clients_quota_at_one_store_call_a_request() {
     assert_eq!(statuses, [200, 200, 200, 200, 429, 429]);
     let calls = redis.command_calls("fcall") + redis.command_calls("evalsha");
     assert_eq!(calls, 6, "one script call per request");
+}
+
+/// On a Redis Cluster a client's windows are in a slot of their own: a request costs two script
+/// calls (the client's, then the route's), and one its route refuses costs a third, which gives
+/// the client's charge back: the client's log holds exactly the admitted requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_two_calls_and_the_give_back() {
+    let cluster = RedisCluster::start();
+    let backends = start_backends(&["b1"]).await;
+    let config = Config::new()
+        .state(State::cluster(cluster.urls()).timeout("2s"))
+        .route(
+            Route::new("api")
+                .member(url(backends[0].local_addr()))
+                .quota(Quota::window("rpm", 3, "1m")),
+        );
+    let gw = Gateway::start_with_ports(&with_clients(&config, 100));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    // The first request loads sluice's library on every master.
+    assert_eq!(call(&mut client, "api.test", BILLING).await.status, 200);
+    let log = "sluice:{client:billing}:cq:daily";
+    let master = cluster.master_of(log).expect("a master serves the client");
+    let node = &cluster.nodes()[cluster.index_of(master)];
+    let entries = || node.integer(&["ZCARD", log]).unwrap();
+    let calls = || -> u64 {
+        cluster
+            .nodes()
+            .iter()
+            .map(|n| n.command_calls("fcall") + n.command_calls("evalsha"))
+            .sum()
+    };
+    assert_eq!(entries(), 1);
+    for n in cluster.nodes() {
+        n.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    }
+    for _ in 0..2 {
+        assert_eq!(call(&mut client, "api.test", BILLING).await.status, 200);
+    }
+    assert_eq!(calls(), 4, "two calls a request");
+    assert_eq!(entries(), 3);
+    for n in cluster.nodes() {
+        n.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    }
+    let refused = call(&mut client, "api.test", BILLING).await;
+    assert_eq!(refused.status, 429, "the route's window is full");
+    assert_eq!(calls(), 3, "the client's, the route's and the give-back");
+    assert_eq!(entries(), 3, "the client's count did not move");
 }
