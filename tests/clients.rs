@@ -410,6 +410,10 @@ async fn credentials_are_removed_and_the_member_key_takes_their_place() {
     );
     let r = gateway_get(&gw, "api.test", &[]).await;
     assert_eq!(r.status, 200, "anonymous may use api: {}", r.text());
+    // Anonymous has its own routes, no more.
+    let r = gateway_get(&gw, "admin-api.test", &[]).await;
+    assert_eq!((r.status, error_code(&r)), (403, Some("route_denied")));
+    assert!(r.text().contains("anonymous"), "{}", r.text());
     assert!(
         wait_until_async(Duration::from_secs(10), || async {
             !lines_of(&gw, "anonymous").is_empty() && lines_of(&gw, "billing").len() >= 3
