@@ -66,27 +66,8 @@ if client_windows > 0 then
   k = k + 1 + client_windows
 end
 
--- Writes back both quotas and appends their reply to `out`.
-local function reply(out, admitted)
-  if q then
-    quota_finish(q)
-  end
-  if c then
-    quota_finish(c)
-  end
-  if q then
-    quota_reply(q, admitted, out, 3)
-    if c then
-      quota_reply_also(c, admitted, out, 3)
-    end
-  elseif c then
-    quota_reply(c, admitted, out, 3)
-  end
-  return out
-end
-
 if (q and q.admitted == 0) or (c and c.admitted == 0) then
-  return reply({0, '', 0, 0, 0, 0, 0}, 0)
+  return quota_finish_both(q, c, 0, {0, '', 0, 0, 0, 0, 0}, 3)
 end
 
 local cooling = false
@@ -127,4 +108,4 @@ if not q and not c then
   return out
 end
 -- Admissible, but recorded only when a member was assigned.
-return reply(out, 1)
+return quota_finish_both(q, c, 1, out, 3)

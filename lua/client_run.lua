@@ -39,15 +39,6 @@ if admitted == 1 and c.cost > 0 then
   end
   quota_record(c)
 end
-if q then
-  quota_finish(q)
-end
-quota_finish(c)
-local out
-if q then
-  out = quota_reply_also(c, admitted, quota_reply(q, admitted, {0, 0, 0, 0}, 0), 0)
-else
-  out = quota_reply(c, admitted, {0, 0, 0, 0}, 0)
-end
+local out = quota_finish_both(q, c, admitted, {0, 0, 0, 0}, 0)
 out[#out + 1] = c.recorded and (c.seq_text .. ':' .. c.cost_text) or ''
 return out

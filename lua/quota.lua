@@ -318,6 +318,27 @@ local function quota_reply_also(c, admitted, out, at)
   return out
 end
 
+-- Writes back a route's quota `q` and a client's windows `c` (either may be nil) decided on one
+-- request, then their reply into `out` after its first `at` elements: the route's windows,
+-- then the client's.
+local function quota_finish_both(q, c, admitted, out, at)
+  if q then
+    quota_finish(q)
+  end
+  if c then
+    quota_finish(c)
+  end
+  if q then
+    quota_reply(q, admitted, out, at)
+    if c then
+      quota_reply_also(c, admitted, out, at)
+    end
+  elseif c then
+    quota_reply(c, admitted, out, at)
+  end
+  return out
+end
+
 -- Takes back an entry (`<seq>:<cost>`) that a call recorded in the quota whose helper hash is
 -- KEYS[meta] and whose logs follow it, one per window named in ARGV from `at`: on Redis
 -- Cluster a client's windows are charged in a call of their own before the route decides, and
