@@ -410,6 +410,51 @@ mod tests {
         }
     }
 
+    /// The client script's reply ends with the client's entry; any other shape is an error.
+    #[test]
+    fn client_replies_parse_and_malformed_ones_are_errors() {
+        let entry = |e: &str| Value::BulkString(e.as_bytes().to_vec());
+        let reply = Value::Array(vec![
+            Value::Int(1),
+            Value::Int(0),
+            Value::Int(9),
+            Value::Int(60),
+            Value::Int(2),
+            Value::Int(30),
+            entry("7:1"),
+        ]);
+        let (outcome, recorded) = parse_client(&reply, 2).unwrap();
+        assert!(outcome.admitted);
+        assert_eq!(outcome.windows.len(), 2);
+        assert_eq!(outcome.windows[1].remaining, 2);
+        assert_eq!(recorded.as_deref(), Some("7:1"));
+        let refused = Value::Array(vec![
+            Value::Int(0),
+            Value::Int(5),
+            Value::Int(0),
+            Value::Int(5),
+            entry(""),
+        ]);
+        assert_eq!(parse_client(&refused, 1).unwrap().1, None);
+        for shape in [
+            Value::Nil,
+            Value::Int(1),
+            Value::Array(vec![]),
+            Value::Array(vec![entry("")]),
+            Value::Array(vec![Value::Int(1), Value::Int(0), Value::Int(3)]),
+            Value::Array(vec![Value::Int(1), Value::Int(0), entry("1:1"), entry("")]),
+            Value::Array(vec![
+                Value::Int(1),
+                Value::Int(0),
+                Value::Int(3),
+                Value::Int(0),
+                entry("1:1"),
+            ]),
+        ] {
+            assert!(parse_client(&shape, 2).is_err(), "{shape:?}");
+        }
+    }
+
     #[test]
     fn assign_replies_parse() {
         let busy = Value::Array(vec![
