@@ -50,6 +50,7 @@ on_both_stores!(
     a_route_that_refuses_charges_the_client_nothing,
     quota_key_client_counts_per_identity,
     tunnels_and_requests_share_the_clients_windows,
+    websocket_upgrades_are_charged_like_requests,
 );
 
 /// `billing`'s three requests a day count on every route it uses, with or without a quota of
@@ -184,6 +185,69 @@ async fn tunnels_and_requests_share_the_clients_windows(backend: Backend) {
     let mut other = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     other.write_raw(connect(SEARCH).as_bytes()).await.unwrap();
     assert_eq!(other.read_response(true).await.unwrap().status, 200);
+}
+
+/// A WebSocket echo member on 127.0.0.1: each message comes back as it was.
+async fn websocket_member() -> std::net::SocketAddr {
+    use futures_util::{SinkExt, StreamExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut ws) = tokio_tungstenite::accept_async(stream).await else {
+                    return;
+                };
+                while let Some(Ok(message)) = ws.next().await {
+                    if message.is_close() || ws.send(message).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A WebSocket handshake through the gateway by the client holding `token`: the status it
+/// got, after one message echoed when it is 101.
+async fn websocket(gw: &Gateway, token: &str) -> u16 {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::{Error, Message};
+    let mut request = "ws://ws.test/".into_client_request().unwrap();
+    request.headers_mut().insert(
+        "proxy-authorization",
+        format!("Bearer {token}").parse().unwrap(),
+    );
+    let stream = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    match tokio_tungstenite::client_async(request, stream).await {
+        Ok((mut ws, response)) => {
+            ws.send(Message::text("hello")).await.unwrap();
+            let echoed = ws.next().await.unwrap().unwrap();
+            assert_eq!(echoed, Message::text("hello"));
+            response.status().as_u16()
+        }
+        Err(Error::Http(response)) => response.status().as_u16(),
+        Err(other) => panic!("the handshake failed: {other}"),
+    }
+}
+
+/// A WebSocket upgrade is admitted like any request: charged once to its client's windows,
+/// and refused with a 429 once they are full.
+async fn websocket_upgrades_are_charged_like_requests(backend: Backend) {
+    let store = Store::start(backend);
+    let member = websocket_member().await;
+    let config = Config::new()
+        .store(&store)
+        .route(Route::new("ws").member(url(member)));
+    let gw = Gateway::start_with_ports(&with_clients(&config, 2));
+    assert_eq!(websocket(&gw, BILLING).await, 101);
+    assert_eq!(websocket(&gw, BILLING).await, 101);
+    assert_eq!(websocket(&gw, BILLING).await, 429);
+    assert_eq!(websocket(&gw, SEARCH).await, 101);
 }
 
 /// On Redis, two gateways share `billing`'s windows exactly, and a request with a client's own
