@@ -8,8 +8,8 @@ mod support;
 
 use sluice_testkit::RedisCluster;
 use support::{
-    start_backends, url, Backend, Config, Egress, Gateway, HttpClient, Quota, Response, Route,
-    State, Store,
+    start_backends, url, Backend, Config, Egress, Gateway, HttpClient, KeyMember, Quota, Response,
+    Route, State, Store,
 };
 
 const BILLING: &str = "billing-token-0123456789";
@@ -51,6 +51,7 @@ on_both_stores!(
     quota_key_client_counts_per_identity,
     tunnels_and_requests_share_the_clients_windows,
     websocket_upgrades_are_charged_like_requests,
+    every_policy_charges_the_clients_windows,
 );
 
 /// `billing`'s three requests a day count on every route it uses, with or without a quota of
@@ -93,6 +94,36 @@ async fn a_clients_own_quota_holds_on_every_route(backend: Backend) {
     );
     for host in ["api.test", "other.test"] {
         assert_eq!(call(&mut client, host, SEARCH).await.status, 200);
+    }
+}
+
+/// Every selection policy charges the client's windows, with or without member windows: the
+/// client's quota travels with the route's to the store, whatever the policy does with it.
+/// `billing` may make two requests per route; once it has, each route refuses the next.
+async fn every_policy_charges_the_clients_windows(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2"]).await;
+    let [a, b] = [0, 1].map(|i| url(backends[i].local_addr()));
+    let routes = [
+        Route::new("rr").member(&a).member(&b),
+        Route::new("lu").least_used().member(&a).member(&b),
+        Route::new("pr").priority().member(&a).member(&b),
+        Route::new("kp")
+            .least_used()
+            .key_member(KeyMember::new(&a, "k1").window("rpm", 1_000, "1m"))
+            .key_member(KeyMember::new(&b, "k2").window("rpm", 1_000, "1m")),
+    ];
+    let hosts = ["rr.test", "lu.test", "pr.test", "kp.test"];
+    let config = Config::new().store(&store).routes(routes);
+    let gw = Gateway::start_with_ports(&with_clients(&config, 2 * hosts.len() as u64));
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for host in hosts {
+        for _ in 0..2 {
+            assert_eq!(call(&mut client, host, BILLING).await.status, 200, "{host}");
+        }
+    }
+    for host in hosts {
+        assert_eq!(call(&mut client, host, BILLING).await.status, 429, "{host}");
     }
 }
 
