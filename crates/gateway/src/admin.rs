@@ -176,11 +176,16 @@ impl AdminApi {
                 "in_flight": r.in_flight.get(),
             }));
         }
+        let clients = table
+            .clients
+            .as_deref()
+            .map(|c| clients_json(c, &self.metrics.client_counts()));
         json!({
             "version": table.version,
             "loaded_at": table.loaded_at,
             "last_reload_error": self.reloader.last_error(),
             "routes": routes,
+            "clients": clients,
         })
     }
 }
@@ -237,6 +242,55 @@ impl<'a> Remaining<'a> {
         self.failed |= result.is_err();
         result.ok()
     }
+}
+
+/// `/status`'s `clients`: the mode, then each client's name, routes and counts, and last
+/// `unknown`'s (callers nobody identified). Names and route names come from the config; no
+/// token, certificate name or address is shown.
+fn clients_json(
+    clients: &crate::clients::Clients,
+    counts: &HashMap<String, crate::metrics::ClientCounts>,
+) -> serde_json::Value {
+    use crate::config::{ClientsMode, RouteGrant, UnknownClients};
+    let entry = |name: &str| {
+        let c = counts.get(name).copied().unwrap_or_default();
+        json!({
+            "name": name,
+            "requests": c.requests,
+            "denied": c.denied,
+            "would_deny": c.would_deny,
+        })
+    };
+    let mut list: Vec<serde_json::Value> = clients
+        .list
+        .iter()
+        .map(|c| {
+            let routes: Vec<&str> = c
+                .config
+                .routes
+                .iter()
+                .map(|g| match g {
+                    RouteGrant::All => "*",
+                    RouteGrant::Route(r) => r.0.as_str(),
+                })
+                .collect();
+            let mut e = entry(&c.name);
+            e["routes"] = routes.into();
+            e
+        })
+        .collect();
+    list.push(entry(crate::config::UNKNOWN));
+    json!({
+        "mode": match clients.mode {
+            ClientsMode::Enforce => "enforce",
+            ClientsMode::Report => "report",
+        },
+        "unknown": match clients.config.unknown {
+            UnknownClients::Deny => "deny",
+            UnknownClients::Anonymous => "anonymous",
+        },
+        "list": list,
+    })
 }
 
 /// Quota windows for `/status`, each with what is left of it when `remaining` is known.

@@ -71,9 +71,15 @@ pub struct Metrics {
     pub selection_fallbacks: IntCounterVec,
     /// `sluice_quota_keys_refused_total{route}`
     pub quota_keys_refused: IntCounterVec,
-    /// `sluice_client_denials_total{mode,code}`: what `clients` refused (`mode="enforce"`),
-    /// or would have refused and let go (`mode="report"`), by answer code.
+    /// `sluice_client_denials_total{mode,code,client}`: what `clients` refused
+    /// (`mode="enforce"`), or would have refused and let go (`mode="report"`), by answer code
+    /// and by client ([`client_label`]).
     pub client_denials: IntCounterVec,
+    /// `sluice_client_requests_total{client,status}`: the requests and tunnels of each client
+    /// ([`client_label`]), with a `clients` section only.
+    pub client_requests: IntCounterVec,
+    /// `sluice_client_requests_total{client="unknown"}`, kept once used.
+    unknown_client: std::sync::OnceLock<RouteRequests>,
     /// `sluice_client_auth_failures_total{reason}`: failed identifications, by why they
     /// failed (`crate::clients::throttle::Failure`); each counts toward its address's
     /// `failed_auth` bound.
@@ -135,8 +141,13 @@ impl Metrics {
         );
         let client_denials = counter(
             "sluice_client_denials_total",
-            "Requests and tunnels clients refused (mode=enforce) or would have refused and let go (mode=report), by answer code.",
-            &["mode", "code"],
+            "Requests and tunnels clients refused (mode=enforce) or would have refused and let go (mode=report), by answer code and client.",
+            &["mode", "code", "client"],
+        );
+        let client_requests = counter(
+            "sluice_client_requests_total",
+            "Requests and tunnels answered, by client (a listed name, or unknown) and status.",
+            &["client", "status"],
         );
         let client_auth_failures = counter(
             "sluice_client_auth_failures_total",
@@ -309,6 +320,8 @@ impl Metrics {
             selection_fallbacks,
             quota_keys_refused,
             client_denials,
+            client_requests,
+            unknown_client: std::sync::OnceLock::new(),
             client_auth_failures,
             connections_closed,
             connections_open,
@@ -336,12 +349,125 @@ impl Metrics {
         sums
     }
 
+    /// Counts a request or tunnel that went through the clients step in
+    /// `sluice_client_requests_total`, through the client's kept handles.
+    pub fn count_client(&self, client: Option<&crate::clients::Client>, status: u16) {
+        let requests = match client {
+            Some(c) => c.requests(&self.client_requests),
+            None => self.unknown_client(),
+        };
+        requests.inc(&self.client_requests, status);
+    }
+
+    fn unknown_client(&self) -> &RouteRequests {
+        self.unknown_client.get_or_init(|| {
+            RouteRequests::new(crate::config::UNKNOWN.into(), &self.client_requests)
+        })
+    }
+
+    /// Makes the client series of a new table's `clients` what the metrics show: each listed
+    /// client's, and `unknown`'s, are there from the start (at 0), and those of clients no
+    /// longer listed go, so the `client` label stays bounded by the list however many
+    /// reloads there were.
+    pub fn clients_listed(&self, clients: Option<&crate::clients::Clients>) {
+        let list = clients.map_or(&[][..], |c| &c.list[..]);
+        if clients.is_some() {
+            self.unknown_client();
+        }
+        for c in list {
+            c.requests(&self.client_requests);
+        }
+        // `unknown`'s handles are kept for the process's life: its series stay.
+        let names: std::collections::HashSet<&str> = list.iter().map(|c| &*c.name).collect();
+        let listed = |name: &str| name == crate::config::UNKNOWN || names.contains(name);
+        for vec in [&self.client_requests, &self.client_denials] {
+            for labels in label_sets(vec) {
+                let client = labels.iter().find(|(k, _)| k == "client");
+                if client.is_some_and(|(_, v)| !listed(v)) {
+                    let values: std::collections::HashMap<&str, &str> = labels
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    let _ = vec.remove(&values);
+                }
+            }
+        }
+    }
+
+    /// Each client's counts for `/status`: requests, refusals (`enforce`) and refusals let
+    /// go (`report`), by client label.
+    pub fn client_counts(&self) -> std::collections::HashMap<String, ClientCounts> {
+        use prometheus::core::Collector;
+        let mut counts: std::collections::HashMap<String, ClientCounts> = Default::default();
+        let label = |m: &prometheus::proto::Metric, name: &str| {
+            m.get_label()
+                .iter()
+                .find(|l| l.get_name() == name)
+                .map(|l| l.get_value().to_string())
+        };
+        for family in self.client_requests.collect() {
+            for m in family.get_metric() {
+                if let Some(client) = label(m, "client") {
+                    counts.entry(client).or_default().requests +=
+                        m.get_counter().get_value() as u64;
+                }
+            }
+        }
+        for family in self.client_denials.collect() {
+            for m in family.get_metric() {
+                let (Some(client), Some(mode)) = (label(m, "client"), label(m, "mode")) else {
+                    continue;
+                };
+                let entry = counts.entry(client).or_default();
+                let n = m.get_counter().get_value() as u64;
+                if mode == "report" {
+                    entry.would_deny += n;
+                } else {
+                    entry.denied += n;
+                }
+            }
+        }
+        counts
+    }
+
     /// The Prometheus text exposition of all metrics.
     pub fn render(&self) -> String {
         TextEncoder::new()
             .encode_to_string(&self.registry.gather())
             .unwrap_or_default()
     }
+}
+
+/// A client's counts, for `/status`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ClientCounts {
+    /// Requests and tunnels answered.
+    pub requests: u64,
+    /// Refused by `clients` (`mode: enforce`).
+    pub denied: u64,
+    /// Would have been refused, and went on (`mode: report`).
+    pub would_deny: u64,
+}
+
+/// The `client` label of a caller: its client's name, or `unknown`. Never anything the caller
+/// sent: a name comes from the config, so the label's values are bounded by the list.
+pub fn client_label(client: Option<&crate::clients::Client>) -> &str {
+    client.map_or(crate::config::UNKNOWN, |c| &*c.name)
+}
+
+/// The label sets of every series `vec` holds now.
+fn label_sets(vec: &IntCounterVec) -> Vec<Vec<(String, String)>> {
+    use prometheus::core::Collector;
+    vec.collect()
+        .iter()
+        .flat_map(|f| f.get_metric())
+        .map(|m| {
+            m.get_label()
+                .iter()
+                .map(|l| (l.get_name().to_string(), l.get_value().to_string()))
+                .collect()
+        })
+        .collect()
 }
 
 /// `metric`, registered in `registry`; names are fixed, so a clash is a bug.
@@ -371,14 +497,22 @@ const COMMON_STATUSES: [u16; 16] = [
     200, 201, 204, 206, 301, 302, 304, 400, 401, 403, 404, 429, 500, 502, 503, 504,
 ];
 
-/// `sluice_requests_total{route,status}` for one route, with the handles of the common statuses
+/// `sluice_requests_total{route,status}` for one route (or `sluice_client_requests_total
+/// {client,status}` for one client), with the handles of the common statuses
 /// resolved on their first use and kept: counting a request is then an atomic increment, not a
 /// label lookup (hashing both labels, a read lock on the vector's map) per request. Handles
 /// other than [`PRESET_STATUSES`] are created lazily, so such a status shows in the exposition
 /// only once a request had it. Other statuses fall back to the lookup.
 pub struct RouteRequests {
+    /// The route's name (or the client's).
     route: std::sync::Arc<str>,
     common: [std::sync::OnceLock<IntCounter>; COMMON_STATUSES.len()],
+}
+
+impl std::fmt::Debug for RouteRequests {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RouteRequests").field(&self.route).finish()
+    }
 }
 
 impl RouteRequests {
@@ -429,5 +563,14 @@ impl GaugeGuard {
 impl Drop for GaugeGuard {
     fn drop(&mut self) {
         self.0.dec();
+    }
+}
+
+impl crate::clients::Client {
+    /// `sluice_client_requests_total{client=<its name>}`, the handles kept in the client, which
+    /// a reload builds anew.
+    pub fn requests(&self, vec: &IntCounterVec) -> &RouteRequests {
+        self.requests
+            .get_or_init(|| RouteRequests::new(self.name.clone(), vec))
     }
 }

@@ -179,6 +179,15 @@ impl Table {
                 r.clone(),
             )
         }));
+        let clients = config.clients.as_ref().map(|c| {
+            let mut clients = crate::clients::Clients::new(c);
+            // Failed identifications outlive a reload: it must free no throttled address.
+            if let Some(before) = previous.and_then(|p| p.clients.as_ref()) {
+                clients.throttle = before.throttle.clone();
+            }
+            Arc::new(clients)
+        });
+        metrics.clients_listed(clients.as_deref());
         Table {
             router,
             routes,
@@ -187,14 +196,7 @@ impl Table {
             settings: Settings::of(config),
             guard: Guard::from(&config.egress).with_own_listeners(own_listeners.iter().copied()),
             own_listeners,
-            clients: config.clients.as_ref().map(|c| {
-                let mut clients = crate::clients::Clients::new(c);
-                // Failed identifications outlive a reload: it must free no throttled address.
-                if let Some(before) = previous.and_then(|p| p.clients.as_ref()) {
-                    clients.throttle = before.throttle.clone();
-                }
-                Arc::new(clients)
-            }),
+            clients,
         }
     }
 }

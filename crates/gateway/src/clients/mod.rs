@@ -56,6 +56,9 @@ pub struct Client {
     routes: Grants,
     /// Where it must connect from, when it lists `cidrs` with tokens or certs.
     cidrs: Vec<IpNet>,
+    /// `sluice_client_requests_total{client=<name>}`, its handles kept once used
+    /// (`crate::metrics`).
+    pub(crate) requests: std::sync::OnceLock<crate::metrics::RouteRequests>,
 }
 
 /// A client's `routes`.
@@ -100,6 +103,7 @@ impl Client {
                 .collect(),
             routes,
             cidrs: config.cidrs.iter().map(|c| c.0).collect(),
+            requests: std::sync::OnceLock::new(),
         }
     }
 

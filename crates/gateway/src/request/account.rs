@@ -115,6 +115,9 @@ pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
         }
         None => crate::metrics::requests_of(&metrics.requests, NO_ROUTE, ended.status).inc(),
     }
+    if ctx.seen.clients {
+        metrics.count_client(ctx.client.as_deref(), ended.status);
+    }
     let member = ctx.member().map_or("", |m| &*m.name);
     let members = ctx.route.as_ref().map(|r| &r.members);
     let each_tried = |put: &mut dyn FnMut(&str)| {

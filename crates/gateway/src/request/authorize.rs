@@ -16,7 +16,7 @@ use crate::clients::address::TrustedProxies;
 use crate::clients::throttle::Settings as FailedAuth;
 use crate::clients::{Asked, Clients, Decision, Identity, Presented, Refusal};
 use crate::config::ClientsMode;
-use crate::metrics::Metrics;
+use crate::metrics::{client_label, Metrics};
 use crate::problem::Problem;
 use crate::table::Route;
 use crate::target::{Form, Scheme, Target};
@@ -47,6 +47,7 @@ pub(crate) fn authorize(
     let Some(clients) = clients else {
         return Ok(());
     };
+    ctx.seen.clients = true;
     // The client's address: the connection's (which a trusted proxy's PROXY header has already
     // made the client's), or, from a trusted proxy, the last untrusted X-Forwarded-For hop.
     let addr = caller.addr.map(|peer| {
@@ -65,7 +66,7 @@ pub(crate) fn authorize(
         let problem = Problem::auth_throttled(left.as_millis() as u64);
         metrics
             .client_denials
-            .with_label_values(&["enforce", problem.code])
+            .with_label_values(&["enforce", problem.code, client_label(None)])
             .inc();
         return Err(problem);
     }
@@ -99,18 +100,19 @@ pub(crate) fn authorize(
         (None, Some(refusal)) => problem_of(refusal, route, target, ctx),
         (None, None) => return Ok(()),
     };
+    let client = client_label(ctx.client.as_deref());
     match clients.mode {
         ClientsMode::Enforce => {
             metrics
                 .client_denials
-                .with_label_values(&["enforce", problem.code])
+                .with_label_values(&["enforce", problem.code, client])
                 .inc();
             Err(problem)
         }
         ClientsMode::Report => {
             metrics
                 .client_denials
-                .with_label_values(&["report", problem.code])
+                .with_label_values(&["report", problem.code, client])
                 .inc();
             ctx.seen.authz = Some(WOULD_DENY);
             Ok(())

@@ -213,6 +213,9 @@ pub(crate) struct Seen {
     answered: Option<&'static str>,
     /// `would_deny` when `clients.mode: report` let a refusal go.
     authz: Option<&'static str>,
+    /// The clients step ran: the request counts in `sluice_client_requests_total`, as its
+    /// client's or `unknown`'s.
+    clients: bool,
     /// The client's address when a trusted proxy's `X-Forwarded-For` named it: the access
     /// line's `client` (with no port) instead of the connection's.
     forwarded_client: Option<std::net::IpAddr>,
