@@ -318,10 +318,57 @@ async fn the_client_label_is_bounded_by_the_list_and_status_shows_each_client() 
         .map(|c| c["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["billing", "ops", "unknown"], "{status}");
+}
 
-    // The dashboard draws the clients from /status.
-    let page = gw.admin("/").await.text();
-    assert!(page.contains("clientsSection(status.clients"), "{page}");
+/// The dashboard, in a real headless Chromium (tests/browser/dashboard_clients.py), shows each
+/// client's routes and counts as `/status` has them, and holds no token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_each_client() {
+    let Some(python) = support::test_python() else {
+        return;
+    };
+    let backends = start_backends(&["api"]).await;
+    let gw = start(&url(backends[0].local_addr()), "enforce", "", &[]);
+    let billing = basic("billing", BILLING);
+    for host in ["api.test", "api.test", "admin-api.test"] {
+        proxy_get(&gw, host, &[("Proxy-Authorization", &billing)]).await;
+    }
+    proxy_get(&gw, "api.test", &[]).await;
+    let counted = wait_until_async(WAIT, || async {
+        let status = gw.status().await;
+        status_client(&status, "billing")["requests"] == 3
+            && status_client(&status, "unknown")["requests"] == 1
+    })
+    .await;
+    assert!(counted, "{}", gw.status().await);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/browser/dashboard_clients.py"
+    );
+    let admin = format!("http://{}", gw.admin_addr());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args([script, &admin, BILLING, BATCH])
+            .output()
+            .expect("the test python runs")
+    })
+    .await
+    .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    if printed.starts_with("MISSING") {
+        assert!(
+            !std::env::var("CI").is_ok_and(|v| v == "true"),
+            "CI=true but the browser test cannot run: {printed}"
+        );
+        eprintln!("SKIPPED: {printed}");
+        return;
+    }
+    assert_eq!(
+        printed.trim(),
+        "CHECKED",
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A small OTLP/HTTP receiver on loopback: answers every `POST /v1/traces` with 200 and keeps
