@@ -254,7 +254,9 @@ impl Clients {
                 tokens.push((digest(t.0.as_bytes()), i as u32));
             }
             for name in &c.certs {
-                certs.entry(name.0.clone()).or_insert(i);
+                certs
+                    .entry(crate::listen_tls::canonical_name(&name.0))
+                    .or_insert(i);
             }
             if c.address_only() {
                 by_address.extend(c.cidrs.iter().map(|n| (n.0, i)));
@@ -314,11 +316,7 @@ impl Clients {
             // failure, not a reason to look at the headers.
             let client = names
                 .iter()
-                .find_map(|n| {
-                    self.certs
-                        .get(n.as_str())
-                        .or_else(|| self.certs.get(&n.to_ascii_lowercase()))
-                })
+                .find_map(|n| self.certs.get(n.as_str()))
                 .and_then(|&i| self.list.get(i));
             return Some(client.ok_or(Failure::UnknownCert));
         }

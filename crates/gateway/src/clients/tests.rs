@@ -184,11 +184,17 @@ fn a_certificate_comes_first_and_a_name_no_client_lists_fails() {
     let h = headers(&[("proxy-authorization", format!("Bearer {BATCH}").as_bytes())]);
     let uri = ["spiffe://corp.example/ns/billing/sa/api".to_string()];
     assert_eq!(who_with(&c, Some(&uri), &h, None, None), "billing");
-    let dns = [
-        "other.example".to_string(),
-        "Billing.Corp.Example".to_string(),
-    ];
+    // Names as the listener hands them on: a DNS name in any case is the same name.
+    let dns = ["other.example", "Billing.Corp.Example"].map(crate::listen_tls::canonical_name);
     assert_eq!(who_with(&c, Some(&dns), &h, None, None), "billing");
+    // A SPIFFE ID's path keeps its case: another workload's ID is not this client's.
+    let upper = [crate::listen_tls::canonical_name(
+        "SPIFFE://Corp.Example/ns/BILLING/sa/api",
+    )];
+    assert_eq!(
+        who_with(&c, Some(&upper), &h, None, ip("192.168.0.7")),
+        "failed: unknown_cert"
+    );
     let stranger = ["spiffe://corp.example/ns/x/sa/y".to_string()];
     assert_eq!(
         who_with(&c, Some(&stranger), &h, None, ip("192.168.0.7")),

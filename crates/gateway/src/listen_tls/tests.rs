@@ -276,3 +276,21 @@ fn a_client_ca_that_is_no_ca_bundle_is_an_error_naming_the_file() {
     assert_eq!(err.blame, super::Blame::ClientCa);
     assert!(err.message.contains("clients.pem"), "{}", err.message);
 }
+
+#[test]
+fn a_uri_name_keeps_the_case_of_its_path_and_a_dns_name_has_none() {
+    use super::canonical_name;
+    assert_eq!(
+        canonical_name("SPIFFE://Corp.Example/ns/Billing/sa/API"),
+        "spiffe://corp.example/ns/Billing/sa/API"
+    );
+    assert_ne!(
+        canonical_name("spiffe://corp.example/ns/Billing"),
+        canonical_name("spiffe://corp.example/ns/billing")
+    );
+    assert_eq!(
+        canonical_name("spiffe://Corp.Example"),
+        "spiffe://corp.example"
+    );
+    assert_eq!(canonical_name("API.Corp.Example"), "api.corp.example");
+}
