@@ -167,6 +167,20 @@ async fn the_client_label_is_bounded_by_the_list_and_status_shows_each_client() 
         Some(0.0)
     );
 
+    // So are the refusals of callers nobody identified, so an alert on them needs no first one.
+    assert_eq!(
+        support::metric_value(
+            &before,
+            "sluice_client_denials_total",
+            &[
+                ("mode", "enforce"),
+                ("code", "proxy_auth_required"),
+                ("client", "unknown")
+            ]
+        ),
+        Some(0.0)
+    );
+
     let billing = basic("billing", BILLING);
     for _ in 0..3 {
         let r = proxy_get(&gw, "api.test", &[("Proxy-Authorization", &billing)]).await;

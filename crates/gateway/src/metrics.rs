@@ -371,8 +371,22 @@ impl Metrics {
     /// reloads there were.
     pub fn clients_listed(&self, clients: Option<&crate::clients::Clients>) {
         let list = clients.map_or(&[][..], |c| &c.list[..]);
-        if clients.is_some() {
+        if let Some(clients) = clients {
             self.unknown_client();
+            // The refusals of callers nobody identified, in the mode in force, start at 0, so
+            // that a rate or an alert over them needs no first refusal.
+            let mode = match clients.mode {
+                crate::config::ClientsMode::Enforce => "enforce",
+                crate::config::ClientsMode::Report => "report",
+            };
+            for code in [
+                "proxy_auth_required",
+                "client_auth_required",
+                "auth_throttled",
+            ] {
+                self.client_denials
+                    .with_label_values(&[mode, code, crate::config::UNKNOWN]);
+            }
         }
         for c in list {
             c.requests(&self.client_requests);
