@@ -35,6 +35,7 @@ pub mod quota;
 pub mod ratelimit;
 pub mod reload;
 pub mod request;
+pub mod request_counts;
 pub mod resolve;
 pub mod router;
 pub mod select;

@@ -58,7 +58,7 @@ pub struct Client {
     cidrs: Vec<IpNet>,
     /// `sluice_client_requests_total{client=<name>}`, its handles kept once used
     /// (`crate::metrics`).
-    pub(crate) requests: std::sync::OnceLock<crate::metrics::RouteRequests>,
+    pub(crate) requests: std::sync::OnceLock<crate::request_counts::RouteRequests>,
 }
 
 /// A client's `routes`.
