@@ -13,7 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine as _;
-use support::{request, start_backends, url, wait_until_async, Gateway, HttpClient, Response};
+use support::{
+    request, start_backends, url, wait_until_async, Backend, Gateway, HttpClient, Response, Store,
+};
 
 const BILLING: &str = "billing-token-obs-0123456789";
 const BATCH: &str = "batch-token-obs-0123456789ab";
@@ -57,6 +59,7 @@ clients:
     - name: batch
       tokens: ["BATCH"]
       routes: ["*"]
+      quota: { windows: [{ name: daily, limit: 100, window: 1h }] }
 "#
     .replace("MEMBER", member)
     .replace("MODE", mode)
@@ -277,6 +280,10 @@ async fn the_client_label_is_bounded_by_the_list_and_status_shows_each_client() 
         status_client(&status, "batch")["routes"],
         serde_json::json!(["*"])
     );
+    assert_eq!(
+        status_client(&status, "batch")["quota"],
+        serde_json::json!([{"name": "daily", "limit": 100, "window_ms": 3_600_000, "remaining": 99}])
+    );
     let u = status_client(&status, "unknown");
     let n = 3 * EACH as u64 + 1;
     assert_eq!(
@@ -290,7 +297,9 @@ async fn the_client_label_is_bounded_by_the_list_and_status_shows_each_client() 
     // 0; `batch` is gone; billing's refusal is let go and counted as would_deny.
     let ops = format!("    - name: ops\n      tokens: [\"{OPS}\"]\n      routes: [api]\n");
     let next = config(&member, "report", &ops).replace(
-        &format!("    - name: batch\n      tokens: [\"{BATCH}\"]\n      routes: [\"*\"]\n"),
+        &format!(
+            "    - name: batch\n      tokens: [\"{BATCH}\"]\n      routes: [\"*\"]\n      quota: {{ windows: [{{ name: daily, limit: 100, window: 1h }}] }}\n"
+        ),
         "",
     );
     assert!(!next.contains("batch"), "{next}");
@@ -383,6 +392,41 @@ async fn the_dashboard_shows_each_client() {
         "{printed}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+on_both_stores!(status_shows_what_is_left_of_each_clients_windows);
+
+/// `/status` reads what is left of each client's own windows from the store every instance
+/// shares, without charging them.
+async fn status_shows_what_is_left_of_each_clients_windows(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["api"]).await;
+    let state = match store.redis() {
+        Some(redis) => format!(
+            "state: {{ backend: redis, redis: {{ url: \"{}\" }} }}\n",
+            redis.url()
+        ),
+        None => String::new(),
+    };
+    let gw = start(&url(backends[0].local_addr()), "enforce", &state, &[]);
+    for _ in 0..3 {
+        let r = gateway_get(&gw, "api.test", &[("X-Sluice-Token", BATCH)]).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // Read twice: reading charges nothing.
+    for _ in 0..2 {
+        let status = gw.status().await;
+        let quota = &status_client(&status, "batch")["quota"][0];
+        assert_eq!(
+            (&quota["name"], &quota["remaining"]),
+            (&"daily".into(), &97.into()),
+            "{status}"
+        );
+        assert!(
+            status_client(&status, "billing").get("quota").is_none(),
+            "{status}"
+        );
+    }
 }
 
 /// A small OTLP/HTTP receiver on loopback: answers every `POST /v1/traces` with 200 and keeps

@@ -1,6 +1,7 @@
 """Drives the admin dashboard (GET /) in a real headless Chromium, for
 tests/clients_observability.rs: its clients table must show what GET /status says of each
-client, and the page must hold none of the tokens given.
+client (counts, and what is left of its own quota windows), and the page must hold none of the
+tokens given.
 
 Usage: dashboard_clients.py ADMIN_URL TOKEN...
 Prints CHECKED once every client row matches /status (polled with a deadline: the page redraws
@@ -44,9 +45,14 @@ def status():
 READ_PAGE = """
 const page = {};
 for (const row of document.querySelectorAll("tr[data-client]")) {
-  const fields = { routes: row.children[1].textContent };
+  const fields = { routes: row.children[1].textContent, quota: {} };
   for (const f of row.querySelectorAll("[data-field]")) {
-    if (f.dataset.field !== "rate") fields[f.dataset.field] = f.textContent;
+    if (f.dataset.field !== "rate" && !f.closest("[data-window]")) {
+      fields[f.dataset.field] = f.textContent;
+    }
+  }
+  for (const w of row.querySelectorAll("[data-window]")) {
+    fields.quota[w.dataset.window] = w.querySelector("[data-field=remaining]").textContent;
   }
   page[row.dataset.client] = fields;
 }
@@ -61,6 +67,7 @@ def expected(doc):
             "requests": str(c["requests"]),
             "denied": str(c["denied"]),
             "would_deny": str(c["would_deny"]),
+            "quota": {w["name"]: str(w["remaining"]) for w in c.get("quota", []) if "remaining" in w},
         }
         for c in doc["clients"]["list"]
     }

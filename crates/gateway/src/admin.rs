@@ -176,10 +176,16 @@ impl AdminApi {
                 "in_flight": r.in_flight.get(),
             }));
         }
-        let clients = table
-            .clients
-            .as_deref()
-            .map(|c| clients_json(c, &self.metrics.client_counts()));
+        let clients = match table.clients.as_deref() {
+            Some(c) => {
+                let mut left = Vec::with_capacity(c.list.len());
+                for client in &c.list {
+                    left.push(read.client(client).await);
+                }
+                Some(clients_json(c, &self.metrics.client_counts(), &left))
+            }
+            None => None,
+        };
         json!({
             "version": table.version,
             "loaded_at": table.loaded_at,
@@ -225,6 +231,27 @@ impl<'a> Remaining<'a> {
         Some(outcome.windows.iter().map(|w| w.remaining).collect())
     }
 
+    /// Each of `client`'s own windows; `None` when it has none, or the store cannot answer.
+    async fn client(&mut self, client: &crate::clients::Client) -> Option<Vec<u64>> {
+        if client.windows.is_empty() || self.failed {
+            return None;
+        }
+        // No route windows: the store reads the client's alone (its own slot on a cluster).
+        let read = self.state.acquire(sluice_limiter::Acquire {
+            route: "",
+            key: "",
+            windows: &[],
+            cost: 0,
+            at_us: None,
+            client: Some(sluice_limiter::ClientWindows {
+                name: &client.name,
+                windows: &client.windows,
+            }),
+        });
+        let outcome = self.answer(read.await)?;
+        Some(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
     /// Each of `member`'s own windows; `None` when it has none, or the store cannot answer.
     async fn member(&mut self, route: &str, member: &crate::table::Member) -> Option<Vec<u64>> {
         if member.windows.is_empty() || self.failed {
@@ -244,12 +271,14 @@ impl<'a> Remaining<'a> {
     }
 }
 
-/// `/status`'s `clients`: the mode, then each client's name, routes and counts, and last
-/// `unknown`'s (callers nobody identified). Names and route names come from the config; no
+/// `/status`'s `clients`: the mode, then each client's name, routes, counts and own quota
+/// windows (with what is left of each, from `left`), and last `unknown`'s (callers nobody
+/// identified). Names and route names come from the config; no
 /// token, certificate name or address is shown.
 fn clients_json(
     clients: &crate::clients::Clients,
     counts: &HashMap<String, crate::metrics::ClientCounts>,
+    left: &[Option<Vec<u64>>],
 ) -> serde_json::Value {
     use crate::config::{ClientsMode, RouteGrant, UnknownClients};
     let entry = |name: &str| {
@@ -264,7 +293,8 @@ fn clients_json(
     let mut list: Vec<serde_json::Value> = clients
         .list
         .iter()
-        .map(|c| {
+        .zip(left)
+        .map(|(c, left)| {
             let routes: Vec<&str> = c
                 .config
                 .routes
@@ -276,6 +306,9 @@ fn clients_json(
                 .collect();
             let mut e = entry(&c.name);
             e["routes"] = routes.into();
+            if !c.windows.is_empty() {
+                e["quota"] = windows_json(c.windows.iter(), left).into();
+            }
             e
         })
         .collect();
