@@ -449,3 +449,30 @@ async fn a_reload_frees_no_throttled_address() {
     assert_eq!(reloaded.status, 200, "{}", reloaded.text());
     assert_eq!(status(&gw, &attacker, &bad).await, 429);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_ip_quota_counts_the_forwarded_client_not_the_balancer() {
+    let backends = start_backends(&["a"]).await;
+    let gw = Gateway::start_with_ports(&format!(
+        r#"listen: ["{{PROXY}}"]
+admin: {{ listen: "{{ADMIN}}" }}
+threads: 1
+routes:
+  - name: api
+    match: {{ hosts: [api.test] }}
+    quota: {{ key: client_ip, windows: [{{ name: once, limit: 1, window: 1h }}] }}
+    upstream: {{ members: [{{ url: "{member}" }}] }}
+clients:
+  trusted_proxies: ["127.0.0.1/32"]
+  list:
+    - {{ name: office, cidrs: ["203.0.113.0/24"], routes: [api] }}
+"#,
+        member = url(backends[0].local_addr()),
+    ));
+    let xff = |v: &'static str| get(&[("X-Forwarded-For", v)]);
+    // Every request comes from the balancer (127.0.0.1); each office address has its own
+    // window, as it would if it connected itself.
+    assert_eq!(status(&gw, b"", &xff("203.0.113.9")).await, 200);
+    assert_eq!(status(&gw, b"", &xff("203.0.113.9")).await, 429);
+    assert_eq!(status(&gw, b"", &xff("203.0.113.10")).await, 200);
+}

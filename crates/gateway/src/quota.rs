@@ -80,17 +80,21 @@ impl RouteQuota {
 
     /// The quota key of a request: `route`, a header's value, the client address, or the
     /// name of the client identified (`identified`). Only the client address and long header
-    /// values need a buffer of their own.
+    /// values need a buffer of their own. `forwarded` is the client address a trusted proxy's
+    /// `X-Forwarded-For` gave, which is the client's where the connection's is the proxy's.
     pub(crate) fn key_of<'a>(
         &self,
         session: &'a Session,
+        forwarded: Option<std::net::IpAddr>,
         identified: Option<&'a str>,
         buf: &'a mut String,
     ) -> &'a str {
-        let client = session
-            .client_addr()
-            .and_then(|a| a.as_inet())
-            .map(|a| a.ip());
+        let client = forwarded.or_else(|| {
+            session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip())
+        });
         self.key_for(&session.req_header().headers, client, identified, buf)
     }
 

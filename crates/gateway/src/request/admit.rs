@@ -130,7 +130,13 @@ pub(crate) async fn admit(
     // The client identified, held apart from `ctx`, which admission changes.
     let caller = ctx.client.clone();
     let key = route.quota.as_deref().map_or("", |q| {
-        q.key_of(session, caller.as_deref().map(|c| &*c.name), &mut key_buf)
+        let forwarded = ctx.seen.forwarded_client;
+        q.key_of(
+            session,
+            forwarded,
+            caller.as_deref().map(|c| &*c.name),
+            &mut key_buf,
+        )
     });
     let client = session.as_downstream().stream().map(|s| s.id());
     let verdict = decide(

@@ -190,7 +190,8 @@ impl Tunnels {
         let quota = route.quota.as_deref();
         let cost = quota.map_or(1, |q| q.cost("/", "CONNECT"));
         let mut key_buf = String::new();
-        let client_ip = client_addr.map(|a| a.ip());
+        // The client's address, a trusted proxy's X-Forwarded-For hop included.
+        let client_ip = ctx.seen.forwarded_client.or(client_addr.map(|a| a.ip()));
         // The client identified, held apart from `ctx`, which admission changes.
         let caller = ctx.client.clone();
         let identified = caller.as_deref().map(|c| &*c.name);
