@@ -4,8 +4,9 @@
   scripts/bench --write    also replace the wrk section of docs/benchmark-runs.md with it
 
 Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2),
-WARMUP (2s), SLUICE_THREADS (1), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it
-is), SLUICE_BIN_DIR (a directory holding a release sluice; no build), KEEP (0; 1 keeps the
+WARMUP (2s), SLUICE_THREADS (1), CLIENTS (off | basic: sluice with a `clients` section in
+enforce mode, and every target sent that client's Basic Proxy-Authorization), BUILD (1; 0
+uses ${CARGO_TARGET_DIR:-target}/release as it is), SLUICE_BIN_DIR (a directory holding a release sluice; no build), KEEP (0; 1 keeps the
 work directory with configs, logs and wrk outputs), DOC (docs/benchmark-runs.md: the file --write
 rewrites).
 
@@ -35,7 +36,7 @@ from .servers import Backends, start_backends, start_nginx, start_sluice, nginx_
 
 START_MARK = "<!-- bench:wrk:start -->"
 END_MARK = "<!-- bench:wrk:end -->"
-KNOB_NAMES = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS"]
+KNOB_NAMES = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS", "CLIENTS"]
 
 
 @dataclass
@@ -134,7 +135,8 @@ backend be
     return Target(name, label, port, [proc.pid], log if log_on else None)
 
 
-def sluice_config(procs: Procs, name: str, backends: Backends, threads: int) -> tuple[Path, int, int]:
+def sluice_config(procs: Procs, name: str, backends: Backends, threads: int,
+                  clients: str = "off") -> tuple[Path, int, int]:
     port, admin = procs.free_port(), procs.free_port()
     # Config and logs in different directories: sluice watches its config's directory.
     cfg = procs.work / "conf" / f"{name}.yaml"
@@ -143,7 +145,7 @@ def sluice_config(procs: Procs, name: str, backends: Backends, threads: int) -> 
 threads: {threads}
 admin:
   listen: "127.0.0.1:{admin}"
-{backends.round_robin_routes_yaml()}""")
+{common.clients_yaml(clients)}{backends.round_robin_routes_yaml()}""")
     return cfg, port, admin
 
 
@@ -162,6 +164,7 @@ def main(argv: list[str]) -> int:
     wrk_threads = knobs.int("WRK_THREADS", 2, minimum=1)
     warmup = knobs.str("WARMUP", "2s")
     sluice_threads = knobs.int("SLUICE_THREADS", 1, minimum=1)
+    clients = knobs.choice("CLIENTS", "off", ("off", "basic"))
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
     doc_path = Path(knobs.str("DOC", str(common.DOC)))
     wrk.seconds(duration), wrk.seconds(warmup)  # fail early on a bad duration
@@ -178,7 +181,7 @@ def main(argv: list[str]) -> int:
             procs.log("warning: this nginx lacks stub_status; backend connection counts will be missing")
         sluice = common.sluice_binary("bench", knobs)
         report = run(procs, sluice, rounds, duration, connections, wrk_threads, warmup,
-                     sluice_threads, has_status, command_line)
+                     sluice_threads, has_status, command_line, clients)
     finally:
         procs.cleanup()
     print(report)
@@ -190,7 +193,7 @@ def main(argv: list[str]) -> int:
 
 def run(procs: Procs, sluice: Path, rounds: int, duration: str, connections: int,
         wrk_threads: int, warmup: str, sluice_threads: int, has_status: bool,
-        command_line: str) -> str:
+        command_line: str, clients: str = "off") -> str:
     backends = start_backends(procs, status=has_status)
     targets: dict[str, Target] = {"direct": Target("direct", "direct (backend 1, no proxy)",
                                                    backends.ports[0])}
@@ -200,7 +203,7 @@ def run(procs: Procs, sluice: Path, rounds: int, duration: str, connections: int
     targets["haproxy_on"] = start_haproxy(procs, "haproxy_on", backends, log_on=True)
     for key, rust_log, label in (("sluice_off", "warn", "sluice (access log off, RUST_LOG=warn)"),
                                  ("sluice_on", None, "sluice (JSON access log on)")):
-        cfg, port, admin = sluice_config(procs, key, backends, sluice_threads)
+        cfg, port, admin = sluice_config(procs, key, backends, sluice_threads, clients)
         s = start_sluice(procs, sluice, key, cfg, port, admin, rust_log)
         targets[key] = Target(key, label, port, [s.pid], s.log if rust_log is None else None,
                               b'"sluice::access"' if rust_log is None else None)
@@ -210,7 +213,8 @@ def run(procs: Procs, sluice: Path, rounds: int, duration: str, connections: int
     res: dict[tuple[str, int], dict] = {}
     log_checks: dict[str, list[str]] = {k: [] for k in keys if targets[k].log}
     orders = []
-    base = wrk.args(wrk_threads, connections)
+    # Every target gets the same header: nginx and HAProxy pass it on, sluice identifies by it.
+    base = wrk.args(wrk_threads, connections, common.clients_headers(clients))
     # Every server this run started, nginx workers included (wrk is counted apart, below).
     our_pids = [pid for p in procs.running for pid in (p.pid, *children_of(p.pid))]
     cpu0, ours0, kids0 = machine_cpu(), cpu_ticks(our_pids), waited_children_ticks()

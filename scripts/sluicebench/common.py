@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -131,3 +132,25 @@ def nproc() -> int:
 
 
 _CPUS_AT_START = frozenset(os.sched_getaffinity(0))
+
+
+# CLIENTS=basic: the `clients` section and the header of one identified caller, so that the
+# cost of identification (a Basic Proxy-Authorization decoded and its token's digest compared
+# with every listed one) can be set against the same route without clients.
+BENCH_CLIENT, BENCH_TOKEN = "bench", "bench-token-0123456789abcdef"
+
+
+def clients_yaml(mode: str) -> str:
+    """`clients:` in enforce mode with one client granted every route, or "" for CLIENTS=off."""
+    if mode == "off":
+        return ""
+    return ("clients:\n  mode: enforce\n  list:\n"
+            f'    - {{ name: {BENCH_CLIENT}, tokens: ["{BENCH_TOKEN}"], routes: ["*"] }}\n')
+
+
+def clients_headers(mode: str) -> list[str]:
+    """What the load generator sends to be that client."""
+    if mode == "off":
+        return []
+    basic = base64.b64encode(f"{BENCH_CLIENT}:{BENCH_TOKEN}".encode()).decode()
+    return [f"Proxy-Authorization: Basic {basic}"]

@@ -10,7 +10,8 @@ callgrind.out for callgrind_annotate / kcachegrind), OTLP (off | on: span export
 request sampled, to a loopback OTLP/HTTP sink this script runs, which answers 200 and keeps
 nothing), ROUTE (rr | lu | qlu | kp: the route profiled, see below), CACHE_SIM (0; 1 also simulates
 the caches, valgrind's `--cache-sim=yes`, and prints data-cache misses per request: the hardware
-counters of `perf stat` are not there on every VM, this one's included).
+counters of `perf stat` are not there on every VM, this one's included), CLIENTS (off | basic:
+a `clients` section in enforce mode, and wrk sends that client's Basic Proxy-Authorization).
 
 ROUTE=rr (the default): one round_robin route over two nginx backends answering "ok\\n". ROUTE=lu
 and ROUTE=kp: bench-state key-pool's `lu` and `kp` routes (least_used over three named members on one
@@ -134,12 +135,14 @@ def main(argv: list[str]) -> int:
     otlp_on = knobs.choice("OTLP", "off", ("off", "on")) == "on"
     route = knobs.choice("ROUTE", "rr", ("rr", "lu", "qlu", "kp"))
     cache_sim = knobs.choice("CACHE_SIM", "0", ("0", "1")) == "1"
+    clients = knobs.choice("CLIENTS", "off", ("off", "basic"))
     common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
                    "sudo apt-get install -y valgrind wrk nginx-light")
     procs = Procs("profile", keep)
     try:
         sluice = common.sluice_binary("profile", knobs)
-        print(profile(procs, sluice, seconds, connections, log_on, otlp_on, route, cache_sim))
+        print(profile(procs, sluice, seconds, connections, log_on, otlp_on, route, cache_sim,
+                      clients))
     finally:
         procs.cleanup()
     return 0
@@ -185,7 +188,8 @@ def cache_misses(dump: Path, requests: int) -> str:
 
 
 def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: bool,
-            otlp_on: bool = False, route: str = "rr", cache_sim: bool = False) -> str:
+            otlp_on: bool = False, route: str = "rr", cache_sim: bool = False,
+            clients: str = "off") -> str:
     backends = start_backends(procs)
     port, admin = procs.free_port(), procs.free_port()
     tracing = f"tracing:\n  otlp:\n    endpoint: {otlp_sink(procs)}\n" if otlp_on else ""
@@ -205,14 +209,14 @@ def profile(procs: Procs, sluice: Path, seconds: int, connections: int, log_on: 
 threads: 1
 admin:
   listen: "127.0.0.1:{admin}"
-{tracing}{routes}""")
+{tracing}{common.clients_yaml(clients)}{routes}""")
     procs.log(f"starting sluice under callgrind (access log {'on' if log_on else 'off'})")
     s = start_sluice(procs, sluice, "sluice", cfg, port, admin, None if log_on else "warn",
                      timeout=120, wrapper=["valgrind", "--tool=callgrind", "--instr-atstart=no",
                                            *(["--cache-sim=yes"] if cache_sim else []),
                                            f"--callgrind-out-file={procs.work}/callgrind.out.%p"])
     url = f"http://127.0.0.1:{port}/"
-    base = wrk.args(1, connections)
+    base = wrk.args(1, connections, common.clients_headers(clients))
     procs.log(f"warm-up (not recorded): wrk -t1 -c{connections} -d3s {url}")
     wrk.run(procs, url, base, "3s", latency=False)
     procs.run(["callgrind_control", "-i", "on", str(s.pid)], timeout=60)
@@ -247,7 +251,7 @@ admin:
 
     lines = [
         *([cache_misses(dump, out.requests), ""] if cache_sim else []),
-        f"sluice {common.git_revision()}, route {route}, access log {'on' if log_on else 'off'}, "
+        f"sluice {common.git_revision()}, route {route}, clients {clients}, access log {'on' if log_on else 'off'}, "
         f"OTLP export {'on' if otlp_on else 'off'}, threads: 1,",
         f"wrk -t1 -c{connections} -d{seconds}s: {out.requests} requests in the recorded window;",
         f"{total} instructions, {total / out.requests:.0f} per request (user space, all threads).",
