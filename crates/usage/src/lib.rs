@@ -1,0 +1,33 @@
+//! sluice-usage: the amounts of usage-metered quotas.
+//!
+//! This crate has one job: turn a request and its answer into amounts a quota window holds.
+//! It holds
+//! - [`Millionths`], the fixed-point amount every window keeps, and [`Decimal`], the exact
+//!   numbers amounts are computed from (rounding: [`amount`]);
+//! - [`Amount`], what a unit's `reserve` or `settle` is made of, deserialized from the config
+//!   as written there and checked once;
+//! - [`reserve`], the amount a request reserves at admission, from its headers and a bounded
+//!   prefix of its body;
+//! - [`json`], the path lookup both sides read JSON with, building no document.
+//!
+//! It knows nothing of Pingora, Redis or the config file: the gateway hands it headers and
+//! bytes, and hands the amounts to the quota store.
+
+pub mod amount;
+pub mod json;
+mod reserve;
+mod spec;
+
+pub use amount::{Decimal, Millionths};
+pub use reserve::{reserve, Request};
+pub use spec::{Amount, HeaderName, JsonPath, Part};
+
+/// No module of this crate depends on one that depends on it back, at any depth
+/// (`sluice_testkit::architecture`).
+#[cfg(test)]
+#[test]
+fn no_module_cycles() {
+    sluice_testkit::architecture::assert_no_cycles(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+    );
+}
