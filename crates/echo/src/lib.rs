@@ -62,9 +62,16 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # An OpenAI-compatible stub
+//!
+//! [`openai::OpenAiStub`] answers `POST /v1/chat/completions` as the OpenAI API does (JSON
+//! or Server-Sent Events, usage chosen by the test, errors, gzip, a connection cut mid-stream)
+//! and records every exchange: the member that usage-metered routes are tested against.
 
 mod connection;
 mod keys;
+pub mod openai;
 
 use std::io;
 use std::net::SocketAddr;
