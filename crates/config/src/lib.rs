@@ -522,6 +522,9 @@ mod tests_key_pools;
 #[cfg(test)]
 mod tests_clients;
 
+#[cfg(test)]
+mod tests_usage;
+
 /// No module of this crate depends on one that depends on it back, at any depth
 /// (`sluice_testkit::architecture`).
 #[cfg(test)]

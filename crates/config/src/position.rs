@@ -32,6 +32,11 @@ impl YamlPath {
         self.0.push(Segment::Key(key.into()));
         self
     }
+    /// Descends into a mapping key chosen by the config's author (a usage unit's name).
+    pub fn key_named(mut self, key: &str) -> YamlPath {
+        self.0.push(Segment::Key(Cow::Owned(key.to_string())));
+        self
+    }
     /// Descends into a sequence element.
     pub fn index(mut self, i: usize) -> YamlPath {
         self.0.push(Segment::Index(i));

@@ -15,8 +15,10 @@ use crate::urls::RedisUrl;
 
 mod clients;
 mod route;
+mod usage;
 pub use clients::*;
 pub use route::*;
+pub use usage::*;
 
 /// A socket address to listen on, such as `127.0.0.1:8080` or `[::1]:8080`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,6 +10,7 @@ use super::schema::*;
 use super::Config;
 
 mod clients;
+mod usage;
 
 /// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
 /// a timestamp and a window far inside the stores' u64 microseconds.
@@ -525,11 +526,15 @@ impl Config {
                 let at = at.clone().key("quota");
                 let member_windows = up.members.iter().any(|m| m.quota.is_some());
                 let waits = !quota.max_wait.0.is_zero();
-                if quota.windows.is_empty() && !(waits && (member_windows || up.cooldown.is_some()))
+                // Units for members' or clients' windows are defined on the route's quota, which
+                // may then have no window of its own.
+                if quota.windows.is_empty()
+                    && quota.usage.is_none()
+                    && !(waits && (member_windows || up.cooldown.is_some()))
                 {
                     problems.push((
                         at.clone().key("windows"),
-                        "a quota needs at least one window (a route may give none only to set max_wait for its members' quotas or cooldowns)".to_string(),
+                        "a quota needs at least one window (a route may give none only to set max_wait for its members' quotas or cooldowns, or usage units for their windows)".to_string(),
                     ));
                 }
                 at_most(
@@ -540,7 +545,14 @@ impl Config {
                     "max_wait",
                 );
                 check_windows(&mut problems, &at, &quota.windows);
-                if let Some(smallest) = quota.windows.iter().map(|w| w.limit.get()).min() {
+                // `cost` charges the windows that count requests only.
+                let smallest = quota
+                    .windows
+                    .iter()
+                    .filter(|w| w.unit == WindowUnit::Requests)
+                    .map(|w| w.limit.get())
+                    .min();
+                if let Some(smallest) = smallest {
                     let too_costly = |cost: u64| {
                         format!(
                             "cost {cost} exceeds the smallest window limit {smallest}: no such request could ever pass"
@@ -601,6 +613,7 @@ impl Config {
             }
         }
         problems.extend(clients::problems(self));
+        problems.extend(usage::problems(self));
         problems
     }
 }
@@ -610,22 +623,34 @@ fn check_windows(problems: &mut Vec<(YamlPath, String)>, at: &YamlPath, windows:
     let mut window_names = HashSet::new();
     for (j, w) in windows.iter().enumerate() {
         let window_at = at.clone().key("windows").index(j);
-        if w.window.0 < MIN_WINDOW {
-            problems.push((
-                window_at.clone().key("window"),
-                format!(
-                    "window {} is shorter than 1ms: requests are timestamped in microseconds and windows reported in whole milliseconds, where this one would be 0",
-                    written(w.window.0)
-                ),
-            ));
+        match w.window {
+            WindowSpan::Sliding(length) => {
+                if length.0 < MIN_WINDOW {
+                    problems.push((
+                        window_at.clone().key("window"),
+                        format!(
+                            "window {} is shorter than 1ms: requests are timestamped in microseconds and windows reported in whole milliseconds, where this one would be 0",
+                            written(length.0)
+                        ),
+                    ));
+                }
+                at_most(
+                    problems,
+                    window_at.clone().key("window"),
+                    length,
+                    MAX_WINDOW,
+                    "a window",
+                );
+                if w.tz.is_some() {
+                    problems.push((
+                        window_at.clone().key("tz"),
+                        "tz applies to calendar windows only (calendar_day, calendar_week, calendar_month); a sliding window has no boundaries".to_string(),
+                    ));
+                }
+            }
+            WindowSpan::Calendar(_) => {}
         }
-        at_most(
-            problems,
-            window_at.clone().key("window"),
-            w.window,
-            MAX_WINDOW,
-            "a window",
-        );
+        usage::check_unit_limit(problems, &window_at, w);
         if w.limit.get() > MAX_UNITS {
             problems.push((
                 window_at.clone().key("limit"),

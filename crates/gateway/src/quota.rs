@@ -55,7 +55,11 @@ pub(crate) fn window_of(w: &crate::config::WindowConfig) -> Window {
     Window {
         name: w.name.0.as_str().into(),
         limit: w.limit.get(),
-        length_us: u64::try_from(w.window.0.as_micros()).unwrap_or(u64::MAX),
+        // Calendar windows never get here: `select::RULES` refuses them until the stores
+        // keep fixed periods.
+        length_us: w.window.sliding().map_or(u64::MAX, |d| {
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+        }),
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use super::Dur;
+use super::{CalendarPeriod, Dur, TimeZoneName, UsageConfig, WindowSpan, WindowUnit};
 use crate::urls::{MemberUrl, ProxyUrl};
 
 /// One route.
@@ -67,6 +67,9 @@ pub struct QuotaConfig {
     /// What to do when the store cannot answer.
     #[serde(default)]
     pub on_store_error: OnStoreError,
+    /// The units that windows may count in besides requests, and how their amounts are read.
+    #[serde(default)]
+    pub usage: Option<UsageConfig>,
     /// How long a request may wait for capacity (the route's windows, a member's windows, a
     /// cooldown ending) instead of being refused at once; 0 refuses at once.
     #[serde(default = "no_wait")]
@@ -126,10 +129,27 @@ impl<'de> Deserialize<'de> for QuotaKey {
 pub struct WindowConfig {
     /// Unique within the quota; appears in headers, metrics and Redis keys.
     pub name: RouteName,
-    /// Units admitted in any interval of length `window`.
+    /// Units admitted in any interval of length `window`, or in each calendar period.
     pub limit: NonZeroU64,
-    /// The window's length.
-    pub window: Dur,
+    /// The window's length, or its calendar period.
+    pub window: WindowSpan,
+    /// What the window counts: requests (charged by `cost`), or a unit of the route's
+    /// `quota.usage`.
+    #[serde(default)]
+    pub unit: WindowUnit,
+    /// The time zone of a calendar window's boundaries; UTC when absent.
+    #[serde(default)]
+    pub tz: Option<TimeZoneName>,
+}
+
+impl WindowConfig {
+    /// A calendar window's period and time zone (UTC unless `tz` says otherwise).
+    pub fn calendar(&self) -> Option<(CalendarPeriod, TimeZoneName)> {
+        match self.window {
+            WindowSpan::Calendar(p) => Some((p, self.tz.clone().unwrap_or_else(TimeZoneName::utc))),
+            WindowSpan::Sliding(_) => None,
+        }
+    }
 }
 
 /// `quota.cost`.

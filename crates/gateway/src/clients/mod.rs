@@ -98,7 +98,9 @@ impl Client {
                 .map(|w| sluice_limiter::Window {
                     name: w.name.0.as_str().into(),
                     limit: w.limit.get(),
-                    length_us: u64::try_from(w.window.0.as_micros()).unwrap_or(u64::MAX),
+                    length_us: w.window.sliding().map_or(u64::MAX, |d| {
+                        u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+                    }),
                 })
                 .collect(),
             routes,

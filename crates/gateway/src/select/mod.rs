@@ -219,8 +219,69 @@ impl Rules for PolicyRules {
             }
             (entry.check)(up, &at, &mut problems);
         }
+        problems.extend(unserved_windows(config));
         problems
     }
+}
+
+/// Windows the config describes and the stores cannot keep yet: calendar windows, and windows
+/// counted in a usage unit. Refused rather than run as sliding request counts, which would
+/// admit what the config means to refuse.
+fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
+    let route_windows = config.routes.iter().enumerate().flat_map(|(i, r)| {
+        let at = YamlPath::root().key("routes").index(i);
+        let own = r.quota.iter().flat_map(|q| &q.windows).enumerate().map({
+            let at = at.clone();
+            move |(j, w)| (at.clone().key("quota").key("windows").index(j), w)
+        });
+        let members = r
+            .upstream
+            .members
+            .iter()
+            .enumerate()
+            .flat_map(move |(m, member)| {
+                let at = at.clone().key("upstream").key("members").index(m);
+                member
+                    .quota
+                    .iter()
+                    .flat_map(|q| &q.windows)
+                    .enumerate()
+                    .map(move |(j, w)| (at.clone().key("quota").key("windows").index(j), w))
+            });
+        own.chain(members)
+    });
+    let client_windows = config
+        .clients
+        .iter()
+        .flat_map(|c| c.list.iter().enumerate())
+        .flat_map(|(c, client)| {
+            client
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .enumerate()
+                .map(move |(j, w)| {
+                    let at = YamlPath::root().key("clients").key("list").index(c);
+                    (at.key("quota").key("windows").index(j), w)
+                })
+        });
+    let mut problems = Vec::new();
+    for (at, w) in route_windows.chain(client_windows) {
+        if w.calendar().is_some() {
+            problems.push((
+                at.clone().key("window"),
+                "calendar windows are not enforced by this build yet; use a sliding window such as 30d".to_string(),
+            ));
+        }
+        if w.unit != crate::config::WindowUnit::Requests {
+            problems.push((
+                at.key("unit"),
+                "windows in usage units are not enforced by this build yet; count requests"
+                    .to_string(),
+            ));
+        }
+    }
+    problems
 }
 
 /// For a policy's [`Kind::check`]: a member `weight` is refused, since `why` the policy does

@@ -186,3 +186,18 @@ fn every_policy_is_known_by_its_own_name_in_status() {
         assert_eq!(policy.counts(), entry.name == "least_used");
     }
 }
+
+#[test]
+fn windows_the_stores_cannot_keep_yet_are_refused() {
+    // Run as sliding request counts, these would admit what they are meant to refuse.
+    one_error(
+        "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: m, limit: 9, window: calendar_month }]\n",
+        "5:46: routes[0].quota.windows[0].window",
+        "calendar windows are not enforced by this build yet",
+    );
+    one_error(
+        "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n",
+        "5:56: routes[0].quota.windows[0].unit",
+        "windows in usage units are not enforced by this build yet",
+    );
+}
