@@ -8,13 +8,14 @@ turn gzip off; the SDK asks for gzip by default).
 
 The SDK parses the answer as usual. A transport under it keeps the bytes that crossed the
 wire: the request body as sent, and the response body as received, before any
-content-decoding. Printed: status, response headers, "raw" and "request_body" (hex), the
-usage and content as the SDK read them, the number of stream chunks it yielded, and "error"
-(class and message) when the SDK raised.
+content-decoding. Printed: status, response headers, "raw", "decoded" (raw without its gzip)
+and "request_body" (hex), the usage and content as the SDK read them, the number of stream
+chunks it yielded, and "error" (class and message) when the SDK raised.
 """
 
 import json
 import sys
+import zlib
 
 import httpx2
 import openai
@@ -89,6 +90,11 @@ def main():
     out["status"] = tee.status
     out["headers"] = tee.headers
     out["raw"] = bytes(tee.raw).hex()
+    # What the SDK decoded from it; a cut gzip stream decodes as far as it goes.
+    decoded = bytes(tee.raw)
+    if tee.headers.get("content-encoding") == "gzip":
+        decoded = zlib.decompressobj(wbits=31).decompress(decoded)
+    out["decoded"] = decoded.hex()
     out["request_body"] = tee.request_body.hex()
     print(json.dumps(out))
 
