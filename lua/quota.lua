@@ -155,6 +155,32 @@ local function quota_flush(q)
   end
 end
 
+-- Microseconds until `cost` fits in window i, which holds `total`: once enough of the oldest
+-- entries have left it.
+local function quota_wait(q, i, total, cost, limit, length)
+  if cost > limit then
+    return length
+  end
+  -- The walk reads the log, which must hold what this call has recorded so far.
+  quota_flush(q)
+  local log, now = KEYS[q.key + i], q.now
+  local need, freed, offset = total + cost - limit, 0, 0
+  while true do
+    local batch = redis.call('ZRANGE', log, string.format('%d', offset),
+      string.format('%d', offset + 31), 'WITHSCORES')
+    if #batch == 0 then
+      return length
+    end
+    for k = 1, #batch, 2 do
+      freed = freed + quota_cost_of(batch[k])
+      if freed >= need then
+        return batch[k + 1] + length - now
+      end
+    end
+    offset = offset + 32
+  end
+end
+
 -- Decides a request of `cost` (a string, as its caller received it: it is also part of the
 -- entry) on the state as it stands; records nothing. Sets q.admitted and q.retry_after.
 local function quota_admit(q, cost)
@@ -171,31 +197,25 @@ local function quota_admit(q, cost)
     local total, limit, length = q[s - 4], q[s - 1], q[s]
     if total + cost > limit then
       q.admitted = 0
-      -- The request fits once enough of the oldest entries have left this window.
-      local wait
-      if cost > limit then
-        wait = length
-      else
-        -- The walk reads the log, which must hold what this call has recorded so far.
-        quota_flush(q)
-        local log, now = KEYS[q.key + i], q.now
-        local need, freed, offset = total + cost - limit, 0, 0
-        while not wait do
-          local batch = redis.call('ZRANGE', log, string.format('%d', offset),
-            string.format('%d', offset + 31), 'WITHSCORES')
-          if #batch == 0 then
-            wait = length
-          end
-          for k = 1, #batch, 2 do
-            freed = freed + quota_cost_of(batch[k])
-            if freed >= need then
-              wait = batch[k + 1] + length - now
-              break
-            end
-          end
-          offset = offset + 32
-        end
-      end
+      local wait = quota_wait(q, i, total, cost, limit, length)
+      if wait > q.retry_after then q.retry_after = wait end
+    end
+  end
+end
+
+-- A reservation (usage_run.lua): like quota_admit, but window i is charged amounts[i] (a
+-- number), each window its own unit.
+local function quota_admit_each(q, amounts)
+  q.admitted, q.retry_after = 1, 0
+  for i = 1, q.n do
+    local s = 5 * i
+    if q.recorded and q[s - 3] and q[s - 3] > q.now then
+      q[s - 3] = q.now
+    end
+    local total, limit, length, cost = q[s - 4], q[s - 1], q[s], amounts[i]
+    if total + cost > limit then
+      q.admitted = 0
+      local wait = quota_wait(q, i, total, cost, limit, length)
       if wait > q.retry_after then q.retry_after = wait end
     end
   end
@@ -231,6 +251,51 @@ local function quota_record(q)
       q[s - 2] = false
     end
     q[s - 4] = q[s - 4] + q.cost
+  end
+end
+
+-- Records an admitted reservation: window i's entry is "<seq>:<texts[i]>", its own amount,
+-- written at once (reservations are decided one per call). `amounts` are the same as numbers.
+local function quota_record_each(q, amounts, texts)
+  q.seq = q.seq + 1
+  q.recorded, q.dirty = true, true
+  q.seq_text = string.format('%d', q.seq)
+  for i = 1, q.n do
+    local s = 5 * i
+    redis.call('ZADD', KEYS[q.key + i], quota_now_text, q.seq_text .. ':' .. texts[i])
+    if not q[s - 3] then
+      q[s - 3] = q.now
+      q[s - 2] = false
+    end
+    q[s - 4] = q[s - 4] + amounts[i]
+  end
+end
+
+-- Settles an entry of the quota `q` (read by quota_read, so what left its windows is gone):
+-- in window i, the entry "<seq>:<reserved[i]>" admitted at `at` (µs, a string) becomes
+-- "<seq>:<settled[i]>" at the same score, and the window's total moves by the difference.
+-- Writes nothing itself (quota_finish does). Returns per window 0 (the entry is not there:
+-- nothing changed), 1 (settled) or 2 (settled, and it took the window past its limit).
+local function quota_settle(q, seq, at, reserved, settled, out)
+  for i = 1, q.n do
+    local s, log = 5 * i, KEYS[q.key + i]
+    local member = seq .. ':' .. reserved[i]
+    local score = redis.call('ZSCORE', log, member)
+    local state = 0
+    if score and score + 0 == at + 0 then
+      local before, after = reserved[i] + 0, settled[i] + 0
+      state = 1
+      if before ~= after then
+        redis.call('ZREM', log, member)
+        redis.call('ZADD', log, score, seq .. ':' .. settled[i])
+        q[s - 4] = q[s - 4] - before + after
+        q.dirty = true
+        if after > before and q[s - 4] > q[s - 1] then
+          state = 2
+        end
+      end
+    end
+    out[#out + 1] = state
   end
 end
 

@@ -40,7 +40,7 @@ mod memory_pools;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use sluice_limiter::{Acquire, Outcome, StoreError, Window};
+use sluice_limiter::{Acquire, Outcome, Reservation, Reserve, Settle, Settled, StoreError, Window};
 
 pub use memory::MemoryStore;
 
@@ -150,6 +150,24 @@ pub enum Assignment {
 pub trait StateStore: Send + Sync + 'static {
     /// Decides on one request against its quota, and records it if admitted.
     async fn acquire(&self, request: Acquire<'_>) -> Result<Outcome, StoreError>;
+
+    /// Decides on a reservation against one quota key, each window charged its own amount
+    /// (usage windows: the units reserved), and records it in every window when each admits
+    /// it: one atomic step, one round trip. The answer's entry is what settles it. A quota with
+    /// no windows admits, and records nothing to settle.
+    async fn reserve(&self, request: Reserve<'_>) -> Result<Reservation, StoreError>;
+
+    /// Settles reservations of `route` in one atomic step per settlement, all in one call (one
+    /// round trip): each entry, in each window, changes from its reserved amount to its settled
+    /// one and the window's running total with it. An entry that already left its window
+    /// changes nothing. Returns, per settlement and window, what happened; `at_us` as in
+    /// [`Acquire::at_us`].
+    async fn settle(
+        &self,
+        route: &str,
+        settlements: &[Settle<'_>],
+        at_us: Option<u64>,
+    ) -> Result<Vec<Vec<Settled>>, StoreError>;
 
     /// Chooses a member for one request, in one atomic step (one round trip to Redis): the
     /// route's quota first; then the candidates in `ask.order`, skipping excluded members,

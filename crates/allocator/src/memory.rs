@@ -10,7 +10,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use sluice_limiter::{Acquire, MemoryLimits, Outcome, QuotaLogs, StoreError, Window};
+use sluice_limiter::{
+    Acquire, MemoryLimits, Outcome, QuotaLogs, Reservation, Reserve, Settle, Settled, StoreError,
+    Window,
+};
 
 use crate::memory_pools::{Excluded, Pools, Route};
 use crate::{Assign, Assignment, Order, PoolMember, StateStore};
@@ -226,6 +229,29 @@ impl MemoryStore {
 impl StateStore for MemoryStore {
     async fn acquire(&self, request: Acquire<'_>) -> Result<Outcome, StoreError> {
         self.decide(request)
+    }
+
+    async fn reserve(&self, request: Reserve<'_>) -> Result<Reservation, StoreError> {
+        if request.windows.is_empty() {
+            return Ok(Reservation {
+                outcome: Outcome {
+                    admitted: true,
+                    retry_after_us: 0,
+                    windows: Vec::new(),
+                },
+                entry: None,
+            });
+        }
+        self.quotas.reserve(request)
+    }
+
+    async fn settle(
+        &self,
+        route: &str,
+        settlements: &[Settle<'_>],
+        at_us: Option<u64>,
+    ) -> Result<Vec<Vec<Settled>>, StoreError> {
+        self.quotas.settle(route, settlements, at_us)
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {

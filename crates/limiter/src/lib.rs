@@ -111,6 +111,95 @@ impl Outcome {
     }
 }
 
+/// The largest amount a window is charged or settled with: 2^45 millionths, about 35 million
+/// units. Redis keeps totals as Lua numbers (doubles), exact up to 2^53: amounts are capped well
+/// below, so that a total of hundreds of them stays exact. An amount past it (a usage read as a
+/// huge number) is recorded as this: more than any sensible limit, so the window stays full
+/// until the entry slides out.
+pub const MAX_AMOUNT: u64 = 1 << 45;
+
+/// Where one admitted reservation lies in its quota key's logs: the same entry in each window.
+/// The caller keeps it to settle the request later ([`Settle`]). Its time tells a settlement
+/// that comes after the entry left its window (or after the key was forgotten and its numbers
+/// began again) from one that may still change it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EntryId {
+    /// The entry's number within its quota key (memory: within the store's shard).
+    pub seq: u64,
+    /// The admission time in microseconds, on the store's clock.
+    pub at_us: u64,
+}
+
+/// A reservation: one request against one quota key whose windows each take their own amount
+/// (a requests window its cost, a usage window the units reserved, in millionths). Admitted only
+/// when each amount fits beside what its window holds; then recorded in every window, whatever
+/// the amount (0 included), so that its settlement can find it.
+#[derive(Debug, Clone, Copy)]
+pub struct Reserve<'a> {
+    /// The route; as [`Acquire::route`].
+    pub route: &'a str,
+    /// The quota key within the route; as [`Acquire::key`].
+    pub key: &'a str,
+    /// The windows, all of which must admit their amount.
+    pub windows: &'a [Window],
+    /// Per window, in the order of `windows`, the amount it is charged (capped at
+    /// [`MAX_AMOUNT`]). A length other than `windows`' is an error, not a guess.
+    pub amounts: &'a [u64],
+    /// As [`Acquire::at_us`].
+    pub at_us: Option<u64>,
+}
+
+/// The answer to a [`Reserve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    /// The decision, as for an [`Acquire`]; `remaining` in each window's own unit.
+    pub outcome: Outcome,
+    /// The entry recorded when admitted: what settles it.
+    pub entry: Option<EntryId>,
+}
+
+/// The settlement of one reservation: its entry in each window becomes `settled`. The
+/// settlements of one route go to the store together, in one call.
+#[derive(Debug, Clone, Copy)]
+pub struct Settle<'a> {
+    /// The quota key the reservation was made on.
+    pub key: &'a str,
+    /// The windows, as reserved (by name: a window renamed or removed since is not settled).
+    pub windows: &'a [Window],
+    /// The entry the reservation recorded.
+    pub entry: EntryId,
+    /// Per window, the amount reserved: with `entry`, what identifies the entry.
+    pub reserved: &'a [u64],
+    /// Per window, the amount the answer used (0 for a request no member answered, or answered
+    /// with a status that did no work). Capped at [`MAX_AMOUNT`].
+    pub settled: &'a [u64],
+}
+
+/// What a settlement did in one window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// The entry was not there: it left the window, or the window was emptied. Nothing changed.
+    Gone,
+    /// The entry and the window's total now hold the settled amount.
+    Done,
+    /// As `Done`, and the settlement took more than was reserved and left the window holding
+    /// more than its limit: it admits nothing until enough slides out.
+    Overrun,
+}
+
+/// Checks that a reservation or settlement names one amount per window.
+pub fn check_amounts(windows: &[Window], amounts: &[u64]) -> Result<(), StoreError> {
+    if windows.len() == amounts.len() {
+        Ok(())
+    } else {
+        Err(StoreError::Backend(format!(
+            "{} amounts for {} windows",
+            amounts.len(),
+            windows.len()
+        )))
+    }
+}
+
 /// How much a [`QuotaLogs`] (and so a memory store) may hold, so that clients who choose their
 /// quota keys cannot grow it without bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,3 +9,6 @@ pub const DRIVER: &str = include_str!("../../../lua/quota_run.lua");
 /// The client quota driver (`lua/client_run.lua`): one request against its route's quota and
 /// its client's own windows together, or (Redis Cluster) the client's alone, and their give-back.
 pub const CLIENT_DRIVER: &str = include_str!("../../../lua/client_run.lua");
+/// The usage driver (`lua/usage_run.lua`): a reservation whose windows each take an amount of
+/// their own, and the batched settlements that rewrite those entries.
+pub const USAGE_DRIVER: &str = include_str!("../../../lua/usage_run.lua");

@@ -9,7 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::{Acquire, Outcome, StoreError, WindowState};
+use crate::{
+    check_amounts, Acquire, EntryId, Outcome, Reservation, Reserve, Settle, Settled, StoreError,
+    Window, WindowState, MAX_AMOUNT,
+};
 
 /// Independent shards, so that requests for different keys rarely meet on a lock.
 const SHARDS: usize = 64;
@@ -26,7 +29,7 @@ pub const MAX_KEYS_PER_ROUTE: usize = 100_000;
 /// The most log entries one route may hold in memory by default, over all its keys and windows
 /// ([`crate::MemoryLimits::max_entries`]). A key holds one entry per admitted request per
 /// window, so its size is its limits', not its name's: bounding keys alone would let one key
-/// with a large limit, or many keys with moderate ones, hold any amount. An entry is 16 bytes
+/// with a large limit, or many keys with moderate ones, hold any amount. An entry is 24 bytes
 /// (a log's buffer holds at most four times its entries, see `Log::shrink`). Past the bound,
 /// once entries that left their windows are dropped, a request that would add entries is
 /// refused ([`StoreError::TooManyKeys`]) rather than admitted unrecorded.
@@ -42,6 +45,9 @@ const SWEEP_EVERY: u64 = 256;
 struct Entry {
     at_us: u64,
     cost: u64,
+    /// Its number in the shard, which a settlement finds it by: entries are pushed in the
+    /// order of their numbers, so each log is sorted by them.
+    seq: u64,
 }
 
 #[derive(Debug, Default)]
@@ -76,6 +82,26 @@ impl Log {
         let (len, capacity) = (self.entries.len(), self.entries.capacity());
         if capacity > 64 && len < capacity / 4 {
             self.entries.shrink_to(len * 2);
+        }
+    }
+
+    /// Changes `entry` from `reserved` to `settled`, with the total; see [`QuotaLogs::settle`].
+    /// Expired entries must be gone already (`expire`), so that one found is in the window.
+    fn settle(&mut self, entry: EntryId, reserved: u64, settled: u64, limit: u64) -> Settled {
+        let (reserved, settled) = (reserved.min(MAX_AMOUNT), settled.min(MAX_AMOUNT));
+        let Ok(at) = self.entries.binary_search_by_key(&entry.seq, |e| e.seq) else {
+            return Settled::Gone;
+        };
+        let e = &mut self.entries[at];
+        if e.at_us != entry.at_us || e.cost != reserved {
+            return Settled::Gone;
+        }
+        e.cost = settled;
+        self.total = self.total - reserved + settled;
+        if settled > reserved && self.total > limit {
+            Settled::Overrun
+        } else {
+            Settled::Done
         }
     }
 
@@ -151,6 +177,10 @@ impl RouteKeys {
 struct Shard {
     /// route → quota key → state; two levels so that lookups borrow `&str` and never allocate.
     routes: HashMap<Arc<str>, RouteKeys>,
+    /// The last entry number given out. Per shard rather than per key, so that a key dropped
+    /// and made again never numbers an entry as a forgotten one was: a late settlement of the
+    /// forgotten entry finds nothing.
+    seq: u64,
 }
 
 /// Every quota log of one gateway instance.
@@ -229,6 +259,97 @@ impl QuotaLogs {
         req: Acquire<'_>,
         then: impl FnOnce() -> Option<T>,
     ) -> Result<(Outcome, Option<T>), StoreError> {
+        let ask = Ask {
+            route: req.route,
+            key: req.key,
+            windows: req.windows,
+            amounts: Amounts::Each(req.cost),
+            at_us: req.at_us,
+        };
+        self.ask_then(ask, then)
+            .map(|(outcome, taken, _)| (outcome, taken))
+    }
+
+    /// Decides on a reservation, each window charged its own amount, and records it in every
+    /// window when each admits it.
+    pub fn reserve(&self, req: Reserve<'_>) -> Result<Reservation, StoreError> {
+        self.reserve_then(req, || Some(())).map(|(r, _)| r)
+    }
+
+    /// [`QuotaLogs::reserve`], with `then` as in [`QuotaLogs::decide_then`]: the reservation is
+    /// recorded only when `then` returns `Some`.
+    pub fn reserve_then<T>(
+        &self,
+        req: Reserve<'_>,
+        then: impl FnOnce() -> Option<T>,
+    ) -> Result<(Reservation, Option<T>), StoreError> {
+        check_amounts(req.windows, req.amounts)?;
+        let ask = Ask {
+            route: req.route,
+            key: req.key,
+            windows: req.windows,
+            amounts: Amounts::Per(req.amounts),
+            at_us: req.at_us,
+        };
+        let (outcome, taken, entry) = self.ask_then(ask, then)?;
+        Ok((Reservation { outcome, entry }, taken))
+    }
+
+    /// Settles reservations of `route`: each entry, in each window, changes from its reserved
+    /// amount to its settled one, and the window's total with it, at once. An entry that left its
+    /// window (or was never there: another amount, another number) changes nothing. Returns, per
+    /// settlement, what happened in each of its windows.
+    pub fn settle(
+        &self,
+        route: &str,
+        settlements: &[Settle<'_>],
+        at_us: Option<u64>,
+    ) -> Result<Vec<Vec<Settled>>, StoreError> {
+        for s in settlements {
+            check_amounts(s.windows, s.reserved)?;
+            check_amounts(s.windows, s.settled)?;
+        }
+        let now = at_us.unwrap_or_else(|| self.now_us());
+        let mut out = Vec::with_capacity(settlements.len());
+        for s in settlements {
+            let mut shard = self
+                .shard(route, s.key)
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let route_keys = shard.routes.get_mut(route);
+            let RouteKeys { keys, entries } = match route_keys {
+                Some(r) => r,
+                None => {
+                    out.push(vec![Settled::Gone; s.windows.len()]);
+                    continue;
+                }
+            };
+            let mut state = keys.get_mut(s.key);
+            let mut done = Vec::with_capacity(s.windows.len());
+            for (i, w) in s.windows.iter().enumerate() {
+                let log = state
+                    .as_deref_mut()
+                    .and_then(|st| st.logs.iter_mut().find(|(name, _)| *name == w.name));
+                done.push(match log {
+                    Some((_, log)) => {
+                        *entries -= log.expire(now, w.length_us);
+                        log.settle(s.entry, s.reserved[i], s.settled[i], w.limit)
+                    }
+                    None => Settled::Gone,
+                });
+            }
+            out.push(done);
+        }
+        Ok(out)
+    }
+
+    /// Decides on one request, each window charged its amount; when every window admits it,
+    /// asks `then` and records the request only if `then` returns `Some`, returning its entry.
+    fn ask_then<T>(
+        &self,
+        req: Ask<'_>,
+        then: impl FnOnce() -> Option<T>,
+    ) -> Result<(Outcome, Option<T>, Option<EntryId>), StoreError> {
         let now = req.at_us.unwrap_or_else(|| self.now_us());
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
         if call % SWEEP_EVERY == SWEEP_EVERY - 1 {
@@ -242,9 +363,10 @@ impl QuotaLogs {
             .shard(req.route, req.key)
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let route = match shard.routes.get_mut(req.route) {
+        let Shard { routes, seq } = &mut *shard;
+        let route = match routes.get_mut(req.route) {
             Some(route) => route,
-            None => shard.routes.entry(req.route.into()).or_default(),
+            None => routes.entry(req.route.into()).or_default(),
         };
         if !route.keys.contains_key(req.key) && route.keys.len() >= self.max_keys_per_shard {
             route.drop_idle(now);
@@ -255,7 +377,11 @@ impl QuotaLogs {
         // What this request would add: one entry per window. When that would pass the budget,
         // the entries that already left their windows go first (every key's, not only this
         // one's); what is left is refused in `decide`, before anything is recorded.
-        let adds = if req.cost > 0 { req.windows.len() } else { 0 };
+        let adds = if req.amounts.records() {
+            req.windows.len()
+        } else {
+            0
+        };
         if route.entries + adds > self.max_entries_per_shard {
             route.purge(now);
         }
@@ -265,7 +391,43 @@ impl QuotaLogs {
             Some(state) => state,
             None => keys.entry(req.key.into()).or_default(),
         };
-        decide(state, entries, max_entries, &req, now, then)
+        decide(state, entries, seq, max_entries, &req, now, then)
+    }
+}
+
+/// A request as the logs decide it: an [`Acquire`] or a [`Reserve`].
+#[derive(Debug, Clone, Copy)]
+struct Ask<'a> {
+    route: &'a str,
+    key: &'a str,
+    windows: &'a [Window],
+    amounts: Amounts<'a>,
+    at_us: Option<u64>,
+}
+
+/// What each window of an [`Ask`] is charged.
+#[derive(Debug, Clone, Copy)]
+enum Amounts<'a> {
+    /// The same cost in every window (an [`Acquire`]); 0 reads and records nothing.
+    Each(u64),
+    /// Its own amount per window (a [`Reserve`]), recorded whatever it is.
+    Per(&'a [u64]),
+}
+
+impl Amounts<'_> {
+    fn of(&self, window: usize) -> u64 {
+        match self {
+            Amounts::Each(cost) => *cost,
+            Amounts::Per(amounts) => amounts.get(window).map_or(0, |&a| a.min(MAX_AMOUNT)),
+        }
+    }
+
+    /// Whether an admitted request adds entries.
+    fn records(&self) -> bool {
+        match self {
+            Amounts::Each(cost) => *cost > 0,
+            Amounts::Per(_) => true,
+        }
     }
 }
 
@@ -276,11 +438,12 @@ impl QuotaLogs {
 fn decide<T>(
     state: &mut KeyState,
     entries: &mut usize,
+    seq: &mut u64,
     max_entries: usize,
-    req: &Acquire<'_>,
+    req: &Ask<'_>,
     now: u64,
     then: impl FnOnce() -> Option<T>,
-) -> Result<(Outcome, Option<T>), StoreError> {
+) -> Result<(Outcome, Option<T>, Option<EntryId>), StoreError> {
     state.last_us = now;
     state.longest_us = req.windows.iter().map(|w| w.length_us).max().unwrap_or(0);
     // Windows are few; a linear search by name keeps state across config reloads that
@@ -303,7 +466,7 @@ fn decide<T>(
     let mut admitted = true;
     let mut retry_after_us = 0;
     let mut windows = Vec::with_capacity(req.windows.len());
-    for w in req.windows {
+    for (i, w) in req.windows.iter().enumerate() {
         let log = &mut state
             .logs
             .iter_mut()
@@ -312,34 +475,44 @@ fn decide<T>(
             .1;
         log.length_us = w.length_us;
         *entries -= log.expire(now, w.length_us);
-        if log.total + req.cost > w.limit {
+        let cost = req.amounts.of(i);
+        if log.total + cost > w.limit {
             admitted = false;
-            let wait = if req.cost > w.limit {
+            let wait = if cost > w.limit {
                 w.length_us
             } else {
-                log.wait_for(log.total + req.cost - w.limit, now, w.length_us)
+                log.wait_for(log.total + cost - w.limit, now, w.length_us)
             };
             retry_after_us = retry_after_us.max(wait);
         }
     }
-    if admitted && req.cost > 0 && *entries + req.windows.len() > max_entries {
+    if admitted && req.amounts.records() && *entries + req.windows.len() > max_entries {
         return Err(StoreError::TooManyKeys);
     }
     let taken = if admitted { then() } else { None };
     let record = taken.is_some();
-    for w in req.windows {
+    let entry = record.then(|| {
+        *seq += 1;
+        EntryId {
+            seq: *seq,
+            at_us: now,
+        }
+    });
+    for (i, w) in req.windows.iter().enumerate() {
         let log = &mut state
             .logs
             .iter_mut()
             .find(|(name, _)| *name == w.name)
             .expect("added above")
             .1;
-        if record {
+        if let Some(entry) = entry {
+            let cost = req.amounts.of(i);
             log.entries.push_back(Entry {
                 at_us: now,
-                cost: req.cost,
+                cost,
+                seq: entry.seq,
             });
-            log.total += req.cost;
+            log.total += cost;
             *entries += 1;
         }
         windows.push(WindowState {
@@ -355,7 +528,7 @@ fn decide<T>(
         retry_after_us,
         windows,
     };
-    Ok((outcome, taken))
+    Ok((outcome, taken, entry))
 }
 
 /// Drops keys whose every entry has left its window.

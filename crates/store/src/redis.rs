@@ -12,7 +12,10 @@ use async_trait::async_trait;
 use redis::Value;
 
 use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
-use sluice_limiter::{Acquire, ClientWindows, Outcome, StoreError, Window, WindowState};
+use sluice_limiter::{
+    check_amounts, Acquire, ClientWindows, Outcome, Reservation, Reserve, Settle, Settled,
+    StoreError, Window, WindowState, MAX_AMOUNT,
+};
 
 use crate::batch::FusedBatches;
 use crate::call::ScriptCall;
@@ -471,6 +474,92 @@ impl StateStore for RedisStore {
             } => Ok(outcome),
             _ => Err(StoreError::Backend("a decision without its windows".into())),
         }
+    }
+
+    async fn reserve(&self, req: Reserve<'_>) -> Result<Reservation, StoreError> {
+        check_amounts(req.windows, req.amounts)?;
+        if req.windows.is_empty() {
+            return Ok(Reservation {
+                outcome: untouched(&[]),
+                entry: None,
+            });
+        }
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.usage,
+            1 + req.windows.len(),
+        );
+        call.key(&self.keys.quota_meta_parts(req.route, req.key));
+        for w in req.windows {
+            call.key(&self.keys.quota_log_parts(req.route, &w.name, req.key));
+        }
+        call.arg("reserve");
+        match req.at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        for w in req.windows {
+            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        }
+        for &amount in req.amounts {
+            call.arg(amount.min(MAX_AMOUNT));
+        }
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        scripts::parse_reservation(&reply, req.windows.len())
+    }
+
+    // Every settlement of the call is on `route`, whose keys share one Redis Cluster slot: one
+    // script settles them all.
+    async fn settle(
+        &self,
+        route: &str,
+        settlements: &[Settle<'_>],
+        at_us: Option<u64>,
+    ) -> Result<Vec<Vec<Settled>>, StoreError> {
+        for s in settlements {
+            check_amounts(s.windows, s.reserved)?;
+            check_amounts(s.windows, s.settled)?;
+        }
+        let live = || settlements.iter().filter(|s| !s.windows.is_empty());
+        if live().next().is_none() {
+            return Ok(vec![Vec::new(); settlements.len()]);
+        }
+        let keys = live().map(|s| 1 + s.windows.len()).sum();
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.usage, keys);
+        for s in live() {
+            call.key(&self.keys.quota_meta_parts(route, s.key));
+            for w in s.windows {
+                call.key(&self.keys.quota_log_parts(route, &w.name, s.key));
+            }
+        }
+        call.arg("settle");
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        call.arg(live().count());
+        for s in live() {
+            call.arg(s.entry.seq)
+                .arg(s.entry.at_us)
+                .arg(s.windows.len());
+            for w in s.windows {
+                call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+            }
+            for (&reserved, &settled) in s.reserved.iter().zip(s.settled) {
+                call.arg(reserved.min(MAX_AMOUNT))
+                    .arg(settled.min(MAX_AMOUNT));
+            }
+        }
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        let counts: Vec<usize> = live().map(|s| s.windows.len()).collect();
+        let mut states = scripts::parse_settled(&reply, &counts)?.into_iter();
+        Ok(settlements
+            .iter()
+            .map(|s| match s.windows.is_empty() {
+                true => Vec::new(),
+                false => states.next().unwrap_or_default(),
+            })
+            .collect())
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {

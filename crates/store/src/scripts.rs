@@ -23,8 +23,10 @@ use sluice_allocator::lua::{
     ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, MEMBERS_LIBRARY,
 };
 use sluice_allocator::Assignment;
-use sluice_limiter::lua::{CLIENT_DRIVER, DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY};
-use sluice_limiter::{Outcome, StoreError, WindowState};
+use sluice_limiter::lua::{
+    CLIENT_DRIVER, DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY, USAGE_DRIVER,
+};
+use sluice_limiter::{EntryId, Outcome, Reservation, Settled, StoreError, WindowState};
 
 /// One operation: its function in the library, and the same code as a script for `EVALSHA`.
 pub struct StateScript {
@@ -77,6 +79,8 @@ pub struct Scripts {
     pub assign: StateScript,
     /// Cooling a member, and listing the cooling members.
     pub cool: StateScript,
+    /// A reservation whose windows each take their own amount, and batched settlements.
+    pub usage: StateScript,
 }
 
 impl Default for Scripts {
@@ -86,13 +90,14 @@ impl Default for Scripts {
 }
 
 /// The operations, by their function's suffix, with their drivers.
-const OPERATIONS: [(&str, &str); 6] = [
+const OPERATIONS: [(&str, &str); 7] = [
     ("quota", QUOTA_DRIVER),
     ("client", CLIENT_DRIVER),
     ("allocator", ALLOCATOR_DRIVER),
     ("fused", FUSED_DRIVER),
     ("assign", ASSIGN_DRIVER),
     ("cool", COOL_DRIVER),
+    ("usage", USAGE_DRIVER),
 ];
 
 /// Stands for the library's name in its text until the text's hash gives it one.
@@ -159,6 +164,7 @@ impl Scripts {
                 "cool",
                 format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{COOL_DRIVER}"),
             ),
+            usage: op("usage", format!("{QUOTA_LIBRARY}\n{USAGE_DRIVER}")),
             library: Library {
                 source: template.replace(NAME, &name),
                 name,
@@ -194,6 +200,60 @@ pub fn parse_quota(reply: &[i64], windows: usize) -> Result<Outcome, StoreError>
             })
             .collect(),
     })
+}
+
+/// `{admitted, retry_after_us, remaining_i, reset_us_i..., seq, at_us}` (`usage_run.lua`'s
+/// "reserve") → the reservation over `windows` windows, with its entry when admitted.
+pub fn parse_reservation(reply: &[i64], windows: usize) -> Result<Reservation, StoreError> {
+    let Some((ids, decision)) = reply
+        .len()
+        .checked_sub(2)
+        .map(|at| (&reply[at..], &reply[..at]))
+    else {
+        return Err(StoreError::Backend(format!(
+            "usage script returned {} values",
+            reply.len()
+        )));
+    };
+    let outcome = parse_quota(decision, windows)?;
+    let entry = match (outcome.admitted, ids[0], ids[1]) {
+        (true, seq, at_us) if seq > 0 && at_us >= 0 => Some(EntryId {
+            seq: seq as u64,
+            at_us: at_us as u64,
+        }),
+        (false, 0, 0) => None,
+        _ => {
+            return Err(StoreError::Backend(format!(
+                "usage script returned the entry {ids:?} for admitted = {}",
+                outcome.admitted
+            )))
+        }
+    };
+    Ok(Reservation { outcome, entry })
+}
+
+/// `{state per settlement and window}` (`usage_run.lua`'s "settle") → one list per settlement,
+/// of `windows[i]` states each.
+pub fn parse_settled(reply: &[i64], windows: &[usize]) -> Result<Vec<Vec<Settled>>, StoreError> {
+    if reply.len() != windows.iter().sum::<usize>() {
+        return Err(StoreError::Backend(format!(
+            "usage script returned {} settlement states, expected {}",
+            reply.len(),
+            windows.iter().sum::<usize>()
+        )));
+    }
+    let mut states = reply.iter().map(|&s| match s {
+        0 => Ok(Settled::Gone),
+        1 => Ok(Settled::Done),
+        2 => Ok(Settled::Overrun),
+        other => Err(StoreError::Backend(format!(
+            "usage script returned the settlement state {other}"
+        ))),
+    });
+    windows
+        .iter()
+        .map(|&n| states.by_ref().take(n).collect())
+        .collect()
 }
 
 /// `{admitted, retry_after_us, remaining_i, reset_us_i..., entry}` (`client_run.lua`) → the
@@ -538,5 +598,44 @@ mod tests {
         );
         let resync = Value::Array(vec![Value::Int(3), Value::SimpleString(String::new())]);
         assert_eq!(parse_assignment(&resync, None).unwrap(), None);
+    }
+
+    /// A reservation's reply carries its entry after the windows; settlements one state per
+    /// window. Anything else is an error, never a panic or a made-up entry.
+    #[test]
+    fn usage_replies_parse_and_malformed_ones_are_errors() {
+        let admitted = parse_reservation(&[1, 0, 9, 100, 7, 1_700_000_000_000_000], 1).unwrap();
+        assert!(admitted.outcome.admitted);
+        assert_eq!(
+            admitted.entry,
+            Some(EntryId {
+                seq: 7,
+                at_us: 1_700_000_000_000_000
+            })
+        );
+        let refused = parse_reservation(&[0, 50, 0, 100, 0, 0], 1).unwrap();
+        assert_eq!(refused.entry, None);
+        for bad in [
+            &[][..],
+            &[1][..],
+            &[1, 0, 9, 100][..],
+            &[1, 0, 9, 100, 0, 5][..],
+            &[0, 50, 0, 100, 3, 5][..],
+            &[1, 0, 9, 100, -1, 5][..],
+            &[1, 0, 9, 100, 7, 1, 2][..],
+        ] {
+            assert!(parse_reservation(bad, 1).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            parse_settled(&[1, 2, 0], &[2, 0, 1]).unwrap(),
+            vec![
+                vec![Settled::Done, Settled::Overrun],
+                vec![],
+                vec![Settled::Gone]
+            ]
+        );
+        assert!(parse_settled(&[1, 2], &[3]).is_err());
+        assert!(parse_settled(&[1, 3], &[2]).is_err());
+        assert!(parse_settled(&[-1], &[1]).is_err());
     }
 }

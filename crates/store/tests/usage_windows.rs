@@ -1,0 +1,668 @@
+//! Windows that hold amounts: reservations charged at admission, each window its own amount,
+//! and settlements that rewrite the same entry in place. One suite for every store: memory,
+//! Redis (with and without functions) and Redis Cluster.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_allocator::{MemoryStore, StateStore};
+use sluice_limiter::{Acquire, EntryId, Reserve, Settle, Settled, Window, MAX_AMOUNT};
+use sluice_store::{RedisStore, RedisStoreConfig};
+use sluice_testkit::{RedisCluster, RedisServer};
+
+const MINUTE: u64 = 60_000_000;
+
+/// A route's windows as a usage quota has them: requests per minute, and tokens per minute in
+/// millionths.
+fn windows() -> Vec<Window> {
+    vec![
+        Window {
+            name: "rpm".into(),
+            limit: 10,
+            length_us: MINUTE,
+        },
+        Window {
+            name: "tpm".into(),
+            limit: 1_000_000_000,
+            length_us: MINUTE,
+        },
+    ]
+}
+
+/// Tokens, in millionths.
+const fn tokens(n: u64) -> u64 {
+    n * 1_000_000
+}
+
+fn redis_store(url: &str) -> RedisStore {
+    RedisStore::new(RedisStoreConfig {
+        url: url.into(),
+        key_prefix: "sluice".into(),
+        timeout: Duration::from_secs(5),
+    })
+    .unwrap()
+}
+
+fn cluster_store(cluster: &RedisCluster) -> RedisStore {
+    let connection =
+        sluice_store::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
+    RedisStore::with_connection(Arc::new(connection), "sluice")
+}
+
+/// What is left in each window of `key`, read without charging anything.
+async fn remaining(
+    store: &dyn StateStore,
+    route: &str,
+    key: &str,
+    w: &[Window],
+    at: impl Into<Option<u64>>,
+) -> Vec<u64> {
+    store
+        .acquire(Acquire {
+            route,
+            key,
+            windows: w,
+            cost: 0,
+            at_us: at.into(),
+            client: None,
+        })
+        .await
+        .unwrap()
+        .windows
+        .iter()
+        .map(|s| s.remaining)
+        .collect()
+}
+
+async fn reserve(
+    store: &dyn StateStore,
+    route: &str,
+    key: &str,
+    w: &[Window],
+    amounts: &[u64],
+    at: u64,
+) -> sluice_limiter::Reservation {
+    store
+        .reserve(Reserve {
+            route,
+            key,
+            windows: w,
+            amounts,
+            at_us: Some(at),
+        })
+        .await
+        .unwrap()
+}
+
+// One argument per field of the settlement it sends, so that each call reads as one line.
+#[allow(clippy::too_many_arguments)]
+async fn settle_one(
+    store: &dyn StateStore,
+    route: &str,
+    key: &str,
+    w: &[Window],
+    entry: EntryId,
+    reserved: &[u64],
+    settled: &[u64],
+    at: u64,
+) -> Vec<Settled> {
+    let mut done = store
+        .settle(
+            route,
+            &[Settle {
+                key,
+                windows: w,
+                entry,
+                reserved,
+                settled,
+            }],
+            Some(at),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done.len(), 1);
+    done.remove(0)
+}
+
+/// Reserve, refuse what does not fit beside what the window holds, settle down and up, overrun,
+/// and settle late: the same answers from every store.
+async fn scenarios(store: &dyn StateStore, route: &str) {
+    let w = windows();
+    let t0 = 1_000_000_000_000u64;
+    let first = reserve(store, route, "team", &w, &[1, tokens(600)], t0).await;
+    assert!(first.outcome.admitted);
+    let e1 = first.entry.expect("an admitted reservation has an entry");
+    assert_eq!(e1.at_us, t0);
+    assert_eq!(
+        first
+            .outcome
+            .windows
+            .iter()
+            .map(|s| s.remaining)
+            .collect::<Vec<_>>(),
+        [9, tokens(400)],
+        "each window is charged its own amount"
+    );
+    // 500 tokens do not fit beside the 600 reserved: refused, until the first leaves.
+    let refused = reserve(store, route, "team", &w, &[1, tokens(500)], t0 + 10).await;
+    assert!(!refused.outcome.admitted);
+    assert_eq!(refused.entry, None);
+    assert_eq!(refused.outcome.retry_after_us, MINUTE - 10);
+    assert_eq!(
+        remaining(store, route, "team", &w, t0 + 20).await,
+        [9, tokens(400)]
+    );
+
+    // The answer used 100 tokens: the same entry now holds 100, and the total with it.
+    let done = settle_one(
+        store,
+        route,
+        "team",
+        &w,
+        e1,
+        &[1, tokens(600)],
+        &[1, tokens(100)],
+        t0 + 30,
+    )
+    .await;
+    assert_eq!(done, [Settled::Done, Settled::Done]);
+    assert_eq!(
+        remaining(store, route, "team", &w, t0 + 40).await,
+        [9, tokens(900)]
+    );
+    // A settlement of an entry as it no longer is (already settled) changes nothing where it
+    // differs; the requests window still holds 1, as the settlement says.
+    let again = settle_one(
+        store,
+        route,
+        "team",
+        &w,
+        e1,
+        &[1, tokens(600)],
+        &[1, tokens(50)],
+        t0 + 45,
+    )
+    .await;
+    assert_eq!(again, [Settled::Done, Settled::Gone]);
+    assert_eq!(
+        remaining(store, route, "team", &w, t0 + 46).await,
+        [9, tokens(900)]
+    );
+
+    // Now 500 fits.
+    let second = reserve(store, route, "team", &w, &[1, tokens(500)], t0 + 50).await;
+    assert!(second.outcome.admitted);
+    let e2 = second.entry.unwrap();
+    assert_ne!(e2, e1);
+    // Its answer used 1,200 tokens: recorded, past the limit, and said so.
+    let over = settle_one(
+        store,
+        route,
+        "team",
+        &w,
+        e2,
+        &[1, tokens(500)],
+        &[1, tokens(1_200)],
+        t0 + 60,
+    )
+    .await;
+    assert_eq!(over, [Settled::Done, Settled::Overrun]);
+    assert_eq!(remaining(store, route, "team", &w, t0 + 70).await, [8, 0]);
+    // The window admits nothing, not even a reservation of 0, until it slides back under.
+    let full = reserve(store, route, "team", &w, &[1, 0], t0 + 80).await;
+    assert!(!full.outcome.admitted);
+    assert_eq!(
+        full.outcome.retry_after_us,
+        MINUTE - 80 + 50,
+        "until the entry that took it over leaves"
+    );
+    let slid = reserve(store, route, "team", &w, &[1, 0], t0 + 50 + MINUTE).await;
+    assert!(slid.outcome.admitted, "{slid:?}");
+
+    // A settlement whose entry left its window changes nothing, even to a larger amount.
+    let third = reserve(store, route, "late", &w, &[1, tokens(10)], t0).await;
+    let e3 = third.entry.unwrap();
+    let late = settle_one(
+        store,
+        route,
+        "late",
+        &w,
+        e3,
+        &[1, tokens(10)],
+        &[1, tokens(900)],
+        t0 + MINUTE,
+    )
+    .await;
+    assert_eq!(late, [Settled::Gone, Settled::Gone]);
+    let fresh = reserve(store, route, "late", &w, &[1, tokens(1_000)], t0 + MINUTE).await;
+    assert!(
+        fresh.outcome.admitted,
+        "the late settlement charged nothing"
+    );
+
+    // Settling to 0 (no member answered, or one answered a 429) gives everything back.
+    let fourth = reserve(store, route, "zero", &w, &[1, tokens(1_000)], t0).await;
+    let e4 = fourth.entry.unwrap();
+    let zero = settle_one(
+        store,
+        route,
+        "zero",
+        &w,
+        e4,
+        &[1, tokens(1_000)],
+        &[0, 0],
+        t0 + 1,
+    )
+    .await;
+    assert_eq!(zero, [Settled::Done, Settled::Done]);
+    assert_eq!(
+        remaining(store, route, "zero", &w, t0 + 2).await,
+        [10, tokens(1_000)]
+    );
+
+    // A wrong number of amounts is an error, never a guess.
+    assert!(store
+        .reserve(Reserve {
+            route,
+            key: "team",
+            windows: &w,
+            amounts: &[1],
+            at_us: Some(t0),
+        })
+        .await
+        .is_err());
+
+    // A usage far past any limit (a huge number read from an answer) is recorded, capped.
+    let fifth = reserve(store, route, "huge", &w, &[1, 1], t0).await;
+    let e5 = fifth.entry.unwrap();
+    let huge = settle_one(
+        store,
+        route,
+        "huge",
+        &w,
+        e5,
+        &[1, 1],
+        &[1, u64::MAX],
+        t0 + 1,
+    )
+    .await;
+    assert_eq!(huge, [Settled::Done, Settled::Overrun]);
+    let after = reserve(store, route, "huge", &w, &[1, 0], t0 + 2).await;
+    assert!(!after.outcome.admitted);
+    // It can still be settled back, by the amount it holds.
+    let back = settle_one(
+        store,
+        route,
+        "huge",
+        &w,
+        e5,
+        &[1, MAX_AMOUNT],
+        &[1, 1],
+        t0 + 3,
+    )
+    .await;
+    assert_eq!(back, [Settled::Done, Settled::Done]);
+}
+
+/// Many settlements, of several keys and one with no windows, in one call.
+async fn batched(store: &dyn StateStore, route: &str) {
+    let w = windows();
+    let t0 = 2_000_000_000_000u64;
+    let keys = ["a", "b", "c", "a", "b"];
+    let mut entries = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let r = reserve(store, route, key, &w, &[1, tokens(100)], t0 + i as u64).await;
+        entries.push(r.entry.unwrap());
+    }
+    let reserved = [1, tokens(100)];
+    let settled: Vec<[u64; 2]> = (0..keys.len())
+        .map(|i| [1, tokens(10 * (i as u64 + 1))])
+        .collect();
+    let mut batch: Vec<Settle<'_>> = keys
+        .iter()
+        .zip(&entries)
+        .zip(&settled)
+        .map(|((key, &entry), settled)| Settle {
+            key,
+            windows: &w,
+            entry,
+            reserved: &reserved,
+            settled,
+        })
+        .collect();
+    batch.insert(
+        2,
+        Settle {
+            key: "none",
+            windows: &[],
+            entry: entries[0],
+            reserved: &[],
+            settled: &[],
+        },
+    );
+    let done = store.settle(route, &batch, Some(t0 + 100)).await.unwrap();
+    assert_eq!(done.len(), 6);
+    assert_eq!(done[2], Vec::<Settled>::new());
+    for (i, d) in done.iter().enumerate().filter(|&(i, _)| i != 2) {
+        assert_eq!(d, &[Settled::Done, Settled::Done], "settlement {i}");
+    }
+    // a: 10 + 40, b: 20 + 50, c: 30.
+    for (key, used) in [("a", 50), ("b", 70), ("c", 30)] {
+        assert_eq!(
+            remaining(store, route, key, &w, t0 + 200).await[1],
+            tokens(1_000 - used),
+            "{key}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn memory_reserves_and_settles() {
+    let store = MemoryStore::new();
+    scenarios(&store, "usage").await;
+    batched(&store, "usage").await;
+}
+
+#[tokio::test]
+async fn redis_reserves_and_settles() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url());
+    scenarios(&store, "usage").await;
+    batched(&store, "usage").await;
+    // A batch of settlements is one call.
+    let before = server.command_calls("fcall");
+    batched(&store, "usage2").await;
+    let reserves_and_reads = 5 + 3;
+    assert_eq!(
+        server.command_calls("fcall") - before,
+        reserves_and_reads + 1,
+        "five settlements, one call"
+    );
+    assert_eq!(server.command_calls("evalsha"), 0);
+}
+
+#[tokio::test]
+async fn redis_without_functions_reserves_and_settles() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url_without_functions());
+    scenarios(&store, "usage").await;
+    batched(&store, "usage").await;
+    assert!(!store.uses_functions());
+}
+
+#[tokio::test]
+async fn redis_cluster_reserves_and_settles() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster);
+    for route in ["usage", "other", "third"] {
+        scenarios(&store, route).await;
+        batched(&store, route).await;
+    }
+}
+
+/// xorshift64*: reproducible amounts without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// What one concurrent request did: its reservation, and its settlement if it got one.
+struct Done {
+    admitted: bool,
+    reserved: u64,
+    settled: Option<u64>,
+}
+
+/// Requests on `stores` (two gateways sharing one Redis, or one memory store) at once, on the
+/// stores' own clocks: each reserves, and most settle, above or below their reservation.
+async fn concurrent(
+    stores: &[Arc<dyn StateStore>],
+    route: &str,
+    w: &[Window],
+    n: u64,
+) -> Vec<Done> {
+    let w: Arc<[Window]> = w.into();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let store = stores[i as usize % stores.len()].clone();
+        let (w, route) = (w.clone(), route.to_string());
+        tasks.spawn(async move {
+            let mut rng = Rng(0x9e37_79b9 + i);
+            let reserved = tokens(100 + rng.below(900));
+            let r = store
+                .reserve(Reserve {
+                    route: &route,
+                    key: "team",
+                    windows: &w,
+                    amounts: &[1, reserved],
+                    at_us: None,
+                })
+                .await
+                .unwrap();
+            let Some(entry) = r.entry else {
+                return Done {
+                    admitted: false,
+                    reserved,
+                    settled: None,
+                };
+            };
+            // One in five stays in flight.
+            let settled = (rng.below(5) != 0).then(|| rng.below(tokens(1_500)));
+            if let Some(settled) = settled {
+                let done = store
+                    .settle(
+                        &route,
+                        &[Settle {
+                            key: "team",
+                            windows: &w,
+                            entry,
+                            reserved: &[1, reserved],
+                            settled: &[1, settled],
+                        }],
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                assert_ne!(done[0][1], Settled::Gone, "settled within its window");
+            }
+            Done {
+                admitted: true,
+                reserved,
+                settled,
+            }
+        });
+    }
+    let mut done = Vec::new();
+    while let Some(d) = tasks.join_next().await {
+        done.push(d.unwrap());
+    }
+    done
+}
+
+/// What the window holds by the outcomes: settled amounts, plus reservations still in flight.
+fn expected_total(done: &[Done]) -> u64 {
+    done.iter()
+        .filter(|d| d.admitted)
+        .map(|d| d.settled.unwrap_or(d.reserved))
+        .sum()
+}
+
+/// A window with room for everything: the total is exact, whatever the interleaving.
+fn roomy() -> Vec<Window> {
+    vec![
+        Window {
+            name: "rpm".into(),
+            limit: 1_000_000,
+            length_us: 10 * MINUTE,
+        },
+        Window {
+            name: "tpm".into(),
+            limit: tokens(1_000_000_000),
+            length_us: 10 * MINUTE,
+        },
+    ]
+}
+
+/// A window that refuses some: without settlements, the reservations admitted never add up past
+/// it, and some were refused.
+fn tight() -> Vec<Window> {
+    vec![
+        Window {
+            name: "rpm".into(),
+            limit: 1_000_000,
+            length_us: 10 * MINUTE,
+        },
+        Window {
+            name: "tpm".into(),
+            limit: tokens(20_000),
+            length_us: 10 * MINUTE,
+        },
+    ]
+}
+
+/// Reservations only, on a tight window: none is admitted that did not fit.
+async fn reservations_fit(stores: &[Arc<dyn StateStore>], route: &str) -> u64 {
+    let w = tight();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..120u64 {
+        let store = stores[i as usize % stores.len()].clone();
+        let (w, route) = (w.clone(), route.to_string());
+        tasks.spawn(async move {
+            let amount = tokens(100 + (i * 37) % 400);
+            let r = store
+                .reserve(Reserve {
+                    route: &route,
+                    key: "team",
+                    windows: &w,
+                    amounts: &[1, amount],
+                    at_us: None,
+                })
+                .await
+                .unwrap();
+            (r.outcome.admitted, amount)
+        });
+    }
+    let (mut admitted, mut refused) = (0, 0);
+    while let Some(r) = tasks.join_next().await {
+        match r.unwrap() {
+            (true, amount) => admitted += amount,
+            (false, _) => refused += 1,
+        }
+    }
+    assert!(refused > 0, "the trace must refuse some");
+    assert!(
+        admitted <= w[1].limit,
+        "{admitted} admitted past {}",
+        w[1].limit
+    );
+    admitted
+}
+
+/// Sum of the amounts a log's entries hold ("<seq>:<amount>"), and the hash's running total.
+fn redis_record(node: &RedisServer, route: &str, window: &str) -> (u64, u64) {
+    let log = format!("sluice:{{{route}}}:q:{window}:team");
+    let meta = format!("sluice:{{{route}}}:qm:team");
+    let sum = node
+        .zrange_with_scores(&log)
+        .iter()
+        .map(|(m, _)| m.rsplit(':').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    let total = node
+        .integer(&["HINCRBY", &meta, &format!("s:{window}"), "0"])
+        .unwrap() as u64;
+    (sum, total)
+}
+
+#[tokio::test]
+async fn memory_totals_are_exact_under_concurrency() {
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    let w = roomy();
+    let done = concurrent(std::slice::from_ref(&store), "exact", &w, 300).await;
+    let left = remaining(&*store, "exact", "team", &w, None).await;
+    assert_eq!(w[1].limit - left[1], expected_total(&done));
+    assert_eq!(w[0].limit - left[0], 300);
+    let admitted = reservations_fit(std::slice::from_ref(&store), "fit").await;
+    let left = remaining(&*store, "fit", "team", &tight(), None).await;
+    assert_eq!(tight()[1].limit - left[1], admitted);
+}
+
+#[tokio::test]
+async fn redis_totals_are_exact_across_two_gateways() {
+    let server = RedisServer::start();
+    let stores: Vec<Arc<dyn StateStore>> = (0..2)
+        .map(|_| Arc::new(redis_store(&server.url())) as Arc<dyn StateStore>)
+        .collect();
+    let done = concurrent(&stores, "exact", &roomy(), 300).await;
+    let (sum, total) = redis_record(&server, "exact", "tpm");
+    assert_eq!(sum, total, "the running total is the log's");
+    assert_eq!(total, expected_total(&done));
+    assert_eq!(redis_record(&server, "exact", "rpm"), (300, 300));
+    let admitted = reservations_fit(&stores, "fit").await;
+    assert_eq!(redis_record(&server, "fit", "tpm"), (admitted, admitted));
+}
+
+#[tokio::test]
+async fn redis_cluster_totals_are_exact() {
+    let cluster = RedisCluster::start();
+    let stores: Vec<Arc<dyn StateStore>> = (0..2)
+        .map(|_| Arc::new(cluster_store(&cluster)) as Arc<dyn StateStore>)
+        .collect();
+    let done = concurrent(&stores, "exact", &roomy(), 200).await;
+    let node = &cluster.nodes()[cluster.index_of(cluster.master_of("{exact}").unwrap())];
+    let (sum, total) = redis_record(node, "exact", "tpm");
+    assert_eq!(sum, total);
+    assert_eq!(total, expected_total(&done));
+    let admitted = reservations_fit(&stores, "fit").await;
+    let node = &cluster.nodes()[cluster.index_of(cluster.master_of("{fit}").unwrap())];
+    assert_eq!(redis_record(node, "fit", "tpm"), (admitted, admitted));
+}
+
+/// A reservation's entry costs Redis no more than a request's did: at most 150 bytes per
+/// admitted request, with amounts in millionths.
+#[tokio::test]
+async fn redis_memory_per_reservation_is_bounded() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url());
+    let w = [Window {
+        name: "tpm".into(),
+        limit: tokens(1_000_000_000),
+        length_us: 24 * 60 * MINUTE,
+    }];
+    let n = 1000;
+    for i in 0..n {
+        let r = reserve(&store, "mem", "team", &w, &[tokens(4_096)], 1_000_000 + i).await;
+        let e = r.entry.unwrap();
+        // Half are settled, to amounts with a fraction.
+        if i % 2 == 0 {
+            let done = settle_one(
+                &store,
+                "mem",
+                "team",
+                &w,
+                e,
+                &[tokens(4_096)],
+                &[1_234_567_891],
+                1_000_000 + i,
+            )
+            .await;
+            assert_eq!(done, [Settled::Done]);
+        }
+    }
+    let log = "sluice:{mem}:q:tpm:team";
+    let meta = "sluice:{mem}:qm:team";
+    assert_eq!(server.integer(&["ZCARD", log]), Some(n as i64));
+    let bytes = server
+        .integer(&["MEMORY", "USAGE", log, "SAMPLES", "0"])
+        .unwrap()
+        + server
+            .integer(&["MEMORY", "USAGE", meta, "SAMPLES", "0"])
+            .unwrap();
+    let per = bytes as f64 / n as f64;
+    println!("{per} bytes per reservation");
+    assert!(per <= 150.0, "{per} bytes per reservation");
+}
