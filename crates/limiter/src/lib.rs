@@ -7,6 +7,7 @@
 //! - [`QuotaLogs`], the log kept in process ([`MemoryLimits`] bounds it), which the memory
 //!   store of `sluice-allocator` decides with;
 //! - [`lua`], the same log as Redis keeps it (`lua/quota.lua`), which `sluice-store` runs;
+//! - [`calendar`], the period of a calendar window that holds an instant, in a time zone;
 //! - [`StoreError`], how deciding on shared state fails: here because the memory log is the
 //!   first store to fail (its bounds), and every crate above it (the allocator, the Redis store,
 //!   the gateway) speaks of the same failures.
@@ -16,6 +17,7 @@
 //!
 //! It knows nothing of Pingora, HTTP or Redis: the gateway turns an [`Outcome`] into headers.
 
+pub mod calendar;
 pub mod lua;
 mod memory;
 
