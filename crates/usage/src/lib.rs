@@ -8,6 +8,9 @@
 //!   as written there and checked once;
 //! - [`reserve`], the amount a request reserves at admission, from its headers and a bounded
 //!   prefix of its body;
+//! - [`ResponseScanner`], the amount an answer settles, read from its head and from its body
+//!   as the body streams by (JSON, or Server-Sent Events via [`sse`]), decompressing for
+//!   scanning only, within a bound; or why it cannot ([`Unsettled`]);
 //! - [`json`], the path lookup both sides read JSON with, building no document.
 //!
 //! It knows nothing of Pingora, Redis or the config file: the gateway hands it headers and
@@ -16,10 +19,13 @@
 pub mod amount;
 pub mod json;
 mod reserve;
+mod scan;
 mod spec;
+pub mod sse;
 
 pub use amount::{Decimal, Millionths};
 pub use reserve::{reserve, Request};
+pub use scan::{ResponseScanner, Unsettled};
 pub use spec::{Amount, HeaderName, JsonPath, Part};
 
 /// No module of this crate depends on one that depends on it back, at any depth

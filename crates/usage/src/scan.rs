@@ -1,0 +1,473 @@
+//! The settled amount, read from an answer as it streams by.
+//!
+//! The gateway makes a [`ResponseScanner`] from the response head, feeds it each body chunk as
+//! the chunk passes on to the client unchanged, and calls [`ResponseScanner::finish`] when the
+//! body ends. What it keeps is bounded by `max_response_body`:
+//! - a JSON body: its first `max_response_body` bytes; a longer one is
+//!   [`Unsettled::TooLarge`];
+//! - `text/event-stream`: one event's data, at most `max_response_body`, and the numbers read
+//!   from earlier events. Each `json` part takes its number from the last event that holds its
+//!   path (OpenAI's final usage chunk; Anthropic's `message_start` for input tokens and
+//!   `message_delta` for output tokens); an event too large to read that comes after it makes
+//!   the part [`Unsettled::TooLarge`], since it may have held a newer number;
+//! - `header` parts are read from the head, and need no body at all.
+//!
+//! A compressed body (`Content-Encoding` gzip, deflate, br or zstd) is decompressed here, for
+//! scanning only, and the bound applies to the decompressed bytes: a zip bomb stops at the
+//! bound. The decoders' own state is bounded by their formats (32 KiB for deflate; brotli's
+//! window, at most 16 MiB; zstd's, held to 8 MiB, the most HTTP's zstd coding allows).
+//!
+//! Each part is rounded up to the millionth on its own and the parts are summed; a sum past
+//! [`Millionths::MAX`] is [`Unsettled::Malformed`].
+
+use std::fmt;
+use std::io::{self, Write};
+
+use crate::amount::{Decimal, Millionths};
+use crate::json::{lookup, Found};
+use crate::spec::{Amount, Part};
+use crate::sse::{Event, SseParser};
+
+/// Why an answer settles nothing: the reservation stands. [`Unsettled::as_str`] is the
+/// `reason` label of `sluice_usage_unsettled_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unsettled {
+    /// The body is not JSON, or the number at the path is negative, too large, or not a number
+    /// (a string, an object, an array), or the compressed body does not decode.
+    Malformed,
+    /// The body (decompressed) is longer than `max_response_body`, or an SSE event that may
+    /// hold the path is.
+    TooLarge,
+    /// The answer does not hold the path (or the header), and the part has no default.
+    NoUsage,
+    /// The body is compressed in a way this scanner does not decode.
+    Encoding,
+}
+
+impl Unsettled {
+    /// The metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Unsettled::Malformed => "malformed",
+            Unsettled::TooLarge => "too_large",
+            Unsettled::NoUsage => "no_usage",
+            Unsettled::Encoding => "encoding",
+        }
+    }
+}
+
+impl fmt::Display for Unsettled {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Reads the settled amount from one answer. See the module documentation.
+pub struct ResponseScanner {
+    /// `None` when the body is not needed, or once scanning it has failed.
+    tap: Option<Tap>,
+    /// The parts' amounts that the head already decided (`value`, `header`).
+    head: Vec<Option<Result<Millionths, Unsettled>>>,
+    amount: Amount,
+    failed: Option<Unsettled>,
+}
+
+impl fmt::Debug for ResponseScanner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseScanner")
+            .field("wants_body", &self.wants_body())
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+impl ResponseScanner {
+    /// A scanner for an answer with `headers`, settling `amount`.
+    pub fn new(
+        amount: &Amount,
+        max_response_body: usize,
+        headers: &http::HeaderMap,
+    ) -> ResponseScanner {
+        let head: Vec<_> = amount
+            .parts()
+            .iter()
+            .map(|part| match part {
+                Part::Json { .. } => None,
+                Part::Value(value) => Some(Ok(value.to_millionths().unwrap_or(Millionths::MAX))),
+                // A settlement has no request body; `check` refuses this part under `settle`.
+                Part::RequestBytes { .. } => Some(Ok(Millionths::ZERO)),
+                Part::Header { name, times } => Some(match headers.get(name.as_str()) {
+                    None => Err(Unsettled::NoUsage),
+                    Some(value) => value
+                        .to_str()
+                        .ok()
+                        .and_then(Decimal::parse)
+                        .and_then(|n| n.times(*times))
+                        .ok_or(Unsettled::Malformed),
+                }),
+            })
+            .collect();
+        let mut scanner = ResponseScanner {
+            tap: None,
+            head,
+            amount: amount.clone(),
+            failed: None,
+        };
+        let head_failed = scanner.head.iter().flatten().any(Result::is_err);
+        if !amount.reads_body() || head_failed {
+            return scanner;
+        }
+        let sse = headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|media| media.trim().eq_ignore_ascii_case("text/event-stream"));
+        let sink = Sink::new(amount, max_response_body, sse);
+        match Tap::new(sink, headers) {
+            Ok(tap) => scanner.tap = Some(tap),
+            Err(reason) => scanner.failed = Some(reason),
+        }
+        scanner
+    }
+
+    /// Whether the body is worth feeding: false when the amount reads no body, or when the
+    /// outcome is already decided.
+    pub fn wants_body(&self) -> bool {
+        self.tap.is_some()
+    }
+
+    /// Scans the body's next chunk, as the member sent it. Costs no allocation beyond the
+    /// bounded buffer; once the outcome is decided, nothing.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let Some(tap) = &mut self.tap else { return };
+        if tap.write_all(chunk).is_err() {
+            self.failed = Some(tap.sink().failure());
+            // Decoder and buffer go now, not when the response ends.
+            self.tap = None;
+        }
+    }
+
+    /// The settled amount, once the body has ended.
+    pub fn finish(mut self) -> Result<Millionths, Unsettled> {
+        if let Some(reason) = self.failed {
+            return Err(reason);
+        }
+        if let Some(reason) = self.head.iter().flatten().find_map(|r| r.err()) {
+            return Err(reason);
+        }
+        if let Some(tap) = &mut self.tap {
+            if tap.finish().is_err() {
+                return Err(tap.sink().failure());
+            }
+        }
+        let sink = self.tap.as_ref().map(Tap::sink);
+        let mut total = Millionths::ZERO;
+        for (i, (part, decided)) in self.amount.parts().iter().zip(&self.head).enumerate() {
+            let amount = match (decided, sink) {
+                (Some(decided), _) => *decided,
+                (None, Some(sink)) => sink.part_amount(i, part),
+                // A body part without a tap: never, since a tap that could not be made is
+                // `failed` above.
+                (None, None) => Err(Unsettled::NoUsage),
+            }?;
+            total = total.checked_add(amount).ok_or(Unsettled::Malformed)?;
+        }
+        Ok(total)
+    }
+}
+
+/// What an SSE event told of one `json` part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Nothing,
+    Amount(Millionths),
+    Malformed,
+}
+
+/// A `json` part's state over an event stream.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    seen: Seen,
+    /// An event too large to read came after `seen`.
+    stale: bool,
+}
+
+enum Body {
+    /// A JSON body's bytes so far.
+    Json(Vec<u8>),
+    /// An event stream: the parser, and per part of the amount what the events told.
+    Sse(SseParser, Vec<Slot>),
+}
+
+/// Where the (decompressed) body goes.
+struct Sink {
+    amount: Amount,
+    max: usize,
+    body: Body,
+    /// A JSON body outgrew the bound.
+    too_large: bool,
+    /// Bytes arrived at all.
+    any: bool,
+}
+
+impl Sink {
+    fn new(amount: &Amount, max: usize, sse: bool) -> Sink {
+        let body = if sse {
+            let slots = vec![
+                Slot {
+                    seen: Seen::Nothing,
+                    stale: false
+                };
+                amount.parts().len()
+            ];
+            Body::Sse(SseParser::new(max), slots)
+        } else {
+            Body::Json(Vec::new())
+        };
+        Sink {
+            amount: amount.clone(),
+            max,
+            body,
+            too_large: false,
+            any: false,
+        }
+    }
+
+    /// Why writing into this sink, or decoding into it, failed.
+    fn failure(&self) -> Unsettled {
+        if self.too_large {
+            Unsettled::TooLarge
+        } else {
+            Unsettled::Malformed
+        }
+    }
+
+    /// The amount of part `i` (a `json` part) read from the body.
+    fn part_amount(&self, i: usize, part: &Part) -> Result<Millionths, Unsettled> {
+        let Part::Json {
+            path,
+            default,
+            times,
+        } = part
+        else {
+            return Err(Unsettled::NoUsage);
+        };
+        let found = match &self.body {
+            Body::Json(_) if !self.any => Found::Absent,
+            Body::Json(bytes) => lookup(bytes, path).map_err(|_| Unsettled::Malformed)?,
+            Body::Sse(_, slots) => match slots[i] {
+                Slot { stale: true, .. } => return Err(Unsettled::TooLarge),
+                Slot {
+                    seen: Seen::Amount(amount),
+                    ..
+                } => return Ok(amount),
+                Slot {
+                    seen: Seen::Malformed,
+                    ..
+                } => return Err(Unsettled::Malformed),
+                Slot {
+                    seen: Seen::Nothing,
+                    ..
+                } => Found::Absent,
+            },
+        };
+        match found {
+            Found::Number(n) => n.times(*times).ok_or(Unsettled::Malformed),
+            Found::NotANumber => Err(Unsettled::Malformed),
+            Found::Absent => match default {
+                Some(d) => d.times(*times).ok_or(Unsettled::Malformed),
+                None => Err(Unsettled::NoUsage),
+            },
+        }
+    }
+}
+
+/// Updates what the events told each `json` part with one event.
+fn on_event(amount: &Amount, slots: &mut [Slot], event: Event<'_>) {
+    let data = match event {
+        Event::Oversized => {
+            for slot in slots.iter_mut() {
+                slot.stale = true;
+            }
+            return;
+        }
+        Event::Data(data) => data,
+    };
+    for (part, slot) in amount.parts().iter().zip(slots) {
+        let Part::Json { path, times, .. } = part else {
+            continue;
+        };
+        // Most events (each token of a stream) cannot hold the path: their text lacks its last
+        // key, unless a key is written with escapes.
+        let may_hold = memchr::memmem::find(data, path.last_key().as_bytes()).is_some()
+            || memchr::memmem::find(data, b"\\u").is_some();
+        if !may_hold {
+            continue;
+        }
+        // An event that is not JSON (OpenAI's `[DONE]`) or does not hold the path changes
+        // nothing.
+        let seen = match lookup(data, path) {
+            Ok(Found::Number(n)) => n.times(*times).map_or(Seen::Malformed, Seen::Amount),
+            Ok(Found::NotANumber) => Seen::Malformed,
+            Ok(Found::Absent) | Err(_) => continue,
+        };
+        *slot = Slot { seen, stale: false };
+    }
+}
+
+impl Write for Sink {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        self.any |= !bytes.is_empty();
+        match &mut self.body {
+            Body::Json(buf) => {
+                if buf.len() + bytes.len() > self.max {
+                    self.too_large = true;
+                    return Err(io::Error::other("body past max_response_body"));
+                }
+                if buf.capacity() < buf.len() + bytes.len() {
+                    // Grow by doubling, but never past the bound.
+                    let want = (buf.capacity() * 2)
+                        .max(buf.len() + bytes.len())
+                        .max(1024)
+                        .min(self.max);
+                    buf.reserve_exact(want - buf.len());
+                }
+                buf.extend_from_slice(bytes);
+            }
+            Body::Sse(parser, slots) => {
+                let amount = &self.amount;
+                parser.feed(bytes, |event| on_event(amount, slots, event));
+            }
+        }
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The body's way into the [`Sink`]: as it is, or through a decoder.
+enum Tap {
+    Plain(Sink),
+    Gzip(Box<flate2::write::MultiGzDecoder<Sink>>),
+    /// `deflate` is zlib-wrapped by the standard and raw in some servers: its first two bytes
+    /// tell which.
+    DeflateHead(Sink, [u8; 2], usize),
+    Zlib(Box<flate2::write::ZlibDecoder<Sink>>),
+    RawDeflate(Box<flate2::write::DeflateDecoder<Sink>>),
+    Brotli(Box<brotli_decompressor::DecompressorWriter<Sink>>),
+    Zstd(Box<zstd::stream::write::Decoder<'static, Sink>>),
+    /// Only while the deflate head is being replaced.
+    Switching,
+}
+
+/// zstd's window, at most: 8 MiB, the most the HTTP content coding allows (RFC 9659).
+const ZSTD_WINDOW_LOG_MAX: u32 = 23;
+/// Bytes brotli decodes into before handing them on.
+const BROTLI_BUFFER: usize = 4096;
+
+impl Tap {
+    fn new(sink: Sink, headers: &http::HeaderMap) -> Result<Tap, Unsettled> {
+        let mut codings = headers
+            .get_all(http::header::CONTENT_ENCODING)
+            .iter()
+            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+            .map(str::trim)
+            .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"));
+        let coding = codings.next();
+        if codings.next().is_some() {
+            // Stacked codings: rare enough not to decode.
+            return Err(Unsettled::Encoding);
+        }
+        let Some(coding) = coding else {
+            return Ok(Tap::Plain(sink));
+        };
+        let is = |name: &str| coding.eq_ignore_ascii_case(name);
+        if is("gzip") || is("x-gzip") {
+            Ok(Tap::Gzip(Box::new(flate2::write::MultiGzDecoder::new(
+                sink,
+            ))))
+        } else if is("deflate") {
+            Ok(Tap::DeflateHead(sink, [0; 2], 0))
+        } else if is("br") {
+            Ok(Tap::Brotli(Box::new(
+                brotli_decompressor::DecompressorWriter::new(sink, BROTLI_BUFFER),
+            )))
+        } else if is("zstd") {
+            let mut decoder = zstd::stream::raw::Decoder::new().map_err(|_| Unsettled::Encoding)?;
+            decoder
+                .set_parameter(zstd::stream::raw::DParameter::WindowLogMax(
+                    ZSTD_WINDOW_LOG_MAX,
+                ))
+                .map_err(|_| Unsettled::Encoding)?;
+            Ok(Tap::Zstd(Box::new(
+                zstd::stream::write::Decoder::with_decoder(sink, decoder),
+            )))
+        } else {
+            Err(Unsettled::Encoding)
+        }
+    }
+
+    fn sink(&self) -> &Sink {
+        match self {
+            Tap::Plain(s) | Tap::DeflateHead(s, ..) => s,
+            Tap::Gzip(d) => d.get_ref(),
+            Tap::Zlib(d) => d.get_ref(),
+            Tap::RawDeflate(d) => d.get_ref(),
+            Tap::Brotli(d) => d.get_ref(),
+            Tap::Zstd(d) => d.get_ref(),
+            Tap::Switching => unreachable!("the deflate head is replaced within one call"),
+        }
+    }
+
+    fn write_all(&mut self, mut chunk: &[u8]) -> io::Result<()> {
+        if let Tap::DeflateHead(_, head, len) = self {
+            let take = (head.len() - *len).min(chunk.len());
+            head[*len..*len + take].copy_from_slice(&chunk[..take]);
+            *len += take;
+            chunk = &chunk[take..];
+            if *len < head.len() {
+                return Ok(());
+            }
+            let Tap::DeflateHead(sink, head, _) = std::mem::replace(self, Tap::Switching) else {
+                unreachable!("matched above")
+            };
+            // A zlib header: method 8 (deflate) and a check making the pair a multiple of 31.
+            let zlib =
+                head[0] & 0x0F == 8 && (u16::from(head[0]) << 8 | u16::from(head[1])) % 31 == 0;
+            *self = if zlib {
+                Tap::Zlib(Box::new(flate2::write::ZlibDecoder::new(sink)))
+            } else {
+                Tap::RawDeflate(Box::new(flate2::write::DeflateDecoder::new(sink)))
+            };
+            self.write_all(&head)?;
+        }
+        match self {
+            Tap::Plain(s) => s.write_all(chunk),
+            Tap::Gzip(d) => d.write_all(chunk),
+            Tap::Zlib(d) => d.write_all(chunk),
+            Tap::RawDeflate(d) => d.write_all(chunk),
+            Tap::Brotli(d) => d.write_all(chunk),
+            Tap::Zstd(d) => d.write_all(chunk),
+            Tap::DeflateHead(..) | Tap::Switching => Ok(()),
+        }
+    }
+
+    /// Hands the decoder's last bytes on; an error when the compressed body ended early.
+    fn finish(&mut self) -> io::Result<()> {
+        match self {
+            Tap::Plain(_) | Tap::Switching => Ok(()),
+            Tap::DeflateHead(_, _, 0) => Ok(()),
+            Tap::DeflateHead(..) => Err(io::ErrorKind::UnexpectedEof.into()),
+            Tap::Gzip(d) => d.try_finish(),
+            Tap::Zlib(d) => d.try_finish(),
+            Tap::RawDeflate(d) => d.try_finish(),
+            Tap::Brotli(d) => d.close(),
+            Tap::Zstd(d) => d.do_finish(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
