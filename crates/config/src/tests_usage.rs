@@ -369,7 +369,8 @@ fn tz_needs_a_calendar_window_and_a_known_zone() {
 #[test]
 fn usage_settings_and_unit_names_have_bounds() {
     for (usage, at, message) in [
-        ("      usage:\n        max_request_body: 99999999\n", "8:27: routes[0].quota.usage.max_request_body", "is too large: at most 16777216 bytes"),
+        ("      usage:\n        max_request_body: 65537\n", "8:27: routes[0].quota.usage.max_request_body", "is too large: at most 65536 bytes"),
+        ("      usage:\n        max_response_body: 16777217\n", "8:28: routes[0].quota.usage.max_response_body", "is too large: at most 16777216 bytes"),
         ("      usage:\n        max_response_body: 0\n", "8:28: routes[0].quota.usage.max_response_body", "nonzero"),
         ("      usage:\n        zero_on: [429, 700]\n", "8:24: routes[0].quota.usage.zero_on[1]", "700 is not an HTTP status"),
         ("      usage:\n        requests: { reserve: { value: 1 }, settle: { value: 1 } }\n", "8:9: routes[0].quota.usage", "\"requests\" cannot name a usage unit"),

@@ -18,9 +18,14 @@ use super::Dur;
 /// millionths and Redis scripts count in doubles, exact up to 2^53 millionths.
 pub const MAX_AMOUNT: f64 = 9_007_199_254.0;
 
-/// The largest `usage.max_request_body` and `usage.max_response_body`: each is held per
-/// request in flight, so a larger one would let a few requests take the gateway's memory.
-pub const MAX_USAGE_BODY: u32 = 16 * 1024 * 1024;
+/// The largest `usage.max_request_body`: the bytes read before admission are kept in the
+/// buffer a replay (`cooldown.retry`) is sent from, which holds 64 KiB, so that the member gets
+/// them whichever attempt it is.
+pub const MAX_REQUEST_BODY: u32 = 64 * 1024;
+
+/// The largest `usage.max_response_body`: it is held per request in flight, so a larger one
+/// would let a few requests take the gateway's memory.
+pub const MAX_RESPONSE_BODY: u32 = 16 * 1024 * 1024;
 
 /// A window's `window:` — a sliding length, or a calendar period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,7 +209,7 @@ impl<'de> Deserialize<'de> for UsageConfig {
             fn visit_map<M: de::MapAccess<'de>>(self, mut m: M) -> Result<UsageConfig, M::Error> {
                 let mut out = UsageConfig {
                     units: Vec::new(),
-                    max_request_body: NonZeroU32::new(64 * 1024).unwrap_or(NonZeroU32::MIN),
+                    max_request_body: NonZeroU32::new(MAX_REQUEST_BODY).unwrap_or(NonZeroU32::MIN),
                     max_response_body: NonZeroU32::new(1024 * 1024).unwrap_or(NonZeroU32::MIN),
                     zero_on: vec![429],
                 };

@@ -140,18 +140,23 @@ fn named(unit: &WindowUnit) -> Option<&UnitName> {
 }
 
 fn check_settings(problems: &mut Vec<(YamlPath, String)>, at: &YamlPath, usage: &UsageConfig) {
-    for (key, bytes) in [
-        ("max_request_body", usage.max_request_body),
-        ("max_response_body", usage.max_response_body),
-    ] {
-        if bytes.get() > MAX_USAGE_BODY {
-            problems.push((
-                at.clone().key(key),
-                format!(
-                    "{key} {bytes} is too large: at most {MAX_USAGE_BODY} bytes (16 MiB), as it is held per request in flight"
-                ),
-            ));
-        }
+    if usage.max_request_body.get() > MAX_REQUEST_BODY {
+        problems.push((
+            at.clone().key("max_request_body"),
+            format!(
+                "max_request_body {} is too large: at most {MAX_REQUEST_BODY} bytes (64 KiB), the most a request keeps for its member once read",
+                usage.max_request_body
+            ),
+        ));
+    }
+    if usage.max_response_body.get() > MAX_RESPONSE_BODY {
+        problems.push((
+            at.clone().key("max_response_body"),
+            format!(
+                "max_response_body {} is too large: at most {MAX_RESPONSE_BODY} bytes (16 MiB), as it is held per request in flight",
+                usage.max_response_body
+            ),
+        ));
     }
     for (j, status) in usage.zero_on.iter().enumerate() {
         if !(100..=599).contains(status) {
