@@ -172,32 +172,6 @@ impl Decimal {
     }
 }
 
-/// A config number: a non-negative integer or decimal, never NaN or infinite.
-impl<'de> serde::Deserialize<'de> for Decimal {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Decimal, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Decimal;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a non-negative number")
-            }
-            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Decimal, E> {
-                Ok(Decimal::from_u64(n))
-            }
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Decimal, E> {
-                u64::try_from(n).map(Decimal::from_u64).map_err(|_| {
-                    E::custom(format!("{n} is negative: expected a non-negative number"))
-                })
-            }
-            fn visit_f64<E: serde::de::Error>(self, x: f64) -> Result<Decimal, E> {
-                Decimal::from_f64(x)
-                    .ok_or_else(|| E::custom(format!("{x} is not a non-negative finite number")))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
 /// Text of at most 64 bytes, formatted without touching the heap.
 struct StackText {
     buf: [u8; 64],
@@ -320,15 +294,6 @@ mod tests {
         assert_eq!(Millionths(1).to_string(), "0.000001");
         assert_eq!(Millionths(1_250_000).units_floor(), 1);
         assert_eq!(Millionths(1_250_000).units_ceil(), 2);
-    }
-
-    #[test]
-    fn config_numbers_deserialize_non_negative_and_finite() {
-        let ok: Decimal = serde_json::from_str("0.10").unwrap();
-        assert_eq!(ok.to_millionths(), Some(Millionths(100_000)));
-        assert!(serde_json::from_str::<Decimal>("-1").is_err());
-        assert!(serde_json::from_str::<Decimal>("-0.5").is_err());
-        assert!(serde_json::from_str::<Decimal>("\"3\"").is_err());
     }
 
     proptest! {

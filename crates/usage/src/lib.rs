@@ -4,8 +4,8 @@
 //! It holds
 //! - [`Millionths`], the fixed-point amount every window keeps, and [`Decimal`], the exact
 //!   numbers amounts are computed from (rounding: [`amount`]);
-//! - [`Amount`], what a unit's `reserve` or `settle` is made of, deserialized from the config
-//!   as written there and checked once;
+//! - [`Amount`], what a unit's `reserve` or `settle` is made of, made once per config load
+//!   from the shapes `sluice-config` checked (`Amount::from(&sluice_config::Amount)`);
 //! - [`reserve`], the amount a request reserves at admission, from its headers and a bounded
 //!   prefix of its body;
 //! - [`ResponseScanner`], the amount an answer settles, read from its head and from its body
@@ -13,8 +13,8 @@
 //!   scanning only, within a bound; or why it cannot ([`Unsettled`]);
 //! - [`json`], the path lookup both sides read JSON with, building no document.
 //!
-//! It knows nothing of Pingora, Redis or the config file: the gateway hands it headers and
-//! bytes, and hands the amounts to the quota store.
+//! It knows nothing of Pingora or Redis: the gateway hands it headers and bytes, and hands the
+//! amounts to the quota store.
 
 pub mod amount;
 pub mod json;

@@ -62,15 +62,15 @@ fn reserve_part(part: &Part, request: &Request<'_>) -> Millionths {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::from_config_json;
     use proptest::prelude::*;
 
     /// The reservation of the contract's token example: the completion cap plus a quarter of
     /// the request's bytes as a prompt estimate.
     fn tokens() -> Amount {
-        serde_json::from_str(
+        from_config_json(
             r#"{"sum": [{"json": "max_tokens", "default": 4096}, {"request_bytes": true, "times": 0.25}]}"#,
         )
-        .unwrap()
     }
 
     fn request<'a>(body: Option<&'a [u8]>, headers: &'a http::HeaderMap) -> Request<'a> {
@@ -137,14 +137,13 @@ mod tests {
     fn fixed_values_headers_and_missing_defaults() {
         let mut h = http::HeaderMap::new();
         h.insert("x-estimate", "12.5".parse().unwrap());
-        let fixed: Amount = serde_json::from_str(r#"{"value": 0.10}"#).unwrap();
+        let fixed = from_config_json(r#"{"value": 0.10}"#);
         assert_eq!(reserve(&fixed, &request(None, &h)), Millionths(100_000));
-        let header: Amount =
-            serde_json::from_str(r#"{"header": "X-Estimate", "times": 2}"#).unwrap();
+        let header = from_config_json(r#"{"header": "X-Estimate", "times": 2}"#);
         assert_eq!(reserve(&header, &request(None, &h)), Millionths(25_000_000));
-        let missing: Amount = serde_json::from_str(r#"{"header": "x-other"}"#).unwrap();
+        let missing = from_config_json(r#"{"header": "x-other"}"#);
         assert_eq!(reserve(&missing, &request(None, &h)), Millionths::ZERO);
-        let no_default: Amount = serde_json::from_str(r#"{"json": "max_tokens"}"#).unwrap();
+        let no_default = from_config_json(r#"{"json": "max_tokens"}"#);
         assert_eq!(
             reserve(&no_default, &request(Some(b"{}"), &h)),
             Millionths::ZERO

@@ -2,15 +2,11 @@
 //! `{value: N}`, `{request_bytes: true, times: F}`, `{header: NAME, times: F}`, or
 //! `{sum: [...]}` of those.
 //!
-//! These types deserialize straight from the config (serde), refusing what cannot be computed,
-//! so that the config crate uses them as they are and a route's amounts are checked once, at
-//! load.
+//! The config checks these shapes and keeps their numbers as written (`sluice_config::Amount`);
+//! [`Amount::from`] turns one into the form amounts are computed from, once per config load.
 
 use std::fmt;
 use std::sync::Arc;
-
-use serde::de::Error as _;
-use serde::Deserialize;
 
 use crate::amount::Decimal;
 
@@ -148,99 +144,61 @@ impl fmt::Display for HeaderName {
     }
 }
 
-/// Every field any shape may have; which combinations are valid is checked after.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawAmount {
-    json: Option<String>,
-    default: Option<Decimal>,
-    times: Option<Decimal>,
-    value: Option<Decimal>,
-    request_bytes: Option<bool>,
-    header: Option<String>,
-    sum: Option<Vec<RawAmount>>,
+/// A number the config checked (finite, 0 or more), taken as written.
+fn written(x: f64) -> Decimal {
+    // The config refuses negative and non-finite numbers, the only ones without a decimal.
+    Decimal::from_f64(x).unwrap_or(Decimal::ZERO)
 }
 
-const SHAPES: &str = "one of json, value, request_bytes, header or sum";
-
-impl RawAmount {
-    fn into_part<E: serde::de::Error>(self) -> Result<Part, E> {
-        let times = self.times.unwrap_or(Decimal::ONE);
-        let kinds = [
-            self.json.is_some(),
-            self.value.is_some(),
-            self.request_bytes.is_some(),
-            self.header.is_some(),
-            self.sum.is_some(),
-        ];
-        match kinds.iter().filter(|k| **k).count() {
-            0 => return Err(E::custom(format!("an amount needs {SHAPES}"))),
-            1 => {}
-            _ => return Err(E::custom(format!("an amount has exactly {SHAPES}"))),
-        }
-        if self.default.is_some() && self.json.is_none() {
-            return Err(E::custom("`default` belongs to a `json` amount"));
-        }
-        if self.times.is_some() && self.value.is_some() {
-            return Err(E::custom("a `value` takes no `times`: write the product"));
-        }
-        if self.sum.is_some() {
-            return Err(E::custom(
-                "a `sum` holds json, value, request_bytes or header amounts, not another sum",
-            ));
-        }
-        if let Some(text) = self.json {
-            let path = JsonPath::parse(&text).ok_or_else(|| {
-                E::custom(format!(
-                    "json path {text:?} is not a dotted path of object keys (like usage.total_tokens)"
-                ))
-            })?;
-            return Ok(Part::Json {
+impl Part {
+    /// A config amount that is not a sum.
+    fn from_config(leaf: &sluice_config::Amount) -> Option<Part> {
+        Some(match leaf {
+            sluice_config::Amount::Json {
                 path,
-                default: self.default,
+                default,
                 times,
-            });
-        }
-        if let Some(value) = self.value {
-            return Ok(Part::Value(value));
-        }
-        if let Some(flag) = self.request_bytes {
-            if !flag {
-                return Err(E::custom("request_bytes is `true` or left out"));
-            }
-            return Ok(Part::RequestBytes { times });
-        }
-        let text = self.header.unwrap_or_default();
-        let name = HeaderName::parse(&text)
-            .ok_or_else(|| E::custom(format!("{text:?} is not a header name")))?;
-        Ok(Part::Header { name, times })
+            } => Part::Json {
+                // The config's paths are dotted object keys already (and stricter than
+                // `JsonPath::parse`).
+                path: JsonPath {
+                    text: path.text.as_ref().into(),
+                },
+                default: default.map(written),
+                times: written(*times),
+            },
+            sluice_config::Amount::Value(value) => Part::Value(written(*value)),
+            sluice_config::Amount::RequestBytes { times } => Part::RequestBytes {
+                times: written(*times),
+            },
+            sluice_config::Amount::Header { name, times } => Part::Header {
+                name: HeaderName(name.clone()),
+                times: written(*times),
+            },
+            sluice_config::Amount::Sum(_) => return None,
+        })
     }
 }
 
-impl<'de> Deserialize<'de> for Amount {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Amount, D::Error> {
-        let mut raw = RawAmount::deserialize(d)?;
-        let Some(parts) = raw.sum.take() else {
-            return raw.into_part().map(Amount::part);
-        };
-        let alone = RawAmount { sum: None, ..raw };
-        if alone.json.is_some()
-            || alone.value.is_some()
-            || alone.request_bytes.is_some()
-            || alone.header.is_some()
-            || alone.default.is_some()
-            || alone.times.is_some()
-        {
-            return Err(D::Error::custom(
-                "a `sum` stands alone: put times and defaults on its parts",
-            ));
-        }
-        let parts = parts
+/// An amount as the config checked it: a sum flattened into its parts, each number taken as
+/// written (its shortest decimal form) so that products round exactly once.
+impl From<&sluice_config::Amount> for Amount {
+    fn from(config: &sluice_config::Amount) -> Amount {
+        let parts = config
+            .leaves()
             .into_iter()
-            .map(RawAmount::into_part)
-            .collect::<Result<Vec<_>, _>>()?;
-        Amount::sum(parts).ok_or_else(|| D::Error::custom("a `sum` needs at least one part"))
+            .filter_map(Part::from_config)
+            .collect();
+        // The config refuses an empty sum; nothing would be a zero amount.
+        Amount::sum(parts).unwrap_or_else(|| Amount::part(Part::Value(Decimal::ZERO)))
     }
+}
+
+/// An amount from the config's shapes written in JSON, for tests.
+#[cfg(test)]
+pub(crate) fn from_config_json(json: &str) -> Amount {
+    let config: sluice_config::Amount = serde_json::from_str(json).expect("a valid config amount");
+    Amount::from(&config)
 }
 
 #[cfg(test)]
@@ -248,13 +206,9 @@ mod tests {
     use super::*;
     use crate::Millionths;
 
-    fn amount(json: &str) -> Result<Amount, String> {
-        serde_json::from_str(json).map_err(|e| e.to_string())
-    }
-
     #[test]
-    fn every_shape_deserializes() {
-        let a = amount(r#"{"json": "max_tokens", "default": 4096}"#).unwrap();
+    fn every_config_shape_converts() {
+        let a = from_config_json(r#"{"json": "max_tokens", "default": 4096}"#);
         assert_eq!(
             a.parts(),
             [Part::Json {
@@ -264,17 +218,17 @@ mod tests {
             }]
         );
         assert!(a.reads_body());
-        let a = amount(r#"{"value": 0.10}"#).unwrap();
+        let a = from_config_json(r#"{"value": 0.10}"#);
         assert_eq!(a.parts(), [Part::Value(Decimal::from_f64(0.1).unwrap())]);
         assert!(!a.reads_body());
-        let a = amount(r#"{"request_bytes": true, "times": 0.25}"#).unwrap();
+        let a = from_config_json(r#"{"request_bytes": true, "times": 0.25}"#);
         assert_eq!(
             a.parts(),
             [Part::RequestBytes {
                 times: Decimal::from_f64(0.25).unwrap()
             }]
         );
-        let a = amount(r#"{"header": "X-Usage-Tokens", "times": 2}"#).unwrap();
+        let a = from_config_json(r#"{"header": "X-Usage-Tokens", "times": 2}"#);
         match &a.parts()[0] {
             Part::Header { name, times } => {
                 assert_eq!(name.as_str(), "x-usage-tokens");
@@ -282,38 +236,25 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let a = amount(
-            r#"{"sum": [{"json": "usage.prompt_tokens", "times": 0.0000025},
-                        {"json": "usage.completion_tokens", "times": 0.00001}]}"#,
-        )
-        .unwrap();
-        assert_eq!(a.parts().len(), 2);
-        assert_eq!(a.json_paths_without_default().count(), 2);
     }
 
     #[test]
-    fn what_cannot_be_computed_is_refused() {
-        for (bad, says) in [
-            (r#"{}"#, "needs one of"),
-            (r#"{"json": "a", "value": 1}"#, "exactly one of"),
-            (r#"{"json": "a[0]"}"#, "not a dotted path"),
-            (r#"{"json": "a..b"}"#, "not a dotted path"),
-            (r#"{"json": ".a"}"#, "not a dotted path"),
-            (r#"{"json": ""}"#, "not a dotted path"),
-            (r#"{"json": "a", "times": -1}"#, "negative"),
-            (r#"{"value": -0.5}"#, "non-negative"),
-            (r#"{"value": 1, "times": 2}"#, "no `times`"),
-            (r#"{"value": 1, "default": 2}"#, "belongs to a `json`"),
-            (r#"{"request_bytes": false}"#, "`true` or left out"),
-            (r#"{"header": "bad header"}"#, "not a header name"),
-            (r#"{"sum": []}"#, "at least one part"),
-            (r#"{"sum": [{"sum": [{"value": 1}]}]}"#, "not another sum"),
-            (r#"{"sum": [{"value": 1}], "times": 2}"#, "stands alone"),
-            (r#"{"jsn": "a"}"#, "unknown field"),
-        ] {
-            let err = amount(bad).unwrap_err();
-            assert!(err.contains(says), "{bad}: {err}");
-        }
+    fn sums_flatten_and_prices_stay_as_written() {
+        let a = from_config_json(
+            r#"{"sum": [{"json": "usage.prompt_tokens", "times": 0.0000025},
+                        {"sum": [{"json": "usage.completion_tokens", "times": 0.00001}, {"value": 0.5}]}]}"#,
+        );
+        assert_eq!(a.parts().len(), 3);
+        assert_eq!(a.json_paths_without_default().count(), 2);
+        let Part::Json { path, times, .. } = &a.parts()[0] else {
+            panic!("{a:?}")
+        };
+        assert_eq!(path.as_str(), "usage.prompt_tokens");
+        assert_eq!(
+            Decimal::from_u64(1000).times(*times),
+            Some(Millionths(2500))
+        );
+        assert_eq!(a.parts()[2], Part::Value(Decimal::from_f64(0.5).unwrap()));
     }
 
     #[test]
@@ -325,7 +266,8 @@ mod tests {
             JsonPath::parse("max_tokens").unwrap().last_key(),
             "max_tokens"
         );
-        assert!(JsonPath::parse("a. b").is_none());
-        assert!(JsonPath::parse("a.").is_none());
+        for bad in ["a. b", "a.", ".a", "a..b", "a[0]", ""] {
+            assert!(JsonPath::parse(bad).is_none(), "{bad}");
+        }
     }
 }

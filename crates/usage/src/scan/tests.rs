@@ -7,7 +7,7 @@ use super::*;
 const MIB: usize = 1024 * 1024;
 
 fn amount(json: &str) -> Amount {
-    serde_json::from_str(json).unwrap()
+    crate::spec::from_config_json(json)
 }
 
 fn total_tokens() -> Amount {
