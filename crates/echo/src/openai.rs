@@ -24,7 +24,8 @@
 //! | `x-stub-chunks: N` | content chunks in a stream, 1 to [`MAX_CHUNKS`] (default 3) |
 //! | `x-stub-status: NNN` | an error answer, 400 to 599, with OpenAI's `{"error": {...}}` body (429: `rate_limit_exceeded`) |
 //! | `x-stub-retry-after: V` | a `Retry-After: V` on that error answer |
-//! | `x-stub-cut-after: N` | the connection is cut after N events of a stream, or N bytes of a JSON body (N must be less than there are) |
+//! | `x-stub-cut-after: N` | the connection is cut after N events of a stream, or N bytes of a JSON body as sent (N must be less than there are) |
+//! | `x-stub-hold-after: N` | while the stub holds, the answer stops after N events or bytes (0: right after its head) instead of before its head |
 //!
 //! A bad value in one of them is a 400 that says which. Every answer carries `x-upstream` (the
 //! stub's name) and `x-request-id`; the bytes of an answer depend only on the request, so a
@@ -32,10 +33,12 @@
 //!
 //! The stub records every exchange ([`OpenAiStub::exchanges`]): the request as it arrived
 //! (headers and whole body) and the answer as it was sent. [`OpenAiStub::hold`] keeps answers
-//! back, so that a test can look at a gateway while requests are in flight.
+//! back, before their head or in the middle, so that a test can look at a gateway while
+//! requests are in flight.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future;
 use std::io::{self, Write};
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -138,7 +141,7 @@ struct Shared {
     /// `true` while answers are held back.
     hold: watch::Sender<bool>,
     /// Answers waiting for [`OpenAiStub::release`].
-    held: AtomicUsize,
+    held: Arc<AtomicUsize>,
     acceptor: tokio::sync::Mutex<Option<(oneshot::Sender<()>, JoinHandle<()>)>>,
 }
 
@@ -160,7 +163,7 @@ impl OpenAiStub {
             next_id: AtomicU64::new(1),
             exchanges: Mutex::new(Vec::new()),
             hold: watch::channel(false).0,
-            held: AtomicUsize::new(0),
+            held: Arc::new(AtomicUsize::new(0)),
             acceptor: tokio::sync::Mutex::new(None),
         });
         let task = tokio::spawn(accept_loop(shared.clone(), listener, shutdown_rx));
@@ -182,7 +185,8 @@ impl OpenAiStub {
         self.shared.exchanges().clone()
     }
 
-    /// Answers decided from now on wait, before their first byte, until [`OpenAiStub::release`].
+    /// Answers decided from now on wait until [`OpenAiStub::release`]: before their head, or
+    /// where their `x-stub-hold-after` says.
     pub fn hold(&self) {
         self.shared.hold.send_replace(true);
     }
@@ -293,8 +297,10 @@ struct Plan {
     stream: bool,
     /// The usage and the index of the segment that first reports it.
     usage: Option<(Usage, usize)>,
-    /// Events (stream) or bytes (JSON) to send before the cut.
+    /// Events (stream) or bytes as sent (JSON) before the cut.
     cut_after: Option<usize>,
+    /// Events or bytes as sent before a held answer waits.
+    hold_after: Option<usize>,
 }
 
 impl Plan {
@@ -325,6 +331,7 @@ impl Plan {
             stream: false,
             usage: None,
             cut_after: None,
+            hold_after: None,
         }
     }
 }
@@ -393,6 +400,22 @@ impl Shared {
     ) -> hyper::Response<StubBody> {
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
         let mut chunks = encode(&plan.segments, gzip);
+        // Where to cut or hold is counted in what goes on the wire: a point past its end is a
+        // mistake in the test, and said so.
+        let room = if plan.stream {
+            chunks.len()
+        } else {
+            chunks.iter().map(Bytes::len).sum()
+        };
+        for (at, name) in [
+            (plan.cut_after, "x-stub-cut-after"),
+            (plan.hold_after, "x-stub-hold-after"),
+        ] {
+            if at.is_some_and(|at| at >= room) {
+                plan = Plan::bad_header(name);
+                chunks = encode(&plan.segments, gzip);
+            }
+        }
         let answer = plan.segments.concat();
         let full_len: usize = chunks.iter().map(Bytes::len).sum();
         let mut usage = plan.usage.map(|(usage, _)| usage);
@@ -426,7 +449,22 @@ impl Shared {
                 cut: was_cut,
             });
         }
-        self.wait_while_held().await;
+        let mut hold_after = plan.hold_after;
+        if hold_after.is_none() {
+            wait_while_held(self.hold.subscribe(), self.held.clone()).await;
+        } else if let (false, Some(at)) = (plan.stream, hold_after) {
+            // One chunk of a JSON answer, split where it is to wait.
+            let wire = chunks.concat();
+            if at > 0 && at < wire.len() {
+                chunks = vec![
+                    Bytes::copy_from_slice(&wire[..at]),
+                    Bytes::copy_from_slice(&wire[at..]),
+                ];
+                hold_after = Some(1);
+            } else if at > 0 {
+                hold_after = Some(chunks.len());
+            }
+        }
 
         plan.headers.push(("x-upstream", self.name.clone()));
         plan.headers
@@ -440,6 +478,11 @@ impl Shared {
             length: (!plan.stream).then_some(full_len as u64),
             cut: was_cut.then_some(cut),
             armed: false,
+            given: 0,
+            hold_after,
+            hold: self.hold.subscribe(),
+            held: self.held.clone(),
+            waiting: None,
         };
         let mut response = hyper::Response::new(body);
         *response.status_mut() =
@@ -458,17 +501,17 @@ impl Shared {
         }
         response
     }
+}
 
-    async fn wait_while_held(&self) {
-        let mut hold = self.hold.subscribe();
-        if !*hold.borrow_and_update() {
-            return;
-        }
-        self.held.fetch_add(1, Ordering::SeqCst);
-        // The sender lives as long as `self`, so this ends only on release.
-        let _ = hold.wait_for(|held| !held).await;
-        self.held.fetch_sub(1, Ordering::SeqCst);
+/// Returns at once unless the stub holds; else counts itself held until released.
+async fn wait_while_held(mut hold: watch::Receiver<bool>, held: Arc<AtomicUsize>) {
+    if !*hold.borrow_and_update() {
+        return;
     }
+    held.fetch_add(1, Ordering::SeqCst);
+    // Ends on release, or when the stub is gone (the sender dropped).
+    let _ = hold.wait_for(|held| !held).await;
+    held.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// The plan for a request other than `/healthz`.
@@ -570,6 +613,7 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Plan> {
         return Err(Plan::bad_header("x-stub-chunks"));
     }
     let cut_after = number_header(seen, "x-stub-cut-after")?;
+    let hold_after = number_header(seen, "x-stub-hold-after")?;
     let model = request["model"].as_str().unwrap_or(DEFAULT_MODEL);
     // From the request alone, like every byte of the answer.
     let id = format!("chatcmpl-stub-{}", seen.body.len());
@@ -593,18 +637,10 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Plan> {
             .push(("x-usage-total-tokens", usage.total_tokens().to_string()));
         plan
     };
-    if let Some(n) = cut_after {
-        let available = if plan.stream {
-            plan.segments.len()
-        } else {
-            plan.segments[0].len()
-        };
-        let n = usize::try_from(n)
-            .ok()
-            .filter(|n| *n < available)
-            .ok_or_else(|| Plan::bad_header("x-stub-cut-after"))?;
-        plan.cut_after = Some(n);
-    }
+    // Checked against what goes on the wire when it is encoded; usize::MAX is past any end.
+    let point = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+    plan.cut_after = cut_after.map(point);
+    plan.hold_after = hold_after.map(point);
     Ok(plan)
 }
 
@@ -678,6 +714,7 @@ fn stream_plan(id: &str, model: &str, words: &[String], usage: Usage, include_us
         stream: true,
         usage: reported,
         cut_after: None,
+        hold_after: None,
     }
 }
 
@@ -707,12 +744,18 @@ fn encode(segments: &[Vec<u8>], gzip: bool) -> Vec<Bytes> {
 }
 
 /// An answer's body: its chunks one by one, then the end, or, for a cut answer, nothing more
-/// until the connection is cut (see [`CutIo`]).
+/// until the connection is cut (see [`CutIo`]). A held answer waits after `hold_after` chunks.
 struct StubBody {
     chunks: VecDeque<Bytes>,
     length: Option<u64>,
     cut: Option<Arc<AtomicBool>>,
     armed: bool,
+    /// Chunks handed out so far.
+    given: usize,
+    hold_after: Option<usize>,
+    hold: watch::Receiver<bool>,
+    held: Arc<AtomicUsize>,
+    waiting: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl Body for StubBody {
@@ -721,9 +764,19 @@ impl Body for StubBody {
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.hold_after == Some(self.given) {
+            let (hold, held) = (self.hold.clone(), self.held.clone());
+            let waiting = self
+                .waiting
+                .get_or_insert_with(|| Box::pin(wait_while_held(hold, held)));
+            std::task::ready!(waiting.as_mut().poll(cx));
+            self.waiting = None;
+            self.hold_after = None;
+        }
         if let Some(chunk) = self.chunks.pop_front() {
+            self.given += 1;
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
         match self.cut.clone() {
@@ -742,7 +795,7 @@ impl Body for StubBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.chunks.is_empty() && self.cut.is_none()
+        self.chunks.is_empty() && self.cut.is_none() && self.hold_after.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -449,3 +449,86 @@ async fn the_openai_sdk_reads_the_stubs_usage() {
     let out = sdk(&python, base, spec).await;
     assert_eq!(out["error"]["class"], "RateLimitError", "{out}");
 }
+
+/// Reads from `stream` into `raw` until `done(raw)`.
+async fn read_until(stream: &mut TcpStream, raw: &mut Vec<u8>, done: impl Fn(&[u8]) -> bool) {
+    let mut chunk = [0u8; 4096];
+    while !done(raw) {
+        let n = timeout(IO_TIMEOUT, stream.read(&mut chunk))
+            .await
+            .expect("read timed out")
+            .expect("read");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(raw));
+        raw.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn count(haystack: &[u8], needle: &[u8]) -> usize {
+    haystack
+        .windows(needle.len())
+        .filter(|w| *w == needle)
+        .count()
+}
+
+#[tokio::test]
+async fn an_answer_held_mid_stream_waits_for_release() {
+    let stub = start().await;
+    stub.hold();
+    let mut stream = TcpStream::connect(stub.local_addr()).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: stub\r\nConnection: close\r\nx-stub-hold-after: 2\r\nContent-Length: {}\r\n\r\n{STREAM}",
+        STREAM.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    read_until(&mut stream, &mut raw, |raw| count(raw, b"data: ") == 2).await;
+    assert_eq!(stub.held(), 1);
+    // Two events are out and the stub waits before the third, so none follows yet.
+    assert_eq!(count(&raw, b"data: "), 2);
+    stub.release();
+    timeout(IO_TIMEOUT, stream.read_to_end(&mut raw))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = parse(&raw);
+    assert!(answer.complete);
+    assert_eq!(answer.body, stub.exchanges()[0].answer);
+    assert_eq!(stub.held(), 0);
+
+    // A JSON answer held after 5 of its bytes; without hold(), hold-after does nothing.
+    stub.hold();
+    let mut stream = TcpStream::connect(stub.local_addr()).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: stub\r\nConnection: close\r\nx-stub-hold-after: 5\r\nContent-Length: {}\r\n\r\n{CHAT}",
+        CHAT.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    read_until(&mut stream, &mut raw, |raw| {
+        raw.ends_with(b"\r\n\r\n{\"cho")
+    })
+    .await;
+    assert_eq!(stub.held(), 1);
+    stub.release();
+    timeout(IO_TIMEOUT, stream.read_to_end(&mut raw))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(parse(&raw).complete);
+    let answer = post(
+        &stub,
+        "/v1/chat/completions",
+        &[("x-stub-hold-after", "5")],
+        CHAT,
+    )
+    .await;
+    assert!(answer.complete);
+    let answer = post(
+        &stub,
+        "/v1/chat/completions",
+        &[("x-stub-hold-after", "100000")],
+        CHAT,
+    )
+    .await;
+    assert_eq!(answer.status, 400);
+}
