@@ -535,29 +535,30 @@ fn route(seen: &Seen) -> Plan {
 }
 
 /// A number in request header `name`, `Ok(None)` without one.
-fn number_header(seen: &Seen, name: &'static str) -> Result<Option<u64>, Plan> {
+fn number_header(seen: &Seen, name: &'static str) -> Result<Option<u64>, Box<Plan>> {
     match seen.header(name) {
         None => Ok(None),
         Some(value) => value
             .parse::<u64>()
             .map(Some)
-            .map_err(|_| Plan::bad_header(name)),
+            .map_err(|_| Box::new(Plan::bad_header(name))),
     }
 }
 
 fn chat(seen: &Seen) -> Plan {
     match chat_plan(seen) {
-        Ok(plan) | Err(plan) => plan,
+        Ok(plan) => plan,
+        Err(plan) => *plan,
     }
 }
 
-fn chat_plan(seen: &Seen) -> Result<Plan, Plan> {
+fn chat_plan(seen: &Seen) -> Result<Plan, Box<Plan>> {
     if let Some(status) = seen.header("x-stub-status") {
         let status = status
             .parse::<u16>()
             .ok()
             .filter(|s| (400..=599).contains(s))
-            .ok_or_else(|| Plan::bad_header("x-stub-status"))?;
+            .ok_or_else(|| Box::new(Plan::bad_header("x-stub-status")))?;
         let mut plan = match status {
             429 => Plan::error(
                 429,
@@ -580,7 +581,7 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Plan> {
         };
         if let Some(retry_after) = seen.header("x-stub-retry-after") {
             if HeaderValue::from_str(retry_after).is_err() || retry_after.is_empty() {
-                return Err(Plan::bad_header("x-stub-retry-after"));
+                return Err(Box::new(Plan::bad_header("x-stub-retry-after")));
             }
             plan.headers.push(("retry-after", retry_after.to_string()));
         }
@@ -590,12 +591,12 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Plan> {
     let request: Value = match serde_json::from_slice(&seen.body) {
         Ok(value @ Value::Object(_)) => value,
         _ => {
-            return Err(Plan::error(
+            return Err(Box::new(Plan::error(
                 400,
                 "invalid_request_error",
                 None,
                 "stub: the body is not a JSON object",
-            ))
+            )))
         }
     };
     let prompt_tokens = number_header(seen, "x-stub-prompt-tokens")?
@@ -610,7 +611,7 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Plan> {
     };
     let chunks = number_header(seen, "x-stub-chunks")?.unwrap_or(3);
     if !(1..=MAX_CHUNKS).contains(&chunks) {
-        return Err(Plan::bad_header("x-stub-chunks"));
+        return Err(Box::new(Plan::bad_header("x-stub-chunks")));
     }
     let cut_after = number_header(seen, "x-stub-cut-after")?;
     let hold_after = number_header(seen, "x-stub-hold-after")?;
