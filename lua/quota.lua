@@ -256,23 +256,31 @@ end
 
 -- Records an admitted reservation: window i's entry is "<seq>:<texts[i]>", its own amount,
 -- written at once (reservations are decided one per call). `amounts` are the same as numbers.
-local function quota_record_each(q, amounts, texts)
+-- scores[i] is where the entry lies: '' for now; a fixed window's period start, so that the
+-- entry leaves the window exactly at the period's end (its length is the period's).
+local function quota_record_each(q, amounts, texts, scores)
   q.seq = q.seq + 1
   q.recorded, q.dirty = true, true
   q.seq_text = string.format('%d', q.seq)
   for i = 1, q.n do
-    local s = 5 * i
-    redis.call('ZADD', KEYS[q.key + i], quota_now_text, q.seq_text .. ':' .. texts[i])
-    if not q[s - 3] then
-      q[s - 3] = q.now
-      q[s - 2] = false
+    local s, score = 5 * i, scores[i]
+    if score == '' then
+      score = quota_now_text
+    end
+    redis.call('ZADD', KEYS[q.key + i], score, q.seq_text .. ':' .. texts[i])
+    score = score + 0
+    if not q[s - 3] or score < q[s - 3] then
+      if not q[s - 3] then
+        q[s - 2] = false
+      end
+      q[s - 3] = score
     end
     q[s - 4] = q[s - 4] + amounts[i]
   end
 end
 
 -- Settles an entry of the quota `q` (read by quota_read, so what left its windows is gone):
--- in window i, the entry "<seq>:<reserved[i]>" admitted at `at` (µs, a string) becomes
+-- in window i, the entry "<seq>:<reserved[i]>" at score at[i] (µs, a string) becomes
 -- "<seq>:<settled[i]>" at the same score, and the window's total moves by the difference.
 -- Writes nothing itself (quota_finish does). Returns per window 0 (the entry is not there:
 -- nothing changed), 1 (settled) or 2 (settled, and it took the window past its limit).
@@ -282,7 +290,7 @@ local function quota_settle(q, seq, at, reserved, settled, out)
     local member = seq .. ':' .. reserved[i]
     local score = redis.call('ZSCORE', log, member)
     local state = 0
-    if score and score + 0 == at + 0 then
+    if score and score + 0 == at[i] + 0 then
       local before, after = reserved[i] + 0, settled[i] + 0
       state = 1
       if before ~= after then

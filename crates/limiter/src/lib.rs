@@ -132,6 +132,55 @@ pub struct EntryId {
     pub at_us: u64,
 }
 
+/// The period of a fixed (calendar) window: from `start_us` to `end_us`, in microseconds since
+/// the Unix epoch, the period that holds now. The caller cuts periods (a day, a week or a month
+/// in a time zone); the store only counts within one: every entry recorded in the period counts
+/// until its end and not a microsecond longer, so a full window admits again exactly at the
+/// boundary, which is what a refusal's `retry_after_us` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Period {
+    /// The period's first microsecond.
+    pub start_us: u64,
+    /// The first microsecond after it; greater than `start_us`.
+    pub end_us: u64,
+}
+
+/// Checks that `periods` is empty (every window slides) or names one period, or none, per window,
+/// and that a fixed window's `length_us` is its period's length: then a read through
+/// [`Acquire`] (cost 0, which knows no periods) expires its entries exactly at the period's end
+/// too. Charging a fixed window through [`Acquire`] would place the entry at now, counting it
+/// past the boundary: fixed windows are charged through [`Reserve`] only.
+pub fn check_periods(windows: &[Window], periods: &[Option<Period>]) -> Result<(), StoreError> {
+    if !periods.is_empty() && periods.len() != windows.len() {
+        return Err(StoreError::Backend(format!(
+            "{} periods for {} windows",
+            periods.len(),
+            windows.len()
+        )));
+    }
+    for (w, p) in windows.iter().zip(periods) {
+        if let Some(p) = p {
+            if p.end_us <= p.start_us || p.end_us - p.start_us != w.length_us {
+                return Err(StoreError::Backend(format!(
+                    "window {}: period {p:?} for a length of {} µs",
+                    w.name, w.length_us
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where window `i`'s entry lies and how long it counts: a sliding window's at `at_us`, for its
+/// length; a fixed window's at its period's start, for the period's length, so that it leaves
+/// exactly at the period's end.
+pub fn placement(w: &Window, periods: &[Option<Period>], i: usize, at_us: u64) -> (u64, u64) {
+    match periods.get(i).copied().flatten() {
+        Some(p) => (p.start_us, p.end_us - p.start_us),
+        None => (at_us, w.length_us),
+    }
+}
+
 /// A reservation: one request against one quota key whose windows each take their own amount
 /// (a requests window its cost, a usage window the units reserved, in millionths). Admitted only
 /// when each amount fits beside what its window holds; then recorded in every window, whatever
@@ -149,6 +198,9 @@ pub struct Reserve<'a> {
     pub amounts: &'a [u64],
     /// As [`Acquire::at_us`].
     pub at_us: Option<u64>,
+    /// Per window, its period when it is a fixed (calendar) window; empty when every window
+    /// slides. A fixed window's `length_us` is not used: its period's length is.
+    pub periods: &'a [Option<Period>],
 }
 
 /// The answer to a [`Reserve`].
@@ -175,6 +227,9 @@ pub struct Settle<'a> {
     /// Per window, the amount the answer used (0 for a request no member answered, or answered
     /// with a status that did no work). Capped at [`MAX_AMOUNT`].
     pub settled: &'a [u64],
+    /// The periods the reservation was made with ([`Reserve::periods`]): a fixed window settles
+    /// into the period of the admission, and not at all once that period is over.
+    pub periods: &'a [Option<Period>],
 }
 
 /// What a settlement did in one window.

@@ -7,11 +7,11 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use crate::{
-    check_amounts, Acquire, EntryId, Outcome, Reservation, Reserve, Settle, Settled, StoreError,
-    Window, WindowState, MAX_AMOUNT,
+    check_amounts, check_periods, placement, Acquire, EntryId, Outcome, Period, Reservation,
+    Reserve, Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
 };
 
 /// Independent shards, so that requests for different keys rarely meet on a lock.
@@ -188,6 +188,9 @@ struct Shard {
 pub struct QuotaLogs {
     shards: Box<[Mutex<Shard>]>,
     epoch: Instant,
+    /// The wall clock at `epoch`, in µs since the Unix epoch: the clock runs from it, so that a
+    /// calendar period (given in Unix time) and the store's time agree, while it stays monotonic.
+    epoch_us: u64,
     calls: AtomicU64,
     /// The most keys one route may hold in one shard: the route's bound, spread evenly over
     /// the shards as the keys' hashes spread them.
@@ -213,6 +216,9 @@ impl QuotaLogs {
         QuotaLogs {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             epoch: Instant::now(),
+            epoch_us: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
             calls: AtomicU64::new(0),
             max_keys_per_shard: limits.max_keys.max(1).div_ceil(SHARDS),
             max_entries_per_shard: limits.max_entries.max(1).div_ceil(SHARDS),
@@ -230,9 +236,9 @@ impl QuotaLogs {
             .sum()
     }
 
-    /// The store's clock: microseconds since these logs were made, monotonic.
+    /// The store's clock in µs: the Unix time these logs were made at, then monotonic.
     pub fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
+        self.epoch_us + self.epoch.elapsed().as_micros() as u64
     }
 
     fn shard(&self, route: &str, key: &str) -> &Mutex<Shard> {
@@ -265,6 +271,7 @@ impl QuotaLogs {
             windows: req.windows,
             amounts: Amounts::Each(req.cost),
             at_us: req.at_us,
+            periods: &[],
         };
         self.ask_then(ask, then)
             .map(|(outcome, taken, _)| (outcome, taken))
@@ -284,12 +291,14 @@ impl QuotaLogs {
         then: impl FnOnce() -> Option<T>,
     ) -> Result<(Reservation, Option<T>), StoreError> {
         check_amounts(req.windows, req.amounts)?;
+        check_periods(req.windows, req.periods)?;
         let ask = Ask {
             route: req.route,
             key: req.key,
             windows: req.windows,
             amounts: Amounts::Per(req.amounts),
             at_us: req.at_us,
+            periods: req.periods,
         };
         let (outcome, taken, entry) = self.ask_then(ask, then)?;
         Ok((Reservation { outcome, entry }, taken))
@@ -308,6 +317,7 @@ impl QuotaLogs {
         for s in settlements {
             check_amounts(s.windows, s.reserved)?;
             check_amounts(s.windows, s.settled)?;
+            check_periods(s.windows, s.periods)?;
         }
         let now = at_us.unwrap_or_else(|| self.now_us());
         let mut out = Vec::with_capacity(settlements.len());
@@ -330,10 +340,15 @@ impl QuotaLogs {
                 let log = state
                     .as_deref_mut()
                     .and_then(|st| st.logs.iter_mut().find(|(name, _)| *name == w.name));
+                let (at, length) = placement(w, s.periods, i, s.entry.at_us);
                 done.push(match log {
                     Some((_, log)) => {
-                        *entries -= log.expire(now, w.length_us);
-                        log.settle(s.entry, s.reserved[i], s.settled[i], w.limit)
+                        *entries -= log.expire(now, length);
+                        let entry = EntryId {
+                            at_us: at,
+                            ..s.entry
+                        };
+                        log.settle(entry, s.reserved[i], s.settled[i], w.limit)
                     }
                     None => Settled::Gone,
                 });
@@ -403,6 +418,8 @@ struct Ask<'a> {
     windows: &'a [Window],
     amounts: Amounts<'a>,
     at_us: Option<u64>,
+    /// Per window, its period if it is fixed; empty when every window slides.
+    periods: &'a [Option<Period>],
 }
 
 /// What each window of an [`Ask`] is charged.
@@ -445,7 +462,10 @@ fn decide<T>(
     then: impl FnOnce() -> Option<T>,
 ) -> Result<(Outcome, Option<T>, Option<EntryId>), StoreError> {
     state.last_us = now;
-    state.longest_us = req.windows.iter().map(|w| w.length_us).max().unwrap_or(0);
+    state.longest_us = (0..req.windows.len())
+        .map(|i| placement(&req.windows[i], req.periods, i, now).1)
+        .max()
+        .unwrap_or(0);
     // Windows are few; a linear search by name keeps state across config reloads that
     // reorder, add or remove windows.
     for w in req.windows {
@@ -473,15 +493,16 @@ fn decide<T>(
             .find(|(name, _)| *name == w.name)
             .expect("added above")
             .1;
-        log.length_us = w.length_us;
-        *entries -= log.expire(now, w.length_us);
+        let length = placement(w, req.periods, i, now).1;
+        log.length_us = length;
+        *entries -= log.expire(now, length);
         let cost = req.amounts.of(i);
         if log.total + cost > w.limit {
             admitted = false;
             let wait = if cost > w.limit {
-                w.length_us
+                length
             } else {
-                log.wait_for(log.total + cost - w.limit, now, w.length_us)
+                log.wait_for(log.total + cost - w.limit, now, length)
             };
             retry_after_us = retry_after_us.max(wait);
         }
@@ -505,10 +526,11 @@ fn decide<T>(
             .find(|(name, _)| *name == w.name)
             .expect("added above")
             .1;
+        let (at, length) = placement(w, req.periods, i, now);
         if let Some(entry) = entry {
             let cost = req.amounts.of(i);
             log.entries.push_back(Entry {
-                at_us: now,
+                at_us: at,
                 cost,
                 seq: entry.seq,
             });
@@ -520,7 +542,7 @@ fn decide<T>(
             reset_us: log
                 .entries
                 .front()
-                .map_or(0, |e| (e.at_us + w.length_us).saturating_sub(now)),
+                .map_or(0, |e| (e.at_us + length).saturating_sub(now)),
         });
     }
     let outcome = Outcome {

@@ -13,8 +13,8 @@ use redis::Value;
 
 use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
 use sluice_limiter::{
-    check_amounts, Acquire, ClientWindows, Outcome, Reservation, Reserve, Settle, Settled,
-    StoreError, Window, WindowState, MAX_AMOUNT,
+    check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Reservation, Reserve,
+    Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
 };
 
 use crate::batch::FusedBatches;
@@ -478,6 +478,7 @@ impl StateStore for RedisStore {
 
     async fn reserve(&self, req: Reserve<'_>) -> Result<Reservation, StoreError> {
         check_amounts(req.windows, req.amounts)?;
+        check_periods(req.windows, req.periods)?;
         if req.windows.is_empty() {
             return Ok(Reservation {
                 outcome: untouched(&[]),
@@ -498,11 +499,19 @@ impl StateStore for RedisStore {
             Some(t) => call.arg(t),
             None => call.arg(""),
         };
-        for w in req.windows {
-            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        // A fixed window's length is its period's, and its entry lies at the period's start.
+        for (i, w) in req.windows.iter().enumerate() {
+            let length = placement(w, req.periods, i, 0).1;
+            call.arg(&*w.name).arg(w.limit).arg(length);
         }
         for &amount in req.amounts {
             call.arg(amount.min(MAX_AMOUNT));
+        }
+        for i in 0..req.windows.len() {
+            match req.periods.get(i).copied().flatten() {
+                Some(p) => call.arg(p.start_us),
+                None => call.arg(""),
+            };
         }
         let reply: Vec<i64> = self.invoke(&call).await?;
         scripts::parse_reservation(&reply, req.windows.len())
@@ -519,6 +528,7 @@ impl StateStore for RedisStore {
         for s in settlements {
             check_amounts(s.windows, s.reserved)?;
             check_amounts(s.windows, s.settled)?;
+            check_periods(s.windows, s.periods)?;
         }
         let live = || settlements.iter().filter(|s| !s.windows.is_empty());
         if live().next().is_none() {
@@ -539,15 +549,16 @@ impl StateStore for RedisStore {
         };
         call.arg(live().count());
         for s in live() {
-            call.arg(s.entry.seq)
-                .arg(s.entry.at_us)
-                .arg(s.windows.len());
-            for w in s.windows {
-                call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+            call.arg(s.entry.seq).arg(s.windows.len());
+            for (i, w) in s.windows.iter().enumerate() {
+                let length = placement(w, s.periods, i, s.entry.at_us).1;
+                call.arg(&*w.name).arg(w.limit).arg(length);
             }
-            for (&reserved, &settled) in s.reserved.iter().zip(s.settled) {
-                call.arg(reserved.min(MAX_AMOUNT))
-                    .arg(settled.min(MAX_AMOUNT));
+            for (i, w) in s.windows.iter().enumerate() {
+                let at = placement(w, s.periods, i, s.entry.at_us).0;
+                call.arg(at)
+                    .arg(s.reserved[i].min(MAX_AMOUNT))
+                    .arg(s.settled[i].min(MAX_AMOUNT));
             }
         }
         let reply: Vec<i64> = self.invoke(&call).await?;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_allocator::{MemoryStore, StateStore};
-use sluice_limiter::{Acquire, EntryId, Reserve, Settle, Settled, Window, MAX_AMOUNT};
+use sluice_limiter::{Acquire, EntryId, Period, Reserve, Settle, Settled, Window, MAX_AMOUNT};
 use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
 
@@ -89,6 +89,7 @@ async fn reserve(
             windows: w,
             amounts,
             at_us: Some(at),
+            periods: &[],
         })
         .await
         .unwrap()
@@ -115,6 +116,7 @@ async fn settle_one(
                 entry,
                 reserved,
                 settled,
+                periods: &[],
             }],
             Some(at),
         )
@@ -268,6 +270,7 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
             windows: &w,
             amounts: &[1],
             at_us: Some(t0),
+            periods: &[],
         })
         .await
         .is_err());
@@ -328,6 +331,7 @@ async fn batched(store: &dyn StateStore, route: &str) {
             entry,
             reserved: &reserved,
             settled,
+            periods: &[],
         })
         .collect();
     batch.insert(
@@ -338,6 +342,7 @@ async fn batched(store: &dyn StateStore, route: &str) {
             entry: entries[0],
             reserved: &[],
             settled: &[],
+            periods: &[],
         },
     );
     let done = store.settle(route, &batch, Some(t0 + 100)).await.unwrap();
@@ -356,11 +361,161 @@ async fn batched(store: &dyn StateStore, route: &str) {
     }
 }
 
+const DAY: u64 = 86_400_000_000;
+
+/// A calendar day as the caller cuts it (here UTC), and the window that counts in it: a fixed
+/// window's length is its period's.
+fn day(start_us: u64, limit: u64) -> (Window, Period) {
+    let window = Window {
+        name: "day".into(),
+        limit,
+        length_us: DAY,
+    };
+    let period = Period {
+        start_us,
+        end_us: start_us + DAY,
+    };
+    (window, period)
+}
+
+/// A fixed (calendar) window beside a sliding one: everything reserved in the period counts until
+/// its end and not after, a refusal waits exactly for the boundary, and a settlement goes into the
+/// period of its admission, or nowhere once that period is over.
+async fn calendar(store: &dyn StateStore, route: &str) {
+    // Midnight, 2026-12-04, UTC.
+    let d = 1_796_342_400_000_000u64;
+    let e = d + DAY;
+    let (today, p1) = day(d, tokens(1_000));
+    let rpm = windows().remove(0);
+    let w = [rpm.clone(), today.clone()];
+    let first_periods = [None, Some(p1)];
+    let reserve_at = |amounts: [u64; 2], at: u64, periods: [Option<Period>; 2]| {
+        let w = w.clone();
+        async move {
+            store
+                .reserve(Reserve {
+                    route,
+                    key: "team",
+                    windows: &w,
+                    amounts: &amounts,
+                    at_us: Some(at),
+                    periods: &periods,
+                })
+                .await
+                .unwrap()
+        }
+    };
+    let t1 = d + 10 * 3_600_000_000;
+    let r1 = reserve_at([1, tokens(600)], t1, first_periods).await;
+    assert!(r1.outcome.admitted);
+    assert_eq!(r1.outcome.windows[1].remaining, tokens(400));
+    assert_eq!(
+        r1.outcome.windows[1].reset_us,
+        e - t1,
+        "the day resets at its end"
+    );
+    let e1 = r1.entry.unwrap();
+    assert_eq!(e1.at_us, t1, "the entry's time is the admission's");
+    // A millisecond before midnight, 500 do not fit: retry exactly at the boundary.
+    let late = reserve_at([1, tokens(500)], e - 1_000, first_periods).await;
+    assert!(!late.outcome.admitted);
+    assert_eq!(late.outcome.retry_after_us, 1_000);
+    // Settled within the day: the day's total follows (the minute window's entry left it long
+    // ago).
+    let settle = |entry: EntryId,
+                  reserved: [u64; 2],
+                  settled: [u64; 2],
+                  at: u64,
+                  periods: [Option<Period>; 2]| {
+        let w = w.clone();
+        async move {
+            store
+                .settle(
+                    route,
+                    &[Settle {
+                        key: "team",
+                        windows: &w,
+                        entry,
+                        reserved: &reserved,
+                        settled: &settled,
+                        periods: &periods,
+                    }],
+                    Some(at),
+                )
+                .await
+                .unwrap()
+                .remove(0)
+        }
+    };
+    let done = settle(
+        e1,
+        [1, tokens(600)],
+        [1, tokens(900)],
+        e - 500,
+        first_periods,
+    )
+    .await;
+    assert_eq!(done, [Settled::Gone, Settled::Done]);
+    // A read (cost 0, which knows no periods) sees the day as it is, and then the new day.
+    assert_eq!(
+        remaining(store, route, "team", &w, e - 400).await[1],
+        tokens(100)
+    );
+    assert_eq!(
+        remaining(store, route, "team", &w, e).await[1],
+        tokens(1_000)
+    );
+    // At midnight the new day admits its whole limit.
+    let (_, p2) = day(e, tokens(1_000));
+    let second_periods = [None, Some(p2)];
+    let r2 = reserve_at([1, tokens(1_000)], e, second_periods).await;
+    assert!(r2.outcome.admitted, "{r2:?}");
+    let e2 = r2.entry.unwrap();
+    // The first day's entry settles no more: its period is over, and the new day is untouched.
+    let gone = settle(e1, [1, tokens(900)], [1, tokens(10)], e + 5, first_periods).await;
+    assert_eq!(gone, [Settled::Gone, Settled::Gone]);
+    assert_eq!(remaining(store, route, "team", &w, e + 6).await[1], 0);
+    // The new day's entry settles into the new day.
+    let done = settle(
+        e2,
+        [1, tokens(1_000)],
+        [1, tokens(200)],
+        e + 10,
+        second_periods,
+    )
+    .await;
+    assert_eq!(done, [Settled::Done, Settled::Done]);
+    assert_eq!(
+        remaining(store, route, "team", &w, e + 11).await[1],
+        tokens(800)
+    );
+    // A period that is not the window's length is refused, never guessed at.
+    let wrong = [
+        None,
+        Some(Period {
+            start_us: e,
+            end_us: e + 1,
+        }),
+    ];
+    assert!(store
+        .reserve(Reserve {
+            route,
+            key: "team",
+            windows: &w,
+            amounts: &[1, 1],
+            at_us: Some(e + 12),
+            periods: &wrong,
+        })
+        .await
+        .is_err());
+}
+
 #[tokio::test]
 async fn memory_reserves_and_settles() {
     let store = MemoryStore::new();
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
+    calendar(&store, "calendar").await;
 }
 
 #[tokio::test]
@@ -369,6 +524,7 @@ async fn redis_reserves_and_settles() {
     let store = redis_store(&server.url());
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
+    calendar(&store, "calendar").await;
     // A batch of settlements is one call.
     let before = server.command_calls("fcall");
     batched(&store, "usage2").await;
@@ -387,6 +543,7 @@ async fn redis_without_functions_reserves_and_settles() {
     let store = redis_store(&server.url_without_functions());
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
+    calendar(&store, "calendar").await;
     assert!(!store.uses_functions());
 }
 
@@ -397,6 +554,7 @@ async fn redis_cluster_reserves_and_settles() {
     for route in ["usage", "other", "third"] {
         scenarios(&store, route).await;
         batched(&store, route).await;
+        calendar(&store, route).await;
     }
 }
 
@@ -441,6 +599,7 @@ async fn concurrent(
                     windows: &w,
                     amounts: &[1, reserved],
                     at_us: None,
+                    periods: &[],
                 })
                 .await
                 .unwrap();
@@ -463,6 +622,7 @@ async fn concurrent(
                             entry,
                             reserved: &[1, reserved],
                             settled: &[1, settled],
+                            periods: &[],
                         }],
                         None,
                     )
@@ -541,6 +701,7 @@ async fn reservations_fit(stores: &[Arc<dyn StateStore>], route: &str) -> u64 {
                     windows: &w,
                     amounts: &[1, amount],
                     at_us: None,
+                    periods: &[],
                 })
                 .await
                 .unwrap();
