@@ -65,9 +65,10 @@
 //!
 //! # An OpenAI-compatible stub
 //!
-//! [`openai::OpenAiStub`] answers `POST /v1/chat/completions` as the OpenAI API does (JSON
-//! or Server-Sent Events, usage chosen by the test, errors, gzip, a connection cut mid-stream)
-//! and records every exchange: the member that usage-metered routes are tested against.
+//! [`openai::OpenAiStub`] answers `POST /v1/chat/completions` as the OpenAI API does, and
+//! `POST /v1/messages` as Anthropic's (JSON or Server-Sent Events, usage chosen by the test,
+//! errors, gzip, a connection cut or held mid-stream), and records every exchange: the member
+//! that usage-metered routes are tested against.
 
 mod connection;
 mod keys;

@@ -12,6 +12,11 @@
 //! * **gzip** when the request accepts it (the openai SDK always does), for JSON and streams
 //!   alike; each event is flushed, so a client decodes it as it arrives. Send
 //!   `Accept-Encoding: identity` for plain bytes.
+//! * `POST /v1/messages` answers as Anthropic's Messages API does, with the same knobs: a
+//!   `message` with `usage.input_tokens` and `usage.output_tokens`, or a stream whose
+//!   `message_start` event holds the input tokens and whose `message_delta` event, near the
+//!   end, holds the output tokens; its errors have Anthropic's `{"type": "error", ...}` body.
+//!   [`Usage`] then means input and output tokens.
 //! * `GET /v1/models` lists one model, `GET /healthz` answers `ok` (and is not recorded), and
 //!   anything else is a 404 with an OpenAI error body.
 //!
@@ -517,7 +522,8 @@ async fn wait_while_held(mut hold: watch::Receiver<bool>, held: Arc<AtomicUsize>
 /// The plan for a request other than `/healthz`.
 fn route(seen: &Seen) -> Plan {
     match (seen.method.as_str(), seen.path()) {
-        ("POST", "/v1/chat/completions") => chat(seen),
+        ("POST", "/v1/chat/completions") => chat(seen, Flavor::OpenAi),
+        ("POST", "/v1/messages") => chat(seen, Flavor::Anthropic),
         ("GET", "/v1/models") => Plan::json(
             200,
             &json!({
@@ -545,40 +551,58 @@ fn number_header(seen: &Seen, name: &'static str) -> Result<Option<u64>, Box<Pla
     }
 }
 
-fn chat(seen: &Seen) -> Plan {
-    match chat_plan(seen) {
+/// Whose API a completion answers as.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Flavor {
+    OpenAi,
+    Anthropic,
+}
+
+impl Flavor {
+    /// An error answer with this API's body.
+    fn error(self, status: u16, message: &str) -> Plan {
+        match self {
+            Flavor::OpenAi => match status {
+                429 => Plan::error(429, "requests", Some("rate_limit_exceeded"), message),
+                500..=599 => Plan::error(status, "server_error", None, message),
+                _ => Plan::error(status, "invalid_request_error", None, message),
+            },
+            Flavor::Anthropic => {
+                let kind = match status {
+                    429 => "rate_limit_error",
+                    529 => "overloaded_error",
+                    500..=599 => "api_error",
+                    _ => "invalid_request_error",
+                };
+                Plan::json(
+                    status,
+                    &json!({ "type": "error", "error": { "type": kind, "message": message } }),
+                )
+            }
+        }
+    }
+}
+
+fn chat(seen: &Seen, flavor: Flavor) -> Plan {
+    match chat_plan(seen, flavor) {
         Ok(plan) => plan,
         Err(plan) => *plan,
     }
 }
 
-fn chat_plan(seen: &Seen) -> Result<Plan, Box<Plan>> {
+fn chat_plan(seen: &Seen, flavor: Flavor) -> Result<Plan, Box<Plan>> {
     if let Some(status) = seen.header("x-stub-status") {
         let status = status
             .parse::<u16>()
             .ok()
             .filter(|s| (400..=599).contains(s))
             .ok_or_else(|| Box::new(Plan::bad_header("x-stub-status")))?;
-        let mut plan = match status {
-            429 => Plan::error(
-                429,
-                "requests",
-                Some("rate_limit_exceeded"),
-                "stub: Rate limit reached for requests",
-            ),
-            500..=599 => Plan::error(
-                status,
-                "server_error",
-                None,
-                "stub: The server had an error while processing your request.",
-            ),
-            _ => Plan::error(
-                status,
-                "invalid_request_error",
-                None,
-                "stub: scripted error",
-            ),
+        let message = match status {
+            429 => "stub: Rate limit reached for requests",
+            500..=599 => "stub: The server had an error while processing your request.",
+            _ => "stub: scripted error",
         };
+        let mut plan = flavor.error(status, message);
         if let Some(retry_after) = seen.header("x-stub-retry-after") {
             if HeaderValue::from_str(retry_after).is_err() || retry_after.is_empty() {
                 return Err(Box::new(Plan::bad_header("x-stub-retry-after")));
@@ -591,12 +615,9 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Box<Plan>> {
     let request: Value = match serde_json::from_slice(&seen.body) {
         Ok(value @ Value::Object(_)) => value,
         _ => {
-            return Err(Box::new(Plan::error(
-                400,
-                "invalid_request_error",
-                None,
-                "stub: the body is not a JSON object",
-            )))
+            return Err(Box::new(
+                flavor.error(400, "stub: the body is not a JSON object"),
+            ))
         }
     };
     let prompt_tokens = number_header(seen, "x-stub-prompt-tokens")?
@@ -617,7 +638,10 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Box<Plan>> {
     let hold_after = number_header(seen, "x-stub-hold-after")?;
     let model = request["model"].as_str().unwrap_or(DEFAULT_MODEL);
     // From the request alone, like every byte of the answer.
-    let id = format!("chatcmpl-stub-{}", seen.body.len());
+    let id = match flavor {
+        Flavor::OpenAi => format!("chatcmpl-stub-{}", seen.body.len()),
+        Flavor::Anthropic => format!("msg_stub_{}", seen.body.len()),
+    };
     let words: Vec<String> = (0..chunks)
         .map(|i| {
             if i == 0 {
@@ -628,11 +652,18 @@ fn chat_plan(seen: &Seen) -> Result<Plan, Box<Plan>> {
         })
         .collect();
 
-    let mut plan = if request["stream"] == Value::Bool(true) {
+    let stream = request["stream"] == Value::Bool(true);
+    let mut plan = if stream && flavor == Flavor::Anthropic {
+        anthropic_stream_plan(&id, model, &words, usage)
+    } else if stream {
         let include_usage = request["stream_options"]["include_usage"] == Value::Bool(true);
         stream_plan(&id, model, &words, usage, include_usage)
     } else {
-        let mut plan = Plan::json(200, &completion(&id, model, &words.concat(), usage));
+        let document = match flavor {
+            Flavor::OpenAi => completion(&id, model, &words.concat(), usage),
+            Flavor::Anthropic => anthropic_message(&id, model, &words.concat(), usage),
+        };
+        let mut plan = Plan::json(200, &document);
         plan.usage = Some((usage, 0));
         plan.headers
             .push(("x-usage-total-tokens", usage.total_tokens().to_string()));
@@ -660,6 +691,69 @@ fn completion(id: &str, model: &str, content: &str, usage: Usage) -> Value {
         }],
         "usage": usage_json(usage)
     })
+}
+
+fn anthropic_message(id: &str, model: &str, text: &str, usage: Usage) -> Value {
+    json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{ "type": "text", "text": text }],
+        "stop_reason": "end_turn",
+        "stop_sequence": null,
+        "usage": { "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens }
+    })
+}
+
+/// Anthropic's events: `message_start` (input tokens, and 1 output token so far), a text block
+/// with `words`, a `ping` among them, `message_delta` (all output tokens), `message_stop`.
+fn anthropic_stream_plan(id: &str, model: &str, words: &[String], usage: Usage) -> Plan {
+    let mut events = vec![
+        (
+            "message_start",
+            json!({ "type": "message_start", "message": {
+                "id": id, "type": "message", "role": "assistant", "content": [], "model": model,
+                "stop_reason": null, "stop_sequence": null,
+                "usage": { "input_tokens": usage.prompt_tokens, "output_tokens": 1 }
+            }}),
+        ),
+        (
+            "content_block_start",
+            json!({ "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" } }),
+        ),
+        ("ping", json!({ "type": "ping" })),
+    ];
+    events.extend(words.iter().map(|w| {
+        (
+            "content_block_delta",
+            json!({ "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": w } }),
+        )
+    }));
+    events.push((
+        "content_block_stop",
+        json!({ "type": "content_block_stop", "index": 0 }),
+    ));
+    let reported = Some((usage, events.len()));
+    events.push((
+        "message_delta",
+        json!({ "type": "message_delta", "delta": { "stop_reason": "end_turn", "stop_sequence": null },
+                "usage": { "output_tokens": usage.completion_tokens } }),
+    ));
+    events.push(("message_stop", json!({ "type": "message_stop" })));
+    Plan {
+        status: 200,
+        content_type: "text/event-stream; charset=utf-8",
+        headers: Vec::new(),
+        segments: events
+            .iter()
+            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n").into_bytes())
+            .collect(),
+        stream: true,
+        usage: reported,
+        cut_after: None,
+        hold_after: None,
+    }
 }
 
 fn usage_json(usage: Usage) -> Value {

@@ -532,3 +532,80 @@ async fn an_answer_held_mid_stream_waits_for_release() {
     .await;
     assert_eq!(answer.status, 400);
 }
+
+/// `(event name, data)` of each event of an Anthropic stream.
+fn named_events(body: &[u8]) -> Vec<(String, Value)> {
+    let text = std::str::from_utf8(body).unwrap();
+    assert!(text.ends_with("\n\n"), "{text}");
+    text.split_terminator("\n\n")
+        .map(|event| {
+            let (name, data) = event.split_once('\n').expect("two lines");
+            let name = name.strip_prefix("event: ").expect("an event line");
+            let data = data.strip_prefix("data: ").expect("a data line");
+            (name.to_string(), serde_json::from_str(data).unwrap())
+        })
+        .collect()
+}
+
+const MESSAGES: &str =
+    r#"{"model":"claude-test","max_tokens":40,"messages":[{"role":"user","content":"hi"}]}"#;
+
+#[tokio::test]
+async fn anthropic_messages_report_input_and_output_tokens() {
+    let stub = start().await;
+    let headers = [("x-stub-prompt-tokens", "25")];
+    let answer = post(&stub, "/v1/messages", &headers, MESSAGES).await;
+    assert_eq!(answer.status, 200);
+    let document: Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(document["type"], "message");
+    assert_eq!(document["content"][0]["text"], "Hello 1 2");
+    assert_eq!(
+        document["usage"],
+        json!({"input_tokens": 25, "output_tokens": 40})
+    );
+
+    let stream = MESSAGES.replace("\"max_tokens\"", "\"stream\":true,\"max_tokens\"");
+    let answer = post(&stub, "/v1/messages", &headers, &stream).await;
+    assert!(answer.complete);
+    let events = named_events(&answer.body);
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str());
+    }
+    assert_eq!(events[0].1["message"]["usage"]["input_tokens"], 25);
+    assert_eq!(events[7].1["usage"]["output_tokens"], 40);
+    let exchange = &stub.exchanges()[1];
+    assert_eq!(
+        exchange.usage,
+        Some(Usage {
+            prompt_tokens: 25,
+            completion_tokens: 40
+        })
+    );
+    assert_eq!(exchange.sent, answer.body);
+
+    // Cut before message_delta: the output tokens never came.
+    let cut = [("x-stub-cut-after", "7")];
+    post(&stub, "/v1/messages", &cut, &stream).await;
+    assert_eq!(stub.exchanges()[2].usage, None);
+
+    let answer = post(&stub, "/v1/messages", &[("x-stub-status", "529")], MESSAGES).await;
+    assert_eq!(answer.status, 529);
+    let document: Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(document["type"], "error");
+    assert_eq!(document["error"]["type"], "overloaded_error");
+}
