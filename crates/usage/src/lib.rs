@@ -16,6 +16,8 @@
 //! It knows nothing of Pingora or Redis: the gateway hands it headers and bytes, and hands the
 //! amounts to the quota store.
 
+#[cfg(test)]
+mod alloc_count;
 pub mod amount;
 pub mod json;
 mod reserve;

@@ -542,3 +542,58 @@ proptest! {
         prop_assert_eq!(settle_cut(&total_tokens(), MIB, &h, stream.as_bytes(), &every), units(last));
     }
 }
+
+#[test]
+fn scanning_a_chunk_allocates_nothing() {
+    // A long answer: many token chunks, then the usage chunk, as OpenAI streams it.
+    // Token chunks of varied text, so that compressed bodies still span many chunks.
+    let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut tokens = |n: usize| -> String {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                format!(
+                    "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" {:016x}\"}},\"finish_reason\":null}}],\"usage\":null}}\n\n",
+                    seed
+                )
+            })
+            .collect()
+    };
+    let usage = "data: {\"id\":\"chatcmpl-1\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2000,\"total_tokens\":2009}}\n\ndata: [DONE]\n\n";
+    let stream = format!("{}{usage}{}{usage}", tokens(200), tokens(2000));
+    let json = format!(
+        "{{\"pad\": {:?}, \"usage\": {{\"total_tokens\": 2009}}}}",
+        tokens(1500)
+    );
+    let plain: Encoder = |b| b.to_vec();
+    for (coding, encode) in std::iter::once(("identity", plain)).chain(ENCODINGS) {
+        for (kind, body) in [(SSE, &stream), (JSON, &json)] {
+            let body = encode(body.as_bytes());
+            let h = headers(&[kind, ("content-encoding", coding)]);
+            let mut scanner = ResponseScanner::new(&total_tokens(), MIB, &h);
+            // Small chunks, as a stream's tokens arrive.
+            let mut chunks = body.chunks(64);
+            // Decoders set up their state on first use, and the buffer grows to the body.
+            let warm = chunks.len() / 3;
+            for chunk in chunks.by_ref().take(warm) {
+                scanner.feed(chunk);
+            }
+            let counted = chunks.len() as u64;
+            let n = crate::alloc_count::allocations_in(|| chunks.for_each(|c| scanner.feed(c)));
+            if kind == JSON {
+                // The JSON buffer still grows, by doubling: a few allocations in all.
+                assert!(n <= 8, "{coding} json: {n} allocations in {counted} chunks");
+            } else if coding == "br" || coding == "zstd" {
+                // Brotli allocates its tables per meta-block, and zstd now and then, each
+                // spanning many chunks.
+                assert!(
+                    n * 4 < counted,
+                    "{coding} sse: {n} allocations in {counted} chunks"
+                );
+            } else {
+                assert_eq!(n, 0, "{coding} sse: {n} allocations in {counted} chunks");
+            }
+            assert_eq!(scanner.finish(), units(2009), "{coding}");
+        }
+    }
+}
