@@ -17,15 +17,20 @@ import json
 import sys
 import zlib
 
-import httpx2
 import openai
 
+# The HTTP library the SDK is built on: httpx2 from openai 3, httpx before.
+try:
+    import httpx2 as http
+except ImportError:
+    import httpx as http
 
-class Tee(httpx2.BaseTransport):
+
+class Tee(http.BaseTransport):
     """An HTTP transport that keeps what went over the wire."""
 
     def __init__(self):
-        self.inner = httpx2.HTTPTransport()
+        self.inner = http.HTTPTransport()
         self.request_body = b""
         self.raw = bytearray()
         self.status = None
@@ -38,7 +43,7 @@ class Tee(httpx2.BaseTransport):
         self.headers = {k.lower(): v for k, v in response.headers.items()}
         upstream, raw = response.stream, self.raw
 
-        class Stream(httpx2.SyncByteStream):
+        class Stream(http.SyncByteStream):
             def __iter__(self):
                 for chunk in upstream:
                     raw.extend(chunk)
@@ -62,7 +67,7 @@ def main():
         api_key=spec.get("api_key", "sk-test"),
         max_retries=0,
         timeout=30,
-        http_client=httpx2.Client(transport=tee),
+        http_client=http.Client(transport=tee),
     )
     args = dict(
         model="gpt-4o-mini",
