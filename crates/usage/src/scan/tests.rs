@@ -597,3 +597,30 @@ fn scanning_a_chunk_allocates_nothing() {
         }
     }
 }
+
+/// zstd with a window of `2^log`, its size unknown to the frame, as a streaming server makes it.
+fn zstd_window(bytes: &[u8], log: u32) -> Vec<u8> {
+    use zstd::stream::raw::CParameter;
+    let mut e = zstd::stream::write::Encoder::new(Vec::new(), 3).unwrap();
+    e.set_parameter(CParameter::WindowLog(log)).unwrap();
+    e.set_parameter(CParameter::ContentSizeFlag(false)).unwrap();
+    let (a, b) = bytes.split_at(bytes.len() / 2);
+    e.write_all(a).unwrap();
+    e.flush().unwrap();
+    e.write_all(b).unwrap();
+    e.finish().unwrap()
+}
+
+#[test]
+fn zstd_past_the_http_window_is_not_decoded() {
+    let h = headers(&[JSON, ("content-encoding", "zstd")]);
+    let body = OPENAI_JSON.as_bytes();
+    assert_eq!(
+        settle(&total_tokens(), &h, &zstd_window(body, 23)),
+        units(21)
+    );
+    assert_eq!(
+        settle(&total_tokens(), &h, &zstd_window(body, 24)),
+        Err(Unsettled::Malformed)
+    );
+}
