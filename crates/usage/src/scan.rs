@@ -1,8 +1,10 @@
 //! The settled amount, read from an answer as it streams by.
 //!
-//! The gateway makes a [`ResponseScanner`] from the response head, feeds it each body chunk as
-//! the chunk passes on to the client unchanged, and calls [`ResponseScanner::finish`] when the
-//! body ends. What it keeps is bounded by `max_response_body`:
+//! The gateway makes a [`ResponseScanner`] from the response head and the `settle` amounts of
+//! the route's units, feeds it each body chunk as the chunk passes on to the client unchanged,
+//! and calls [`ResponseScanner::finish`] when the body ends, for one outcome per unit. All the
+//! units share one pass: one decoder, one buffer. What it keeps is bounded by
+//! `max_response_body`:
 //! - a JSON body: its first `max_response_body` bytes; a longer one is
 //!   [`Unsettled::TooLarge`];
 //! - `text/event-stream`: one event's data, at most `max_response_body`, and the numbers read
@@ -11,6 +13,9 @@
 //!   `message_delta` for output tokens); an event too large to read that comes after it makes
 //!   the part [`Unsettled::TooLarge`], since it may have held a newer number;
 //! - `header` parts are read from the head, and need no body at all.
+//!
+//! A body that cannot be read (too large, not decoded) leaves unsettled only the units that
+//! read it; a unit whose header is missing does not stop the body being read for the others.
 //!
 //! A compressed body (`Content-Encoding` gzip, deflate, br or zstd) is decompressed here, for
 //! scanning only, and the bound applies to the decompressed bytes: a zip bomb stops at the
@@ -62,59 +67,79 @@ impl fmt::Display for Unsettled {
     }
 }
 
-/// Reads the settled amount from one answer. See the module documentation.
+/// Reads what one answer settles in each of a route's units, in one pass over the body. See
+/// the module documentation.
 pub struct ResponseScanner {
-    /// `None` when the body is not needed, or once scanning it has failed.
+    /// `None` when no amount needs the body, or once scanning it has failed.
     tap: Option<Tap>,
-    /// The parts' amounts that the head already decided (`value`, `header`).
-    head: Vec<Option<Result<Millionths, Unsettled>>>,
-    amount: Amount,
-    failed: Option<Unsettled>,
+    /// Per amount, per part: what the head already decided (`value`, `header`); `None` for a
+    /// `json` part.
+    heads: Vec<Vec<Option<Result<Millionths, Unsettled>>>>,
+    amounts: Vec<Amount>,
+    /// Why the body could not be read: the outcome of every amount that reads it.
+    body_failed: Option<Unsettled>,
 }
 
 impl fmt::Debug for ResponseScanner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseScanner")
             .field("wants_body", &self.wants_body())
-            .field("failed", &self.failed)
+            .field("body_failed", &self.body_failed)
             .finish()
     }
 }
 
+/// What the head decides of each part of `amount`.
+fn head_parts(
+    amount: &Amount,
+    headers: &http::HeaderMap,
+) -> Vec<Option<Result<Millionths, Unsettled>>> {
+    amount
+        .parts()
+        .iter()
+        .map(|part| match part {
+            Part::Json { .. } => None,
+            Part::Value(value) => Some(Ok(value.to_millionths().unwrap_or(Millionths::MAX))),
+            // A settlement has no request body; `check` refuses this part under `settle`.
+            Part::RequestBytes { .. } => Some(Ok(Millionths::ZERO)),
+            Part::Header { name, times } => Some(match headers.get(name.as_str()) {
+                None => Err(Unsettled::NoUsage),
+                Some(value) => value
+                    .to_str()
+                    .ok()
+                    .and_then(Decimal::parse)
+                    .and_then(|n| n.times(*times))
+                    .ok_or(Unsettled::Malformed),
+            }),
+        })
+        .collect()
+}
+
+/// The first part of an amount that the head decided against.
+fn head_failure(head: &[Option<Result<Millionths, Unsettled>>]) -> Option<Unsettled> {
+    head.iter().flatten().find_map(|r| r.err())
+}
+
 impl ResponseScanner {
-    /// A scanner for an answer with `headers`, settling `amount`.
+    /// A scanner for an answer with `headers`, settling each of `amounts` (a route's units).
     pub fn new(
-        amount: &Amount,
+        amounts: &[Amount],
         max_response_body: usize,
         headers: &http::HeaderMap,
     ) -> ResponseScanner {
-        let head: Vec<_> = amount
-            .parts()
-            .iter()
-            .map(|part| match part {
-                Part::Json { .. } => None,
-                Part::Value(value) => Some(Ok(value.to_millionths().unwrap_or(Millionths::MAX))),
-                // A settlement has no request body; `check` refuses this part under `settle`.
-                Part::RequestBytes { .. } => Some(Ok(Millionths::ZERO)),
-                Part::Header { name, times } => Some(match headers.get(name.as_str()) {
-                    None => Err(Unsettled::NoUsage),
-                    Some(value) => value
-                        .to_str()
-                        .ok()
-                        .and_then(Decimal::parse)
-                        .and_then(|n| n.times(*times))
-                        .ok_or(Unsettled::Malformed),
-                }),
-            })
-            .collect();
+        let heads: Vec<_> = amounts.iter().map(|a| head_parts(a, headers)).collect();
         let mut scanner = ResponseScanner {
             tap: None,
-            head,
-            amount: amount.clone(),
-            failed: None,
+            amounts: amounts.to_vec(),
+            body_failed: None,
+            heads,
         };
-        let head_failed = scanner.head.iter().flatten().any(Result::is_err);
-        if !amount.reads_body() || head_failed {
+        // The body is read only for an amount it can still decide.
+        let needs_body = amounts
+            .iter()
+            .zip(&scanner.heads)
+            .any(|(a, head)| a.reads_body() && head_failure(head).is_none());
+        if !needs_body {
             return scanner;
         }
         let sse = headers
@@ -122,16 +147,16 @@ impl ResponseScanner {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.split(';').next())
             .is_some_and(|media| media.trim().eq_ignore_ascii_case("text/event-stream"));
-        let sink = Sink::new(amount, max_response_body, sse);
+        let sink = Sink::new(amounts, max_response_body, sse);
         match Tap::new(sink, headers) {
             Ok(tap) => scanner.tap = Some(tap),
-            Err(reason) => scanner.failed = Some(reason),
+            Err(reason) => scanner.body_failed = Some(reason),
         }
         scanner
     }
 
-    /// Whether the body is worth feeding: false when the amount reads no body, or when the
-    /// outcome is already decided.
+    /// Whether the body is worth feeding: false when no amount reads it, or when the outcome
+    /// is already decided.
     pub fn wants_body(&self) -> bool {
         self.tap.is_some()
     }
@@ -141,38 +166,44 @@ impl ResponseScanner {
     pub fn feed(&mut self, chunk: &[u8]) {
         let Some(tap) = &mut self.tap else { return };
         if tap.write_all(chunk).is_err() {
-            self.failed = Some(tap.sink().failure());
+            self.body_failed = Some(tap.sink().failure());
             // Decoder and buffer go now, not when the response ends.
             self.tap = None;
         }
     }
 
-    /// The settled amount, once the body has ended.
-    pub fn finish(mut self) -> Result<Millionths, Unsettled> {
-        if let Some(reason) = self.failed {
-            return Err(reason);
-        }
-        if let Some(reason) = self.head.iter().flatten().find_map(|r| r.err()) {
-            return Err(reason);
-        }
+    /// What the answer settles in each amount, in the order given, once the body has ended.
+    pub fn finish(mut self) -> Vec<Result<Millionths, Unsettled>> {
         if let Some(tap) = &mut self.tap {
             if tap.finish().is_err() {
-                return Err(tap.sink().failure());
+                self.body_failed = Some(tap.sink().failure());
             }
         }
-        let sink = self.tap.as_ref().map(Tap::sink);
-        let mut total = Millionths::ZERO;
-        for (i, (part, decided)) in self.amount.parts().iter().zip(&self.head).enumerate() {
-            let amount = match (decided, sink) {
-                (Some(decided), _) => *decided,
-                (None, Some(sink)) => sink.part_amount(i, part),
-                // A body part without a tap: never, since a tap that could not be made is
-                // `failed` above.
-                (None, None) => Err(Unsettled::NoUsage),
-            }?;
-            total = total.checked_add(amount).ok_or(Unsettled::Malformed)?;
-        }
-        Ok(total)
+        let sink = match self.body_failed {
+            Some(reason) => Err(reason),
+            // A tap that could not be made is `body_failed`; no tap and no failure means no
+            // amount reads the body.
+            None => self.tap.as_ref().map(Tap::sink).ok_or(Unsettled::NoUsage),
+        };
+        self.amounts
+            .iter()
+            .zip(&self.heads)
+            .enumerate()
+            .map(|(k, (amount, head))| {
+                if let Some(reason) = head_failure(head) {
+                    return Err(reason);
+                }
+                let mut total = Millionths::ZERO;
+                for (i, (part, decided)) in amount.parts().iter().zip(head).enumerate() {
+                    let value = match decided {
+                        Some(decided) => *decided,
+                        None => sink.and_then(|sink| sink.part_amount(k, i, part)),
+                    }?;
+                    total = total.checked_add(value).ok_or(Unsettled::Malformed)?;
+                }
+                Ok(total)
+            })
+            .collect()
     }
 }
 
@@ -195,13 +226,13 @@ struct Slot {
 enum Body {
     /// A JSON body's bytes so far.
     Json(Vec<u8>),
-    /// An event stream: the parser, and per part of the amount what the events told.
-    Sse(SseParser, Vec<Slot>),
+    /// An event stream: the parser, and per amount, per part, what the events told.
+    Sse(SseParser, Vec<Vec<Slot>>),
 }
 
 /// Where the (decompressed) body goes.
 struct Sink {
-    amount: Amount,
+    amounts: Vec<Amount>,
     max: usize,
     body: Body,
     /// A JSON body outgrew the bound.
@@ -211,21 +242,22 @@ struct Sink {
 }
 
 impl Sink {
-    fn new(amount: &Amount, max: usize, sse: bool) -> Sink {
+    fn new(amounts: &[Amount], max: usize, sse: bool) -> Sink {
         let body = if sse {
-            let slots = vec![
-                Slot {
-                    seen: Seen::Nothing,
-                    stale: false
-                };
-                amount.parts().len()
-            ];
+            let unread = Slot {
+                seen: Seen::Nothing,
+                stale: false,
+            };
+            let slots = amounts
+                .iter()
+                .map(|a| vec![unread; a.parts().len()])
+                .collect();
             Body::Sse(SseParser::new(max), slots)
         } else {
             Body::Json(Vec::new())
         };
         Sink {
-            amount: amount.clone(),
+            amounts: amounts.to_vec(),
             max,
             body,
             too_large: false,
@@ -242,8 +274,8 @@ impl Sink {
         }
     }
 
-    /// The amount of part `i` (a `json` part) read from the body.
-    fn part_amount(&self, i: usize, part: &Part) -> Result<Millionths, Unsettled> {
+    /// The amount of part `i` (a `json` part) of amount `k` read from the body.
+    fn part_amount(&self, k: usize, i: usize, part: &Part) -> Result<Millionths, Unsettled> {
         let Part::Json {
             path,
             default,
@@ -255,7 +287,7 @@ impl Sink {
         let found = match &self.body {
             Body::Json(_) if !self.any => Found::Absent,
             Body::Json(bytes) => lookup(bytes, path).map_err(|_| Unsettled::Malformed)?,
-            Body::Sse(_, slots) => match slots[i] {
+            Body::Sse(_, slots) => match slots[k][i] {
                 Slot { stale: true, .. } => return Err(Unsettled::TooLarge),
                 Slot {
                     seen: Seen::Amount(amount),
@@ -282,36 +314,38 @@ impl Sink {
     }
 }
 
-/// Updates what the events told each `json` part with one event.
-fn on_event(amount: &Amount, slots: &mut [Slot], event: Event<'_>) {
+/// Updates what the events told each `json` part of each amount with one event.
+fn on_event(amounts: &[Amount], slots: &mut [Vec<Slot>], event: Event<'_>) {
     let data = match event {
         Event::Oversized => {
-            for slot in slots.iter_mut() {
+            for slot in slots.iter_mut().flatten() {
                 slot.stale = true;
             }
             return;
         }
         Event::Data(data) => data,
     };
-    for (part, slot) in amount.parts().iter().zip(slots) {
-        let Part::Json { path, times, .. } = part else {
-            continue;
-        };
-        // Most events (each token of a stream) cannot hold the path: their text lacks its last
-        // key, unless a key is written with escapes.
-        let may_hold = memchr::memmem::find(data, path.last_key().as_bytes()).is_some()
-            || memchr::memmem::find(data, b"\\u").is_some();
-        if !may_hold {
-            continue;
+    // Set once: a key written with escapes may hide from the search for its text.
+    let escapes = memchr::memmem::find(data, b"\\u").is_some();
+    for (amount, slots) in amounts.iter().zip(slots) {
+        for (part, slot) in amount.parts().iter().zip(slots) {
+            let Part::Json { path, times, .. } = part else {
+                continue;
+            };
+            // Most events (each token of a stream) cannot hold the path: their text lacks its
+            // last key.
+            if !escapes && memchr::memmem::find(data, path.last_key().as_bytes()).is_none() {
+                continue;
+            }
+            // An event that is not JSON (OpenAI's `[DONE]`) or does not hold the path changes
+            // nothing.
+            let seen = match lookup(data, path) {
+                Ok(Found::Number(n)) => n.times(*times).map_or(Seen::Malformed, Seen::Amount),
+                Ok(Found::NotANumber) => Seen::Malformed,
+                Ok(Found::Absent) | Err(_) => continue,
+            };
+            *slot = Slot { seen, stale: false };
         }
-        // An event that is not JSON (OpenAI's `[DONE]`) or does not hold the path changes
-        // nothing.
-        let seen = match lookup(data, path) {
-            Ok(Found::Number(n)) => n.times(*times).map_or(Seen::Malformed, Seen::Amount),
-            Ok(Found::NotANumber) => Seen::Malformed,
-            Ok(Found::Absent) | Err(_) => continue,
-        };
-        *slot = Slot { seen, stale: false };
     }
 }
 
@@ -335,8 +369,8 @@ impl Write for Sink {
                 buf.extend_from_slice(bytes);
             }
             Body::Sse(parser, slots) => {
-                let amount = &self.amount;
-                parser.feed(bytes, |event| on_event(amount, slots, event));
+                let amounts = &self.amounts;
+                parser.feed(bytes, |event| on_event(amounts, slots, event));
             }
         }
         Ok(bytes.len())

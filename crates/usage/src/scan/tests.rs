@@ -28,6 +28,18 @@ fn headers(pairs: &[(&str, &str)]) -> http::HeaderMap {
 const JSON: (&str, &str) = ("content-type", "application/json");
 const SSE: (&str, &str) = ("content-type", "text/event-stream; charset=utf-8");
 
+/// A scanner settling `amount` alone.
+fn scan_one(amount: &Amount, max: usize, head: &http::HeaderMap) -> ResponseScanner {
+    ResponseScanner::new(std::slice::from_ref(amount), max, head)
+}
+
+/// The outcome of a scanner of one amount.
+fn one(scanner: ResponseScanner) -> Result<Millionths, Unsettled> {
+    let mut outcomes = scanner.finish();
+    assert_eq!(outcomes.len(), 1);
+    outcomes.remove(0)
+}
+
 /// The settlement of `body` fed in pieces cut at `cuts`.
 fn settle_cut(
     amount: &Amount,
@@ -36,14 +48,14 @@ fn settle_cut(
     body: &[u8],
     cuts: &[usize],
 ) -> Result<Millionths, Unsettled> {
-    let mut scanner = ResponseScanner::new(amount, max, head);
+    let mut scanner = scan_one(amount, max, head);
     let mut from = 0;
     for &cut in cuts.iter().chain(std::iter::once(&body.len())) {
         let cut = cut.clamp(from, body.len());
         scanner.feed(&body[from..cut]);
         from = cut;
     }
-    scanner.finish()
+    one(scanner)
 }
 
 fn settle(amount: &Amount, head: &http::HeaderMap, body: &[u8]) -> Result<Millionths, Unsettled> {
@@ -195,24 +207,24 @@ fn an_event_too_large_after_the_usage_may_have_held_newer_usage() {
 fn a_usage_header_needs_no_body() {
     let settle_header = amount(r#"{"header": "x-usage-total-tokens", "times": 2}"#);
     let h = headers(&[JSON, ("x-usage-total-tokens", "42")]);
-    let scanner = ResponseScanner::new(&settle_header, MIB, &h);
+    let scanner = scan_one(&settle_header, MIB, &h);
     assert!(!scanner.wants_body());
-    assert_eq!(scanner.finish(), units(84));
-    let missing = ResponseScanner::new(&settle_header, MIB, &headers(&[JSON]));
-    assert_eq!(missing.finish(), Err(Unsettled::NoUsage));
+    assert_eq!(one(scanner), units(84));
+    let missing = scan_one(&settle_header, MIB, &headers(&[JSON]));
+    assert_eq!(one(missing), Err(Unsettled::NoUsage));
     for bad in ["-1", "lots", "1e400", "99999999999999"] {
         let h = headers(&[("x-usage-total-tokens", bad)]);
         assert_eq!(
-            ResponseScanner::new(&settle_header, MIB, &h).finish(),
+            one(scan_one(&settle_header, MIB, &h)),
             Err(Unsettled::Malformed),
             "{bad}"
         );
     }
     // A header part that failed decides the outcome before any body is read.
     let mixed = amount(r#"{"sum": [{"json": "usage.total_tokens"}, {"header": "x-extra"}]}"#);
-    let scanner = ResponseScanner::new(&mixed, MIB, &headers(&[JSON]));
+    let scanner = scan_one(&mixed, MIB, &headers(&[JSON]));
     assert!(!scanner.wants_body());
-    assert_eq!(scanner.finish(), Err(Unsettled::NoUsage));
+    assert_eq!(one(scanner), Err(Unsettled::NoUsage));
     let with_fixed = amount(r#"{"sum": [{"json": "usage.total_tokens"}, {"value": 0.5}]}"#);
     assert_eq!(
         settle(&with_fixed, &headers(&[JSON]), OPENAI_JSON.as_bytes()),
@@ -302,7 +314,7 @@ fn a_body_past_the_bound_is_too_large_and_at_it_is_read() {
 #[test]
 fn the_json_buffer_never_grows_past_the_bound() {
     let max = 10_000;
-    let mut scanner = ResponseScanner::new(&total_tokens(), max, &headers(&[JSON]));
+    let mut scanner = scan_one(&total_tokens(), max, &headers(&[JSON]));
     let chunk = [b' '; 333];
     for _ in 0..max / chunk.len() {
         scanner.feed(&chunk);
@@ -319,7 +331,7 @@ fn the_json_buffer_never_grows_past_the_bound() {
     assert!(buf.capacity() <= max, "capacity {}", buf.capacity());
     scanner.feed(b" ");
     assert!(!scanner.wants_body(), "the buffer is dropped at the bound");
-    assert_eq!(scanner.finish(), Err(Unsettled::TooLarge));
+    assert_eq!(one(scanner), Err(Unsettled::TooLarge));
 }
 
 fn gzip(bytes: &[u8]) -> Vec<u8> {
@@ -443,9 +455,9 @@ fn broken_compression_and_unknown_codings() {
     assert_eq!(settle(&total_tokens(), &h, b""), Err(Unsettled::NoUsage));
     for coding in ["compress", "gzip, br", "snappy"] {
         let h = headers(&[JSON, ("content-encoding", coding)]);
-        let scanner = ResponseScanner::new(&total_tokens(), MIB, &h);
+        let scanner = scan_one(&total_tokens(), MIB, &h);
         assert!(!scanner.wants_body(), "{coding}");
-        assert_eq!(scanner.finish(), Err(Unsettled::Encoding), "{coding}");
+        assert_eq!(one(scanner), Err(Unsettled::Encoding), "{coding}");
     }
     let h = headers(&[
         JSON,
@@ -570,7 +582,7 @@ fn scanning_a_chunk_allocates_nothing() {
         for (kind, body) in [(SSE, &stream), (JSON, &json)] {
             let body = encode(body.as_bytes());
             let h = headers(&[kind, ("content-encoding", coding)]);
-            let mut scanner = ResponseScanner::new(&total_tokens(), MIB, &h);
+            let mut scanner = scan_one(&total_tokens(), MIB, &h);
             // Small chunks, as a stream's tokens arrive.
             let mut chunks = body.chunks(64);
             // Decoders set up their state on first use, and the buffer grows to the body.
@@ -593,7 +605,7 @@ fn scanning_a_chunk_allocates_nothing() {
             } else {
                 assert_eq!(n, 0, "{coding} sse: {n} allocations in {counted} chunks");
             }
-            assert_eq!(scanner.finish(), units(2009), "{coding}");
+            assert_eq!(one(scanner), units(2009), "{coding}");
         }
     }
 }
@@ -623,4 +635,48 @@ fn zstd_past_the_http_window_is_not_decoded() {
         settle(&total_tokens(), &h, &zstd_window(body, 24)),
         Err(Unsettled::Malformed)
     );
+}
+
+#[test]
+fn a_route_s_units_settle_from_one_pass() {
+    let credits = amount(r#"{"header": "x-credits-used"}"#);
+    let units_of_route = [total_tokens(), usd(), credits];
+    let h = headers(&[SSE, ("content-encoding", "gzip"), ("x-credits-used", "3")]);
+    let body = gzip(OPENAI_SSE.as_bytes());
+    let mut scanner = ResponseScanner::new(&units_of_route, MIB, &h);
+    for chunk in body.chunks(7) {
+        scanner.feed(chunk);
+    }
+    assert_eq!(
+        scanner.finish(),
+        [units(11), Ok(Millionths(23 + 20)), units(3)]
+    );
+}
+
+#[test]
+fn a_body_that_cannot_be_read_leaves_the_other_units_settled() {
+    let credits = amount(r#"{"header": "x-credits-used"}"#);
+    let both = [total_tokens(), credits.clone()];
+    let h = headers(&[JSON, ("x-credits-used", "3")]);
+    let mut scanner = ResponseScanner::new(&both, 10, &h);
+    scanner.feed(OPENAI_JSON.as_bytes());
+    assert_eq!(scanner.finish(), [Err(Unsettled::TooLarge), units(3)]);
+    let h = headers(&[
+        JSON,
+        ("x-credits-used", "3"),
+        ("content-encoding", "compress"),
+    ]);
+    let scanner = ResponseScanner::new(&both, MIB, &h);
+    assert_eq!(scanner.finish(), [Err(Unsettled::Encoding), units(3)]);
+    // A unit whose header is missing settles nothing; the body is still read for the others.
+    let mixed = amount(r#"{"sum": [{"json": "usage.total_tokens"}, {"header": "x-extra"}]}"#);
+    let h = headers(&[JSON]);
+    let mut scanner = ResponseScanner::new(&[mixed, total_tokens()], MIB, &h);
+    assert!(scanner.wants_body());
+    scanner.feed(OPENAI_JSON.as_bytes());
+    assert_eq!(scanner.finish(), [Err(Unsettled::NoUsage), units(21)]);
+    // No unit reads the body: it is not fed at all.
+    let scanner = ResponseScanner::new(&[credits], MIB, &headers(&[JSON]));
+    assert!(!scanner.wants_body());
+    assert_eq!(scanner.finish(), [Err(Unsettled::NoUsage)]);
 }
