@@ -12,7 +12,11 @@
 -- ARGV:
 --   [1] clock: "" for Redis TIME, or µs (tests)      [2] the member cost (an integer)
 --   [3] "L" least-used, or "P" the members below are the candidates, best first; "Lc" or
---       "Pc" when the client's own windows follow the route quota's
+--       "Pc" when the client's own windows follow the route quota's; "Lu" or "Pu" when the
+--       windows reserve usage: after the route quota's windows, and after each member's, come
+--       each window's amount, then each window's score ("" for now, or a fixed window's period
+--       start), and the reply ends with the route's entry number, the member's (0: none) and
+--       the admission time
 --   [4] "1" skip cooling members, "0" ignore cooldowns
 --   [5] the route quota's window count, "" for none   [6] the quota's cost (the route's, and the client's)
 --   then the route quota's windows (name, limit, length)
@@ -31,9 +35,10 @@
 
 local cost = ARGV[2]
 local order = ARGV[3]
-local least_used = order == 'L' or order == 'Lc'
+local least_used = order == 'L' or order == 'Lc' or order == 'Lu'
+local usage = order == 'Lu' or order == 'Pu'
 local route_windows = tonumber(ARGV[5]) or 0
-local client_at = 7 + 3 * route_windows
+local client_at = 7 + (usage and 5 or 3) * route_windows
 local client_windows = 0
 if order == 'Lc' or order == 'Pc' then
   client_windows = ARGV[client_at] + 0
@@ -47,6 +52,9 @@ if least_used then
   k = k + 1
   first = members_first(pool, count)
   if #first == 0 then
+    if usage then
+      return {3, '', 0, 0, 0, 0}
+    end
     return {3, '', 0}
   end
 end
@@ -57,7 +65,18 @@ end
 
 local now = quota_clock(ARGV[1])
 local q, c
-if ARGV[5] ~= '' then
+local amounts, texts, scores
+if ARGV[5] ~= '' and usage then
+  q = quota_read(k, route_windows, 7, now)
+  amounts, texts, scores = {}, {}, {}
+  local b = 7 + 3 * route_windows
+  for i = 1, route_windows do
+    local text = ARGV[b + i - 1]
+    texts[i], amounts[i], scores[i] = text, text + 0, ARGV[b + route_windows + i - 1]
+  end
+  quota_admit_each(q, amounts)
+  k = k + 1 + route_windows
+elseif ARGV[5] ~= '' then
   q = quota_check(k, route_windows, 7, ARGV[6], now)
   k = k + 1 + route_windows
 end
@@ -66,8 +85,19 @@ if client_windows > 0 then
   k = k + 1 + client_windows
 end
 
+-- The entries a usage reply ends with: the route's, the member's, and the admission time.
+local w_seq = 0
+local function entries(out, recorded)
+  if usage then
+    out[#out + 1] = recorded and q and q.seq or 0
+    out[#out + 1] = recorded and w_seq or 0
+    out[#out + 1] = now
+  end
+  return out
+end
+
 if (q and q.admitted == 0) or (c and c.admitted == 0) then
-  return quota_finish_both(q, c, 0, {0, '', 0, 0, 0, 0, 0}, 3)
+  return entries(quota_finish_both(q, c, 0, {0, '', 0, 0, 0, 0, 0}, 3), false)
 end
 
 local cooling = false
@@ -79,7 +109,7 @@ if cool then
     first = members_first(pool, count)
   end
 end
-local w = members_walk(at, k, excluded, cooling, cost, now)
+local w = members_walk(at, k, excluded, cooling, cost, now, usage and 2 or 0)
 if least_used then
   members_walk_pool(w, pool, count, first)
 else
@@ -88,9 +118,12 @@ end
 
 local out
 if w.chosen then
-  if q then
+  if q and usage then
+    quota_record_each(q, amounts, texts, scores)
+  elseif q then
     quota_record(q)
   end
+  w_seq = w.seq
   if c then
     quota_record(c)
   end
@@ -105,7 +138,7 @@ else
   out = {2, '', 0}
 end
 if not q and not c then
-  return out
+  return entries(out, w.chosen)
 end
 -- Admissible, but recorded only when a member was assigned.
-return quota_finish_both(q, c, 1, out, 3)
+return entries(quota_finish_both(q, c, 1, out, 3), w.chosen)

@@ -77,14 +77,16 @@ end
 -- needs one): members_find looks one up where it lies.
 
 -- Steps over the member at ARGV[at], whose predecessor had `windows` windows from ARGV[wat]:
--- the index of the next member, and this one's window count and first window.
-local function members_step(at, windows, wat)
+-- the index of the next member, and this one's window count and first window. `extra` is the
+-- number of arguments per window after the windows themselves: 2 (amount, score) when the
+-- assignment reserves usage, else 0.
+local function members_step(at, windows, wat, extra)
   local k = ARGV[at + 1]
   if k == '=' then
     return at + 2, windows, wat
   end
   windows = k + 0
-  return at + 2 + 3 * windows, windows, at + 2
+  return at + 2 + (3 + extra) * windows, windows, at + 2
 end
 
 -- Where member `id`'s windows lie: the index in ARGV of the first, their count and the index
@@ -93,7 +95,7 @@ local function members_find(w, id)
   local at, k, windows, wat = w.at + 1, w.k_at, 0, 0
   for _ = 1, ARGV[w.at] + 0 do
     local next_at
-    next_at, windows, wat = members_step(at, windows, wat)
+    next_at, windows, wat = members_step(at, windows, wat, w.extra)
     if ARGV[at] == id then
       return wat, windows, k
     end
@@ -110,11 +112,31 @@ end
 -- w.wait       the least wait found so far over the eligible candidates that refused;
 -- w.deferred   cooling candidates (id, then its cooldown left), whose own quota wait is
 --              computed only if nobody admits.
-local function members_walk(at, k_at, excluded, cooling, cost, now)
+-- w.extra      2 when each member window reserves its own amount (usage): after a member's
+--              windows come their amounts, then their scores ('' or a fixed window's period
+--              start); 0 when each is charged `cost`.
+-- w.seq        the chosen member's entry number, when its windows reserved usage.
+local function members_walk(at, k_at, excluded, cooling, cost, now, extra)
   return {
     at = at, k_at = k_at, excluded = excluded, cooling = cooling, cost = cost, now = now,
-    chosen = nil, eligible = false, wait = nil, deferred = false,
+    chosen = nil, eligible = false, wait = nil, deferred = false, extra = extra or 0, seq = 0,
   }
+end
+
+-- Decides the member whose `windows` windows lie at ARGV[at] and KEYS[k]; records nothing.
+-- Returns its quota state, and (usage) what quota_record_each records.
+local function members_check(w, k, windows, at)
+  if w.extra == 0 then
+    return quota_check(k, windows, at, w.cost, w.now)
+  end
+  local mq = quota_read(k, windows, at, w.now)
+  local amounts, texts, scores, b = {}, {}, {}, at + 3 * windows
+  for i = 1, windows do
+    local text = ARGV[b + i - 1]
+    texts[i], amounts[i], scores[i] = text, text + 0, ARGV[b + windows + i - 1]
+  end
+  quota_admit_each(mq, amounts)
+  return mq, amounts, texts, scores
 end
 
 local function members_note(w, wait)
@@ -139,9 +161,14 @@ local function members_offer(w, id)
   end
   local at, windows, k = members_find(w, id)
   if at and windows > 0 then
-    local mq = quota_check(k, windows, at, w.cost, w.now)
+    local mq, amounts, texts, scores = members_check(w, k, windows, at)
     if mq.admitted == 1 then
-      quota_record(mq)
+      if amounts then
+        quota_record_each(mq, amounts, texts, scores)
+        w.seq = mq.seq
+      else
+        quota_record(mq)
+      end
     end
     quota_finish(mq)
     if mq.admitted == 0 then
@@ -160,7 +187,7 @@ local function members_walk_listed(w)
     if members_offer(w, ARGV[at]) then
       return
     end
-    at, windows, wat = members_step(at, windows, wat)
+    at, windows, wat = members_step(at, windows, wat, w.extra)
   end
 end
 
@@ -176,7 +203,7 @@ local function members_settle(w)
     if not w.wait or wait < w.wait then
       local at, windows, k = members_find(w, id)
       if at and windows > 0 then
-        local mq = quota_check(k, windows, at, w.cost, w.now)
+        local mq = members_check(w, k, windows, at)
         quota_finish(mq)
         if mq.retry_after > wait then
           wait = mq.retry_after

@@ -40,7 +40,9 @@ mod memory_pools;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use sluice_limiter::{Acquire, Outcome, Reservation, Reserve, Settle, Settled, StoreError, Window};
+use sluice_limiter::{
+    Acquire, EntryId, Outcome, Period, Reservation, Reserve, Settle, Settled, StoreError, Window,
+};
 
 pub use memory::MemoryStore;
 
@@ -142,6 +144,39 @@ pub enum Assignment {
     },
 }
 
+/// What an assignment reserves when its windows count usage ([`StateStore::assign_reserve`]):
+/// per window its own amount, and per fixed window its period, as in [`Reserve`].
+#[derive(Debug, Clone, Copy)]
+pub struct Usage<'a> {
+    /// Per window of the route's quota ([`Assign::quota`]), its amount.
+    pub route: &'a [u64],
+    /// Per window of the route's quota, its period; empty when every window slides.
+    pub route_periods: &'a [Option<Period>],
+    /// Per member, in the order of [`Assign::members`]: per window of its own, its amount and
+    /// period. A member is chosen only when each of its windows admits its amount.
+    pub members: &'a [MemberUsage<'a>],
+}
+
+/// A member's part of a [`Usage`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemberUsage<'a> {
+    /// Per window of the member's own ([`PoolMember::windows`]), its amount.
+    pub amounts: &'a [u64],
+    /// Per window, its period; empty when every window slides.
+    pub periods: &'a [Option<Period>],
+}
+
+/// The answer to [`StateStore::assign_reserve`]: the assignment, and the entries that settle it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    /// As [`StateStore::assign`] answers.
+    pub assignment: Assignment,
+    /// The entry in the route quota's windows, when it has any and a member was assigned.
+    pub route: Option<EntryId>,
+    /// The entry in the chosen member's own windows, when it has any.
+    pub member: Option<EntryId>,
+}
+
 /// Where quota logs and least-used pools live.
 ///
 /// Implementations are atomic per route: concurrent calls behave as if they ran one after
@@ -156,6 +191,16 @@ pub trait StateStore: Send + Sync + 'static {
     /// it: one atomic step, one round trip. The answer's entry is what settles it. A quota with
     /// no windows admits, and records nothing to settle.
     async fn reserve(&self, request: Reserve<'_>) -> Result<Reservation, StoreError>;
+
+    /// [`StateStore::assign`] for a request whose windows count usage: the route's windows and
+    /// each candidate's own are charged their amounts from `usage` (a member is skipped when its
+    /// windows refuse theirs), in the same one atomic step, and the entries come back to settle.
+    /// A client's own windows are not reserved here: a request with them is an error.
+    async fn assign_reserve(
+        &self,
+        ask: Assign<'_>,
+        usage: Usage<'_>,
+    ) -> Result<Reserved, StoreError>;
 
     /// Settles reservations of `route` in one atomic step per settlement, all in one call (one
     /// round trip): each entry, in each window, changes from its reserved amount to its settled

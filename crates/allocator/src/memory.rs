@@ -11,12 +11,12 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use sluice_limiter::{
-    Acquire, MemoryLimits, Outcome, QuotaLogs, Reservation, Reserve, Settle, Settled, StoreError,
-    Window,
+    Acquire, EntryId, MemoryLimits, Outcome, QuotaLogs, Reservation, Reserve, Settle, Settled,
+    StoreError, Window,
 };
 
 use crate::memory_pools::{Excluded, Pools, Route};
-use crate::{Assign, Assignment, Order, PoolMember, StateStore};
+use crate::{Assign, Assignment, Order, PoolMember, Reserved, StateStore, Usage};
 
 /// The route name the clients' own windows are kept under, in a [`QuotaLogs`] of their own.
 const CLIENTS: &str = "clients";
@@ -37,8 +37,9 @@ pub struct MemoryStore {
 
 /// What the walk over a route's candidates found.
 enum Pick {
-    /// This member admits the request; its windows recorded it (and its count, if least-used).
-    Chosen(Arc<str>),
+    /// This member admits the request; its windows recorded it (and its count, if least-used),
+    /// as this entry when it reserved amounts.
+    Chosen(Arc<str>, Option<EntryId>),
     /// Eligible members exist, and the first of them admits the request in this many µs.
     Busy(u64),
     /// No candidate is eligible.
@@ -138,6 +139,7 @@ impl MemoryStore {
         ask: &Assign<'_>,
         excluded: &Excluded<'_>,
         now: u64,
+        usage: Option<&Usage<'_>>,
     ) -> Result<Pick, StoreError> {
         if ask.cooldowns {
             let least_used = matches!(ask.order, Order::LeastUsed);
@@ -146,10 +148,12 @@ impl MemoryStore {
         let mut eligible = false;
         let mut wait: Option<u64> = None;
         let cooling = &route.cooling;
-        // Offers one candidate; true when it is taken (its windows recorded).
-        let mut offer = |id: &str, windows: &[Window]| -> Result<bool, StoreError> {
+        let mut entry = None;
+        // Offers one candidate (the member at `index` of `ask.members`, when it is one); true
+        // when it is taken (its windows recorded).
+        let mut offer = |id: &str, windows: &[Window], index: Option<usize>| {
             if excluded.contains(id) {
-                return Ok(false);
+                return Ok::<bool, StoreError>(false);
             }
             eligible = true;
             let left = if ask.cooldowns {
@@ -168,17 +172,38 @@ impl MemoryStore {
             } else {
                 // A cooling member is checked, never recorded: it admits once both its cooldown
                 // and its windows allow, whichever is later.
-                let req = Acquire {
-                    route: ask.route,
-                    key: id,
-                    windows,
-                    cost: ask.cost,
-                    at_us: Some(now),
-                    client: None,
+                let (outcome, taken) = match usage {
+                    None => self.members.decide_then(
+                        Acquire {
+                            route: ask.route,
+                            key: id,
+                            windows,
+                            cost: ask.cost,
+                            at_us: Some(now),
+                            client: None,
+                        },
+                        || left.is_none().then_some(()),
+                    )?,
+                    Some(usage) => {
+                        let mine = index
+                            .and_then(|i| usage.members.get(i))
+                            .copied()
+                            .unwrap_or_default();
+                        let req = Reserve {
+                            route: ask.route,
+                            key: id,
+                            windows,
+                            amounts: mine.amounts,
+                            at_us: Some(now),
+                            periods: mine.periods,
+                        };
+                        let (reservation, taken) = self
+                            .members
+                            .reserve_then(req, || left.is_none().then_some(()))?;
+                        entry = reservation.entry;
+                        (reservation.outcome, taken)
+                    }
                 };
-                let (outcome, taken) = self
-                    .members
-                    .decide_then(req, || left.is_none().then_some(()))?;
                 if taken.is_some() {
                     return Ok(true);
                 }
@@ -192,28 +217,28 @@ impl MemoryStore {
                 let any_windows = ask.members.iter().any(|m| !m.windows.is_empty());
                 let mut chosen = None;
                 for (count, id) in &route.counts.order {
-                    let windows = match any_windows {
-                        true => ask
-                            .members
-                            .iter()
-                            .find(|m| m.id == *id)
-                            .map_or(&[][..], |m| &m.windows[..]),
-                        false => &[],
+                    let index = match any_windows {
+                        true => ask.members.iter().position(|m| m.id == *id),
+                        false => None,
                     };
-                    if offer(id, windows)? {
+                    let windows = index.map_or(&[][..], |i| &ask.members[i].windows[..]);
+                    if offer(id, windows, index)? {
                         chosen = Some((*count, id.clone()));
                         break;
                     }
                 }
                 if let Some((count, id)) = chosen {
                     route.counts.set(&id, count + 1);
-                    return Ok(Pick::Chosen(id));
+                    return Ok(Pick::Chosen(id, entry));
                 }
             }
             Order::Preference(order) => {
-                for m in order.iter().filter_map(|&i| ask.members.get(i)) {
-                    if offer(&m.id, &m.windows)? {
-                        return Ok(Pick::Chosen(m.id.clone()));
+                for &i in order {
+                    let Some(m) = ask.members.get(i) else {
+                        continue;
+                    };
+                    if offer(&m.id, &m.windows, Some(i))? {
+                        return Ok(Pick::Chosen(m.id.clone(), entry));
                     }
                 }
             }
@@ -251,7 +276,22 @@ impl StateStore for MemoryStore {
         settlements: &[Settle<'_>],
         at_us: Option<u64>,
     ) -> Result<Vec<Vec<Settled>>, StoreError> {
-        self.quotas.settle(route, settlements, at_us)
+        // Members' entries are in their own logs; each answer goes back in its place.
+        if !settlements.iter().any(|s| s.member) {
+            return self.quotas.settle(route, settlements, at_us);
+        }
+        let now = at_us.unwrap_or_else(|| self.quotas.now_us());
+        let (members, quotas): (Vec<_>, Vec<_>) = settlements.iter().partition(|s| s.member);
+        let mut members = self.members.settle(route, &members, Some(now))?.into_iter();
+        let mut quotas = self.quotas.settle(route, &quotas, Some(now))?.into_iter();
+        Ok(settlements
+            .iter()
+            .map(|s| match s.member {
+                true => members.next(),
+                false => quotas.next(),
+            })
+            .map(Option::unwrap_or_default)
+            .collect())
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
@@ -272,8 +312,8 @@ impl StateStore for MemoryStore {
             route.counts.sync(ids, &excluded);
         }
         let Some(q) = ask.quota else {
-            return Ok(match self.walk(&mut route, &ask, &excluded, now)? {
-                Pick::Chosen(id) => Assignment::Assigned {
+            return Ok(match self.walk(&mut route, &ask, &excluded, now, None)? {
+                Pick::Chosen(id, _) => Assignment::Assigned {
                     member: id.to_string(),
                     quota: None,
                 },
@@ -292,14 +332,15 @@ impl StateStore for MemoryStore {
             at_us: Some(now),
             ..q
         };
-        let (outcome, member) =
-            self.decide_then(q, || match self.walk(&mut route, &ask, &excluded, now) {
-                Ok(Pick::Chosen(id)) => Some(id),
+        let (outcome, member) = self.decide_then(q, || {
+            match self.walk(&mut route, &ask, &excluded, now, None) {
+                Ok(Pick::Chosen(id, _)) => Some(id),
                 other => {
                     missed = Some(other);
                     None
                 }
-            })?;
+            }
+        })?;
         Ok(match (member, missed) {
             (Some(id), _) => Assignment::Assigned {
                 member: id.to_string(),
@@ -314,6 +355,100 @@ impl StateStore for MemoryStore {
             (None, _) => Assignment::NoMember {
                 quota: Some(outcome),
             },
+        })
+    }
+
+    async fn assign_reserve(
+        &self,
+        ask: Assign<'_>,
+        usage: Usage<'_>,
+    ) -> Result<Reserved, StoreError> {
+        if ask
+            .quota
+            .and_then(|q| q.client)
+            .is_some_and(|c| !c.windows.is_empty())
+        {
+            return Err(StoreError::Backend(
+                "a client's own windows are not reserved in usage".into(),
+            ));
+        }
+        let unassigned = |assignment| Reserved {
+            assignment,
+            route: None,
+            member: None,
+        };
+        if ask.members.is_empty() {
+            return Ok(unassigned(Assignment::NoMember { quota: None }));
+        }
+        let now = ask
+            .at_us
+            .or(ask.quota.and_then(|q| q.at_us))
+            .unwrap_or_else(|| self.quotas.now_us());
+        let excluded = Excluded::new(ask.excluded);
+        let route = self.pools.route(ask.route);
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(ask.order, Order::LeastUsed) && route.counts.by_member.is_empty() {
+            let ids = ask.members.iter().map(|m: &PoolMember| &m.id);
+            route.counts.sync(ids, &excluded);
+        }
+        let Some(q) = ask.quota.filter(|q| !q.windows.is_empty()) else {
+            return Ok(
+                match self.walk(&mut route, &ask, &excluded, now, Some(&usage))? {
+                    Pick::Chosen(id, member) => Reserved {
+                        assignment: Assignment::Assigned {
+                            member: id.to_string(),
+                            quota: None,
+                        },
+                        route: None,
+                        member,
+                    },
+                    Pick::Busy(retry_after_us) => unassigned(Assignment::Busy {
+                        retry_after_us,
+                        quota: None,
+                    }),
+                    Pick::Nobody => unassigned(Assignment::NoMember { quota: None }),
+                },
+            );
+        };
+        // As in `assign`: the route's windows reserve in the same step as the walk, under the
+        // quota key's lock, and only when a member is chosen.
+        let mut missed = None;
+        let reserve = Reserve {
+            route: q.route,
+            key: q.key,
+            windows: q.windows,
+            amounts: usage.route,
+            at_us: Some(now),
+            periods: usage.route_periods,
+        };
+        let (reservation, chosen) = self.quotas.reserve_then(reserve, || {
+            match self.walk(&mut route, &ask, &excluded, now, Some(&usage)) {
+                Ok(Pick::Chosen(id, member)) => Some((id, member)),
+                other => {
+                    missed = Some(other);
+                    None
+                }
+            }
+        })?;
+        let outcome = reservation.outcome;
+        Ok(match (chosen, missed) {
+            (Some((id, member)), _) => Reserved {
+                assignment: Assignment::Assigned {
+                    member: id.to_string(),
+                    quota: Some(outcome),
+                },
+                route: reservation.entry,
+                member,
+            },
+            (None, Some(Err(error))) => return Err(error),
+            (None, Some(Ok(Pick::Busy(retry_after_us)))) => unassigned(Assignment::Busy {
+                retry_after_us,
+                quota: Some(outcome),
+            }),
+            (None, _) if !outcome.admitted => unassigned(Assignment::QuotaRefused(outcome)),
+            (None, _) => unassigned(Assignment::NoMember {
+                quota: Some(outcome),
+            }),
         })
     }
 

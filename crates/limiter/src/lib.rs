@@ -230,6 +230,9 @@ pub struct Settle<'a> {
     /// The periods the reservation was made with ([`Reserve::periods`]): a fixed window settles
     /// into the period of the admission, and not at all once that period is over.
     pub periods: &'a [Option<Period>],
+    /// Whether the entry is in a member's own windows (`key` is then the member's id), reserved
+    /// by an assignment, rather than in the route's quota.
+    pub member: bool,
 }
 
 /// What a settlement did in one window.

@@ -11,10 +11,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::Value;
 
-use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
+use sluice_allocator::{
+    Assign, Assignment, MemberUsage, Order, PoolMember, Reserved, StateStore, Usage,
+};
 use sluice_limiter::{
-    check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Reservation, Reserve,
-    Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
+    check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Period, Reservation,
+    Reserve, Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
 };
 
 use crate::batch::FusedBatches;
@@ -129,6 +131,20 @@ impl RedisStore {
         {
             return self.least_used_once(ask).await;
         }
+        Ok(self
+            .assign_script(ask, None)
+            .await?
+            .map(|reserved| reserved.assignment))
+    }
+
+    /// One assignment by the general script, reserving `usage` when given; `None` when the pool
+    /// does not exist and must be synced first.
+    async fn assign_script(
+        &self,
+        ask: &Assign<'_>,
+        usage: Option<&Usage<'_>>,
+    ) -> Result<Option<Reserved>, StoreError> {
+        let client = ask.quota.and_then(|q| q.client);
         let route = ask.route;
         let least_used = matches!(ask.order, Order::LeastUsed);
         // The route's own quota, when it has windows: a client's windows may come without one.
@@ -142,13 +158,17 @@ impl RedisStore {
         };
         let members = || {
             let unlimited = least_used
-                .then_some(ask.members.iter())
+                .then_some(ask.members.iter().enumerate())
                 .into_iter()
                 .flatten();
             unlimited
-                .filter(|m| !m.windows.is_empty())
-                .chain(preference.iter().filter_map(|&i| ask.members.get(i)))
-                .filter(|m| !ask.excluded.contains(&&*m.id))
+                .filter(|(_, m)| !m.windows.is_empty())
+                .chain(
+                    preference
+                        .iter()
+                        .filter_map(|&i| ask.members.get(i).map(|m| (i, m))),
+                )
+                .filter(|(_, m)| !ask.excluded.contains(&&*m.id))
         };
         // The command names its keys before its arguments, so they are counted first.
         let keys = usize::from(least_used)
@@ -156,8 +176,8 @@ impl RedisStore {
             + quota.as_ref().map_or(0, |q| 1 + q.windows.len())
             + client.map_or(0, |c| 1 + c.windows.len())
             + members()
-                .filter(|m| !m.windows.is_empty())
-                .map(|m| 1 + m.windows.len())
+                .filter(|(_, m)| !m.windows.is_empty())
+                .map(|(_, m)| 1 + m.windows.len())
                 .sum::<usize>();
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, keys);
         if least_used {
@@ -172,7 +192,7 @@ impl RedisStore {
         if let Some(c) = client {
             self.push_client_keys(&mut call, c);
         }
-        for m in members() {
+        for (_, m) in members() {
             if !m.windows.is_empty() {
                 call.key(&self.keys.member_meta_parts(route, &m.id));
                 for w in m.windows.iter() {
@@ -185,11 +205,13 @@ impl RedisStore {
             Some(t) => call.arg(t),
             None => call.arg(""),
         };
-        let order = match (least_used, client.is_some()) {
-            (true, false) => "L",
-            (false, false) => "P",
-            (true, true) => "Lc",
-            (false, true) => "Pc",
+        let order = match (least_used, client.is_some(), usage.is_some()) {
+            (true, _, true) => "Lu",
+            (false, _, true) => "Pu",
+            (true, false, false) => "L",
+            (false, false, false) => "P",
+            (true, true, false) => "Lc",
+            (false, true, false) => "Pc",
         };
         call.arg(ask.cost)
             .arg(order)
@@ -197,8 +219,13 @@ impl RedisStore {
         match &quota {
             Some(q) => {
                 call.arg(q.windows.len()).arg(q.cost);
-                for w in q.windows {
-                    call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                match usage {
+                    None => {
+                        for w in q.windows {
+                            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                        }
+                    }
+                    Some(u) => usage_args(&mut call, q.windows, u.route, u.route_periods),
                 }
             }
             None => {
@@ -215,23 +242,47 @@ impl RedisStore {
         // Per member: its id, then its window count and windows, in the order of its keys
         // above, or "=" when they are the previous member's (members.lua, members_step).
         call.arg(members().count());
-        let mut previous: Option<&[Window]> = None;
-        for m in members() {
+        // A member's usage: its amounts and periods, the same for members whose windows are.
+        let mine = |i: usize| {
+            usage
+                .and_then(|u| u.members.get(i))
+                .copied()
+                .unwrap_or_default()
+        };
+        let mut previous: Option<(&[Window], MemberUsage<'_>)> = None;
+        for (i, m) in members() {
             call.arg(&*m.id);
-            if previous == Some(&*m.windows) {
+            let this = (&*m.windows, mine(i));
+            if previous.is_some_and(|(w, u)| {
+                w == this.0 && u.amounts == this.1.amounts && u.periods == this.1.periods
+            }) {
                 call.arg("=");
                 continue;
             }
             call.arg(m.windows.len());
-            for w in m.windows.iter() {
-                call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+            match usage {
+                None => {
+                    for w in m.windows.iter() {
+                        call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                    }
+                }
+                Some(_) => usage_args(&mut call, &m.windows, this.1.amounts, this.1.periods),
             }
-            previous = Some(&m.windows);
+            previous = Some(this);
         }
         let reply: Value = self.invoke(&call).await?;
         let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
         let replied = (quota.is_some() || client.is_some()).then_some(windows);
-        scripts::parse_assign(&reply, replied)
+        if usage.is_none() {
+            return Ok(
+                scripts::parse_assign(&reply, replied)?.map(|assignment| Reserved {
+                    assignment,
+                    route: None,
+                    member: None,
+                }),
+            );
+        }
+        scripts::parse_assign_reserved(&reply, replied)
     }
 
     /// A client's keys, as the client script and the assign script take them: its helper hash,
@@ -537,9 +588,16 @@ impl StateStore for RedisStore {
         let keys = live().map(|s| 1 + s.windows.len()).sum();
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.usage, keys);
         for s in live() {
-            call.key(&self.keys.quota_meta_parts(route, s.key));
-            for w in s.windows {
-                call.key(&self.keys.quota_log_parts(route, &w.name, s.key));
+            if s.member {
+                call.key(&self.keys.member_meta_parts(route, s.key));
+                for w in s.windows {
+                    call.key(&self.keys.member_log_parts(route, &w.name, s.key));
+                }
+            } else {
+                call.key(&self.keys.quota_meta_parts(route, s.key));
+                for w in s.windows {
+                    call.key(&self.keys.quota_log_parts(route, &w.name, s.key));
+                }
             }
         }
         call.arg("settle");
@@ -571,6 +629,46 @@ impl StateStore for RedisStore {
                 false => states.next().unwrap_or_default(),
             })
             .collect())
+    }
+
+    async fn assign_reserve(
+        &self,
+        ask: Assign<'_>,
+        usage: Usage<'_>,
+    ) -> Result<Reserved, StoreError> {
+        if ask
+            .quota
+            .and_then(|q| q.client)
+            .is_some_and(|c| !c.windows.is_empty())
+        {
+            return Err(StoreError::Backend(
+                "a client's own windows are not reserved in usage".into(),
+            ));
+        }
+        if let Some(q) = ask.quota {
+            check_amounts(q.windows, usage.route)?;
+            check_periods(q.windows, usage.route_periods)?;
+        }
+        for (m, u) in ask.members.iter().zip(usage.members) {
+            check_amounts(&m.windows, u.amounts)?;
+            check_periods(&m.windows, u.periods)?;
+        }
+        if ask.members.is_empty() {
+            return Ok(Reserved {
+                assignment: Assignment::NoMember { quota: None },
+                route: None,
+                member: None,
+            });
+        }
+        if let Some(reserved) = self.assign_script(&ask, Some(&usage)).await? {
+            return Ok(reserved);
+        }
+        // The pool is missing (first use, or Redis restarted empty), as in `assign`.
+        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
+        self.sync(ask.route, &ids, ask.excluded).await?;
+        self.assign_script(&ask, Some(&usage))
+            .await?
+            .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
@@ -706,6 +804,31 @@ impl StateStore for RedisStore {
 
     async fn ready(&self) -> bool {
         self.connection.ping().await
+    }
+}
+
+/// Windows that reserve usage, as the assign script reads them: name, limit and length per
+/// window (a fixed window's length is its period's), then each one's amount, then each one's
+/// score ("" for now, or a fixed window's period start).
+fn usage_args(
+    call: &mut ScriptCall<'_>,
+    windows: &[Window],
+    amounts: &[u64],
+    periods: &[Option<Period>],
+) {
+    for (i, w) in windows.iter().enumerate() {
+        call.arg(&*w.name)
+            .arg(w.limit)
+            .arg(placement(w, periods, i, 0).1);
+    }
+    for i in 0..windows.len() {
+        call.arg(amounts.get(i).copied().unwrap_or(0).min(MAX_AMOUNT));
+    }
+    for i in 0..windows.len() {
+        match periods.get(i).copied().flatten() {
+            Some(p) => call.arg(p.start_us),
+            None => call.arg(""),
+        };
     }
 }
 

@@ -22,7 +22,7 @@ use redis::{Script, Value};
 use sluice_allocator::lua::{
     ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, MEMBERS_LIBRARY,
 };
-use sluice_allocator::Assignment;
+use sluice_allocator::{Assignment, Reserved};
 use sluice_limiter::lua::{
     CLIENT_DRIVER, DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY, USAGE_DRIVER,
 };
@@ -230,6 +230,36 @@ pub fn parse_reservation(reply: &[i64], windows: usize) -> Result<Reservation, S
         }
     };
     Ok(Reservation { outcome, entry })
+}
+
+/// The assign script's reply when it reserves usage: as [`parse_assign`], followed by the route's
+/// entry number, the member's (0: none) and the admission time.
+pub fn parse_assign_reserved(
+    reply: &Value,
+    windows: Option<usize>,
+) -> Result<Option<Reserved>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(unexpected(reply));
+    };
+    let Some(at) = items.len().checked_sub(3) else {
+        return Err(unexpected(reply));
+    };
+    let number = |v: &Value| match v {
+        Value::Int(i) if *i >= 0 => Ok(*i as u64),
+        _ => Err(unexpected(reply)),
+    };
+    let (route, member, at_us) = (
+        number(&items[at])?,
+        number(&items[at + 1])?,
+        number(&items[at + 2])?,
+    );
+    let entry = |seq: u64| (seq > 0).then_some(EntryId { seq, at_us });
+    let assignment = parse_assign(&Value::Array(items[..at].to_vec()), windows)?;
+    Ok(assignment.map(|assignment| Reserved {
+        assignment,
+        route: entry(route),
+        member: entry(member),
+    }))
 }
 
 /// `{state per settlement and window}` (`usage_run.lua`'s "settle") → one list per settlement,
@@ -637,5 +667,46 @@ mod tests {
         assert!(parse_settled(&[1, 2], &[3]).is_err());
         assert!(parse_settled(&[1, 3], &[2]).is_err());
         assert!(parse_settled(&[-1], &[1]).is_err());
+        // An assignment that reserved usage ends with its entries; the pool missing is no
+        // assignment; anything shorter or not numbers is an error.
+        let assigned = Value::Array(vec![
+            Value::Int(1),
+            Value::SimpleString("key-a".into()),
+            Value::Int(0),
+            Value::Int(4),
+            Value::Int(9),
+            Value::Int(7),
+        ]);
+        let reserved = parse_assign_reserved(&assigned, None).unwrap().unwrap();
+        assert_eq!(reserved.route, Some(EntryId { seq: 4, at_us: 7 }));
+        assert_eq!(reserved.member, Some(EntryId { seq: 9, at_us: 7 }));
+        let missing = Value::Array(vec![
+            Value::Int(3),
+            Value::SimpleString(String::new()),
+            Value::Int(0),
+            Value::Int(0),
+            Value::Int(0),
+            Value::Int(0),
+        ]);
+        assert_eq!(parse_assign_reserved(&missing, None).unwrap(), None);
+        for bad in [
+            Value::Nil,
+            Value::Array(vec![Value::Int(1), Value::Int(2)]),
+            Value::Array(vec![
+                Value::Int(3),
+                Value::SimpleString(String::new()),
+                Value::Int(0),
+            ]),
+            Value::Array(vec![
+                Value::Int(1),
+                Value::SimpleString("key-a".into()),
+                Value::Int(0),
+                Value::Int(-4),
+                Value::Int(9),
+                Value::Int(7),
+            ]),
+        ] {
+            assert!(parse_assign_reserved(&bad, None).is_err(), "{bad:?}");
+        }
     }
 }

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_allocator::{MemoryStore, StateStore};
+use sluice_allocator::{
+    Assign, Assignment, MemberUsage, MemoryStore, Order, PoolMember, StateStore, Usage,
+};
 use sluice_limiter::{Acquire, EntryId, Period, Reserve, Settle, Settled, Window, MAX_AMOUNT};
 use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
@@ -117,6 +119,7 @@ async fn settle_one(
                 reserved,
                 settled,
                 periods: &[],
+                member: false,
             }],
             Some(at),
         )
@@ -332,6 +335,7 @@ async fn batched(store: &dyn StateStore, route: &str) {
             reserved: &reserved,
             settled,
             periods: &[],
+            member: false,
         })
         .collect();
     batch.insert(
@@ -343,6 +347,7 @@ async fn batched(store: &dyn StateStore, route: &str) {
             reserved: &[],
             settled: &[],
             periods: &[],
+            member: false,
         },
     );
     let done = store.settle(route, &batch, Some(t0 + 100)).await.unwrap();
@@ -439,6 +444,7 @@ async fn calendar(store: &dyn StateStore, route: &str) {
                         reserved: &reserved,
                         settled: &settled,
                         periods: &periods,
+                        member: false,
                     }],
                     Some(at),
                 )
@@ -510,12 +516,157 @@ async fn calendar(store: &dyn StateStore, route: &str) {
         .is_err());
 }
 
+/// A key pool whose keys have their own token windows (a provider's TPM per key): least_used
+/// takes a member whose windows admit the reservation, reserves the route's windows and the
+/// member's in one step, and both entries settle in one call.
+async fn key_pool(store: &dyn StateStore, route: &str) {
+    let tpm = |limit| Window {
+        name: "tpm".into(),
+        limit,
+        length_us: MINUTE,
+    };
+    let members = [
+        PoolMember {
+            id: "key-a".into(),
+            windows: Arc::new([tpm(tokens(1_000))]),
+        },
+        PoolMember {
+            id: "key-b".into(),
+            windows: Arc::new([tpm(tokens(1_000))]),
+        },
+    ];
+    let route_windows = [tpm(tokens(10_000))];
+    let t0 = 3_000_000_000_000u64;
+    let ask = |amount: u64, at: u64| {
+        let route_windows = route_windows.clone();
+        let members = members.clone();
+        async move {
+            let each = [amount];
+            let usage = [
+                MemberUsage {
+                    amounts: &each,
+                    periods: &[],
+                },
+                MemberUsage {
+                    amounts: &each,
+                    periods: &[],
+                },
+            ];
+            store
+                .assign_reserve(
+                    Assign {
+                        route,
+                        members: &members,
+                        order: Order::LeastUsed,
+                        excluded: &[],
+                        quota: Some(Acquire {
+                            route,
+                            key: "route",
+                            windows: &route_windows,
+                            cost: 1,
+                            at_us: Some(at),
+                            client: None,
+                        }),
+                        cost: 1,
+                        cooldowns: false,
+                        at_us: Some(at),
+                    },
+                    Usage {
+                        route: &each,
+                        route_periods: &[],
+                        members: &usage,
+                    },
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let chosen = |r: &sluice_allocator::Reserved| match &r.assignment {
+        Assignment::Assigned { member, .. } => member.clone(),
+        other => panic!("not assigned: {other:?}"),
+    };
+    let first = ask(tokens(600), t0).await;
+    assert_eq!(chosen(&first), "key-a");
+    let (r1, m1) = (first.route.unwrap(), first.member.unwrap());
+    let second = ask(tokens(600), t0 + 1).await;
+    assert_eq!(chosen(&second), "key-b");
+    let m2 = second.member.unwrap();
+    // Neither key has 500 left: busy, and nothing is charged anywhere.
+    let busy = ask(tokens(500), t0 + 2).await;
+    assert!(
+        matches!(busy.assignment, Assignment::Busy { retry_after_us, .. } if retry_after_us == MINUTE - 2),
+        "{busy:?}"
+    );
+    assert_eq!((busy.route, busy.member), (None, None));
+    assert_eq!(
+        remaining(store, route, "route", &route_windows, t0 + 3).await,
+        [tokens(8_800)]
+    );
+    // key-b's answer used 100: settled with the route's entry of the first request, in one call.
+    let reserved = [tokens(600)];
+    let done = store
+        .settle(
+            route,
+            &[
+                Settle {
+                    key: "key-b",
+                    windows: &members[1].windows,
+                    entry: m2,
+                    reserved: &reserved,
+                    settled: &[tokens(100)],
+                    periods: &[],
+                    member: true,
+                },
+                Settle {
+                    key: "route",
+                    windows: &route_windows,
+                    entry: r1,
+                    reserved: &reserved,
+                    settled: &[tokens(50)],
+                    periods: &[],
+                    member: false,
+                },
+            ],
+            Some(t0 + 4),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, [vec![Settled::Done], vec![Settled::Done]]);
+    assert_eq!(
+        remaining(store, route, "route", &route_windows, t0 + 5).await,
+        [tokens(9_350)]
+    );
+    // Both keys have one request: key-a comes first on the tie, but only key-b's windows admit
+    // 500 now.
+    let third = ask(tokens(500), t0 + 6).await;
+    assert_eq!(chosen(&third), "key-b", "{third:?}");
+    // key-a's entry is a member's: settling it as the route's finds nothing.
+    let wrong = store
+        .settle(
+            route,
+            &[Settle {
+                key: "key-a",
+                windows: &members[0].windows,
+                entry: m1,
+                reserved: &reserved,
+                settled: &[0],
+                periods: &[],
+                member: false,
+            }],
+            Some(t0 + 7),
+        )
+        .await
+        .unwrap();
+    assert_eq!(wrong, [vec![Settled::Gone]]);
+}
+
 #[tokio::test]
 async fn memory_reserves_and_settles() {
     let store = MemoryStore::new();
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
     calendar(&store, "calendar").await;
+    key_pool(&store, "pool").await;
 }
 
 #[tokio::test]
@@ -525,6 +676,7 @@ async fn redis_reserves_and_settles() {
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
     calendar(&store, "calendar").await;
+    key_pool(&store, "pool").await;
     // A batch of settlements is one call.
     let before = server.command_calls("fcall");
     batched(&store, "usage2").await;
@@ -544,6 +696,7 @@ async fn redis_without_functions_reserves_and_settles() {
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
     calendar(&store, "calendar").await;
+    key_pool(&store, "pool").await;
     assert!(!store.uses_functions());
 }
 
@@ -555,6 +708,7 @@ async fn redis_cluster_reserves_and_settles() {
         scenarios(&store, route).await;
         batched(&store, route).await;
         calendar(&store, route).await;
+        key_pool(&store, route).await;
     }
 }
 
@@ -623,6 +777,7 @@ async fn concurrent(
                             reserved: &[1, reserved],
                             settled: &[1, settled],
                             periods: &[],
+                            member: false,
                         }],
                         None,
                     )
