@@ -7,6 +7,7 @@
 //! - [`config`]: the YAML schema and its validation; [`router`]: request → route;
 //! - [`table`]: a config made ready to serve, swapped whole on reload ([`reload`]);
 //! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
+//! - [`usage`]: a route's usage units made ready to apply, and the body read for a reservation;
 //! - [`cooldown`]: how long a member's answer asks it to be left alone;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`egress`]: the guard on destinations the client chooses; [`resolve`]: the process's
@@ -45,6 +46,7 @@ pub mod table;
 pub mod target;
 pub mod trace;
 pub mod tunnel;
+pub mod usage;
 pub mod wait;
 
 /// The YAML config, its own crate so that it carries no Pingora; `crate::config::X` names it.

@@ -29,6 +29,8 @@ pub struct RouteQuota {
     pub rejections: Vec<IntCounter>,
     /// The second (Unix time) of the latest warning that the route's key table is full.
     keys_warned_at: AtomicU64,
+    /// The units the route's windows may count in besides requests (`quota.usage`).
+    pub usage: Option<crate::usage::RouteUsage>,
 }
 
 /// Quota key values longer than this are replaced by their hash. The client chooses a header's
@@ -178,6 +180,7 @@ impl RouteQuota {
                 .collect(),
             on_store_error: q.on_store_error,
             keys_warned_at: AtomicU64::new(0),
+            usage: q.usage.as_ref().map(crate::usage::RouteUsage::build),
         }
     }
 }

@@ -123,6 +123,17 @@ pub(crate) async fn admit(
         .as_deref()
         .map_or(1, |q| q.cost(&target.path, req.method.as_str()));
     ctx.route = Some(route.clone());
+    // A reservation that reads the body reads it now, before admission, which is to charge it
+    // to the route's usage windows. (Until admission and settlement are wired to the stores,
+    // `select::RULES` refuses windows in usage units, so only tests reach this.)
+    if let Some(usage) = route.quota.as_deref().and_then(|q| q.usage.as_ref()) {
+        let prefix = if usage.reads_body {
+            crate::usage::read_prefix(session.as_downstream_mut(), usage.max_request_body).await
+        } else {
+            crate::usage::Prefix::unread(&session.req_header().headers)
+        };
+        ctx.reserved = usage.reserve(&prefix.request(&session.req_header().headers));
+    }
 
     // Quota and first member, decided together. This is the only place a request is charged:
     // retries happen after this hook and never come back to it.

@@ -191,6 +191,9 @@ pub struct RequestCtx {
     /// The client identified (SPEC §9): `anonymous` for an unidentified caller under
     /// `unknown: anonymous`; none without a `clients` section, or when nobody was identified.
     pub(crate) client: Option<Arc<crate::clients::Client>>,
+    /// What the request reserves in each unit of its route's `quota.usage`, in the order of
+    /// its units; empty on a route without usage units.
+    pub(crate) reserved: Vec<sluice_usage::Millionths>,
     _in_flight: InFlight,
 }
 
@@ -345,6 +348,7 @@ impl RequestCtx {
             upstream_answered: false,
             route_in_flight: None,
             client: None,
+            reserved: Vec::new(),
             _in_flight: InFlight::enter(in_flight),
         }
     }
