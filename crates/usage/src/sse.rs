@@ -79,8 +79,12 @@ impl SseParser {
                     self.bom = (matched + 1 < BOM.len()).then_some(matched + 1);
                     continue;
                 }
-                // Not a BOM: bytes of a broken one are dropped, as a decoder would replace them.
+                // Not a BOM. The bytes of a broken one decode to U+FFFD, which begins a field
+                // name that is not `data`: the line is read past.
                 self.bom = None;
+                if matched > 0 {
+                    self.line = Line::Skip;
+                }
             }
             let b = bytes[i];
             if self.after_cr {
@@ -108,12 +112,15 @@ impl SseParser {
                         } else {
                             Line::Skip
                         };
+                    } else if self.name_len == self.name.len() {
+                        // Longer than `data`: a field read past, or a line without a colon,
+                        // which is one too. Skipping it finds its end at memchr's pace, so a
+                        // huge line costs little.
+                        self.line = Line::Skip;
                     } else {
                         self.line = Line::Name;
-                        if self.name_len < self.name.len() {
-                            self.name[self.name_len] = b;
-                        }
-                        self.name_len = self.name_len.saturating_add(1);
+                        self.name[self.name_len] = b;
+                        self.name_len += 1;
                     }
                     i += 1;
                 }
@@ -226,6 +233,9 @@ mod tests {
             ["a\nb", "", " two spaces", ""],
             "the last event has no blank line after it and is not dispatched"
         );
+        // A BOM that breaks off decodes to U+FFFD, which starts a field that is not `data`.
+        assert!(events(b"\xEF\xBBdata: x\n\n", 1024, &[]).is_empty());
+        assert!(events(b"\xEFdata: x\n\n", 1024, &[]).is_empty());
         // Lines without data dispatch nothing.
         assert!(events(b"event: ping\n\n: keepalive\n\n\n\n", 1024, &[]).is_empty());
     }
@@ -248,7 +258,107 @@ mod tests {
         }
     }
 
+    /// The rules read literally: the whole stream split into lines first, then each line.
+    fn reference(stream: &[u8], max: usize) -> Vec<String> {
+        let stream = stream.strip_prefix(&BOM[..]).unwrap_or(stream);
+        let mut lines = Vec::new();
+        let mut start = 0;
+        let mut i = 0;
+        while i < stream.len() {
+            match stream[i] {
+                b'\n' => {
+                    lines.push(&stream[start..i]);
+                    start = i + 1;
+                }
+                b'\r' => {
+                    lines.push(&stream[start..i]);
+                    if stream.get(i + 1) == Some(&b'\n') {
+                        i += 1;
+                    }
+                    start = i + 1;
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        // What follows the last line end is no line yet: the stream ended inside it.
+        let mut out = Vec::new();
+        let mut data: Option<Vec<u8>> = None;
+        for line in lines {
+            if line.is_empty() {
+                if let Some(mut d) = data.take() {
+                    d.pop();
+                    out.push(if d.len() > max {
+                        "<oversized>".to_string()
+                    } else {
+                        String::from_utf8_lossy(&d).into_owned()
+                    });
+                }
+                continue;
+            }
+            if line[0] == b':' {
+                continue;
+            }
+            let (name, value) = match line.iter().position(|b| *b == b':') {
+                Some(at) => (&line[..at], &line[at + 1..]),
+                None => (line, &b""[..]),
+            };
+            let value = value.strip_prefix(b" ").unwrap_or(value);
+            if name == b"data" {
+                let d = data.get_or_insert_with(Vec::new);
+                d.extend_from_slice(value);
+                d.push(b'\n');
+            }
+        }
+        out
+    }
+
     proptest! {
+        /// The streaming parser, fed in any cuts, agrees with the rules read literally.
+        #[test]
+        fn agrees_with_the_rules_read_literally(
+            stream in proptest::collection::vec(
+                prop_oneof![
+                    Just(b'\r'), Just(b'\n'), Just(b':'), Just(b' '), Just(b'd'), Just(b'a'),
+                    Just(b't'), Just(b'x'), Just(0xEF), Just(0xBB), Just(0xBF), any::<u8>()
+                ],
+                0..200,
+            ),
+            mut cuts in proptest::collection::vec(0usize..200, 0..8),
+            max in 1usize..40,
+        ) {
+            cuts.sort_unstable();
+            prop_assert_eq!(events(&stream, max, &cuts), reference(&stream, max));
+        }
+
+        /// Streams made of real field lines, where the alphabet above rarely spells `data`.
+        #[test]
+        fn agrees_on_well_formed_lines(
+            lines in proptest::collection::vec(
+                (
+                    prop_oneof![Just("data"), Just("data"), Just("event"), Just(""), Just("id"), Just("dat"), Just("datas")],
+                    prop_oneof![Just(":"), Just(": "), Just(":  "), Just("")],
+                    "[a-z {}\":]{0,12}",
+                    prop_oneof![Just("\n"), Just("\r\n"), Just("\r"), Just("\n\n"), Just("\r\n\r\n")],
+                ),
+                0..20,
+            ),
+            bom in 0usize..4,
+            mut cuts in proptest::collection::vec(0usize..400, 0..8),
+            max in 1usize..40,
+        ) {
+            // None, the start of a BOM that breaks off, or a whole one.
+            let mut stream = BOM[..bom].to_vec();
+            for (name, colon, value, eol) in &lines {
+                stream.extend_from_slice(name.as_bytes());
+                stream.extend_from_slice(colon.as_bytes());
+                stream.extend_from_slice(value.as_bytes());
+                stream.extend_from_slice(eol.as_bytes());
+            }
+            cuts.sort_unstable();
+            prop_assert_eq!(events(&stream, max, &cuts), reference(&stream, max));
+        }
+
         /// Any stream, cut anywhere into any number of chunks, gives the events it gives whole.
         #[test]
         fn splits_change_nothing(
