@@ -217,6 +217,9 @@ fn a_json_path_must_be_dotted_keys() {
         "a.*",
         "$.usage",
         "a b",
+        // YAML escapes: a tab, and a control character.
+        "a\\tb",
+        "a\\x01b",
     ] {
         let usage = format!(
             "      usage:\n        tokens:\n          reserve: {{ value: 1 }}\n          settle: {{ json: \"{bad}\" }}\n"
@@ -224,7 +227,7 @@ fn a_json_path_must_be_dotted_keys() {
         one_error(
             &route(TPM, &usage),
             "10:27: routes[0].quota.usage.tokens.settle.json",
-            &format!("invalid json path {bad:?}"),
+            "invalid json path",
         );
     }
 }

@@ -408,12 +408,13 @@ impl<'de> Deserialize<'de> for JsonPath {
         let keys: Vec<&str> = s.split('.').collect();
         let bad = keys.iter().any(|k| {
             k.is_empty()
-                || k.bytes()
-                    .any(|b| matches!(b, b'[' | b']' | b'*' | b'$') || b.is_ascii_whitespace())
+                || k.chars().any(|c| {
+                    matches!(c, '[' | ']' | '*' | '$') || c.is_whitespace() || c.is_control()
+                })
         });
         if bad {
             return Err(de::Error::custom(format!(
-                "invalid json path {s:?}: write object keys joined by dots, such as usage.total_tokens (no brackets, wildcards or empty keys)"
+                "invalid json path {s:?}: write object keys joined by dots, such as usage.total_tokens (no brackets, wildcards, spaces or empty keys)"
             )));
         }
         Ok(JsonPath {
