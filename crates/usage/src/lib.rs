@@ -19,6 +19,7 @@
 #[cfg(test)]
 mod alloc_count;
 pub mod amount;
+mod decode;
 pub mod json;
 mod reserve;
 mod scan;

@@ -17,10 +17,9 @@
 //! A body that cannot be read (too large, not decoded) leaves unsettled only the units that
 //! read it; a unit whose header is missing does not stop the body being read for the others.
 //!
-//! A compressed body (`Content-Encoding` gzip, deflate, br or zstd) is decompressed here, for
-//! scanning only, and the bound applies to the decompressed bytes: a zip bomb stops at the
-//! bound. The decoders' own state is bounded by their formats (32 KiB for deflate; brotli's
-//! window, at most 16 MiB; zstd's, held to 8 MiB, the most HTTP's zstd coding allows).
+//! A compressed body (`Content-Encoding` gzip, deflate, br or zstd) is decompressed for
+//! scanning only (`decode.rs`), and the bound applies to the decompressed bytes: a zip
+//! bomb stops at the bound.
 //!
 //! Each part is rounded up to the millionth on its own and the parts are summed; a sum past
 //! [`Millionths::MAX`] is [`Unsettled::Malformed`].
@@ -29,6 +28,7 @@ use std::fmt;
 use std::io::{self, Write};
 
 use crate::amount::{Decimal, Millionths};
+use crate::decode::Tap;
 use crate::json::{lookup, Found};
 use crate::spec::{Amount, Part};
 use crate::sse::{Event, SseParser};
@@ -71,7 +71,7 @@ impl fmt::Display for Unsettled {
 /// the module documentation.
 pub struct ResponseScanner {
     /// `None` when no amount needs the body, or once scanning it has failed.
-    tap: Option<Tap>,
+    tap: Option<Tap<Sink>>,
     /// Per amount, per part: what the head already decided (`value`, `header`); `None` for a
     /// `json` part.
     heads: Vec<Vec<Option<Result<Millionths, Unsettled>>>>,
@@ -150,7 +150,7 @@ impl ResponseScanner {
         let sink = Sink::new(amounts, max_response_body, sse);
         match Tap::new(sink, headers) {
             Ok(tap) => scanner.tap = Some(tap),
-            Err(reason) => scanner.body_failed = Some(reason),
+            Err(_) => scanner.body_failed = Some(Unsettled::Encoding),
         }
         scanner
     }
@@ -378,128 +378,6 @@ impl Write for Sink {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
-    }
-}
-
-/// The body's way into the [`Sink`]: as it is, or through a decoder.
-enum Tap {
-    Plain(Sink),
-    Gzip(Box<flate2::write::MultiGzDecoder<Sink>>),
-    /// `deflate` is zlib-wrapped by the standard and raw in some servers: its first two bytes
-    /// tell which.
-    DeflateHead(Sink, [u8; 2], usize),
-    Zlib(Box<flate2::write::ZlibDecoder<Sink>>),
-    RawDeflate(Box<flate2::write::DeflateDecoder<Sink>>),
-    Brotli(Box<brotli_decompressor::DecompressorWriter<Sink>>),
-    Zstd(Box<zstd::stream::write::Decoder<'static, Sink>>),
-    /// Only while the deflate head is being replaced.
-    Switching,
-}
-
-/// zstd's window, at most: 8 MiB, the most the HTTP content coding allows (RFC 9659).
-const ZSTD_WINDOW_LOG_MAX: u32 = 23;
-/// Bytes brotli decodes into before handing them on.
-const BROTLI_BUFFER: usize = 4096;
-
-impl Tap {
-    fn new(sink: Sink, headers: &http::HeaderMap) -> Result<Tap, Unsettled> {
-        let mut codings = headers
-            .get_all(http::header::CONTENT_ENCODING)
-            .iter()
-            .flat_map(|v| v.to_str().unwrap_or("?").split(','))
-            .map(str::trim)
-            .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"));
-        let coding = codings.next();
-        if codings.next().is_some() {
-            // Stacked codings: rare enough not to decode.
-            return Err(Unsettled::Encoding);
-        }
-        let Some(coding) = coding else {
-            return Ok(Tap::Plain(sink));
-        };
-        let is = |name: &str| coding.eq_ignore_ascii_case(name);
-        if is("gzip") || is("x-gzip") {
-            Ok(Tap::Gzip(Box::new(flate2::write::MultiGzDecoder::new(
-                sink,
-            ))))
-        } else if is("deflate") {
-            Ok(Tap::DeflateHead(sink, [0; 2], 0))
-        } else if is("br") {
-            Ok(Tap::Brotli(Box::new(
-                brotli_decompressor::DecompressorWriter::new(sink, BROTLI_BUFFER),
-            )))
-        } else if is("zstd") {
-            let mut decoder = zstd::stream::raw::Decoder::new().map_err(|_| Unsettled::Encoding)?;
-            decoder
-                .set_parameter(zstd::stream::raw::DParameter::WindowLogMax(
-                    ZSTD_WINDOW_LOG_MAX,
-                ))
-                .map_err(|_| Unsettled::Encoding)?;
-            Ok(Tap::Zstd(Box::new(
-                zstd::stream::write::Decoder::with_decoder(sink, decoder),
-            )))
-        } else {
-            Err(Unsettled::Encoding)
-        }
-    }
-
-    fn sink(&self) -> &Sink {
-        match self {
-            Tap::Plain(s) | Tap::DeflateHead(s, ..) => s,
-            Tap::Gzip(d) => d.get_ref(),
-            Tap::Zlib(d) => d.get_ref(),
-            Tap::RawDeflate(d) => d.get_ref(),
-            Tap::Brotli(d) => d.get_ref(),
-            Tap::Zstd(d) => d.get_ref(),
-            Tap::Switching => unreachable!("the deflate head is replaced within one call"),
-        }
-    }
-
-    fn write_all(&mut self, mut chunk: &[u8]) -> io::Result<()> {
-        if let Tap::DeflateHead(_, head, len) = self {
-            let take = (head.len() - *len).min(chunk.len());
-            head[*len..*len + take].copy_from_slice(&chunk[..take]);
-            *len += take;
-            chunk = &chunk[take..];
-            if *len < head.len() {
-                return Ok(());
-            }
-            let Tap::DeflateHead(sink, head, _) = std::mem::replace(self, Tap::Switching) else {
-                unreachable!("matched above")
-            };
-            // A zlib header: method 8 (deflate) and a check making the pair a multiple of 31.
-            let zlib =
-                head[0] & 0x0F == 8 && (u16::from(head[0]) << 8 | u16::from(head[1])) % 31 == 0;
-            *self = if zlib {
-                Tap::Zlib(Box::new(flate2::write::ZlibDecoder::new(sink)))
-            } else {
-                Tap::RawDeflate(Box::new(flate2::write::DeflateDecoder::new(sink)))
-            };
-            self.write_all(&head)?;
-        }
-        match self {
-            Tap::Plain(s) => s.write_all(chunk),
-            Tap::Gzip(d) => d.write_all(chunk),
-            Tap::Zlib(d) => d.write_all(chunk),
-            Tap::RawDeflate(d) => d.write_all(chunk),
-            Tap::Brotli(d) => d.write_all(chunk),
-            Tap::Zstd(d) => d.write_all(chunk),
-            Tap::DeflateHead(..) | Tap::Switching => Ok(()),
-        }
-    }
-
-    /// Hands the decoder's last bytes on; an error when the compressed body ended early.
-    fn finish(&mut self) -> io::Result<()> {
-        match self {
-            Tap::Plain(_) | Tap::Switching => Ok(()),
-            Tap::DeflateHead(_, _, 0) => Ok(()),
-            Tap::DeflateHead(..) => Err(io::ErrorKind::UnexpectedEof.into()),
-            Tap::Gzip(d) => d.try_finish(),
-            Tap::Zlib(d) => d.try_finish(),
-            Tap::RawDeflate(d) => d.try_finish(),
-            Tap::Brotli(d) => d.close(),
-            Tap::Zstd(d) => d.do_finish(),
-        }
     }
 }
 

@@ -680,3 +680,11 @@ fn a_body_that_cannot_be_read_leaves_the_other_units_settled() {
     assert!(!scanner.wants_body());
     assert_eq!(scanner.finish(), [Err(Unsettled::NoUsage)]);
 }
+
+/// The gateway keeps a scanner in a request's context, across awaits and threads.
+#[test]
+fn a_scanner_can_live_in_a_request_context() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<ResponseScanner>();
+    send_sync::<Amount>();
+}
