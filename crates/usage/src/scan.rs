@@ -334,15 +334,19 @@ fn on_event(amounts: &[Amount], slots: &mut [Vec<Slot>], event: Event<'_>) {
             };
             // Most events (each token of a stream) cannot hold the path: their text lacks its
             // last key.
-            if !escapes && memchr::memmem::find(data, path.last_key().as_bytes()).is_none() {
+            let names_key = memchr::memmem::find(data, path.last_key().as_bytes()).is_some();
+            if !escapes && !names_key {
                 continue;
             }
-            // An event that is not JSON (OpenAI's `[DONE]`) or does not hold the path changes
-            // nothing.
             let seen = match lookup(data, path) {
                 Ok(Found::Number(n)) => n.times(*times).map_or(Seen::Malformed, Seen::Amount),
                 Ok(Found::NotANumber) => Seen::Malformed,
-                Ok(Found::Absent) | Err(_) => continue,
+                // An event that does not hold the path changes nothing.
+                Ok(Found::Absent) => continue,
+                // Not JSON, yet naming the key (`"total_tokens": NaN`): a usage event that
+                // cannot be read. Other text (OpenAI's `[DONE]`) is passed over.
+                Err(_) if names_key => Seen::Malformed,
+                Err(_) => continue,
             };
             *slot = Slot { seen, stale: false };
         }

@@ -688,3 +688,27 @@ fn a_scanner_can_live_in_a_request_context() {
     send_sync::<ResponseScanner>();
     send_sync::<Amount>();
 }
+
+#[test]
+fn unreadable_usage_events_split_at_every_byte_boundary_settle_as_malformed() {
+    let h = headers(&[SSE]);
+    for usage in [
+        "{\"usage\":{\"total_tokens\":NaN}}",
+        "{\"usage\":{\"total_tokens\":-5}}",
+        "{\"usage\":{\"total_tokens\":{\"n\":5}}}",
+        "{\"usage\":{\"total_tokens\":\"5\"}}",
+        "{\"usage\":{\"total_tokens\":1e300}}",
+        "{\"usage\":{\"total_tokens\":99999999999999999999999}}",
+        "{\"usage\":{\"total_tokens\":5}",
+    ] {
+        let stream = format!(
+            "data: {{\"usage\":{{\"total_tokens\":5}}}}\n\ndata: {usage}\n\ndata: [DONE]\n\n"
+        );
+        let every: Vec<usize> = (0..stream.len()).collect();
+        assert_eq!(
+            settle_cut(&total_tokens(), MIB, &h, stream.as_bytes(), &every),
+            Err(Unsettled::Malformed),
+            "{usage}"
+        );
+    }
+}
