@@ -184,3 +184,55 @@ fn version_is_printed() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("sluice "));
 }
+
+#[test]
+fn usage_metered_windows_are_checked_and_refused_until_the_stores_keep_them() {
+    // The contract's example: it parses, and this build says which windows it cannot enforce
+    // yet, rather than count them as sliding requests.
+    let yaml = r#"routes:
+  - name: openai
+    upstream: { members: [{ url: "http://127.0.0.1:9001" }] }
+    quota:
+      windows:
+        - { name: rpm, limit: 500, window: 1m }
+        - { name: tpm, limit: 200000, window: 1m, unit: tokens }
+        - { name: month, limit: 400, window: calendar_month, unit: usd, tz: "Europe/Paris" }
+      usage:
+        tokens:
+          reserve: { sum: [ { json: "max_tokens", default: 4096 }, { request_bytes: true, times: 0.25 } ] }
+          settle:  { json: "usage.total_tokens" }
+        usd:
+          reserve: { value: 0.10 }
+          settle:
+            sum: [ { json: "usage.prompt_tokens", times: 0.0000025 }, { json: "usage.completion_tokens", times: 0.00001 } ]
+"#;
+    let (code, stdout, stderr, file) = check(yaml);
+    assert_eq!((code, stdout.as_str()), (1, ""), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            format!("{file}:7:57: routes[0].quota.windows[1].unit: windows in usage units are not enforced by this build yet; count requests"),
+            format!("{file}:8:46: routes[0].quota.windows[2].window: calendar windows are not enforced by this build yet; use a sliding window such as 30d"),
+            format!("{file}:8:68: routes[0].quota.windows[2].unit: windows in usage units are not enforced by this build yet; count requests"),
+        ]
+    );
+    // Mistakes in the units are placed like any other.
+    let (code, _, stderr, file) = check(&yaml.replace("unit: usd,", "unit: eur,"));
+    assert_eq!(code, 1, "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            format!("{file}:8:68: routes[0].quota.windows[2].unit: unit \"eur\" is not defined: define it under this route's quota.usage, or count requests"),
+            format!("{file}:14:11: routes[0].quota.usage.usd: unit \"usd\" is counted by no window: give a window unit: usd, or leave the unit out"),
+        ]
+    );
+    let (code, _, stderr, file) =
+        check(&yaml.replace("\"usage.total_tokens\"", "\"choices[0].usage\""));
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(
+        stderr,
+        format!("{file}:12:28: routes[0].quota.usage.tokens.settle.json: invalid json path \"choices[0].usage\": write object keys joined by dots, such as usage.total_tokens (no brackets, wildcards, spaces or empty keys)\n"),
+    );
+}
