@@ -12,11 +12,11 @@
 -- ARGV:
 --   [1] clock: "" for Redis TIME, or µs (tests)      [2] the member cost (an integer)
 --   [3] "L" least-used, or "P" the members below are the candidates, best first; "Lc" or
---       "Pc" when the client's own windows follow the route quota's; "Lu" or "Pu" when the
---       windows reserve usage: after the route quota's windows, and after each member's, come
---       each window's amount, then each window's score ("" for now, or a fixed window's period
---       start), and the reply ends with the route's entry number, the member's (0: none) and
---       the admission time
+--       "Pc" when the client's own windows follow the route quota's; "Lu", "Pu", "Lcu" or "Pcu"
+--       when the windows reserve usage: after the route quota's windows, the client's and each
+--       member's come each window's amount, then each window's score ("" for now, or a fixed
+--       window's period start), and the reply ends with the route's entry number, the client's,
+--       the member's (0: none) and the admission time
 --   [4] "1" skip cooling members, "0" ignore cooldowns
 --   [5] the route quota's window count, "" for none   [6] the quota's cost (the route's, and the client's)
 --   then the route quota's windows (name, limit, length)
@@ -35,16 +35,18 @@
 
 local cost = ARGV[2]
 local order = ARGV[3]
-local least_used = order == 'L' or order == 'Lc' or order == 'Lu'
-local usage = order == 'Lu' or order == 'Pu'
+local least_used = string.sub(order, 1, 1) == 'L'
+local usage = string.sub(order, -1) == 'u'
+-- Arguments per window: name, limit, length, and with usage its amount and score.
+local per = usage and 5 or 3
 local route_windows = tonumber(ARGV[5]) or 0
-local client_at = 7 + (usage and 5 or 3) * route_windows
+local client_at = 7 + per * route_windows
 local client_windows = 0
-if order == 'Lc' or order == 'Pc' then
+if string.sub(order, 2, 2) == 'c' then
   client_windows = ARGV[client_at] + 0
 end
 local excluded, count, at =
-  pool_excluded(client_windows > 0 and client_at + 1 + 3 * client_windows or client_at)
+  pool_excluded(client_windows > 0 and client_at + 1 + per * client_windows or client_at)
 local k = 1
 local pool, first, cool
 if least_used then
@@ -53,7 +55,7 @@ if least_used then
   first = members_first(pool, count)
   if #first == 0 then
     if usage then
-      return {3, '', 0, 0, 0, 0}
+      return {3, '', 0, 0, 0, 0, 0}
     end
     return {3, '', 0}
   end
@@ -65,31 +67,30 @@ end
 
 local now = quota_clock(ARGV[1])
 local q, c
-local amounts, texts, scores
+-- With usage, what quota_record_each records for the route's windows (r) and the client's (u).
+local r_amounts, r_texts, r_scores, u_amounts, u_texts, u_scores
 if ARGV[5] ~= '' and usage then
-  q = quota_read(k, route_windows, 7, now)
-  amounts, texts, scores = {}, {}, {}
-  local b = 7 + 3 * route_windows
-  for i = 1, route_windows do
-    local text = ARGV[b + i - 1]
-    texts[i], amounts[i], scores[i] = text, text + 0, ARGV[b + route_windows + i - 1]
-  end
-  quota_admit_each(q, amounts)
+  q, r_amounts, r_texts, r_scores = quota_check_each(k, route_windows, 7, now)
   k = k + 1 + route_windows
 elseif ARGV[5] ~= '' then
   q = quota_check(k, route_windows, 7, ARGV[6], now)
   k = k + 1 + route_windows
 end
-if client_windows > 0 then
+if client_windows > 0 and usage then
+  c, u_amounts, u_texts, u_scores = quota_check_each(k, client_windows, client_at + 1, now)
+  k = k + 1 + client_windows
+elseif client_windows > 0 then
   c = quota_check(k, client_windows, client_at + 1, ARGV[6], now)
   k = k + 1 + client_windows
 end
 
--- The entries a usage reply ends with: the route's, the member's, and the admission time.
+-- The entries a usage reply ends with: the route's, the client's, the member's, and the
+-- admission time.
 local w_seq = 0
 local function entries(out, recorded)
   if usage then
     out[#out + 1] = recorded and q and q.seq or 0
+    out[#out + 1] = recorded and c and c.seq or 0
     out[#out + 1] = recorded and w_seq or 0
     out[#out + 1] = now
   end
@@ -119,12 +120,14 @@ end
 local out
 if w.chosen then
   if q and usage then
-    quota_record_each(q, amounts, texts, scores)
+    quota_record_each(q, r_amounts, r_texts, r_scores)
   elseif q then
     quota_record(q)
   end
   w_seq = w.seq
-  if c then
+  if c and usage then
+    quota_record_each(c, u_amounts, u_texts, u_scores)
+  elseif c then
     quota_record(c)
   end
   if least_used then

@@ -129,14 +129,7 @@ local function members_check(w, k, windows, at)
   if w.extra == 0 then
     return quota_check(k, windows, at, w.cost, w.now)
   end
-  local mq = quota_read(k, windows, at, w.now)
-  local amounts, texts, scores, b = {}, {}, {}, at + 3 * windows
-  for i = 1, windows do
-    local text = ARGV[b + i - 1]
-    texts[i], amounts[i], scores[i] = text, text + 0, ARGV[b + windows + i - 1]
-  end
-  quota_admit_each(mq, amounts)
-  return mq, amounts, texts, scores
+  return quota_check_each(k, windows, at, w.now)
 end
 
 local function members_note(w, wait)

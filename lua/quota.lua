@@ -279,6 +279,21 @@ local function quota_record_each(q, amounts, texts, scores)
   end
 end
 
+-- Reads a quota whose n windows lie at ARGV[at] (name, limit, length each), followed by each
+-- window's amount, then each window's score ('' for now, or a fixed window's period start),
+-- and decides a reservation of those amounts on it; records nothing. Returns the state and
+-- what quota_record_each records.
+local function quota_check_each(meta, n, at, now)
+  local q = quota_read(meta, n, at, now)
+  local amounts, texts, scores, b = {}, {}, {}, at + 3 * n
+  for i = 1, n do
+    local text = ARGV[b + i - 1]
+    texts[i], amounts[i], scores[i] = text, text + 0, ARGV[b + n + i - 1]
+  end
+  quota_admit_each(q, amounts)
+  return q, amounts, texts, scores
+end
+
 -- Settles an entry of the quota `q` (read by quota_read, so what left its windows is gone):
 -- in window i, the entry "<seq>:<reserved[i]>" at score at[i] (µs, a string) becomes
 -- "<seq>:<settled[i]>" at the same score, and the window's total moves by the difference.

@@ -155,6 +155,10 @@ pub struct Usage<'a> {
     /// Per member, in the order of [`Assign::members`]: per window of its own, its amount and
     /// period. A member is chosen only when each of its windows admits its amount.
     pub members: &'a [MemberUsage<'a>],
+    /// Per window of the calling client's own ([`Acquire::client`]), its amount.
+    pub client: &'a [u64],
+    /// Per window of the client's own, its period; empty when every window slides.
+    pub client_periods: &'a [Option<Period>],
 }
 
 /// A member's part of a [`Usage`].
@@ -175,6 +179,8 @@ pub struct Reserved {
     pub route: Option<EntryId>,
     /// The entry in the chosen member's own windows, when it has any.
     pub member: Option<EntryId>,
+    /// The entry in the client's own windows, when it has any and a member was assigned.
+    pub client: Option<EntryId>,
 }
 
 /// Where quota logs and least-used pools live.
@@ -192,19 +198,21 @@ pub trait StateStore: Send + Sync + 'static {
     /// no windows admits, and records nothing to settle.
     async fn reserve(&self, request: Reserve<'_>) -> Result<Reservation, StoreError>;
 
-    /// [`StateStore::assign`] for a request whose windows count usage: the route's windows and
-    /// each candidate's own are charged their amounts from `usage` (a member is skipped when its
-    /// windows refuse theirs), in the same one atomic step, and the entries come back to settle.
-    /// A client's own windows are not reserved here: a request with them is an error.
+    /// [`StateStore::assign`] for a request whose windows count usage: the route's windows, the
+    /// client's own and each candidate's are charged their amounts from `usage` (a member is
+    /// skipped when its windows refuse theirs), in the same one atomic step (on Redis Cluster,
+    /// the client's first, given back when the route then assigns nobody), and the entries come
+    /// back to settle.
     async fn assign_reserve(
         &self,
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError>;
 
-    /// Settles reservations of `route` in one atomic step per settlement, all in one call (one
-    /// round trip): each entry, in each window, changes from its reserved amount to its settled
-    /// one and the window's running total with it. An entry that already left its window
+    /// Settles reservations of `route` (its quota's, its members' and its clients') in one atomic
+    /// step per settlement, all in one call (one round trip; on Redis Cluster, one more per
+    /// client, whose windows live in a slot of their own): each entry, in each window, changes
+    /// from its reserved amount to its settled one and the window's running total with it. An entry that already left its window
     /// changes nothing. Returns, per settlement and window, what happened; `at_us` as in
     /// [`Acquire::at_us`].
     async fn settle(

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use sluice_limiter::{
-    Acquire, EntryId, MemoryLimits, Outcome, QuotaLogs, Reservation, Reserve, Settle, Settled,
-    StoreError, Window,
+    Acquire, EntryId, MemoryLimits, Outcome, Owner, QuotaLogs, Reservation, Reserve, Settle,
+    Settled, StoreError, Window,
 };
 
 use crate::memory_pools::{Excluded, Pools, Route};
@@ -276,19 +276,37 @@ impl StateStore for MemoryStore {
         settlements: &[Settle<'_>],
         at_us: Option<u64>,
     ) -> Result<Vec<Vec<Settled>>, StoreError> {
-        // Members' entries are in their own logs; each answer goes back in its place.
-        if !settlements.iter().any(|s| s.member) {
+        // Members' and clients' entries are in logs of their own; each answer goes back in its
+        // place.
+        if settlements.iter().all(|s| s.owner == Owner::Route) {
             return self.quotas.settle(route, settlements, at_us);
         }
         let now = at_us.unwrap_or_else(|| self.quotas.now_us());
-        let (members, quotas): (Vec<_>, Vec<_>) = settlements.iter().partition(|s| s.member);
-        let mut members = self.members.settle(route, &members, Some(now))?.into_iter();
-        let mut quotas = self.quotas.settle(route, &quotas, Some(now))?.into_iter();
+        let of = |owner: Owner| -> Vec<Settle<'_>> {
+            settlements
+                .iter()
+                .filter(|s| s.owner == owner)
+                .copied()
+                .collect()
+        };
+        let mut quotas = self
+            .quotas
+            .settle(route, &of(Owner::Route), Some(now))?
+            .into_iter();
+        let mut members = self
+            .members
+            .settle(route, &of(Owner::Member), Some(now))?
+            .into_iter();
+        let mut clients = self
+            .clients
+            .settle(CLIENTS, &of(Owner::Client), Some(now))?
+            .into_iter();
         Ok(settlements
             .iter()
-            .map(|s| match s.member {
-                true => members.next(),
-                false => quotas.next(),
+            .map(|s| match s.owner {
+                Owner::Route => quotas.next(),
+                Owner::Member => members.next(),
+                Owner::Client => clients.next(),
             })
             .map(Option::unwrap_or_default)
             .collect())
@@ -363,19 +381,11 @@ impl StateStore for MemoryStore {
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError> {
-        if ask
-            .quota
-            .and_then(|q| q.client)
-            .is_some_and(|c| !c.windows.is_empty())
-        {
-            return Err(StoreError::Backend(
-                "a client's own windows are not reserved in usage".into(),
-            ));
-        }
         let unassigned = |assignment| Reserved {
             assignment,
             route: None,
             member: None,
+            client: None,
         };
         if ask.members.is_empty() {
             return Ok(unassigned(Assignment::NoMember { quota: None }));
@@ -391,7 +401,14 @@ impl StateStore for MemoryStore {
             let ids = ask.members.iter().map(|m: &PoolMember| &m.id);
             route.counts.sync(ids, &excluded);
         }
-        let Some(q) = ask.quota.filter(|q| !q.windows.is_empty()) else {
+        let client = ask
+            .quota
+            .and_then(|q| q.client)
+            .filter(|c| !c.windows.is_empty());
+        let Some(q) = ask
+            .quota
+            .filter(|q| !q.windows.is_empty() || client.is_some())
+        else {
             return Ok(
                 match self.walk(&mut route, &ask, &excluded, now, Some(&usage))? {
                     Pick::Chosen(id, member) => Reserved {
@@ -401,6 +418,7 @@ impl StateStore for MemoryStore {
                         },
                         route: None,
                         member,
+                        client: None,
                     },
                     Pick::Busy(retry_after_us) => unassigned(Assignment::Busy {
                         retry_after_us,
@@ -410,9 +428,41 @@ impl StateStore for MemoryStore {
                 },
             );
         };
-        // As in `assign`: the route's windows reserve in the same step as the walk, under the
-        // quota key's lock, and only when a member is chosen.
+        // As in `assign`: the route's windows, then the client's, reserve in the same step as the
+        // walk, under their keys' locks, and only when a member is chosen.
         let mut missed = None;
+        let mut walk = || match self.walk(&mut route, &ask, &excluded, now, Some(&usage)) {
+            Ok(Pick::Chosen(id, member)) => Some((id, member)),
+            other => {
+                missed = Some(other);
+                None
+            }
+        };
+        let mine = client.map(|c| Reserve {
+            route: CLIENTS,
+            key: c.name,
+            windows: c.windows,
+            amounts: usage.client,
+            at_us: Some(now),
+            periods: usage.client_periods,
+        });
+        // The client's decision when its windows were asked (the route's admitted), or its
+        // error; with its entry.
+        let mut decided = None;
+        let both = || match mine {
+            None => walk().map(|chosen| (chosen, None)),
+            Some(mine) => match self.clients.reserve_then(mine, walk) {
+                Ok((reservation, chosen)) => {
+                    let entry = reservation.entry;
+                    decided = Some(Ok(reservation.outcome));
+                    chosen.map(|chosen| (chosen, entry))
+                }
+                Err(error) => {
+                    decided = Some(Err(error));
+                    None
+                }
+            },
+        };
         let reserve = Reserve {
             route: q.route,
             key: q.key,
@@ -421,24 +471,26 @@ impl StateStore for MemoryStore {
             at_us: Some(now),
             periods: usage.route_periods,
         };
-        let (reservation, chosen) = self.quotas.reserve_then(reserve, || {
-            match self.walk(&mut route, &ask, &excluded, now, Some(&usage)) {
-                Ok(Pick::Chosen(id, member)) => Some((id, member)),
-                other => {
-                    missed = Some(other);
-                    None
-                }
-            }
-        })?;
-        let outcome = reservation.outcome;
+        let (reservation, chosen) = self.quotas.reserve_then(reserve, both)?;
+        let mut outcome = reservation.outcome;
+        if let Some(mine) = mine {
+            let client = match decided {
+                Some(decision) => decision?,
+                // The route refused: the client's windows are read for the answer, charging
+                // nothing.
+                None => self.clients.reserve_then(mine, || None::<()>)?.0.outcome,
+            };
+            outcome = outcome.with_client(client);
+        }
         Ok(match (chosen, missed) {
-            (Some((id, member)), _) => Reserved {
+            (Some(((id, member), client)), _) => Reserved {
                 assignment: Assignment::Assigned {
                     member: id.to_string(),
                     quota: Some(outcome),
                 },
-                route: reservation.entry,
+                route: reservation.entry.filter(|_| !q.windows.is_empty()),
                 member,
+                client,
             },
             (None, Some(Err(error))) => return Err(error),
             (None, Some(Ok(Pick::Busy(retry_after_us)))) => unassigned(Assignment::Busy {

@@ -230,9 +230,19 @@ pub struct Settle<'a> {
     /// The periods the reservation was made with ([`Reserve::periods`]): a fixed window settles
     /// into the period of the admission, and not at all once that period is over.
     pub periods: &'a [Option<Period>],
-    /// Whether the entry is in a member's own windows (`key` is then the member's id), reserved
-    /// by an assignment, rather than in the route's quota.
-    pub member: bool,
+    /// Whose windows hold the entry.
+    pub owner: Owner,
+}
+
+/// Whose windows a reservation's entry is in, which says where a [`Settle`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// The route's quota; [`Settle::key`] is the quota key.
+    Route,
+    /// A member's own windows, reserved by an assignment; [`Settle::key`] is the member's id.
+    Member,
+    /// A client's own windows ([`ClientWindows`]); [`Settle::key`] is the client's name.
+    Client,
 }
 
 /// What a settlement did in one window.

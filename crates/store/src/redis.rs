@@ -15,8 +15,8 @@ use sluice_allocator::{
     Assign, Assignment, MemberUsage, Order, PoolMember, Reserved, StateStore, Usage,
 };
 use sluice_limiter::{
-    check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Period, Reservation,
-    Reserve, Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
+    check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Owner, Period,
+    Reservation, Reserve, Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
 };
 
 use crate::batch::FusedBatches;
@@ -206,12 +206,14 @@ impl RedisStore {
             None => call.arg(""),
         };
         let order = match (least_used, client.is_some(), usage.is_some()) {
-            (true, _, true) => "Lu",
-            (false, _, true) => "Pu",
             (true, false, false) => "L",
             (false, false, false) => "P",
             (true, true, false) => "Lc",
             (false, true, false) => "Pc",
+            (true, false, true) => "Lu",
+            (false, false, true) => "Pu",
+            (true, true, true) => "Lcu",
+            (false, true, true) => "Pcu",
         };
         call.arg(ask.cost)
             .arg(order)
@@ -234,8 +236,13 @@ impl RedisStore {
         }
         if let Some(c) = client {
             call.arg(c.windows.len());
-            for w in c.windows {
-                call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+            match usage {
+                None => {
+                    for w in c.windows {
+                        call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                    }
+                }
+                Some(u) => usage_args(&mut call, c.windows, u.client, u.client_periods),
             }
         }
         call.excluded(if least_used { ask.excluded } else { &[] });
@@ -279,10 +286,235 @@ impl RedisStore {
                     assignment,
                     route: None,
                     member: None,
+                    client: None,
                 }),
             );
         }
         scripts::parse_assign_reserved(&reply, replied)
+    }
+
+    /// A reservation by the usage script, in the windows of `owner`: the route quota key's, or
+    /// (`Owner::Client`, `req.key` the client's name) a client's own.
+    async fn reserve_call(
+        &self,
+        req: &Reserve<'_>,
+        owner: Owner,
+    ) -> Result<Reservation, StoreError> {
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.usage,
+            1 + req.windows.len(),
+        );
+        if owner == Owner::Client {
+            call.key(&self.keys.client_meta_parts(req.key));
+            for w in req.windows {
+                call.key(&self.keys.client_log_parts(req.key, &w.name));
+            }
+        } else {
+            call.key(&self.keys.quota_meta_parts(req.route, req.key));
+            for w in req.windows {
+                call.key(&self.keys.quota_log_parts(req.route, &w.name, req.key));
+            }
+        }
+        call.arg("reserve");
+        match req.at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        // A fixed window's length is its period's, and its entry lies at the period's start.
+        usage_args(&mut call, req.windows, req.amounts, req.periods);
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        scripts::parse_reservation(&reply, req.windows.len())
+    }
+
+    /// An assignment that reserves usage in one call (single Redis, or no client's windows).
+    async fn assign_reserve_route(
+        &self,
+        ask: Assign<'_>,
+        usage: Usage<'_>,
+    ) -> Result<Reserved, StoreError> {
+        if let Some(reserved) = self.assign_script(&ask, Some(&usage)).await? {
+            return Ok(reserved);
+        }
+        // The pool is missing (first use, or Redis restarted empty), as in `assign`.
+        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
+        self.sync(ask.route, &ids, ask.excluded).await?;
+        self.assign_script(&ask, Some(&usage))
+            .await?
+            .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
+    }
+
+    /// Redis Cluster, as `decide_split`: the client's windows reserve first, in their own slot;
+    /// the route assigns only when they admit, and when it then assigns nobody (or cannot be
+    /// asked) the client's entry is settled to nothing. When the client refuses, the route's
+    /// windows are read, charging nothing, for the answer.
+    async fn reserve_split(
+        &self,
+        ask: Assign<'_>,
+        usage: Usage<'_>,
+        client: ClientWindows<'_>,
+    ) -> Result<Reserved, StoreError> {
+        let Some(quota) = ask.quota else {
+            return Err(StoreError::Backend(
+                "a client's windows without a quota".into(),
+            ));
+        };
+        let at_us = ask.at_us.or(quota.at_us);
+        let mine = Reserve {
+            route: ask.route,
+            key: client.name,
+            windows: client.windows,
+            amounts: usage.client,
+            at_us,
+            periods: usage.client_periods,
+        };
+        let reservation = self.reserve_call(&mine, Owner::Client).await?;
+        let unassigned = |assignment| Reserved {
+            assignment,
+            route: None,
+            member: None,
+            client: None,
+        };
+        if !reservation.outcome.admitted {
+            let read = if quota.windows.is_empty() {
+                None
+            } else {
+                let read = Acquire {
+                    cost: 0,
+                    client: None,
+                    at_us,
+                    ..quota
+                };
+                Some(
+                    self.route_acquire(&read)
+                        .await
+                        .unwrap_or_else(|_| untouched(quota.windows)),
+                )
+            };
+            return Ok(unassigned(Assignment::QuotaRefused(join(
+                read,
+                reservation.outcome,
+            ))));
+        }
+        let plain = Assign {
+            quota: Some(Acquire {
+                client: None,
+                ..quota
+            })
+            .filter(|q| !q.windows.is_empty()),
+            ..ask
+        };
+        let decided = self.assign_reserve_route(plain, usage).await;
+        let assigned = matches!(
+            decided,
+            Ok(Reserved {
+                assignment: Assignment::Assigned { .. },
+                ..
+            })
+        );
+        let mut mine = reservation.outcome;
+        if let (Some(entry), false) = (reservation.entry, assigned) {
+            let nothing = vec![0; client.windows.len()];
+            let back = Settle {
+                key: client.name,
+                windows: client.windows,
+                entry,
+                reserved: usage.client,
+                settled: &nothing,
+                periods: usage.client_periods,
+                owner: Owner::Client,
+            };
+            // When Redis cannot be asked, the reservation stands until it leaves the client's
+            // windows: the client is refused early, never admitted over its limit.
+            if self.settle_call(ask.route, &[&back], at_us).await.is_ok() {
+                for ((state, w), &amount) in mine
+                    .windows
+                    .iter_mut()
+                    .zip(client.windows)
+                    .zip(usage.client)
+                {
+                    state.remaining = state
+                        .remaining
+                        .saturating_add(amount.min(MAX_AMOUNT))
+                        .min(w.limit);
+                }
+            }
+        }
+        let mut reserved = decided?;
+        reserved.client = reservation.entry.filter(|_| assigned);
+        reserved.assignment = match reserved.assignment {
+            Assignment::Assigned { member, quota } => Assignment::Assigned {
+                member,
+                quota: Some(join(quota, mine)),
+            },
+            Assignment::NoMember { quota } => Assignment::NoMember {
+                quota: Some(join(quota, mine)),
+            },
+            Assignment::QuotaRefused(quota) => Assignment::QuotaRefused(join(Some(quota), mine)),
+            Assignment::Busy {
+                retry_after_us,
+                quota,
+            } => Assignment::Busy {
+                retry_after_us,
+                quota: Some(join(quota, mine)),
+            },
+        };
+        Ok(reserved)
+    }
+
+    /// One call of the usage script that settles `batch`, whose keys share a slot.
+    async fn settle_call(
+        &self,
+        route: &str,
+        batch: &[&Settle<'_>],
+        at_us: Option<u64>,
+    ) -> Result<Vec<Vec<Settled>>, StoreError> {
+        let keys = batch.iter().map(|s| 1 + s.windows.len()).sum();
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.usage, keys);
+        for s in batch {
+            match s.owner {
+                Owner::Route => {
+                    call.key(&self.keys.quota_meta_parts(route, s.key));
+                    for w in s.windows {
+                        call.key(&self.keys.quota_log_parts(route, &w.name, s.key));
+                    }
+                }
+                Owner::Member => {
+                    call.key(&self.keys.member_meta_parts(route, s.key));
+                    for w in s.windows {
+                        call.key(&self.keys.member_log_parts(route, &w.name, s.key));
+                    }
+                }
+                Owner::Client => {
+                    call.key(&self.keys.client_meta_parts(s.key));
+                    for w in s.windows {
+                        call.key(&self.keys.client_log_parts(s.key, &w.name));
+                    }
+                }
+            }
+        }
+        call.arg("settle");
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        call.arg(batch.len());
+        for s in batch {
+            call.arg(s.entry.seq).arg(s.windows.len());
+            for (i, w) in s.windows.iter().enumerate() {
+                let length = placement(w, s.periods, i, s.entry.at_us).1;
+                call.arg(&*w.name).arg(w.limit).arg(length);
+            }
+            for (i, w) in s.windows.iter().enumerate() {
+                let at = placement(w, s.periods, i, s.entry.at_us).0;
+                call.arg(at)
+                    .arg(s.reserved[i].min(MAX_AMOUNT))
+                    .arg(s.settled[i].min(MAX_AMOUNT));
+            }
+        }
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        let counts: Vec<usize> = batch.iter().map(|s| s.windows.len()).collect();
+        scripts::parse_settled(&reply, &counts)
     }
 
     /// A client's keys, as the client script and the assign script take them: its helper hash,
@@ -536,40 +768,9 @@ impl StateStore for RedisStore {
                 entry: None,
             });
         }
-        let mut call = ScriptCall::new(
-            &self.scripts.library,
-            &self.scripts.usage,
-            1 + req.windows.len(),
-        );
-        call.key(&self.keys.quota_meta_parts(req.route, req.key));
-        for w in req.windows {
-            call.key(&self.keys.quota_log_parts(req.route, &w.name, req.key));
-        }
-        call.arg("reserve");
-        match req.at_us {
-            Some(t) => call.arg(t),
-            None => call.arg(""),
-        };
-        // A fixed window's length is its period's, and its entry lies at the period's start.
-        for (i, w) in req.windows.iter().enumerate() {
-            let length = placement(w, req.periods, i, 0).1;
-            call.arg(&*w.name).arg(w.limit).arg(length);
-        }
-        for &amount in req.amounts {
-            call.arg(amount.min(MAX_AMOUNT));
-        }
-        for i in 0..req.windows.len() {
-            match req.periods.get(i).copied().flatten() {
-                Some(p) => call.arg(p.start_us),
-                None => call.arg(""),
-            };
-        }
-        let reply: Vec<i64> = self.invoke(&call).await?;
-        scripts::parse_reservation(&reply, req.windows.len())
+        self.reserve_call(&req, Owner::Route).await
     }
 
-    // Every settlement of the call is on `route`, whose keys share one Redis Cluster slot: one
-    // script settles them all.
     async fn settle(
         &self,
         route: &str,
@@ -581,54 +782,36 @@ impl StateStore for RedisStore {
             check_amounts(s.windows, s.settled)?;
             check_periods(s.windows, s.periods)?;
         }
-        let live = || settlements.iter().filter(|s| !s.windows.is_empty());
-        if live().next().is_none() {
-            return Ok(vec![Vec::new(); settlements.len()]);
-        }
-        let keys = live().map(|s| 1 + s.windows.len()).sum();
-        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.usage, keys);
-        for s in live() {
-            if s.member {
-                call.key(&self.keys.member_meta_parts(route, s.key));
-                for w in s.windows {
-                    call.key(&self.keys.member_log_parts(route, &w.name, s.key));
-                }
-            } else {
-                call.key(&self.keys.quota_meta_parts(route, s.key));
-                for w in s.windows {
-                    call.key(&self.keys.quota_log_parts(route, &w.name, s.key));
-                }
+        // One call for everything on a single Redis. On Redis Cluster, one for the route's
+        // slot (its quota's and members' entries), and one per client, each in its own slot.
+        let mut out = vec![Vec::new(); settlements.len()];
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, s) in settlements.iter().enumerate() {
+            if s.windows.is_empty() {
+                continue;
+            }
+            let slot = |j: usize| {
+                let other = &settlements[groups_first(&groups, j)];
+                !self.connection.is_cluster()
+                    || match (s.owner, other.owner) {
+                        (Owner::Client, Owner::Client) => s.key == other.key,
+                        (Owner::Client, _) | (_, Owner::Client) => false,
+                        _ => true,
+                    }
+            };
+            match (0..groups.len()).find(|&j| slot(j)) {
+                Some(j) => groups[j].push(i),
+                None => groups.push(vec![i]),
             }
         }
-        call.arg("settle");
-        match at_us {
-            Some(t) => call.arg(t),
-            None => call.arg(""),
-        };
-        call.arg(live().count());
-        for s in live() {
-            call.arg(s.entry.seq).arg(s.windows.len());
-            for (i, w) in s.windows.iter().enumerate() {
-                let length = placement(w, s.periods, i, s.entry.at_us).1;
-                call.arg(&*w.name).arg(w.limit).arg(length);
-            }
-            for (i, w) in s.windows.iter().enumerate() {
-                let at = placement(w, s.periods, i, s.entry.at_us).0;
-                call.arg(at)
-                    .arg(s.reserved[i].min(MAX_AMOUNT))
-                    .arg(s.settled[i].min(MAX_AMOUNT));
+        for group in groups {
+            let batch: Vec<&Settle<'_>> = group.iter().map(|&i| &settlements[i]).collect();
+            let states = self.settle_call(route, &batch, at_us).await?;
+            for (i, states) in group.into_iter().zip(states) {
+                out[i] = states;
             }
         }
-        let reply: Vec<i64> = self.invoke(&call).await?;
-        let counts: Vec<usize> = live().map(|s| s.windows.len()).collect();
-        let mut states = scripts::parse_settled(&reply, &counts)?.into_iter();
-        Ok(settlements
-            .iter()
-            .map(|s| match s.windows.is_empty() {
-                true => Vec::new(),
-                false => states.next().unwrap_or_default(),
-            })
-            .collect())
+        Ok(out)
     }
 
     async fn assign_reserve(
@@ -636,18 +819,13 @@ impl StateStore for RedisStore {
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError> {
-        if ask
-            .quota
-            .and_then(|q| q.client)
-            .is_some_and(|c| !c.windows.is_empty())
-        {
-            return Err(StoreError::Backend(
-                "a client's own windows are not reserved in usage".into(),
-            ));
-        }
         if let Some(q) = ask.quota {
             check_amounts(q.windows, usage.route)?;
             check_periods(q.windows, usage.route_periods)?;
+            if let Some(c) = q.client {
+                check_amounts(c.windows, usage.client)?;
+                check_periods(c.windows, usage.client_periods)?;
+            }
         }
         for (m, u) in ask.members.iter().zip(usage.members) {
             check_amounts(&m.windows, u.amounts)?;
@@ -658,17 +836,17 @@ impl StateStore for RedisStore {
                 assignment: Assignment::NoMember { quota: None },
                 route: None,
                 member: None,
+                client: None,
             });
         }
-        if let Some(reserved) = self.assign_script(&ask, Some(&usage)).await? {
-            return Ok(reserved);
+        let client = ask
+            .quota
+            .and_then(|q| q.client)
+            .filter(|c| !c.windows.is_empty());
+        if let (Some(client), true) = (client, self.connection.is_cluster()) {
+            return self.reserve_split(ask, usage, client).await;
         }
-        // The pool is missing (first use, or Redis restarted empty), as in `assign`.
-        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
-        self.sync(ask.route, &ids, ask.excluded).await?;
-        self.assign_script(&ask, Some(&usage))
-            .await?
-            .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
+        self.assign_reserve_route(ask, usage).await
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
@@ -805,6 +983,11 @@ impl StateStore for RedisStore {
     async fn ready(&self) -> bool {
         self.connection.ping().await
     }
+}
+
+/// The first settlement of group `j`.
+fn groups_first(groups: &[Vec<usize>], j: usize) -> usize {
+    groups[j][0]
 }
 
 /// Windows that reserve usage, as the assign script reads them: name, limit and length per

@@ -233,7 +233,7 @@ pub fn parse_reservation(reply: &[i64], windows: usize) -> Result<Reservation, S
 }
 
 /// The assign script's reply when it reserves usage: as [`parse_assign`], followed by the route's
-/// entry number, the member's (0: none) and the admission time.
+/// entry number, the client's, the member's (0: none) and the admission time.
 pub fn parse_assign_reserved(
     reply: &Value,
     windows: Option<usize>,
@@ -241,17 +241,18 @@ pub fn parse_assign_reserved(
     let Value::Array(items) = reply else {
         return Err(unexpected(reply));
     };
-    let Some(at) = items.len().checked_sub(3) else {
+    let Some(at) = items.len().checked_sub(4) else {
         return Err(unexpected(reply));
     };
     let number = |v: &Value| match v {
         Value::Int(i) if *i >= 0 => Ok(*i as u64),
         _ => Err(unexpected(reply)),
     };
-    let (route, member, at_us) = (
+    let (route, client, member, at_us) = (
         number(&items[at])?,
         number(&items[at + 1])?,
         number(&items[at + 2])?,
+        number(&items[at + 3])?,
     );
     let entry = |seq: u64| (seq > 0).then_some(EntryId { seq, at_us });
     let assignment = parse_assign(&Value::Array(items[..at].to_vec()), windows)?;
@@ -259,6 +260,7 @@ pub fn parse_assign_reserved(
         assignment,
         route: entry(route),
         member: entry(member),
+        client: entry(client),
     }))
 }
 
@@ -674,15 +676,18 @@ mod tests {
             Value::SimpleString("key-a".into()),
             Value::Int(0),
             Value::Int(4),
+            Value::Int(0),
             Value::Int(9),
             Value::Int(7),
         ]);
         let reserved = parse_assign_reserved(&assigned, None).unwrap().unwrap();
         assert_eq!(reserved.route, Some(EntryId { seq: 4, at_us: 7 }));
+        assert_eq!(reserved.client, None);
         assert_eq!(reserved.member, Some(EntryId { seq: 9, at_us: 7 }));
         let missing = Value::Array(vec![
             Value::Int(3),
             Value::SimpleString(String::new()),
+            Value::Int(0),
             Value::Int(0),
             Value::Int(0),
             Value::Int(0),
@@ -702,6 +707,7 @@ mod tests {
                 Value::SimpleString("key-a".into()),
                 Value::Int(0),
                 Value::Int(-4),
+                Value::Int(0),
                 Value::Int(9),
                 Value::Int(7),
             ]),

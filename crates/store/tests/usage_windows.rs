@@ -8,7 +8,9 @@ use std::time::Duration;
 use sluice_allocator::{
     Assign, Assignment, MemberUsage, MemoryStore, Order, PoolMember, StateStore, Usage,
 };
-use sluice_limiter::{Acquire, EntryId, Period, Reserve, Settle, Settled, Window, MAX_AMOUNT};
+use sluice_limiter::{
+    Acquire, ClientWindows, EntryId, Owner, Period, Reserve, Settle, Settled, Window, MAX_AMOUNT,
+};
 use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
 
@@ -119,7 +121,7 @@ async fn settle_one(
                 reserved,
                 settled,
                 periods: &[],
-                member: false,
+                owner: Owner::Route,
             }],
             Some(at),
         )
@@ -335,7 +337,7 @@ async fn batched(store: &dyn StateStore, route: &str) {
             reserved: &reserved,
             settled,
             periods: &[],
-            member: false,
+            owner: Owner::Route,
         })
         .collect();
     batch.insert(
@@ -347,7 +349,7 @@ async fn batched(store: &dyn StateStore, route: &str) {
             reserved: &[],
             settled: &[],
             periods: &[],
-            member: false,
+            owner: Owner::Route,
         },
     );
     let done = store.settle(route, &batch, Some(t0 + 100)).await.unwrap();
@@ -444,7 +446,7 @@ async fn calendar(store: &dyn StateStore, route: &str) {
                         reserved: &reserved,
                         settled: &settled,
                         periods: &periods,
-                        member: false,
+                        owner: Owner::Route,
                     }],
                     Some(at),
                 )
@@ -575,6 +577,8 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                         route: &each,
                         route_periods: &[],
                         members: &usage,
+                        client: &[],
+                        client_periods: &[],
                     },
                 )
                 .await
@@ -615,7 +619,7 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                     reserved: &reserved,
                     settled: &[tokens(100)],
                     periods: &[],
-                    member: true,
+                    owner: Owner::Member,
                 },
                 Settle {
                     key: "route",
@@ -624,7 +628,7 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                     reserved: &reserved,
                     settled: &[tokens(50)],
                     periods: &[],
-                    member: false,
+                    owner: Owner::Route,
                 },
             ],
             Some(t0 + 4),
@@ -651,13 +655,138 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                 reserved: &reserved,
                 settled: &[0],
                 periods: &[],
-                member: false,
+                owner: Owner::Route,
             }],
             Some(t0 + 7),
         )
         .await
         .unwrap();
     assert_eq!(wrong, [vec![Settled::Gone]]);
+}
+
+/// A client's own token window on a key-pool route: reserved with the route's and the member's
+/// in one step (on Redis Cluster, first and given back when nobody is assigned), refusing what
+/// does not fit beside what it holds, and settled with the others.
+async fn client_usage(store: &dyn StateStore, route: &str) {
+    let tpm = |limit| Window {
+        name: "tpm".into(),
+        limit,
+        length_us: MINUTE,
+    };
+    let members = [PoolMember {
+        id: "key-a".into(),
+        windows: Arc::new([tpm(tokens(1_000))]),
+    }];
+    let route_windows = [tpm(tokens(10_000))];
+    let client_windows = [tpm(tokens(700))];
+    // A client's windows count on every route it uses: one client per run of this scenario.
+    let name = format!("billing-{route}");
+    let name = name.as_str();
+    let t0 = 4_000_000_000_000u64;
+    let ask = |amount: u64, at: u64, excluded: &'static [&'static str]| {
+        let (route_windows, client_windows, members) = (
+            route_windows.clone(),
+            client_windows.clone(),
+            members.clone(),
+        );
+        async move {
+            let each = [amount];
+            let usage = [MemberUsage {
+                amounts: &each,
+                periods: &[],
+            }];
+            store
+                .assign_reserve(
+                    Assign {
+                        route,
+                        members: &members,
+                        order: Order::LeastUsed,
+                        excluded,
+                        quota: Some(Acquire {
+                            route,
+                            key: "route",
+                            windows: &route_windows,
+                            cost: 1,
+                            at_us: Some(at),
+                            client: Some(ClientWindows {
+                                name,
+                                windows: &client_windows,
+                            }),
+                        }),
+                        cost: 1,
+                        cooldowns: false,
+                        at_us: Some(at),
+                    },
+                    Usage {
+                        route: &each,
+                        route_periods: &[],
+                        members: &usage,
+                        client: &each,
+                        client_periods: &[],
+                    },
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let first = ask(tokens(400), t0, &[]).await;
+    assert!(
+        matches!(first.assignment, Assignment::Assigned { .. }),
+        "{first:?}"
+    );
+    let client_entry = first.client.expect("the client's entry");
+    assert!(first.route.is_some() && first.member.is_some());
+    // The client holds 400 of 700: 400 more do not fit, whatever the route and key have left.
+    let refused = ask(tokens(400), t0 + 1, &[]).await;
+    assert!(
+        matches!(&refused.assignment, Assignment::QuotaRefused(o) if o.retry_after_us == MINUTE - 1),
+        "{refused:?}"
+    );
+    assert_eq!(
+        (refused.route, refused.client, refused.member),
+        (None, None, None)
+    );
+    // Nobody to assign (the only key excluded): the client's charge is not kept.
+    let nobody = ask(tokens(100), t0 + 2, &["key-a"]).await;
+    assert!(
+        matches!(nobody.assignment, Assignment::NoMember { .. }),
+        "{nobody:?}"
+    );
+    // Settled to 100: now 500 fit.
+    let done = store
+        .settle(
+            route,
+            &[Settle {
+                key: name,
+                windows: &client_windows,
+                entry: client_entry,
+                reserved: &[tokens(400)],
+                settled: &[tokens(100)],
+                periods: &[],
+                owner: Owner::Client,
+            }],
+            Some(t0 + 3),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, [vec![Settled::Done]]);
+    let after = ask(tokens(500), t0 + 4, &[]).await;
+    assert!(
+        matches!(after.assignment, Assignment::Assigned { .. }),
+        "{after:?}"
+    );
+    // 100 + 500 of 700: 100 left, exactly, which also says the refused and unassigned
+    // requests took nothing.
+    let last = ask(tokens(100), t0 + 5, &[]).await;
+    assert!(
+        matches!(last.assignment, Assignment::Assigned { .. }),
+        "{last:?}"
+    );
+    let over = ask(1, t0 + 6, &[]).await;
+    assert!(
+        matches!(over.assignment, Assignment::QuotaRefused(_)),
+        "{over:?}"
+    );
 }
 
 #[tokio::test]
@@ -667,6 +796,7 @@ async fn memory_reserves_and_settles() {
     batched(&store, "usage").await;
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
+    client_usage(&store, "clients").await;
 }
 
 #[tokio::test]
@@ -677,6 +807,7 @@ async fn redis_reserves_and_settles() {
     batched(&store, "usage").await;
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
+    client_usage(&store, "clients").await;
     // A batch of settlements is one call.
     let before = server.command_calls("fcall");
     batched(&store, "usage2").await;
@@ -697,6 +828,7 @@ async fn redis_without_functions_reserves_and_settles() {
     batched(&store, "usage").await;
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
+    client_usage(&store, "clients").await;
     assert!(!store.uses_functions());
 }
 
@@ -709,6 +841,8 @@ async fn redis_cluster_reserves_and_settles() {
         batched(&store, route).await;
         calendar(&store, route).await;
         key_pool(&store, route).await;
+        // A pool of its own: the key pool above left two members in the route's.
+        client_usage(&store, &format!("{route}-clients")).await;
     }
 }
 
@@ -777,7 +911,7 @@ async fn concurrent(
                             reserved: &[1, reserved],
                             settled: &[1, settled],
                             periods: &[],
-                            member: false,
+                            owner: Owner::Route,
                         }],
                         None,
                     )
