@@ -1072,6 +1072,179 @@ async fn redis_cluster_totals_are_exact() {
     assert_eq!(redis_record(node, "fit", "tpm"), (admitted, admitted));
 }
 
+/// A key pool with roomy token windows on the route and on each of three keys.
+fn pool() -> (Vec<Window>, Vec<PoolMember>) {
+    let tpm = || Window {
+        name: "tpm".into(),
+        limit: tokens(1_000_000_000),
+        length_us: 10 * MINUTE,
+    };
+    let members = ["key-a", "key-b", "key-c"]
+        .into_iter()
+        .map(|id| PoolMember {
+            id: id.into(),
+            windows: Arc::new([tpm()]),
+        })
+        .collect();
+    (vec![tpm()], members)
+}
+
+/// Requests on `stores` at once, each assigned a key of the pool with its reservation in the
+/// route's window and the key's, most then settling both entries in one call.
+async fn concurrent_pool(stores: &[Arc<dyn StateStore>], route: &str, n: u64) -> Vec<Done> {
+    let (route_windows, members) = pool();
+    let (route_windows, members): (Arc<[Window]>, Arc<[PoolMember]>) =
+        (route_windows.into(), members.into());
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let store = stores[i as usize % stores.len()].clone();
+        let (route_windows, members, route) =
+            (route_windows.clone(), members.clone(), route.to_string());
+        tasks.spawn(async move {
+            let mut rng = Rng(0x51ce + i);
+            let reserved = tokens(100 + rng.below(900));
+            let each = [reserved];
+            let usage = [MemberUsage {
+                amounts: &each,
+                periods: &[],
+            }; 3];
+            let r = store
+                .assign_reserve(
+                    Assign {
+                        route: &route,
+                        members: &members,
+                        order: Order::LeastUsed,
+                        excluded: &[],
+                        quota: Some(Acquire {
+                            route: &route,
+                            key: "team",
+                            windows: &route_windows,
+                            cost: 1,
+                            at_us: None,
+                            client: None,
+                        }),
+                        cost: 1,
+                        cooldowns: false,
+                        at_us: None,
+                    },
+                    Usage {
+                        route: &each,
+                        route_periods: &[],
+                        members: &usage,
+                        client: &[],
+                        client_periods: &[],
+                    },
+                )
+                .await
+                .unwrap();
+            let Assignment::Assigned { member, .. } = &r.assignment else {
+                panic!("{r:?}");
+            };
+            let settled = (rng.below(5) != 0).then(|| rng.below(tokens(1_500)));
+            if let Some(settled) = settled {
+                let m = members.iter().find(|m| *m.id == **member).unwrap();
+                let done = store
+                    .settle(
+                        &route,
+                        &[
+                            Settle {
+                                key: "team",
+                                windows: &route_windows,
+                                entry: r.route.unwrap(),
+                                reserved: &each,
+                                settled: &[settled],
+                                periods: &[],
+                                owner: Owner::Route,
+                            },
+                            Settle {
+                                key: member,
+                                windows: &m.windows,
+                                entry: r.member.unwrap(),
+                                reserved: &each,
+                                settled: &[settled],
+                                periods: &[],
+                                owner: Owner::Member,
+                            },
+                        ],
+                        None,
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(done, [vec![Settled::Done], vec![Settled::Done]]);
+            }
+            Done {
+                admitted: true,
+                reserved,
+                settled,
+            }
+        });
+    }
+    let mut done = Vec::new();
+    while let Some(d) = tasks.join_next().await {
+        done.push(d.unwrap());
+    }
+    done
+}
+
+/// What the pool's windows hold by the store's own totals: the route's, and its keys' together.
+async fn pool_totals(store: &dyn StateStore, route: &str) -> (u64, u64) {
+    let (route_windows, members) = pool();
+    let left = remaining(store, route, "team", &route_windows, None).await;
+    let mut keys = 0;
+    for m in &members {
+        keys += m.windows[0].limit - store.member_remaining(route, m).await.unwrap()[0];
+    }
+    (route_windows[0].limit - left[0], keys)
+}
+
+#[tokio::test]
+async fn memory_key_pool_totals_are_exact_under_concurrency() {
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    let done = concurrent_pool(std::slice::from_ref(&store), "pool", 300).await;
+    let expected = expected_total(&done);
+    assert_eq!(pool_totals(&*store, "pool").await, (expected, expected));
+}
+
+#[tokio::test]
+async fn redis_key_pool_totals_are_exact_across_two_gateways() {
+    let server = RedisServer::start();
+    let stores: Vec<Arc<dyn StateStore>> = (0..2)
+        .map(|_| Arc::new(redis_store(&server.url())) as Arc<dyn StateStore>)
+        .collect();
+    let done = concurrent_pool(&stores, "pool", 300).await;
+    let expected = expected_total(&done);
+    assert_eq!(pool_totals(&*stores[0], "pool").await, (expected, expected));
+    // Each key's running total is its log's.
+    for id in ["key-a", "key-b", "key-c"] {
+        let log = format!("sluice:{{pool}}:mq:tpm:{id}");
+        let sum: u64 = server
+            .zrange_with_scores(&log)
+            .iter()
+            .map(|(m, _)| m.rsplit(':').next().unwrap().parse::<u64>().unwrap())
+            .sum();
+        let total = server
+            .integer(&[
+                "HINCRBY",
+                &format!("sluice:{{pool}}:mqm:{id}"),
+                "s:tpm",
+                "0",
+            ])
+            .unwrap() as u64;
+        assert_eq!(sum, total, "{id}");
+    }
+}
+
+#[tokio::test]
+async fn redis_cluster_key_pool_totals_are_exact() {
+    let cluster = RedisCluster::start();
+    let stores: Vec<Arc<dyn StateStore>> = (0..2)
+        .map(|_| Arc::new(cluster_store(&cluster)) as Arc<dyn StateStore>)
+        .collect();
+    let done = concurrent_pool(&stores, "pool", 200).await;
+    let expected = expected_total(&done);
+    assert_eq!(pool_totals(&*stores[1], "pool").await, (expected, expected));
+}
+
 /// A reservation's entry costs Redis no more than a request's did: at most 150 bytes per
 /// admitted request, with amounts in millionths.
 #[tokio::test]
