@@ -951,15 +951,14 @@ where
                 // these status codes / method cannot have body, so no need to add chunked encoding
                 let no_body = session.req_header().method == http::method::Method::HEAD
                     || matches!(header.status.as_u16(), 204 | 304);
-                // PATCH (sluice, framing lookups first by likelihood; third_party/PATCHES.md):
-                // the flags before the lookups, and `Content-Length` before
-                // `Transfer-Encoding`: most answers have a length, which settles it in one
-                // lookup instead of two.
                 if !no_body
-                    && !end
                     && !header.status.is_informational()
-                    && !header.headers.contains_key(http::header::CONTENT_LENGTH)
-                    && !header.headers.contains_key(http::header::TRANSFER_ENCODING)
+                    && header
+                        .headers
+                        .get(http::header::TRANSFER_ENCODING)
+                        .is_none()
+                    && header.headers.get(http::header::CONTENT_LENGTH).is_none()
+                    && !end
                 {
                     // Upgrade the http version to 1.1 because 1.0/0.9 doesn't support chunked
                     header.set_version(Version::HTTP_11);

@@ -538,13 +538,6 @@ impl Value {
 
     /// If value contains a server error, return it as an Err. Otherwise wrap the value in Ok.
     pub fn extract_error(self) -> RedisResult<Self> {
-        // PATCH (sluice, no rebuild of an error-free reply): every reply passes through here, and
-        // almost none holds an error. Looking first, by reference, hands such a reply back as it
-        // is, where the walk below rebuilds every array it holds (an allocation and a move of each
-        // element). A reply with an error takes the walk, so the error returned is the same one.
-        if !self.holds_error() {
-            return Ok(self);
-        }
         match self {
             Self::Array(val) => Ok(Self::Array(Self::extract_error_vec(val)?)),
             Self::Map(map) => Ok(Self::Map(Self::extract_error_map(map)?)),
@@ -560,25 +553,6 @@ impl Value {
             }),
             Self::ServerError(err) => Err(err.into()),
             _ => Ok(self),
-        }
-    }
-
-    /// PATCH (sluice, no rebuild of an error-free reply): whether `extract_error` would find a
-    /// server error anywhere in this value.
-    fn holds_error(&self) -> bool {
-        match self {
-            Self::ServerError(_) => true,
-            Self::Array(values) | Self::Set(values) | Self::Push { data: values, .. } => {
-                values.iter().any(Self::holds_error)
-            }
-            Self::Map(map) => map.iter().any(|(k, v)| k.holds_error() || v.holds_error()),
-            Self::Attribute { data, attributes } => {
-                data.holds_error()
-                    || attributes
-                        .iter()
-                        .any(|(k, v)| k.holds_error() || v.holds_error())
-            }
-            _ => false,
         }
     }
 

@@ -400,6 +400,8 @@ impl HttpSession {
 
                         let contains_transfer_encoding =
                             request_header.headers.contains_key(TRANSFER_ENCODING);
+                        let contains_content_length =
+                            request_header.headers.contains_key(CONTENT_LENGTH);
 
                         // Transfer encoding overrides content length, so when
                         // both are present, we can remove content length. This
@@ -407,10 +409,8 @@ impl HttpSession {
                         //
                         // RFC 9112 Section 6.1 (https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-15)
                         // also requires us to disable keepalive when both headers are present.
-                        // PATCH (sluice, response framing read once; third_party/PATCHES.md):
-                        // `Content-Length` is looked up only when `Transfer-Encoding` is there.
-                        let has_both_te_and_cl = contains_transfer_encoding
-                            && request_header.headers.contains_key(CONTENT_LENGTH);
+                        let has_both_te_and_cl =
+                            contains_content_length && contains_transfer_encoding;
                         if has_both_te_and_cl {
                             request_header.remove_header(&CONTENT_LENGTH);
                         }
@@ -489,19 +489,13 @@ impl HttpSession {
         // Reject an ambiguous authority before anything routes on it.
         validate_request_authority(req_header)?;
 
-        // PATCH (sluice, response framing read once; third_party/PATCHES.md): one lookup of
-        // `Transfer-Encoding` for both checks below (`validate_content_length` made its own).
-        let transfer_encoding = req_header.headers.contains_key(TRANSFER_ENCODING);
-
         // Validate/reconcile Content-Length per RFC 9110 section 8.6 (hyper
         // parity): identical duplicates and comma-combined identical values are
         // accepted and collapsed; differing or unparseable values are rejected.
         // This is a no-op when Transfer-Encoding is present (TE overrides CL).
-        if !transfer_encoding {
-            content_length_for_framing(&req_header.headers)?;
-        }
+        super::common::validate_content_length(&req_header.headers)?;
 
-        if transfer_encoding {
+        if req_header.headers.contains_key(TRANSFER_ENCODING) {
             // Per [RFC 9112 Section 6.1-16](https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-16),
             // HTTP/1.0 requests with Transfer-Encoding MUST be treated as having faulty framing.
             // We reject with 400 Bad Request and close the connection.
@@ -856,12 +850,11 @@ impl HttpSession {
             /* update headers */
             header.insert_header(header::DATE, date::get_cached_date())?;
 
-            // PATCH (sluice, static Connection values; third_party/PATCHES.md): a `&str` value
-            // was validated and copied into a new allocation on every response.
+            // TODO: make these lazy static
             let connection_value = if self.will_keepalive() {
-                HeaderValue::from_static("keep-alive")
+                "keep-alive"
             } else {
-                HeaderValue::from_static("close")
+                "close"
             };
             header.insert_header(header::CONNECTION, connection_value)?;
         }
