@@ -4,10 +4,11 @@
   scripts/bench --write    also replace the wrk section of docs/benchmark-runs.md with it
 
 Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2),
-WARMUP (2s), SLUICE_THREADS (1), CLIENTS (off | basic: sluice with a `clients` section in
-enforce mode, and every target sent that client's Basic Proxy-Authorization), BUILD (1; 0
-uses ${CARGO_TARGET_DIR:-target}/release as it is), SLUICE_BIN_DIR (a directory holding a release sluice; no build), KEEP (0; 1 keeps the
-work directory with configs, logs and wrk outputs), DOC (docs/benchmark-runs.md: the file --write
+WARMUP (2s), SLUICE_THREADS (1), CLIENTS (off | header | basic: sluice with a `clients` section in
+enforce mode, and every target sent that client's Basic Proxy-Authorization; `header` sends
+it with no clients), BUILD (1; 0 uses ${CARGO_TARGET_DIR:-target}/release as it is),
+SLUICE_BIN_DIR (a directory holding a release sluice; no build), KEEP (0; 1 keeps the work
+directory with configs, logs and wrk outputs), DOC (docs/benchmark-runs.md: the file --write
 rewrites).
 
 Everything runs on 127.0.0.1: two nginx backends answering a fixed "ok\\n"; nginx and HAProxy
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> int:
     wrk_threads = knobs.int("WRK_THREADS", 2, minimum=1)
     warmup = knobs.str("WARMUP", "2s")
     sluice_threads = knobs.int("SLUICE_THREADS", 1, minimum=1)
-    clients = knobs.choice("CLIENTS", "off", ("off", "basic"))
+    clients = knobs.choice("CLIENTS", "off", ("off", "header", "basic"))
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
     doc_path = Path(knobs.str("DOC", str(common.DOC)))
     wrk.seconds(duration), wrk.seconds(warmup)  # fail early on a bad duration

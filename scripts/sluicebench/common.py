@@ -141,8 +141,10 @@ BENCH_CLIENT, BENCH_TOKEN = "bench", "bench-token-0123456789abcdef"
 
 
 def clients_yaml(mode: str) -> str:
-    """`clients:` in enforce mode with one client granted every route, or "" for CLIENTS=off."""
-    if mode == "off":
+    """`clients:` in enforce mode with one client granted every route (CLIENTS=basic), or ""
+    (CLIENTS=off, and CLIENTS=header: the same header sent, no clients to identify, so that
+    the cost of identification is told from that of carrying the header)."""
+    if mode != "basic":
         return ""
     return ("clients:\n  mode: enforce\n  list:\n"
             f'    - {{ name: {BENCH_CLIENT}, tokens: ["{BENCH_TOKEN}"], routes: ["*"] }}\n')

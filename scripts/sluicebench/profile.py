@@ -10,8 +10,9 @@ callgrind.out for callgrind_annotate / kcachegrind), OTLP (off | on: span export
 request sampled, to a loopback OTLP/HTTP sink this script runs, which answers 200 and keeps
 nothing), ROUTE (rr | lu | qlu | kp: the route profiled, see below), CACHE_SIM (0; 1 also simulates
 the caches, valgrind's `--cache-sim=yes`, and prints data-cache misses per request: the hardware
-counters of `perf stat` are not there on every VM, this one's included), CLIENTS (off | basic:
-a `clients` section in enforce mode, and wrk sends that client's Basic Proxy-Authorization).
+counters of `perf stat` are not there on every VM, this one's included), CLIENTS (off | header |
+basic: a `clients` section in enforce mode, and wrk sends that client's Basic
+Proxy-Authorization; `header` sends the same header to a gateway without clients).
 
 ROUTE=rr (the default): one round_robin route over two nginx backends answering "ok\\n". ROUTE=lu
 and ROUTE=kp: bench-state key-pool's `lu` and `kp` routes (least_used over three named members on one
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
     otlp_on = knobs.choice("OTLP", "off", ("off", "on")) == "on"
     route = knobs.choice("ROUTE", "rr", ("rr", "lu", "qlu", "kp"))
     cache_sim = knobs.choice("CACHE_SIM", "0", ("0", "1")) == "1"
-    clients = knobs.choice("CLIENTS", "off", ("off", "basic"))
+    clients = knobs.choice("CLIENTS", "off", ("off", "header", "basic"))
     common.require("profile", ["valgrind", "callgrind_control", "callgrind_annotate", "wrk", "nginx"],
                    "sudo apt-get install -y valgrind wrk nginx-light")
     procs = Procs("profile", keep)
