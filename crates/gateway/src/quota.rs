@@ -65,6 +65,20 @@ pub(crate) fn window_of(w: &crate::config::WindowConfig) -> Window {
     }
 }
 
+/// A calendar window's periods as the stores cut them (`sluice_limiter::calendar`), or `None`
+/// for a sliding window.
+pub fn calendar_of(w: &crate::config::WindowConfig) -> Option<sluice_limiter::calendar::Calendar> {
+    use crate::config::CalendarPeriod;
+    use sluice_limiter::calendar::{Calendar, Period};
+    let (period, tz) = w.calendar()?;
+    let period = match period {
+        CalendarPeriod::Day => Period::Day,
+        CalendarPeriod::Week => Period::Week,
+        CalendarPeriod::Month => Period::Month,
+    };
+    Some(Calendar::new(period, tz.zone))
+}
+
 /// A cost rule, ready to match.
 pub struct CostRule {
     prefix: Box<str>,
@@ -188,6 +202,28 @@ impl RouteQuota {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn calendar_windows_cut_periods_in_their_zone() {
+        let yaml = "routes:\n  - name: r\n    upstream: {}\n    quota:\n      windows:\n        - { name: m, limit: 9, window: calendar_month, tz: Asia/Tokyo }\n        - { name: w, limit: 9, window: calendar_week }\n        - { name: s, limit: 9, window: 1m }\n";
+        let config = crate::config::Config::parse("t.yaml", yaml).unwrap_or_else(|e| panic!("{e}"));
+        let windows = &config.routes[0].quota.as_ref().unwrap().windows;
+        // 2025-03-31T16:00Z is already 1 April in Tokyo (UTC+9), still March in UTC.
+        let at_us = 1_743_436_800_000_000;
+        let month = calendar_of(&windows[0]).unwrap().bounds_at(at_us).unwrap();
+        assert_eq!(
+            month.start_us, 1_743_433_200_000_000,
+            "2025-03-31T15:00Z, Tokyo's 1 April"
+        );
+        let week = calendar_of(&windows[1]).unwrap();
+        assert_eq!(week.period(), sluice_limiter::calendar::Period::Week);
+        assert_eq!(
+            week.bounds_at(at_us).unwrap().start_us,
+            1_743_379_200_000_000,
+            "Monday 2025-03-31T00:00Z, in UTC when no tz is given"
+        );
+        assert!(calendar_of(&windows[2]).is_none());
+    }
 
     #[test]
     fn long_key_values_become_a_fixed_size_hash() {
