@@ -10,7 +10,9 @@
 --   clock, µs) until which the window's log was last made to live, so that its expiry is
 --   pushed back now and then rather than on every request.
 -- - one log per window: a sorted set with ONE member per admitted request, whatever its cost,
---   scored by the admission time in microseconds and named "<seq>:<cost>".
+--   scored by the admission time in microseconds and named "<seq>:<cost>"; a usage reservation
+--   not settled yet is "r<seq>:<amount>", and field "r:<window>" of the hash sums those, so
+--   that what a window holds splits into settled usage and open reservations.
 --
 -- A request admitted at t counts in a window of length L while now < t + L.
 --
@@ -59,6 +61,17 @@ local function quota_cost_of(member)
   return tonumber(string.match(member, ':(%d+)$'))
 end
 
+-- Adds `delta` to window i's sum of open reservations, written by quota_finish.
+local function quota_open(q, i, delta)
+  local dr = q.dr
+  if not dr then
+    dr = {}
+    for j = 1, q.n do dr[j] = 0 end
+    q.dr = dr
+  end
+  dr[i] = dr[i] + delta
+end
+
 -- The windows are read from ARGV where the caller says: name, limit, length (µs) per window,
 -- and their logs from KEYS, one per window, right after the helper hash. Window i's state is
 -- the five slots of q from 5i - 4: its running total; its oldest entry's score once this call
@@ -76,7 +89,7 @@ local function quota_read(meta, n, at, now)
   local q = { false, false, false, false, false,
     key = meta, n = n, at = at, cost = 0, cost_text = '0', now = now,
     admitted = 1, retry_after = 0, dirty = false, exists = false, recorded = false,
-    seq = 0, seq_text = false, pending = false }
+    seq = 0, seq_text = false, pending = false, dr = false, r_abs = false }
   local hash = KEYS[meta]
   local stored
   if n == 1 then
@@ -114,7 +127,12 @@ local function quota_read(meta, n, at, now)
       local bound = string.format('%d', horizon)
       local expired = redis.call('ZRANGEBYSCORE', log, '-inf', bound)
       for _, member in ipairs(expired) do
-        total = total - quota_cost_of(member)
+        local cost = quota_cost_of(member)
+        total = total - cost
+        -- 114 is "r": a reservation that left its window unsettled.
+        if string.byte(member, 1) == 114 then
+          quota_open(q, i, -cost)
+        end
       end
       redis.call('ZREMRANGEBYSCORE', log, '-inf', bound)
       q.dirty = true
@@ -125,11 +143,18 @@ local function quota_read(meta, n, at, now)
       -- The helper hash is gone (deleted, evicted) but not the log: count the log itself, and
       -- number new entries after its own, rather than admit over the limit.
       total = 0
+      local open = 0
       for _, member in ipairs(redis.call('ZRANGE', log, '0', '-1')) do
-        total = total + quota_cost_of(member)
-        local seq = tonumber(string.match(member, '^(%d+):'))
+        local cost = quota_cost_of(member)
+        total = total + cost
+        if string.byte(member, 1) == 114 then
+          open = open + cost
+        end
+        local seq = tonumber(string.match(member, '^r?(%d+):'))
         if seq > q.seq then q.seq = seq end
       end
+      q.r_abs = q.r_abs or {}
+      q.r_abs[i] = open
       q.dirty = true
     end
     -- An empty (or vanished) log holds nothing, whatever a stale total says.
@@ -267,7 +292,8 @@ local function quota_record_each(q, amounts, texts, scores)
     if score == '' then
       score = quota_now_text
     end
-    redis.call('ZADD', KEYS[q.key + i], score, q.seq_text .. ':' .. texts[i])
+    redis.call('ZADD', KEYS[q.key + i], score, 'r' .. q.seq_text .. ':' .. texts[i])
+    quota_open(q, i, amounts[i])
     score = score + 0
     if not q[s - 3] or score < q[s - 3] then
       if not q[s - 3] then
@@ -302,20 +328,19 @@ end
 local function quota_settle(q, seq, at, reserved, settled, out)
   for i = 1, q.n do
     local s, log = 5 * i, KEYS[q.key + i]
-    local member = seq .. ':' .. reserved[i]
+    local member = 'r' .. seq .. ':' .. reserved[i]
     local score = redis.call('ZSCORE', log, member)
     local state = 0
     if score and score + 0 == at[i] + 0 then
       local before, after = reserved[i] + 0, settled[i] + 0
       state = 1
-      if before ~= after then
-        redis.call('ZREM', log, member)
-        redis.call('ZADD', log, score, seq .. ':' .. settled[i])
-        q[s - 4] = q[s - 4] - before + after
-        q.dirty = true
-        if after > before and q[s - 4] > q[s - 1] then
-          state = 2
-        end
+      redis.call('ZREM', log, member)
+      redis.call('ZADD', log, score, seq .. ':' .. settled[i])
+      q[s - 4] = q[s - 4] - before + after
+      quota_open(q, i, -before)
+      q.dirty = true
+      if after > before and q[s - 4] > q[s - 1] then
+        state = 2
       end
     end
     out[#out + 1] = state
@@ -358,6 +383,16 @@ local function quota_finish(q)
     end
   end
   redis.call('HSET', KEYS[q.key], unpack(set, 1, c))
+  -- Open reservations: counted again from the log when the hash was lost, else moved.
+  for i = 1, q.n do
+    local name = ARGV[q.at + 3 * (i - 1)]
+    if q.r_abs and q.r_abs[i] then
+      local open = q.r_abs[i] + (q.dr and q.dr[i] or 0)
+      redis.call('HSET', KEYS[q.key], 'r:' .. name, string.format('%d', open))
+    elseif q.dr and q.dr[i] ~= 0 then
+      redis.call('HINCRBY', KEYS[q.key], 'r:' .. name, string.format('%d', q.dr[i]))
+    end
+  end
   if renewed then
     redis.call('PEXPIRE', KEYS[q.key], string.format('%d', math.ceil((last - clock) / 1000)))
   end

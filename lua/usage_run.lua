@@ -11,6 +11,9 @@
 --              Returns {admitted (1|0), retry_after_us, remaining_i, reset_us_i ..., seq,
 --              at_us}: the entry recorded in every window ("<seq>:<amount>" at score at_us),
 --              or seq 0 when refused (nothing recorded).
+--   "read"     KEYS and ARGV[3 ..] as "reserve", without amounts or scores. Returns per window
+--              {total, open}: what the window holds, and how much of it is reservations not
+--              settled yet (the rest is settled usage). Records nothing.
 --   "settle"   KEYS: per settlement, its quota key's helper hash and one log per window.
 --              ARGV[3] the number of settlements; then per settlement: the entry's seq, its
 --              window count n, name, limit and length per window, then per window the entry's
@@ -20,6 +23,23 @@
 -- One call settles many requests: each is read, changed and written back in turn.
 
 local now = quota_clock(ARGV[2])
+if ARGV[1] == 'read' then
+  local n = #KEYS - 1
+  local q = quota_read(1, n, 3, now)
+  quota_finish(q)
+  local out = {}
+  for i = 1, n do
+    local open
+    if q.r_abs then
+      open = q.r_abs[i] + (q.dr and q.dr[i] or 0)
+    else
+      open = (redis.call('HGET', KEYS[1], 'r:' .. ARGV[3 + 3 * (i - 1)]) or 0) + 0
+    end
+    if open < 0 then open = 0 end
+    out[2 * i - 1], out[2 * i] = q[5 * i - 4], open
+  end
+  return out
+end
 if ARGV[1] == 'reserve' then
   local n = #KEYS - 1
   local q = quota_read(1, n, 3, now)

@@ -41,7 +41,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use sluice_limiter::{
-    Acquire, EntryId, Outcome, Period, Reservation, Reserve, Settle, Settled, StoreError, Window,
+    Acquire, EntryId, Outcome, Owner, Period, Reservation, Reserve, Settle, Settled, StoreError,
+    Window, WindowUsage,
 };
 
 pub use memory::MemoryStore;
@@ -221,6 +222,19 @@ pub trait StateStore: Send + Sync + 'static {
         settlements: &[Settle<'_>],
         at_us: Option<u64>,
     ) -> Result<Vec<Vec<Settled>>, StoreError>;
+
+    /// What each of `windows` holds now, and how much of that is reservations not yet settled,
+    /// across every instance (for status pages and metrics); records nothing. `key` is the
+    /// quota key, the member's id or the client's name, as `owner` says; `at_us` as in
+    /// [`Acquire::at_us`].
+    async fn usage(
+        &self,
+        route: &str,
+        owner: Owner,
+        key: &str,
+        windows: &[Window],
+        at_us: Option<u64>,
+    ) -> Result<Vec<WindowUsage>, StoreError>;
 
     /// Chooses a member for one request, in one atomic step (one round trip to Redis): the
     /// route's quota first; then the candidates in `ask.order`, skipping excluded members,

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 
 use sluice_limiter::{
     Acquire, EntryId, MemoryLimits, Outcome, Owner, QuotaLogs, Reservation, Reserve, Settle,
-    Settled, StoreError, Window,
+    Settled, StoreError, Window, WindowUsage,
 };
 
 use crate::memory_pools::{Excluded, Pools, Route};
@@ -373,6 +373,23 @@ impl StateStore for MemoryStore {
             (None, _) => Assignment::NoMember {
                 quota: Some(outcome),
             },
+        })
+    }
+
+    async fn usage(
+        &self,
+        route: &str,
+        owner: Owner,
+        key: &str,
+        windows: &[Window],
+        at_us: Option<u64>,
+    ) -> Result<Vec<WindowUsage>, StoreError> {
+        // One clock for the three logs, as in an assignment.
+        let at_us = Some(at_us.unwrap_or_else(|| self.quotas.now_us()));
+        Ok(match owner {
+            Owner::Route => self.quotas.usage(route, key, windows, at_us),
+            Owner::Member => self.members.usage(route, key, windows, at_us),
+            Owner::Client => self.clients.usage(CLIENTS, key, windows, at_us),
         })
     }
 

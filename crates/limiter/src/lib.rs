@@ -245,6 +245,16 @@ pub enum Owner {
     Client,
 }
 
+/// What one window holds, read for status pages and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WindowUsage {
+    /// Everything the window holds: settled usage plus open reservations (requests windows:
+    /// their costs).
+    pub total: u64,
+    /// The part of `total` that is reservations not settled yet, across every instance.
+    pub open: u64,
+}
+
 /// What a settlement did in one window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {

@@ -11,8 +11,12 @@ use std::time::{Instant, SystemTime};
 
 use crate::{
     check_amounts, check_periods, placement, Acquire, EntryId, Outcome, Period, Reservation,
-    Reserve, Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
+    Reserve, Settle, Settled, StoreError, Window, WindowState, WindowUsage, MAX_AMOUNT,
 };
+
+/// Marks an entry's `seq` while it is a reservation not settled yet (entry numbers never get
+/// near it), so that the log knows what part of its total is open without another field.
+const OPEN: u64 = 1 << 63;
 
 /// Independent shards, so that requests for different keys rarely meet on a lock.
 const SHARDS: usize = 64;
@@ -54,6 +58,8 @@ struct Entry {
 struct Log {
     entries: VecDeque<Entry>,
     total: u64,
+    /// The part of `total` held by open reservations (entries marked [`OPEN`]).
+    open: u64,
     /// The window's length as last asked, so that a purge can expire the log on its own.
     length_us: u64,
 }
@@ -67,6 +73,9 @@ impl Log {
                 break;
             }
             self.total -= e.cost;
+            if e.seq & OPEN != 0 {
+                self.open -= e.cost;
+            }
             self.entries.pop_front();
         }
         let gone = before - self.entries.len();
@@ -89,14 +98,19 @@ impl Log {
     /// Expired entries must be gone already (`expire`), so that one found is in the window.
     fn settle(&mut self, entry: EntryId, reserved: u64, settled: u64, limit: u64) -> Settled {
         let (reserved, settled) = (reserved.min(MAX_AMOUNT), settled.min(MAX_AMOUNT));
-        let Ok(at) = self.entries.binary_search_by_key(&entry.seq, |e| e.seq) else {
+        let Ok(at) = self
+            .entries
+            .binary_search_by_key(&entry.seq, |e| e.seq & !OPEN)
+        else {
             return Settled::Gone;
         };
         let e = &mut self.entries[at];
-        if e.at_us != entry.at_us || e.cost != reserved {
+        if e.at_us != entry.at_us || e.cost != reserved || e.seq & OPEN == 0 {
             return Settled::Gone;
         }
         e.cost = settled;
+        e.seq &= !OPEN;
+        self.open -= reserved;
         self.total = self.total - reserved + settled;
         if settled > reserved && self.total > limit {
             Settled::Overrun
@@ -358,6 +372,44 @@ impl QuotaLogs {
         Ok(out)
     }
 
+    /// What each of `windows` of `key` holds now, and how much of it is open reservations;
+    /// records nothing, makes no key.
+    pub fn usage(
+        &self,
+        route: &str,
+        key: &str,
+        windows: &[Window],
+        at_us: Option<u64>,
+    ) -> Vec<WindowUsage> {
+        let now = at_us.unwrap_or_else(|| self.now_us());
+        let mut shard = self
+            .shard(route, key)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Some(RouteKeys { keys, entries }) = shard.routes.get_mut(route) else {
+            return vec![WindowUsage::default(); windows.len()];
+        };
+        let mut state = keys.get_mut(key);
+        windows
+            .iter()
+            .map(|w| {
+                let log = state
+                    .as_deref_mut()
+                    .and_then(|st| st.logs.iter_mut().find(|(name, _)| *name == w.name));
+                match log {
+                    Some((_, log)) => {
+                        *entries -= log.expire(now, w.length_us);
+                        WindowUsage {
+                            total: log.total,
+                            open: log.open,
+                        }
+                    }
+                    None => WindowUsage::default(),
+                }
+            })
+            .collect()
+    }
+
     /// Decides on one request, each window charged its amount; when every window admits it,
     /// asks `then` and records the request only if `then` returns `Some`, returning its entry.
     fn ask_then<T>(
@@ -529,12 +581,16 @@ fn decide<T>(
         let (at, length) = placement(w, req.periods, i, now);
         if let Some(entry) = entry {
             let cost = req.amounts.of(i);
+            let open = matches!(req.amounts, Amounts::Per(_));
             log.entries.push_back(Entry {
                 at_us: at,
                 cost,
-                seq: entry.seq,
+                seq: if open { entry.seq | OPEN } else { entry.seq },
             });
             log.total += cost;
+            if open {
+                log.open += cost;
+            }
             *entries += 1;
         }
         windows.push(WindowState {

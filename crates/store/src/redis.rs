@@ -16,7 +16,8 @@ use sluice_allocator::{
 };
 use sluice_limiter::{
     check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Owner, Period,
-    Reservation, Reserve, Settle, Settled, StoreError, Window, WindowState, MAX_AMOUNT,
+    Reservation, Reserve, Settle, Settled, StoreError, Window, WindowState, WindowUsage,
+    MAX_AMOUNT,
 };
 
 use crate::batch::FusedBatches;
@@ -812,6 +813,54 @@ impl StateStore for RedisStore {
             }
         }
         Ok(out)
+    }
+
+    async fn usage(
+        &self,
+        route: &str,
+        owner: Owner,
+        key: &str,
+        windows: &[Window],
+        at_us: Option<u64>,
+    ) -> Result<Vec<WindowUsage>, StoreError> {
+        if windows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.usage,
+            1 + windows.len(),
+        );
+        match owner {
+            Owner::Route => {
+                call.key(&self.keys.quota_meta_parts(route, key));
+                for w in windows {
+                    call.key(&self.keys.quota_log_parts(route, &w.name, key));
+                }
+            }
+            Owner::Member => {
+                call.key(&self.keys.member_meta_parts(route, key));
+                for w in windows {
+                    call.key(&self.keys.member_log_parts(route, &w.name, key));
+                }
+            }
+            Owner::Client => {
+                call.key(&self.keys.client_meta_parts(key));
+                for w in windows {
+                    call.key(&self.keys.client_log_parts(key, &w.name));
+                }
+            }
+        }
+        call.arg("read");
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        for w in windows {
+            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        }
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        scripts::parse_usage(&reply, windows.len())
     }
 
     async fn assign_reserve(

@@ -26,7 +26,9 @@ use sluice_allocator::{Assignment, Reserved};
 use sluice_limiter::lua::{
     CLIENT_DRIVER, DRIVER as QUOTA_DRIVER, LIBRARY as QUOTA_LIBRARY, USAGE_DRIVER,
 };
-use sluice_limiter::{EntryId, Outcome, Reservation, Settled, StoreError, WindowState};
+use sluice_limiter::{
+    EntryId, Outcome, Reservation, Settled, StoreError, WindowState, WindowUsage,
+};
 
 /// One operation: its function in the library, and the same code as a script for `EVALSHA`.
 pub struct StateScript {
@@ -262,6 +264,22 @@ pub fn parse_assign_reserved(
         member: entry(member),
         client: entry(client),
     }))
+}
+
+/// `{total, open}` per window (`usage_run.lua`'s "read").
+pub fn parse_usage(reply: &[i64], windows: usize) -> Result<Vec<WindowUsage>, StoreError> {
+    if reply.len() != 2 * windows || reply.iter().any(|&v| v < 0) {
+        return Err(StoreError::Backend(format!(
+            "usage script read {reply:?} for {windows} windows"
+        )));
+    }
+    Ok(reply
+        .chunks_exact(2)
+        .map(|c| WindowUsage {
+            total: c[0] as u64,
+            open: c[1] as u64,
+        })
+        .collect())
 }
 
 /// `{state per settlement and window}` (`usage_run.lua`'s "settle") → one list per settlement,
@@ -669,6 +687,12 @@ mod tests {
         assert!(parse_settled(&[1, 2], &[3]).is_err());
         assert!(parse_settled(&[1, 3], &[2]).is_err());
         assert!(parse_settled(&[-1], &[1]).is_err());
+        assert_eq!(
+            parse_usage(&[10, 4], 1).unwrap(),
+            [WindowUsage { total: 10, open: 4 }]
+        );
+        assert!(parse_usage(&[10], 1).is_err());
+        assert!(parse_usage(&[10, -4], 1).is_err());
         // An assignment that reserved usage ends with its entries; the pool missing is no
         // assignment; anything shorter or not numbers is an error.
         let assigned = Value::Array(vec![

@@ -9,7 +9,8 @@ use sluice_allocator::{
     Assign, Assignment, MemberUsage, MemoryStore, Order, PoolMember, StateStore, Usage,
 };
 use sluice_limiter::{
-    Acquire, ClientWindows, EntryId, Owner, Period, Reserve, Settle, Settled, Window, MAX_AMOUNT,
+    Acquire, ClientWindows, EntryId, Owner, Period, Reserve, Settle, Settled, Window, WindowUsage,
+    MAX_AMOUNT,
 };
 use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
@@ -138,6 +139,15 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
     let t0 = 1_000_000_000_000u64;
     let first = reserve(store, route, "team", &w, &[1, tokens(600)], t0).await;
     assert!(first.outcome.admitted);
+    let open = |total, open| WindowUsage { total, open };
+    assert_eq!(
+        store
+            .usage(route, Owner::Route, "team", &w, Some(t0 + 1))
+            .await
+            .unwrap(),
+        [open(1, 1), open(tokens(600), tokens(600))],
+        "all of it an open reservation"
+    );
     let e1 = first.entry.expect("an admitted reservation has an entry");
     assert_eq!(e1.at_us, t0);
     assert_eq!(
@@ -174,11 +184,18 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
     .await;
     assert_eq!(done, [Settled::Done, Settled::Done]);
     assert_eq!(
+        store
+            .usage(route, Owner::Route, "team", &w, Some(t0 + 31))
+            .await
+            .unwrap(),
+        [open(1, 0), open(tokens(100), 0)],
+        "settled: nothing open"
+    );
+    assert_eq!(
         remaining(store, route, "team", &w, t0 + 40).await,
         [9, tokens(900)]
     );
-    // A settlement of an entry as it no longer is (already settled) changes nothing where it
-    // differs; the requests window still holds 1, as the settlement says.
+    // A settlement of an entry already settled changes nothing.
     let again = settle_one(
         store,
         route,
@@ -190,7 +207,7 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
         t0 + 45,
     )
     .await;
-    assert_eq!(again, [Settled::Done, Settled::Gone]);
+    assert_eq!(again, [Settled::Gone, Settled::Gone]);
     assert_eq!(
         remaining(store, route, "team", &w, t0 + 46).await,
         [9, tokens(900)]
@@ -246,6 +263,17 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
         fresh.outcome.admitted,
         "the late settlement charged nothing"
     );
+    // The reservation that left its window unsettled left what is open too.
+    assert_eq!(
+        store
+            .usage(route, Owner::Route, "late", &w, Some(t0 + MINUTE))
+            .await
+            .unwrap()[1],
+        WindowUsage {
+            total: tokens(1_000),
+            open: tokens(1_000)
+        }
+    );
 
     // Settling to 0 (no member answered, or one answered a 429) gives everything back.
     let fourth = reserve(store, route, "zero", &w, &[1, tokens(1_000)], t0).await;
@@ -297,7 +325,7 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
     assert_eq!(huge, [Settled::Done, Settled::Overrun]);
     let after = reserve(store, route, "huge", &w, &[1, 0], t0 + 2).await;
     assert!(!after.outcome.admitted);
-    // It can still be settled back, by the amount it holds.
+    // An entry settles once: a second settlement finds nothing to change.
     let back = settle_one(
         store,
         route,
@@ -309,7 +337,7 @@ async fn scenarios(store: &dyn StateStore, route: &str) {
         t0 + 3,
     )
     .await;
-    assert_eq!(back, [Settled::Done, Settled::Done]);
+    assert_eq!(back, [Settled::Gone, Settled::Gone]);
 }
 
 /// Many settlements, of several keys and one with no windows, in one call.
@@ -808,6 +836,36 @@ async fn redis_reserves_and_settles() {
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
+    // The helper hash lost (evicted, deleted): what is open is counted again from the log.
+    let w = windows();
+    let lost = reserve(&store, "usage", "lost", &w, &[1, tokens(300)], 9_000_000).await;
+    assert!(lost.outcome.admitted);
+    assert_eq!(server.integer(&["DEL", "sluice:{usage}:qm:lost"]), Some(1));
+    assert_eq!(
+        store
+            .usage("usage", Owner::Route, "lost", &w, Some(9_000_001))
+            .await
+            .unwrap(),
+        [
+            WindowUsage { total: 1, open: 1 },
+            WindowUsage {
+                total: tokens(300),
+                open: tokens(300)
+            }
+        ]
+    );
+    let again = reserve(&store, "usage", "lost", &w, &[1, tokens(100)], 9_000_002).await;
+    assert_eq!(again.outcome.windows[1].remaining, tokens(600));
+    assert_eq!(
+        store
+            .usage("usage", Owner::Route, "lost", &w, Some(9_000_003))
+            .await
+            .unwrap()[1],
+        WindowUsage {
+            total: tokens(400),
+            open: tokens(400)
+        }
+    );
     // A batch of settlements is one call.
     let before = server.command_calls("fcall");
     batched(&store, "usage2").await;
@@ -941,6 +999,14 @@ fn expected_total(done: &[Done]) -> u64 {
         .sum()
 }
 
+/// What is open by the outcomes: the reservations of requests not settled.
+fn expected_open(done: &[Done]) -> u64 {
+    done.iter()
+        .filter(|d| d.admitted && d.settled.is_none())
+        .map(|d| d.reserved)
+        .sum()
+}
+
 /// A window with room for everything: the total is exact, whatever the interleaving.
 fn roomy() -> Vec<Window> {
     vec![
@@ -1035,6 +1101,16 @@ async fn memory_totals_are_exact_under_concurrency() {
     let done = concurrent(std::slice::from_ref(&store), "exact", &w, 300).await;
     let left = remaining(&*store, "exact", "team", &w, None).await;
     assert_eq!(w[1].limit - left[1], expected_total(&done));
+    assert_eq!(
+        store
+            .usage("exact", Owner::Route, "team", &w, None)
+            .await
+            .unwrap()[1],
+        WindowUsage {
+            total: expected_total(&done),
+            open: expected_open(&done)
+        }
+    );
     assert_eq!(w[0].limit - left[0], 300);
     let admitted = reservations_fit(std::slice::from_ref(&store), "fit").await;
     let left = remaining(&*store, "fit", "team", &tight(), None).await;
@@ -1051,6 +1127,17 @@ async fn redis_totals_are_exact_across_two_gateways() {
     let (sum, total) = redis_record(&server, "exact", "tpm");
     assert_eq!(sum, total, "the running total is the log's");
     assert_eq!(total, expected_total(&done));
+    assert_eq!(
+        stores[1]
+            .usage("exact", Owner::Route, "team", &roomy(), None)
+            .await
+            .unwrap()[1],
+        WindowUsage {
+            total,
+            open: expected_open(&done)
+        },
+        "what is open is exactly the reservations in flight"
+    );
     assert_eq!(redis_record(&server, "exact", "rpm"), (300, 300));
     let admitted = reservations_fit(&stores, "fit").await;
     assert_eq!(redis_record(&server, "fit", "tpm"), (admitted, admitted));
@@ -1067,6 +1154,14 @@ async fn redis_cluster_totals_are_exact() {
     let (sum, total) = redis_record(node, "exact", "tpm");
     assert_eq!(sum, total);
     assert_eq!(total, expected_total(&done));
+    assert_eq!(
+        stores[0]
+            .usage("exact", Owner::Route, "team", &roomy(), None)
+            .await
+            .unwrap()[1]
+            .open,
+        expected_open(&done)
+    );
     let admitted = reservations_fit(&stores, "fit").await;
     let node = &cluster.nodes()[cluster.index_of(cluster.master_of("{fit}").unwrap())];
     assert_eq!(redis_record(node, "fit", "tpm"), (admitted, admitted));
