@@ -11,9 +11,9 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use http::header;
 use pingora::protocols::http::ServerSession;
-use sluice_usage::{Amount, Decimal, Millionths, Part};
+use sluice_usage::{Amount, Millionths};
 
-use crate::config::{self, UsageConfig};
+use crate::config::UsageConfig;
 
 /// A route's `quota.usage`, ready to apply.
 pub struct RouteUsage {
@@ -44,8 +44,8 @@ impl RouteUsage {
                 .iter()
                 .map(|u| Unit {
                     name: u.name.0.clone(),
-                    reserve: amount_of(&u.reserve),
-                    settle: amount_of(&u.settle),
+                    reserve: Amount::from(&u.reserve),
+                    settle: Amount::from(&u.settle),
                 })
                 .collect(),
             max_request_body: usize::try_from(usage.max_request_body.get()).unwrap_or(usize::MAX),
@@ -60,39 +60,6 @@ impl RouteUsage {
             .map(|u| sluice_usage::reserve(&u.reserve, request))
             .collect()
     }
-}
-
-/// A config amount as `sluice-usage` computes it: the terms of its (possibly nested) sums.
-fn amount_of(amount: &config::Amount) -> Amount {
-    // `check` refused what these cannot take (negative or non-finite numbers, paths that are
-    // not dotted keys, bad header names); were one to get here, it counts nothing rather than
-    // take the gateway down.
-    let decimal = |x: f64| Decimal::from_f64(x).unwrap_or(Decimal::ZERO);
-    let parts: Vec<Part> = amount
-        .leaves()
-        .into_iter()
-        .filter_map(|leaf| match leaf {
-            config::Amount::Json {
-                path,
-                default,
-                times,
-            } => Some(Part::Json {
-                path: sluice_usage::JsonPath::parse(&path.text)?,
-                default: default.map(decimal),
-                times: decimal(*times),
-            }),
-            config::Amount::Value(v) => Some(Part::Value(decimal(*v))),
-            config::Amount::RequestBytes { times } => Some(Part::RequestBytes {
-                times: decimal(*times),
-            }),
-            config::Amount::Header { name, times } => Some(Part::Header {
-                name: sluice_usage::HeaderName::parse(name.as_str())?,
-                times: decimal(*times),
-            }),
-            config::Amount::Sum(_) => None,
-        })
-        .collect();
-    Amount::sum(parts).unwrap_or_else(|| Amount::part(Part::Value(Decimal::ZERO)))
 }
 
 /// What was read of a request's body before admission.
