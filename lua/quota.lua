@@ -153,8 +153,11 @@ local function quota_read(meta, n, at, now)
         local seq = tonumber(string.match(member, '^r?(%d+):'))
         if seq > q.seq then q.seq = seq end
       end
-      q.r_abs = q.r_abs or {}
-      q.r_abs[i] = open
+      -- The hash is gone, and its sum of open reservations with it: counted again, when any.
+      if open > 0 then
+        q.r_abs = q.r_abs or {}
+        q.r_abs[i] = open
+      end
       q.dirty = true
     end
     -- An empty (or vanished) log holds nothing, whatever a stale total says.
@@ -383,14 +386,17 @@ local function quota_finish(q)
     end
   end
   redis.call('HSET', KEYS[q.key], unpack(set, 1, c))
-  -- Open reservations: counted again from the log when the hash was lost, else moved.
-  for i = 1, q.n do
-    local name = ARGV[q.at + 3 * (i - 1)]
-    if q.r_abs and q.r_abs[i] then
-      local open = q.r_abs[i] + (q.dr and q.dr[i] or 0)
-      redis.call('HSET', KEYS[q.key], 'r:' .. name, string.format('%d', open))
-    elseif q.dr and q.dr[i] ~= 0 then
-      redis.call('HINCRBY', KEYS[q.key], 'r:' .. name, string.format('%d', q.dr[i]))
+  -- Open reservations: counted again from the log when the hash was lost, else moved. A quota
+  -- of requests alone never has any, and pays one test for them.
+  if q.dr or q.r_abs then
+    for i = 1, q.n do
+      local name = ARGV[q.at + 3 * (i - 1)]
+      if q.r_abs and q.r_abs[i] then
+        local open = q.r_abs[i] + (q.dr and q.dr[i] or 0)
+        redis.call('HSET', KEYS[q.key], 'r:' .. name, string.format('%d', open))
+      elseif q.dr and q.dr[i] ~= 0 then
+        redis.call('HINCRBY', KEYS[q.key], 'r:' .. name, string.format('%d', q.dr[i]))
+      end
     end
   end
   if renewed then

@@ -30,8 +30,9 @@ if ARGV[1] == 'read' then
   local out = {}
   for i = 1, n do
     local open
-    if q.r_abs then
-      open = q.r_abs[i] + (q.dr and q.dr[i] or 0)
+    if not q.exists then
+      -- No hash: only what was counted again from the log (nothing when none).
+      open = (q.r_abs and q.r_abs[i] or 0) + (q.dr and q.dr[i] or 0)
     else
       open = (redis.call('HGET', KEYS[1], 'r:' .. ARGV[3 + 3 * (i - 1)]) or 0) + 0
     end
