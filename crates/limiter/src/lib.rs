@@ -145,6 +145,16 @@ pub struct Period {
     pub end_us: u64,
 }
 
+impl From<calendar::Bounds> for Period {
+    /// The period a [`calendar::Calendar`] cut, as a reservation gives it to the store.
+    fn from(b: calendar::Bounds) -> Period {
+        Period {
+            start_us: b.start_us,
+            end_us: b.end_us,
+        }
+    }
+}
+
 /// Checks that `periods` is empty (every window slides) or names one period, or none, per window,
 /// and that a fixed window's `length_us` is its period's length: then a read through
 /// [`Acquire`] (cost 0, which knows no periods) expires its entries exactly at the period's end
