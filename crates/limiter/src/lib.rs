@@ -351,3 +351,20 @@ fn no_module_cycles() {
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
     );
 }
+
+/// What a calendar cut is the period a reservation gives the store, bound for bound.
+#[cfg(test)]
+#[test]
+fn a_calendars_bounds_are_a_period() {
+    let b = calendar::Bounds {
+        start_us: 10,
+        end_us: 20,
+    };
+    assert_eq!(
+        Period::from(b),
+        Period {
+            start_us: 10,
+            end_us: 20
+        }
+    );
+}
