@@ -180,6 +180,9 @@ struct Table {
 #[derive(Debug)]
 pub struct Throttle {
     table: Mutex<Table>,
+    /// Whether the table may refuse anyone: set under the lock by every failure, so that
+    /// while no identification has failed (the common case) a check takes no lock.
+    armed: std::sync::atomic::AtomicBool,
 }
 
 impl Default for Throttle {
@@ -199,6 +202,7 @@ impl Throttle {
                 overflow: Entry::new(Instant::now(), 0),
                 next_seq: 1,
             }),
+            armed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -220,6 +224,10 @@ impl Throttle {
 
     /// [`Throttle::check`] at `now`.
     pub fn check_at(&self, ip: IpAddr, s: &Settings, now: Instant) -> Option<Duration> {
+        // Nothing has failed since the table was made: nobody can be refused.
+        if !self.armed.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
         let mut t = self.lock();
         match t.entries.get(&Source::of(ip)) {
             Some(entry) => entry.refused_for(now),
@@ -233,6 +241,9 @@ impl Throttle {
     /// [`Throttle::fail`] at `now`.
     pub fn fail_at(&self, ip: IpAddr, s: &Settings, now: Instant) -> Option<Duration> {
         let mut t = self.lock();
+        // Under the lock, before the count: a check that sees the flag unset ran before this
+        // failure, and one after it takes the lock and sees the count.
+        self.armed.store(true, std::sync::atomic::Ordering::Release);
         let source = Source::of(ip);
         if !t.entries.contains_key(&source) {
             t.forget_spent(s, now);

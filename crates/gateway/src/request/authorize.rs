@@ -31,6 +31,8 @@ pub(crate) struct Caller<'a> {
     pub(crate) addr: Option<IpAddr>,
 }
 
+const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+
 /// The access line's `authz` when `report` mode let a refusal go.
 pub(crate) const WOULD_DENY: &str = "would_deny";
 
@@ -50,10 +52,14 @@ pub(crate) fn authorize(
     ctx.seen.clients = true;
     // The client's address: the connection's (which a trusted proxy's PROXY header has already
     // made the client's), or, from a trusted proxy, the last untrusted X-Forwarded-For hop.
+    let trusted = TrustedProxies(&clients.config.trusted_proxies);
     let addr = caller.addr.map(|peer| {
-        let forwarded = caller.headers.get_all("x-forwarded-for").iter();
-        TrustedProxies(&clients.config.trusted_proxies)
-            .client_ip(peer, forwarded.map(|v| v.as_bytes()))
+        // Looked up only where it can count: from a trusted proxy.
+        if !trusted.contains(peer) {
+            return peer;
+        }
+        let forwarded = caller.headers.get_all(X_FORWARDED_FOR).iter();
+        trusted.client_ip(peer, forwarded.map(|v| v.as_bytes()))
     });
     if addr != caller.addr {
         ctx.seen.forwarded_client = addr;
