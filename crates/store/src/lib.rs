@@ -24,6 +24,7 @@ pub mod connection;
 pub mod keys;
 mod redis;
 pub mod scripts;
+mod settle_batch;
 
 pub use connection::RedisConnection;
 pub use redis::{RedisStore, RedisStoreConfig};

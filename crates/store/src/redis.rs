@@ -25,6 +25,7 @@ use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
+use crate::settle_batch::{settle_call, Owned, SettleBatches};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -44,6 +45,8 @@ pub struct RedisStore {
     keys: Arc<Keys>,
     /// The fused quota + least-used calls, batched per route and quota key.
     fused: Arc<FusedBatches>,
+    /// Settlements, batched per route (and, on Cluster, per client's slot).
+    settles: Arc<SettleBatches>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -66,6 +69,11 @@ impl RedisStore {
         let scripts = Arc::new(Scripts::new());
         let keys = Arc::new(Keys::new(key_prefix));
         RedisStore {
+            settles: Arc::new(SettleBatches::new(
+                connection.clone(),
+                scripts.clone(),
+                keys.clone(),
+            )),
             fused: Arc::new(FusedBatches::new(
                 connection.clone(),
                 scripts.clone(),
@@ -427,7 +435,17 @@ impl RedisStore {
             };
             // When Redis cannot be asked, the reservation stands until it leaves the client's
             // windows: the client is refused early, never admitted over its limit.
-            if self.settle_call(ask.route, &[&back], at_us).await.is_ok() {
+            if settle_call(
+                &self.connection,
+                &self.scripts,
+                &self.keys,
+                ask.route,
+                &[&back],
+                at_us,
+            )
+            .await
+            .is_ok()
+            {
                 for ((state, w), &amount) in mine
                     .windows
                     .iter_mut()
@@ -461,61 +479,6 @@ impl RedisStore {
             },
         };
         Ok(reserved)
-    }
-
-    /// One call of the usage script that settles `batch`, whose keys share a slot.
-    async fn settle_call(
-        &self,
-        route: &str,
-        batch: &[&Settle<'_>],
-        at_us: Option<u64>,
-    ) -> Result<Vec<Vec<Settled>>, StoreError> {
-        let keys = batch.iter().map(|s| 1 + s.windows.len()).sum();
-        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.usage, keys);
-        for s in batch {
-            match s.owner {
-                Owner::Route => {
-                    call.key(&self.keys.quota_meta_parts(route, s.key));
-                    for w in s.windows {
-                        call.key(&self.keys.quota_log_parts(route, &w.name, s.key));
-                    }
-                }
-                Owner::Member => {
-                    call.key(&self.keys.member_meta_parts(route, s.key));
-                    for w in s.windows {
-                        call.key(&self.keys.member_log_parts(route, &w.name, s.key));
-                    }
-                }
-                Owner::Client => {
-                    call.key(&self.keys.client_meta_parts(s.key));
-                    for w in s.windows {
-                        call.key(&self.keys.client_log_parts(s.key, &w.name));
-                    }
-                }
-            }
-        }
-        call.arg("settle");
-        match at_us {
-            Some(t) => call.arg(t),
-            None => call.arg(""),
-        };
-        call.arg(batch.len());
-        for s in batch {
-            call.arg(s.entry.seq).arg(s.windows.len());
-            for (i, w) in s.windows.iter().enumerate() {
-                let length = placement(w, s.periods, i, s.entry.at_us).1;
-                call.arg(&*w.name).arg(w.limit).arg(length);
-            }
-            for (i, w) in s.windows.iter().enumerate() {
-                let at = placement(w, s.periods, i, s.entry.at_us).0;
-                call.arg(at)
-                    .arg(s.reserved[i].min(MAX_AMOUNT))
-                    .arg(s.settled[i].min(MAX_AMOUNT));
-            }
-        }
-        let reply: Vec<i64> = self.invoke(&call).await?;
-        let counts: Vec<usize> = batch.iter().map(|s| s.windows.len()).collect();
-        scripts::parse_settled(&reply, &counts)
     }
 
     /// A client's keys, as the client script and the assign script take them: its helper hash,
@@ -806,8 +769,15 @@ impl StateStore for RedisStore {
             }
         }
         for group in groups {
-            let batch: Vec<&Settle<'_>> = group.iter().map(|&i| &settlements[i]).collect();
-            let states = self.settle_call(route, &batch, at_us).await?;
+            // Settlements that come due together share a call: each group goes with what other
+            // requests of its route (and slot) settle meanwhile (settle_batch.rs).
+            let first = &settlements[group[0]];
+            let tag = match (first.owner, self.connection.is_cluster()) {
+                (Owner::Client, true) => first.key,
+                _ => "",
+            };
+            let items = group.iter().map(|&i| Owned::of(&settlements[i])).collect();
+            let states = self.settles.settle(route, tag, items, at_us).await?;
             for (i, states) in group.into_iter().zip(states) {
                 out[i] = states;
             }

@@ -904,6 +904,59 @@ async fn redis_cluster_reserves_and_settles() {
     }
 }
 
+/// Settlements that come due together share one call, as admissions do: requests settling at
+/// once (each its own `settle`) on one route are one script call, and each gets its own states.
+#[tokio::test]
+async fn redis_settlements_that_come_due_together_share_a_call() {
+    let server = RedisServer::start();
+    let store = Arc::new(redis_store(&server.url()));
+    let w: Arc<[Window]> = windows().into();
+    let t0 = 5_000_000_000_000u64;
+    let mut entries = Vec::new();
+    for i in 0..10u64 {
+        let r = reserve(&*store, "together", "team", &w, &[1, tokens(10)], t0 + i).await;
+        entries.push(r.entry.unwrap());
+    }
+    let before = server.command_calls("fcall");
+    // On this test's one thread, every task queues its settlement before any call leaves.
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, entry) in entries.into_iter().enumerate() {
+        let (store, w) = (store.clone(), w.clone());
+        tasks.spawn(async move {
+            let settled = [1, tokens(i as u64)];
+            store
+                .settle(
+                    "together",
+                    &[Settle {
+                        key: "team",
+                        windows: &w,
+                        entry,
+                        reserved: &[1, tokens(10)],
+                        settled: &settled,
+                        periods: &[],
+                        owner: Owner::Route,
+                    }],
+                    Some(t0 + 100),
+                )
+                .await
+                .unwrap()
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        assert_eq!(done.unwrap(), [vec![Settled::Done, Settled::Done]]);
+    }
+    assert_eq!(
+        server.command_calls("fcall") - before,
+        1,
+        "ten settlements, one call"
+    );
+    // 0 + 1 + ... + 9 tokens settled.
+    assert_eq!(
+        remaining(&*store, "together", "team", &w, t0 + 200).await[1],
+        tokens(1_000 - 45)
+    );
+}
+
 /// xorshift64*: reproducible amounts without a dependency.
 struct Rng(u64);
 impl Rng {
