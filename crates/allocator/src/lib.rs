@@ -196,7 +196,9 @@ pub trait StateStore: Send + Sync + 'static {
     /// Decides on a reservation against one quota key, each window charged its own amount
     /// (usage windows: the units reserved), and records it in every window when each admits
     /// it: one atomic step, one round trip. The answer's entry is what settles it. A quota with
-    /// no windows admits, and records nothing to settle.
+    /// no windows admits, and records nothing to settle. A request with a client's own windows,
+    /// or a member to charge, reserves through [`StateStore::assign_reserve`] instead (a member
+    /// chosen in process as a preference of one), which decides them all in the same step.
     async fn reserve(&self, request: Reserve<'_>) -> Result<Reservation, StoreError>;
 
     /// [`StateStore::assign`] for a request whose windows count usage: the route's windows, the
