@@ -817,6 +817,86 @@ async fn client_usage(store: &dyn StateStore, route: &str) {
     );
 }
 
+/// A member chosen in process (round robin, priority) is reserved for as a preference of one:
+/// the route's and the client's windows reserve in the same step, and a refusal charges nothing.
+async fn in_process_choice(store: &dyn StateStore, route: &str) {
+    let tpm = |limit| Window {
+        name: "tpm".into(),
+        limit,
+        length_us: MINUTE,
+    };
+    let members = [PoolMember::new("only")];
+    let route_windows = [tpm(tokens(500))];
+    let client_windows = [tpm(tokens(10_000))];
+    let name = format!("solo-{route}");
+    let t0 = 6_000_000_000_000u64;
+    let ask = |amount: u64, at: u64| {
+        let each = [amount];
+        let (members, route_windows, client_windows, name) = (
+            members.clone(),
+            route_windows.clone(),
+            client_windows.clone(),
+            name.clone(),
+        );
+        async move {
+            store
+                .assign_reserve(
+                    Assign {
+                        route,
+                        members: &members,
+                        order: Order::Preference(&[0]),
+                        excluded: &[],
+                        quota: Some(Acquire {
+                            route,
+                            key: "route",
+                            windows: &route_windows,
+                            cost: 1,
+                            at_us: Some(at),
+                            client: Some(ClientWindows {
+                                name: &name,
+                                windows: &client_windows,
+                            }),
+                        }),
+                        cost: 1,
+                        cooldowns: false,
+                        at_us: Some(at),
+                    },
+                    Usage {
+                        route: &each,
+                        route_periods: &[],
+                        members: &[],
+                        client: &each,
+                        client_periods: &[],
+                    },
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let first = ask(tokens(400), t0).await;
+    assert!(
+        matches!(first.assignment, Assignment::Assigned { .. }),
+        "{first:?}"
+    );
+    assert!(first.route.is_some() && first.client.is_some() && first.member.is_none());
+    let refused = ask(tokens(200), t0 + 1).await;
+    assert!(
+        matches!(refused.assignment, Assignment::QuotaRefused(_)),
+        "{refused:?}"
+    );
+    assert_eq!(
+        store
+            .usage(route, Owner::Client, &name, &client_windows, Some(t0 + 2))
+            .await
+            .unwrap(),
+        [WindowUsage {
+            total: tokens(400),
+            open: tokens(400)
+        }],
+        "the route's refusal charged the client nothing"
+    );
+}
+
 #[tokio::test]
 async fn memory_reserves_and_settles() {
     let store = MemoryStore::new();
@@ -825,6 +905,7 @@ async fn memory_reserves_and_settles() {
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
+    in_process_choice(&store, "solo").await;
 }
 
 #[tokio::test]
@@ -836,6 +917,7 @@ async fn redis_reserves_and_settles() {
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
+    in_process_choice(&store, "solo").await;
     // The helper hash lost (evicted, deleted): what is open is counted again from the log.
     let w = windows();
     let lost = reserve(&store, "usage", "lost", &w, &[1, tokens(300)], 9_000_000).await;
@@ -901,6 +983,7 @@ async fn redis_cluster_reserves_and_settles() {
         key_pool(&store, route).await;
         // A pool of its own: the key pool above left two members in the route's.
         client_usage(&store, &format!("{route}-clients")).await;
+        in_process_choice(&store, &format!("{route}-solo")).await;
     }
 }
 
