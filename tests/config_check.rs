@@ -186,9 +186,9 @@ fn version_is_printed() {
 }
 
 #[test]
-fn usage_metered_windows_are_checked_and_refused_until_the_stores_keep_them() {
-    // The contract's example: it parses, and this build says which windows it cannot enforce
-    // yet, rather than count them as sliding requests.
+fn usage_metered_windows_are_checked_and_member_windows_in_units_refused_until_metered() {
+    // The contract's example: a route's own windows in units and calendar periods pass; a
+    // member's window in a unit is refused, rather than counted as sliding requests.
     let yaml = r#"routes:
   - name: openai
     upstream: { members: [{ url: "http://127.0.0.1:9001" }] }
@@ -206,16 +206,17 @@ fn usage_metered_windows_are_checked_and_refused_until_the_stores_keep_them() {
           settle:
             sum: [ { json: "usage.prompt_tokens", times: 0.0000025 }, { json: "usage.completion_tokens", times: 0.00001 } ]
 "#;
-    let (code, stdout, stderr, file) = check(yaml);
-    assert_eq!((code, stdout.as_str()), (1, ""), "{stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
+    let (code, stdout, stderr, _) = check(yaml);
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let member = yaml.replace(
+        r#"members: [{ url: "http://127.0.0.1:9001" }]"#,
+        r#"members: [{ url: "http://127.0.0.1:9001", quota: { windows: [{ name: k, limit: 9, window: 1m, unit: tokens }] } }]"#,
+    );
+    let (code, _, stderr, file) = check(&member);
+    assert_eq!(code, 1, "{stderr}");
     assert_eq!(
-        lines,
-        [
-            format!("{file}:7:57: routes[0].quota.windows[1].unit: windows in usage units are not enforced by this build yet; count requests"),
-            format!("{file}:8:46: routes[0].quota.windows[2].window: calendar windows are not enforced by this build yet; use a sliding window such as 30d"),
-            format!("{file}:8:68: routes[0].quota.windows[2].unit: windows in usage units are not enforced by this build yet; count requests"),
-        ]
+        stderr,
+        format!("{file}:3:117: routes[0].upstream.members[0].quota.windows[0].unit: windows in usage units are enforced only in a route's own quota yet; count requests\n"),
     );
     // Mistakes in the units are placed like any other.
     let (code, _, stderr, file) = check(&yaml.replace("unit: usd,", "unit: eur,"));

@@ -219,10 +219,15 @@ impl<'a> Remaining<'a> {
         if quota.key != crate::config::QuotaKey::Route || self.failed {
             return None;
         }
+        // A calendar window is read over its current period, as admission charges it.
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        let (windows, _) = quota.periods(now_us);
         let read = self.state.acquire(sluice_limiter::Acquire {
             route: &route.name,
             key: "route",
-            windows: &quota.windows,
+            windows: &windows,
             cost: 0,
             at_us: None,
             client: None,

@@ -22,7 +22,7 @@ pub const GATEWAY: &str = "gateway";
 pub const UPSTREAM: &str = "upstream";
 
 /// The `op` values of `sluice_store_errors_total`.
-pub const STORE_OPS: [&str; 3] = ["quota", "select", "cool"];
+pub const STORE_OPS: [&str; 4] = ["quota", "select", "cool", "settle"];
 
 /// The allocator the binary was built with, for `sluice_build_info`.
 const ALLOCATOR: &str = if cfg!(feature = "jemalloc") {
@@ -73,6 +73,11 @@ pub struct Metrics {
     pub selection_fallbacks: IntCounterVec,
     /// `sluice_quota_keys_refused_total{route}`
     pub quota_keys_refused: IntCounterVec,
+    /// `sluice_usage_unsettled_total{route,reason}`: answers whose amount could not be read,
+    /// so their reservation stands.
+    pub usage_unsettled: IntCounterVec,
+    /// `sluice_usage_overrun_total{route}`: settlements that took a window past its limit.
+    pub usage_overrun: IntCounterVec,
     /// `sluice_client_denials_total{mode,code,client}`: what `clients` refused
     /// (`mode="enforce"`), or would have refused and let go (`mode="report"`), by answer code
     /// and by client ([`client_label`]).
@@ -135,6 +140,16 @@ impl Metrics {
             "sluice_quota_rejections_total",
             "Requests refused by a quota window.",
             &["route", "window"],
+        );
+        let usage_unsettled = counter(
+            "sluice_usage_unsettled_total",
+            "Answers on usage-metered routes whose amount could not be read: the reservation stands.",
+            &["route", "reason"],
+        );
+        let usage_overrun = counter(
+            "sluice_usage_overrun_total",
+            "Settlements that took a usage window past its limit.",
+            &["route"],
         );
         let quota_keys_refused = counter(
             "sluice_quota_keys_refused_total",
@@ -321,6 +336,8 @@ impl Metrics {
             store_errors,
             selection_fallbacks,
             quota_keys_refused,
+            usage_unsettled,
+            usage_overrun,
             client_denials,
             client_requests,
             unknown_client: std::sync::OnceLock::new(),

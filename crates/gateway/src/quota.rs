@@ -31,6 +31,11 @@ pub struct RouteQuota {
     keys_warned_at: AtomicU64,
     /// The units the route's windows may count in besides requests (`quota.usage`).
     pub usage: Option<crate::usage::RouteUsage>,
+    /// Per window, the index of its unit in [`RouteUsage::units`](crate::usage::RouteUsage),
+    /// or `None` for a window of requests.
+    pub units: Vec<Option<usize>>,
+    /// Per window, its calendar when it is a fixed window.
+    pub calendars: Vec<Option<sluice_limiter::calendar::Calendar>>,
 }
 
 /// Quota key values longer than this are replaced by their hash. The client chooses a header's
@@ -54,11 +59,16 @@ fn bounded_key<'a>(value: &'a str, buf: &'a mut String) -> &'a str {
 
 /// A configured window as the store takes it (a route's or a member's).
 pub(crate) fn window_of(w: &crate::config::WindowConfig) -> Window {
+    // A window in a usage unit holds millionths of it, as the amounts charged to it are.
+    let scale = match w.unit {
+        crate::config::WindowUnit::Requests => 1,
+        crate::config::WindowUnit::Named(_) => 1_000_000,
+    };
     Window {
         name: w.name.0.as_str().into(),
-        limit: w.limit.get(),
-        // Calendar windows never get here: `select::RULES` refuses them until the stores
-        // keep fixed periods.
+        limit: w.limit.get().saturating_mul(scale),
+        // A calendar window's length is its current period's, set at each admission
+        // ([`RouteQuota::periods`]).
         length_us: w.window.sliding().map_or(u64::MAX, |d| {
             u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
         }),
@@ -166,6 +176,43 @@ impl RouteQuota {
         }
     }
 
+    /// Whether admission reserves (and the answer settles) rather than only counting: the
+    /// route's windows count usage units or calendar periods.
+    pub fn reserves(&self) -> bool {
+        self.usage.is_some()
+    }
+
+    /// The windows as reserved at `now_us` (wall clock, microseconds), and their periods: a
+    /// calendar window's length is the period it is in now. `None` periods (empty) when every
+    /// window slides.
+    pub fn periods(&self, now_us: u64) -> (Vec<Window>, Vec<Option<sluice_limiter::Period>>) {
+        let mut windows = self.windows.clone();
+        if self.calendars.iter().all(Option::is_none) {
+            return (windows, Vec::new());
+        }
+        let periods = self
+            .calendars
+            .iter()
+            .zip(&mut windows)
+            .map(|(c, w)| {
+                let bounds = c.as_ref()?.bounds_at(now_us)?;
+                let period = sluice_limiter::Period::from(bounds);
+                w.length_us = period.end_us - period.start_us;
+                Some(period)
+            })
+            .collect();
+        (windows, periods)
+    }
+
+    /// What a request reserves in each window: its unit's amount (`reserved`, per unit of
+    /// [`RouteQuota::usage`]), or `cost` for a window of requests.
+    pub fn amounts(&self, reserved: &[sluice_usage::Millionths], cost: u64) -> Vec<u64> {
+        self.units
+            .iter()
+            .map(|u| u.map_or(cost, |i| reserved.get(i).map_or(0, |m| m.0)))
+            .collect()
+    }
+
     /// Builds the quota of `route` from its config.
     pub fn build(route: &str, q: &QuotaConfig, metrics: &Metrics) -> RouteQuota {
         let windows: Vec<Window> = q.windows.iter().map(window_of).collect();
@@ -195,6 +242,17 @@ impl RouteQuota {
             on_store_error: q.on_store_error,
             keys_warned_at: AtomicU64::new(0),
             usage: q.usage.as_ref().map(crate::usage::RouteUsage::build),
+            units: q
+                .windows
+                .iter()
+                .map(|w| match (&w.unit, &q.usage) {
+                    (crate::config::WindowUnit::Named(name), Some(usage)) => {
+                        usage.units.iter().position(|u| u.name == *name)
+                    }
+                    _ => None,
+                })
+                .collect(),
+            calendars: q.windows.iter().map(calendar_of).collect(),
         }
     }
 }

@@ -23,6 +23,12 @@ pub struct RouteUsage {
     pub max_request_body: usize,
     /// Whether some reservation reads the request body.
     pub reads_body: bool,
+    /// What each unit settles from, in the order of `units`, as a scanner takes them.
+    pub settles: Vec<Amount>,
+    /// Bytes of an answer's body kept for reading its amount, at most.
+    pub max_response_body: usize,
+    /// Statuses of an answer that did no work: the request settles to 0.
+    pub zero_on: Vec<u16>,
 }
 
 /// One unit: what a request reserves in it, and what its answer settles.
@@ -50,6 +56,13 @@ impl RouteUsage {
                 .collect(),
             max_request_body: usize::try_from(usage.max_request_body.get()).unwrap_or(usize::MAX),
             reads_body: usage.reads_request_body(),
+            settles: usage
+                .units
+                .iter()
+                .map(|u| Amount::from(&u.settle))
+                .collect(),
+            max_response_body: usize::try_from(usage.max_response_body.get()).unwrap_or(usize::MAX),
+            zero_on: usage.zero_on.clone(),
         }
     }
 

@@ -11,6 +11,7 @@ use pingora::ErrorType;
 use sluice_allocator::StateStore;
 use sluice_limiter::{Acquire, ClientWindows, Outcome, StoreError};
 
+use super::meter::{Meter, Planned};
 use super::store_warning::warn_store_error;
 use super::{answer, Failure, Forward, Gateway, RequestCtx};
 use crate::clients::Client;
@@ -18,7 +19,7 @@ use crate::config::OnStoreError;
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::quota::RouteQuota;
-use crate::select::{Admission, Attempt};
+use crate::select::{Admission, Attempt, Entries};
 use crate::table::Route;
 use crate::wait;
 
@@ -123,9 +124,8 @@ pub(crate) async fn admit(
         .as_deref()
         .map_or(1, |q| q.cost(&target.path, req.method.as_str()));
     ctx.route = Some(route.clone());
-    // A reservation that reads the body reads it now, before admission, which is to charge it
-    // to the route's usage windows. (Until admission and settlement are wired to the stores,
-    // `select::RULES` refuses windows in usage units, so only tests reach this.)
+    // A reservation that reads the body reads it now, before admission, which charges it to
+    // the route's usage windows.
     if let Some(usage) = route.quota.as_deref().and_then(|q| q.usage.as_ref()) {
         let prefix = if usage.reads_body {
             crate::usage::read_prefix(session.as_downstream_mut(), usage.max_request_body).await
@@ -150,6 +150,11 @@ pub(crate) async fn admit(
         )
     });
     let client = session.as_downstream().stream().map(|s| s.id());
+    let planned = route
+        .quota
+        .as_deref()
+        .filter(|q| q.reserves())
+        .map(|q| Planned::new(q, &ctx.reserved, cost));
     let verdict = decide(
         &*gateway.state,
         &gateway.metrics,
@@ -158,6 +163,7 @@ pub(crate) async fn admit(
         caller.as_deref(),
         cost,
         client,
+        planned.as_ref(),
     )
     .await;
     match verdict {
@@ -165,8 +171,20 @@ pub(crate) async fn admit(
             first,
             ratelimit,
             fallback,
+            entries,
         } => {
             ctx.admitted(first, ratelimit, fallback, cost);
+            ctx.meter = planned.map(|planned| {
+                Box::new(Meter {
+                    key: key.into(),
+                    planned,
+                    reserved: std::mem::take(&mut ctx.reserved),
+                    cost,
+                    entries,
+                    scanner: None,
+                    status: None,
+                })
+            });
             Ok(false)
         }
         Verdict::Answer {
@@ -199,6 +217,8 @@ pub(crate) enum Verdict {
         ratelimit: Option<HeaderValue>,
         /// least_used fell back to round-robin for this request.
         fallback: bool,
+        /// What settles the request, when its route reserves.
+        entries: Entries,
     },
     /// The gateway answers itself: 429, 503.
     Answer {
@@ -217,7 +237,9 @@ pub(crate) enum Verdict {
 /// on a route with `max_wait`, waits for capacity rather than refusing (see [`crate::wait`]).
 ///
 /// `client` is the socket of the client: one that hangs up while it waits leaves the line at
-/// once, uncharged ([`Verdict::Left`]).
+/// once, uncharged ([`Verdict::Left`]). `planned` is what the request reserves on a route
+/// whose windows count usage units or calendar periods.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn decide(
     state: &dyn StateStore,
     metrics: &Metrics,
@@ -226,16 +248,17 @@ pub(crate) async fn decide(
     caller: Option<&Client>,
     cost: u64,
     client: Option<RawFd>,
+    planned: Option<&Planned>,
 ) -> Verdict {
     let Some(line) = route.wait_line.as_deref() else {
-        let admission = admit_once(state, route, key, caller, cost).await;
+        let admission = admit_once(state, route, key, caller, cost, planned).await;
         return verdict(metrics, route, key, caller, cost, admission);
     };
     let deadline = tokio::time::Instant::now() + line.max_wait;
     // Newcomers go straight to the store only while nobody waits: arrival order.
     let mut refusal = None;
     if line.is_empty() {
-        let admission = admit_once(state, route, key, caller, cost).await;
+        let admission = admit_once(state, route, key, caller, cost, planned).await;
         if retry_after(&admission).is_none() {
             return verdict(metrics, route, key, caller, cost, admission);
         }
@@ -269,7 +292,7 @@ pub(crate) async fn decide(
     };
     let Some(_head) = head else {
         // max_wait passed in the line: one last look, which may still admit.
-        let admission = admit_once(state, route, key, caller, cost).await;
+        let admission = admit_once(state, route, key, caller, cost, planned).await;
         return verdict(metrics, route, key, caller, cost, admission);
     };
     let mut wake = first_wake;
@@ -282,7 +305,7 @@ pub(crate) async fn decide(
                 () = tokio::time::sleep_until(wake) => {}
             }
         }
-        let admission = admit_once(state, route, key, caller, cost).await;
+        let admission = admit_once(state, route, key, caller, cost, planned).await;
         let Some(wait) = retry_after(&admission) else {
             return verdict(metrics, route, key, caller, cost, admission);
         };
@@ -337,9 +360,14 @@ async fn admit_once(
     key: &str,
     caller: Option<&Client>,
     cost: u64,
+    planned: Option<&Planned>,
 ) -> Admission {
     // A quota with no windows only sets max_wait (for member quotas): nothing to charge.
-    let windows = route.quota.as_deref().map_or(&[][..], |q| &q.windows[..]);
+    // Reserved windows are the planned ones, a calendar window's length its period's.
+    let windows = match planned {
+        Some(p) => &p.windows[..],
+        None => route.quota.as_deref().map_or(&[][..], |q| &q.windows[..]),
+    };
     // The client's own windows are charged in the same step, on every policy: they travel
     // with the route's quota, which the policy hands the store as it is.
     let client = caller
@@ -356,7 +384,8 @@ async fn admit_once(
         at_us: None,
         client,
     });
-    route.policy.admit(state, acquire, cost).await
+    let reserving = planned.map(Planned::reserving);
+    route.policy.admit(state, acquire, cost, reserving).await
 }
 
 /// The 429 of a request its quota refused: naming the route's window that refused it, or else
@@ -412,10 +441,12 @@ fn verdict(
         Admission::Admitted {
             first,
             quota: outcome,
+            entries,
         } => Verdict::Go {
             first,
             ratelimit: ratelimit_of(outcome.as_ref()),
             fallback: false,
+            entries,
         },
         Admission::QuotaRefused(outcome) => {
             // Only a route with a quota, or a client with windows, is ever refused.
@@ -492,6 +523,7 @@ fn verdict(
                         first,
                         ratelimit: None,
                         fallback,
+                        entries: Entries::default(),
                     }
                 }
             }

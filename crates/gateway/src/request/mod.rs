@@ -13,6 +13,10 @@
 //! 5. [`answer::failure`] (`fail_to_proxy`) turns failures into problem+json answers;
 //! 6. [`account::finish`] (`logging`) writes the access log and the metrics.
 //!
+//! On a usage-metered route, [`meter`] follows the request through the same hooks: admission
+//! reserves, `response_filter` and `response_body_filter` read the answer as it passes, and
+//! `logging` settles the reservation in one store call before step 6.
+//!
 //! Both hooks of step 4 end, and step 6 begins, by letting the other ready requests go first
 //! ([`send_with_the_others`]), so that the sends of one turn of the event loop leave together.
 //!
@@ -30,6 +34,7 @@ pub(crate) mod attempt;
 pub(crate) mod authorize;
 mod connect;
 mod forward;
+mod meter;
 mod refuse;
 pub(crate) mod route;
 mod store_warning;
@@ -194,6 +199,8 @@ pub struct RequestCtx {
     /// What the request reserves in each unit of its route's `quota.usage`, in the order of
     /// its units; empty on a route without usage units.
     pub(crate) reserved: Vec<sluice_usage::Millionths>,
+    /// An admitted request's reservation on a usage-metered route, until its answer ends.
+    pub(crate) meter: Option<Box<meter::Meter>>,
     _in_flight: InFlight,
 }
 
@@ -349,6 +356,7 @@ impl RequestCtx {
             route_in_flight: None,
             client: None,
             reserved: Vec::new(),
+            meter: None,
             _in_flight: InFlight::enter(in_flight),
         }
     }
@@ -490,9 +498,32 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         ctx.upstream_answered = true;
+        if let (Some(meter), Some(quota)) = (
+            ctx.meter.as_deref_mut(),
+            ctx.route.as_ref().and_then(|r| r.quota.as_deref()),
+        ) {
+            // Read before `response_headers` changes the head: the member's own headers and
+            // `Content-Encoding` say how its body is read.
+            meter.answer_began(quota, response.status.as_u16(), &response.headers);
+        }
         answer::response_headers(session, response, ctx)?;
         send_with_the_others().await;
         Ok(())
+    }
+
+    // The member's answer as it goes to the client, unchanged: read for its amount on a
+    // usage-metered route.
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<bytes::Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<Duration>> {
+        if let (Some(meter), Some(chunk)) = (ctx.meter.as_deref_mut(), body.as_ref()) {
+            meter.body(chunk);
+        }
+        Ok(None)
     }
 
     async fn fail_to_proxy(
@@ -562,6 +593,15 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
         send_with_the_others().await;
+        if let (Some(meter), Some(route)) = (ctx.meter.take(), ctx.route.as_ref()) {
+            if let Some(quota) = route.quota.as_deref() {
+                let client = ctx.client.as_deref();
+                let (state, metrics) = (&*self.state, &self.metrics);
+                meter
+                    .settle(state, metrics, &route.name, quota, client, &route.members)
+                    .await;
+            }
+        }
         account::finish(self, session, e, ctx);
     }
 }

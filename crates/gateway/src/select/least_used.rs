@@ -16,7 +16,8 @@ use sluice_limiter::{Acquire, StoreError};
 use async_trait::async_trait;
 
 use super::{
-    refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems, RoundRobin, Selector, Tried,
+    assign, refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems, Reserving,
+    RoundRobin, Selector, Tried,
 };
 use crate::config::{UpstreamConfig, YamlPath};
 
@@ -117,6 +118,7 @@ impl LeastUsed {
         mut trial: Attempt,
         quota: Option<Acquire<'_>>,
         cost: u64,
+        reserving: Option<Reserving<'_>>,
     ) -> Option<Admission> {
         let index = trial.index();
         let others: Vec<&str> = self
@@ -126,24 +128,28 @@ impl LeastUsed {
             .filter(|&(i, _)| i != index)
             .map(|(_, id)| &**id)
             .collect();
-        match state.assign(self.ask(&others, quota, cost)).await {
-            Ok(Assignment::Assigned { member, quota }) => {
+        match assign(state, self.ask(&others, quota, cost), reserving).await {
+            Ok((Assignment::Assigned { member, quota }, entries)) => {
                 // Another instance may have synced a newer member list a moment ago: a
                 // member this table does not know was counted there, and the trial waits.
                 let first = match self.index_of.get(&*member) {
                     Some(&i) if i == index => Some(trial),
                     _ => self.attempt_for(&member, &Tried::default()),
                 };
-                Some(Admission::Admitted { first, quota })
+                Some(Admission::Admitted {
+                    first,
+                    quota,
+                    entries,
+                })
             }
-            Ok(Assignment::QuotaRefused(outcome)) => Some(Admission::QuotaRefused(outcome)),
-            Ok(Assignment::Busy { retry_after_us, .. }) => {
+            Ok((Assignment::QuotaRefused(outcome), _)) => Some(Admission::QuotaRefused(outcome)),
+            Ok((Assignment::Busy { retry_after_us, .. }, _)) => {
                 trial.put_off(Duration::from_micros(retry_after_us));
                 None
             }
             // Nowhere to go for the trial (the pool no longer lists the member): given back
             // as the attempt drops.
-            Ok(Assignment::NoMember { .. }) => None,
+            Ok((Assignment::NoMember { .. }, _)) => None,
             // The store cannot say: the trial goes, and the route's on_store_error decides.
             Err(error) => Some(Admission::StoreFailed {
                 error,
@@ -196,18 +202,19 @@ impl Selector for LeastUsed {
         state: &dyn StateStore,
         quota: Option<Acquire<'_>>,
         cost: u64,
+        reserving: Option<Reserving<'_>>,
     ) -> Admission {
         self.ensure_synced(state).await;
         // A passive-only pool gives a due member its trial here, as round-robin does.
         if let Some(index) = self.pool.take_due_trial(Instant::now()) {
             let trial = Attempt::new(self.pool.clone(), index, true);
-            if let Some(admission) = self.try_trial(state, trial, quota, cost).await {
+            if let Some(admission) = self.try_trial(state, trial, quota, cost, reserving).await {
                 return admission;
             }
         }
         let down = self.down_ids();
-        match state.assign(self.ask(&down, quota, cost)).await {
-            Ok(assignment) => Admission::of(assignment, |member| {
+        match assign(state, self.ask(&down, quota, cost), reserving).await {
+            Ok((assignment, entries)) => Admission::of(assignment, entries, |member| {
                 self.attempt_for(member, &Tried::default())
             }),
             Err(error) => Admission::StoreFailed {

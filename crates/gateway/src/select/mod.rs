@@ -26,9 +26,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
+use sluice_allocator::{Assign, Assignment, MemberUsage, Order, PoolMember, StateStore, Usage};
 use sluice_balancer::{Members, WeightedRoundRobin};
-use sluice_limiter::{Acquire, Outcome, StoreError};
+use sluice_limiter::{Acquire, EntryId, Outcome, Period, StoreError};
 
 use crate::config::{Config, Rules, Selection, UpstreamConfig, YamlPath};
 
@@ -52,6 +52,8 @@ pub(crate) enum Admission {
     Admitted {
         first: Option<Attempt>,
         quota: Option<Outcome>,
+        /// What settles the request, when admission reserved ([`Reserving`]).
+        entries: Entries,
     },
     /// The route's quota refused the request; nothing was charged or assigned.
     QuotaRefused(Outcome),
@@ -76,11 +78,16 @@ pub(crate) enum Admission {
 impl Admission {
     /// The store's answer for a request: `first` is the attempt for the member it chose (made
     /// by the caller, who knows the pool), used only when one was chosen.
-    fn of(assignment: Assignment, first: impl FnOnce(&str) -> Option<Attempt>) -> Admission {
+    fn of(
+        assignment: Assignment,
+        entries: Entries,
+        first: impl FnOnce(&str) -> Option<Attempt>,
+    ) -> Admission {
         match assignment {
             Assignment::Assigned { member, quota } => Admission::Admitted {
                 first: first(&member),
                 quota,
+                entries,
             },
             Assignment::NoMember { quota } => Admission::NoMember { quota },
             Assignment::QuotaRefused(outcome) => Admission::QuotaRefused(outcome),
@@ -117,6 +124,7 @@ pub(crate) trait Selector: Send + Sync {
         state: &dyn StateStore,
         quota: Option<Acquire<'_>>,
         cost: u64,
+        reserving: Option<Reserving<'_>>,
     ) -> Admission;
 
     /// The member of the next attempt, skipping those `tried`; `None` when none is left.
@@ -224,16 +232,24 @@ impl Rules for PolicyRules {
     }
 }
 
-/// Windows the config describes and the stores cannot keep yet: calendar windows, and windows
-/// counted in a usage unit. Refused rather than run as sliding request counts, which would
-/// admit what the config means to refuse.
+/// Windows the config describes and the gateway cannot meter yet: calendar windows and windows
+/// counted in a usage unit, except a route's own on a route with `quota.usage` (whose
+/// admission reserves and whose answers settle). Refused rather than run as sliding request
+/// counts, which would admit what the config means to refuse.
 fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
     let route_windows = config.routes.iter().enumerate().flat_map(|(i, r)| {
         let at = YamlPath::root().key("routes").index(i);
-        let own = r.quota.iter().flat_map(|q| &q.windows).enumerate().map({
-            let at = at.clone();
-            move |(j, w)| (at.clone().key("quota").key("windows").index(j), w)
-        });
+        let metered = r.quota.as_ref().is_some_and(|q| q.usage.is_some());
+        let own = r
+            .quota
+            .iter()
+            .filter(move |_| !metered)
+            .flat_map(|q| &q.windows)
+            .enumerate()
+            .map({
+                let at = at.clone();
+                move |(j, w)| (at.clone().key("quota").key("windows").index(j), w)
+            });
         let members = r
             .upstream
             .members
@@ -270,13 +286,13 @@ fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
         if w.calendar().is_some() {
             problems.push((
                 at.clone().key("window"),
-                "calendar windows are not enforced by this build yet; use a sliding window such as 30d".to_string(),
+                "calendar windows are enforced only in a route's own quota with usage units yet; use a sliding window such as 30d".to_string(),
             ));
         }
         if w.unit != crate::config::WindowUnit::Requests {
             problems.push((
                 at.key("unit"),
-                "windows in usage units are not enforced by this build yet; count requests"
+                "windows in usage units are enforced only in a route's own quota yet; count requests"
                     .to_string(),
             ));
         }
@@ -377,8 +393,9 @@ impl Policy {
         state: &dyn StateStore,
         quota: Option<Acquire<'_>>,
         cost: u64,
+        reserving: Option<Reserving<'_>>,
     ) -> Admission {
-        self.selector.admit(state, quota, cost).await
+        self.selector.admit(state, quota, cost, reserving).await
     }
 
     pub(crate) async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
@@ -398,7 +415,6 @@ pub(crate) struct Limits {
 
 impl Limits {
     /// The members of `pool` with no windows, and no cooldowns.
-    #[cfg(test)]
     pub(crate) fn plain(pool: &Members) -> Limits {
         Limits {
             members: pool
@@ -443,13 +459,21 @@ impl<P: InProcess + Send + Sync> Selector for P {
         state: &dyn StateStore,
         quota: Option<Acquire<'_>>,
         cost: u64,
+        reserving: Option<Reserving<'_>>,
     ) -> Admission {
-        match self.limits() {
+        let tried = Tried::default();
+        match (self.limits(), reserving) {
             // The member is chosen before the quota is charged, so that a request with
             // nowhere to go costs nothing.
-            None => charge(state, quota, self.pick(&Tried::default())).await,
-            Some(limits) => {
-                choose_in_order(self, state, limits, &Tried::default(), quota, cost).await
+            (None, None) => charge(state, quota, self.pick(&tried)).await,
+            // A reservation's entries come back only from an assignment: the store takes the
+            // first of the order, as it would pick in process, and reserves in the same step.
+            (None, Some(_)) => {
+                let plain = Limits::plain(self.pool());
+                choose_in_order(self, state, &plain, &tried, quota, cost, reserving).await
+            }
+            (Some(limits), _) => {
+                choose_in_order(self, state, limits, &tried, quota, cost, reserving).await
             }
         }
     }
@@ -457,7 +481,7 @@ impl<P: InProcess + Send + Sync> Selector for P {
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
         match self.limits() {
             None => self.pick(tried),
-            Some(limits) => choose_in_order(self, state, limits, tried, None, tried.cost)
+            Some(limits) => choose_in_order(self, state, limits, tried, None, tried.cost, None)
                 .await
                 .into_attempt(),
         }
@@ -476,6 +500,7 @@ async fn choose_in_order<P: InProcess + Sync>(
     tried: &Tried,
     quota: Option<Acquire<'_>>,
     cost: u64,
+    reserving: Option<Reserving<'_>>,
 ) -> Admission {
     let (order, trial) = policy.order(tried);
     if order.is_empty() {
@@ -490,6 +515,7 @@ async fn choose_in_order<P: InProcess + Sync>(
         trial,
         quota,
         cost,
+        reserving,
     )
     .await
 }
@@ -508,6 +534,7 @@ pub(crate) async fn choose_among(
     trial: Option<usize>,
     quota: Option<Acquire<'_>>,
     cost: u64,
+    reserving: Option<Reserving<'_>>,
 ) -> Admission {
     let claimed = trial.map(|i| Attempt::new(pool.clone(), i, true));
     // The attempt for the chosen member: the claimed trial if it is the one (any other
@@ -530,8 +557,8 @@ pub(crate) async fn choose_among(
         at_us: None,
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
-    match state.assign(ask).await {
-        Ok(assignment) => Admission::of(assignment, |member| {
+    match assign(state, ask, reserving).await {
+        Ok((assignment, entries)) => Admission::of(assignment, entries, |member| {
             index_of(member).and_then(|i| pick(i, claimed))
         }),
         // A full key table refuses: a member whose windows were not charged must not be sent
@@ -549,6 +576,78 @@ pub(crate) async fn choose_among(
             fallback: false,
         },
     }
+}
+
+/// What a request reserves in its route's windows when they count usage units or calendar
+/// periods: admission goes through [`StateStore::assign_reserve`], whose entries settle it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Reserving<'a> {
+    /// Per window of the route's quota, its amount (millionths of a unit, or a request's cost).
+    pub(crate) amounts: &'a [u64],
+    /// Per window, its period; empty when every window slides.
+    pub(crate) periods: &'a [Option<Period>],
+}
+
+/// The entries a reservation recorded, which the request's settlement rewrites.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Entries {
+    /// In the route's windows.
+    pub(crate) route: Option<EntryId>,
+    /// In the chosen member's own windows, with the member's id.
+    pub(crate) member: Option<(Arc<str>, EntryId)>,
+    /// In the calling client's own windows.
+    pub(crate) client: Option<EntryId>,
+}
+
+/// One assignment: [`StateStore::assign`], or with `reserving` [`StateStore::assign_reserve`],
+/// which charges the route's windows their amounts and the members' and client's own windows
+/// (in requests) the request's cost, and answers the entries that settle them.
+pub(crate) async fn assign(
+    state: &dyn StateStore,
+    ask: Assign<'_>,
+    reserving: Option<Reserving<'_>>,
+) -> Result<(Assignment, Entries), StoreError> {
+    let Some(r) = reserving else {
+        return Ok((state.assign(ask).await?, Entries::default()));
+    };
+    let member_amounts: Vec<Vec<u64>> = ask
+        .members
+        .iter()
+        .map(|m| vec![ask.cost; m.windows.len()])
+        .collect();
+    let members: Vec<MemberUsage<'_>> = member_amounts
+        .iter()
+        .map(|amounts| MemberUsage {
+            amounts,
+            periods: &[],
+        })
+        .collect();
+    let (client_cost, client_windows) = ask.quota.map_or((0, 0), |q| {
+        (q.cost, q.client.map_or(0, |c| c.windows.len()))
+    });
+    let client = vec![client_cost; client_windows];
+    let usage = Usage {
+        route: r.amounts,
+        route_periods: r.periods,
+        members: &members,
+        client: &client,
+        client_periods: &[],
+    };
+    let reserved = state.assign_reserve(ask, usage).await?;
+    let member = match (&reserved.assignment, reserved.member) {
+        (Assignment::Assigned { member, .. }, Some(entry)) => ask
+            .members
+            .iter()
+            .find(|m| *m.id == **member)
+            .map(|m| (m.id.clone(), entry)),
+        _ => None,
+    };
+    let entries = Entries {
+        route: reserved.route,
+        member,
+        client: reserved.client,
+    };
+    Ok((reserved.assignment, entries))
 }
 
 /// The round-robin schedule over `pool`. A table that keeps the previous table's member set
@@ -687,12 +786,14 @@ pub(crate) async fn charge(
         return Admission::Admitted {
             first: Some(first),
             quota: None,
+            entries: Entries::default(),
         };
     };
     match state.acquire(ask).await {
         Ok(outcome) if outcome.admitted => Admission::Admitted {
             first: Some(first),
             quota: Some(outcome),
+            entries: Entries::default(),
         },
         Ok(outcome) => Admission::QuotaRefused(outcome),
         Err(error) => Admission::StoreFailed {

@@ -200,6 +200,14 @@ impl Tunnels {
         });
         // The client's socket: one that hangs up while waiting for capacity leaves the line.
         let fd = Some(client.id());
+        // On a usage-metered route a tunnel reserves what a request without a body would.
+        let planned = quota.filter(|q| q.reserves()).map(|q| {
+            let reserved = q.usage.as_ref().map_or(Vec::new(), |u| {
+                let prefix = crate::usage::Prefix::unread(&head.headers);
+                u.reserve(&prefix.request(&head.headers))
+            });
+            super::meter::Planned::new(q, &reserved, cost)
+        });
         match decide(
             &*self.state,
             &self.metrics,
@@ -208,6 +216,7 @@ impl Tunnels {
             caller.as_deref(),
             cost,
             fd,
+            planned.as_ref(),
         )
         .await
         {
@@ -215,6 +224,9 @@ impl Tunnels {
                 first,
                 ratelimit,
                 fallback,
+                // A tunnel's answer cannot be read: its reservation stands, as for any
+                // answer whose amount is unknown.
+                entries: _,
             } => {
                 ctx.admitted(first, ratelimit, fallback, cost);
             }

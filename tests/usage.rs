@@ -1,0 +1,365 @@
+//! Usage-metered quotas end to end: the real `sluice` binary in front of the OpenAI stub, on
+//! both stores. Admission reserves in a window of tokens, the answer settles the request's own
+//! entry (a JSON body, the final usage chunk of a stream), an answer without usage leaves the
+//! reservation and is counted, a member's 429 settles to 0, and a full window refuses what
+//! does not fit until a settlement frees room. Totals are read from `/status`, which reads the
+//! store, never from timing.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sluice_echo::openai::OpenAiStub;
+use support::{request, url, wait_until_async, Backend, Config, Gateway, Route, Store};
+
+/// Millionths per token: windows in a unit hold millionths of it.
+const M: u64 = 1_000_000;
+
+/// The route's windows: tokens per minute and tokens per calendar day, both of `limit` tokens,
+/// reserving the request's `max_tokens` (default 100) and settling `usage.total_tokens`.
+async fn setup(store: &Store, limit: u64) -> (Gateway, OpenAiStub) {
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let base = Config::new()
+        .store(store)
+        .route(
+            Route::new("openai")
+                // The SDK's base URL names the gateway by its address.
+                .hosts(&["openai.test", "127.0.0.1"])
+                .member(url(stub.local_addr())),
+        )
+        .yaml();
+    let mut config: Value = serde_yaml::from_str(&base).unwrap();
+    let quota: Value = serde_yaml::from_str(&format!(
+        r#"
+windows:
+  - {{ name: tpm, limit: {limit}, window: 1m, unit: tokens }}
+  - {{ name: day, limit: {limit}, window: calendar_day, unit: tokens, tz: "Europe/Paris" }}
+usage:
+  tokens:
+    reserve: {{ json: "max_tokens", default: 100 }}
+    settle: {{ json: "usage.total_tokens" }}
+"#
+    ))
+    .unwrap();
+    config["routes"][0]["quota"] = quota;
+    let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
+    (gw, stub)
+}
+
+/// What the route's windows hold now, in millionths of a token, from `/status`.
+async fn held(gw: &Gateway) -> Vec<u64> {
+    let status = gw.status().await;
+    let route = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "openai")
+        .unwrap()
+        .clone();
+    route["quota"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            // A window in a unit holds, and shows, millionths of it.
+            let limit = w["limit"].as_u64().unwrap();
+            limit - w["remaining"].as_u64().unwrap_or(limit)
+        })
+        .collect()
+}
+
+/// Waits until both windows hold `tokens`, and says what they held last.
+async fn holds(gw: &Gateway, tokens: u64) -> Vec<u64> {
+    let mut last = Vec::new();
+    let ok = wait_until_async(Duration::from_secs(10), || {
+        let gw = &*gw;
+        async move { held(gw).await == vec![tokens * M; 2] }
+    })
+    .await;
+    if !ok {
+        last = held(gw).await;
+    }
+    assert!(ok, "the windows hold {last:?}, not {tokens} tokens each");
+    last
+}
+
+async fn chat(gw: &Gateway, body: &Value, headers: &[(&str, &str)]) -> support::Response {
+    let body = body.to_string();
+    let mut all = vec![("Content-Type", "application/json")];
+    all.extend_from_slice(headers);
+    request(
+        gw.proxy_addr(),
+        "POST",
+        "openai.test",
+        "/v1/chat/completions",
+        &all,
+        body.as_bytes(),
+    )
+    .await
+}
+
+async fn json_usage_settles_exactly(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    let body =
+        json!({"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]});
+    let plain = [
+        ("x-stub-prompt-tokens", "7"),
+        ("x-stub-completion-tokens", "30"),
+        ("Accept-Encoding", "identity"),
+    ];
+    let r = chat(&gw, &body, &plain).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    holds(&gw, 37).await;
+    // A gzip answer is read decompressed; the client gets it as sent.
+    let gzip = [
+        ("x-stub-prompt-tokens", "3"),
+        ("x-stub-completion-tokens", "10"),
+        ("Accept-Encoding", "gzip"),
+    ];
+    let r = chat(&gw, &body, &gzip).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-encoding"), Some("gzip"));
+    assert_eq!(
+        r.body,
+        stub.exchanges()[1].sent,
+        "the member's bytes, unchanged"
+    );
+    holds(&gw, 50).await;
+}
+
+async fn sse_final_usage_chunk_settles(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    let body = json!({"model": "m", "max_tokens": 80, "stream": true,
+        "stream_options": {"include_usage": true}, "messages": []});
+    let headers = [
+        ("x-stub-prompt-tokens", "12"),
+        ("x-stub-completion-tokens", "9"),
+        ("x-stub-chunks", "5"),
+    ];
+    let r = chat(&gw, &body, &headers).await;
+    assert_eq!(r.status, 200);
+    let sent = stub.exchanges()[0].clone();
+    assert!(sent.content_encoding.is_none());
+    assert_eq!(
+        r.body, sent.sent,
+        "the stream reaches the client byte for byte"
+    );
+    holds(&gw, 21).await;
+}
+
+async fn a_stream_without_usage_leaves_its_reservation(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, _stub) = setup(&store, 1000).await;
+    let body = json!({"model": "m", "max_tokens": 60, "stream": true, "messages": []});
+    let r = chat(&gw, &body, &[("x-stub-completion-tokens", "5")]).await;
+    assert_eq!(r.status, 200);
+    let labels = [("route", "openai"), ("reason", "no_usage")];
+    let counted = wait_until_async(Duration::from_secs(10), || async {
+        gw.metric("sluice_usage_unsettled_total", &labels).await == Some(1.0)
+    })
+    .await;
+    assert!(counted, "{}", gw.metrics().await);
+    holds(&gw, 60).await;
+}
+
+async fn a_member_429_settles_to_zero(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    // Held before its head, so the reservation can be seen standing first.
+    stub.hold();
+    let addr = gw.proxy_addr();
+    let body = json!({"model": "m", "max_tokens": 70, "messages": []}).to_string();
+    let task = tokio::spawn(async move {
+        request(
+            addr,
+            "POST",
+            "openai.test",
+            "/v1/chat/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("x-stub-status", "429"),
+            ],
+            body.as_bytes(),
+        )
+        .await
+    });
+    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    holds(&gw, 70).await;
+    stub.release();
+    let r = task.await.unwrap();
+    assert_eq!(r.status, 429);
+    holds(&gw, 0).await;
+}
+
+async fn a_full_window_refuses_until_a_settlement_frees_room(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 100).await;
+    stub.hold();
+    let addr = gw.proxy_addr();
+    let big = json!({"model": "m", "max_tokens": 80, "messages": []}).to_string();
+    let first = big.clone();
+    let task = tokio::spawn(async move {
+        request(
+            addr,
+            "POST",
+            "openai.test",
+            "/v1/chat/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("x-stub-prompt-tokens", "4"),
+                ("x-stub-completion-tokens", "6"),
+                ("Accept-Encoding", "identity"),
+            ],
+            first.as_bytes(),
+        )
+        .await
+    });
+    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    // 80 reserved of 100: another 80 does not fit.
+    let refused = chat(&gw, &serde_json::from_str(&big).unwrap(), &[]).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(
+        stub.exchanges().len(),
+        1,
+        "only the held request reached the member"
+    );
+    stub.release();
+    assert_eq!(task.await.unwrap().status, 200);
+    // Settled to 10: room for 80 again.
+    holds(&gw, 10).await;
+    let admitted = chat(
+        &gw,
+        &serde_json::from_str(&big).unwrap(),
+        &[
+            ("x-stub-prompt-tokens", "1"),
+            ("x-stub-completion-tokens", "1"),
+        ],
+    )
+    .await;
+    assert_eq!(admitted.status, 200, "{}", admitted.text());
+    holds(&gw, 12).await;
+}
+
+async fn the_body_reaches_the_member_byte_exact(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    // Odd spacing, key order and escapes: the member gets these bytes, not a re-encoding.
+    let body = b"{ \"max_tokens\" :20,\"model\":\"m\",  \"messages\":[{\"content\":\"\\u00e9t\\u00e9\"}]}\n";
+    let r = request(
+        gw.proxy_addr(),
+        "POST",
+        "openai.test",
+        "/v1/chat/completions",
+        &[
+            ("Content-Type", "application/json"),
+            ("x-stub-prompt-tokens", "2"),
+            ("x-stub-completion-tokens", "3"),
+        ],
+        body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(stub.exchanges()[0].body, body.to_vec());
+    holds(&gw, 5).await;
+}
+
+async fn a_settlement_past_the_limit_is_recorded_and_counted(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, _stub) = setup(&store, 100).await;
+    let body = json!({"model": "m", "max_tokens": 10, "messages": []});
+    let used = [
+        ("x-stub-prompt-tokens", "50"),
+        ("x-stub-completion-tokens", "100"),
+    ];
+    assert_eq!(chat(&gw, &body, &used).await.status, 200);
+    // 10 reserved, 150 used: recorded as used, past the limit, so nothing remains.
+    holds(&gw, 100).await;
+    let labels = [("route", "openai")];
+    assert_eq!(
+        gw.metric("sluice_usage_overrun_total", &labels).await,
+        Some(1.0)
+    );
+    let refused = chat(&gw, &json!({"max_tokens": 1}), &[]).await;
+    assert_eq!(
+        refused.status, 429,
+        "a window past its limit admits nothing"
+    );
+}
+
+/// One chat completion by the real openai SDK (tests/python/openai_chat.py) through `gw`.
+async fn sdk_chat(gw: &Gateway, spec: Value) -> Value {
+    let python = support::test_python().expect("checked by the caller");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/python/openai_chat.py"
+    );
+    let base_url = format!("http://{}/v1", gw.proxy_addr());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args([script, &base_url, &spec.to_string()])
+            .env("NO_PROXY", "*")
+            .env_remove("HTTP_PROXY")
+            .env_remove("http_proxy")
+            .env_remove("ALL_PROXY")
+            .env_remove("all_proxy")
+            .output()
+            .expect("run the venv's python")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON line")
+}
+
+async fn the_openai_sdk_settles_from_gzip_streams_and_bodies(backend: Backend) {
+    if support::test_python().is_none() {
+        return;
+    }
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 10_000).await;
+    // The SDK asks for gzip: the stream is read decompressed and reaches it as sent.
+    let headers = json!({"x-stub-prompt-tokens": "1200", "x-stub-completion-tokens": "345", "x-stub-chunks": "40"});
+    let out = sdk_chat(
+        &gw,
+        json!({"stream": true, "include_usage": true, "headers": headers}),
+    )
+    .await;
+    assert_eq!(out["error"], Value::Null, "{out}");
+    let exchange = stub.exchanges()[0].clone();
+    assert_eq!(exchange.content_encoding.as_deref(), Some("gzip"));
+    assert_eq!(
+        hex::decode(out["raw"].as_str().unwrap()).unwrap(),
+        exchange.sent
+    );
+    assert_eq!(out["usage"]["total_tokens"], 1545);
+    holds(&gw, 1545).await;
+    let headers = json!({"x-stub-prompt-tokens": "5"});
+    let out = sdk_chat(&gw, json!({"max_tokens": 77, "headers": headers})).await;
+    assert_eq!(out["error"], Value::Null, "{out}");
+    assert_eq!(
+        stub.exchanges()[1].content_encoding.as_deref(),
+        Some("gzip")
+    );
+    holds(&gw, 1545 + 82).await;
+}
+
+on_both_stores!(
+    a_settlement_past_the_limit_is_recorded_and_counted,
+    the_openai_sdk_settles_from_gzip_streams_and_bodies,
+    json_usage_settles_exactly,
+    sse_final_usage_chunk_settles,
+    a_stream_without_usage_leaves_its_reservation,
+    a_member_429_settles_to_zero,
+    a_full_window_refuses_until_a_settlement_frees_room,
+    the_body_reaches_the_member_byte_exact,
+);
