@@ -933,7 +933,10 @@ routes:
     assert_eq!(route.upstream.members[0].url.url, "http://a.test:9001");
     let window = &route.quota.as_ref().unwrap().windows[0];
     assert_eq!(window.limit.get(), 60);
-    assert_eq!(window.window.sliding(), Some(std::time::Duration::from_secs(60)));
+    assert_eq!(
+        window.window.sliding(),
+        Some(std::time::Duration::from_secs(60))
+    );
 }
 
 #[test]

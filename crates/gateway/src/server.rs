@@ -177,10 +177,13 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     // certificate and the client CA are read here, once: a new one takes a restart.
     for listener in &config.listen {
         if let Some(tls) = &listener.tls {
-            let client = tls.client_ca.as_deref().map(|ca| crate::listen_tls::ClientAuth {
-                ca,
-                required: tls.client_cert == crate::config::ClientCertMode::Required,
-            });
+            let client = tls
+                .client_ca
+                .as_deref()
+                .map(|ca| crate::listen_tls::ClientAuth {
+                    ca,
+                    required: tls.client_cert == crate::config::ClientCertMode::Required,
+                });
             let settings = crate::listen_tls::settings(&tls.cert, &tls.key, client)
                 .map_err(|e| format!("cannot listen on {} with TLS: {e}", listener.addr))?;
             app = app.with_tls(listener.addr, settings);
