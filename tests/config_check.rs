@@ -186,9 +186,10 @@ fn version_is_printed() {
 }
 
 #[test]
-fn usage_metered_windows_are_checked_and_member_windows_in_units_refused_until_metered() {
-    // The contract's example: a route's own windows in units and calendar periods pass; a
-    // member's window in a unit is refused, rather than counted as sliding requests.
+fn usage_metered_windows_are_checked_and_member_calendar_windows_refused_until_metered() {
+    // The contract's example: a route's own windows in units and calendar periods pass, and a
+    // member's window in a unit; a member's calendar window is refused, rather than counted as
+    // a sliding one.
     let yaml = r#"routes:
   - name: openai
     upstream: { members: [{ url: "http://127.0.0.1:9001" }] }
@@ -210,13 +211,13 @@ fn usage_metered_windows_are_checked_and_member_windows_in_units_refused_until_m
     assert_eq!(code, 0, "{stdout}{stderr}");
     let member = yaml.replace(
         r#"members: [{ url: "http://127.0.0.1:9001" }]"#,
-        r#"members: [{ url: "http://127.0.0.1:9001", quota: { windows: [{ name: k, limit: 9, window: 1m, unit: tokens }] } }]"#,
+        r#"members: [{ url: "http://127.0.0.1:9001", quota: { windows: [{ name: k, limit: 9, window: 1m, unit: tokens }, { name: d, limit: 9, window: calendar_day }] } }]"#,
     );
     let (code, _, stderr, file) = check(&member);
     assert_eq!(code, 1, "{stderr}");
     assert_eq!(
         stderr,
-        format!("{file}:3:117: routes[0].upstream.members[0].quota.windows[0].unit: windows in usage units are enforced only in a route's own quota yet; count requests\n"),
+        format!("{file}:3:156: routes[0].upstream.members[0].quota.windows[1].window: calendar windows are enforced only in a route's own quota with usage units yet; use a sliding window such as 30d\n"),
     );
     // Mistakes in the units are placed like any other.
     let (code, _, stderr, file) = check(&yaml.replace("unit: usd,", "unit: eur,"));

@@ -353,7 +353,92 @@ async fn the_openai_sdk_settles_from_gzip_streams_and_bodies(backend: Backend) {
     holds(&gw, 1545 + 82).await;
 }
 
+/// What each member's own window holds now, in millionths of a token, from `/status`.
+async fn members_hold(gw: &Gateway) -> Vec<u64> {
+    let status = gw.status().await;
+    status["routes"][0]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let w = &m["quota"][0];
+            let limit = w["limit"].as_u64().unwrap();
+            limit - w["remaining"].as_u64().unwrap_or(limit)
+        })
+        .collect()
+}
+
+async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Backend) {
+    let store = Store::start(backend);
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let member = url(stub.local_addr());
+    let base = Config::new()
+        .store(&store)
+        .route(
+            Route::new("openai")
+                .hosts(&["openai.test"])
+                .least_used()
+                .key_member(support::KeyMember::new(member.clone(), "key-a"))
+                .key_member(support::KeyMember::new(member, "key-b")),
+        )
+        .yaml();
+    let mut config: Value = serde_yaml::from_str(&base).unwrap();
+    let tpm: Value =
+        serde_yaml::from_str("windows: [{ name: tpm, limit: 100, window: 1m, unit: tokens }]")
+            .unwrap();
+    for m in 0..2 {
+        config["routes"][0]["upstream"]["members"][m]["quota"] = tpm.clone();
+    }
+    config["routes"][0]["quota"] = serde_yaml::from_str(
+        "usage: { tokens: { reserve: { json: max_tokens, default: 100 }, settle: { json: usage.total_tokens } } }",
+    )
+    .unwrap();
+    let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
+
+    stub.hold();
+    let big = json!({"model": "m", "max_tokens": 80, "messages": []}).to_string();
+    let used = [
+        ("Content-Type", "application/json"),
+        ("x-stub-prompt-tokens", "4"),
+        ("x-stub-completion-tokens", "6"),
+    ];
+    let mut held = Vec::new();
+    for n in 1..=2 {
+        let (addr, body) = (gw.proxy_addr(), big.clone());
+        held.push(tokio::spawn(async move {
+            request(
+                addr,
+                "POST",
+                "openai.test",
+                "/v1/chat/completions",
+                &used,
+                body.as_bytes(),
+            )
+            .await
+        }));
+        assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == n }).await);
+    }
+    // Each key holds one reservation of 80 of its 100: a third does not fit either.
+    assert_eq!(members_hold(&gw).await, vec![80 * M, 80 * M]);
+    let refused = chat(&gw, &serde_json::from_str(&big).unwrap(), &[]).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    stub.release();
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let settled = wait_until_async(Duration::from_secs(10), || async {
+        members_hold(&gw).await == vec![10 * M, 10 * M]
+    })
+    .await;
+    assert!(settled, "{:?}", members_hold(&gw).await);
+    let admitted = chat(&gw, &serde_json::from_str(&big).unwrap(), &used[1..]).await;
+    assert_eq!(admitted.status, 200, "{}", admitted.text());
+}
+
 on_both_stores!(
+    members_windows_in_tokens_pick_a_key_with_room_and_settle,
     a_settlement_past_the_limit_is_recorded_and_counted,
     the_openai_sdk_settles_from_gzip_streams_and_bodies,
     json_usage_settles_exactly,

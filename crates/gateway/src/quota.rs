@@ -213,6 +213,20 @@ impl RouteQuota {
             .collect()
     }
 
+    /// Per window of `windows` (a member's own, as configured), the index of its unit in
+    /// [`RouteQuota::usage`], or `None` for a window of requests.
+    pub fn units_of(&self, windows: &[crate::config::WindowConfig]) -> Vec<Option<usize>> {
+        windows
+            .iter()
+            .map(|w| match (&w.unit, &self.usage) {
+                (crate::config::WindowUnit::Named(name), Some(usage)) => {
+                    usage.units.iter().position(|u| u.name == name.0)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Builds the quota of `route` from its config.
     pub fn build(route: &str, q: &QuotaConfig, metrics: &Metrics) -> RouteQuota {
         let windows: Vec<Window> = q.windows.iter().map(window_of).collect();

@@ -154,7 +154,7 @@ pub(crate) async fn admit(
         .quota
         .as_deref()
         .filter(|q| q.reserves())
-        .map(|q| Planned::new(q, &ctx.reserved, cost));
+        .map(|q| Planned::new(&route, q, &ctx.reserved, cost));
     let verdict = decide(
         &*gateway.state,
         &gateway.metrics,

@@ -18,12 +18,32 @@ pub(crate) struct Planned {
     pub(crate) periods: Vec<Option<Period>>,
     /// Per window, its amount: millionths of its unit, or the request's cost.
     pub(crate) amounts: Vec<u64>,
+    /// Per member of the route (in pool order), per window of its own, its amount.
+    pub(crate) members: Vec<Vec<u64>>,
+    /// Per member, per window of its own, the index of its unit (`None`: requests).
+    member_units: Vec<Vec<Option<usize>>>,
 }
 
 impl Planned {
     /// The reservation of a request whose units reserve `reserved` and whose cost is `cost`,
     /// in the periods that hold now.
-    pub(crate) fn new(quota: &RouteQuota, reserved: &[Millionths], cost: u64) -> Planned {
+    pub(crate) fn new(
+        route: &crate::table::Route,
+        quota: &RouteQuota,
+        reserved: &[Millionths],
+        cost: u64,
+    ) -> Planned {
+        let member_units: Vec<Vec<Option<usize>>> = route
+            .config
+            .upstream
+            .members
+            .iter()
+            .map(|m| quota.units_of(m.quota.as_ref().map_or(&[][..], |q| &q.windows[..])))
+            .collect();
+        let members = member_units
+            .iter()
+            .map(|units| amounts_of(units, reserved, cost))
+            .collect();
         let now_us = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
@@ -32,6 +52,8 @@ impl Planned {
             windows,
             periods,
             amounts: quota.amounts(reserved, cost),
+            members,
+            member_units,
         }
     }
 
@@ -40,8 +62,17 @@ impl Planned {
         Reserving {
             amounts: &self.amounts,
             periods: &self.periods,
+            members: &self.members,
         }
     }
+}
+
+/// Per window, its unit's amount, or `cost` for a window of requests.
+fn amounts_of(units: &[Option<usize>], amounts: &[Millionths], cost: u64) -> Vec<u64> {
+    units
+        .iter()
+        .map(|u| u.map_or(cost, |i| amounts.get(i).map_or(0, |m| m.0)))
+        .collect()
 }
 
 /// An admitted request's reservation, kept on its context until its answer ends.
@@ -121,12 +152,7 @@ impl Meter {
                 })
                 .collect(),
         };
-        let route_settled: Vec<u64> = quota
-            .units
-            .iter()
-            .zip(&self.planned.amounts)
-            .map(|(unit, &amount)| unit.map_or(amount, |u| settled.get(u).map_or(amount, |m| m.0)))
-            .collect();
+        let route_settled = amounts_of(&quota.units, &settled, self.cost);
         let mut settlements = Vec::with_capacity(3);
         if let Some(entry) = self.entries.route {
             settlements.push(Settle {
@@ -139,21 +165,31 @@ impl Meter {
                 owner: Owner::Route,
             });
         }
-        // The member's and the client's own windows count requests: their entries keep the
-        // cost, and settling them closes the reservation they were recorded as.
-        let member = self
-            .entries
-            .member
-            .as_ref()
-            .and_then(|(id, entry)| Some((members.iter().find(|m| m.name == *id)?, *entry)));
-        let member_costs = member.map_or(Vec::new(), |(m, _)| vec![self.cost; m.windows.len()]);
-        if let Some((m, entry)) = member {
+        // The chosen member's own windows settle like the route's; the client's count
+        // requests: its entry keeps the cost, and settling it closes the reservation.
+        let member = self.entries.member.as_ref().and_then(|(id, entry)| {
+            let i = members.iter().position(|m| m.name == *id)?;
+            Some((&members[i], i, *entry))
+        });
+        let no_units = Vec::new();
+        let (member_reserved, member_settled) = match member {
+            Some((_, i, _)) => (
+                self.planned.members.get(i).cloned().unwrap_or_default(),
+                amounts_of(
+                    self.planned.member_units.get(i).unwrap_or(&no_units),
+                    &settled,
+                    self.cost,
+                ),
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        if let Some((m, _, entry)) = member {
             settlements.push(Settle {
                 key: &m.name,
                 windows: &m.windows,
                 entry,
-                reserved: &member_costs,
-                settled: &member_costs,
+                reserved: &member_reserved,
+                settled: &member_settled,
                 periods: &[],
                 owner: Owner::Member,
             });

@@ -233,23 +233,22 @@ impl Rules for PolicyRules {
 }
 
 /// Windows the config describes and the gateway cannot meter yet: calendar windows and windows
-/// counted in a usage unit, except a route's own on a route with `quota.usage` (whose
-/// admission reserves and whose answers settle). Refused rather than run as sliding request
-/// counts, which would admit what the config means to refuse.
+/// counted in a usage unit, except on a route with `quota.usage` (whose admission reserves and
+/// whose answers settle) its own windows, and its members' windows in units (sliding). Refused
+/// rather than run as sliding request counts, which would admit what the config means to
+/// refuse.
 fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
+    // Each window with whether the gateway meters it in a unit, and in a calendar period.
     let route_windows = config.routes.iter().enumerate().flat_map(|(i, r)| {
         let at = YamlPath::root().key("routes").index(i);
         let metered = r.quota.as_ref().is_some_and(|q| q.usage.is_some());
-        let own = r
-            .quota
-            .iter()
-            .filter(move |_| !metered)
-            .flat_map(|q| &q.windows)
-            .enumerate()
-            .map({
-                let at = at.clone();
-                move |(j, w)| (at.clone().key("quota").key("windows").index(j), w)
-            });
+        let own = r.quota.iter().flat_map(|q| &q.windows).enumerate().map({
+            let at = at.clone();
+            move |(j, w)| {
+                let at = at.clone().key("quota").key("windows").index(j);
+                (at, w, metered, metered)
+            }
+        });
         let members = r
             .upstream
             .members
@@ -262,7 +261,10 @@ fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
                     .iter()
                     .flat_map(|q| &q.windows)
                     .enumerate()
-                    .map(move |(j, w)| (at.clone().key("quota").key("windows").index(j), w))
+                    .map(move |(j, w)| {
+                        let at = at.clone().key("quota").key("windows").index(j);
+                        (at, w, metered, false)
+                    })
             });
         own.chain(members)
     });
@@ -278,21 +280,21 @@ fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
                 .enumerate()
                 .map(move |(j, w)| {
                     let at = YamlPath::root().key("clients").key("list").index(c);
-                    (at.key("quota").key("windows").index(j), w)
+                    (at.key("quota").key("windows").index(j), w, false, false)
                 })
         });
     let mut problems = Vec::new();
-    for (at, w) in route_windows.chain(client_windows) {
-        if w.calendar().is_some() {
+    for (at, w, units, calendar) in route_windows.chain(client_windows) {
+        if w.calendar().is_some() && !calendar {
             problems.push((
                 at.clone().key("window"),
                 "calendar windows are enforced only in a route's own quota with usage units yet; use a sliding window such as 30d".to_string(),
             ));
         }
-        if w.unit != crate::config::WindowUnit::Requests {
+        if w.unit != crate::config::WindowUnit::Requests && !units {
             problems.push((
                 at.key("unit"),
-                "windows in usage units are enforced only in a route's own quota yet; count requests"
+                "windows in usage units are enforced only in a route's own quota and its members' yet; count requests"
                     .to_string(),
             ));
         }
@@ -586,6 +588,8 @@ pub(crate) struct Reserving<'a> {
     pub(crate) amounts: &'a [u64],
     /// Per window, its period; empty when every window slides.
     pub(crate) periods: &'a [Option<Period>],
+    /// Per member of the route, in pool order, per window of its own, its amount.
+    pub(crate) members: &'a [Vec<u64>],
 }
 
 /// The entries a reservation recorded, which the request's settlement rewrites.
@@ -600,8 +604,8 @@ pub(crate) struct Entries {
 }
 
 /// One assignment: [`StateStore::assign`], or with `reserving` [`StateStore::assign_reserve`],
-/// which charges the route's windows their amounts and the members' and client's own windows
-/// (in requests) the request's cost, and answers the entries that settle them.
+/// which charges the route's windows and the members' their amounts and the client's own
+/// windows (in requests) the request's cost, and answers the entries that settle them.
 pub(crate) async fn assign(
     state: &dyn StateStore,
     ask: Assign<'_>,
@@ -610,10 +614,16 @@ pub(crate) async fn assign(
     let Some(r) = reserving else {
         return Ok((state.assign(ask).await?, Entries::default()));
     };
+    // A member's planned amounts when they match its windows; else its windows count
+    // requests and take the cost.
     let member_amounts: Vec<Vec<u64>> = ask
         .members
         .iter()
-        .map(|m| vec![ask.cost; m.windows.len()])
+        .enumerate()
+        .map(|(i, m)| match r.members.get(i) {
+            Some(a) if a.len() == m.windows.len() => a.clone(),
+            _ => vec![ask.cost; m.windows.len()],
+        })
         .collect();
     let members: Vec<MemberUsage<'_>> = member_amounts
         .iter()

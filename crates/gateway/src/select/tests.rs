@@ -198,7 +198,7 @@ fn windows_the_gateway_cannot_meter_yet_are_refused() {
     one_error(
         "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      routes: [\"*\"]\n      quota: { windows: [{ name: d, limit: 9, window: 1d, unit: tokens }] }\nroutes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n",
         "6:65: clients.list[0].quota.windows[0].unit",
-        "windows in usage units are enforced only in a route's own quota yet",
+        "windows in usage units are enforced only in a route's own quota and its members' yet",
     );
     // A route's own windows in units and calendar periods are metered.
     let yaml = "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }, { name: m, limit: 9, window: calendar_month }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n";

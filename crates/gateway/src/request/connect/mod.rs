@@ -206,7 +206,7 @@ impl Tunnels {
                 let prefix = crate::usage::Prefix::unread(&head.headers);
                 u.reserve(&prefix.request(&head.headers))
             });
-            super::meter::Planned::new(q, &reserved, cost)
+            super::meter::Planned::new(&route, q, &reserved, cost)
         });
         match decide(
             &*self.state,
