@@ -13,9 +13,6 @@ use serde_json::{json, Value};
 use sluice_echo::openai::OpenAiStub;
 use support::{request, url, wait_until_async, Backend, Config, Gateway, Route, Store};
 
-/// Millionths per token: windows in a unit hold millionths of it.
-const M: u64 = 1_000_000;
-
 /// The route's windows: tokens per minute and tokens per calendar day, both of `limit` tokens,
 /// reserving the request's `max_tokens` (default 100) and settling `usage.total_tokens`.
 async fn setup(store: &Store, limit: u64) -> (Gateway, OpenAiStub) {
@@ -49,7 +46,7 @@ usage:
     (gw, stub)
 }
 
-/// What the route's windows hold now, in millionths of a token, from `/status`.
+/// What the route's windows hold now, in tokens, from `/status`.
 async fn held(gw: &Gateway) -> Vec<u64> {
     let status = gw.status().await;
     let route = status["routes"]
@@ -64,7 +61,8 @@ async fn held(gw: &Gateway) -> Vec<u64> {
         .unwrap()
         .iter()
         .map(|w| {
-            // A window in a unit holds, and shows, millionths of it.
+            // The store keeps millionths of a token; `/status` shows tokens.
+            assert_eq!(w["unit"], "tokens", "{w}");
             let limit = w["limit"].as_u64().unwrap();
             limit - w["remaining"].as_u64().unwrap_or(limit)
         })
@@ -76,7 +74,7 @@ async fn holds(gw: &Gateway, tokens: u64) -> Vec<u64> {
     let mut last = Vec::new();
     let ok = wait_until_async(Duration::from_secs(10), || {
         let gw = &*gw;
-        async move { held(gw).await == vec![tokens * M; 2] }
+        async move { held(gw).await == vec![tokens; 2] }
     })
     .await;
     if !ok {
@@ -353,7 +351,7 @@ async fn the_openai_sdk_settles_from_gzip_streams_and_bodies(backend: Backend) {
     holds(&gw, 1545 + 82).await;
 }
 
-/// What each member's own window holds now, in millionths of a token, from `/status`.
+/// What each member's own window holds now, in tokens, from `/status`.
 async fn members_hold(gw: &Gateway) -> Vec<u64> {
     let status = gw.status().await;
     status["routes"][0]["members"]
@@ -362,6 +360,7 @@ async fn members_hold(gw: &Gateway) -> Vec<u64> {
         .iter()
         .map(|m| {
             let w = &m["quota"][0];
+            assert_eq!(w["unit"], "tokens", "{w}");
             let limit = w["limit"].as_u64().unwrap();
             limit - w["remaining"].as_u64().unwrap_or(limit)
         })
@@ -421,7 +420,7 @@ async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Back
         assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == n }).await);
     }
     // Each key holds one reservation of 80 of its 100: a third does not fit either.
-    assert_eq!(members_hold(&gw).await, vec![80 * M, 80 * M]);
+    assert_eq!(members_hold(&gw).await, vec![80, 80]);
     let refused = chat(&gw, &serde_json::from_str(&big).unwrap(), &[]).await;
     assert_eq!(refused.status, 429, "{}", refused.text());
     stub.release();
@@ -429,7 +428,7 @@ async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Back
         assert_eq!(h.await.unwrap().status, 200);
     }
     let settled = wait_until_async(Duration::from_secs(10), || async {
-        members_hold(&gw).await == vec![10 * M, 10 * M]
+        members_hold(&gw).await == vec![10, 10]
     })
     .await;
     assert!(settled, "{:?}", members_hold(&gw).await);
@@ -437,7 +436,76 @@ async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Back
     assert_eq!(admitted.status, 200, "{}", admitted.text());
 }
 
+/// The `r` of a `RateLimit` item, and the policy's `q` of the window it names.
+fn ratelimit(r: &support::Response) -> (String, u64, u64) {
+    let item = r.header("ratelimit").expect("a RateLimit header");
+    let list: sfv::List = sfv::Parser::new(item.as_bytes()).parse().unwrap();
+    let sfv::ListEntry::Item(item) = &list[0] else {
+        panic!("an item: {list:?}");
+    };
+    let name = item.bare_item.as_string().unwrap().as_str().to_owned();
+    let param = |item: &sfv::Item, p: &str| {
+        item.params
+            .iter()
+            .find(|(k, _)| k.as_str() == p)
+            .and_then(|(_, v)| v.as_integer())
+            .map(|v| u64::try_from(i64::from(v)).unwrap())
+            .unwrap()
+    };
+    let remaining = param(item, "r");
+    let policy = r
+        .header("ratelimit-policy")
+        .expect("a RateLimit-Policy header");
+    let policies: sfv::List = sfv::Parser::new(policy.as_bytes()).parse().unwrap();
+    let limit = policies
+        .iter()
+        .find_map(|e| match e {
+            sfv::ListEntry::Item(p)
+                if p.bare_item.as_string().map(|s| s.as_str()) == Some(&name) =>
+            {
+                Some(param(p, "q"))
+            }
+            _ => None,
+        })
+        .expect("the item's window in the policy");
+    (name, remaining, limit)
+}
+
+/// After a settlement, the `RateLimit` headers and `/status` report a window of tokens in
+/// tokens (SPEC §10), not in the millionths the store keeps.
+async fn ratelimit_and_status_report_tokens(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, _stub) = setup(&store, 1000).await;
+    let body =
+        json!({"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]});
+    let used = [
+        ("x-stub-prompt-tokens", "7"),
+        ("x-stub-completion-tokens", "30"),
+        ("Accept-Encoding", "identity"),
+    ];
+    let first = chat(&gw, &body, &used).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    // Admitted with 50 reserved of 1000.
+    assert_eq!(ratelimit(&first), ("tpm".to_owned(), 950, 1000));
+    holds(&gw, 37).await;
+    // Settled to 37; the next request reserves 50 beside them: 913 tokens remain.
+    let second = chat(&gw, &body, &used).await;
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(ratelimit(&second), ("tpm".to_owned(), 913, 1000));
+    holds(&gw, 74).await;
+    let status = gw.status().await;
+    let windows = status["routes"][0]["quota"].as_array().unwrap().clone();
+    assert_eq!(windows.len(), 2, "{windows:?}");
+    for (w, name) in windows.iter().zip(["tpm", "day"]) {
+        assert_eq!(w["name"], name);
+        assert_eq!(w["unit"], "tokens", "{w}");
+        assert_eq!(w["limit"], 1000, "{w}");
+        assert_eq!(w["remaining"], 926, "{w}");
+    }
+}
+
 on_both_stores!(
+    ratelimit_and_status_report_tokens,
     members_windows_in_tokens_pick_a_key_with_room_and_settle,
     a_settlement_past_the_limit_is_recorded_and_counted,
     the_openai_sdk_settles_from_gzip_streams_and_bodies,

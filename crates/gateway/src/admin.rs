@@ -152,7 +152,8 @@ impl AdminApi {
                         member["cooling_ms"] = us.div_ceil(1000).into();
                     }
                     if !proxied.windows.is_empty() {
-                        member["quota"] = windows_json(proxied.windows.iter(), left).into();
+                        member["quota"] =
+                            windows_json(proxied.windows.iter(), &proxied.units, left).into();
                     }
                     if r.policy.counts() {
                         member["assignments"] = counts
@@ -165,7 +166,11 @@ impl AdminApi {
                     member
                 })
                 .collect();
-            let quota = windows_json(r.quota.iter().flat_map(|q| &q.windows), &remaining);
+            let quota = windows_json(
+                r.quota.iter().flat_map(|q| &q.windows),
+                r.quota.as_deref().map_or(&[][..], |q| &q.unit_names),
+                &remaining,
+            );
             routes.push(json!({
                 "name": &*r.name,
                 "selection": r.policy.name(),
@@ -312,7 +317,7 @@ fn clients_json(
             let mut e = entry(&c.name);
             e["routes"] = routes.into();
             if !c.windows.is_empty() {
-                e["quota"] = windows_json(c.windows.iter(), left).into();
+                e["quota"] = windows_json(c.windows.iter(), &[], left).into();
             }
             e
         })
@@ -331,18 +336,27 @@ fn clients_json(
     })
 }
 
-/// Quota windows for `/status`, each with what is left of it when `remaining` is known.
+/// Quota windows for `/status`, each with what is left of it when `remaining` is known. A
+/// window in a usage unit (`units`; a window past its end is one of requests) names it, and its
+/// limit and what remains are in that unit, what remains rounded down
+/// ([`crate::quota::in_own_unit`]); a window of requests is as it always was.
 fn windows_json<'a>(
     windows: impl Iterator<Item = &'a sluice_limiter::Window>,
+    units: &[crate::quota::UnitName],
     remaining: &Option<Vec<u64>>,
 ) -> Vec<serde_json::Value> {
     windows
         .enumerate()
         .map(|(i, w)| {
+            let unit = units.get(i).unwrap_or(&None);
+            let limit = crate::quota::in_own_unit(w.limit, unit);
             let mut window =
-                json!({"name": &*w.name, "limit": w.limit, "window_ms": w.length_us / 1000});
+                json!({"name": &*w.name, "limit": limit, "window_ms": w.length_us / 1000});
+            if let Some(name) = unit {
+                window["unit"] = (**name).into();
+            }
             if let Some(left) = remaining.as_ref().and_then(|v| v.get(i)) {
-                window["remaining"] = (*left).into();
+                window["remaining"] = crate::quota::in_own_unit(*left, unit).into();
             }
             window
         })

@@ -36,6 +36,31 @@ pub struct RouteQuota {
     pub units: Vec<Option<usize>>,
     /// Per window, its calendar when it is a fixed window.
     pub calendars: Vec<Option<sluice_limiter::calendar::Calendar>>,
+    /// Per window, the unit it is reported in ([`unit_of`]).
+    pub unit_names: Vec<UnitName>,
+}
+
+/// The usage unit a window counts, by name, or `None` for a window of requests. The store
+/// keeps a usage unit in millionths; `/status` and the `RateLimit` headers report it whole
+/// ([`in_own_unit`]).
+pub type UnitName = Option<std::sync::Arc<str>>;
+
+/// The unit of a configured window, as `/status` and the `RateLimit` headers name it.
+pub(crate) fn unit_of(w: &crate::config::WindowConfig) -> UnitName {
+    match &w.unit {
+        crate::config::WindowUnit::Requests => None,
+        crate::config::WindowUnit::Named(name) => Some(std::sync::Arc::from(&*name.0)),
+    }
+}
+
+/// An amount the store keeps for a window (a limit, what remains), in the window's own unit:
+/// requests as they are, a usage unit's millionths rounded down to whole units, so that a
+/// client is never told of more room than there is.
+pub(crate) fn in_own_unit(amount: u64, unit: &UnitName) -> u64 {
+    match unit {
+        None => amount,
+        Some(_) => amount / 1_000_000,
+    }
 }
 
 /// Quota key values longer than this are replaced by their hash. The client chooses a header's
@@ -230,6 +255,7 @@ impl RouteQuota {
     /// Builds the quota of `route` from its config.
     pub fn build(route: &str, q: &QuotaConfig, metrics: &Metrics) -> RouteQuota {
         let windows: Vec<Window> = q.windows.iter().map(window_of).collect();
+        let unit_names: Vec<UnitName> = q.windows.iter().map(unit_of).collect();
         RouteQuota {
             rejections: windows
                 .iter()
@@ -239,7 +265,8 @@ impl RouteQuota {
                         .with_label_values(&[route, &w.name])
                 })
                 .collect(),
-            policy: crate::ratelimit::policy(&windows),
+            policy: crate::ratelimit::policy(&windows, &unit_names),
+            unit_names,
             windows,
             key: q.key.clone(),
             default_cost: q.cost.default.get(),

@@ -11,16 +11,20 @@
 use http::HeaderValue;
 use sluice_limiter::{Outcome, Window};
 
-/// `"<name>";q=<limit>;w=<seconds>, …` for every window. Structured-field integers have no
-/// fractions, so a window shorter than a second is announced as 1 s.
-pub(crate) fn policy(windows: &[Window]) -> HeaderValue {
+use crate::quota::{in_own_unit, UnitName};
+
+/// `"<name>";q=<limit>;w=<seconds>, …` for every window, each limit in the window's own unit
+/// (`units`, as [`crate::quota::in_own_unit`]). Structured-field integers have no fractions, so
+/// a window shorter than a second is announced as 1 s.
+pub(crate) fn policy(windows: &[Window], units: &[UnitName]) -> HeaderValue {
     let text = windows
         .iter()
-        .map(|w| {
+        .enumerate()
+        .map(|(i, w)| {
             format!(
                 "\"{}\";q={};w={}",
                 w.name,
-                w.limit,
+                in_own_unit(w.limit, units.get(i).unwrap_or(&None)),
                 w.length_us.div_ceil(1_000_000)
             )
         })
@@ -32,16 +36,21 @@ pub(crate) fn policy(windows: &[Window]) -> HeaderValue {
 /// `"<window>";r=<remaining>;t=<seconds>` for the window with the least room, with
 /// `;pk=:<partition>:` when the quota is kept per key (`key` is `None` for a route-wide quota).
 /// Only `windows` are described: the states of a client's own windows, which follow them in
-/// `outcome`, are no part of the route's policy.
+/// `outcome`, are no part of the route's policy. What remains is in the window's own unit
+/// (`units`): a usage unit's millionths rounded down, so a client never reads more room than
+/// there is.
 pub(crate) fn item(
     windows: &[Window],
+    units: &[UnitName],
     outcome: &Outcome,
     key: Option<&str>,
 ) -> Option<HeaderValue> {
     let states = outcome.windows.get(..windows.len())?;
-    // The least remaining, the first on a tie (as `Outcome::tightest`).
-    let i = (0..states.len()).min_by_key(|&i| states[i].remaining)?;
+    let remaining = |i: usize| in_own_unit(states[i].remaining, units.get(i).unwrap_or(&None));
+    // The least remaining in its own unit, the first on a tie (as `Outcome::tightest`).
+    let i = (0..states.len()).min_by_key(|&i| remaining(i))?;
     let w = &states[i];
+    let left = remaining(i);
     let name = &windows[i].name;
     // Written into the buffer the header value keeps (one allocation, no `format!`): this runs
     // on every answer of a quota route. 48 bytes past the name hold the punctuation, the two
@@ -51,7 +60,7 @@ pub(crate) fn item(
     value.push(b'"');
     value.extend_from_slice(name.as_bytes());
     value.extend_from_slice(b"\";r=");
-    value.extend_from_slice(number.format(w.remaining).as_bytes());
+    value.extend_from_slice(number.format(left).as_bytes());
     value.extend_from_slice(b";t=");
     value.extend_from_slice(number.format(w.reset_us.div_ceil(1_000_000)).as_bytes());
     if let Some(key) = key {
@@ -91,7 +100,7 @@ mod tests {
                 length_us: 1_500,
             },
         ];
-        let policy = policy(&windows);
+        let policy = policy(&windows, &[None, None]);
         let parsed: sfv::List = sfv::Parser::new(policy.as_bytes()).parse().unwrap();
         assert_eq!(parsed.len(), 2);
         let outcome = Outcome {
@@ -109,7 +118,7 @@ mod tests {
             ],
         };
         for key in [None, Some("tenant-a")] {
-            let value = item(&windows, &outcome, key).unwrap();
+            let value = item(&windows, &[None, None], &outcome, key).unwrap();
             let parsed: sfv::List = sfv::Parser::new(value.as_bytes()).parse().unwrap();
             let sfv::ListEntry::Item(item) = &parsed[0] else {
                 panic!("an item");
@@ -165,7 +174,30 @@ mod tests {
                 },
             ],
         };
-        let value = item(&windows, &outcome, None).unwrap();
+        let value = item(&windows, &[None], &outcome, None).unwrap();
         assert_eq!(value, "\"rpm\";r=10;t=1");
+    }
+
+    /// A window in a usage unit is kept in millionths and announced in its unit: the limit
+    /// whole, what remains rounded down.
+    #[test]
+    fn a_usage_window_is_announced_in_its_unit() {
+        let windows = [Window {
+            name: "tpm".into(),
+            limit: 1_000 * 1_000_000,
+            length_us: 60_000_000,
+        }];
+        let units = [Some("tokens".into())];
+        assert_eq!(policy(&windows, &units), "\"tpm\";q=1000;w=60");
+        let outcome = Outcome {
+            admitted: true,
+            retry_after_us: 0,
+            windows: vec![WindowState {
+                remaining: 957_999_999,
+                reset_us: 1_000_000,
+            }],
+        };
+        let value = item(&windows, &units, &outcome, None).unwrap();
+        assert_eq!(value, "\"tpm\";r=957;t=1");
     }
 }

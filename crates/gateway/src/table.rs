@@ -100,6 +100,8 @@ pub struct Member {
     pub headers: MemberHeaders,
     /// The member's own quota windows (SPEC §8), as the store takes them; empty when none.
     pub windows: Arc<[Window]>,
+    /// The unit of each of `windows`, as `/status` reports it.
+    pub units: Arc<[crate::quota::UnitName]>,
     /// Origin, proxy or direct.
     pub kind: MemberKind,
     /// The member's address and prebuilt peer, kept fresh by [`crate::dns_refresh::DnsRefresher`];
@@ -380,6 +382,12 @@ async fn build_members(
                 .iter()
                 .flat_map(|q| &q.windows)
                 .map(crate::quota::window_of)
+                .collect(),
+            units: m
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(crate::quota::unit_of)
                 .collect(),
             kind: m.kind.clone(),
             cell,

@@ -24,7 +24,7 @@ use crate::table::Route;
 /// key, which a per-key quota announces as the partition key.
 pub(crate) fn ratelimit(quota: &RouteQuota, outcome: &Outcome, key: &str) -> Option<HeaderValue> {
     let partition = (quota.key != crate::config::QuotaKey::Route).then_some(key);
-    crate::ratelimit::item(&quota.windows, outcome, partition)
+    crate::ratelimit::item(&quota.windows, &quota.unit_names, outcome, partition)
 }
 
 /// Adds the route's `RateLimit-Policy` and the request's `RateLimit` to a response head, as
