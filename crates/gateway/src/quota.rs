@@ -40,26 +40,14 @@ pub struct RouteQuota {
     pub unit_names: Vec<UnitName>,
 }
 
-/// The usage unit a window counts, by name, or `None` for a window of requests. The store
-/// keeps a usage unit in millionths; `/status` and the `RateLimit` headers report it whole
-/// ([`in_own_unit`]).
-pub type UnitName = Option<std::sync::Arc<str>>;
+// A window's unit lives with the headers that announce it, below this module.
+pub(crate) use crate::ratelimit::{in_own_unit, UnitName};
 
 /// The unit of a configured window, as `/status` and the `RateLimit` headers name it.
 pub(crate) fn unit_of(w: &crate::config::WindowConfig) -> UnitName {
     match &w.unit {
         crate::config::WindowUnit::Requests => None,
         crate::config::WindowUnit::Named(name) => Some(std::sync::Arc::from(&*name.0)),
-    }
-}
-
-/// An amount the store keeps for a window (a limit, what remains), in the window's own unit:
-/// requests as they are, a usage unit's millionths rounded down to whole units, so that a
-/// client is never told of more room than there is.
-pub(crate) fn in_own_unit(amount: u64, unit: &UnitName) -> u64 {
-    match unit {
-        None => amount,
-        Some(_) => amount / 1_000_000,
     }
 }
 

@@ -11,10 +11,8 @@
 use http::HeaderValue;
 use sluice_limiter::{Outcome, Window};
 
-use crate::quota::{in_own_unit, UnitName};
-
 /// `"<name>";q=<limit>;w=<seconds>, …` for every window, each limit in the window's own unit
-/// (`units`, as [`crate::quota::in_own_unit`]). Structured-field integers have no fractions, so
+/// (`units`, as [`in_own_unit`]). Structured-field integers have no fractions, so
 /// a window shorter than a second is announced as 1 s.
 pub(crate) fn policy(windows: &[Window], units: &[UnitName]) -> HeaderValue {
     let text = windows
@@ -79,6 +77,21 @@ fn partition_key(key: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(key.as_bytes());
     crate::config::base64(&digest[..12])
+}
+
+/// The usage unit a window counts, by name, or `None` for a window of requests. The store
+/// keeps a usage unit in millionths; `/status` and the `RateLimit` headers report it whole
+/// ([`in_own_unit`]).
+pub type UnitName = Option<std::sync::Arc<str>>;
+
+/// An amount the store keeps for a window (a limit, what remains), in the window's own unit:
+/// requests as they are, a usage unit's millionths rounded down to whole units, so that a
+/// client is never told of more room than there is.
+pub(crate) fn in_own_unit(amount: u64, unit: &UnitName) -> u64 {
+    match unit {
+        None => amount,
+        Some(_) => amount / 1_000_000,
+    }
 }
 
 #[cfg(test)]
