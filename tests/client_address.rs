@@ -201,50 +201,36 @@ async fn a_trusted_proxys_proxy_header_names_the_client_for_the_whole_connection
 async fn curls_proxy_protocol_header_is_read() {
     let backends = start_backends(&["a"]).await;
     let gw = start(backends[0].local_addr(), &["127.0.0.1/32"], "");
+    // curl through the gateway with a PROXY header first; the status it got.
+    let curl = |proxy: String| {
+        let out = Command::new("curl")
+            .env_remove("http_proxy")
+            .env_remove("HTTP_PROXY")
+            .env_remove("all_proxy")
+            .env_remove("ALL_PROXY")
+            .args([
+                "-sS",
+                "--max-time",
+                "20",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+            ])
+            .arg("--haproxy-protocol")
+            .arg("-x")
+            .arg(proxy)
+            .arg("http://api.test/")
+            .output()
+            .expect("curl must be installed");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
     // curl names its own address, 127.0.0.1, which is nobody's: a 407, not a 400 for a
     // request that starts with "PROXY".
-    let out = Command::new("curl")
-        .env_remove("http_proxy")
-        .env_remove("HTTP_PROXY")
-        .env_remove("all_proxy")
-        .env_remove("ALL_PROXY")
-        .args([
-            "-sS",
-            "--max-time",
-            "20",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .arg("--haproxy-protocol")
-        .arg("-x")
-        .arg(format!("http://{}", gw.proxy_addr()))
-        .arg("http://api.test/")
-        .output()
-        .expect("curl must be installed");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "407", "{}", gw.logs());
-    let out = Command::new("curl")
-        .env_remove("http_proxy")
-        .env_remove("HTTP_PROXY")
-        .env_remove("all_proxy")
-        .env_remove("ALL_PROXY")
-        .args([
-            "-sS",
-            "--max-time",
-            "20",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-        ])
-        .arg("--haproxy-protocol")
-        .arg("-x")
-        .arg(format!("http://billing:{TOKEN}@{}", gw.proxy_addr()))
-        .arg("http://api.test/")
-        .output()
-        .expect("curl must be installed");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "200", "{}", gw.logs());
+    let status = curl(format!("http://{}", gw.proxy_addr()));
+    assert_eq!(status, "407", "{}", gw.logs());
+    let status = curl(format!("http://billing:{TOKEN}@{}", gw.proxy_addr()));
+    assert_eq!(status, "200", "{}", gw.logs());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
