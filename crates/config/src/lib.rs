@@ -525,6 +525,9 @@ mod tests_clients;
 #[cfg(test)]
 mod tests_usage;
 
+#[cfg(test)]
+mod tests_fallback;
+
 /// No module of this crate depends on one that depends on it back, at any depth
 /// (`sluice_testkit::architecture`).
 #[cfg(test)]

@@ -14,9 +14,11 @@ use serde::Deserialize;
 use crate::urls::RedisUrl;
 
 mod clients;
+mod fallback;
 mod route;
 mod usage;
 pub use clients::*;
+pub use fallback::*;
 pub use route::*;
 pub use usage::*;
 

@@ -10,6 +10,7 @@ use super::schema::*;
 use super::Config;
 
 mod clients;
+mod fallback;
 mod usage;
 
 /// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
@@ -614,6 +615,7 @@ impl Config {
         }
         problems.extend(clients::problems(self));
         problems.extend(usage::problems(self));
+        problems.extend(fallback::problems(self));
         problems
     }
 }

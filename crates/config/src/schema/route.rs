@@ -31,6 +31,9 @@ pub struct RouteConfig {
     /// not it identified anyone.
     #[serde(default, deserialize_with = "client_token_header")]
     pub client_token: Option<http::HeaderName>,
+    /// The routes a request goes on to, in order, when this one cannot serve it.
+    #[serde(default)]
+    pub fallback: Vec<super::FallbackConfig>,
 }
 
 /// `client_token`: a header name a client may carry its token in. Not one that sluice or
