@@ -8,17 +8,23 @@
 //!   refused `429 quota_exceeded`.
 //!
 //! What a window holds is read from `/status`, which reads the store (and, on Redis, from the
-//! window's key itself), never inferred from timing.
+//! window's key itself), never inferred from timing. Also here: a route that meters usage
+//! refuses CONNECT tunnels and does not open WebSockets, whose answers sluice cannot read.
 
 mod support;
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 use sluice_echo::openai::OpenAiStub;
 use sluice_testkit::RedisCluster;
-use support::{request, url, wait_until_async, Backend, Config, Gateway, Route, State, Store};
+use support::{
+    request, url, wait_until_async, Backend, Config, Egress, Gateway, Route, State, Store,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
 
 /// How long a condition may take to hold on a loaded machine.
 const WAIT: Duration = Duration::from_secs(20);
@@ -308,6 +314,9 @@ on_both_stores!(
     in_flight_total_is_settled_plus_reserved,
     concurrent_admission_stops_exactly_at_the_limit,
     the_window_log_holds_each_settled_usage,
+    a_connect_on_a_metered_route_is_refused,
+    a_connect_on_a_route_whose_members_meter_usage_is_refused,
+    a_websocket_handshake_on_a_metered_route_stays_a_plain_request,
 );
 
 /// The same behaviours with two gateways on a real Redis Cluster (3 masters, 3 replicas).
@@ -337,4 +346,146 @@ mod cluster {
         let (_cluster, bench) = on_cluster("admit", 1000).await;
         admission_never_exceeds_the_limit(bench, 1000).await;
     }
+}
+
+/// A listener that counts the connections it accepts and echoes what they send.
+async fn counting_listener() -> (u16, Arc<Mutex<u32>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let count = Arc::new(Mutex::new(0));
+    let seen = count.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            *seen.lock().unwrap() += 1;
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = conn.read(&mut buf).await {
+                    if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (port, count)
+}
+
+/// A gateway on `store` with route `metered` (every host) over a `direct` member, tunnels to
+/// `port` allowed, and `quota` set on the route by `set`.
+fn tunnel_gateway(store: &Store, port: u16, set: impl FnOnce(&mut Value)) -> Gateway {
+    let base = Config::new()
+        .store(store)
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(Route::new("metered").hosts(&["*"]).direct_member())
+        .yaml();
+    let mut config: Value = serde_yaml::from_str(&base).unwrap();
+    set(&mut config["routes"][0]);
+    Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap())
+}
+
+/// A tunnel's answers cannot be read, so its one reservation would stand for any number of
+/// unmetered answers: a CONNECT is refused `405 connect_not_supported`, with the reason, before
+/// anything is reserved or contacted.
+async fn assert_tunnel_refused(gw: &Gateway, port: u16, contacted: &Mutex<u32>) {
+    let (client, r) =
+        support::open_tunnel(gw.proxy_addr(), &format!("127.0.0.1:{port}"), true).await;
+    drop(client);
+    assert_eq!(r.status, 405, "{}", gw.logs());
+    assert_eq!(r.header("x-sluice-error"), Some("connect_not_supported"));
+    assert!(r.header("allow").is_some_and(|a| !a.contains("CONNECT")));
+    assert_eq!(*contacted.lock().unwrap(), 0, "nothing contacted");
+}
+
+async fn a_connect_on_a_metered_route_is_refused(backend: Backend) {
+    let store = Store::start(backend);
+    let (port, contacted) = counting_listener().await;
+    let gw = tunnel_gateway(&store, port, |route| route["quota"] = tokens_quota(1000));
+    assert_tunnel_refused(&gw, port, &contacted).await;
+    // Nothing was reserved: the window is whole.
+    let status = gw.status().await;
+    assert_eq!(
+        status["routes"][0]["quota"][0]["remaining"], 1000,
+        "{status}"
+    );
+}
+
+async fn a_connect_on_a_route_whose_members_meter_usage_is_refused(backend: Backend) {
+    let store = Store::start(backend);
+    let (port, contacted) = counting_listener().await;
+    let gw = tunnel_gateway(&store, port, |route| {
+        let mut quota = tokens_quota(1000);
+        let windows = quota["windows"].take();
+        quota["windows"] = json!([]);
+        route["quota"] = quota;
+        route["upstream"]["members"][0]["quota"] = json!({ "windows": windows });
+    });
+    assert_tunnel_refused(&gw, port, &contacted).await;
+}
+
+/// A member that records the head of each request, and answers a WebSocket handshake `101`
+/// (then holds the connection), anything else a plain `200`.
+async fn upgrading_member() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let seen = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                let upgrade = head.contains("upgrade: websocket");
+                seen.lock().unwrap().push(head);
+                let answer: &[u8] = if upgrade {
+                    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nplain"
+                };
+                let _ = conn.write_all(answer).await;
+                // Held open: an upgraded connection stays until the client leaves.
+                let _ = conn.read(&mut chunk).await;
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// A WebSocket's messages are answers sluice cannot read: on a route that meters usage the
+/// handshake goes to the member as a plain request, without `Upgrade`, so no socket opens.
+async fn a_websocket_handshake_on_a_metered_route_stays_a_plain_request(backend: Backend) {
+    let store = Store::start(backend);
+    let (member, heads) = upgrading_member().await;
+    let base = Config::new()
+        .store(&store)
+        .route(Route::new("ws").hosts(&["ws.test"]).member(url(member)))
+        .yaml();
+    let mut config: Value = serde_yaml::from_str(&base).unwrap();
+    config["routes"][0]["quota"] = tokens_quota(1000);
+    let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "ws.test",
+        "/socket",
+        &[
+            ("Connection", "Upgrade"),
+            ("Upgrade", "websocket"),
+            ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+            ("Sec-WebSocket-Version", "13"),
+        ],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let heads = heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 1, "{heads:?}");
+    assert!(!heads[0].contains("upgrade: websocket"), "{}", heads[0]);
 }

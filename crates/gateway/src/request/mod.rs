@@ -473,7 +473,14 @@ impl ProxyHttp for Gateway {
         upstream: &mut RequestHeader,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        ctx.websocket = crate::headers::is_websocket_upgrade(session.req_header());
+        // A WebSocket's messages are answers sluice cannot read, so on a route that meters
+        // usage its handshake goes as a plain request (`Upgrade` removed, as for h2c): no
+        // socket opens whose spending one reservation would hide.
+        ctx.websocket = crate::headers::is_websocket_upgrade(session.req_header())
+            && !ctx
+                .route
+                .as_ref()
+                .is_some_and(|r| route::meters_usage(&r.config));
         forward::request_headers(session, upstream, ctx)?;
         send_with_the_others().await;
         Ok(())

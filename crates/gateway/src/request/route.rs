@@ -148,7 +148,9 @@ fn tunnel_route(table: &Table, target: &Target<'_>) -> Result<Arc<Route>, Box<Re
 ///   name the member does not serve (or plain HTTP that the client takes for TLS), and their
 ///   `headers` (a key) cannot be added to bytes sluice does not write;
 /// - a `client_token` header identifies each request, and a tunnel shows none;
-/// - cost rules by path charge each request by what it asks for; a tunnel is charged once.
+/// - cost rules by path charge each request by what it asks for; a tunnel is charged once;
+/// - a window in a usage unit settles each request from its answer, which a tunnel hides: the
+///   tunnel's one reservation would stand for any number of unread, unmetered answers.
 fn connect_refusal(route: &Route) -> Option<&'static str> {
     let origins =
         !route.members.is_empty() && route.members.iter().all(|m| m.kind == MemberKind::Origin);
@@ -166,7 +168,24 @@ fn connect_refusal(route: &Route) -> Option<&'static str> {
     if by_path {
         return Some("this route charges requests by path, which a tunnel would hide; send the requests to sluice as plain http://, or in gateway form");
     }
+    if meters_usage(&route.config) {
+        return Some("this route meters usage (such as tokens or spend) from each answer, which a tunnel would hide; send the requests to sluice as plain http://, or in gateway form");
+    }
     None
+}
+
+/// Whether the route, or one of its members, has a window in a usage unit (or the route
+/// defines usage units at all), so that each answer must be read to settle what it used.
+pub(crate) fn meters_usage(route: &crate::config::RouteConfig) -> bool {
+    let in_unit = |w: &crate::config::WindowConfig| w.unit != crate::config::WindowUnit::Requests;
+    let quota = route.quota.as_ref();
+    quota.is_some_and(|q| q.usage.is_some() || q.windows.iter().any(in_unit))
+        || route
+            .upstream
+            .members
+            .iter()
+            .filter_map(|m| m.quota.as_ref())
+            .any(|q| q.windows.iter().any(in_unit))
 }
 
 /// `Allow` for a route that lists no methods, where a CONNECT cannot be served.
