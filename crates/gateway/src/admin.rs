@@ -72,28 +72,58 @@ impl AdminApi {
         })
     }
 
-    /// Sets `sluice_quota_remaining` and `sluice_member_quota_remaining` from the store, so
-    /// that they are exact when scraped: a gauge set per request would go stale as windows
-    /// slide with no traffic.
+    /// Sets the quota gauges (`sluice_quota_remaining`, `_reserved`, `_settled` and their
+    /// `sluice_member_quota_*` twins) from the store, so that they are exact when scraped: a
+    /// gauge set per request would go stale as windows slide with no traffic. Every store read
+    /// comes first; the gauges are then emptied and set in one step with no await between, so a
+    /// window gone by a reload, or one the store could not read, leaves no stale series.
     async fn refresh_quota_gauges(&self) {
         let table = self.table.load_full();
         let mut read = Remaining::new(&*self.state);
+        // (labels, unit label, what the window holds, its unit), per window read.
+        let mut routes = Vec::new();
+        let mut members = Vec::new();
         for r in &table.routes {
             if let Some(quota) = r.quota.as_deref() {
-                let remaining = read.route(r).await;
-                for (i, w) in quota.windows.iter().enumerate() {
-                    let labels = [&*r.name, &*w.name];
-                    set_or_remove(&self.metrics.quota_remaining, &labels, &remaining, i);
+                if let Some(held) = read.route(r).await {
+                    for (i, (w, held)) in quota.windows.iter().zip(held).enumerate() {
+                        let unit = quota.unit_names.get(i).cloned().flatten();
+                        routes.push(([r.name.clone(), w.name.clone()], unit, held));
+                    }
                 }
             }
             for m in r.members.iter() {
-                let remaining = read.member(&r.name, m).await;
-                for (i, w) in m.windows.iter().enumerate() {
-                    let labels = [&*r.name, &*m.name, &*w.name];
-                    set_or_remove(&self.metrics.member_quota_remaining, &labels, &remaining, i);
+                if let Some(held) = read.member(&r.name, m).await {
+                    for (i, (w, held)) in m.windows.iter().zip(held).enumerate() {
+                        let unit = m.units.get(i).cloned().flatten();
+                        members.push((
+                            [r.name.clone(), m.name.clone(), w.name.clone()],
+                            unit,
+                            held,
+                        ));
+                    }
                 }
             }
         }
+        let metrics = &self.metrics;
+        let route_gauges = [
+            &metrics.quota_remaining,
+            &metrics.quota_reserved,
+            &metrics.quota_settled,
+        ];
+        let member_gauges = [
+            &metrics.member_quota_remaining,
+            &metrics.member_quota_reserved,
+            &metrics.member_quota_settled,
+        ];
+        for gauge in route_gauges.iter().chain(&member_gauges) {
+            gauge.reset();
+        }
+        set_gauges(route_gauges, routes.iter().map(|(l, u, h)| (&l[..], u, h)));
+        set_gauges(
+            member_gauges,
+            members.iter().map(|(l, u, h)| (&l[..], u, h)),
+        );
     }
 
     /// The `/status` document. Assignment counts of least-used routes come from the store;
@@ -201,9 +231,17 @@ impl AdminApi {
     }
 }
 
-/// What is left in quota windows, read for one `/status` or one scrape without charging
-/// anything (a cost of 0). After the store's first failure it asks no more: a store that is
-/// down costs one timeout, not one per route and member.
+/// What one window holds, as `/status` and the gauges show it: what is left (as admission
+/// reads it), and, when read, what it holds apart: open reservations and settled usage.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    remaining: u64,
+    usage: Option<sluice_limiter::WindowUsage>,
+}
+
+/// What quota windows hold, read for one `/status` or one scrape without charging anything (a
+/// cost of 0). After the store's first failure it asks no more: a store that is down costs one
+/// timeout, not one per route and member.
 struct Remaining<'a> {
     state: &'a dyn StateStore,
     failed: bool,
@@ -219,7 +257,7 @@ impl<'a> Remaining<'a> {
 
     /// Each window of `route`'s quota; `None` without a quota, for a quota whose key is not
     /// `route` (its keys are the clients'), or when the store cannot answer.
-    async fn route(&mut self, route: &crate::table::Route) -> Option<Vec<u64>> {
+    async fn route(&mut self, route: &crate::table::Route) -> Option<Vec<Held>> {
         let quota = route.quota.as_deref()?;
         if quota.key != crate::config::QuotaKey::Route || self.failed {
             return None;
@@ -238,11 +276,23 @@ impl<'a> Remaining<'a> {
             client: None,
         });
         let outcome = self.answer(read.await)?;
-        Some(outcome.windows.iter().map(|w| w.remaining).collect())
+        let remaining: Vec<u64> = outcome.windows.iter().map(|w| w.remaining).collect();
+        let usage = self
+            .state
+            .usage(
+                &route.name,
+                sluice_limiter::Owner::Route,
+                "route",
+                &windows,
+                None,
+            )
+            .await;
+        let usage = self.answer(usage)?;
+        Some(held(remaining, Some(usage)))
     }
 
     /// Each of `client`'s own windows; `None` when it has none, or the store cannot answer.
-    async fn client(&mut self, client: &crate::clients::Client) -> Option<Vec<u64>> {
+    async fn client(&mut self, client: &crate::clients::Client) -> Option<Vec<Held>> {
         if client.windows.is_empty() || self.failed {
             return None;
         }
@@ -259,11 +309,14 @@ impl<'a> Remaining<'a> {
             }),
         });
         let outcome = self.answer(read.await)?;
-        Some(outcome.windows.iter().map(|w| w.remaining).collect())
+        Some(held(
+            outcome.windows.iter().map(|w| w.remaining).collect(),
+            None,
+        ))
     }
 
     /// Each of `member`'s own windows; `None` when it has none, or the store cannot answer.
-    async fn member(&mut self, route: &str, member: &crate::table::Member) -> Option<Vec<u64>> {
+    async fn member(&mut self, route: &str, member: &crate::table::Member) -> Option<Vec<Held>> {
         if member.windows.is_empty() || self.failed {
             return None;
         }
@@ -272,13 +325,37 @@ impl<'a> Remaining<'a> {
             windows: member.windows.clone(),
         };
         let read = self.state.member_remaining(route, &pool_member).await;
-        self.answer(read)
+        let remaining = self.answer(read)?;
+        let usage = self
+            .state
+            .usage(
+                route,
+                sluice_limiter::Owner::Member,
+                &member.name,
+                &member.windows,
+                None,
+            )
+            .await;
+        let usage = self.answer(usage)?;
+        Some(held(remaining, Some(usage)))
     }
 
     fn answer<T>(&mut self, result: Result<T, sluice_limiter::StoreError>) -> Option<T> {
         self.failed |= result.is_err();
         result.ok()
     }
+}
+
+/// Each window's [`Held`], from what is left and what it holds (in the same order).
+fn held(remaining: Vec<u64>, usage: Option<Vec<sluice_limiter::WindowUsage>>) -> Vec<Held> {
+    remaining
+        .into_iter()
+        .enumerate()
+        .map(|(i, remaining)| Held {
+            remaining,
+            usage: usage.as_ref().and_then(|u| u.get(i).copied()),
+        })
+        .collect()
 }
 
 /// `/status`'s `clients`: the mode, then each client's name, routes, counts and own quota
@@ -288,7 +365,7 @@ impl<'a> Remaining<'a> {
 fn clients_json(
     clients: &crate::clients::Clients,
     counts: &HashMap<String, crate::metrics::ClientCounts>,
-    left: &[Option<Vec<u64>>],
+    left: &[Option<Vec<Held>>],
 ) -> serde_json::Value {
     use crate::config::{ClientsMode, RouteGrant, UnknownClients};
     let entry = |name: &str| {
@@ -336,14 +413,16 @@ fn clients_json(
     })
 }
 
-/// Quota windows for `/status`, each with what is left of it when `remaining` is known. A
-/// window in a usage unit (`units`; a window past its end is one of requests) names it, and its
-/// limit and what remains are in that unit, what remains rounded down
-/// ([`crate::quota::in_own_unit`]); a window of requests is as it always was.
+/// Quota windows for `/status`, each with what is left of it when `held` is known. A window in
+/// a usage unit (`units`; a window past its end is one of requests) names it, and its limit and
+/// what remains are in that unit, what remains rounded down ([`crate::quota::in_own_unit`]); a
+/// window of requests counts requests. A window whose usage was read shows it apart:
+/// `reserved` (open reservations, from every instance) and `settled` (the rest), exact
+/// ([`exact_in_unit`]).
 fn windows_json<'a>(
     windows: impl Iterator<Item = &'a sluice_limiter::Window>,
     units: &[crate::quota::UnitName],
-    remaining: &Option<Vec<u64>>,
+    held: &Option<Vec<Held>>,
 ) -> Vec<serde_json::Value> {
     windows
         .enumerate()
@@ -355,31 +434,72 @@ fn windows_json<'a>(
             if let Some(name) = unit {
                 window["unit"] = (**name).into();
             }
-            if let Some(left) = remaining.as_ref().and_then(|v| v.get(i)) {
-                window["remaining"] = crate::quota::in_own_unit(*left, unit).into();
+            if let Some(h) = held.as_ref().and_then(|v| v.get(i)) {
+                window["remaining"] = crate::quota::in_own_unit(h.remaining, unit).into();
+                if let Some(u) = h.usage {
+                    window["reserved"] = exact_in_unit(u.open, unit);
+                    window["settled"] = exact_in_unit(u.total.saturating_sub(u.open), unit);
+                }
             }
             window
         })
         .collect()
 }
 
-/// Sets the gauge of `labels` to the `i`th of `remaining`; with no number (the store did not
-/// answer), removes it rather than leave a stale one.
-fn set_or_remove(
-    gauge: &prometheus::IntGaugeVec,
-    labels: &[&str],
-    remaining: &Option<Vec<u64>>,
-    i: usize,
-) {
-    match remaining.as_ref().and_then(|v| v.get(i)) {
-        Some(&left) => gauge
-            .with_label_values(labels)
-            .set(i64::try_from(left).unwrap_or(i64::MAX)),
-        None => {
-            let _ = gauge.remove_label_values(labels);
+/// An amount the store keeps for a window, in the window's own unit and exact: requests as they
+/// are, a usage unit's millionths as a number with up to 6 decimals (an integer when whole).
+/// Amounts are below 2^53 millionths, so the nearest double prints back as the same decimal.
+fn exact_in_unit(amount: u64, unit: &crate::quota::UnitName) -> serde_json::Value {
+    match unit {
+        Some(_) if !amount.is_multiple_of(1_000_000) => {
+            serde_json::Value::from(amount as f64 / 1e6)
         }
+        _ => crate::quota::in_own_unit(amount, unit).into(),
     }
 }
+
+/// The same amount for a gauge.
+fn gauge_in_unit(amount: u64, unit: &crate::quota::UnitName) -> f64 {
+    match unit {
+        Some(_) => amount as f64 / 1e6,
+        None => amount as f64,
+    }
+}
+
+/// Sets, per window read, the three gauges `[remaining, reserved, settled]` of its labels; the
+/// last two also carry the window's unit (`requests` for a window of requests). A gauge is
+/// exact in the unit: the store's millionths divided, never rounded up.
+fn set_gauges<'a>(
+    [remaining, reserved, settled]: [&prometheus::GaugeVec; 3],
+    windows: impl Iterator<
+        Item = (
+            &'a [std::sync::Arc<str>],
+            &'a crate::quota::UnitName,
+            &'a Held,
+        ),
+    >,
+) {
+    for (labels, unit, held) in windows {
+        let labels: Vec<&str> = labels.iter().map(|l| &**l).collect();
+        remaining
+            .with_label_values(&labels)
+            .set(gauge_in_unit(held.remaining, unit));
+        let Some(u) = held.usage else {
+            continue;
+        };
+        let mut with_unit = labels.clone();
+        with_unit.push(unit.as_deref().unwrap_or(REQUESTS));
+        reserved
+            .with_label_values(&with_unit)
+            .set(gauge_in_unit(u.open, unit));
+        settled
+            .with_label_values(&with_unit)
+            .set(gauge_in_unit(u.total.saturating_sub(u.open), unit));
+    }
+}
+
+/// The `unit` label of a window of requests.
+const REQUESTS: &str = "requests";
 
 /// The header a POST needs when no admin token is configured (see `AdminApi::authorized`).
 const ADMIN_HEADER: &str = "x-sluice-admin";

@@ -2,8 +2,8 @@
 //! in one process.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub use crate::request_counts::{requests_of, RouteRequests};
@@ -51,12 +51,22 @@ pub struct Metrics {
     /// `sluice_requests_in_flight{route}`: requests of the route from admission (after any
     /// wait in the quota line) to the end of their answer.
     pub in_flight: IntGaugeVec,
-    /// `sluice_quota_remaining{route,window}`: units left in a route quota's window at scrape
-    /// time (routes with `key: route` only: other keys are client-chosen label values).
-    pub quota_remaining: IntGaugeVec,
+    /// `sluice_quota_remaining{route,window}`: what is left in a route quota's window at scrape
+    /// time, in the window's own unit (routes with `key: route` only: other keys are
+    /// client-chosen label values).
+    pub quota_remaining: GaugeVec,
+    /// `sluice_quota_reserved{route,window,unit}`: the part of what the window holds that is
+    /// open reservations, from every instance, in its unit (`requests` for a window of requests).
+    pub quota_reserved: GaugeVec,
+    /// `sluice_quota_settled{route,window,unit}`: the rest of what it holds, settled usage.
+    pub quota_settled: GaugeVec,
     /// `sluice_member_quota_remaining{route,member,window}`: the same for a member's own
     /// windows.
-    pub member_quota_remaining: IntGaugeVec,
+    pub member_quota_remaining: GaugeVec,
+    /// `sluice_member_quota_reserved{route,member,window,unit}`
+    pub member_quota_reserved: GaugeVec,
+    /// `sluice_member_quota_settled{route,member,window,unit}`
+    pub member_quota_settled: GaugeVec,
 
     /// `sluice_upstream_attempts_total{route,member,outcome}`; outcome is `ok`,
     /// `connect_failure` or `error` (failed after connecting).
@@ -71,6 +81,8 @@ pub struct Metrics {
     pub store_errors: IntCounterVec,
     /// `sluice_selection_fallbacks_total{route}`
     pub selection_fallbacks: IntCounterVec,
+    /// `sluice_fallbacks_total{from,to,reason}`
+    pub fallbacks: IntCounterVec,
     /// `sluice_quota_keys_refused_total{route}`
     pub quota_keys_refused: IntCounterVec,
     /// `sluice_usage_unsettled_total{route,reason}`: answers whose amount could not be read,
@@ -190,6 +202,12 @@ impl Metrics {
             "Requests routed by in-process round-robin because the least-used store failed.",
             &["route"],
         );
+        // Labels from the config's route names and a fixed set of reasons: bounded.
+        let fallbacks = counter(
+            "sluice_fallbacks_total",
+            "Requests that went on to a route's fallback, by the route left, the route taken and why.",
+            &["from", "to", "reason"],
+        );
         let connections_closed = counter(
             "sluice_connections_closed_total",
             "Client connections closed by a limit, by reason.",
@@ -273,15 +291,41 @@ impl Metrics {
             "Requests of the route being answered now.",
             &["route"],
         );
-        let quota_remaining = gauge(
+        let float_gauge = |name: &str, help: &str, labels: &[&str]| {
+            registered(
+                &registry,
+                GaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let quota_remaining = float_gauge(
             "sluice_quota_remaining",
-            "Units left in a window of the route's quota when scraped (quotas with key: route).",
+            "What is left in a window of the route's quota when scraped, in the window's unit (quotas with key: route).",
             &["route", "window"],
         );
-        let member_quota_remaining = gauge(
+        let quota_reserved = float_gauge(
+            "sluice_quota_reserved",
+            "Open reservations in a window of the route's quota when scraped, from every instance, in the window's unit.",
+            &["route", "window", "unit"],
+        );
+        let quota_settled = float_gauge(
+            "sluice_quota_settled",
+            "Settled usage in a window of the route's quota when scraped, in the window's unit.",
+            &["route", "window", "unit"],
+        );
+        let member_quota_remaining = float_gauge(
             "sluice_member_quota_remaining",
-            "Units left in a window of a member's own quota when scraped.",
+            "What is left in a window of a member's own quota when scraped, in the window's unit.",
             &["route", "member", "window"],
+        );
+        let member_quota_reserved = float_gauge(
+            "sluice_member_quota_reserved",
+            "Open reservations in a window of a member's own quota when scraped, from every instance, in the window's unit.",
+            &["route", "member", "window", "unit"],
+        );
+        let member_quota_settled = float_gauge(
+            "sluice_member_quota_settled",
+            "Settled usage in a window of a member's own quota when scraped, in the window's unit.",
+            &["route", "member", "window", "unit"],
         );
         let build_info = gauge(
             "sluice_build_info",
@@ -328,13 +372,18 @@ impl Metrics {
             unparsed_duration,
             in_flight,
             quota_remaining,
+            quota_reserved,
+            quota_settled,
             member_quota_remaining,
+            member_quota_reserved,
+            member_quota_settled,
             upstream_attempts,
             quota_rejections,
             member_healthy,
             config_reloads,
             store_errors,
             selection_fallbacks,
+            fallbacks,
             quota_keys_refused,
             usage_unsettled,
             usage_overrun,
