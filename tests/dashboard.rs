@@ -1,5 +1,6 @@
 //! The admin dashboard (`GET /`) in a real browser: headless Chromium driven by Selenium
-//! (tests/browser/dashboard.py) shows what `/status` says, and follows a member going down.
+//! (tests/browser/dashboard.py) shows what `/status` says (a usage window's reserved and settled
+//! amounts too), and follows a member going down.
 
 mod support;
 
@@ -20,7 +21,7 @@ async fn the_dashboard_shows_status_and_follows_health() {
     };
     let backends = start_backends(&["a", "b", "metered"]).await;
     let [a, b, metered] = [0, 1, 2].map(|i| url(backends[i].local_addr()));
-    let gw = Config::new()
+    let base = Config::new()
         .route(
             Route::new("api")
                 .members([a.clone(), b])
@@ -34,7 +35,22 @@ async fn the_dashboard_shows_status_and_follows_health() {
         .route(Route::new("keys").least_used().key_member(
             KeyMember::new(url(backends[2].local_addr()), "key-a").window("rpm", 4, "1m"),
         ))
-        .start();
+        .yaml();
+    // `metered` also keeps a budget in dollars, each request settled at its reservation of
+    // $0.25 (the echo answers hold no usage): the page shows amounts with decimals, reserved
+    // apart from settled.
+    let mut config: serde_json::Value = serde_yaml::from_str(&base).unwrap();
+    let quota = &mut config["routes"][1]["quota"];
+    quota["windows"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!(
+            {"name": "budget", "limit": 2, "window": "1h", "unit": "usd"}
+        ));
+    quota["usage"] = serde_json::json!(
+        {"usd": {"reserve": {"value": 0.25}, "settle": {"json": "usage.cost"}}}
+    );
+    let gw = support::Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
     let page = gw.admin("/").await;
     assert_eq!(page.status, 200);
     assert!(page
@@ -53,10 +69,11 @@ async fn the_dashboard_shows_status_and_follows_health() {
     }
     support::get(gw.proxy_addr(), "keys.test", "/").await;
     let requests_counted = support::wait_until_async(Duration::from_secs(5), || async {
-        gw.status().await["routes"][1]["requests"] == 3
+        let metered = &gw.status().await["routes"][1];
+        metered["requests"] == 3 && metered["quota"][1]["settled"] == 0.75
     })
     .await;
-    assert!(requests_counted);
+    assert!(requests_counted, "{}", gw.status().await["routes"][1]);
 
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -2,7 +2,7 @@
 
 Usage: dashboard.py ADMIN_URL MEMBER
 1. Loads the page and waits until every number it shows matches GET /status (polled with a
-   deadline: the page redraws on its own timer).
+   deadline: the page redraws on its own timer), a quota window's settled and reserved too.
 2. Prints CHECKED, then waits for a line on stdin: the test has stopped MEMBER's upstream.
 3. Waits until the page shows MEMBER down, and prints DOWN-SEEN.
 Exits 3 when the browser or Selenium is missing (the test then skips, or fails with CI=true),
@@ -45,6 +45,9 @@ def status():
 # across calls would go stale.
 READ_PAGE = """
 const text = (root, sel) => root.querySelector(sel).textContent;
+// A window: what is left, then settled and reserved ("-" when not shown).
+const optional = (root, f) => { const e = root.querySelector(`[data-field=${f}]`); return e ? e.textContent : "-"; };
+const win = w => [text(w, "[data-field=remaining]"), optional(w, "settled"), optional(w, "reserved")].join(" ");
 const page = {};
 for (const section of document.querySelectorAll("section[data-route]")) {
   const route = {
@@ -60,12 +63,12 @@ for (const section of document.querySelectorAll("section[data-route]")) {
       if (!f.closest("[data-window]")) fields[f.dataset.field] = f.textContent;
     }
     for (const w of row.querySelectorAll("[data-window]")) {
-      fields.quota[w.dataset.window] = text(w, "[data-field=remaining]");
+      fields.quota[w.dataset.window] = win(w);
     }
     route.members[row.dataset.member] = fields;
   }
   for (const w of section.querySelectorAll(".quota [data-window]")) {
-    route.quota[w.dataset.window] = text(w, "[data-field=remaining]");
+    route.quota[w.dataset.window] = win(w);
   }
   page[section.dataset.route] = route;
 }
@@ -78,6 +81,19 @@ def shown(driver):
     return driver.execute_script(READ_PAGE)
 
 
+def amount(n):
+    """An amount as the page writes it: an integer as is, else up to 6 decimals."""
+    if n is None:
+        return "-"
+    if float(n).is_integer():
+        return str(int(n))
+    return f"{n:.6f}".rstrip("0")
+
+
+def window(w):
+    return " ".join([str(w["remaining"]), amount(w.get("settled")), amount(w.get("reserved"))])
+
+
 def expected(doc):
     want = {}
     for r in doc["routes"]:
@@ -85,7 +101,7 @@ def expected(doc):
         for m in r["members"]:
             fields = {"healthy": "up" if m["healthy"] else "down",
                       "cooling_ms": str(m.get("cooling_ms", "-")),
-                      "quota": {w["name"]: str(w["remaining"])
+                      "quota": {w["name"]: window(w)
                                 for w in m.get("quota", []) if "remaining" in w}}
             if r["selection"] == "least_used":
                 fields["assignments"] = str(m["assignments"])
@@ -97,7 +113,7 @@ def expected(doc):
             "in_flight": str(r["in_flight"]),
             "waiting": str(r["waiting"]),
             "members": members,
-            "quota": {w["name"]: str(w["remaining"]) for w in r["quota"] if "remaining" in w},
+            "quota": {w["name"]: window(w) for w in r["quota"] if "remaining" in w},
         }
     return want
 
