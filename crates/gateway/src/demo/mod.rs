@@ -1,15 +1,17 @@
-//! `sluice demo`: the embedded default config with its three demo upstreams and a client that
-//! sends a request every half second, so traffic visibly flows with nothing else installed;
-//! and, every few seconds, one `https://` request through a CONNECT tunnel to the demo's own
-//! TLS origin ([`tunnel`]).
+//! `sluice demo`: the embedded default config with its upstreams, all in this process (three
+//! echo servers, a key-limited API stub and a TLS origin), and a client ([`client`]) that sends
+//! traffic to every route of the config, so each policy visibly works with nothing else
+//! installed: round-robin, least-used, a quota refusing, a pool of API keys where one key cools
+//! down after a 429 and comes back, an `https://` request through a CONNECT tunnel
+//! ([`tunnel`]), and a named client refused a route.
 
+mod client;
 mod tunnel;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use sluice_echo::EchoServer;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use sluice_echo::{EchoOptions, EchoServer};
 
 /// Demo upstream names and addresses; they match `configs/default.yaml`.
 pub const UPSTREAMS: [(&str, &str); 3] = [
@@ -18,25 +20,53 @@ pub const UPSTREAMS: [(&str, &str); 3] = [
     ("demo-3", "127.0.0.1:9003"),
 ];
 
+/// The API stub behind the `keys` route, as `configs/default.yaml` names it.
+pub const API: (&str, &str) = ("api", "127.0.0.1:9004");
+
+/// The admin listener of `configs/default.yaml`: the demo client reads `/status` there to see
+/// what the gateway decided (a key cooling, and when it comes back).
+pub const ADMIN: &str = "127.0.0.1:9901";
+
 /// Starts the demo upstreams and the demo client on a thread of their own.
 pub fn start(gateway: SocketAddr) {
     std::thread::Builder::new()
         .name("sluice-demo".into())
         .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
+            let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .expect("a tokio runtime");
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(target: "sluice::demo", error = %e, "cannot start the demo");
+                    return;
+                }
+            };
             rt.block_on(async move {
-                let mut servers = Vec::new();
                 for (name, addr) in UPSTREAMS {
-                    match EchoServer::start(name, addr.parse().expect("valid address")).await {
-                        Ok(s) => servers.push(s),
-                        Err(e) => {
-                            tracing::error!(target: "sluice::demo", upstream = name, %addr, error = %e, "cannot start demo upstream");
-                        }
+                    if let Err(e) = EchoServer::start(name, parse(addr)).await {
+                        tracing::error!(target: "sluice::demo", upstream = name, %addr, error = %e, "cannot start demo upstream");
                     }
                 }
+                // The stub limits each key far above what the demo sends: the one 429 the
+                // demo shows is scripted (see `client`), so it comes when the demo says.
+                let api = match EchoServer::start_with(
+                    API.0,
+                    parse(API.1),
+                    EchoOptions {
+                        key_limit: Some((100, Duration::from_secs(10))),
+                        ratelimit_headers: true,
+                        log_requests: false,
+                    },
+                )
+                .await
+                {
+                    Ok(api) => Some(api),
+                    Err(e) => {
+                        tracing::error!(target: "sluice::demo", upstream = API.0, addr = API.1, error = %e, "cannot start the demo API stub");
+                        None
+                    }
+                };
                 let tls = match tunnel::Tls::new() {
                     Ok(tls) => match tls.serve_origin().await {
                         Ok(()) => Some(tls),
@@ -52,64 +82,13 @@ pub fn start(gateway: SocketAddr) {
                 };
                 // Let the gateway come up before the first request.
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let mut n: u64 = 0;
-                loop {
-                    n += 1;
-                    if let Some(tls) = tls.as_ref().filter(|_| n % 10 == 1) {
-                        match tls.get(gateway).await {
-                            Ok(status) => tracing::info!(
-                                target: "sluice::demo",
-                                request = n, status,
-                                "demo client: GET https://{}:9443/ through a CONNECT tunnel, TLS end to end",
-                                tunnel::HOST
-                            ),
-                            Err(e) => tracing::warn!(target: "sluice::demo", request = n, error = %e, "demo client: https through a tunnel"),
-                        }
-                    }
-                    match get(gateway, n).await {
-                        Ok((status, upstream)) => tracing::info!(
-                            target: "sluice::demo",
-                            request = n, status, upstream = %upstream,
-                            "demo client: GET http://demo.local/hello"
-                        ),
-                        Err(e) => tracing::warn!(target: "sluice::demo", request = n, error = %e, "demo client"),
-                    }
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
+                client::run(gateway, parse(ADMIN), api, tls).await;
             });
         })
         .expect("spawn the demo thread");
 }
 
-/// One request through the gateway; returns the status and the `x-upstream` that answered.
-async fn get(gateway: SocketAddr, n: u64) -> std::io::Result<(u16, String)> {
-    let mut conn = tokio::time::timeout(
-        Duration::from_secs(2),
-        tokio::net::TcpStream::connect(gateway),
-    )
-    .await
-    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
-    let req = format!(
-        "GET http://demo.local/hello?n={n} HTTP/1.1\r\nHost: demo.local\r\nConnection: close\r\n\r\n"
-    );
-    conn.write_all(req.as_bytes()).await?;
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut buf))
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "response timed out"))??;
-    let text = String::from_utf8_lossy(&buf);
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let upstream = text
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("x-upstream")
-                .then(|| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "-".into());
-    Ok((status, upstream))
+/// The constants above are valid addresses.
+fn parse(addr: &str) -> SocketAddr {
+    addr.parse().expect("a valid demo address")
 }
