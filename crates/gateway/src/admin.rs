@@ -616,7 +616,27 @@ impl ServeHttp for AdminApi {
 
 #[cfg(test)]
 mod tests {
-    use super::bearer_matches;
+    use super::{bearer_matches, exact_in_unit, gauge_in_unit};
+
+    #[test]
+    fn amounts_show_exactly_in_their_unit() {
+        let usd = Some(std::sync::Arc::from("usd"));
+        // Whole units are integers, as limits are; requests are as they are.
+        assert_eq!(exact_in_unit(10_000_000, &usd).to_string(), "10");
+        assert_eq!(exact_in_unit(7, &None).to_string(), "7");
+        // Fractions print back as the decimal the millionths are, up to the largest amount.
+        for (millionths, decimal) in [
+            (700, 0.0007),
+            (70, 0.00007),
+            (1, 0.000001),
+            (999_930_000, 999.93),
+            ((1 << 53) - 1, 9_007_199_254.740_991),
+        ] {
+            let shown = exact_in_unit(millionths, &usd).to_string();
+            assert_eq!(shown.parse::<f64>().unwrap(), decimal, "{shown}");
+            assert_eq!(gauge_in_unit(millionths, &usd), decimal);
+        }
+    }
 
     #[test]
     fn only_the_exact_token_matches() {
