@@ -56,7 +56,7 @@ impl Counts {
         *self.answers.entry((route, status)).or_default() += 1;
     }
 
-    /// `demo 200×20 · quota 200×10 429×4 · …`, routes in the order they are first listed.
+    /// `demo 200×20 · quota 200×10 429×4 · …`, routes by name.
     fn line(&self, api: Option<&EchoServer>) -> String {
         let mut out = String::new();
         let mut last = "";
@@ -147,6 +147,9 @@ pub(super) async fn run(
             let answer = send(gateway, "keys.demo", "/v1/models", None).await;
             counts.add("keys", answer.status);
         }
+        // Right after the key pool's request, which may have set a cooldown: read later (after
+        // a burst, on a loaded machine) a 2 s cooldown could be over before anyone saw it.
+        watch_cooldowns(admin, &mut cooling).await;
 
         // A burst past the quota: 5 in any 2 s are admitted, the rest get 429 and Retry-After.
         if n % 16 == 4 {
@@ -204,8 +207,6 @@ pub(super) async fn run(
                 }
             }
         }
-
-        watch_cooldowns(admin, &mut cooling).await;
 
         if Instant::now() >= next_summary {
             next_summary = Instant::now() + SUMMARY_EVERY;
