@@ -3,7 +3,7 @@ hot reload, Redis Cluster.
 
   scripts/bench-state [PART...] [--write]
 
-PART is quota, least-used, key-pool, reload or cluster (default: all five, in that order). --write also
+PART is quota, least-used, key-pool, usage, reload or cluster (default: all six, in that order). --write also
 replaces each part's section of docs/benchmark-runs.md (between <!-- bench:state:start --> and
 <!-- bench:state:end -->, one sub-section per part, so parts can be run one at a time).
 
@@ -18,6 +18,10 @@ replaces each part's section of docs/benchmark-runs.md (between <!-- bench:state
               Redis commands per request (INFO commandstats deltas, and MONITOR over
               MONITOR_REQUESTS sequential requests); Redis memory per admitted request (MEMORY
               USAGE of the route and member logs after the rounds and after MEM_REQUESTS requests).
+  usage       wrk POSTing chat requests to a window counted in requests and the same window in
+              tokens (reserved from max_tokens, settled from the answer's usage); Redis memory
+              per admitted request (every key of the route over its log's entries) and whether
+              the tokens window holds exactly what was settled.
   reload      POST /reload duration (sluice's log) and round trip for 100, 1,000 and 10,000
               routes; request p99 during a reload storm against none.
   cluster     quota + least_used on one Redis against a 3-master Redis Cluster (wrk), and the
@@ -61,7 +65,7 @@ from .servers import Backends, commandstats, rcli, script_stats, start_backends
 
 START_MARK = "<!-- bench:state:start -->"
 END_MARK = "<!-- bench:state:end -->"
-PARTS = ["quota", "least-used", "key-pool", "reload", "cluster"]
+PARTS = ["quota", "least-used", "key-pool", "usage", "reload", "cluster"]
 WRK_KNOBS = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS"]
 # What the fused and quota scripts are called with: a window "w" no benchmark ever fills.
 BIG_WINDOW = ["w", "1000000000000", "3600000000"]
@@ -287,7 +291,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench-state", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", metavar="PART",
-                        help="quota, least-used, key-pool, reload or cluster (default: all five)")
+                        help="quota, least-used, key-pool, usage, reload or cluster (default: all six)")
     parser.add_argument("--write", action="store_true",
                         help="replace the parts' sections of docs/benchmark-runs.md with the report")
     opts = parser.parse_args(argv)
@@ -310,8 +314,8 @@ def main(argv: list[str]) -> int:
         run = Run(procs, knobs, sluice, opts.write, doc_path)
         if run.rounds < 3:
             procs.log(f"warning: ROUNDS={run.rounds}; use at least 3 for figures worth reporting")
-        from . import cluster, key_pool, least_used, quota, reload
-        modules = {"quota": quota, "least-used": least_used, "key-pool": key_pool, "reload": reload,
+        from . import cluster, key_pool, least_used, quota, reload, usage
+        modules = {"quota": quota, "least-used": least_used, "key-pool": key_pool, "usage": usage, "reload": reload,
                    "cluster": cluster}
         for part in parts:
             procs.log(f"=== part: {part} ===")
@@ -335,7 +339,7 @@ def write_doc(doc_path: Path, reports: dict[str, str]) -> None:
         "Everything on 127.0.0.1 on one shared machine (client, gateway, backends and Redis on the same cores, unless a",
         "part's first line says Redis was pinned to a CPU of its own with `REDIS_CPU`): compare",
         "the ratios taken within one run, not the absolute figures. Each part can be rerun alone",
-        "(`scripts/bench-state quota|least-used|key-pool|reload|cluster --write`).",
+        "(`scripts/bench-state quota|least-used|key-pool|usage|reload|cluster --write`).",
     ]
     for part in PARTS:
         start, end = f"<!-- bench:state:{part}:start -->", f"<!-- bench:state:{part}:end -->"
