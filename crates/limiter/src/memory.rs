@@ -69,7 +69,7 @@ impl Log {
     fn expire(&mut self, now_us: u64, length_us: u64) -> usize {
         let before = self.entries.len();
         while let Some(e) = self.entries.front() {
-            if e.at_us + length_us > now_us {
+            if e.at_us.saturating_add(length_us) > now_us {
                 break;
             }
             self.total -= e.cost;
@@ -125,7 +125,7 @@ impl Log {
         for e in &self.entries {
             freed += e.cost;
             if freed >= need {
-                return (e.at_us + length_us).saturating_sub(now_us);
+                return e.at_us.saturating_add(length_us).saturating_sub(now_us);
             }
         }
         length_us
@@ -598,7 +598,7 @@ fn decide<T>(
             reset_us: log
                 .entries
                 .front()
-                .map_or(0, |e| (e.at_us + length).saturating_sub(now)),
+                .map_or(0, |e| e.at_us.saturating_add(length).saturating_sub(now)),
         });
     }
     let outcome = Outcome {
@@ -660,6 +660,39 @@ mod tests {
             logs.decide(req).unwrap().windows[0].remaining,
             8,
             "two recorded, not three"
+        );
+    }
+
+    /// A calendar window not cut to its period (a status read that knows no period) has the
+    /// longest length there is: its entries never leave, and nothing overflows.
+    #[test]
+    fn an_endless_window_holds_its_entries_without_overflow() {
+        let logs = QuotaLogs::new();
+        let w = vec![Window {
+            name: "month".into(),
+            limit: 2,
+            length_us: u64::MAX,
+        }];
+        let ask = |cost, at_us| Acquire {
+            route: "r",
+            key: "k",
+            windows: &w,
+            cost,
+            at_us: Some(at_us),
+            client: None,
+        };
+        assert!(logs.decide(ask(2, 1_000)).unwrap().admitted);
+        let refused = logs.decide(ask(1, 5_000)).unwrap();
+        assert!(!refused.admitted);
+        assert_eq!(refused.windows[0].remaining, 0);
+        assert_eq!(
+            refused.retry_after_us,
+            u64::MAX - 5_000,
+            "saturated at the end of time"
+        );
+        assert_eq!(
+            logs.decide(ask(0, 9_000)).unwrap().windows[0].reset_us,
+            u64::MAX - 9_000
         );
     }
 
