@@ -192,7 +192,9 @@ impl RouteQuota {
     /// Whether admission reserves (and the answer settles) rather than only counting: the
     /// route's windows count usage units or calendar periods.
     pub fn reserves(&self) -> bool {
-        self.usage.is_some()
+        // A calendar window's entry lies at its period's start, which only a reservation
+        // places; counting would place it at now, and it would outlive its period.
+        self.usage.is_some() || self.calendars.iter().any(Option::is_some)
     }
 
     /// The windows as reserved at `now_us` (wall clock, microseconds), and their periods: a

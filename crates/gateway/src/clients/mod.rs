@@ -51,6 +51,10 @@ pub struct Client {
     /// Its own quota's windows as the store takes them (empty: none), built once per table:
     /// every request it makes is charged to them, on whatever route.
     pub windows: Arc<[sluice_limiter::Window]>,
+    /// Per window of `windows`, its calendar when it is a fixed (calendar) window.
+    pub calendars: Arc<[Option<sluice_limiter::calendar::Calendar>]>,
+    /// Per window of `windows`, the usage unit it counts, or `None` for a window of requests.
+    pub units: Arc<[Option<Arc<str>>]>,
     /// The routes it may use.
     routes: Grants,
     /// Where it must connect from, when it lists `cidrs` with tokens or certs.
@@ -69,7 +73,27 @@ enum Grants {
     Some(Vec<Arc<str>>),
 }
 
+/// A calendar window's periods (as `quota::calendar_of` cuts a route's), or `None` for a
+/// sliding window.
+fn calendar_of(w: &crate::config::WindowConfig) -> Option<sluice_limiter::calendar::Calendar> {
+    use crate::config::CalendarPeriod;
+    use sluice_limiter::calendar::{Calendar, Period};
+    let (period, tz) = w.calendar()?;
+    let period = match period {
+        CalendarPeriod::Day => Period::Day,
+        CalendarPeriod::Week => Period::Week,
+        CalendarPeriod::Month => Period::Month,
+    };
+    Some(Calendar::new(period, tz.zone))
+}
+
 impl Client {
+    /// Whether its windows are reserved rather than only counted: one counts a usage unit or
+    /// a calendar period.
+    pub(crate) fn reserves(&self) -> bool {
+        self.calendars.iter().any(Option::is_some) || self.units.iter().any(Option::is_some)
+    }
+
     fn new(config: &ClientConfig) -> Client {
         let routes = if config.routes.contains(&RouteGrant::All) {
             Grants::All
@@ -96,10 +120,34 @@ impl Client {
                 .flat_map(|q| &q.windows)
                 .map(|w| sluice_limiter::Window {
                     name: w.name.0.as_str().into(),
-                    limit: w.limit.get(),
+                    // A window in a usage unit holds millionths of it, as the amounts charged
+                    // to it are.
+                    limit: match w.unit {
+                        crate::config::WindowUnit::Requests => w.limit.get(),
+                        crate::config::WindowUnit::Named(_) => {
+                            w.limit.get().saturating_mul(1_000_000)
+                        }
+                    },
+                    // A calendar window's length is its current period's, set at each
+                    // admission.
                     length_us: w.window.sliding().map_or(u64::MAX, |d| {
                         u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
                     }),
+                })
+                .collect(),
+            calendars: config
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(calendar_of)
+                .collect(),
+            units: config
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(|w| match &w.unit {
+                    crate::config::WindowUnit::Requests => None,
+                    crate::config::WindowUnit::Named(name) => Some(Arc::from(&*name.0)),
                 })
                 .collect(),
             routes,

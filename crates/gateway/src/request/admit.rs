@@ -150,11 +150,7 @@ pub(crate) async fn admit(
         )
     });
     let client = session.as_downstream().stream().map(|s| s.id());
-    let planned = route
-        .quota
-        .as_deref()
-        .filter(|q| q.reserves())
-        .map(|q| Planned::new(&route, q, &ctx.reserved, cost));
+    let planned = Planned::plan(&route, caller.as_deref(), &ctx.reserved, cost);
     let verdict = decide(
         &*gateway.state,
         &gateway.metrics,
@@ -174,6 +170,7 @@ pub(crate) async fn admit(
             entries,
         } => {
             ctx.admitted(first, ratelimit, fallback, cost);
+            ctx.tried.members = planned.as_ref().and_then(Planned::for_retries);
             ctx.meter = planned.map(|planned| {
                 Box::new(Meter {
                     key: key.into(),
@@ -374,7 +371,8 @@ async fn admit_once(
         .filter(|c| !c.windows.is_empty())
         .map(|c| ClientWindows {
             name: &c.name,
-            windows: &c.windows,
+            // Planned for this caller: a calendar window's length is its period's.
+            windows: planned.map_or(&c.windows[..], |p| &p.client_windows[..]),
         });
     let acquire = (!windows.is_empty() || client.is_some()).then_some(Acquire {
         route: &route.name,
@@ -403,10 +401,13 @@ fn quota_refusal(
     }
     let client_full = caller.and_then(|c| {
         let states = outcome.windows.get(route_windows..).unwrap_or(&[]);
-        c.windows
-            .iter()
-            .zip(states)
+        let windows = c.windows.iter().zip(states);
+        // A window in a usage unit holds millionths, which no request cost compares with: the
+        // route's windows had room, so the client's with the least left refused.
+        windows
+            .clone()
             .find(|(_, s)| s.remaining < cost)
+            .or_else(|| windows.min_by_key(|(_, s)| s.remaining))
             .map(|(w, _)| (c, w))
     });
     match (client_full, quota) {

@@ -2,15 +2,19 @@
 //! charges each window, the entries it recorded, the scan of the answer as it passes, and the
 //! one store call that rewrites the entries when the answer ends.
 
+use std::sync::Arc;
+
 use sluice_allocator::StateStore;
 use sluice_limiter::{Owner, Period, Settle, Settled, Window, MAX_AMOUNT};
 use sluice_usage::{Millionths, ResponseScanner};
 
+use crate::clients::Client;
 use crate::metrics::Metrics;
-use crate::quota::RouteQuota;
-use crate::select::{Entries, Reserving};
+use crate::quota::{calendar_of, RouteQuota};
+use crate::select::{Entries, MemberPlan, Reserving};
 
-/// What a request reserves in its route's windows, decided before admission.
+/// What a request reserves in its route's windows, its members' and its client's, decided
+/// before admission.
 pub(crate) struct Planned {
     /// The route's windows, a calendar window's length its current period's.
     pub(crate) windows: Vec<Window>,
@@ -18,43 +22,129 @@ pub(crate) struct Planned {
     pub(crate) periods: Vec<Option<Period>>,
     /// Per window, its amount: millionths of its unit, or the request's cost.
     pub(crate) amounts: Vec<u64>,
-    /// Per member of the route (in pool order), per window of its own, its amount.
-    pub(crate) members: Vec<Vec<u64>>,
+    /// What the members' own windows are charged, and their periods.
+    pub(crate) members: Arc<MemberPlan>,
     /// Per member, per window of its own, the index of its unit (`None`: requests).
     member_units: Vec<Vec<Option<usize>>>,
+    /// The client's own windows, a calendar window's length its current period's; empty
+    /// when no client with windows calls.
+    pub(crate) client_windows: Vec<Window>,
+    /// Per window of the client's, its period; empty when every window slides.
+    pub(crate) client_periods: Vec<Option<Period>>,
+    /// Per window of the client's, its amount.
+    pub(crate) client_amounts: Vec<u64>,
+    /// Per window of the client's, what it counts.
+    client_units: Vec<ClientUnit>,
+    /// The request's cost.
+    cost: u64,
+}
+
+/// What one of a client's windows counts on the route of a request.
+#[derive(Debug, Clone, Copy)]
+enum ClientUnit {
+    /// Requests: the request's cost.
+    Requests,
+    /// A unit the route meters: its amount, by the route's reserve and settle rules (the
+    /// index of the unit in the route's `quota.usage`).
+    Metered(usize),
+    /// A unit the route does not meter: nothing. The entry is recorded with 0, like any
+    /// reservation, so that the window decides on the request with the others.
+    Unmetered,
+}
+
+/// Microseconds since the Unix epoch, the clock calendar periods are cut on.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 impl Planned {
-    /// The reservation of a request whose units reserve `reserved` and whose cost is `cost`,
-    /// in the periods that hold now.
-    pub(crate) fn new(
+    /// The reservation of a request on `route` by `caller` whose units reserve `reserved` and
+    /// whose cost is `cost`, in the periods that hold now; `None` when nothing of it needs a
+    /// reservation (every window counts requests and slides), which then only counts.
+    pub(crate) fn plan(
         route: &crate::table::Route,
-        quota: &RouteQuota,
+        caller: Option<&Client>,
         reserved: &[Millionths],
         cost: u64,
-    ) -> Planned {
-        let member_units: Vec<Vec<Option<usize>>> = route
-            .config
-            .upstream
+    ) -> Option<Planned> {
+        let quota = route.quota.as_deref();
+        let usage = quota.and_then(|q| q.usage.as_ref());
+        let now = now_us();
+        let member_configs = &route.config.upstream.members;
+        // Per member, its windows' periods now (empty when they all slide).
+        let member_periods: Vec<Vec<Option<Period>>> = member_configs
+            .iter()
+            .map(|m| {
+                let windows = m.quota.as_ref().map_or(&[][..], |q| &q.windows[..]);
+                periods_of(windows.iter().map(calendar_of), now)
+            })
+            .collect();
+        let member_calendars = member_periods.iter().any(|p| !p.is_empty());
+        let client = caller.filter(|c| !c.windows.is_empty());
+        let needed = quota.is_some_and(RouteQuota::reserves)
+            || member_calendars
+            || client.is_some_and(Client::reserves);
+        if !needed {
+            return None;
+        }
+        let member_units: Vec<Vec<Option<usize>>> = member_configs
+            .iter()
+            .map(|m| {
+                let windows = m.quota.as_ref().map_or(&[][..], |q| &q.windows[..]);
+                match quota {
+                    Some(q) => q.units_of(windows),
+                    None => vec![None; windows.len()],
+                }
+            })
+            .collect();
+        let member_windows = route
             .members
             .iter()
-            .map(|m| quota.units_of(m.quota.as_ref().map_or(&[][..], |q| &q.windows[..])))
+            .zip(&member_periods)
+            .map(|(m, periods)| cut(&m.windows, periods))
             .collect();
-        let members = member_units
-            .iter()
-            .map(|units| amounts_of(units, reserved, cost))
-            .collect();
-        let now_us = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
-        let (windows, periods) = quota.periods(now_us);
-        Planned {
+        let (windows, periods) = quota.map_or((Vec::new(), Vec::new()), |q| q.periods(now));
+        let (client_windows, client_periods, client_units) = match client {
+            None => (Vec::new(), Vec::new(), Vec::new()),
+            Some(c) => {
+                let periods = periods_of(c.calendars.iter().cloned(), now);
+                let units = c
+                    .units
+                    .iter()
+                    .map(|u| match (u, usage) {
+                        (None, _) => ClientUnit::Requests,
+                        (Some(name), Some(usage)) => usage
+                            .units
+                            .iter()
+                            .position(|unit| unit.name == *name)
+                            .map_or(ClientUnit::Unmetered, ClientUnit::Metered),
+                        (Some(_), None) => ClientUnit::Unmetered,
+                    })
+                    .collect();
+                (cut(&c.windows, &periods).to_vec(), periods, units)
+            }
+        };
+        Some(Planned {
+            amounts: quota.map_or(Vec::new(), |q| q.amounts(reserved, cost)),
             windows,
             periods,
-            amounts: quota.amounts(reserved, cost),
-            members,
+            members: Arc::new(MemberPlan {
+                amounts: member_units
+                    .iter()
+                    .map(|units| amounts_of(units, reserved, cost))
+                    .collect(),
+                periods: member_periods,
+                windows: member_windows,
+            }),
             member_units,
-        }
+            client_amounts: client_amounts(&client_units, reserved, cost),
+            client_windows,
+            client_periods,
+            client_units,
+            cost,
+        })
     }
 
     /// As the policy hands it to the store.
@@ -63,8 +153,61 @@ impl Planned {
             amounts: &self.amounts,
             periods: &self.periods,
             members: &self.members,
+            client: &self.client_amounts,
+            client_periods: &self.client_periods,
         }
     }
+
+    /// What a retry charges the members' own windows, when one has calendar windows: the
+    /// request's cost in each (as on any route; its entry is not settled), in the periods of
+    /// the admission.
+    pub(crate) fn for_retries(&self) -> Option<Arc<MemberPlan>> {
+        let plan = &self.members;
+        plan.has_periods().then(|| {
+            Arc::new(MemberPlan {
+                amounts: plan
+                    .amounts
+                    .iter()
+                    .map(|a| vec![self.cost; a.len()])
+                    .collect(),
+                periods: plan.periods.clone(),
+                windows: plan.windows.clone(),
+            })
+        })
+    }
+}
+
+/// Per window of `calendars`, its period at `now_us`; empty when every window slides.
+fn periods_of(
+    calendars: impl Iterator<Item = Option<sluice_limiter::calendar::Calendar>>,
+    now_us: u64,
+) -> Vec<Option<Period>> {
+    let periods: Vec<Option<Period>> = calendars
+        .map(|c| c.and_then(|c| c.bounds_at(now_us)).map(Period::from))
+        .collect();
+    if periods.iter().all(Option::is_none) {
+        Vec::new()
+    } else {
+        periods
+    }
+}
+
+/// `windows`, each fixed window's length its period's (`periods` empty: as they are).
+fn cut(windows: &Arc<[Window]>, periods: &[Option<Period>]) -> Arc<[Window]> {
+    if periods.is_empty() {
+        return windows.clone();
+    }
+    windows
+        .iter()
+        .zip(periods)
+        .map(|(w, p)| match p {
+            Some(p) => Window {
+                length_us: p.end_us - p.start_us,
+                ..w.clone()
+            },
+            None => w.clone(),
+        })
+        .collect()
 }
 
 /// Per window, its unit's amount, or `cost` for a window of requests.
@@ -72,6 +215,19 @@ fn amounts_of(units: &[Option<usize>], amounts: &[Millionths], cost: u64) -> Vec
     units
         .iter()
         .map(|u| u.map_or(cost, |i| amounts.get(i).map_or(0, |m| m.0)))
+        .collect()
+}
+
+/// Per window of a client's, its amount: its unit's, 0 for a unit the route does not meter,
+/// or `cost` for a window of requests.
+fn client_amounts(units: &[ClientUnit], amounts: &[Millionths], cost: u64) -> Vec<u64> {
+    units
+        .iter()
+        .map(|u| match u {
+            ClientUnit::Requests => cost,
+            ClientUnit::Metered(i) => amounts.get(*i).map_or(0, |m| m.0),
+            ClientUnit::Unmetered => 0,
+        })
         .collect()
 }
 
@@ -126,17 +282,18 @@ impl Meter {
         state: &dyn StateStore,
         metrics: &Metrics,
         route: &str,
-        quota: &RouteQuota,
+        quota: Option<&RouteQuota>,
         client: Option<&crate::clients::Client>,
         members: &[crate::table::Member],
     ) {
-        let Some(usage) = quota.usage.as_ref() else {
-            return;
-        };
-        let settled: Vec<Millionths> = match (self.status, self.scanner) {
+        let usage = quota.and_then(|q| q.usage.as_ref());
+        let settled: Vec<Millionths> = match (usage, self.status, self.scanner) {
+            (None, _, _) => Vec::new(),
             // No member answered, or its answer did no work.
-            (None, _) | (Some(_), None) => vec![Millionths(0); usage.units.len()],
-            (Some(_), Some(scanner)) => scanner
+            (Some(usage), None, _) | (Some(usage), Some(_), None) => {
+                vec![Millionths(0); usage.units.len()]
+            }
+            (Some(_), Some(_), Some(scanner)) => scanner
                 .finish()
                 .into_iter()
                 .zip(&self.reserved)
@@ -152,7 +309,7 @@ impl Meter {
                 })
                 .collect(),
         };
-        let route_settled = amounts_of(&quota.units, &settled, self.cost);
+        let route_settled = quota.map_or(Vec::new(), |q| amounts_of(&q.units, &settled, self.cost));
         let mut settlements = Vec::with_capacity(3);
         if let Some(entry) = self.entries.route {
             settlements.push(Settle {
@@ -165,16 +322,18 @@ impl Meter {
                 owner: Owner::Route,
             });
         }
-        // The chosen member's own windows settle like the route's; the client's count
-        // requests: its entry keeps the cost, and settling it closes the reservation.
+        // The chosen member's own windows settle like the route's, and the client's: a window
+        // of requests keeps the cost (settling it closes the reservation), a unit's becomes
+        // what the answer used.
         let member = self.entries.member.as_ref().and_then(|(id, entry)| {
             let i = members.iter().position(|m| m.name == *id)?;
             Some((&members[i], i, *entry))
         });
         let no_units = Vec::new();
+        let plan = &self.planned.members;
         let (member_reserved, member_settled) = match member {
             Some((_, i, _)) => (
-                self.planned.members.get(i).cloned().unwrap_or_default(),
+                plan.amounts.get(i).cloned().unwrap_or_default(),
                 amounts_of(
                     self.planned.member_units.get(i).unwrap_or(&no_units),
                     &settled,
@@ -183,26 +342,27 @@ impl Meter {
             ),
             None => (Vec::new(), Vec::new()),
         };
-        if let Some((m, _, entry)) = member {
+        if let Some((m, i, entry)) = member {
+            let periods = plan.periods.get(i).map_or(&[][..], |p| &p[..]);
             settlements.push(Settle {
                 key: &m.name,
-                windows: &m.windows,
+                windows: plan.windows.get(i).unwrap_or(&m.windows),
                 entry,
                 reserved: &member_reserved,
                 settled: &member_settled,
-                periods: &[],
+                periods,
                 owner: Owner::Member,
             });
         }
-        let client_costs = client.map_or(Vec::new(), |c| vec![self.cost; c.windows.len()]);
+        let client_settled = client_amounts(&self.planned.client_units, &settled, self.cost);
         if let (Some(entry), Some(c)) = (self.entries.client, client) {
             settlements.push(Settle {
                 key: &c.name,
-                windows: &c.windows,
+                windows: &self.planned.client_windows,
                 entry,
-                reserved: &client_costs,
-                settled: &client_costs,
-                periods: &[],
+                reserved: &self.planned.client_amounts,
+                settled: &client_settled,
+                periods: &self.planned.client_periods,
                 owner: Owner::Client,
             });
         }

@@ -601,13 +601,14 @@ impl ProxyHttp for Gateway {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
         send_with_the_others().await;
         if let (Some(meter), Some(route)) = (ctx.meter.take(), ctx.route.as_ref()) {
-            if let Some(quota) = route.quota.as_deref() {
-                let client = ctx.client.as_deref();
-                let (state, metrics) = (&*self.state, &self.metrics);
-                meter
-                    .settle(state, metrics, &route.name, quota, client, &route.members)
-                    .await;
-            }
+            // A route without a quota of its own may still have reserved: in its members' or
+            // its client's calendar or unit windows.
+            let quota = route.quota.as_deref();
+            let client = ctx.client.as_deref();
+            let (state, metrics) = (&*self.state, &self.metrics);
+            meter
+                .settle(state, metrics, &route.name, quota, client, &route.members)
+                .await;
         }
         account::finish(self, session, e, ctx);
     }

@@ -231,7 +231,8 @@ impl Selector for LeastUsed {
         }
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
-        match state.assign(self.ask(&excluded, None, tried.cost)).await {
+        let ask = self.ask(&excluded, None, tried.cost);
+        match assign(state, ask, tried.reserving()).await.map(|(a, _)| a) {
             Ok(Assignment::Assigned { member, .. }) => self.attempt_for(&member, tried),
             Ok(_) => None,
             // A full key table refuses (the member's windows could not be charged): no

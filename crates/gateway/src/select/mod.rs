@@ -227,79 +227,8 @@ impl Rules for PolicyRules {
             }
             (entry.check)(up, &at, &mut problems);
         }
-        problems.extend(unserved_windows(config));
         problems
     }
-}
-
-/// Windows the config describes and the gateway cannot meter yet: calendar windows and windows
-/// counted in a usage unit, except on a route with `quota.usage` (whose admission reserves and
-/// whose answers settle) its own windows, and its members' windows in units (sliding). Refused
-/// rather than run as sliding request counts, which would admit what the config means to
-/// refuse.
-fn unserved_windows(config: &Config) -> Vec<(YamlPath, String)> {
-    // Each window with whether the gateway meters it in a unit, and in a calendar period.
-    let route_windows = config.routes.iter().enumerate().flat_map(|(i, r)| {
-        let at = YamlPath::root().key("routes").index(i);
-        let metered = r.quota.as_ref().is_some_and(|q| q.usage.is_some());
-        let own = r.quota.iter().flat_map(|q| &q.windows).enumerate().map({
-            let at = at.clone();
-            move |(j, w)| {
-                let at = at.clone().key("quota").key("windows").index(j);
-                (at, w, metered, metered)
-            }
-        });
-        let members = r
-            .upstream
-            .members
-            .iter()
-            .enumerate()
-            .flat_map(move |(m, member)| {
-                let at = at.clone().key("upstream").key("members").index(m);
-                member
-                    .quota
-                    .iter()
-                    .flat_map(|q| &q.windows)
-                    .enumerate()
-                    .map(move |(j, w)| {
-                        let at = at.clone().key("quota").key("windows").index(j);
-                        (at, w, metered, false)
-                    })
-            });
-        own.chain(members)
-    });
-    let client_windows = config
-        .clients
-        .iter()
-        .flat_map(|c| c.list.iter().enumerate())
-        .flat_map(|(c, client)| {
-            client
-                .quota
-                .iter()
-                .flat_map(|q| &q.windows)
-                .enumerate()
-                .map(move |(j, w)| {
-                    let at = YamlPath::root().key("clients").key("list").index(c);
-                    (at.key("quota").key("windows").index(j), w, false, false)
-                })
-        });
-    let mut problems = Vec::new();
-    for (at, w, units, calendar) in route_windows.chain(client_windows) {
-        if w.calendar().is_some() && !calendar {
-            problems.push((
-                at.clone().key("window"),
-                "calendar windows are enforced only in a route's own quota with usage units yet; use a sliding window such as 30d".to_string(),
-            ));
-        }
-        if w.unit != crate::config::WindowUnit::Requests && !units {
-            problems.push((
-                at.key("unit"),
-                "windows in usage units are enforced only in a route's own quota and its members' yet; count requests"
-                    .to_string(),
-            ));
-        }
-    }
-    problems
 }
 
 /// For a policy's [`Kind::check`]: a member `weight` is refused, since `why` the policy does
@@ -483,9 +412,12 @@ impl<P: InProcess + Send + Sync> Selector for P {
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
         match self.limits() {
             None => self.pick(tried),
-            Some(limits) => choose_in_order(self, state, limits, tried, None, tried.cost, None)
-                .await
-                .into_attempt(),
+            Some(limits) => {
+                let reserving = tried.reserving();
+                choose_in_order(self, state, limits, tried, None, tried.cost, reserving)
+                    .await
+                    .into_attempt()
+            }
         }
     }
 
@@ -588,8 +520,33 @@ pub(crate) struct Reserving<'a> {
     pub(crate) amounts: &'a [u64],
     /// Per window, its period; empty when every window slides.
     pub(crate) periods: &'a [Option<Period>],
-    /// Per member of the route, in pool order, per window of its own, its amount.
-    pub(crate) members: &'a [Vec<u64>],
+    /// What the route's members' own windows are charged.
+    pub(crate) members: &'a MemberPlan,
+    /// Per window of the calling client's own, its amount (millionths of a unit, 0 for a unit
+    /// the route does not meter, or a request's cost); empty: the cost in each.
+    pub(crate) client: &'a [u64],
+    /// Per window of the client's own, its period; empty when every window slides.
+    pub(crate) client_periods: &'a [Option<Period>],
+}
+
+/// What a request charges the members' own windows, planned before admission; kept for a
+/// retry when a member has calendar windows, which only a reservation can place in their
+/// period.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct MemberPlan {
+    /// Per member, in pool order, per window of its own, its amount.
+    pub(crate) amounts: Vec<Vec<u64>>,
+    /// Per member, per window, its period; empty for a member whose windows all slide.
+    pub(crate) periods: Vec<Vec<Option<Period>>>,
+    /// Per member, its windows, a calendar window's length its current period's.
+    pub(crate) windows: Vec<Arc<[sluice_limiter::Window]>>,
+}
+
+impl MemberPlan {
+    /// Whether some member has a calendar window.
+    pub(crate) fn has_periods(&self) -> bool {
+        self.periods.iter().any(|p| !p.is_empty())
+    }
 }
 
 /// The entries a reservation recorded, which the request's settlement rewrites.
@@ -614,34 +571,69 @@ pub(crate) async fn assign(
     let Some(r) = reserving else {
         return Ok((state.assign(ask).await?, Entries::default()));
     };
+    // The members with their calendar windows cut to the periods planned: a fixed window's
+    // length is its period's.
+    let cut: Option<Vec<PoolMember>> = r.members.has_periods().then(|| {
+        ask.members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| PoolMember {
+                id: m.id.clone(),
+                windows: r
+                    .members
+                    .windows
+                    .get(i)
+                    .filter(|w| w.len() == m.windows.len())
+                    .cloned()
+                    .unwrap_or_else(|| m.windows.clone()),
+            })
+            .collect()
+    });
+    let ask = match &cut {
+        Some(members) => Assign { members, ..ask },
+        None => ask,
+    };
     // A member's planned amounts when they match its windows; else its windows count
     // requests and take the cost.
     let member_amounts: Vec<Vec<u64>> = ask
         .members
         .iter()
         .enumerate()
-        .map(|(i, m)| match r.members.get(i) {
+        .map(|(i, m)| match r.members.amounts.get(i) {
             Some(a) if a.len() == m.windows.len() => a.clone(),
             _ => vec![ask.cost; m.windows.len()],
         })
         .collect();
     let members: Vec<MemberUsage<'_>> = member_amounts
         .iter()
-        .map(|amounts| MemberUsage {
+        .enumerate()
+        .map(|(i, amounts)| MemberUsage {
             amounts,
-            periods: &[],
+            periods: r
+                .members
+                .periods
+                .get(i)
+                .filter(|p| p.len() == amounts.len())
+                .map_or(&[][..], |p| &p[..]),
         })
         .collect();
     let (client_cost, client_windows) = ask.quota.map_or((0, 0), |q| {
         (q.cost, q.client.map_or(0, |c| c.windows.len()))
     });
-    let client = vec![client_cost; client_windows];
+    let client = match r.client {
+        planned if planned.len() == client_windows => planned.to_vec(),
+        _ => vec![client_cost; client_windows],
+    };
+    let client_periods = match r.client_periods {
+        planned if planned.len() == client_windows => planned,
+        _ => &[],
+    };
     let usage = Usage {
         route: r.amounts,
         route_periods: r.periods,
         members: &members,
         client: &client,
-        client_periods: &[],
+        client_periods,
     };
     let reserved = state.assign_reserve(ask, usage).await?;
     let member = match (&reserved.assignment, reserved.member) {
@@ -746,34 +738,49 @@ impl Drop for Attempt {
 /// revisit a member that the pool has meanwhile marked down anyway.
 #[derive(Default)]
 pub(crate) struct Tried {
-    members: [u32; 8],
+    indexes: [u32; 8],
     len: usize,
     /// The least-used store failed for this request: it goes on with round-robin.
     pub(crate) fallback: bool,
     /// The request's cost, which another member's own windows are charged on a retry.
     pub(crate) cost: u64,
+    /// What a retry charges the members' own windows, when one has calendar windows.
+    pub(crate) members: Option<Arc<MemberPlan>>,
 }
 
 impl Tried {
+    /// A retry's reservation in the members' own windows: only theirs, in the periods of the
+    /// request's admission. `None` when every member's windows slide (a plain assignment
+    /// then charges the cost).
+    pub(crate) fn reserving(&self) -> Option<Reserving<'_>> {
+        self.members.as_deref().map(|members| Reserving {
+            amounts: &[],
+            periods: &[],
+            members,
+            client: &[],
+            client_periods: &[],
+        })
+    }
+
     pub(crate) fn push(&mut self, index: usize) {
-        self.members[self.len % self.members.len()] = index as u32;
+        self.indexes[self.len % self.indexes.len()] = index as u32;
         self.len += 1;
     }
 
     pub(crate) fn contains(&self, index: usize) -> bool {
-        self.members[..self.len.min(self.members.len())].contains(&(index as u32))
+        self.indexes[..self.len.min(self.indexes.len())].contains(&(index as u32))
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        self.members[..self.len.min(self.members.len())]
+        self.indexes[..self.len.min(self.indexes.len())]
             .iter()
             .map(|&i| i as usize)
     }
 
     /// The member of the latest attempt.
     pub(crate) fn last(&self) -> Option<usize> {
-        let n = self.members.len();
-        (self.len > 0).then(|| self.members[(self.len - 1) % n] as usize)
+        let n = self.indexes.len();
+        (self.len > 0).then(|| self.indexes[(self.len - 1) % n] as usize)
     }
 
     /// How many attempts were made.

@@ -188,19 +188,13 @@ fn every_policy_is_known_by_its_own_name_in_status() {
 }
 
 #[test]
-fn windows_the_gateway_cannot_meter_yet_are_refused() {
-    // Run as sliding request counts, these would admit what they are meant to refuse.
-    one_error(
-        "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: m, limit: 9, window: calendar_month }]\n",
-        "5:46: routes[0].quota.windows[0].window",
-        "calendar windows are enforced only in a route's own quota with usage units yet",
-    );
-    one_error(
-        "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      routes: [\"*\"]\n      quota: { windows: [{ name: d, limit: 9, window: 1d, unit: tokens }] }\nroutes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n",
-        "6:65: clients.list[0].quota.windows[0].unit",
-        "windows in usage units are enforced only in a route's own quota and its members' yet",
-    );
-    // A route's own windows in units and calendar periods are metered.
-    let yaml = "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }, { name: m, limit: 9, window: calendar_month }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n";
-    assert_eq!(check(yaml), Vec::<String>::new());
+fn calendar_and_unit_windows_pass_check_wherever_a_window_can_be() {
+    // A plain request-counting route, a member's and a client's windows: calendar periods
+    // and usage units are metered everywhere.
+    let plain = "routes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: m, limit: 9, window: calendar_month, tz: Europe/Paris }]\n";
+    assert_eq!(check(plain), Vec::<String>::new());
+    let member = "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"https://a.test\"\n          quota: { windows: [{ name: d, limit: 9, window: calendar_day }] }\n";
+    assert_eq!(check(member), Vec::<String>::new());
+    let client = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      routes: [\"*\"]\n      quota: { windows: [{ name: d, limit: 9, window: calendar_week, unit: tokens }, { name: r, limit: 9, window: calendar_day }] }\nroutes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n";
+    assert_eq!(check(client), Vec::<String>::new());
 }

@@ -201,13 +201,11 @@ impl Tunnels {
         // The client's socket: one that hangs up while waiting for capacity leaves the line.
         let fd = Some(client.id());
         // On a usage-metered route a tunnel reserves what a request without a body would.
-        let planned = quota.filter(|q| q.reserves()).map(|q| {
-            let reserved = q.usage.as_ref().map_or(Vec::new(), |u| {
-                let prefix = crate::usage::Prefix::unread(&head.headers);
-                u.reserve(&prefix.request(&head.headers))
-            });
-            super::meter::Planned::new(&route, q, &reserved, cost)
+        let reserved = quota.and_then(|q| q.usage.as_ref()).map_or(Vec::new(), |u| {
+            let prefix = crate::usage::Prefix::unread(&head.headers);
+            u.reserve(&prefix.request(&head.headers))
         });
+        let planned = super::meter::Planned::plan(&route, caller.as_deref(), &reserved, cost);
         match decide(
             &*self.state,
             &self.metrics,

@@ -1,0 +1,309 @@
+//! Calendar windows and usage units wherever a window can be, end to end on both stores: a
+//! route's own calendar window counting requests, a member's and a client's, each refusing at
+//! its limit until the period's boundary (the `Retry-After` is the time to it), and a client's
+//! budget in dollars charged on the routes that price dollars, settled to what each answer
+//! used, and not at all on a route that does not define the unit. Expected boundaries come from
+//! the test's own clock, in a zone without summer time (Asia/Tokyo, UTC+9) so that plain
+//! arithmetic finds its midnight.
+
+mod support;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use sluice_echo::openai::OpenAiStub;
+use support::{
+    request, start_backends, url, wait_until_async, Backend, Config, Gateway, HttpClient,
+    KeyMember, Response, Route, Store,
+};
+
+on_both_stores!(
+    a_routes_calendar_day_counting_requests_refuses_until_local_midnight,
+    a_members_calendar_window_refuses_until_midnight,
+    a_clients_calendar_window_refuses_until_local_midnight,
+    a_clients_dollar_budget_settles_exactly_on_routes_that_price_dollars,
+);
+
+const TOKYO: u64 = 9 * 3600;
+const DAY: u64 = 86_400;
+const BILLING: &str = "billing-token-0123456789";
+
+fn now_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// The next midnight, in Unix seconds, of the zone `offset` seconds east of UTC (no summer
+/// time), after `at`.
+fn next_midnight(at: f64, offset: u64) -> f64 {
+    let local = at as u64 + offset;
+    ((local / DAY + 1) * DAY - offset) as f64
+}
+
+/// Asserts that the refusal `r`, answered between `before` and `after` (Unix seconds), waits
+/// until the boundary: its `Retry-After` (whole seconds, rounded up) is at most the time from
+/// `before` to it, and more than the time from `after` to it less a minute, whatever the run's
+/// timing.
+fn waits_until(r: &Response, boundary: f64, before: f64, after: f64) {
+    let retry: f64 = r
+        .header("retry-after")
+        .expect("a Retry-After")
+        .parse()
+        .unwrap();
+    assert!(
+        retry <= (boundary - before).ceil() && retry > boundary - after - 60.0,
+        "Retry-After {retry}s, the boundary {}s away",
+        boundary - before
+    );
+}
+
+/// `yaml` with `value` set at the path of keys `at`.
+fn set(yaml: &str, at: &[&str], value: &str) -> String {
+    let mut config: Value = serde_yaml::from_str(yaml).unwrap();
+    let mut node = &mut config;
+    for key in at {
+        node = match key.parse::<usize>() {
+            Ok(i) => &mut node[i],
+            Err(_) => &mut node[*key],
+        };
+    }
+    *node = serde_yaml::from_str(value).unwrap();
+    serde_yaml::to_string(&config).unwrap()
+}
+
+async fn get(client: &mut HttpClient, host: &str, auth: Option<&str>) -> Response {
+    let auth = auth.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth
+        .iter()
+        .map(|a| ("Proxy-Authorization", a.as_str()))
+        .collect();
+    client
+        .request("GET", host, "/", &headers, b"")
+        .await
+        .unwrap()
+}
+
+/// A plain route's `{limit: 3, window: calendar_day, tz: Asia/Tokyo}` counts requests: three
+/// go, the fourth is refused until Tokyo's next midnight, and reaches no member.
+async fn a_routes_calendar_day_counting_requests_refuses_until_local_midnight(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let base = Config::new()
+        .store(&store)
+        .route(Route::new("api").member(url(backends[0].local_addr())))
+        .yaml();
+    let yaml = set(
+        &base,
+        &["routes", "0", "quota"],
+        "windows: [{ name: day, limit: 3, window: calendar_day, tz: Asia/Tokyo }]",
+    );
+    let gw = Gateway::start_with_ports(&yaml);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(get(&mut client, "api.test", None).await.status, 200);
+    }
+    let before = now_secs();
+    let refused = get(&mut client, "api.test", None).await;
+    let after = now_secs();
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.header("x-sluice-error"), Some("quota_exceeded"));
+    waits_until(&refused, next_midnight(before, TOKYO), before, after);
+    assert_eq!(backends[0].proxied_requests(), 3);
+}
+
+/// Two keys with `{limit: 2, window: calendar_day}` (UTC) each: four requests go, the fifth
+/// finds every key full until UTC midnight.
+async fn a_members_calendar_window_refuses_until_midnight(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2"]).await;
+    let route = Route::new("api")
+        .key_member(KeyMember::new(url(backends[0].local_addr()), "k1").window(
+            "day",
+            2,
+            "calendar_day",
+        ))
+        .key_member(KeyMember::new(url(backends[1].local_addr()), "k2").window(
+            "day",
+            2,
+            "calendar_day",
+        ));
+    let yaml = Config::new().store(&store).route(route).yaml();
+    let gw = Gateway::start_with_ports(&yaml);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..4 {
+        assert_eq!(get(&mut client, "api.test", None).await.status, 200);
+    }
+    let before = now_secs();
+    let refused = get(&mut client, "api.test", None).await;
+    let after = now_secs();
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    waits_until(&refused, next_midnight(before, 0), before, after);
+    let sent: Vec<u64> = backends.iter().map(|b| b.proxied_requests()).collect();
+    assert_eq!(sent, [2, 2]);
+}
+
+/// A client's own `{limit: 2, window: calendar_day, tz: Asia/Tokyo}` counts its requests on a
+/// route without a quota: the third is refused, naming the client's window, until Tokyo's
+/// midnight; another client is not limited by it.
+async fn a_clients_calendar_window_refuses_until_local_midnight(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let base = Config::new()
+        .store(&store)
+        .route(Route::new("api").member(url(backends[0].local_addr())))
+        .yaml();
+    let yaml = format!(
+        "{base}clients:
+  list:
+    - name: billing
+      tokens: [\"{BILLING}\"]
+      routes: [\"*\"]
+      destinations: [\"*\"]
+      quota: {{ windows: [{{ name: day, limit: 2, window: calendar_day, tz: Asia/Tokyo }}] }}
+    - name: search
+      tokens: [\"search-token-0123456789\"]
+      routes: [\"*\"]
+      destinations: [\"*\"]
+"
+    );
+    let gw = Gateway::start_with_ports(&yaml);
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            get(&mut client, "api.test", Some(BILLING)).await.status,
+            200
+        );
+    }
+    let before = now_secs();
+    let refused = get(&mut client, "api.test", Some(BILLING)).await;
+    let after = now_secs();
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let detail = refused.json()["detail"].as_str().unwrap().to_string();
+    assert!(
+        detail.contains("billing") && detail.contains("day"),
+        "{detail}"
+    );
+    waits_until(&refused, next_midnight(before, TOKYO), before, after);
+    let search = get(&mut client, "api.test", Some("search-token-0123456789")).await;
+    assert_eq!(search.status, 200);
+}
+
+/// What the route `openai`'s token window holds now, from `/status`.
+async fn tokens_held(gw: &Gateway) -> u64 {
+    let status = gw.status().await;
+    let route = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "openai")
+        .unwrap()
+        .clone();
+    let w = &route["quota"][0];
+    let limit = w["limit"].as_u64().unwrap();
+    limit - w["remaining"].as_u64().unwrap_or(limit)
+}
+
+/// A client's `{limit: 1, window: calendar_month, unit: usd}` on a route that prices dollars:
+/// each request reserves $0.50 and settles $0.10 (10 tokens at $0.01). After five settled
+/// requests the window holds exactly $0.50, so a sixth fits exactly at the limit ($0.50 +
+/// $0.50), which it would not if any settlement were off by a millionth of a dollar or had
+/// kept its reservation; the seventh ($0.60 + $0.50) is refused, naming the client's window.
+/// A route that does not define `usd` charges the window nothing: it still admits then.
+async fn a_clients_dollar_budget_settles_exactly_on_routes_that_price_dollars(backend: Backend) {
+    let store = Store::start(backend);
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let backends = start_backends(&["b1"]).await;
+    let base = Config::new()
+        .store(&store)
+        .route(
+            Route::new("openai")
+                .hosts(&["openai.test"])
+                .member(url(stub.local_addr())),
+        )
+        .route(Route::new("plain").member(url(backends[0].local_addr())))
+        .yaml();
+    let yaml = set(
+        &base,
+        &["routes", "0", "quota"],
+        r#"
+windows: [{ name: tpm, limit: 100000, window: 1m, unit: tokens }]
+usage:
+  tokens:
+    reserve: { json: "max_tokens", default: 50 }
+    settle: { json: "usage.total_tokens" }
+  usd:
+    reserve: { json: "max_tokens", default: 50, times: 0.01 }
+    settle: { json: "usage.total_tokens", times: 0.01 }
+"#,
+    );
+    let yaml = format!(
+        "{yaml}clients:
+  list:
+    - name: billing
+      tokens: [\"{BILLING}\"]
+      routes: [\"*\"]
+      destinations: [\"*\"]
+      quota: {{ windows: [{{ name: month, limit: 1, window: calendar_month, tz: Asia/Tokyo, unit: usd }}] }}
+"
+    );
+    let gw = Gateway::start_with_ports(&yaml);
+    let auth = format!("Bearer {BILLING}");
+    let body = json!({"model": "m", "max_tokens": 50, "messages": []}).to_string();
+    let chat = || {
+        let (addr, auth, body) = (gw.proxy_addr(), auth.clone(), body.clone());
+        async move {
+            let headers = [
+                ("Content-Type", "application/json"),
+                ("Proxy-Authorization", auth.as_str()),
+                ("x-stub-prompt-tokens", "4"),
+                ("x-stub-completion-tokens", "6"),
+            ];
+            request(
+                addr,
+                "POST",
+                "openai.test",
+                "/v1/chat/completions",
+                &headers,
+                body.as_bytes(),
+            )
+            .await
+        }
+    };
+    for n in 1..=6u64 {
+        let r = chat().await;
+        assert_eq!(r.status, 200, "request {n}: {}", r.text());
+        // The settlement of the route's windows and the client's is one store call: once the
+        // route's shows it, the client's holds it too.
+        let settled = wait_until_async(Duration::from_secs(10), || async {
+            tokens_held(&gw).await == 10 * n
+        })
+        .await;
+        assert!(settled, "request {n}: {} tokens", tokens_held(&gw).await);
+    }
+    let refused = chat().await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let detail = refused.json()["detail"].as_str().unwrap().to_string();
+    assert!(
+        detail.contains("billing") && detail.contains("month"),
+        "{detail}"
+    );
+    assert_eq!(
+        stub.exchanges().len(),
+        6,
+        "a refused request reaches no member"
+    );
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..3 {
+        let r = get(&mut client, "plain.test", Some(BILLING)).await;
+        assert_eq!(
+            r.status,
+            200,
+            "a route without usd charges nothing: {}",
+            r.text()
+        );
+    }
+}
