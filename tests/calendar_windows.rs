@@ -2,19 +2,21 @@
 //! route's own calendar window counting requests, a member's and a client's, each refusing at
 //! its limit until the period's boundary (the `Retry-After` is the time to it), and a client's
 //! budget in dollars charged on the routes that price dollars, settled to what each answer
-//! used, and not at all on a route that does not define the unit. Expected boundaries come from
+//! used, and not at all on a route that does not define the unit; the same on a Redis Cluster,
+//! where a client's windows are in a slot of their own. Expected boundaries come from
 //! the test's own clock, in a zone without summer time (Asia/Tokyo, UTC+9) so that plain
 //! arithmetic finds its midnight.
 
 mod support;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 use sluice_echo::openai::OpenAiStub;
+use sluice_testkit::RedisCluster;
 use support::{
     request, start_backends, url, wait_until_async, Backend, Config, Gateway, HttpClient,
-    KeyMember, Response, Route, Store,
+    KeyMember, Response, Route, State, Store,
 };
 
 on_both_stores!(
@@ -89,9 +91,12 @@ async fn get(client: &mut HttpClient, host: &str, auth: Option<&str>) -> Respons
 /// go, the fourth is refused until Tokyo's next midnight, and reaches no member.
 async fn a_routes_calendar_day_counting_requests_refuses_until_local_midnight(backend: Backend) {
     let store = Store::start(backend);
+    route_calendar_day(Config::new().store(&store)).await;
+}
+
+async fn route_calendar_day(config: Config) {
     let backends = start_backends(&["b1"]).await;
-    let base = Config::new()
-        .store(&store)
+    let base = config
         .route(Route::new("api").member(url(backends[0].local_addr())))
         .yaml();
     let yaml = set(
@@ -117,6 +122,10 @@ async fn a_routes_calendar_day_counting_requests_refuses_until_local_midnight(ba
 /// finds every key full until UTC midnight.
 async fn a_members_calendar_window_refuses_until_midnight(backend: Backend) {
     let store = Store::start(backend);
+    member_calendar_day(Config::new().store(&store)).await;
+}
+
+async fn member_calendar_day(config: Config) {
     let backends = start_backends(&["b1", "b2"]).await;
     let route = Route::new("api")
         .key_member(KeyMember::new(url(backends[0].local_addr()), "k1").window(
@@ -129,7 +138,7 @@ async fn a_members_calendar_window_refuses_until_midnight(backend: Backend) {
             2,
             "calendar_day",
         ));
-    let yaml = Config::new().store(&store).route(route).yaml();
+    let yaml = config.route(route).yaml();
     let gw = Gateway::start_with_ports(&yaml);
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..4 {
@@ -149,9 +158,12 @@ async fn a_members_calendar_window_refuses_until_midnight(backend: Backend) {
 /// midnight; another client is not limited by it.
 async fn a_clients_calendar_window_refuses_until_local_midnight(backend: Backend) {
     let store = Store::start(backend);
+    client_calendar_day(Config::new().store(&store)).await;
+}
+
+async fn client_calendar_day(config: Config) {
     let backends = start_backends(&["b1"]).await;
-    let base = Config::new()
-        .store(&store)
+    let base = config
         .route(Route::new("api").member(url(backends[0].local_addr())))
         .yaml();
     let yaml = format!(
@@ -213,12 +225,15 @@ async fn tokens_held(gw: &Gateway) -> u64 {
 /// A route that does not define `usd` charges the window nothing: it still admits then.
 async fn a_clients_dollar_budget_settles_exactly_on_routes_that_price_dollars(backend: Backend) {
     let store = Store::start(backend);
+    client_dollar_budget(Config::new().store(&store)).await;
+}
+
+async fn client_dollar_budget(config: Config) {
     let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
     let backends = start_backends(&["b1"]).await;
-    let base = Config::new()
-        .store(&store)
+    let base = config
         .route(
             Route::new("openai")
                 .hosts(&["openai.test"])
@@ -274,10 +289,23 @@ usage:
         }
     };
     for n in 1..=6u64 {
-        let r = chat().await;
-        assert_eq!(r.status, 200, "request {n}: {}", r.text());
-        // The settlement of the route's windows and the client's is one store call: once the
-        // route's shows it, the client's holds it too.
+        // A request that finds the previous one's reservation not settled yet is refused, and
+        // asks again: on a Redis Cluster the client's settlement is a call of its own, after
+        // the route's. Were any settlement inexact or missing, the sixth would never fit.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = chat().await;
+            if r.status == 200 {
+                break;
+            }
+            assert!(
+                r.status == 429 && Instant::now() < deadline,
+                "request {n}: {} {}",
+                r.status,
+                r.text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let settled = wait_until_async(Duration::from_secs(10), || async {
             tokens_held(&gw).await == 10 * n
         })
@@ -306,4 +334,17 @@ usage:
             r.text()
         );
     }
+}
+
+/// On a Redis Cluster, where a client's windows live in a slot of their own: the route's,
+/// the members' and the client's calendar windows refuse until their boundaries, and the
+/// client's dollar budget settles exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_calendar_and_dollar_windows_hold() {
+    let cluster = RedisCluster::start();
+    let config = || Config::new().state(State::cluster(cluster.urls()).timeout("2s"));
+    route_calendar_day(config()).await;
+    member_calendar_day(config()).await;
+    client_calendar_day(config()).await;
+    client_dollar_budget(config()).await;
 }
