@@ -283,6 +283,15 @@ pub struct Route {
     upstream: Upstream,
     #[serde(skip_serializing_if = "Option::is_none")]
     quota: Option<Quota>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    fallback: Vec<Fallback>,
+}
+
+/// One entry of a route's `fallback`.
+#[derive(Debug, Clone, Serialize)]
+struct Fallback {
+    route: String,
+    on: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -452,6 +461,7 @@ impl Route {
                 cooldown: None,
             },
             quota: None,
+            fallback: Vec::new(),
         }
     }
 
@@ -593,6 +603,16 @@ impl Route {
     /// `quota:`.
     pub fn quota(mut self, quota: Quota) -> Route {
         self.quota = Some(quota);
+        self
+    }
+
+    /// Adds a `fallback` entry: on to `route` for each reason of `on` (`quota_exceeded`,
+    /// `no_member`, `429`, `503`).
+    pub fn fallback(mut self, route: &str, on: &[&str]) -> Route {
+        self.fallback.push(Fallback {
+            route: route.into(),
+            on: on.iter().map(|s| s.to_string()).collect(),
+        });
         self
     }
 }

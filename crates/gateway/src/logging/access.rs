@@ -32,6 +32,8 @@ pub struct AccessLine<'a> {
     pub member: &'a str,
     /// The members tried, in order (route members: their names are the config's).
     pub members_tried: Option<&'a EachName<'a>>,
+    /// The routes the request left for their `fallback`, in order; none when it left none.
+    pub fallback_from: Option<&'a EachName<'a>>,
     /// Upstream attempts made.
     pub attempts: u32,
     /// Time from the request head to the end, in milliseconds.
@@ -168,6 +170,10 @@ fn fields<F: Format>(buf: &mut Vec<u8>, line: &AccessLine<'_>) {
     F::str(buf, field!("member"), line.member);
     if let Some(each) = line.members_tried {
         F::name(buf, field!("members_tried"));
+        F::list(buf, each);
+    }
+    if let Some(each) = line.fallback_from {
+        F::name(buf, field!("fallback_from"));
         F::list(buf, each);
     }
     F::num(buf, field!("attempts"), line.attempts.into());

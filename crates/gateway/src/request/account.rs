@@ -37,7 +37,15 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
             let member = ctx.member();
             if let Some(member) = member {
                 match (e, ctx.failure) {
-                    (_, Some(Failure::Unreachable | Failure::NoMember | Failure::Denied(_))) => {}
+                    (
+                        _,
+                        Some(
+                            Failure::Unreachable
+                            | Failure::NoMember
+                            | Failure::Denied(_)
+                            | Failure::Refused,
+                        ),
+                    ) => {}
                     (None, _) => member.attempts_ok.inc(),
                     (Some(_), _) => member.attempts_error.inc(),
                 }
@@ -129,6 +137,11 @@ pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
             }
         }
     };
+    let each_left = |put: &mut dyn FnMut(&str)| {
+        for name in ctx.fallback.iter().flat_map(|t| &t.from) {
+            put(name);
+        }
+    };
     let seen = &ctx.seen;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
     let request_id = seen.request_id.as_ref().and_then(|v| v.to_str().ok());
@@ -141,6 +154,7 @@ pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
         status: ended.status,
         member,
         members_tried: Some(&each_tried),
+        fallback_from: ctx.fallback.is_some().then_some(&each_left),
         attempts: ctx.tried.count() as u32,
         duration_ms: ms(elapsed),
         // Port 0: a trusted proxy's `X-Forwarded-For` names an address, not a socket.
@@ -201,6 +215,8 @@ fn error_of(
         }
         Some(Failure::NoMember) => return (Some("no_member"), None),
         Some(Failure::Denied(_)) => return (Some("destination_denied"), None),
+        // The fallback route's own answer, after a member's that did no work.
+        Some(Failure::Refused) => return (ctx.seen.answered, None),
         None => {}
     }
     let Some(e) = e else {

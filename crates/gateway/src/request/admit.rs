@@ -189,6 +189,16 @@ pub(crate) async fn admit(
             ratelimit,
             no_member,
         } => {
+            // A route that cannot serve the request may name another that can: the refusal
+            // is left to its `fallback`, which `request_filter` follows next.
+            if !route.config.fallback.is_empty() {
+                ctx.refusal = Some(Box::new(super::Refusal {
+                    problem,
+                    ratelimit,
+                    no_member,
+                }));
+                return Ok(false);
+            }
             ctx.ratelimit = ratelimit;
             if no_member {
                 ctx.failure = Some(Failure::NoMember);

@@ -291,6 +291,7 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
     let attempts = ctx.tried.count() as u32;
     let problem = match ctx.failure {
         Some(Failure::NoMember) => Some(Problem::no_member()),
+        Some(Failure::Refused) => ctx.fallback.as_mut().and_then(|t| t.take_refusal()),
         Some(Failure::Denied(denial)) => {
             let host = ctx.target.dest.as_ref().map_or("", |d| &*d.host);
             Some(Problem::destination_denied(crate::egress::describe(

@@ -33,6 +33,7 @@ pub(crate) mod answer;
 pub(crate) mod attempt;
 pub(crate) mod authorize;
 mod connect;
+mod fallback;
 mod forward;
 mod meter;
 mod refuse;
@@ -157,6 +158,18 @@ pub(crate) enum Failure {
     /// The egress guard refused the client's destination (a `direct` member): 403, nothing
     /// contacted, no other member tried.
     Denied(Denial),
+    /// After a member's answer that did no work, the fallback route refused the request: its
+    /// refusal, kept in the request's fallback trail, is the answer.
+    Refused,
+}
+
+/// Admission's refusal of a request on a route with a `fallback`: the answer the route gives,
+/// unless its fallback takes the request.
+pub(crate) struct Refusal {
+    pub(crate) problem: crate::problem::Problem,
+    pub(crate) ratelimit: Option<HeaderValue>,
+    /// The answer is `no_member`.
+    pub(crate) no_member: bool,
 }
 
 /// Per-request state.
@@ -201,6 +214,10 @@ pub struct RequestCtx {
     pub(crate) reserved: Vec<sluice_usage::Millionths>,
     /// An admitted request's reservation on a usage-metered route, until its answer ends.
     pub(crate) meter: Option<Box<meter::Meter>>,
+    /// The routes the request left for their `fallback`, once it left one.
+    pub(crate) fallback: Option<Box<fallback::Trail>>,
+    /// Admission's refusal on a route with a `fallback`, for [`fallback::after_refusal`].
+    pub(crate) refusal: Option<Box<Refusal>>,
     _in_flight: InFlight,
 }
 
@@ -357,6 +374,8 @@ impl RequestCtx {
             client: None,
             reserved: Vec::new(),
             meter: None,
+            fallback: None,
+            refusal: None,
             _in_flight: InFlight::enter(in_flight),
         }
     }
@@ -397,7 +416,10 @@ impl ProxyHttp for Gateway {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
-        let answered = admit::admit(self, session, ctx).await;
+        let mut answered = admit::admit(self, session, ctx).await;
+        if let Some(refusal) = ctx.refusal.take() {
+            answered = fallback::after_refusal(self, session, ctx, *refusal).await;
+        }
         if let Some(route) = &ctx.route {
             ctx.route_in_flight = Some(crate::metrics::GaugeGuard::enter(&route.in_flight));
         }
@@ -495,7 +517,10 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         ctx.seen.ttfb = Some(ctx.started.elapsed());
-        answer::learn_cooldown(self, session, response, ctx).await
+        // A replay to another member of the route comes first; the route's fallback, when the
+        // route has no other member to try.
+        answer::learn_cooldown(self, session, response, ctx).await?;
+        fallback::after_answer(self, session, response, ctx).await
     }
 
     async fn response_filter(
@@ -571,8 +596,9 @@ impl ProxyHttp for Gateway {
         )
     }
 
-    // A cooldown replay is no failure: Pingora would warn "Fail to proxy: HTTPStatus(429)" for
-    // it, so its own line is left out, and `learn_cooldown` logs the replay at info instead.
+    // A cooldown replay or a fallback is no failure: Pingora would warn "Fail to proxy:
+    // HTTPStatus(429)" for it, so its own line is left out, and `learn_cooldown` and
+    // `fallback` log them at info instead.
     // A retried connect failure keeps Pingora's warning.
     fn suppress_proxy_warn_log(
         &self,
@@ -582,7 +608,7 @@ impl ProxyHttp for Gateway {
         context: ProxyWarnLogContext,
     ) -> bool {
         matches!(context, ProxyWarnLogContext::UpstreamRetry)
-            && ctx.replayed
+            && (ctx.replayed || ctx.fallback.is_some())
             && matches!(error.etype(), pingora::ErrorType::HTTPStatus(_))
     }
 
