@@ -324,6 +324,13 @@ usage:
         6,
         "a refused request reaches no member"
     );
+    // `/status` shows the budget in dollars: $0.60 of $1 used, $0.40 left, read as 0 (what is
+    // left is rounded down to a whole unit).
+    let status = gw.status().await;
+    let month = &status["clients"]["list"][0]["quota"][0];
+    assert_eq!(month["unit"], "usd", "{month}");
+    assert_eq!(month["limit"], 1, "{month}");
+    assert_eq!(month["remaining"], 0, "{month}");
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..3 {
         let r = get(&mut client, "plain.test", Some(BILLING)).await;

@@ -296,7 +296,9 @@ impl<'a> Remaining<'a> {
         if client.windows.is_empty() || self.failed {
             return None;
         }
-        // No route windows: the store reads the client's alone (its own slot on a cluster).
+        // No route windows: the store reads the client's alone (its own slot on a cluster),
+        // a calendar window over its current period.
+        let windows = crate::quota::windows_at(&client.windows, &client.calendars, now_us());
         let read = self.state.acquire(sluice_limiter::Acquire {
             route: "",
             key: "",
@@ -305,7 +307,7 @@ impl<'a> Remaining<'a> {
             at_us: None,
             client: Some(sluice_limiter::ClientWindows {
                 name: &client.name,
-                windows: &client.windows,
+                windows: &windows,
             }),
         });
         let outcome = self.answer(read.await)?;
@@ -320,9 +322,11 @@ impl<'a> Remaining<'a> {
         if member.windows.is_empty() || self.failed {
             return None;
         }
+        // A calendar window is read over its current period, as admission charges it.
+        let windows = crate::quota::windows_at(&member.windows, &member.calendars, now_us());
         let pool_member = sluice_allocator::PoolMember {
             id: member.name.clone(),
-            windows: member.windows.clone(),
+            windows: windows.clone(),
         };
         let read = self.state.member_remaining(route, &pool_member).await;
         let remaining = self.answer(read)?;
@@ -332,7 +336,7 @@ impl<'a> Remaining<'a> {
                 route,
                 sluice_limiter::Owner::Member,
                 &member.name,
-                &member.windows,
+                &windows,
                 None,
             )
             .await;
@@ -344,6 +348,13 @@ impl<'a> Remaining<'a> {
         self.failed |= result.is_err();
         result.ok()
     }
+}
+
+/// The wall clock in microseconds, which calendar periods are cut on.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// Each window's [`Held`], from what is left and what it holds (in the same order).
@@ -394,7 +405,7 @@ fn clients_json(
             let mut e = entry(&c.name);
             e["routes"] = routes.into();
             if !c.windows.is_empty() {
-                e["quota"] = windows_json(c.windows.iter(), &[], left).into();
+                e["quota"] = windows_json(c.windows.iter(), &c.units, left).into();
             }
             e
         })

@@ -102,6 +102,34 @@ pub fn calendar_of(w: &crate::config::WindowConfig) -> Option<sluice_limiter::ca
     Some(Calendar::new(period, tz.zone))
 }
 
+/// `windows` as read at `now_us` (wall clock, microseconds): each calendar window's length is
+/// its current period's (`calendars`, per window), so that a read that knows no period (cost 0,
+/// for `/status` and metrics) counts exactly the period's entries. Sliding windows, and every
+/// window when none is a calendar window, are as they are.
+pub(crate) fn windows_at(
+    windows: &std::sync::Arc<[Window]>,
+    calendars: &[Option<sluice_limiter::calendar::Calendar>],
+    now_us: u64,
+) -> std::sync::Arc<[Window]> {
+    if calendars.iter().all(Option::is_none) {
+        return windows.clone();
+    }
+    windows
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let bounds = calendars.get(i).and_then(|c| c.as_ref()?.bounds_at(now_us));
+            match bounds {
+                Some(b) => Window {
+                    length_us: b.end_us - b.start_us,
+                    ..w.clone()
+                },
+                None => w.clone(),
+            }
+        })
+        .collect()
+}
+
 /// A cost rule, ready to match.
 pub struct CostRule {
     prefix: Box<str>,
@@ -312,6 +340,26 @@ mod tests {
             "Monday 2025-03-31T00:00Z, in UTC when no tz is given"
         );
         assert!(calendar_of(&windows[2]).is_none());
+    }
+
+    #[test]
+    fn windows_read_at_an_instant_take_their_periods_length() {
+        let yaml = "routes:\n  - name: r\n    upstream: {}\n    quota:\n      windows:\n        - { name: d, limit: 9, window: calendar_day, tz: Asia/Tokyo }\n        - { name: m, limit: 9, window: calendar_month }\n        - { name: s, limit: 9, window: 1m }\n";
+        let config = crate::config::Config::parse("t.yaml", yaml).unwrap_or_else(|e| panic!("{e}"));
+        let configured = &config.routes[0].quota.as_ref().unwrap().windows;
+        let windows: std::sync::Arc<[Window]> = configured.iter().map(window_of).collect();
+        let calendars: Vec<_> = configured.iter().map(calendar_of).collect();
+        assert_eq!(windows[0].length_us, u64::MAX, "no period until one is cut");
+        // 2025-02-10T12:00Z: a Tokyo day of 24 hours, and February of 28 days in UTC.
+        let at_us = 1_739_188_800_000_000;
+        let read = windows_at(&windows, &calendars, at_us);
+        let lengths: Vec<u64> = read.iter().map(|w| w.length_us).collect();
+        assert_eq!(lengths, [86_400_000_000, 28 * 86_400_000_000, 60_000_000]);
+        let sliding: std::sync::Arc<[Window]> = windows[2..].iter().cloned().collect();
+        assert!(std::sync::Arc::ptr_eq(
+            &windows_at(&sliding, &calendars[2..], at_us),
+            &sliding
+        ));
     }
 
     #[test]

@@ -102,6 +102,8 @@ pub struct Member {
     pub windows: Arc<[Window]>,
     /// The unit of each of `windows`, as `/status` reports it.
     pub units: Arc<[crate::quota::UnitName]>,
+    /// Per window of `windows`, its calendar when it is a fixed (calendar) window.
+    pub calendars: Arc<[Option<sluice_limiter::calendar::Calendar>]>,
     /// Origin, proxy or direct.
     pub kind: MemberKind,
     /// The member's address and prebuilt peer, kept fresh by [`crate::dns_refresh::DnsRefresher`];
@@ -388,6 +390,12 @@ async fn build_members(
                 .iter()
                 .flat_map(|q| &q.windows)
                 .map(crate::quota::unit_of)
+                .collect(),
+            calendars: m
+                .quota
+                .iter()
+                .flat_map(|q| &q.windows)
+                .map(crate::quota::calendar_of)
                 .collect(),
             kind: m.kind.clone(),
             cell,
