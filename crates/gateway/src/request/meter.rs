@@ -10,7 +10,7 @@ use sluice_usage::{Millionths, ResponseScanner};
 
 use crate::clients::Client;
 use crate::metrics::Metrics;
-use crate::quota::{calendar_of, RouteQuota};
+use crate::quota::RouteQuota;
 use crate::select::{Entries, MemberPlan, Reserving};
 
 /// What a request reserves in its route's windows, its members' and its client's, decided
@@ -73,22 +73,24 @@ impl Planned {
         let usage = quota.and_then(|q| q.usage.as_ref());
         let now = now_us();
         let member_configs = &route.config.upstream.members;
-        // Per member, its windows' periods now (empty when they all slide).
-        let member_periods: Vec<Vec<Option<Period>>> = member_configs
+        let member_calendars = route
+            .members
             .iter()
-            .map(|m| {
-                let windows = m.quota.as_ref().map_or(&[][..], |q| &q.windows[..]);
-                periods_of(windows.iter().map(calendar_of), now)
-            })
-            .collect();
-        let member_calendars = member_periods.iter().any(|p| !p.is_empty());
+            .any(|m| m.calendars.iter().any(Option::is_some));
         let client = caller.filter(|c| !c.windows.is_empty());
+        // Checked before anything is allocated: most requests only count.
         let needed = quota.is_some_and(RouteQuota::reserves)
             || member_calendars
             || client.is_some_and(Client::reserves);
         if !needed {
             return None;
         }
+        // Per member, its windows' periods now (empty when they all slide).
+        let member_periods: Vec<Vec<Option<Period>>> = route
+            .members
+            .iter()
+            .map(|m| periods_of(&m.calendars, now))
+            .collect();
         let member_units: Vec<Vec<Option<usize>>> = member_configs
             .iter()
             .map(|m| {
@@ -109,7 +111,7 @@ impl Planned {
         let (client_windows, client_periods, client_units) = match client {
             None => (Vec::new(), Vec::new(), Vec::new()),
             Some(c) => {
-                let periods = periods_of(c.calendars.iter().cloned(), now);
+                let periods = periods_of(&c.calendars, now);
                 let units = c
                     .units
                     .iter()
@@ -179,11 +181,16 @@ impl Planned {
 
 /// Per window of `calendars`, its period at `now_us`; empty when every window slides.
 fn periods_of(
-    calendars: impl Iterator<Item = Option<sluice_limiter::calendar::Calendar>>,
+    calendars: &[Option<sluice_limiter::calendar::Calendar>],
     now_us: u64,
 ) -> Vec<Option<Period>> {
     let periods: Vec<Option<Period>> = calendars
-        .map(|c| c.and_then(|c| c.bounds_at(now_us)).map(Period::from))
+        .iter()
+        .map(|c| {
+            c.as_ref()
+                .and_then(|c| c.bounds_at(now_us))
+                .map(Period::from)
+        })
         .collect();
     if periods.iter().all(Option::is_none) {
         Vec::new()
