@@ -16,7 +16,7 @@ use sluice_echo::openai::OpenAiStub;
 use sluice_testkit::RedisCluster;
 use support::{
     request, start_backends, url, wait_until_async, Backend, Config, Gateway, HttpClient,
-    KeyMember, Response, Route, State, Store,
+    KeyMember, Passive, Response, Route, State, Store,
 };
 
 on_both_stores!(
@@ -24,6 +24,7 @@ on_both_stores!(
     a_members_calendar_window_refuses_until_midnight,
     a_clients_calendar_window_refuses_until_local_midnight,
     a_clients_dollar_budget_settles_exactly_on_routes_that_price_dollars,
+    a_retry_charges_the_next_members_calendar_window_and_settles_it,
 );
 
 const TOKYO: u64 = 9 * 3600;
@@ -354,4 +355,49 @@ async fn on_a_cluster_calendar_and_dollar_windows_hold() {
     member_calendar_day(config()).await;
     client_calendar_day(config()).await;
     client_dollar_budget(config()).await;
+}
+
+/// What member `i` of the first route holds in its first window, from `/status`: reserved and
+/// settled requests.
+async fn member_holds(gw: &Gateway, i: usize) -> (u64, u64) {
+    let status = gw.status().await;
+    let w = &status["routes"][0]["members"][i]["quota"][0];
+    (
+        w["reserved"].as_u64().unwrap_or(u64::MAX),
+        w["settled"].as_u64().unwrap_or(u64::MAX),
+    )
+}
+
+/// A request whose first member (`k1`, nothing listening) fails to connect is retried on
+/// `k2`: both keys' calendar windows hold the request, in the admission's period, and its
+/// settlement closes both entries, the retry's too: nothing is left reserved.
+async fn a_retry_charges_the_next_members_calendar_window_and_settles_it(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b2"]).await;
+    let nobody = format!("http://127.0.0.1:{}", support::free_port());
+    let route = Route::new("api")
+        .priority()
+        .retries(1)
+        // Never ejected, so that each request tries k1 first.
+        .passive(Passive::cooldown("1h").fall(100))
+        .key_member(KeyMember::new(nobody, "k1").window("day", 100, "calendar_day"))
+        .key_member(KeyMember::new(url(backends[0].local_addr()), "k2").window(
+            "day",
+            5,
+            "calendar_day",
+        ));
+    let gw = Gateway::start_with_ports(&Config::new().store(&store).route(route).yaml());
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for _ in 0..2 {
+        let r = get(&mut client, "api.test", None).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(backends[0].proxied_requests(), 2);
+    for i in [0, 1] {
+        let settled = wait_until_async(Duration::from_secs(10), || async {
+            member_holds(&gw, i).await == (0, 2)
+        })
+        .await;
+        assert!(settled, "member {i}: {:?}", member_holds(&gw, i).await);
+    }
 }

@@ -254,6 +254,9 @@ pub(crate) struct Meter {
     pub(crate) scanner: Option<ResponseScanner>,
     /// The status of the member's answer that went to the client.
     pub(crate) status: Option<u16>,
+    /// The entries retries reserved in other members' calendar windows, with each member's id:
+    /// settled with the request's cost, which closes them.
+    pub(crate) retried: Vec<(Arc<str>, sluice_limiter::EntryId)>,
 }
 
 impl Meter {
@@ -358,6 +361,32 @@ impl Meter {
                 reserved: &member_reserved,
                 settled: &member_settled,
                 periods,
+                owner: Owner::Member,
+            });
+        }
+        // A retry's entries hold the request's cost in each window ([`Planned::for_retries`]).
+        let retried: Vec<(
+            &crate::table::Member,
+            usize,
+            sluice_limiter::EntryId,
+            Vec<u64>,
+        )> = self
+            .retried
+            .iter()
+            .filter_map(|(id, entry)| {
+                let i = members.iter().position(|m| m.name == *id)?;
+                let costs = vec![self.cost; members[i].windows.len()];
+                Some((&members[i], i, *entry, costs))
+            })
+            .collect();
+        for (m, i, entry, costs) in &retried {
+            settlements.push(Settle {
+                key: &m.name,
+                windows: plan.windows.get(*i).unwrap_or(&m.windows),
+                entry: *entry,
+                reserved: costs,
+                settled: costs,
+                periods: plan.periods.get(*i).map_or(&[][..], |p| &p[..]),
                 owner: Owner::Member,
             });
         }

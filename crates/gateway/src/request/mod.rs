@@ -626,9 +626,10 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
         send_with_the_others().await;
-        if let (Some(meter), Some(route)) = (ctx.meter.take(), ctx.route.as_ref()) {
+        if let (Some(mut meter), Some(route)) = (ctx.meter.take(), ctx.route.as_ref()) {
             // A route without a quota of its own may still have reserved: in its members' or
-            // its client's calendar or unit windows.
+            // its client's calendar or unit windows, and its retries in other members'.
+            meter.retried = std::mem::take(&mut ctx.tried.retried);
             let quota = route.quota.as_deref();
             let client = ctx.client.as_deref();
             let (state, metrics) = (&*self.state, &self.metrics);

@@ -93,6 +93,7 @@ impl LeastUsed {
             cost: cost.max(1),
             cooldowns: self.cooldowns,
             at_us: None,
+            lease: None,
         }
     }
 
@@ -232,8 +233,11 @@ impl Selector for LeastUsed {
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
         let ask = self.ask(&excluded, None, tried.cost);
-        match assign(state, ask, tried.reserving()).await.map(|(a, _)| a) {
-            Ok(Assignment::Assigned { member, .. }) => self.attempt_for(&member, tried),
+        match assign(state, ask, tried.reserving()).await {
+            Ok((Assignment::Assigned { member, .. }, entries)) => {
+                tried.reserved(&entries);
+                self.attempt_for(&member, tried)
+            }
             Ok(_) => None,
             // A full key table refuses (the member's windows could not be charged): no
             // unmetered retry.

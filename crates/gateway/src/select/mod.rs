@@ -414,9 +414,12 @@ impl<P: InProcess + Send + Sync> Selector for P {
             None => self.pick(tried),
             Some(limits) => {
                 let reserving = tried.reserving();
-                choose_in_order(self, state, limits, tried, None, tried.cost, reserving)
-                    .await
-                    .into_attempt()
+                let admission =
+                    choose_in_order(self, state, limits, tried, None, tried.cost, reserving).await;
+                if let Admission::Admitted { entries, .. } = &admission {
+                    tried.reserved(entries);
+                }
+                admission.into_attempt()
             }
         }
     }
@@ -489,6 +492,7 @@ pub(crate) async fn choose_among(
         cost: cost.max(1),
         cooldowns: limits.cooldowns,
         at_us: None,
+        lease: None,
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
     match assign(state, ask, reserving).await {
@@ -746,6 +750,9 @@ pub(crate) struct Tried {
     pub(crate) cost: u64,
     /// What a retry charges the members' own windows, when one has calendar windows.
     pub(crate) members: Option<Arc<MemberPlan>>,
+    /// The entries retries reserved in members' own windows ([`Tried::members`]), with each
+    /// member's id, which the request's settlement closes.
+    pub(crate) retried: Vec<(Arc<str>, EntryId)>,
 }
 
 impl Tried {
@@ -760,6 +767,13 @@ impl Tried {
             client: &[],
             client_periods: &[],
         })
+    }
+
+    /// Keeps the member's entry a retry reserved, for the request's settlement.
+    pub(crate) fn reserved(&mut self, entries: &Entries) {
+        if let Some(member) = &entries.member {
+            self.retried.push(member.clone());
+        }
     }
 
     pub(crate) fn push(&mut self, index: usize) {

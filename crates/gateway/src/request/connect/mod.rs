@@ -201,10 +201,12 @@ impl Tunnels {
         // The client's socket: one that hangs up while waiting for capacity leaves the line.
         let fd = Some(client.id());
         // On a usage-metered route a tunnel reserves what a request without a body would.
-        let reserved = quota.and_then(|q| q.usage.as_ref()).map_or(Vec::new(), |u| {
-            let prefix = crate::usage::Prefix::unread(&head.headers);
-            u.reserve(&prefix.request(&head.headers))
-        });
+        let reserved = quota
+            .and_then(|q| q.usage.as_ref())
+            .map_or(Vec::new(), |u| {
+                let prefix = crate::usage::Prefix::unread(&head.headers);
+                u.reserve(&prefix.request(&head.headers))
+            });
         let planned = super::meter::Planned::plan(&route, caller.as_deref(), &reserved, cost);
         match decide(
             &*self.state,
@@ -227,6 +229,10 @@ impl Tunnels {
                 entries: _,
             } => {
                 ctx.admitted(first, ratelimit, fallback, cost);
+                // A retry places a member's calendar windows in their periods too.
+                ctx.tried.members = planned
+                    .as_ref()
+                    .and_then(super::meter::Planned::for_retries);
             }
             Verdict::Answer {
                 problem,
