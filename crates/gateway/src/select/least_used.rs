@@ -93,7 +93,6 @@ impl LeastUsed {
             cost: cost.max(1),
             cooldowns: self.cooldowns,
             at_us: None,
-            lease: None,
         }
     }
 

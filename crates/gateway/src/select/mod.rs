@@ -492,7 +492,6 @@ pub(crate) async fn choose_among(
         cost: cost.max(1),
         cooldowns: limits.cooldowns,
         at_us: None,
-        lease: None,
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
     match assign(state, ask, reserving).await {
