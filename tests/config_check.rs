@@ -186,10 +186,9 @@ fn version_is_printed() {
 }
 
 #[test]
-fn usage_metered_windows_are_checked_and_member_calendar_windows_refused_until_metered() {
+fn usage_metered_windows_are_checked_and_member_calendar_windows_pass() {
     // The contract's example: a route's own windows in units and calendar periods pass, and a
-    // member's window in a unit; a member's calendar window is refused, rather than counted as
-    // a sliding one.
+    // member's windows in a unit and in a calendar period.
     let yaml = r#"routes:
   - name: openai
     upstream: { members: [{ url: "http://127.0.0.1:9001" }] }
@@ -213,12 +212,8 @@ fn usage_metered_windows_are_checked_and_member_calendar_windows_refused_until_m
         r#"members: [{ url: "http://127.0.0.1:9001" }]"#,
         r#"members: [{ url: "http://127.0.0.1:9001", quota: { windows: [{ name: k, limit: 9, window: 1m, unit: tokens }, { name: d, limit: 9, window: calendar_day }] } }]"#,
     );
-    let (code, _, stderr, file) = check(&member);
-    assert_eq!(code, 1, "{stderr}");
-    assert_eq!(
-        stderr,
-        format!("{file}:3:156: routes[0].upstream.members[0].quota.windows[1].window: calendar windows are enforced only in a route's own quota with usage units yet; use a sliding window such as 30d\n"),
-    );
+    let (code, stdout, stderr, _) = check(&member);
+    assert_eq!(code, 0, "{stdout}{stderr}");
     // Mistakes in the units are placed like any other.
     let (code, _, stderr, file) = check(&yaml.replace("unit: usd,", "unit: eur,"));
     assert_eq!(code, 1, "{stderr}");
