@@ -3,7 +3,8 @@
 //! its limit until the period's boundary (the `Retry-After` is the time to it), and a client's
 //! budget in dollars charged on the routes that price dollars, settled to what each answer
 //! used, and not at all on a route that does not define the unit; the same on a Redis Cluster,
-//! where a client's windows are in a slot of their own. Expected boundaries come from
+//! where a client's windows are in a slot of their own. A retry to another key charges and
+//! settles that key's calendar window too. Expected boundaries come from
 //! the test's own clock, in a zone without summer time (Asia/Tokyo, UTC+9) so that plain
 //! arithmetic finds its midnight.
 
