@@ -194,6 +194,49 @@ async fn a_member_429_settles_to_zero(backend: Backend) {
     holds(&gw, 0).await;
 }
 
+/// A client that leaves while the member works does not take the reservation back: the
+/// member got the request and may bill it, so it stands, counted as `no_answer`.
+async fn a_client_gone_after_the_member_got_the_request_leaves_its_reservation(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    stub.hold();
+    let addr = gw.proxy_addr();
+    let body = json!({"model": "m", "max_tokens": 70, "messages": []}).to_string();
+    let task = tokio::spawn(async move {
+        request(
+            addr,
+            "POST",
+            "openai.test",
+            "/v1/chat/completions",
+            &[("Content-Type", "application/json")],
+            body.as_bytes(),
+        )
+        .await
+    });
+    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    // The client hangs up while the member holds its answer.
+    task.abort();
+    let labels = [("route", "openai"), ("reason", "no_answer")];
+    let counted = wait_until_async(Duration::from_secs(10), || async {
+        gw.metric("sluice_usage_unsettled_total", &labels).await == Some(1.0)
+    })
+    .await;
+    assert!(counted, "{}", gw.metrics().await);
+    holds(&gw, 70).await;
+    stub.release();
+}
+
+/// A request no member got (its only member is gone) settles to 0.
+async fn a_request_no_member_got_settles_to_zero(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    stub.stop().await;
+    let body = json!({"model": "m", "max_tokens": 70, "messages": []});
+    let r = chat(&gw, &body, &[]).await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    holds(&gw, 0).await;
+}
+
 async fn a_full_window_refuses_until_a_settlement_frees_room(backend: Backend) {
     let store = Store::start(backend);
     let (gw, stub) = setup(&store, 100).await;
@@ -505,6 +548,8 @@ async fn ratelimit_and_status_report_tokens(backend: Backend) {
 }
 
 on_both_stores!(
+    a_client_gone_after_the_member_got_the_request_leaves_its_reservation,
+    a_request_no_member_got_settles_to_zero,
     ratelimit_and_status_report_tokens,
     members_windows_in_tokens_pick_a_key_with_room_and_settle,
     a_settlement_past_the_limit_is_recorded_and_counted,

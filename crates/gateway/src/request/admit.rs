@@ -180,6 +180,7 @@ pub(crate) async fn admit(
                     entries,
                     scanner: None,
                     status: None,
+                    sent: false,
                     retried: Vec::new(),
                 })
             });

@@ -396,6 +396,7 @@ async fn admit_on(
                     entries,
                     scanner: None,
                     status: None,
+                    sent: false,
                     retried: Vec::new(),
                 })
             });

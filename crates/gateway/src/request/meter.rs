@@ -254,6 +254,10 @@ pub(crate) struct Meter {
     pub(crate) scanner: Option<ResponseScanner>,
     /// The status of the member's answer that went to the client.
     pub(crate) status: Option<u16>,
+    /// Whether the request's head went to a member: from then on the member may have done the
+    /// work (and billed it) even when no answer comes back, so the reservation is no longer
+    /// given back.
+    pub(crate) sent: bool,
     /// The entries retries reserved in other members' calendar windows, with each member's id:
     /// settled with the request's cost, which closes them.
     pub(crate) retried: Vec<(Arc<str>, sluice_limiter::EntryId)>,
@@ -276,6 +280,14 @@ impl Meter {
             .then(|| ResponseScanner::new(&usage.settles, usage.max_response_body, headers));
     }
 
+    /// The request goes to a member (again, after a replay or a fallback): an earlier
+    /// member's answer no longer says what this request used.
+    pub(crate) fn sending(&mut self) {
+        self.sent = true;
+        self.status = None;
+        self.scanner = None;
+    }
+
     /// A chunk of the answer's body, as it goes to the client.
     pub(crate) fn body(&mut self, chunk: &[u8]) {
         if let Some(s) = self.scanner.as_mut().filter(|s| s.wants_body()) {
@@ -284,8 +296,8 @@ impl Meter {
     }
 
     /// Settles the reservation in one store call: each unit window's entry becomes what the
-    /// answer used (0 when no member answered, or answered with a status in `zero_on`), or
-    /// keeps its reservation when the amount cannot be read. Windows of requests keep the
+    /// answer used (0 when no member got the request, or answered with a status in `zero_on`),
+    /// or keeps its reservation when the amount cannot be read or no answer came back. Windows of requests keep the
     /// request's cost.
     pub(crate) async fn settle(
         self,
@@ -299,7 +311,16 @@ impl Meter {
         let usage = quota.and_then(|q| q.usage.as_ref());
         let settled: Vec<Millionths> = match (usage, self.status, self.scanner) {
             (None, _, _) => Vec::new(),
-            // No member answered, or its answer did no work.
+            // The request went to a member and no answer came back (the client left first,
+            // or the member failed): it may have done the work, so the reservation stands.
+            (Some(_), None, _) if self.sent => {
+                metrics
+                    .usage_unsettled
+                    .with_label_values(&[route, "no_answer"])
+                    .inc();
+                self.reserved.clone()
+            }
+            // No member got the request, or its answer did no work.
             (Some(usage), None, _) | (Some(usage), Some(_), None) => {
                 vec![Millionths(0); usage.units.len()]
             }

@@ -504,6 +504,9 @@ impl ProxyHttp for Gateway {
                 .as_ref()
                 .is_some_and(|r| route::meters_usage(&r.config));
         forward::request_headers(session, upstream, ctx)?;
+        if let Some(meter) = ctx.meter.as_deref_mut() {
+            meter.sending();
+        }
         send_with_the_others().await;
         Ok(())
     }
