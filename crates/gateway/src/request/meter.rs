@@ -297,8 +297,8 @@ impl Meter {
 
     /// Settles the reservation in one store call: each unit window's entry becomes what the
     /// answer used (0 when no member got the request, or answered with a status in `zero_on`),
-    /// or keeps its reservation when the amount cannot be read or no answer came back. Windows of requests keep the
-    /// request's cost.
+    /// or keeps its reservation when the amount cannot be read or no answer came back. Windows
+    /// of requests keep the request's cost.
     pub(crate) async fn settle(
         self,
         state: &dyn StateStore,
