@@ -333,6 +333,19 @@ usage:
     assert_eq!(month["unit"], "usd", "{month}");
     assert_eq!(month["limit"], 1, "{month}");
     assert_eq!(month["remaining"], 0, "{month}");
+    // A calendar window's length is its current period's: a month of 28 to 31 days.
+    let days = month["window_ms"].as_u64().unwrap_or(0) / 86_400_000;
+    assert!((28..=31).contains(&days), "{month}");
+    // What it holds shows apart, exact: $0.60 settled and nothing reserved, once the client's
+    // own settlement (a call of its own on a cluster) is in.
+    let apart = wait_until_async(Duration::from_secs(10), || async {
+        let status = gw.status().await;
+        let month = &status["clients"]["list"][0]["quota"][0];
+        month["reserved"] == 0 && month["settled"].as_f64() == Some(0.6)
+    })
+    .await;
+    let status = gw.status().await;
+    assert!(apart, "{}", status["clients"]["list"][0]["quota"][0]);
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..3 {
         let r = get(&mut client, "plain.test", Some(BILLING)).await;

@@ -282,7 +282,7 @@ async fn the_client_label_is_bounded_by_the_list_and_status_shows_each_client() 
     );
     assert_eq!(
         status_client(&status, "batch")["quota"],
-        serde_json::json!([{"name": "daily", "limit": 100, "window_ms": 3_600_000, "remaining": 99}])
+        serde_json::json!([{"name": "daily", "limit": 100, "window_ms": 3_600_000, "remaining": 99, "reserved": 0, "settled": 1}])
     );
     let u = status_client(&status, "unknown");
     let n = 3 * EACH as u64 + 1;
@@ -314,7 +314,10 @@ async fn the_client_label_is_bounded_by_the_list_and_status_shows_each_client() 
     let r = proxy_get(&gw, "admin-api.test", &[("Proxy-Authorization", &billing)]).await;
     assert_eq!(r.status, 200, "report mode lets it go: {}", r.text());
     let seen = wait_until_async(WAIT, || async {
-        status_client(&gw.status().await, "billing")["would_deny"] == 1
+        // The request counts come with the access line, after the answer: wait for both.
+        let status = gw.status().await;
+        let b = status_client(&status, "billing");
+        b["would_deny"] == 1 && b["requests"] == 6
     })
     .await;
     let status = gw.status().await;

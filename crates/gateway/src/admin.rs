@@ -182,8 +182,13 @@ impl AdminApi {
                         member["cooling_ms"] = us.div_ceil(1000).into();
                     }
                     if !proxied.windows.is_empty() {
-                        member["quota"] =
-                            windows_json(proxied.windows.iter(), &proxied.units, left).into();
+                        // A calendar window shows its current period's length.
+                        let windows = crate::quota::windows_at(
+                            &proxied.windows,
+                            &proxied.calendars,
+                            now_us(),
+                        );
+                        member["quota"] = windows_json(windows.iter(), &proxied.units, left).into();
                     }
                     if r.policy.counts() {
                         member["assignments"] = counts
@@ -196,8 +201,9 @@ impl AdminApi {
                     member
                 })
                 .collect();
+            let periods = r.quota.as_deref().map(|q| q.periods(now_us()).0);
             let quota = windows_json(
-                r.quota.iter().flat_map(|q| &q.windows),
+                periods.iter().flatten(),
                 r.quota.as_deref().map_or(&[][..], |q| &q.unit_names),
                 &remaining,
             );
@@ -311,9 +317,20 @@ impl<'a> Remaining<'a> {
             }),
         });
         let outcome = self.answer(read.await)?;
+        let usage = self
+            .state
+            .usage(
+                "",
+                sluice_limiter::Owner::Client,
+                &client.name,
+                &windows,
+                None,
+            )
+            .await;
+        let usage = self.answer(usage)?;
         Some(held(
             outcome.windows.iter().map(|w| w.remaining).collect(),
-            None,
+            Some(usage),
         ))
     }
 
@@ -405,7 +422,8 @@ fn clients_json(
             let mut e = entry(&c.name);
             e["routes"] = routes.into();
             if !c.windows.is_empty() {
-                e["quota"] = windows_json(c.windows.iter(), &c.units, left).into();
+                let windows = crate::quota::windows_at(&c.windows, &c.calendars, now_us());
+                e["quota"] = windows_json(windows.iter(), &c.units, left).into();
             }
             e
         })
