@@ -44,6 +44,7 @@ def status():
 # Reads the page in one script run: the page redraws every poll, so element handles kept
 # across calls would go stale.
 READ_PAGE = """
+const STATUS_FIELDS = ["healthy", "cooling_ms", "assignments", "weight"];
 const text = (root, sel) => root.querySelector(sel).textContent;
 // A window: what is left, then settled and reserved ("-" when not shown).
 const optional = (root, f) => { const e = root.querySelector(`[data-field=${f}]`); return e ? e.textContent : "-"; };
@@ -59,8 +60,11 @@ for (const section of document.querySelectorAll("section[data-route]")) {
   };
   for (const row of section.querySelectorAll("tr[data-member]")) {
     const fields = { quota: {} };
+    // The fields /status holds (share and the countdown come from elsewhere: dashboard_charts.py).
     for (const f of row.querySelectorAll("[data-field]")) {
-      if (!f.closest("[data-window]")) fields[f.dataset.field] = f.textContent;
+      if (!f.closest("[data-window]") && STATUS_FIELDS.includes(f.dataset.field)) {
+        fields[f.dataset.field] = f.textContent;
+      }
     }
     for (const w of row.querySelectorAll("[data-window]")) {
       fields.quota[w.dataset.window] = win(w);

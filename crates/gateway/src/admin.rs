@@ -24,6 +24,7 @@ pub struct AdminApi {
     metrics: Arc<Metrics>,
     state: Arc<dyn StateStore>,
     reloader: Arc<Reloader>,
+    history: Arc<crate::history::History>,
 }
 
 impl AdminApi {
@@ -35,11 +36,17 @@ impl AdminApi {
         reloader: Arc<Reloader>,
     ) -> AdminApi {
         AdminApi {
+            history: Arc::new(crate::history::History::new(table.clone())),
             table,
             metrics,
             state,
             reloader,
         }
+    }
+
+    /// The rings `/status/history` shows, to run as the service that rolls them.
+    pub fn history(&self) -> Arc<crate::history::History> {
+        self.history.clone()
     }
 
     /// Whether a POST may run. With `admin.token_env` set, it needs `Authorization: Bearer
@@ -116,30 +123,8 @@ impl AdminApi {
             &metrics.member_quota_reserved,
             &metrics.member_quota_settled,
         ];
-        let mut in_flight = Vec::new();
-        for r in table
-            .routes
-            .iter()
-            .filter(|r| crate::select::keeps_leases(&r.config))
-        {
-            if let Ok(counts) = self.state.in_flight(&r.name, None).await {
-                let counts: HashMap<String, u64> = counts.into_iter().collect();
-                for m in r.pool.members() {
-                    let n = counts.get(&*m.id).copied().unwrap_or(0);
-                    in_flight.push(([r.name.clone(), m.id.clone()], n));
-                }
-            }
-        }
         for gauge in route_gauges.iter().chain(&member_gauges) {
             gauge.reset();
-        }
-        metrics.member_in_flight.reset();
-        for (labels, n) in &in_flight {
-            let labels = [&*labels[0], &*labels[1]];
-            metrics
-                .member_in_flight
-                .with_label_values(&labels)
-                .set(i64::try_from(*n).unwrap_or(i64::MAX));
         }
         set_gauges(route_gauges, routes.iter().map(|(l, u, h)| (&l[..], u, h)));
         set_gauges(
@@ -164,18 +149,6 @@ impl AdminApi {
             let counts: Option<HashMap<String, u64>> = if r.policy.counts() {
                 self.state
                     .counts(&r.name)
-                    .await
-                    .ok()
-                    .map(|c| c.into_iter().collect())
-            } else {
-                None
-            };
-            // Leases in flight per member, from every instance; `null` when the store cannot
-            // say.
-            let in_flight: Option<HashMap<String, u64>> = if crate::select::keeps_leases(&r.config)
-            {
-                self.state
-                    .in_flight(&r.name, None)
                     .await
                     .ok()
                     .map(|c| c.into_iter().collect())
@@ -223,12 +196,6 @@ impl AdminApi {
                             now_us(),
                         );
                         member["quota"] = windows_json(windows.iter(), &proxied.units, left).into();
-                    }
-                    if crate::select::keeps_leases(&r.config) {
-                        member["in_flight"] = in_flight
-                            .as_ref()
-                            .map(|c| c.get(&*m.id).copied().unwrap_or(0))
-                            .into();
                     }
                     if r.policy.counts() {
                         member["assignments"] = counts
@@ -650,6 +617,12 @@ impl ServeHttp for AdminApi {
                 body.push(b'\n');
                 reply(StatusCode::OK, "application/json", body)
             }
+            // Counts and latencies per route: no secret, so no token, as `/status`.
+            (true, "/status/history") => reply(
+                StatusCode::OK,
+                "application/json",
+                self.history.json().to_string(),
+            ),
             (false, "/reload") if req.method == http::Method::POST => {
                 if let Some(refusal) = self.refusal(session) {
                     return refusal;
@@ -667,7 +640,8 @@ impl ServeHttp for AdminApi {
                     ),
                 }
             }
-            (_, "/reload") | (false, "/" | "/healthz" | "/readyz" | "/metrics" | "/status") => {
+            (_, "/reload")
+            | (false, "/" | "/healthz" | "/readyz" | "/metrics" | "/status" | "/status/history") => {
                 reply(
                     StatusCode::METHOD_NOT_ALLOWED,
                     "application/json",

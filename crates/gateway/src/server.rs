@@ -197,10 +197,13 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     }
     proxy.threads = Some(threads);
 
-    let mut admin = Service::new(
-        "sluice admin".to_string(),
-        AdminApi::new(table.clone(), metrics.clone(), state, reloader.clone()),
+    let admin_api = AdminApi::new(table.clone(), metrics.clone(), state, reloader.clone());
+    let mut history = background_service(
+        "sluice history",
+        crate::history::Sampler(admin_api.history()),
     );
+    history.threads = Some(1);
+    let mut admin = Service::new("sluice admin".to_string(), admin_api);
     admin.add_tcp(&config.admin.listen.0.to_string());
     admin.threads = Some(1);
 
@@ -223,6 +226,7 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     triggers.threads = Some(1);
     server.add_service(triggers);
     server.add_service(trim);
+    server.add_service(history);
 
     let (stop_tx, stop_rx) = mpsc::channel();
     std::thread::Builder::new()

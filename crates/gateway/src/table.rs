@@ -88,6 +88,9 @@ pub struct Route {
     /// `sluice_quota_rejections_total{route,window="members"}`: refusals because every member
     /// was at its own quota or cooling down.
     pub members_busy: IntCounter,
+    /// What the route's requests add to `/status/history`; carried over by reloads, like
+    /// the metrics.
+    pub history: Arc<crate::history::live::Live>,
 }
 
 /// What proxying to one member needs.
@@ -287,6 +290,7 @@ async fn build_route(
         _ => None,
     };
     Route {
+        history: before.map_or_else(Default::default, |b| b.history.clone()),
         wait_line,
         members_busy: metrics
             .quota_rejections
@@ -327,7 +331,6 @@ async fn build_route(
                     })
                     .collect(),
                 cooldowns: up.cooldown.is_some(),
-                leases: lease_plan(&name, rc, state),
             },
         ),
         pool,
@@ -335,21 +338,6 @@ async fn build_route(
         config: rc.clone(),
         name,
     }
-}
-
-/// The leases a route's requests take, when its policy needs them or it caps requests in
-/// flight.
-fn lease_plan(
-    name: &Arc<str>,
-    rc: &RouteConfig,
-    state: &Arc<dyn StateStore>,
-) -> Option<crate::lease::LeasePlan> {
-    let up = &rc.upstream;
-    let member_max = up.max_in_flight.map(|n| n.get());
-    let route_max = rc.max_in_flight.map(|n| n.get());
-    crate::select::keeps_leases(rc).then(|| {
-        crate::lease::LeasePlan::new(name.clone(), up.lease_ttl.0, member_max, route_max, state)
-    })
 }
 
 /// What proxying to each member needs: its address cell and metric handles. A member of

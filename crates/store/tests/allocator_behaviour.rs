@@ -36,7 +36,6 @@ fn least_used<'a>(
         cost: quota.map_or(1, |q| q.cost),
         cooldowns: false,
         at_us: None,
-        lease: None,
     }
 }
 

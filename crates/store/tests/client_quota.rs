@@ -80,7 +80,6 @@ fn assign<'a>(
         cost: quota.cost,
         cooldowns,
         at_us: quota.at_us,
-        lease: None,
     }
 }
 

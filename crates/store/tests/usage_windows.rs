@@ -600,7 +600,6 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                         cost: 1,
                         cooldowns: false,
                         at_us: Some(at),
-                        lease: None,
                     },
                     Usage {
                         route: &each,
@@ -745,7 +744,6 @@ async fn client_usage(store: &dyn StateStore, route: &str) {
                         cost: 1,
                         cooldowns: false,
                         at_us: Some(at),
-                        lease: None,
                     },
                     Usage {
                         route: &each,
@@ -862,7 +860,6 @@ async fn in_process_choice(store: &dyn StateStore, route: &str) {
                         cost: 1,
                         cooldowns: false,
                         at_us: Some(at),
-                        lease: None,
                     },
                     Usage {
                         route: &each,
@@ -1360,7 +1357,6 @@ async fn concurrent_pool(stores: &[Arc<dyn StateStore>], route: &str, n: u64) ->
                         cost: 1,
                         cooldowns: false,
                         at_us: None,
-                        lease: None,
                     },
                     Usage {
                         route: &each,

@@ -118,6 +118,9 @@ pub(crate) fn record(metrics: &Metrics, ctx: &RequestCtx, ended: &Ended<'_>) {
     match &ctx.route {
         Some(route) => {
             route.requests.inc(&metrics.requests, ended.status);
+            // A tunnel's life is no latency to chart.
+            let latency = ended.tunnel.is_none().then_some(elapsed);
+            route.history.record(ended.status, latency);
             route.bytes[0].inc_by(ended.bytes_in);
             route.bytes[1].inc_by(ended.bytes_out);
         }
