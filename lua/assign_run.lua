@@ -31,10 +31,18 @@
 --   1 assigned `member`; 0 the route quota or the client's windows refused; 2 no eligible member;
 --   3 the pool does not exist (nothing changed: sync and ask again);
 --   4 busy: every eligible member cools or refuses; wait_us is the least time until one admits.
+--   5 concurrency: the route holds its most leases, or every candidate holds its own.
+-- With a lease ask, ARGV[3] ends with "l" and the arguments and keys end with it (leases.lua,
+-- leases_ask): the chosen member's lease is taken in the same step, members at their most
+-- leases are not candidates, and "I" walks the candidates fewest leases first.
 -- Nothing is recorded unless a member is assigned.
 
 local cost = ARGV[2]
 local order = ARGV[3]
+local leasing = string.sub(order, -1) == 'l'
+if leasing then
+  order = string.sub(order, 1, -2)
+end
 local least_used = string.sub(order, 1, 1) == 'L'
 local usage = string.sub(order, -1) == 'u'
 -- Arguments per window: name, limit, length, and with usage its amount and score.
@@ -101,6 +109,18 @@ if (q and q.admitted == 0) or (c and c.admitted == 0) then
   return entries(quota_finish_both(q, c, 0, {0, '', 0, 0, 0, 0, 0}, 3), false)
 end
 
+local lease, capped
+if leasing then
+  lease = leases_ask(now)
+  if leases_full(lease) then
+    if not q and not c then
+      return entries({5, '', 0}, false)
+    end
+    return entries(quota_finish_both(q, c, 1, {5, '', 0}, 3), false)
+  end
+  excluded, capped = leases_cap(lease, excluded)
+end
+
 local cooling = false
 if cool then
   local raised
@@ -113,6 +133,8 @@ end
 local w = members_walk(at, k, excluded, cooling, cost, now, usage and 2 or 0)
 if least_used then
   members_walk_pool(w, pool, count, first)
+elseif lease and lease.fewest then
+  leases_walk_fewest(w, lease)
 else
   members_walk_listed(w)
 end
@@ -133,10 +155,15 @@ if w.chosen then
   if least_used then
     pool_assign(pool, w.chosen)
   end
+  if lease then
+    leases_take(lease, lease.id, w.chosen, lease.ttl)
+  end
   out = {1, w.chosen, 0}
 elseif w.eligible then
   members_settle(w)
   out = {4, '', w.wait or 0}
+elseif capped then
+  out = {5, '', 0}
 else
   out = {2, '', 0}
 end

@@ -35,6 +35,7 @@
 
 pub mod lua;
 mod memory;
+mod memory_leases;
 mod memory_pools;
 
 use std::sync::Arc;
@@ -84,7 +85,32 @@ pub enum Order<'a> {
     /// and `priority` decide in process. Nothing is counted; the store only applies member
     /// windows, cooldowns and the route's quota. An index out of range is not a candidate.
     Preference(&'a [usize]),
+    /// These members, as indexes into [`Assign::members`], the one with the fewest leases in
+    /// flight ([`Assign::lease`]) across every instance first, ties to the lexically smallest
+    /// id (`least_in_flight`). Nothing is counted but the lease the assignment takes.
+    LeastInFlight(&'a [usize]),
 }
+
+/// A lease the assignment takes on the member it chooses, in the same atomic step: the request
+/// is in flight on it until [`StateStore::release`] (or the lease's expiry, when its instance
+/// died). A member at `member_max` leases is not a candidate; a route at `route_max` assigns
+/// nobody ([`Assignment::Concurrency`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease<'a> {
+    /// Unique across instances (the gateway's instance id and a sequence number).
+    pub id: &'a str,
+    /// How long the lease lives unless renewed, in microseconds.
+    pub ttl_us: u64,
+    /// The most leases one member may hold (`upstream.max_in_flight`).
+    pub member_max: Option<u64>,
+    /// The most leases the route may hold (`max_in_flight`).
+    pub route_max: Option<u64>,
+}
+
+/// Every call that reads or takes a route's leases first drops at most this many that expired:
+/// bounded work per call. The rest go in later calls and count meanwhile, which only ever
+/// refuses early.
+pub const LEASES_EXPIRED_PER_CALL: usize = 64;
 
 /// Everything one assignment decides on, in one atomic step: the route's quota, then the first
 /// candidate (in [`Assign::order`]) that is not excluded, not cooling and whose own windows
@@ -112,6 +138,8 @@ pub struct Assign<'a> {
     /// uses the store's clock. It is used for every part of the decision, the route's quota
     /// included (whose own `at_us` only applies when this is `None`).
     pub at_us: Option<u64>,
+    /// The lease to take on the chosen member, if the route keeps leases.
+    pub lease: Option<Lease<'a>>,
 }
 
 /// The result of one assignment.
@@ -140,6 +168,12 @@ pub enum Assignment {
         /// until that member admits the cost (the longer of its remaining cooldown and its own
         /// quota wait).
         retry_after_us: u64,
+        /// The route quota's state, unchanged by this request.
+        quota: Option<Outcome>,
+    },
+    /// The route holds its `max_in_flight` leases, or every eligible member holds its own: a
+    /// lease must be released first. Nothing was recorded.
+    Concurrency {
         /// The route quota's state, unchanged by this request.
         quota: Option<Outcome>,
     },
@@ -297,6 +331,29 @@ pub trait StateStore: Send + Sync + 'static {
     /// logs stay until their windows pass (the idle sweep drops them), so a route that comes
     /// back in a later reload keeps its quota. Redis drops nothing here.
     async fn retain_routes(&self, _routes: &[&str]) {}
+
+    /// Releases leases of `route` taken by [`Assign::lease`], all in one call: each stops
+    /// counting. Idempotent: a lease already released or expired changes nothing.
+    async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError>;
+
+    /// Renews leases of `route`, all in one call: each one still held expires `ttl_us` from now
+    /// (the store's clock, or `at_us`). A lease already released or expired is not taken again.
+    async fn renew(
+        &self,
+        route: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError>;
+
+    /// The leases in flight on each member of `route` that holds any, across every instance,
+    /// expired ones dropped first (for status pages and metrics); `at_us` as in
+    /// [`Acquire::at_us`].
+    async fn in_flight(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<Vec<(String, u64)>, StoreError>;
 
     /// Whether the store can be used right now (for readiness).
     async fn ready(&self) -> bool {

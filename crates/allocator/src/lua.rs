@@ -18,3 +18,8 @@ pub const FUSED_DRIVER: &str = include_str!("../../../lua/fused_run.lua");
 pub const ASSIGN_DRIVER: &str = include_str!("../../../lua/assign_run.lua");
 /// Cooling a member, and listing the cooling members (`lua/cool_run.lua`).
 pub const COOL_DRIVER: &str = include_str!("../../../lua/cool_run.lua");
+/// The lease library (`lua/leases.lua`): requests in flight per member, their expiry, and the
+/// fewest-leases walk. Uses the member library.
+pub const LEASES_LIBRARY: &str = include_str!("../../../lua/leases.lua");
+/// Releasing, renewing and reading a route's leases (`lua/lease_run.lua`).
+pub const LEASE_DRIVER: &str = include_str!("../../../lua/lease_run.lua");

@@ -44,6 +44,8 @@ enum Pick {
     Busy(u64),
     /// No candidate is eligible.
     Nobody,
+    /// The route holds its most leases, or every candidate not excluded holds its own.
+    Capped,
 }
 
 impl MemoryStore {
@@ -141,19 +143,36 @@ impl MemoryStore {
         now: u64,
         usage: Option<&Usage<'_>>,
     ) -> Result<Pick, StoreError> {
+        if let Some(lease) = ask.lease {
+            route.leases.expire(now);
+            if lease
+                .route_max
+                .is_some_and(|max| route.leases.total() >= max)
+            {
+                return Ok(Pick::Capped);
+            }
+        }
         if ask.cooldowns {
             let least_used = matches!(ask.order, Order::LeastUsed);
             route.settle_cooldowns(excluded, now, least_used);
         }
         let mut eligible = false;
+        let mut capped = false;
         let mut wait: Option<u64> = None;
         let cooling = &route.cooling;
+        let leases = &route.leases;
+        let member_max = ask.lease.and_then(|l| l.member_max);
         let mut entry = None;
         // Offers one candidate (the member at `index` of `ask.members`, when it is one); true
         // when it is taken (its windows recorded).
         let mut offer = |id: &str, windows: &[Window], index: Option<usize>| {
             if excluded.contains(id) {
                 return Ok::<bool, StoreError>(false);
+            }
+            // A member at its most leases waits for a release, like the route at its own.
+            if member_max.is_some_and(|max| leases.count(id) >= max) {
+                capped = true;
+                return Ok(false);
             }
             eligible = true;
             let left = if ask.cooldowns {
@@ -212,6 +231,7 @@ impl MemoryStore {
             wait = Some(wait.map_or(waits, |w| w.min(waits)));
             Ok(false)
         };
+        let mut chosen_id = None;
         match ask.order {
             Order::LeastUsed => {
                 let any_windows = ask.members.iter().any(|m| !m.windows.is_empty());
@@ -229,7 +249,7 @@ impl MemoryStore {
                 }
                 if let Some((count, id)) = chosen {
                     route.counts.set(&id, count + 1);
-                    return Ok(Pick::Chosen(id, entry));
+                    chosen_id = Some(id);
                 }
             }
             Order::Preference(order) => {
@@ -238,13 +258,37 @@ impl MemoryStore {
                         continue;
                     };
                     if offer(&m.id, &m.windows, Some(i))? {
-                        return Ok(Pick::Chosen(m.id.clone(), entry));
+                        chosen_id = Some(m.id.clone());
+                        break;
+                    }
+                }
+            }
+            Order::LeastInFlight(candidates) => {
+                // Fewest leases first, then the lexically smallest id: the order of the
+                // Redis script's sort.
+                let mut order: Vec<(u64, &Arc<str>, usize)> = candidates
+                    .iter()
+                    .filter_map(|&i| ask.members.get(i).map(|m| (leases.count(&m.id), &m.id, i)))
+                    .collect();
+                order.sort_unstable();
+                for (_, id, i) in order {
+                    if offer(id, &ask.members[i].windows, Some(i))? {
+                        chosen_id = Some(id.clone());
+                        break;
                     }
                 }
             }
         }
+        if let Some(id) = chosen_id {
+            if let Some(lease) = ask.lease {
+                let expiry = now.saturating_add(lease.ttl_us);
+                route.leases.take(lease.id, &id, expiry);
+            }
+            return Ok(Pick::Chosen(id, entry));
+        }
         Ok(match wait {
             Some(wait) if eligible => Pick::Busy(wait),
+            _ if capped => Pick::Capped,
             _ => Pick::Nobody,
         })
     }
@@ -340,6 +384,7 @@ impl StateStore for MemoryStore {
                     quota: None,
                 },
                 Pick::Nobody => Assignment::NoMember { quota: None },
+                Pick::Capped => Assignment::Concurrency { quota: None },
             });
         };
         // The quota goes first, and records the request in the same step as the assignment,
@@ -367,6 +412,9 @@ impl StateStore for MemoryStore {
             (None, Some(Err(error))) => return Err(error),
             (None, Some(Ok(Pick::Busy(retry_after_us)))) => Assignment::Busy {
                 retry_after_us,
+                quota: Some(outcome),
+            },
+            (None, Some(Ok(Pick::Capped))) => Assignment::Concurrency {
                 quota: Some(outcome),
             },
             (None, _) if !outcome.admitted => Assignment::QuotaRefused(outcome),
@@ -442,6 +490,7 @@ impl StateStore for MemoryStore {
                         quota: None,
                     }),
                     Pick::Nobody => unassigned(Assignment::NoMember { quota: None }),
+                    Pick::Capped => unassigned(Assignment::Concurrency { quota: None }),
                 },
             );
         };
@@ -512,6 +561,9 @@ impl StateStore for MemoryStore {
             (None, Some(Err(error))) => return Err(error),
             (None, Some(Ok(Pick::Busy(retry_after_us)))) => unassigned(Assignment::Busy {
                 retry_after_us,
+                quota: Some(outcome),
+            }),
+            (None, Some(Ok(Pick::Capped))) => unassigned(Assignment::Concurrency {
                 quota: Some(outcome),
             }),
             (None, _) if !outcome.admitted => unassigned(Assignment::QuotaRefused(outcome)),
@@ -618,6 +670,51 @@ impl StateStore for MemoryStore {
         self.pools.retain(routes);
     }
 
+    async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError> {
+        let Some(route) = self.pools.get(route) else {
+            return Ok(());
+        };
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        for id in leases {
+            route.leases.release(id);
+        }
+        Ok(())
+    }
+
+    async fn renew(
+        &self,
+        route: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let now = at_us.unwrap_or_else(|| self.quotas.now_us());
+        let Some(route) = self.pools.get(route) else {
+            return Ok(());
+        };
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        // An expired lease is dropped first, so that a renewal cannot bring it back.
+        route.leases.expire(now);
+        for id in leases {
+            route.leases.renew(id, now.saturating_add(ttl_us));
+        }
+        Ok(())
+    }
+
+    async fn in_flight(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        let now = at_us.unwrap_or_else(|| self.quotas.now_us());
+        let Some(route) = self.pools.get(route) else {
+            return Ok(Vec::new());
+        };
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        route.leases.expire(now);
+        Ok(route.leases.counts())
+    }
+
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
         let now = self.quotas.now_us();
         let Some(route) = self.pools.get(route) else {
@@ -659,6 +756,7 @@ mod tests {
                 cost: 1,
                 cooldowns: true,
                 at_us: None,
+                lease: None,
             };
             store.assign(ask).await.unwrap();
             store.cool(route, "b", 60_000_000, None).await.unwrap();

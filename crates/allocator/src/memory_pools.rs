@@ -15,6 +15,8 @@ pub(crate) struct Route {
     /// the next assignment settles it ([`Route::settle_cooldowns`]), so this holds at most one
     /// entry per member that was cooled.
     pub(crate) cooling: HashMap<Arc<str>, u64>,
+    /// The requests in flight on its members (routes that keep leases).
+    pub(crate) leases: crate::memory_leases::Leases,
 }
 
 impl Route {

@@ -11,6 +11,7 @@ use super::Config;
 
 mod clients;
 mod fallback;
+mod leases;
 mod usage;
 
 /// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
@@ -527,15 +528,16 @@ impl Config {
                 let at = at.clone().key("quota");
                 let member_windows = up.members.iter().any(|m| m.quota.is_some());
                 let waits = !quota.max_wait.0.is_zero();
+                let caps = up.max_in_flight.is_some() || route.max_in_flight.is_some();
                 // Units for members' or clients' windows are defined on the route's quota, which
                 // may then have no window of its own.
                 if quota.windows.is_empty()
                     && quota.usage.is_none()
-                    && !(waits && (member_windows || up.cooldown.is_some()))
+                    && !(waits && (member_windows || up.cooldown.is_some() || caps))
                 {
                     problems.push((
                         at.clone().key("windows"),
-                        "a quota needs at least one window (a route may give none only to set max_wait for its members' quotas or cooldowns, or usage units for their windows)".to_string(),
+                        "a quota needs at least one window (a route may give none only to set max_wait for its members' quotas, cooldowns or max_in_flight, or usage units for their windows)".to_string(),
                     ));
                 }
                 at_most(
@@ -616,6 +618,7 @@ impl Config {
         problems.extend(clients::problems(self));
         problems.extend(usage::problems(self));
         problems.extend(fallback::problems(self));
+        problems.extend(leases::problems(self));
         problems
     }
 }

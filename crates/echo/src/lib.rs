@@ -156,6 +156,9 @@ struct Shared {
     local_addr: SocketAddr,
     requests: AtomicU64,
     proxied_requests: AtomicU64,
+    /// Requests (not `/healthz`) being answered now, and the most there ever were at once.
+    in_flight: AtomicU64,
+    peak_in_flight: AtomicU64,
     healthy: AtomicBool,
     options: EchoOptions,
     /// Per-key windows, counters and scripted refusals. A std mutex: it is
@@ -213,6 +216,8 @@ impl EchoServer {
             local_addr: listener.local_addr()?,
             requests: AtomicU64::new(0),
             proxied_requests: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            peak_in_flight: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
             keys: std::sync::Mutex::new(Keys::new(options.key_limit)),
             log: std::sync::Mutex::new(Vec::new()),
@@ -243,6 +248,17 @@ impl EchoServer {
     /// Requests received, excluding `/healthz` probes.
     pub fn proxied_requests(&self) -> u64 {
         self.shared.proxied_requests.load(Ordering::SeqCst)
+    }
+
+    /// Requests (not `/healthz`) being answered now, delays included.
+    pub fn in_flight(&self) -> u64 {
+        self.shared.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The most requests (not `/healthz`) this server ever answered at once: a test of a
+    /// concurrency cap reads it after the fact, with no timing of its own.
+    pub fn peak_in_flight(&self) -> u64 {
+        self.shared.peak_in_flight.load(Ordering::SeqCst)
     }
 
     /// Requests with the `Authorization` value `key` that were admitted (not
@@ -370,6 +386,17 @@ fn drain_backlog(shared: &Arc<Shared>, listener: TcpListener) {
     }
 }
 
+/// Counts a request out of `Shared::in_flight` when dropped.
+struct InFlight<'a>(Option<&'a AtomicU64>);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(n) = self.0 {
+            n.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
 /// Serves requests on one connection until either side wants it closed.
 async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
     let capture = shared.options.log_requests;
@@ -389,6 +416,13 @@ impl Shared {
     /// The answer to one request, with `connection` fields that say whether it is the last.
     async fn answer(&self, request: Request) -> Response {
         self.record(&request);
+        let counted = request.path() != "/healthz";
+        if counted {
+            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.peak_in_flight.fetch_max(now, Ordering::SeqCst);
+        }
+        // Counted down even when the connection drops mid-answer (the future is dropped).
+        let _done = InFlight(counted.then_some(&self.in_flight));
         let mut response = self.respond(&request).await;
         // Read only now, after any delay, so that requests in flight when
         // `stop` is called also announce the close.

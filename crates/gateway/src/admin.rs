@@ -123,8 +123,30 @@ impl AdminApi {
             &metrics.member_quota_reserved,
             &metrics.member_quota_settled,
         ];
+        let mut in_flight = Vec::new();
+        for r in table
+            .routes
+            .iter()
+            .filter(|r| crate::select::keeps_leases(&r.config))
+        {
+            if let Ok(counts) = self.state.in_flight(&r.name, None).await {
+                let counts: HashMap<String, u64> = counts.into_iter().collect();
+                for m in r.pool.members() {
+                    let n = counts.get(&*m.id).copied().unwrap_or(0);
+                    in_flight.push(([r.name.clone(), m.id.clone()], n));
+                }
+            }
+        }
         for gauge in route_gauges.iter().chain(&member_gauges) {
             gauge.reset();
+        }
+        metrics.member_in_flight.reset();
+        for (labels, n) in &in_flight {
+            let labels = [&*labels[0], &*labels[1]];
+            metrics
+                .member_in_flight
+                .with_label_values(&labels)
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
         }
         set_gauges(route_gauges, routes.iter().map(|(l, u, h)| (&l[..], u, h)));
         set_gauges(
@@ -149,6 +171,18 @@ impl AdminApi {
             let counts: Option<HashMap<String, u64>> = if r.policy.counts() {
                 self.state
                     .counts(&r.name)
+                    .await
+                    .ok()
+                    .map(|c| c.into_iter().collect())
+            } else {
+                None
+            };
+            // Leases in flight per member, from every instance; `null` when the store cannot
+            // say.
+            let in_flight: Option<HashMap<String, u64>> = if crate::select::keeps_leases(&r.config)
+            {
+                self.state
+                    .in_flight(&r.name, None)
                     .await
                     .ok()
                     .map(|c| c.into_iter().collect())
@@ -196,6 +230,12 @@ impl AdminApi {
                             now_us(),
                         );
                         member["quota"] = windows_json(windows.iter(), &proxied.units, left).into();
+                    }
+                    if crate::select::keeps_leases(&r.config) {
+                        member["in_flight"] = in_flight
+                            .as_ref()
+                            .map(|c| c.get(&*m.id).copied().unwrap_or(0))
+                            .into();
                     }
                     if r.policy.counts() {
                         member["assignments"] = counts

@@ -9,6 +9,7 @@
 //! - [`quota`]: a route's quota made ready to apply; [`state`]: opens the shared state store;
 //! - [`usage`]: a route's usage units made ready to apply, and the body read for a reservation;
 //! - [`cooldown`]: how long a member's answer asks it to be left alone;
+//! - [`lease`]: the leases of requests in flight, released when a request ends, renewed;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`egress`]: the guard on destinations the client chooses; [`resolve`]: the process's
 //!   resolver, behind the guard and member DNS ([`dns`]);
@@ -27,6 +28,7 @@ pub mod egress;
 pub mod headers;
 pub mod health;
 pub mod history;
+pub mod lease;
 pub mod limits;
 pub mod listen_tls;
 pub mod logging;

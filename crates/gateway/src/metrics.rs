@@ -75,6 +75,9 @@ pub struct Metrics {
     pub quota_rejections: IntCounterVec,
     /// `sluice_member_healthy{route,member}`: 1 up, 0 down.
     pub member_healthy: IntGaugeVec,
+    /// `sluice_member_in_flight{route,member}`: leases in flight on a member, across every
+    /// instance, read from the store at scrape time.
+    pub member_in_flight: IntGaugeVec,
     /// `sluice_config_reloads_total{result}`
     pub config_reloads: IntCounterVec,
     /// `sluice_store_errors_total{op}`
@@ -286,6 +289,11 @@ impl Metrics {
             "1 when the member is up, 0 when down.",
             &["route", "member"],
         );
+        let member_in_flight = gauge(
+            "sluice_member_in_flight",
+            "Leases in flight on the member when scraped, from every instance (routes that keep leases).",
+            &["route", "member"],
+        );
         let in_flight = gauge(
             "sluice_requests_in_flight",
             "Requests of the route being answered now.",
@@ -380,6 +388,7 @@ impl Metrics {
             upstream_attempts,
             quota_rejections,
             member_healthy,
+            member_in_flight,
             config_reloads,
             store_errors,
             selection_fallbacks,

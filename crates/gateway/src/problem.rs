@@ -50,6 +50,20 @@ impl Problem {
             retry_after_ms: Some(retry_after_ms),
         }
     }
+    /// 429: the route, or every member it could use, holds its `max_in_flight` requests;
+    /// `retry_after_ms` is a guess (a release may come any moment), the interval at which a
+    /// waiting request asks again.
+    pub fn concurrency_exceeded(retry_after_ms: u64) -> Problem {
+        Problem {
+            status: 429,
+            code: "concurrency_exceeded",
+            title: "Concurrency exceeded",
+            detail:
+                "the route, or every member it could use, has its max_in_flight requests in flight"
+                    .into(),
+            retry_after_ms: Some(retry_after_ms),
+        }
+    }
     /// 429: a quota window refused the request.
     pub fn quota_exceeded(window: &str, retry_after_ms: u64) -> Problem {
         Problem {

@@ -331,6 +331,7 @@ async fn build_route(
                     })
                     .collect(),
                 cooldowns: up.cooldown.is_some(),
+                leases: lease_plan(&name, rc, state),
             },
         ),
         pool,
@@ -338,6 +339,21 @@ async fn build_route(
         config: rc.clone(),
         name,
     }
+}
+
+/// The leases a route's requests take, when its policy needs them or it caps requests in
+/// flight.
+fn lease_plan(
+    name: &Arc<str>,
+    rc: &RouteConfig,
+    state: &Arc<dyn StateStore>,
+) -> Option<crate::lease::LeasePlan> {
+    let up = &rc.upstream;
+    let member_max = up.max_in_flight.map(|n| n.get());
+    let route_max = rc.max_in_flight.map(|n| n.get());
+    crate::select::keeps_leases(rc).then(|| {
+        crate::lease::LeasePlan::new(name.clone(), up.lease_ttl.0, member_max, route_max, state)
+    })
 }
 
 /// What proxying to each member needs: its address cell and metric handles. A member of

@@ -114,6 +114,12 @@ impl Keys {
         [&self.prefix, ":{", route, "}:cool"]
     }
 
+    /// A route's leases (`lua/leases.lua`): expiries (`lz`), lease → member (`lh`), member →
+    /// leases in flight (`lc`).
+    pub(crate) fn lease_parts<'a>(&'a self, route: &'a str, which: &'a str) -> [&'a str; 4] {
+        [&self.prefix, ":{", route, which]
+    }
+
     pub(crate) fn client_meta_parts<'a>(&'a self, client: &'a str) -> [&'a str; 4] {
         [&self.prefix, ":{client:", client, "}:cqm"]
     }

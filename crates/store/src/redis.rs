@@ -132,6 +132,7 @@ impl RedisStore {
         let client = ask.quota.and_then(|q| q.client);
         if matches!(ask.order, Order::LeastUsed)
             && client.is_none()
+            && ask.lease.is_none()
             && !ask.cooldowns
             && !ask
                 .members
@@ -161,9 +162,10 @@ impl RedisStore {
         let cost = ask.quota.map_or(0, |q| q.cost);
         // The members the script needs: for least-used, those with windows (the others admit
         // anything); for a preference, every candidate, best first. Excluded ones never.
+        // least_in_flight: the script orders the candidates by their leases.
         let preference: &[usize] = match ask.order {
             Order::LeastUsed => &[],
-            Order::Preference(order) => order,
+            Order::Preference(order) | Order::LeastInFlight(order) => order,
         };
         let members = || {
             let unlimited = least_used
@@ -187,7 +189,8 @@ impl RedisStore {
             + members()
                 .filter(|(_, m)| !m.windows.is_empty())
                 .map(|(_, m)| 1 + m.windows.len())
-                .sum::<usize>();
+                .sum::<usize>()
+            + if ask.lease.is_some() { 3 } else { 0 };
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, keys);
         if least_used {
             call.key(&self.keys.pool_parts(route));
@@ -209,6 +212,12 @@ impl RedisStore {
                 }
             }
         }
+        // The lease keys come last (leases.lua, leases_ask).
+        if ask.lease.is_some() {
+            for which in ["}:lz", "}:lh", "}:lc"] {
+                call.key(&self.keys.lease_parts(route, which));
+            }
+        }
         // One clock for the whole decision, as in memory.
         match ask.at_us.or(ask.quota.and_then(|q| q.at_us)) {
             Some(t) => call.arg(t),
@@ -223,6 +232,14 @@ impl RedisStore {
             (false, false, true) => "Pu",
             (true, true, true) => "Lcu",
             (false, true, true) => "Pcu",
+        };
+        let leasing;
+        let order = match ask.lease {
+            Some(_) => {
+                leasing = format!("{order}l");
+                &leasing
+            }
+            None => order,
         };
         call.arg(ask.cost)
             .arg(order)
@@ -285,6 +302,20 @@ impl RedisStore {
                 Some(_) => usage_args(&mut call, &m.windows, this.1.amounts, this.1.periods),
             }
             previous = Some(this);
+        }
+        // The lease ask, then how many arguments it takes (leases.lua, leases_ask).
+        if let Some(lease) = ask.lease {
+            let max = |m: Option<u64>| m.map_or(String::new(), |m| m.to_string());
+            call.arg(lease.id)
+                .arg(lease.ttl_us)
+                .arg(max(lease.member_max))
+                .arg(max(lease.route_max))
+                .arg(if matches!(ask.order, Order::LeastInFlight(_)) {
+                    "I"
+                } else {
+                    "-"
+                })
+                .arg(5);
         }
         let reply: Value = self.invoke(&call).await?;
         let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
@@ -477,6 +508,9 @@ impl RedisStore {
                 retry_after_us,
                 quota: Some(join(quota, mine)),
             },
+            Assignment::Concurrency { quota } => Assignment::Concurrency {
+                quota: Some(join(quota, mine)),
+            },
         };
         Ok(reserved)
     }
@@ -594,6 +628,9 @@ impl RedisStore {
                 retry_after_us,
                 quota: Some(join(quota, mine)),
             },
+            Assignment::Concurrency { quota } => Assignment::Concurrency {
+                quota: Some(join(quota, mine)),
+            },
         })
     }
 
@@ -625,6 +662,36 @@ impl RedisStore {
         self.assign_once(&ask)
             .await?
             .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
+    }
+
+    /// One call of the lease script on `route`'s leases (lease_run.lua).
+    async fn lease_call(
+        &self,
+        route: &str,
+        op: &str,
+        ttl_us: Option<u64>,
+        leases: &[&str],
+        at_us: Option<u64>,
+    ) -> Result<Value, StoreError> {
+        if leases.is_empty() && op != "read" {
+            return Ok(Value::Nil);
+        }
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.lease, 3);
+        for which in ["}:lz", "}:lh", "}:lc"] {
+            call.key(&self.keys.lease_parts(route, which));
+        }
+        call.arg(op);
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        if let Some(ttl) = ttl_us {
+            call.arg(ttl);
+        }
+        for id in leases {
+            call.arg(*id);
+        }
+        self.invoke(&call).await
     }
 
     /// A quota's keys, in the quota library's order: the helper hash, then one log per window.
@@ -662,7 +729,7 @@ impl RedisStore {
         let Order::Preference(order) = ask.order else {
             return None;
         };
-        if ask.quota.is_some() || ask.cooldowns {
+        if ask.quota.is_some() || ask.cooldowns || ask.lease.is_some() {
             return None;
         }
         let mut candidates = order
@@ -996,6 +1063,33 @@ impl StateStore for RedisStore {
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
         call.key(&self.keys.cooldowns_parts(route)).arg("list");
         let reply: Value = self.invoke(&call).await?;
+        scripts::parse_cooldowns(&reply)
+    }
+
+    async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError> {
+        self.lease_call(route, "release", None, leases, None)
+            .await
+            .map(drop)
+    }
+
+    async fn renew(
+        &self,
+        route: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        self.lease_call(route, "renew", Some(ttl_us), leases, at_us)
+            .await
+            .map(drop)
+    }
+
+    async fn in_flight(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        let reply = self.lease_call(route, "read", None, &[], at_us).await?;
         scripts::parse_cooldowns(&reply)
     }
 

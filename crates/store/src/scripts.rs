@@ -20,7 +20,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::{Script, Value};
 
 use sluice_allocator::lua::{
-    ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, MEMBERS_LIBRARY,
+    ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, LEASES_LIBRARY,
+    LEASE_DRIVER, MEMBERS_LIBRARY,
 };
 use sluice_allocator::{Assignment, Reserved};
 use sluice_limiter::lua::{
@@ -83,6 +84,8 @@ pub struct Scripts {
     pub cool: StateScript,
     /// A reservation whose windows each take their own amount, and batched settlements.
     pub usage: StateScript,
+    /// Releasing, renewing and reading a route's leases.
+    pub lease: StateScript,
 }
 
 impl Default for Scripts {
@@ -92,7 +95,7 @@ impl Default for Scripts {
 }
 
 /// The operations, by their function's suffix, with their drivers.
-const OPERATIONS: [(&str, &str); 7] = [
+const OPERATIONS: [(&str, &str); 8] = [
     ("quota", QUOTA_DRIVER),
     ("client", CLIENT_DRIVER),
     ("allocator", ALLOCATOR_DRIVER),
@@ -100,6 +103,7 @@ const OPERATIONS: [(&str, &str); 7] = [
     ("assign", ASSIGN_DRIVER),
     ("cool", COOL_DRIVER),
     ("usage", USAGE_DRIVER),
+    ("lease", LEASE_DRIVER),
 ];
 
 /// Stands for the library's name in its text until the text's hash gives it one.
@@ -114,7 +118,7 @@ fn library_template() -> String {
         "#!lua name={NAME}\n\
          -- sluice's state operations, written by crates/store/src/scripts.rs from lua/.\n\
          local KEYS, ARGV\n\
-         {QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n"
+         {QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n"
     );
     for (op, driver) in OPERATIONS {
         text.push_str(&format!("local function run_{op}()\n{driver}\nend\n"));
@@ -160,13 +164,21 @@ impl Scripts {
             ),
             assign: op(
                 "assign",
-                format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{ASSIGN_DRIVER}"),
+                format!(
+                    "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{ASSIGN_DRIVER}"
+                ),
             ),
             cool: op(
                 "cool",
                 format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{COOL_DRIVER}"),
             ),
             usage: op("usage", format!("{QUOTA_LIBRARY}\n{USAGE_DRIVER}")),
+            lease: op(
+                "lease",
+                format!(
+                    "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{LEASE_DRIVER}"
+                ),
+            ),
             library: Library {
                 source: template.replace(NAME, &name),
                 name,
@@ -414,6 +426,7 @@ fn parse_reply(
             retry_after_us: wait,
             quota,
         }),
+        5 if with_wait => Some(Assignment::Concurrency { quota }),
         _ => return Err(unexpected(reply)),
     })
 }

@@ -36,6 +36,7 @@ fn least_used<'a>(
         cost: quota.map_or(1, |q| q.cost),
         cooldowns: false,
         at_us: None,
+        lease: None,
     }
 }
 

@@ -171,6 +171,7 @@ async fn decide(
             cost: r.cost,
             cooldowns: false,
             at_us: Some(now),
+            lease: None,
         })
         .collect();
     let results = if at_once {
@@ -278,6 +279,7 @@ fn warm_up(rt: &tokio::runtime::Runtime, redis: &RedisStore) {
         cost: 1,
         cooldowns: false,
         at_us: None,
+        lease: None,
     }));
     assert!(
         matches!(assigned, Ok(Assignment::Assigned { .. })),
@@ -466,6 +468,7 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
         cost: 1,
         cooldowns: false,
         at_us: Some(1_000_000_000),
+        lease: None,
     };
     rt.block_on(async {
         redis.sync(route, &ids, &[]).await.unwrap();

@@ -80,6 +80,7 @@ fn assign<'a>(
         cost: quota.cost,
         cooldowns,
         at_us: quota.at_us,
+        lease: None,
     }
 }
 

@@ -58,6 +58,7 @@ fn ask<'a>(route: &'a str, members: &'a [PoolMember], order: Order<'a>, at_us: u
         cost: 1,
         cooldowns: true,
         at_us: Some(at_us),
+        lease: None,
     }
 }
 
@@ -469,6 +470,7 @@ async fn hammered(
                         cost: 1,
                         cooldowns: true,
                         at_us: None,
+                        lease: None,
                     };
                     match store.assign(ask).await.unwrap() {
                         Assignment::Assigned { member, .. } => got.push(member),
@@ -742,6 +744,7 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
         cost: 1,
         cooldowns: true,
         at_us: None,
+        lease: None,
     };
     // Warm up: the first call syncs the pool and loads the script.
     assigned(&*store, ask(Order::LeastUsed)).await;

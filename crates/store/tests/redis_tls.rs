@@ -21,6 +21,7 @@ fn least_used<'a>(route: &'a str, members: &'a [PoolMember]) -> Assign<'a> {
         cost: 1,
         cooldowns: false,
         at_us: None,
+        lease: None,
     }
 }
 

@@ -600,6 +600,7 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                         cost: 1,
                         cooldowns: false,
                         at_us: Some(at),
+                        lease: None,
                     },
                     Usage {
                         route: &each,
@@ -744,6 +745,7 @@ async fn client_usage(store: &dyn StateStore, route: &str) {
                         cost: 1,
                         cooldowns: false,
                         at_us: Some(at),
+                        lease: None,
                     },
                     Usage {
                         route: &each,
@@ -860,6 +862,7 @@ async fn in_process_choice(store: &dyn StateStore, route: &str) {
                         cost: 1,
                         cooldowns: false,
                         at_us: Some(at),
+                        lease: None,
                     },
                     Usage {
                         route: &each,
@@ -1357,6 +1360,7 @@ async fn concurrent_pool(stores: &[Arc<dyn StateStore>], route: &str, n: u64) ->
                         cost: 1,
                         cooldowns: false,
                         at_us: None,
+                        lease: None,
                     },
                     Usage {
                         route: &each,

@@ -34,6 +34,9 @@ pub struct RouteConfig {
     /// The routes a request goes on to, in order, when this one cannot serve it.
     #[serde(default)]
     pub fallback: Vec<super::FallbackConfig>,
+    /// The most requests in flight on the route at once, across every instance (leases).
+    #[serde(default)]
+    pub max_in_flight: Option<NonZeroU64>,
 }
 
 /// `client_token`: a header name a client may carry its token in. Not one that sluice or
@@ -394,6 +397,13 @@ pub struct UpstreamConfig {
     /// Cooldowns learned from the members' answers (SPEC §8).
     #[serde(default)]
     pub cooldown: Option<CooldownConfig>,
+    /// How long a request's lease on its member lives unless renewed: what a lease of an
+    /// instance that died keeps counting for.
+    #[serde(default = "default_lease_ttl")]
+    pub lease_ttl: Dur,
+    /// The most requests in flight on one member at once, across every instance (leases).
+    #[serde(default)]
+    pub max_in_flight: Option<NonZeroU64>,
 }
 
 fn yes() -> bool {
@@ -407,6 +417,9 @@ fn default_read_timeout() -> Dur {
 }
 fn default_retries() -> u32 {
     2
+}
+fn default_lease_ttl() -> Dur {
+    Dur(Duration::from_secs(30))
 }
 
 /// `upstream.selection`: the name of the policy that chooses a member (default `round_robin`).

@@ -358,9 +358,16 @@ fn retry_after(admission: &Admission) -> Option<std::time::Duration> {
         Admission::Busy { retry_after_us, .. } => {
             Some(std::time::Duration::from_micros(*retry_after_us))
         }
+        // No store call says when a lease is released anywhere: the head of the line asks again
+        // at this bounded interval.
+        Admission::Concurrency { .. } => Some(CONCURRENCY_POLL),
         _ => None,
     }
 }
+
+/// How often a request waiting at a `max_in_flight` cap asks the store again: the most a
+/// release elsewhere waits to be seen, besides one store round trip.
+pub(crate) const CONCURRENCY_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// One decision of the route's policy.
 async fn admit_once(
@@ -477,6 +484,18 @@ fn verdict(
             route.members_busy.inc();
             Verdict::Answer {
                 problem: Problem::members_busy(retry_after_us.div_ceil(1000)),
+                ratelimit: ratelimit_of(outcome.as_ref()),
+                no_member: false,
+            }
+        }
+        Admission::Concurrency { quota: outcome } => {
+            metrics
+                .quota_rejections
+                .with_label_values(&[&route.name, "max_in_flight"])
+                .inc();
+            let ms = u64::try_from(CONCURRENCY_POLL.as_millis()).unwrap_or(1);
+            Verdict::Answer {
+                problem: Problem::concurrency_exceeded(ms),
                 ratelimit: ratelimit_of(outcome.as_ref()),
                 no_member: false,
             }

@@ -9,17 +9,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
+use sluice_allocator::{Assign, Assignment, Lease, Order, PoolMember, StateStore};
 use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_limiter::{Acquire, StoreError};
 
 use async_trait::async_trait;
 
 use super::{
-    assign, refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems, Reserving,
+    assign, held, refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems, Reserving,
     RoundRobin, Selector, Tried,
 };
 use crate::config::{UpstreamConfig, YamlPath};
+use crate::lease::LeasePlan;
 
 /// Least-used over a pool whose counts live in the state store.
 pub(crate) struct LeastUsed {
@@ -40,6 +41,8 @@ pub(crate) struct LeastUsed {
     /// Whether this table's member list has been written to the store. It is done on the
     /// route's first assignment, from the runtime that serves requests.
     synced: AtomicBool,
+    /// The leases its requests take, when it caps requests in flight.
+    leases: Option<LeasePlan>,
 }
 
 impl LeastUsed {
@@ -65,6 +68,7 @@ impl LeastUsed {
             cooldowns: limits.cooldowns,
             index_of,
             synced: AtomicBool::new(false),
+            leases: limits.leases.clone(),
         }
     }
 
@@ -83,6 +87,7 @@ impl LeastUsed {
         excluded: &'a [&'a str],
         quota: Option<Acquire<'a>>,
         cost: u64,
+        lease: Option<Lease<'a>>,
     ) -> Assign<'a> {
         Assign {
             route: &self.route,
@@ -93,7 +98,21 @@ impl LeastUsed {
             cost: cost.max(1),
             cooldowns: self.cooldowns,
             at_us: None,
+            lease,
         }
+    }
+
+    /// A new lease id, when the route takes leases.
+    fn lease_id(&self) -> Option<Arc<str>> {
+        self.leases.as_ref().map(LeasePlan::next_id)
+    }
+
+    /// The lease ask under `id`.
+    fn lease_ask<'a>(&self, id: &'a Option<Arc<str>>) -> Option<Lease<'a>> {
+        self.leases
+            .as_ref()
+            .zip(id.as_deref())
+            .map(|(p, id)| p.ask(id))
     }
 
     /// Writes this table's member list to the store, once per route and table.
@@ -128,14 +147,22 @@ impl LeastUsed {
             .filter(|&(i, _)| i != index)
             .map(|(_, id)| &**id)
             .collect();
-        match assign(state, self.ask(&others, quota, cost), reserving).await {
+        let id = self.lease_id();
+        let ask = self.ask(&others, quota, cost, self.lease_ask(&id));
+        let answer = assign(state, ask, reserving).await;
+        let lease = match &answer {
+            Ok((assignment, _)) => held(self.leases.as_ref(), id, assignment),
+            Err(_) => None,
+        };
+        match answer {
             Ok((Assignment::Assigned { member, quota }, entries)) => {
                 // Another instance may have synced a newer member list a moment ago: a
                 // member this table does not know was counted there, and the trial waits.
                 let first = match self.index_of.get(&*member) {
                     Some(&i) if i == index => Some(trial),
                     _ => self.attempt_for(&member, &Tried::default()),
-                };
+                }
+                .map(|a| a.leased(lease));
                 Some(Admission::Admitted {
                     first,
                     quota,
@@ -143,6 +170,7 @@ impl LeastUsed {
                 })
             }
             Ok((Assignment::QuotaRefused(outcome), _)) => Some(Admission::QuotaRefused(outcome)),
+            Ok((Assignment::Concurrency { quota }, _)) => Some(Admission::Concurrency { quota }),
             Ok((Assignment::Busy { retry_after_us, .. }, _)) => {
                 trial.put_off(Duration::from_micros(retry_after_us));
                 None
@@ -213,10 +241,16 @@ impl Selector for LeastUsed {
             }
         }
         let down = self.down_ids();
-        match assign(state, self.ask(&down, quota, cost), reserving).await {
-            Ok((assignment, entries)) => Admission::of(assignment, entries, |member| {
-                self.attempt_for(member, &Tried::default())
-            }),
+        let id = self.lease_id();
+        let ask = self.ask(&down, quota, cost, self.lease_ask(&id));
+        match assign(state, ask, reserving).await {
+            Ok((assignment, entries)) => {
+                let lease = held(self.leases.as_ref(), id, &assignment);
+                Admission::of(assignment, entries, |member| {
+                    self.attempt_for(member, &Tried::default())
+                        .map(|a| a.leased(lease))
+                })
+            }
             Err(error) => Admission::StoreFailed {
                 error,
                 first: None,
@@ -231,11 +265,16 @@ impl Selector for LeastUsed {
         }
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
-        let ask = self.ask(&excluded, None, tried.cost);
+        let id = self.lease_id();
+        let ask = self.ask(&excluded, None, tried.cost, self.lease_ask(&id));
         match assign(state, ask, tried.reserving()).await {
-            Ok((Assignment::Assigned { member, .. }, entries)) => {
+            Ok((assignment @ Assignment::Assigned { .. }, entries)) => {
+                let lease = held(self.leases.as_ref(), id, &assignment);
                 tried.reserved(&entries);
-                self.attempt_for(&member, tried)
+                let Assignment::Assigned { member, .. } = assignment else {
+                    return None;
+                };
+                self.attempt_for(&member, tried).map(|a| a.leased(lease))
             }
             Ok(_) => None,
             // A full key table refuses (the member's windows could not be charged): no

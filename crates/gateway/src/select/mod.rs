@@ -18,6 +18,7 @@
 //! reports its outcome to the pool's health and gives back a down member's trial if the request
 //! ends without using it; and [`Tried`], the members a request has tried.
 
+mod least_in_flight;
 mod least_used;
 mod priority;
 mod round_robin;
@@ -31,7 +32,9 @@ use sluice_balancer::{Members, WeightedRoundRobin};
 use sluice_limiter::{Acquire, EntryId, Outcome, Period, StoreError};
 
 use crate::config::{Config, Rules, Selection, UpstreamConfig, YamlPath};
+use crate::lease::{LeaseGuard, LeasePlan};
 
+pub(crate) use least_in_flight::LeastInFlight;
 pub(crate) use least_used::LeastUsed;
 pub(crate) use priority::Priority;
 pub(crate) use round_robin::RoundRobin;
@@ -42,6 +45,7 @@ pub(crate) static KINDS: &[Entry] = &[
     Entry::of::<RoundRobin>(),
     Entry::of::<LeastUsed>(),
     Entry::of::<Priority>(),
+    Entry::of::<LeastInFlight>(),
 ];
 
 /// What admission decided about a request.
@@ -65,6 +69,9 @@ pub(crate) enum Admission {
         retry_after_us: u64,
         quota: Option<Outcome>,
     },
+    /// The route holds its `max_in_flight` requests, or every eligible member its own; nothing
+    /// was charged.
+    Concurrency { quota: Option<Outcome> },
     /// The store failed; the route's `on_store_error` decides. `first` is the member already
     /// chosen in process, if any; `fallback` tells that selection itself fell back to
     /// round-robin (least-used), which is counted apart.
@@ -98,6 +105,7 @@ impl Admission {
                 retry_after_us,
                 quota,
             },
+            Assignment::Concurrency { quota } => Admission::Concurrency { quota },
         }
     }
 
@@ -146,6 +154,9 @@ pub(crate) trait Kind: Selector + Sized + 'static {
     /// `on_restore` applies to it.
     const COUNTS: bool = false;
 
+    /// Whether it needs leases (requests in flight per member) whatever the route's caps.
+    const LEASES: bool = false;
+
     /// What it asks of a route's upstream (at `at`) beyond what every route is checked for.
     fn check(_upstream: &UpstreamConfig, _at: &YamlPath, _problems: &mut Problems) {}
 
@@ -160,6 +171,7 @@ pub(crate) type Problems = Vec<(YamlPath, String)>;
 pub(crate) struct Entry {
     name: &'static str,
     counts: bool,
+    leases: bool,
     check: fn(&UpstreamConfig, &YamlPath, &mut Problems),
     build: fn(&Parts<'_>) -> Box<dyn Selector>,
 }
@@ -169,6 +181,7 @@ impl Entry {
         Entry {
             name: K::NAME,
             counts: K::COUNTS,
+            leases: K::LEASES,
             check: K::check,
             build: build_boxed::<K>,
         }
@@ -182,6 +195,14 @@ impl Entry {
             .find(|k| k.name == selection.as_str())
             .unwrap_or(&KINDS[0])
     }
+}
+
+/// Whether a route's requests take leases: its policy needs them, or it caps requests in flight
+/// on a member or on the whole route.
+pub(crate) fn keeps_leases(route: &crate::config::RouteConfig) -> bool {
+    Entry::named(&route.upstream.selection).leases
+        || route.upstream.max_in_flight.is_some()
+        || route.max_in_flight.is_some()
 }
 
 fn build_boxed<K: Kind>(parts: &Parts<'_>) -> Box<dyn Selector> {
@@ -342,6 +363,8 @@ pub(crate) struct Limits {
     pub(crate) members: Arc<[PoolMember]>,
     /// The route has `cooldown`.
     pub(crate) cooldowns: bool,
+    /// The leases its requests take, when they take any.
+    pub(crate) leases: Option<LeasePlan>,
 }
 
 impl Limits {
@@ -354,13 +377,16 @@ impl Limits {
                 .map(|m| PoolMember::new(m.id.clone()))
                 .collect(),
             cooldowns: false,
+            leases: None,
         }
     }
 
     /// Whether any of it applies: only then do round-robin and priority ask the store to
     /// choose, rather than choosing in process.
     pub(crate) fn active(&self) -> bool {
-        self.cooldowns || self.members.iter().any(|m| !m.windows.is_empty())
+        self.cooldowns
+            || self.leases.is_some()
+            || self.members.iter().any(|m| !m.windows.is_empty())
     }
 }
 
@@ -483,21 +509,32 @@ pub(crate) async fn choose_among(
             Some(Attempt::new(pool.clone(), index, false))
         }
     };
+    let plan = limits.leases.as_ref();
+    let lease_id = plan.map(LeasePlan::next_id);
     let ask = Assign {
         route,
         members: &limits.members,
-        order: Order::Preference(order),
+        order: match plan {
+            Some(p) if p.fewest => Order::LeastInFlight(order),
+            _ => Order::Preference(order),
+        },
         excluded: &[],
         quota,
         cost: cost.max(1),
         cooldowns: limits.cooldowns,
         at_us: None,
+        lease: plan.zip(lease_id.as_deref()).map(|(p, id)| p.ask(id)),
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
     match assign(state, ask, reserving).await {
-        Ok((assignment, entries)) => Admission::of(assignment, entries, |member| {
-            index_of(member).and_then(|i| pick(i, claimed))
-        }),
+        Ok((assignment, entries)) => {
+            let lease = held(plan, lease_id, &assignment);
+            Admission::of(assignment, entries, |member| {
+                index_of(member)
+                    .and_then(|i| pick(i, claimed))
+                    .map(|a| a.leased(lease))
+            })
+        }
         // A full key table refuses: a member whose windows were not charged must not be sent
         // the request (on a retry, nothing else would stop it).
         Err(error @ StoreError::TooManyKeys) => Admission::StoreFailed {
@@ -512,6 +549,19 @@ pub(crate) async fn choose_among(
             first: order.first().and_then(|&i| pick(i, claimed)),
             fallback: false,
         },
+    }
+}
+
+/// The guard of the lease `assignment` took under `id`, made as soon as the store answers so
+/// that no path can lose it: dropped unused (no attempt for the member), it releases the lease.
+pub(crate) fn held(
+    plan: Option<&LeasePlan>,
+    id: Option<Arc<str>>,
+    assignment: &Assignment,
+) -> Option<LeaseGuard> {
+    match (plan, id, assignment) {
+        (Some(plan), Some(id), Assignment::Assigned { .. }) => Some(plan.hold(id)),
+        _ => None,
     }
 }
 
@@ -684,6 +734,9 @@ pub(crate) struct Attempt {
     index: usize,
     trial: bool,
     settled: bool,
+    /// The request's lease on the member, released when the attempt ends (the request is
+    /// done, or it moves to another member).
+    lease: Option<LeaseGuard>,
 }
 
 impl Attempt {
@@ -693,7 +746,14 @@ impl Attempt {
             index,
             trial,
             settled: false,
+            lease: None,
         }
+    }
+
+    /// The attempt holding `lease` on its member.
+    pub(crate) fn leased(mut self, lease: Option<LeaseGuard>) -> Attempt {
+        self.lease = lease;
+        self
     }
 
     /// The member's index in the route's pool.

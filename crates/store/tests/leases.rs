@@ -1,0 +1,323 @@
+//! Leases in the store: requests in flight per member, taken in the same atomic step as the
+//! assignment, released, renewed and expired; `least_in_flight` picks the member with the
+//! fewest; `max_in_flight` caps a member and a route. One suite, run against [`MemoryStore`],
+//! [`RedisStore`] (two instances on one `redis-server`) and a Redis Cluster; traces pass their
+//! clock (`at_us`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_allocator::{Assign, Assignment, Lease, MemoryStore, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisConnection, RedisStore};
+use sluice_testkit::{RedisCluster, RedisServer};
+
+const SEC: u64 = 1_000_000;
+/// Trace time zero.
+const T0: u64 = 1_000 * SEC;
+/// A lease that outlives any trace.
+const LONG: u64 = 3_600 * SEC;
+
+fn members(ids: &[&str]) -> Vec<PoolMember> {
+    ids.iter().map(|&id| PoolMember::new(id)).collect()
+}
+
+fn lease(id: &str, ttl_us: u64, member_max: Option<u64>, route_max: Option<u64>) -> Lease<'_> {
+    Lease {
+        id,
+        ttl_us,
+        member_max,
+        route_max,
+    }
+}
+
+fn ask<'a>(
+    route: &'a str,
+    members: &'a [PoolMember],
+    order: Order<'a>,
+    lease: Lease<'a>,
+    at_us: u64,
+) -> Assign<'a> {
+    Assign {
+        route,
+        members,
+        order,
+        excluded: &[],
+        quota: None,
+        cost: 1,
+        cooldowns: false,
+        at_us: Some(at_us),
+        lease: Some(lease),
+    }
+}
+
+async fn assigned(store: &dyn StateStore, ask: Assign<'_>) -> String {
+    match store.assign(ask).await.unwrap() {
+        Assignment::Assigned { member, .. } => member,
+        other => panic!("expected an assignment: {other:?}"),
+    }
+}
+
+async fn in_flight(store: &dyn StateStore, route: &str, at_us: u64) -> BTreeMap<String, u64> {
+    store
+        .in_flight(route, Some(at_us))
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// A small deterministic generator, so that the trace is the same on every store.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+/// Two instances take and release leases in turn: every pick is a member whose count was the
+/// least at that moment (ties to the smallest id), and the store's counts are the model's.
+async fn least_in_flight_takes_the_fewest(a: &dyn StateStore, b: &dyn StateStore) {
+    let route = "lif";
+    let pool = members(&["m1", "m2", "m3"]);
+    let mut model: BTreeMap<String, u64> = BTreeMap::new();
+    let mut held: Vec<(String, String)> = Vec::new();
+    let mut rng = Lcg(7);
+    for step in 0..120u64 {
+        let store = if step % 2 == 0 { a } else { b };
+        if held.is_empty() || rng.next(3) > 0 {
+            let id = format!("i{}-{step}", step % 2);
+            let least = ["m1", "m2", "m3"]
+                .iter()
+                .map(|m| (model.get(*m).copied().unwrap_or(0), *m))
+                .min()
+                .map(|(_, m)| m.to_string());
+            let member = assigned(
+                store,
+                ask(
+                    route,
+                    &pool,
+                    Order::LeastInFlight(&[0, 1, 2]),
+                    lease(&id, LONG, None, None),
+                    T0 + step,
+                ),
+            )
+            .await;
+            assert_eq!(Some(&member), least.as_ref(), "step {step}: {model:?}");
+            *model.entry(member.clone()).or_insert(0) += 1;
+            held.push((id, member));
+        } else {
+            let (id, member) = held.remove(rng.next(held.len() as u64) as usize);
+            store.release(route, &[&id]).await.unwrap();
+            let n = model.get_mut(&member).unwrap();
+            *n -= 1;
+            if *n == 0 {
+                model.remove(&member);
+            }
+        }
+        assert_eq!(
+            in_flight(store, route, T0 + step).await,
+            model,
+            "step {step}"
+        );
+    }
+    // Releasing every lease at once, some of them twice, and one never taken.
+    let mut ids: Vec<&str> = held.iter().map(|(id, _)| &**id).collect();
+    ids.push("never");
+    ids.extend(held.iter().take(2).map(|(id, _)| &**id));
+    a.release(route, &ids).await.unwrap();
+    assert!(in_flight(b, route, T0 + 200).await.is_empty());
+}
+
+/// A member at its `max_in_flight` is not a candidate; when every one is, the answer is
+/// `Concurrency` and nothing is taken; a release makes room on that member.
+async fn a_member_at_its_cap_is_skipped(a: &dyn StateStore, b: &dyn StateStore) {
+    let pool = members(&["m1", "m2"]);
+    for (route, order) in [
+        ("cap-lif", Order::LeastInFlight(&[0, 1])),
+        ("cap-pref", Order::Preference(&[1, 0])),
+        ("cap-lu", Order::LeastUsed),
+    ] {
+        let mut got = Vec::new();
+        for i in 0..4 {
+            let id = format!("c{i}");
+            let store = if i % 2 == 0 { a } else { b };
+            got.push(
+                assigned(
+                    store,
+                    ask(route, &pool, order, lease(&id, LONG, Some(2), None), T0),
+                )
+                .await,
+            );
+        }
+        got.sort();
+        assert_eq!(got, ["m1", "m1", "m2", "m2"], "{route}");
+        let full = a
+            .assign(ask(
+                route,
+                &pool,
+                order,
+                lease("c4", LONG, Some(2), None),
+                T0,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(full, Assignment::Concurrency { quota: None }, "{route}");
+        let counts = in_flight(b, route, T0).await;
+        assert_eq!(
+            counts.values().sum::<u64>(),
+            4,
+            "{route}: the refused took nothing"
+        );
+        // c0 went first: on m1 for least_in_flight and least_used, on m2 by preference.
+        b.release(route, &["c0"]).await.unwrap();
+        let freed = if route == "cap-pref" { "m2" } else { "m1" };
+        let member = assigned(
+            a,
+            ask(route, &pool, order, lease("c5", LONG, Some(2), None), T0),
+        )
+        .await;
+        assert_eq!(member, freed, "{route}");
+    }
+}
+
+/// The route at its `max_in_flight` assigns nobody, and charges nothing to its quota.
+async fn the_route_at_its_cap_refuses(a: &dyn StateStore, b: &dyn StateStore) {
+    let route = "cap-route";
+    let pool = members(&["m1", "m2", "m3"]);
+    let windows = [Window {
+        name: "m".into(),
+        limit: 100,
+        length_us: 3_600 * SEC,
+    }];
+    let quota = Acquire {
+        route,
+        key: "route",
+        windows: &windows,
+        cost: 1,
+        at_us: Some(T0),
+        client: None,
+    };
+    let with_quota = |id: &'static str| Assign {
+        quota: Some(quota),
+        ..ask(
+            route,
+            &pool,
+            Order::LeastInFlight(&[0, 1, 2]),
+            lease(id, LONG, None, Some(2)),
+            T0,
+        )
+    };
+    assigned(a, with_quota("r0")).await;
+    assigned(b, with_quota("r1")).await;
+    let remaining = |a: &Assignment| match a {
+        Assignment::Concurrency { quota: Some(q) } => q.windows[0].remaining,
+        other => panic!("expected concurrency: {other:?}"),
+    };
+    let first = a.assign(with_quota("r2")).await.unwrap();
+    assert_eq!(
+        remaining(&first),
+        98,
+        "two admitted, the refused not charged"
+    );
+    let again = b.assign(with_quota("r3")).await.unwrap();
+    assert_eq!(remaining(&again), 98);
+    a.release(route, &["r1"]).await.unwrap();
+    assert_eq!(assigned(b, with_quota("r4")).await, "m2");
+}
+
+/// A lease nobody releases (its instance died) expires at its ttl, and its capacity comes back;
+/// a renewed one lives a ttl from its renewal; a lease that expired is not renewed back.
+async fn leases_expire_and_renew(a: &dyn StateStore, b: &dyn StateStore) {
+    let route = "expiry";
+    let pool = members(&["m1"]);
+    let take = |id: &'static str, at: u64| {
+        ask(
+            route,
+            &pool,
+            Order::LeastInFlight(&[0]),
+            lease(id, SEC, Some(2), None),
+            at,
+        )
+    };
+    assigned(a, take("e0", T0)).await;
+    assigned(a, take("e1", T0)).await;
+    assert!(matches!(
+        b.assign(take("e2", T0 + SEC / 2)).await.unwrap(),
+        Assignment::Concurrency { .. }
+    ));
+    b.renew(route, &["e1"], SEC, Some(T0 + SEC / 2))
+        .await
+        .unwrap();
+    // e0 expired at T0 + 1 s: there is room for one again; e1 lives until T0 + 1.5 s.
+    assigned(b, take("e3", T0 + SEC + 1)).await;
+    assert_eq!(
+        in_flight(a, route, T0 + SEC + 1).await,
+        BTreeMap::from([("m1".to_string(), 2)])
+    );
+    assert_eq!(
+        in_flight(a, route, T0 + 3 * SEC / 2 + 1).await,
+        BTreeMap::from([("m1".to_string(), 1)])
+    );
+    // e1 expired: renewing it takes nothing again.
+    a.renew(route, &["e1"], LONG, Some(T0 + 2 * SEC))
+        .await
+        .unwrap();
+    assert!(in_flight(b, route, T0 + 3 * SEC).await.is_empty());
+}
+
+async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
+    least_in_flight_takes_the_fewest(&*a, &*b).await;
+    a_member_at_its_cap_is_skipped(&*a, &*b).await;
+    the_route_at_its_cap_refuses(&*a, &*b).await;
+    leases_expire_and_renew(&*a, &*b).await;
+}
+
+fn redis_store(url: &str) -> Arc<dyn StateStore> {
+    let connection = RedisConnection::new(url, Duration::from_secs(2)).unwrap();
+    Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
+}
+
+#[tokio::test]
+async fn memory_leases() {
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    suite(store.clone(), store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_leases() {
+    let server = RedisServer::start();
+    suite(redis_store(&server.url()), redis_store(&server.url())).await;
+    // The lease keys live as long as their longest lease, and a minute more.
+    let ttl = server.integer(&["PTTL", "sluice:{lif}:lz"]);
+    assert_eq!(
+        ttl,
+        Some(-2),
+        "every lease of the route was released: no key"
+    );
+    let ttl = server.integer(&["PTTL", "sluice:{cap-route}:lz"]).unwrap();
+    assert!(ttl > 3_600_000 && ttl <= 3_660_000, "{ttl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_leases_without_functions() {
+    let server = RedisServer::start();
+    let url = server.url_without_functions();
+    suite(redis_store(&url), redis_store(&url)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_leases() {
+    let cluster = RedisCluster::start();
+    let store = || -> Arc<dyn StateStore> {
+        let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+        Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
+    };
+    suite(store(), store()).await;
+}

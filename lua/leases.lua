@@ -1,0 +1,152 @@
+-- sluice lease library: the requests in flight on a route's members, shared by every instance.
+-- Runs after quota.lua, allocator.lua and members.lua (it walks members with members_step and
+-- members_offer).
+--
+-- Keys (all under the route's hash tag, so one script reads them with the route's others):
+-- - z: a sorted set, member = lease id, score = the time in µs when it expires;
+-- - h: a hash, lease id → the member it is on;
+-- - c: a hash, member → its leases in flight (members with none are absent).
+-- The route's total is ZCARD z.
+
+-- Every call that reads or takes leases first drops at most this many expired ones: bounded work
+-- per call. Those left go in later calls and count meanwhile, which only ever refuses early.
+local LEASES_EXPIRED_PER_CALL = 64
+
+-- Forgets lease `id` in h and its member's count (its entry in z is the caller's).
+local function leases_forget(l, id)
+  local member = redis.call('HGET', l.h, id)
+  if member then
+    redis.call('HDEL', l.h, id)
+    if redis.call('HINCRBY', l.c, member, -1) <= 0 then
+      redis.call('HDEL', l.c, member)
+    end
+  end
+end
+
+-- The lease keys at KEYS[k], KEYS[k + 1], KEYS[k + 2], with the expired leases dropped (at most
+-- LEASES_EXPIRED_PER_CALL) unless `now` is nil (a release, which reads nothing).
+local function leases_open(k, now)
+  local l = { z = KEYS[k], h = KEYS[k + 1], c = KEYS[k + 2], now = now }
+  if not now then
+    return l
+  end
+  local over = redis.call('ZRANGEBYSCORE', l.z, '-inf', string.format('%d', now), 'LIMIT', 0,
+    LEASES_EXPIRED_PER_CALL)
+  if #over > 0 then
+    for _, id in ipairs(over) do
+      leases_forget(l, id)
+    end
+    redis.call('ZREM', l.z, unpack(over))
+  end
+  return l
+end
+
+-- Member id → leases in flight, read whole (a route has few members).
+local function leases_counts(l)
+  local counts = {}
+  local flat = redis.call('HGETALL', l.c)
+  for i = 1, #flat, 2 do
+    counts[flat[i]] = tonumber(flat[i + 1])
+  end
+  return counts
+end
+
+-- The keys live as long as their longest lease, and a minute more.
+local function leases_keep(l, ttl_ms)
+  local keep = ttl_ms + 60000
+  if redis.call('PTTL', l.z) < keep then
+    redis.call('PEXPIRE', l.z, keep)
+    redis.call('PEXPIRE', l.h, keep)
+    redis.call('PEXPIRE', l.c, keep)
+  end
+end
+
+-- Takes lease `id` on `member` for ttl_us from now.
+local function leases_take(l, id, member, ttl_us)
+  redis.call('ZADD', l.z, string.format('%d', l.now + ttl_us), id)
+  redis.call('HSET', l.h, id, member)
+  redis.call('HINCRBY', l.c, member, 1)
+  leases_keep(l, math.ceil(ttl_us / 1000))
+end
+
+-- Releases lease `id`, if still held.
+local function leases_release(l, id)
+  if redis.call('ZREM', l.z, id) == 1 then
+    leases_forget(l, id)
+  end
+end
+
+-- Moves lease `id`, if still held, to expire ttl_us from now (XX: a lease already gone is not
+-- taken again).
+local function leases_renew(l, id, ttl_us)
+  redis.call('ZADD', l.z, 'XX', string.format('%d', l.now + ttl_us), id)
+end
+
+-- The lease ask an assignment ends with (assign_run.lua): its last ARGV is the number of lease
+-- arguments before it: the lease id, its ttl in µs, the member's most leases and the route's
+-- ("" for none), and "I" to walk the candidates fewest leases first (least_in_flight) or "-".
+-- Its keys are the last three.
+local function leases_ask(now)
+  local n = #ARGV
+  local at = n - tonumber(ARGV[n])
+  local l = leases_open(#KEYS - 2, now)
+  l.id = ARGV[at]
+  l.ttl = tonumber(ARGV[at + 1])
+  l.member_max = tonumber(ARGV[at + 2])
+  l.route_max = tonumber(ARGV[at + 3])
+  l.fewest = ARGV[at + 4] == 'I'
+  l.counts = leases_counts(l)
+  return l
+end
+
+-- Whether the route holds its most leases.
+local function leases_full(l)
+  return l.route_max and redis.call('ZCARD', l.z) >= l.route_max
+end
+
+-- The excluded set with the members at their most leases added (they are not candidates), and
+-- whether any was. A new table: nothing writes into an excluded set (allocator.lua shares an
+-- empty one between calls).
+local function leases_cap(l, excluded)
+  if not l.member_max then
+    return excluded, false
+  end
+  local out, capped = nil, false
+  for member, n in pairs(l.counts) do
+    if n >= l.member_max and not excluded[member] then
+      if not out then
+        out = {}
+        for id in pairs(excluded) do
+          out[id] = true
+        end
+      end
+      out[member] = true
+      capped = true
+    end
+  end
+  return out or excluded, capped
+end
+
+-- Offers the candidates listed in the script's arguments (as members_walk_listed) fewest
+-- leases first, then the lexically smallest id.
+local function leases_walk_fewest(w, l)
+  local ids = {}
+  local at, windows, wat = w.at + 1, 0, 0
+  for _ = 1, ARGV[w.at] + 0 do
+    ids[#ids + 1] = ARGV[at]
+    at, windows, wat = members_step(at, windows, wat, w.extra)
+  end
+  local counts = l.counts
+  table.sort(ids, function(a, b)
+    local x, y = counts[a] or 0, counts[b] or 0
+    if x ~= y then
+      return x < y
+    end
+    return a < b
+  end)
+  for _, id in ipairs(ids) do
+    if members_offer(w, id) then
+      return
+    end
+  end
+end

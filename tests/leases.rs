@@ -1,0 +1,383 @@
+//! Leases end to end, through the real binary and slow real backends: a request in flight holds
+//! a lease on its member until its answer is done, shared by every gateway on one store.
+//! `least_in_flight` sends each request to the member with the fewest; `max_in_flight` caps a
+//! member and a route (429 `concurrency_exceeded`, or a wait with `quota.max_wait`); a gateway
+//! killed with its leases held gives them back at `lease_ttl`, and a request that outlives
+//! `lease_ttl` keeps its lease by renewing it.
+
+mod support;
+
+use std::time::Duration;
+
+use sluice_echo::EchoServer;
+use support::{
+    request, start_backends, url, wait_until, wait_until_async, Backend, Config, Gateway, Response,
+    Store,
+};
+
+on_both_stores!(
+    least_in_flight_picks_the_member_with_the_fewest,
+    max_in_flight_caps_what_each_member_and_the_route_see,
+    at_the_cap_a_request_waits_with_max_wait,
+);
+
+/// The config of `store` with `routes` (YAML under `routes:`).
+fn config(store: &Store, routes: &str) -> String {
+    let base = Config::new().store(store).yaml();
+    let base = base
+        .split("routes:")
+        .next()
+        .expect("the builder writes routes last")
+        .to_string();
+    format!("{base}routes:\n{routes}")
+}
+
+/// The gateways that share `store`: two on Redis, one on memory.
+fn gateways(store: &Store, yaml: &str) -> Vec<Gateway> {
+    (0..store.instances())
+        .map(|_| Gateway::start_with_ports(yaml))
+        .collect()
+}
+
+/// A request held `ms` milliseconds by the member.
+async fn slow(gw: &Gateway, host: &str, ms: u64) -> Response {
+    let delay = ms.to_string();
+    request(
+        gw.proxy_addr(),
+        "GET",
+        host,
+        "/",
+        &[("x-delay-ms", &delay)],
+        b"",
+    )
+    .await
+}
+
+/// Leases in flight per member, as `/status` shows them.
+async fn in_flight(gw: &Gateway, route: &str) -> Vec<(String, u64)> {
+    let status = gw.status().await;
+    let routes = status["routes"].as_array().expect("routes").clone();
+    let r = routes
+        .iter()
+        .find(|r| r["name"] == route)
+        .expect("the route is in /status");
+    r["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .map(|m| {
+            let n = m["in_flight"].as_u64().expect("in_flight is a number");
+            (m["name"].as_str().unwrap_or_default().to_string(), n)
+        })
+        .collect()
+}
+
+fn total(backends: &[EchoServer]) -> u64 {
+    backends.iter().map(EchoServer::in_flight).sum()
+}
+
+/// Requests held open are sent one at a time, alternating gateways, each once the one before is
+/// at its member: every pick sees exact counts, and takes a member with the fewest (ties to the
+/// smallest name), so the members fill up evenly. `/status` and the metric show the leases;
+/// once the answers are done every lease is released.
+async fn least_in_flight_picks_the_member_with_the_fewest(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: String = backends
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            format!(
+                "      - {{ name: m{}, url: \"{}\" }}\n",
+                i + 1,
+                url(b.local_addr())
+            )
+        })
+        .collect();
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: lif\n    match: {{ hosts: [lif.test] }}\n    upstream:\n      selection: least_in_flight\n      members:\n{members}"
+        ),
+    );
+    let gws = gateways(&store, &yaml);
+    let mut held = Vec::new();
+    let mut counts = [0u64; 3];
+    for i in 0..7 {
+        let gw = &gws[i % gws.len()];
+        let addr = gw.proxy_addr();
+        held.push(tokio::spawn(async move {
+            request(addr, "GET", "lif.test", "/", &[("x-delay-ms", "6000")], b"").await
+        }));
+        assert!(
+            wait_until(Duration::from_secs(5), || total(&backends) == i as u64 + 1).await,
+            "request {i} reached its member"
+        );
+        // The fewest, ties to the smallest name.
+        let least = (0..3).min_by_key(|&m| (counts[m], m)).unwrap();
+        assert_eq!(
+            backends[least].in_flight(),
+            counts[least] + 1,
+            "request {i} went to m{}: {counts:?}",
+            least + 1
+        );
+        counts[least] += 1;
+    }
+    assert_eq!(counts, [3, 2, 2]);
+    for gw in &gws {
+        let seen = in_flight(gw, "lif").await;
+        let want: Vec<(String, u64)> = (0..3).map(|m| (format!("m{}", m + 1), counts[m])).collect();
+        assert_eq!(seen, want, "/status of every gateway");
+        let metric = gw
+            .metric(
+                "sluice_member_in_flight",
+                &[("route", "lif"), ("member", "m1")],
+            )
+            .await;
+        assert_eq!(metric, Some(3.0));
+    }
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    // Every answer is done: each lease is released, on every gateway's view.
+    for gw in &gws {
+        assert!(
+            wait_until_async(Duration::from_secs(10), || async {
+                in_flight(gw, "lif").await.iter().all(|(_, n)| *n == 0)
+            })
+            .await,
+            "every lease released: {:?}",
+            in_flight(gw, "lif").await
+        );
+    }
+}
+
+/// Members m1..m3 all on one backend, `upstream.max_in_flight: 2` and the route's
+/// `max_in_flight: 3`; a burst of slow requests over every gateway: each member sees at most 2,
+/// the backend at most 3, and the requests over the caps get 429 `concurrency_exceeded`.
+async fn max_in_flight_caps_what_each_member_and_the_route_see(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let [one, two, three] = [0, 1, 2].map(|i| url(backends[i].local_addr()));
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: members
+    match: {{ hosts: [members.test] }}
+    upstream:
+      max_in_flight: 2
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+        - {{ name: m2, url: \"{two}\" }}
+  - name: route
+    match: {{ hosts: [route.test] }}
+    max_in_flight: 3
+    upstream:
+      selection: least_in_flight
+      max_in_flight: 2
+      members:
+        - {{ name: a, url: \"{three}\" }}
+        - {{ name: b, url: \"{three}\" }}
+        - {{ name: c, url: \"{three}\" }}
+"
+        ),
+    );
+    let gws = gateways(&store, &yaml);
+    for (host, cap, on) in [
+        ("members.test", 4, &backends[..2]),
+        ("route.test", 3, &backends[2..]),
+    ] {
+        let burst: Vec<_> = (0..12)
+            .map(|i| {
+                let addr = gws[i % gws.len()].proxy_addr();
+                tokio::spawn(async move {
+                    request(addr, "GET", host, "/", &[("x-delay-ms", "800")], b"").await
+                })
+            })
+            .collect();
+        let mut ok = 0;
+        for r in burst {
+            let r = r.await.unwrap();
+            match r.status {
+                200 => ok += 1,
+                429 => assert_eq!(
+                    r.header("x-sluice-error"),
+                    Some("concurrency_exceeded"),
+                    "{host}: {}",
+                    r.text()
+                ),
+                other => panic!("{host}: unexpected {other}: {}", r.text()),
+            }
+        }
+        assert!(
+            (1..12).contains(&ok),
+            "{host}: {ok} of 12 admitted, the rest refused"
+        );
+        // Each member on members.test has a backend of its own, capped at 2; the route's three
+        // members share one, which only the route's cap of 3 bounds.
+        let member_cap = if on.len() == 2 { 2 } else { cap };
+        for b in on {
+            assert!(
+                b.peak_in_flight() <= member_cap,
+                "{host}: {} saw {} at once, cap {member_cap}",
+                b.name(),
+                b.peak_in_flight()
+            );
+        }
+        let peaks: u64 = on.iter().map(EchoServer::peak_in_flight).sum();
+        assert!(peaks <= cap, "{host}: {peaks} > {cap}");
+        // The leases are back once the answers are done: the next request goes.
+        assert!(
+            wait_until_async(Duration::from_secs(10), || async {
+                slow(&gws[0], host, 0).await.status == 200
+            })
+            .await
+        );
+    }
+}
+
+/// With `quota.max_wait`, a request at the cap waits for a release instead: every request of
+/// the burst is answered 200, and no member ever sees more than its cap.
+async fn at_the_cap_a_request_waits_with_max_wait(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let one = url(backends[0].local_addr());
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: waits
+    match: {{ hosts: [waits.test] }}
+    quota: {{ max_wait: 20s }}
+    upstream:
+      selection: least_in_flight
+      max_in_flight: 2
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+"
+        ),
+    );
+    let gws = gateways(&store, &yaml);
+    let burst: Vec<_> = (0..8)
+        .map(|i| {
+            let addr = gws[i % gws.len()].proxy_addr();
+            tokio::spawn(async move {
+                request(
+                    addr,
+                    "GET",
+                    "waits.test",
+                    "/",
+                    &[("x-delay-ms", "300")],
+                    b"",
+                )
+                .await
+            })
+        })
+        .collect();
+    for r in burst {
+        let r = r.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert!(
+        backends[0].peak_in_flight() <= 2,
+        "{}",
+        backends[0].peak_in_flight()
+    );
+    assert_eq!(backends[0].proxied_requests(), 8);
+}
+
+/// A gateway killed with a lease held leaves it in Redis until `lease_ttl`; then the capacity
+/// comes back for the other gateway. Meanwhile a request that outlives `lease_ttl` on the
+/// survivor keeps its lease, renewed at a third of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
+    let store = Store::start(Backend::Redis);
+    let backends = start_backends(&["b1", "b2"]).await;
+    let [one, two] = [0, 1].map(|i| url(backends[i].local_addr()));
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: crash
+    match: {{ hosts: [crash.test] }}
+    upstream:
+      selection: least_in_flight
+      lease_ttl: 2s
+      max_in_flight: 1
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+  - name: renew
+    match: {{ hosts: [renew.test] }}
+    upstream:
+      lease_ttl: 1s
+      max_in_flight: 1
+      members:
+        - {{ name: m1, url: \"{two}\" }}
+"
+        ),
+    );
+    let mut gws = gateways(&store, &yaml);
+    let survivor = gws.pop().unwrap();
+    let doomed = gws.pop().unwrap();
+    let addr = doomed.proxy_addr();
+    let _held = tokio::spawn(async move {
+        let _ = support::try_request(
+            addr,
+            "GET",
+            "crash.test",
+            "/",
+            &[("x-delay-ms", "30000")],
+            b"",
+        )
+        .await;
+    });
+    assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+    doomed.signal("KILL");
+    let refused = slow(&survivor, "crash.test", 0).await;
+    assert_eq!(refused.status, 429, "the dead gateway's lease still counts");
+    assert_eq!(
+        refused.header("x-sluice-error"),
+        Some("concurrency_exceeded")
+    );
+    assert!(
+        wait_until_async(Duration::from_secs(15), || async {
+            slow(&survivor, "crash.test", 0).await.status == 200
+        })
+        .await,
+        "the lease expired at lease_ttl and capacity came back"
+    );
+
+    // A request held 4 s on a route whose leases live 1 s: while it is still at its member
+    // after more than two ttls, its lease still counts.
+    let addr = survivor.proxy_addr();
+    let long = tokio::spawn(async move {
+        request(
+            addr,
+            "GET",
+            "renew.test",
+            "/",
+            &[("x-delay-ms", "4000")],
+            b"",
+        )
+        .await
+    });
+    assert!(wait_until(Duration::from_secs(5), || backends[1].in_flight() == 1).await);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        backends[1].in_flight(),
+        1,
+        "the long request is still at its member"
+    );
+    let second = slow(&survivor, "renew.test", 0).await;
+    assert_eq!(
+        second.status,
+        429,
+        "the renewed lease still counts: {}",
+        second.text()
+    );
+    assert_eq!(long.await.unwrap().status, 200);
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            slow(&survivor, "renew.test", 0).await.status == 200
+        })
+        .await
+    );
+}
