@@ -161,7 +161,8 @@ pub(crate) async fn after_answer(
     };
     // The member did no work: what the request reserved on this route settles to 0 (no
     // answer was read), before the next route reserves its own.
-    if let Some(meter) = ctx.meter.take() {
+    if let Some(mut meter) = ctx.meter.take() {
+        meter.did_no_work(status);
         let client = ctx.client.as_deref();
         let (state, metrics) = (&*gateway.state, &gateway.metrics);
         meter

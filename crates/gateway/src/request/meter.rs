@@ -288,6 +288,13 @@ impl Meter {
         self.scanner = None;
     }
 
+    /// The member answered `status`, which says it did no work (a fallback leaves the route
+    /// for it): the request settles to 0 here, whatever the route's `zero_on`.
+    pub(crate) fn did_no_work(&mut self, status: u16) {
+        self.status = Some(status);
+        self.scanner = None;
+    }
+
     /// A chunk of the answer's body, as it goes to the client.
     pub(crate) fn body(&mut self, chunk: &[u8]) {
         if let Some(s) = self.scanner.as_mut().filter(|s| s.wants_body()) {
