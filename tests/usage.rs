@@ -165,28 +165,38 @@ async fn a_stream_without_usage_leaves_its_reservation(backend: Backend) {
     holds(&gw, 60).await;
 }
 
-async fn a_member_429_settles_to_zero(backend: Backend) {
-    let store = Store::start(backend);
-    let (gw, stub) = setup(&store, 1000).await;
-    // Held before its head, so the reservation can be seen standing first.
+/// A chat request reserving 70 tokens (answered with `x-stub-status` when given), sent while
+/// the stub holds answers: returns once the stub holds it, before its answer's head.
+async fn held_chat(
+    gw: &Gateway,
+    stub: &OpenAiStub,
+    status: Option<&'static str>,
+) -> tokio::task::JoinHandle<support::Response> {
     stub.hold();
     let addr = gw.proxy_addr();
     let body = json!({"model": "m", "max_tokens": 70, "messages": []}).to_string();
     let task = tokio::spawn(async move {
+        let mut headers = vec![("Content-Type", "application/json")];
+        headers.extend(status.map(|s| ("x-stub-status", s)));
         request(
             addr,
             "POST",
             "openai.test",
             "/v1/chat/completions",
-            &[
-                ("Content-Type", "application/json"),
-                ("x-stub-status", "429"),
-            ],
+            &headers,
             body.as_bytes(),
         )
         .await
     });
     assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    task
+}
+
+async fn a_member_429_settles_to_zero(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    // Held before its head, so the reservation can be seen standing first.
+    let task = held_chat(&gw, &stub, Some("429")).await;
     holds(&gw, 70).await;
     stub.release();
     let r = task.await.unwrap();
@@ -199,21 +209,7 @@ async fn a_member_429_settles_to_zero(backend: Backend) {
 async fn a_client_gone_after_the_member_got_the_request_leaves_its_reservation(backend: Backend) {
     let store = Store::start(backend);
     let (gw, stub) = setup(&store, 1000).await;
-    stub.hold();
-    let addr = gw.proxy_addr();
-    let body = json!({"model": "m", "max_tokens": 70, "messages": []}).to_string();
-    let task = tokio::spawn(async move {
-        request(
-            addr,
-            "POST",
-            "openai.test",
-            "/v1/chat/completions",
-            &[("Content-Type", "application/json")],
-            body.as_bytes(),
-        )
-        .await
-    });
-    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    let task = held_chat(&gw, &stub, None).await;
     // The client hangs up while the member holds its answer.
     task.abort();
     let labels = [("route", "openai"), ("reason", "no_answer")];

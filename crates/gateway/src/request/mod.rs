@@ -629,16 +629,31 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
         send_with_the_others().await;
-        if let (Some(mut meter), Some(route)) = (ctx.meter.take(), ctx.route.as_ref()) {
+        if let (Some(mut meter), Some(route)) = (ctx.meter.take(), ctx.route.clone()) {
             // A route without a quota of its own may still have reserved: in its members' or
             // its client's calendar or unit windows, and its retries in other members'.
             meter.retried = std::mem::take(&mut ctx.tried.retried);
-            let quota = route.quota.as_deref();
-            let client = ctx.client.as_deref();
-            let (state, metrics) = (&*self.state, &self.metrics);
-            meter
-                .settle(state, metrics, &route.name, quota, client, &route.members)
-                .await;
+            let (client, state, metrics) =
+                (ctx.client.clone(), self.state.clone(), self.metrics.clone());
+            // The settlement goes on its own: the client's next request on this connection
+            // does not wait a store round trip for it (until it lands, the window holds the
+            // reservation, which only ever refuses early). It counts as in flight, so a
+            // graceful stop waits for it as for a request.
+            let held = InFlight::enter(&self.in_flight);
+            tokio::spawn(async move {
+                let _held = held;
+                let quota = route.quota.as_deref();
+                meter
+                    .settle(
+                        &*state,
+                        &metrics,
+                        &route.name,
+                        quota,
+                        client.as_deref(),
+                        &route.members,
+                    )
+                    .await;
+            });
         }
         account::finish(self, session, e, ctx);
     }
