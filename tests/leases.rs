@@ -11,14 +11,15 @@ use std::time::Duration;
 
 use sluice_echo::EchoServer;
 use support::{
-    request, start_backends, url, wait_until, wait_until_async, Backend, Config, Gateway, Response,
-    Store,
+    request, start_backends, url, wait_until, wait_until_async, Backend, Config, Egress, Gateway,
+    Response, Store,
 };
 
 on_both_stores!(
     least_in_flight_picks_the_member_with_the_fewest,
     max_in_flight_caps_what_each_member_and_the_route_see,
     at_the_cap_a_request_waits_with_max_wait,
+    a_tunnel_holds_its_lease_until_it_closes,
 );
 
 /// The config of `store` with `routes` (YAML under `routes:`).
@@ -379,5 +380,49 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
             slow(&survivor, "renew.test", 0).await.status == 200
         })
         .await
+    );
+}
+
+/// A CONNECT tunnel holds its lease until it closes: with `max_in_flight: 1`, a second tunnel
+/// is refused while the first is open, and goes once it has closed.
+async fn a_tunnel_holds_its_lease_until_it_closes(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let target = backends[0].local_addr().to_string();
+    let base = Config::new()
+        .store(&store)
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
+        .yaml();
+    let base = base.split("routes:").next().unwrap_or_default().to_string();
+    let yaml = format!(
+        "{base}routes:
+  - name: t
+    match: {{ hosts: [\"127.0.0.1\"] }}
+    upstream:
+      max_in_flight: 1
+      members:
+        - {{ direct: true }}
+"
+    );
+    let gws = gateways(&store, &yaml);
+    let (mut tunnel, r) = support::open_tunnel(gws[0].proxy_addr(), &target, true).await;
+    assert_eq!(r.status, 200);
+    let r = tunnel.request("GET", &target, "/", &[], b"").await.unwrap();
+    assert_eq!(r.status, 200, "the tunnel carries requests");
+    let last = gws.last().expect("a gateway");
+    let (_, refused) = support::open_tunnel(last.proxy_addr(), &target, false).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(
+        refused.header("x-sluice-error"),
+        Some("concurrency_exceeded")
+    );
+    drop(tunnel);
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            let (_, r) = support::open_tunnel(last.proxy_addr(), &target, true).await;
+            r.status == 200
+        })
+        .await,
+        "the lease was released when the tunnel closed"
     );
 }

@@ -278,7 +278,8 @@ impl Tunnels {
             match open::connect(member, &target, up, &egress).await {
                 Ok(conn) => {
                     attempt.connected();
-                    break Some(conn);
+                    // The attempt (and the lease on its member) lives as long as the tunnel.
+                    break Some((conn, attempt));
                 }
                 Err(failure) if failure.denied.is_some() => {
                     // The client's destination is denied: nothing was contacted, the member's
@@ -303,7 +304,7 @@ impl Tunnels {
             }
         };
         drop(table);
-        let Some(upstream) = upstream else {
+        let Some((upstream, _attempt)) = upstream else {
             let attempts = ctx.tried.count() as u32;
             let problem = if let Some(denial) = denied {
                 ctx.failure = Some(Failure::Denied(denial));
