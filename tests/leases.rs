@@ -10,9 +10,10 @@ mod support;
 use std::time::Duration;
 
 use sluice_echo::EchoServer;
+use sluice_testkit::RedisCluster;
 use support::{
     request, start_backends, url, wait_until, wait_until_async, Backend, Config, Egress, Gateway,
-    Response, Store,
+    Response, State, Store,
 };
 
 on_both_stores!(
@@ -22,9 +23,40 @@ on_both_stores!(
     a_tunnel_holds_its_lease_until_it_closes,
 );
 
+/// The store the gateways of a test share: memory (one gateway), a Redis or a Redis Cluster
+/// (two gateways).
+struct Shared {
+    state: State,
+    instances: usize,
+    _store: Option<Store>,
+    _cluster: Option<RedisCluster>,
+}
+
+impl Shared {
+    fn of(backend: Backend) -> Shared {
+        let store = Store::start(backend);
+        Shared {
+            state: store.state(),
+            instances: store.instances(),
+            _store: Some(store),
+            _cluster: None,
+        }
+    }
+
+    fn cluster() -> Shared {
+        let cluster = RedisCluster::start();
+        Shared {
+            state: State::cluster(cluster.urls()),
+            instances: 2,
+            _store: None,
+            _cluster: Some(cluster),
+        }
+    }
+}
+
 /// The config of `store` with `routes` (YAML under `routes:`).
-fn config(store: &Store, routes: &str) -> String {
-    let base = Config::new().store(store).yaml();
+fn config(store: &Shared, routes: &str) -> String {
+    let base = Config::new().state(store.state.clone()).yaml();
     let base = base
         .split("routes:")
         .next()
@@ -34,8 +66,8 @@ fn config(store: &Store, routes: &str) -> String {
 }
 
 /// The gateways that share `store`: two on Redis, one on memory.
-fn gateways(store: &Store, yaml: &str) -> Vec<Gateway> {
-    (0..store.instances())
+fn gateways(store: &Shared, yaml: &str) -> Vec<Gateway> {
+    (0..store.instances)
         .map(|_| Gateway::start_with_ports(yaml))
         .collect()
 }
@@ -82,7 +114,10 @@ fn total(backends: &[EchoServer]) -> u64 {
 /// smallest name), so the members fill up evenly. `/status` and the metric show the leases;
 /// once the answers are done every lease is released.
 async fn least_in_flight_picks_the_member_with_the_fewest(backend: Backend) {
-    let store = Store::start(backend);
+    least_in_flight_on(Shared::of(backend)).await;
+}
+
+async fn least_in_flight_on(store: Shared) {
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let members: String = backends
         .iter()
@@ -157,7 +192,10 @@ async fn least_in_flight_picks_the_member_with_the_fewest(backend: Backend) {
 /// `max_in_flight: 3`; a burst of slow requests over every gateway: each member sees at most 2,
 /// the backend at most 3, and the requests over the caps get 429 `concurrency_exceeded`.
 async fn max_in_flight_caps_what_each_member_and_the_route_see(backend: Backend) {
-    let store = Store::start(backend);
+    max_in_flight_on(Shared::of(backend)).await;
+}
+
+async fn max_in_flight_on(store: Shared) {
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let [one, two, three] = [0, 1, 2].map(|i| url(backends[i].local_addr()));
     let yaml = config(
@@ -240,7 +278,7 @@ async fn max_in_flight_caps_what_each_member_and_the_route_see(backend: Backend)
 /// With `quota.max_wait`, a request at the cap waits for a release instead: every request of
 /// the burst is answered 200, and no member ever sees more than its cap.
 async fn at_the_cap_a_request_waits_with_max_wait(backend: Backend) {
-    let store = Store::start(backend);
+    let store = Shared::of(backend);
     let backends = start_backends(&["b1"]).await;
     let one = url(backends[0].local_addr());
     let yaml = config(
@@ -291,7 +329,7 @@ async fn at_the_cap_a_request_waits_with_max_wait(backend: Backend) {
 /// survivor keeps its lease, renewed at a third of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
-    let store = Store::start(Backend::Redis);
+    let store = Shared::of(Backend::Redis);
     let backends = start_backends(&["b1", "b2"]).await;
     let [one, two] = [0, 1].map(|i| url(backends[i].local_addr()));
     let yaml = config(
@@ -386,11 +424,11 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
 /// A CONNECT tunnel holds its lease until it closes: with `max_in_flight: 1`, a second tunnel
 /// is refused while the first is open, and goes once it has closed.
 async fn a_tunnel_holds_its_lease_until_it_closes(backend: Backend) {
-    let store = Store::start(backend);
+    let store = Shared::of(backend);
     let backends = start_backends(&["b1"]).await;
     let target = backends[0].local_addr().to_string();
     let base = Config::new()
-        .store(&store)
+        .state(store.state.clone())
         .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .yaml();
     let base = base.split("routes:").next().unwrap_or_default().to_string();
@@ -425,4 +463,16 @@ async fn a_tunnel_holds_its_lease_until_it_closes(backend: Backend) {
         .await,
         "the lease was released when the tunnel closed"
     );
+}
+
+/// The same on a Redis Cluster shared by two gateways: a route's leases live in its slot, and
+/// each pick and each cap is still one atomic step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_in_flight_on_a_cluster() {
+    least_in_flight_on(Shared::cluster()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_in_flight_on_a_cluster() {
+    max_in_flight_on(Shared::cluster()).await;
 }
