@@ -21,6 +21,7 @@ on_both_stores!(
     max_in_flight_caps_what_each_member_and_the_route_see,
     at_the_cap_a_request_waits_with_max_wait,
     a_tunnel_holds_its_lease_until_it_closes,
+    a_route_at_its_cap_falls_back_on_concurrency_exceeded,
 );
 
 /// The store the gateways of a test share: memory (one gateway), a Redis or a Redis Cluster
@@ -475,4 +476,53 @@ async fn least_in_flight_on_a_cluster() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_in_flight_on_a_cluster() {
     max_in_flight_on(Shared::cluster()).await;
+}
+
+/// A route at its `max_in_flight` hands the request to its `fallback` when that lists
+/// `concurrency_exceeded`: with A's one slot held, the next request is answered by B's member.
+async fn a_route_at_its_cap_falls_back_on_concurrency_exceeded(backend: Backend) {
+    let store = Shared::of(backend);
+    let backends = start_backends(&["a1", "b1"]).await;
+    let [a, b] = [0, 1].map(|i| url(backends[i].local_addr()));
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: a
+    match: {{ hosts: [a.test] }}
+    max_in_flight: 1
+    upstream:
+      members:
+        - {{ name: a1, url: \"{a}\" }}
+    fallback:
+      - {{ route: b, on: [concurrency_exceeded] }}
+  - name: b
+    match: {{ hosts: [b.test] }}
+    upstream:
+      members:
+        - {{ name: b1, url: \"{b}\" }}
+"
+        ),
+    );
+    let gws = gateways(&store, &yaml);
+    let addr = gws[0].proxy_addr();
+    let held = tokio::spawn(async move {
+        request(addr, "GET", "a.test", "/", &[("x-delay-ms", "3000")], b"").await
+    });
+    assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+    let last = gws.last().expect("a gateway");
+    let r = slow(last, "a.test", 0).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-upstream"), Some("b1"));
+    assert_eq!(held.await.unwrap().header("x-upstream"), Some("a1"));
+    let counted = last
+        .metric(
+            "sluice_fallbacks_total",
+            &[
+                ("from", "a"),
+                ("to", "b"),
+                ("reason", "concurrency_exceeded"),
+            ],
+        )
+        .await;
+    assert_eq!(counted, Some(1.0));
 }

@@ -113,14 +113,15 @@ fn check_refuses_statuses_that_do_not_say_the_member_did_no_work() {
         "6:26: routes[0].fallback[0].on[0]",
         "unknown reason \"teapot\"",
     );
-    let later = routes(
+    // concurrency_exceeded needs a cap on the route that falls back.
+    let uncapped = routes(
         "      - { route: b, on: [concurrency_exceeded] }\n",
         "",
         "",
         "",
     );
     one_error(
-        &later,
+        &uncapped,
         "6:26: routes[0].fallback[0].on[0]",
         "needs max_in_flight",
     );

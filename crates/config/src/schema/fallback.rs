@@ -28,6 +28,8 @@ pub enum FallbackOn {
     QuotaExceeded,
     /// No member of the route was eligible.
     NoMember,
+    /// The route, or every member it could use, held its `max_in_flight` requests.
+    ConcurrencyExceeded,
     /// A member answered 429.
     TooManyRequests,
     /// A member answered 503 with `Retry-After`: it did no work and says when to come back.
@@ -41,6 +43,7 @@ impl FallbackOn {
         match self {
             FallbackOn::QuotaExceeded => "quota_exceeded",
             FallbackOn::NoMember => "no_member",
+            FallbackOn::ConcurrencyExceeded => "concurrency_exceeded",
             FallbackOn::TooManyRequests => "429",
             FallbackOn::Unavailable => "503",
         }
@@ -50,7 +53,7 @@ impl FallbackOn {
 impl<'de> Deserialize<'de> for FallbackOn {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct On;
-        const EXPECTED: &str = "quota_exceeded, no_member, 429 or 503";
+        const EXPECTED: &str = "quota_exceeded, no_member, concurrency_exceeded, 429 or 503";
         fn status<E: de::Error>(status: u64) -> Result<FallbackOn, E> {
             match status {
                 429 => Ok(FallbackOn::TooManyRequests),
@@ -75,9 +78,7 @@ impl<'de> Deserialize<'de> for FallbackOn {
                 match v {
                     "quota_exceeded" => Ok(FallbackOn::QuotaExceeded),
                     "no_member" => Ok(FallbackOn::NoMember),
-                    "concurrency_exceeded" => Err(E::custom(
-                        "concurrency_exceeded needs max_in_flight, which sluice does not have yet",
-                    )),
+                    "concurrency_exceeded" => Ok(FallbackOn::ConcurrencyExceeded),
                     _ => match v.parse::<u64>() {
                         Ok(n) => status(n),
                         Err(_) => Err(E::custom(format!("unknown reason {v:?}: use {EXPECTED}"))),

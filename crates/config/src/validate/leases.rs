@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::super::position::YamlPath;
-use super::super::Config;
+use super::super::{Config, FallbackOn};
 
 /// The shortest `lease_ttl`: leases are renewed at a third of it, by a task that looks every
 /// 250 ms, and a renewal must land before the lease expires.
@@ -42,6 +42,21 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
                 problems.push((at, format!("max_in_flight is at most {MAX_IN_FLIGHT}")));
             }
         }
+        // Without a cap the route never answers concurrency_exceeded: the entry would never
+        // apply, which is a mistake in the config rather than a choice.
+        if up.max_in_flight.is_none() && route.max_in_flight.is_none() {
+            for (j, entry) in route.fallback.iter().enumerate() {
+                for (k, on) in entry.on.iter().enumerate() {
+                    if *on == FallbackOn::ConcurrencyExceeded {
+                        problems.push((
+                            at.clone().key("fallback").index(j).key("on").index(k),
+                            "concurrency_exceeded needs max_in_flight on the route or its upstream"
+                                .to_string(),
+                        ));
+                    }
+                }
+            }
+        }
     }
     problems
 }
@@ -65,6 +80,17 @@ mod tests {
         assert_eq!(r.max_in_flight.map(|n| n.get()), Some(200));
         assert_eq!(r.upstream.max_in_flight.map(|n| n.get()), Some(50));
         assert_eq!(r.upstream.lease_ttl.0, std::time::Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_capped_route_may_fall_back_on_concurrency_exceeded() {
+        let yaml = "routes:\n  - name: a\n    max_in_flight: 2\n    upstream: {}\n    fallback: [{ route: b, on: [concurrency_exceeded] }]\n  - name: b\n    match: { hosts: [b.test] }\n    upstream: {}\n";
+        assert!(errors(yaml).is_empty(), "{:?}", errors(yaml));
+        let config = crate::Config::parse("t.yaml", yaml).unwrap();
+        assert_eq!(
+            config.routes[0].fallback[0].on,
+            [crate::FallbackOn::ConcurrencyExceeded]
+        );
     }
 
     #[test]

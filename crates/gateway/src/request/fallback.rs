@@ -4,7 +4,8 @@
 //!
 //! A route cannot serve a request when:
 //! - admission refuses it: its quota (or every member's own windows or cooldown) with
-//!   `quota_exceeded`, or no member is eligible (`no_member`);
+//!   `quota_exceeded`, or no member is eligible (`no_member`), or it holds its `max_in_flight`
+//!   requests (`concurrency_exceeded`);
 //! - its member answers with a status that says it did no work: a 429, or a 503 with
 //!   `Retry-After`. Then the request is sent again, which only a body that fits the 64 KiB
 //!   replay buffer can be (the buffer of the cooldown replay); a larger one gets the member's
@@ -49,6 +50,8 @@ pub(crate) fn reason_of_refusal(problem: &Problem, no_member: bool) -> Option<Fa
         Some(FallbackOn::NoMember)
     } else if problem.code == "quota_exceeded" {
         Some(FallbackOn::QuotaExceeded)
+    } else if problem.code == "concurrency_exceeded" {
+        Some(FallbackOn::ConcurrencyExceeded)
     } else {
         None
     }
