@@ -49,6 +49,7 @@ fn ask<'a>(
         cooldowns: false,
         at_us: Some(at_us),
         lease: Some(lease),
+        sticky: None,
     }
 }
 
@@ -320,4 +321,59 @@ async fn redis_cluster_leases() {
         Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
     };
     suite(store(), store()).await;
+}
+
+/// What leases cost Redis, counted from its own command statistics: taking one is part of the
+/// assignment's one call; releasing any number of a route's is one call, four commands a lease
+/// (five for a member's last).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lease_calls_and_commands() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url());
+    let pool = members(&["m1", "m2"]);
+    let route = "cost";
+    let ids: Vec<String> = (0..10).map(|i| format!("x{i}")).collect();
+    // Warm up: the library is loaded, the keys exist.
+    assigned(
+        &*store,
+        ask(
+            route,
+            &pool,
+            Order::LeastInFlight(&[0, 1]),
+            lease("w", LONG, None, None),
+            T0,
+        ),
+    )
+    .await;
+    let calls = |name: &str| server.command_calls(name);
+    let before = calls("fcall");
+    for id in &ids {
+        assigned(
+            &*store,
+            ask(
+                route,
+                &pool,
+                Order::LeastInFlight(&[0, 1]),
+                lease(id, LONG, None, None),
+                T0,
+            ),
+        )
+        .await;
+    }
+    assert_eq!(
+        calls("fcall") - before,
+        10,
+        "one call per assignment, its lease included"
+    );
+    let commands = ["zrem", "hget", "hdel", "hincrby", "zadd", "hset"];
+    let counts = || commands.map(calls);
+    let (before, fcalls) = (counts(), calls("fcall"));
+    let refs: Vec<&str> = ids.iter().map(|s| &**s).collect();
+    store.release(route, &refs).await.unwrap();
+    assert_eq!(calls("fcall") - fcalls, 1, "ten releases, one call");
+    let after = counts();
+    let spent: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    // Per lease: ZREM, HGET, HDEL, HINCRBY; and one HDEL more for m2, whose count drops to 0
+    // ("w" stays on m1).
+    assert_eq!(spent, [10, 10, 10 + 1, 10, 0, 0], "{commands:?}");
 }
