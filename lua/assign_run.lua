@@ -35,12 +35,19 @@
 -- With a lease ask, ARGV[3] ends with "l" and the arguments and keys end with it (leases.lua,
 -- leases_ask): the chosen member's lease is taken in the same step, members at their most
 -- leases are not candidates, and "I" walks the candidates fewest leases first.
+-- With a sticky ask, ARGV[3] ends with "s" (before any "l"): its arguments (sticky.lua,
+-- sticky_ask) and its three keys come right before the lease's, or last. The session's bound
+-- member is offered first when it is a candidate; the member chosen, whichever, is bound.
 -- Nothing is recorded unless a member is assigned.
 
 local cost = ARGV[2]
 local order = ARGV[3]
 local leasing = string.sub(order, -1) == 'l'
 if leasing then
+  order = string.sub(order, 1, -2)
+end
+local sticking = string.sub(order, -1) == 's'
+if sticking then
   order = string.sub(order, 1, -2)
 end
 local least_used = string.sub(order, 1, 1) == 'L'
@@ -109,6 +116,16 @@ if (q and q.admitted == 0) or (c and c.admitted == 0) then
   return entries(quota_finish_both(q, c, 0, {0, '', 0, 0, 0, 0, 0}, 3), false)
 end
 
+local sticky
+if sticking then
+  local last, sk = #ARGV, #KEYS - 2
+  if leasing then
+    last = last - tonumber(ARGV[last]) - 1
+    sk = sk - 3
+  end
+  sticky = sticky_ask(sk, last, now)
+end
+
 local lease, capped
 if leasing then
   lease = leases_ask(now)
@@ -131,7 +148,22 @@ if cool then
   end
 end
 local w = members_walk(at, k, excluded, cooling, cost, now, usage and 2 or 0)
-if least_used then
+local bound = sticky and sticky_bound(sticky)
+if bound then
+  -- Only a candidate of this order: a member of the pool, or one the gateway listed.
+  local candidate
+  if least_used then
+    candidate = redis.call('ZSCORE', pool, bound)
+  else
+    candidate = members_find(w, bound)
+  end
+  if candidate then
+    members_offer(w, bound)
+  end
+end
+if w.chosen then
+  -- The session's member took it.
+elseif least_used then
   members_walk_pool(w, pool, count, first)
 elseif lease and lease.fewest then
   leases_walk_fewest(w, lease)
@@ -157,6 +189,9 @@ if w.chosen then
   end
   if lease then
     leases_take(lease, lease.id, w.chosen, lease.ttl)
+  end
+  if sticky then
+    sticky_bind(sticky, w.chosen)
   end
   out = {1, w.chosen, 0}
 elseif w.eligible then

@@ -37,6 +37,7 @@ pub mod lua;
 mod memory;
 mod memory_leases;
 mod memory_pools;
+mod memory_sticky;
 
 use std::sync::Arc;
 
@@ -140,7 +141,42 @@ pub struct Assign<'a> {
     pub at_us: Option<u64>,
     /// The lease to take on the chosen member, if the route keeps leases.
     pub lease: Option<Lease<'a>>,
+    /// The request's session, on a route with `sticky`: its bound member is offered first.
+    pub sticky: Option<Sticky<'a>>,
 }
+
+/// A session's binding to a member, looked up and moved in the same atomic step as the
+/// assignment: the bound member is offered before the order's candidates (when it is one, and
+/// it is not excluded, cooling, refused by its windows or at its most leases); whichever member
+/// is chosen, the session is bound to it for `ttl_us` more. A new session finds the table at
+/// `max_bindings` and goes unbound (counted in [`StickyCounts::unbound`]), never refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sticky<'a> {
+    /// The session key, hashed by the caller: it may be a secret (a cookie), and the store and
+    /// its logs see only the hash.
+    pub session: &'a str,
+    /// How long a binding lives after its last use, in microseconds.
+    pub ttl_us: u64,
+    /// The most bindings the route keeps.
+    pub max_bindings: u64,
+}
+
+/// A route's sticky bindings, across every instance (for status pages and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StickyCounts {
+    /// Bindings held now (expired ones not yet dropped may still count, at most for a while).
+    pub bindings: u64,
+    /// New sessions routed without a binding because the table was full, ever.
+    pub unbound: u64,
+    /// Bindings moved off their member (it could not take the request, or it answered a
+    /// `rebind_on` status), ever.
+    pub moved: u64,
+}
+
+/// Every call that reads or takes a route's bindings first drops at most this many that
+/// expired: bounded work per call. The rest go in later calls; meanwhile a full table may send
+/// a new session unbound a little early, and an expired binding is never followed.
+pub const BINDINGS_EXPIRED_PER_CALL: usize = 64;
 
 /// The result of one assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -354,6 +390,19 @@ pub trait StateStore: Send + Sync + 'static {
         route: &str,
         at_us: Option<u64>,
     ) -> Result<Vec<(String, u64)>, StoreError>;
+
+    /// Drops the binding of `session` on `route` if it still points to `member` (a
+    /// `rebind_on` status or a connect failure there): the session's next request is routed by
+    /// the policy and bound anew. A binding another request already moved stays.
+    async fn unbind(&self, route: &str, session: &str, member: &str) -> Result<(), StoreError>;
+
+    /// The route's sticky bindings and their counters ([`StickyCounts`]); `at_us` as in
+    /// [`Acquire::at_us`].
+    async fn sticky_counts(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<StickyCounts, StoreError>;
 
     /// Whether the store can be used right now (for readiness).
     async fn ready(&self) -> bool {

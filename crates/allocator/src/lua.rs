@@ -23,3 +23,8 @@ pub const COOL_DRIVER: &str = include_str!("../../../lua/cool_run.lua");
 pub const LEASES_LIBRARY: &str = include_str!("../../../lua/leases.lua");
 /// Releasing, renewing and reading a route's leases (`lua/lease_run.lua`).
 pub const LEASE_DRIVER: &str = include_str!("../../../lua/lease_run.lua");
+/// The sticky library (`lua/sticky.lua`): sessions bound to members, their expiry and their
+/// counters.
+pub const STICKY_LIBRARY: &str = include_str!("../../../lua/sticky.lua");
+/// Unbinding a session and reading a route's bindings (`lua/sticky_run.lua`).
+pub const STICKY_DRIVER: &str = include_str!("../../../lua/sticky_run.lua");

@@ -16,7 +16,7 @@ use sluice_limiter::{
 };
 
 use crate::memory_pools::{Excluded, Pools, Route};
-use crate::{Assign, Assignment, Order, PoolMember, Reserved, StateStore, Usage};
+use crate::{Assign, Assignment, Order, PoolMember, Reserved, StateStore, StickyCounts, Usage};
 
 /// The route name the clients' own windows are kept under, in a [`QuotaLogs`] of their own.
 const CLIENTS: &str = "clients";
@@ -156,6 +156,19 @@ impl MemoryStore {
             let least_used = matches!(ask.order, Order::LeastUsed);
             route.settle_cooldowns(excluded, now, least_used);
         }
+        // The session's member, when it is still a candidate of this order: offered first.
+        let bound = ask.sticky.and_then(|sticky| {
+            route.sticky.expire(now);
+            let id = route.sticky.bound(sticky.session, now)?;
+            let index = ask.members.iter().position(|m| m.id == id);
+            let candidate = match ask.order {
+                Order::LeastUsed => route.counts.by_member.contains_key(&id),
+                Order::Preference(order) | Order::LeastInFlight(order) => {
+                    index.is_some_and(|i| order.contains(&i))
+                }
+            };
+            candidate.then_some((id, index))
+        });
         let mut eligible = false;
         let mut capped = false;
         let mut wait: Option<u64> = None;
@@ -232,7 +245,18 @@ impl MemoryStore {
             Ok(false)
         };
         let mut chosen_id = None;
+        if let Some((id, index)) = bound {
+            let windows = index.map_or(&[][..], |i| &ask.members[i].windows[..]);
+            if offer(&id, windows, index)? {
+                if matches!(ask.order, Order::LeastUsed) {
+                    let count = route.counts.by_member.get(&id).copied().unwrap_or(0);
+                    route.counts.set(&id, count + 1);
+                }
+                chosen_id = Some(id);
+            }
+        }
         match ask.order {
+            _ if chosen_id.is_some() => {}
             Order::LeastUsed => {
                 let any_windows = ask.members.iter().any(|m| !m.windows.is_empty());
                 let mut chosen = None;
@@ -280,6 +304,12 @@ impl MemoryStore {
             }
         }
         if let Some(id) = chosen_id {
+            if let Some(sticky) = ask.sticky {
+                let expiry = now.saturating_add(sticky.ttl_us);
+                route
+                    .sticky
+                    .bind(sticky.session, &id, expiry, sticky.max_bindings);
+            }
             if let Some(lease) = ask.lease {
                 let expiry = now.saturating_add(lease.ttl_us);
                 route.leases.take(lease.id, &id, expiry);
@@ -670,6 +700,28 @@ impl StateStore for MemoryStore {
         self.pools.retain(routes);
     }
 
+    async fn unbind(&self, route: &str, session: &str, member: &str) -> Result<(), StoreError> {
+        if let Some(route) = self.pools.get(route) {
+            let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+            route.sticky.unbind(session, member);
+        }
+        Ok(())
+    }
+
+    async fn sticky_counts(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<StickyCounts, StoreError> {
+        let now = at_us.unwrap_or_else(|| self.quotas.now_us());
+        let Some(route) = self.pools.get(route) else {
+            return Ok(StickyCounts::default());
+        };
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        route.sticky.expire(now);
+        Ok(route.sticky.counts())
+    }
+
     async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError> {
         let Some(route) = self.pools.get(route) else {
             return Ok(());
@@ -757,6 +809,7 @@ mod tests {
                 cooldowns: true,
                 at_us: None,
                 lease: None,
+                sticky: None,
             };
             store.assign(ask).await.unwrap();
             store.cool(route, "b", 60_000_000, None).await.unwrap();

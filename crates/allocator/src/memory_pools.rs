@@ -17,6 +17,8 @@ pub(crate) struct Route {
     pub(crate) cooling: HashMap<Arc<str>, u64>,
     /// The requests in flight on its members (routes that keep leases).
     pub(crate) leases: crate::memory_leases::Leases,
+    /// Its sticky sessions' bindings (routes with `sticky`).
+    pub(crate) sticky: crate::memory_sticky::Bindings,
 }
 
 impl Route {

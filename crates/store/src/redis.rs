@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use redis::Value;
 
 use sluice_allocator::{
-    Assign, Assignment, MemberUsage, Order, PoolMember, Reserved, StateStore, Usage,
+    Assign, Assignment, MemberUsage, Order, PoolMember, Reserved, StateStore, StickyCounts, Usage,
 };
 use sluice_limiter::{
     check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Owner, Period,
@@ -21,6 +21,10 @@ use sluice_limiter::{
 };
 
 use crate::batch::FusedBatches;
+
+/// A route's sticky keys (`lua/sticky.lua`): expiries (`sz`), session → member (`sh`), and the
+/// counters (`sc`).
+const STICKY_KEYS: [&str; 3] = ["}:sz", "}:sh", "}:sc"];
 use crate::call::ScriptCall;
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
@@ -133,6 +137,7 @@ impl RedisStore {
         if matches!(ask.order, Order::LeastUsed)
             && client.is_none()
             && ask.lease.is_none()
+            && ask.sticky.is_none()
             && !ask.cooldowns
             && !ask
                 .members
@@ -190,7 +195,8 @@ impl RedisStore {
                 .filter(|(_, m)| !m.windows.is_empty())
                 .map(|(_, m)| 1 + m.windows.len())
                 .sum::<usize>()
-            + if ask.lease.is_some() { 3 } else { 0 };
+            + if ask.lease.is_some() { 3 } else { 0 }
+            + if ask.sticky.is_some() { 3 } else { 0 };
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, keys);
         if least_used {
             call.key(&self.keys.pool_parts(route));
@@ -212,7 +218,12 @@ impl RedisStore {
                 }
             }
         }
-        // The lease keys come last (leases.lua, leases_ask).
+        // The sticky keys, then the lease keys, come last (sticky.lua, leases.lua).
+        if ask.sticky.is_some() {
+            for which in STICKY_KEYS {
+                call.key(&self.keys.lease_parts(route, which));
+            }
+        }
         if ask.lease.is_some() {
             for which in ["}:lz", "}:lh", "}:lc"] {
                 call.key(&self.keys.lease_parts(route, which));
@@ -234,12 +245,16 @@ impl RedisStore {
             (false, true, true) => "Pcu",
         };
         let leasing;
-        let order = match ask.lease {
-            Some(_) => {
-                leasing = format!("{order}l");
+        let order = match (ask.sticky.is_some(), ask.lease.is_some()) {
+            (false, false) => order,
+            (sticky, lease) => {
+                leasing = format!(
+                    "{order}{}{}",
+                    if sticky { "s" } else { "" },
+                    if lease { "l" } else { "" }
+                );
                 &leasing
             }
-            None => order,
         };
         call.arg(ask.cost)
             .arg(order)
@@ -302,6 +317,13 @@ impl RedisStore {
                 Some(_) => usage_args(&mut call, &m.windows, this.1.amounts, this.1.periods),
             }
             previous = Some(this);
+        }
+        // The sticky ask, then how many arguments it takes (sticky.lua, sticky_ask).
+        if let Some(sticky) = ask.sticky {
+            call.arg(sticky.session)
+                .arg(sticky.ttl_us)
+                .arg(sticky.max_bindings)
+                .arg(3);
         }
         // The lease ask, then how many arguments it takes (leases.lua, leases_ask).
         if let Some(lease) = ask.lease {
@@ -694,6 +716,28 @@ impl RedisStore {
         self.invoke(&call).await
     }
 
+    /// One call of the sticky script on `route`'s bindings (sticky_run.lua).
+    async fn sticky_call(
+        &self,
+        route: &str,
+        args: &[&str],
+        at_us: Option<u64>,
+    ) -> Result<Value, StoreError> {
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.sticky, 3);
+        for which in STICKY_KEYS {
+            call.key(&self.keys.lease_parts(route, which));
+        }
+        call.arg(args[0]);
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        for a in &args[1..] {
+            call.arg(*a);
+        }
+        self.invoke(&call).await
+    }
+
     /// A quota's keys, in the quota library's order: the helper hash, then one log per window.
     fn push_quota_keys(&self, call: &mut ScriptCall<'_>, q: &Acquire<'_>) {
         call.key(&self.keys.quota_meta_parts(q.route, q.key));
@@ -729,7 +773,7 @@ impl RedisStore {
         let Order::Preference(order) = ask.order else {
             return None;
         };
-        if ask.quota.is_some() || ask.cooldowns || ask.lease.is_some() {
+        if ask.quota.is_some() || ask.cooldowns || ask.lease.is_some() || ask.sticky.is_some() {
             return None;
         }
         let mut candidates = order
@@ -1091,6 +1135,33 @@ impl StateStore for RedisStore {
     ) -> Result<Vec<(String, u64)>, StoreError> {
         let reply = self.lease_call(route, "read", None, &[], at_us).await?;
         scripts::parse_cooldowns(&reply)
+    }
+
+    async fn unbind(&self, route: &str, session: &str, member: &str) -> Result<(), StoreError> {
+        self.sticky_call(route, &["unbind", session, member], None)
+            .await
+            .map(drop)
+    }
+
+    async fn sticky_counts(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<StickyCounts, StoreError> {
+        let reply: Vec<i64> =
+            redis::from_redis_value(self.sticky_call(route, &["read"], at_us).await?)
+                .map_err(|e| StoreError::Backend(format!("unexpected sticky reply: {e}")))?;
+        match reply[..] {
+            [bindings, unbound, moved] => Ok(StickyCounts {
+                bindings: bindings.max(0) as u64,
+                unbound: unbound.max(0) as u64,
+                moved: moved.max(0) as u64,
+            }),
+            _ => Err(StoreError::Backend(format!(
+                "sticky read returned {} values, expected 3",
+                reply.len()
+            ))),
+        }
     }
 
     async fn ready(&self) -> bool {

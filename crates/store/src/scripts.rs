@@ -21,7 +21,7 @@ use redis::{Script, Value};
 
 use sluice_allocator::lua::{
     ALLOCATOR_DRIVER, ALLOCATOR_LIBRARY, ASSIGN_DRIVER, COOL_DRIVER, FUSED_DRIVER, LEASES_LIBRARY,
-    LEASE_DRIVER, MEMBERS_LIBRARY,
+    LEASE_DRIVER, MEMBERS_LIBRARY, STICKY_DRIVER, STICKY_LIBRARY,
 };
 use sluice_allocator::{Assignment, Reserved};
 use sluice_limiter::lua::{
@@ -86,6 +86,8 @@ pub struct Scripts {
     pub usage: StateScript,
     /// Releasing, renewing and reading a route's leases.
     pub lease: StateScript,
+    /// Unbinding a sticky session, and reading a route's bindings.
+    pub sticky: StateScript,
 }
 
 impl Default for Scripts {
@@ -95,7 +97,7 @@ impl Default for Scripts {
 }
 
 /// The operations, by their function's suffix, with their drivers.
-const OPERATIONS: [(&str, &str); 8] = [
+const OPERATIONS: [(&str, &str); 9] = [
     ("quota", QUOTA_DRIVER),
     ("client", CLIENT_DRIVER),
     ("allocator", ALLOCATOR_DRIVER),
@@ -104,6 +106,7 @@ const OPERATIONS: [(&str, &str); 8] = [
     ("cool", COOL_DRIVER),
     ("usage", USAGE_DRIVER),
     ("lease", LEASE_DRIVER),
+    ("sticky", STICKY_DRIVER),
 ];
 
 /// Stands for the library's name in its text until the text's hash gives it one.
@@ -118,7 +121,7 @@ fn library_template() -> String {
         "#!lua name={NAME}\n\
          -- sluice's state operations, written by crates/store/src/scripts.rs from lua/.\n\
          local KEYS, ARGV\n\
-         {QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n"
+         {QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{STICKY_LIBRARY}\n"
     );
     for (op, driver) in OPERATIONS {
         text.push_str(&format!("local function run_{op}()\n{driver}\nend\n"));
@@ -165,7 +168,7 @@ impl Scripts {
             assign: op(
                 "assign",
                 format!(
-                    "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{ASSIGN_DRIVER}"
+                    "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{STICKY_LIBRARY}\n{ASSIGN_DRIVER}"
                 ),
             ),
             cool: op(
@@ -178,6 +181,10 @@ impl Scripts {
                 format!(
                     "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{LEASE_DRIVER}"
                 ),
+            ),
+            sticky: op(
+                "sticky",
+                format!("{QUOTA_LIBRARY}\n{STICKY_LIBRARY}\n{STICKY_DRIVER}"),
             ),
             library: Library {
                 source: template.replace(NAME, &name),

@@ -37,6 +37,7 @@ fn least_used<'a>(
         cooldowns: false,
         at_us: None,
         lease: None,
+        sticky: None,
     }
 }
 

@@ -172,6 +172,7 @@ async fn decide(
             cooldowns: false,
             at_us: Some(now),
             lease: None,
+            sticky: None,
         })
         .collect();
     let results = if at_once {
@@ -280,6 +281,7 @@ fn warm_up(rt: &tokio::runtime::Runtime, redis: &RedisStore) {
         cooldowns: false,
         at_us: None,
         lease: None,
+        sticky: None,
     }));
     assert!(
         matches!(assigned, Ok(Assignment::Assigned { .. })),
@@ -469,6 +471,7 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
         cooldowns: false,
         at_us: Some(1_000_000_000),
         lease: None,
+        sticky: None,
     };
     rt.block_on(async {
         redis.sync(route, &ids, &[]).await.unwrap();

@@ -81,6 +81,7 @@ fn assign<'a>(
         cooldowns,
         at_us: quota.at_us,
         lease: None,
+        sticky: None,
     }
 }
 

@@ -59,6 +59,7 @@ fn ask<'a>(route: &'a str, members: &'a [PoolMember], order: Order<'a>, at_us: u
         cooldowns: true,
         at_us: Some(at_us),
         lease: None,
+        sticky: None,
     }
 }
 
@@ -471,6 +472,7 @@ async fn hammered(
                         cooldowns: true,
                         at_us: None,
                         lease: None,
+                        sticky: None,
                     };
                     match store.assign(ask).await.unwrap() {
                         Assignment::Assigned { member, .. } => got.push(member),
@@ -745,6 +747,7 @@ async fn redis_one_command_per_assignment_with_windows_and_cooldowns() {
         cooldowns: true,
         at_us: None,
         lease: None,
+        sticky: None,
     };
     // Warm up: the first call syncs the pool and loads the script.
     assigned(&*store, ask(Order::LeastUsed)).await;

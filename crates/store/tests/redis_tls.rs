@@ -22,6 +22,7 @@ fn least_used<'a>(route: &'a str, members: &'a [PoolMember]) -> Assign<'a> {
         cooldowns: false,
         at_us: None,
         lease: None,
+        sticky: None,
     }
 }
 

@@ -601,6 +601,7 @@ async fn key_pool(store: &dyn StateStore, route: &str) {
                         cooldowns: false,
                         at_us: Some(at),
                         lease: None,
+                        sticky: None,
                     },
                     Usage {
                         route: &each,
@@ -746,6 +747,7 @@ async fn client_usage(store: &dyn StateStore, route: &str) {
                         cooldowns: false,
                         at_us: Some(at),
                         lease: None,
+                        sticky: None,
                     },
                     Usage {
                         route: &each,
@@ -863,6 +865,7 @@ async fn in_process_choice(store: &dyn StateStore, route: &str) {
                         cooldowns: false,
                         at_us: Some(at),
                         lease: None,
+                        sticky: None,
                     },
                     Usage {
                         route: &each,
@@ -1361,6 +1364,7 @@ async fn concurrent_pool(stores: &[Arc<dyn StateStore>], route: &str, n: u64) ->
                         cooldowns: false,
                         at_us: None,
                         lease: None,
+                        sticky: None,
                     },
                     Usage {
                         route: &each,

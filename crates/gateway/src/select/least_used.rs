@@ -99,6 +99,7 @@ impl LeastUsed {
             cooldowns: self.cooldowns,
             at_us: None,
             lease,
+            sticky: None,
         }
     }
 

@@ -524,6 +524,7 @@ pub(crate) async fn choose_among(
         cooldowns: limits.cooldowns,
         at_us: None,
         lease: plan.zip(lease_id.as_deref()).map(|(p, id)| p.ask(id)),
+        sticky: None,
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
     match assign(state, ask, reserving).await {
