@@ -526,3 +526,128 @@ async fn a_route_at_its_cap_falls_back_on_concurrency_exceeded(backend: Backend)
         .await;
     assert_eq!(counted, Some(1.0));
 }
+
+/// How long a request waiting at a cap takes to go once a lease is released on another
+/// gateway: measured and printed (docs/config.md quotes it), never asserted, since timing on a
+/// loaded machine proves nothing. Each round holds the one slot with a request through one
+/// gateway and sends a waiter through the other; the delay is from the holder's answer to the
+/// waiter's, which only waits on the release and its next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wake_up_delay_after_a_release_is_measured() {
+    let store = Shared::of(Backend::Redis);
+    let backends = start_backends(&["b1"]).await;
+    let one = url(backends[0].local_addr());
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: wake
+    match: {{ hosts: [wake.test] }}
+    quota: {{ max_wait: 10s }}
+    upstream:
+      max_in_flight: 1
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+"
+        ),
+    );
+    let gws = gateways(&store, &yaml);
+    let mut delays = Vec::new();
+    for _ in 0..10 {
+        let holder_addr = gws[0].proxy_addr();
+        let holder = tokio::spawn(async move {
+            let r = request(
+                holder_addr,
+                "GET",
+                "wake.test",
+                "/",
+                &[("x-delay-ms", "300")],
+                b"",
+            )
+            .await;
+            (r.status, std::time::Instant::now())
+        });
+        assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+        let waiter_addr = gws[1].proxy_addr();
+        let waiter = tokio::spawn(async move {
+            let r = request(waiter_addr, "GET", "wake.test", "/", &[], b"").await;
+            (r.status, std::time::Instant::now())
+        });
+        let (held, released) = holder.await.unwrap();
+        let (waited, admitted) = waiter.await.unwrap();
+        assert_eq!((held, waited), (200, 200));
+        delays.push(admitted.saturating_duration_since(released));
+    }
+    delays.sort();
+    eprintln!(
+        "wake-up delay after a release on another gateway: median {:?}, max {:?} ({} rounds)",
+        delays[delays.len() / 2],
+        delays[delays.len() - 1],
+        delays.len()
+    );
+}
+
+/// During a store outage a capped route follows its `on_store_error` (open without a quota):
+/// requests go without a lease, and once Redis is back the cap holds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_store_outage_a_capped_route_follows_on_store_error() {
+    let mut redis = sluice_testkit::RedisServer::start();
+    let backends = start_backends(&["b1"]).await;
+    let one = url(backends[0].local_addr());
+    let routes = format!(
+        "  - name: open
+    match: {{ hosts: [open.test] }}
+    upstream:
+      max_in_flight: 1
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+  - name: closed
+    match: {{ hosts: [closed.test] }}
+    quota: {{ max_wait: 1s, on_store_error: closed }}
+    upstream:
+      max_in_flight: 1
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+"
+    );
+    let base = Config::new()
+        .state(State::redis(redis.url()).timeout("500ms"))
+        .yaml();
+    let base = base.split("routes:").next().unwrap_or_default().to_string();
+    let gw = Gateway::start_with_ports(&format!("{base}routes:\n{routes}"));
+    assert_eq!(slow(&gw, "open.test", 0).await.status, 200);
+    redis.kill();
+    assert_eq!(
+        slow(&gw, "open.test", 0).await.status,
+        200,
+        "open: admitted unleased"
+    );
+    let r = slow(&gw, "closed.test", 0).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("store_unavailable"));
+    redis.restart();
+    // Back: once /status reads the leases again, the cap holds again.
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            let status = gw.status().await;
+            status["routes"][0]["members"][0]["in_flight"].is_u64()
+        })
+        .await,
+        "the store answers again"
+    );
+    let addr = gw.proxy_addr();
+    let held = tokio::spawn(async move {
+        request(
+            addr,
+            "GET",
+            "open.test",
+            "/",
+            &[("x-delay-ms", "3000")],
+            b"",
+        )
+        .await
+    });
+    assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+    let refused = slow(&gw, "open.test", 0).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(held.await.unwrap().status, 200);
+}
