@@ -85,7 +85,11 @@ async fn history_counts_each_second_by_class_with_no_token_and_no_secret(backend
         .start();
     let mut statuses = Vec::new();
     for _ in 0..5 {
-        statuses.push(support::get(gw.proxy_addr(), "metered.test", "/").await.status);
+        statuses.push(
+            support::get(gw.proxy_addr(), "metered.test", "/")
+                .await
+                .status,
+        );
     }
     assert_eq!(statuses, [200, 200, 200, 429, 429]);
     for _ in 0..4 {
@@ -104,7 +108,11 @@ async fn history_counts_each_second_by_class_with_no_token_and_no_secret(backend
     // Each second's series is as long as the ring holds, the same for every field.
     let samples = metered["samples"].as_u64().unwrap() as usize;
     assert!(samples >= 1, "{metered}");
-    for field in [&metered["p50_ms"], &metered["p99_ms"], &metered["in_flight"]] {
+    for field in [
+        &metered["p50_ms"],
+        &metered["p99_ms"],
+        &metered["in_flight"],
+    ] {
         assert_eq!(field.as_array().unwrap().len(), samples, "{metered}");
     }
     assert!(
@@ -123,7 +131,9 @@ async fn history_counts_each_second_by_class_with_no_token_and_no_secret(backend
     let spread = wait_until_async(Duration::from_secs(10), || async {
         let h = history_of(&gw, "keys").await;
         h["members"].as_array().is_some_and(|m| {
-            m.len() == 2 && m.iter().all(|m| sum(&m["assignments"]) == 2 && m["share"] == 0.5)
+            m.len() == 2
+                && m.iter()
+                    .all(|m| sum(&m["assignments"]) == 2 && m["share"] == 0.5)
         })
     })
     .await;
@@ -195,7 +205,9 @@ async fn the_dashboard_draws_history_quota_and_countdowns() {
     let next = |what: &str| {
         let line = lines
             .recv_timeout(Duration::from_secs(90))
-            .unwrap_or_else(|_| panic!("no line from dashboard_charts.py while waiting for {what}"));
+            .unwrap_or_else(|_| {
+                panic!("no line from dashboard_charts.py while waiting for {what}")
+            });
         eprintln!("dashboard_charts.py: {line}");
         line
     };
