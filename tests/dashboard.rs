@@ -287,6 +287,8 @@ async fn the_dashboard_shows_status_and_follows_health() {
     quota["usage"] = serde_json::json!(
         {"usd": {"reserve": {"value": 0.25}, "settle": {"json": "usage.cost"}}}
     );
+    // `api` caps its members' requests in flight, so each member has an `in_flight` count.
+    config["routes"][0]["upstream"]["max_in_flight"] = serde_json::json!(10);
     let gw = support::Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
     let page = gw.admin("/").await;
     assert_eq!(page.status, 200);
@@ -311,6 +313,7 @@ async fn the_dashboard_shows_status_and_follows_health() {
     })
     .await;
     assert!(requests_counted, "{}", gw.status().await["routes"][1]);
+    assert_eq!(gw.status().await["routes"][0]["members"][0]["in_flight"], 0);
 
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),

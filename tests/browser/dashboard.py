@@ -44,7 +44,7 @@ def status():
 # Reads the page in one script run: the page redraws every poll, so element handles kept
 # across calls would go stale.
 READ_PAGE = """
-const STATUS_FIELDS = ["healthy", "cooling_ms", "assignments", "weight"];
+const STATUS_FIELDS = ["healthy", "cooling_ms", "assignments", "weight", "member_in_flight"];
 const text = (root, sel) => root.querySelector(sel).textContent;
 // A window: what is left, then settled and reserved ("-" when not shown).
 const optional = (root, f) => { const e = root.querySelector(`[data-field=${f}]`); return e ? e.textContent : "-"; };
@@ -107,6 +107,8 @@ def expected(doc):
                       "cooling_ms": str(m.get("cooling_ms", "-")),
                       "quota": {w["name"]: window(w)
                                 for w in m.get("quota", []) if "remaining" in w}}
+            if "in_flight" in m:
+                fields["member_in_flight"] = "?" if m["in_flight"] is None else str(m["in_flight"])
             if r["selection"] == "least_used":
                 fields["assignments"] = str(m["assignments"])
             else:
