@@ -323,31 +323,47 @@ local function quota_check_each(meta, n, at, now)
   return q, amounts, texts, scores
 end
 
--- Settles an entry of the quota `q` (read by quota_read, so what left its windows is gone):
--- in window i, the entry "<seq>:<reserved[i]>" at score at[i] (µs, a string) becomes
--- "<seq>:<settled[i]>" at the same score, and the window's total moves by the difference.
--- Writes nothing itself (quota_finish does). Returns per window 0 (the entry is not there:
--- nothing changed), 1 (settled) or 2 (settled, and it took the window past its limit).
-local function quota_settle(q, seq, at, reserved, settled, out)
+-- Settles entries of the quota `q` (read by quota_read, so what left its windows is gone),
+-- each of `group` = {seq, at, reserved, settled}: in window i, the entry
+-- "r<seq>:<reserved[i]>" at score at[i] (µs, a string) becomes "<seq>:<settled[i]>" at the same
+-- score, and the window's total moves by the difference. Each log takes one ZREM and one ZADD
+-- for the whole group. Writes nothing to the hash itself (quota_finish does). Returns per
+-- entry, per window: 0 (the entry is not there: nothing changed), 1 (settled) or 2 (settled,
+-- and it took the window past its limit).
+local function quota_settle_group(q, group)
+  local states = {}
+  for g = 1, #group do states[g] = {} end
   for i = 1, q.n do
     local s, log = 5 * i, KEYS[q.key + i]
-    local member = 'r' .. seq .. ':' .. reserved[i]
-    local score = redis.call('ZSCORE', log, member)
-    local state = 0
-    if score and score + 0 == at[i] + 0 then
-      local before, after = reserved[i] + 0, settled[i] + 0
-      state = 1
-      redis.call('ZREM', log, member)
-      redis.call('ZADD', log, score, seq .. ':' .. settled[i])
-      q[s - 4] = q[s - 4] - before + after
-      quota_open(q, i, -before)
-      q.dirty = true
-      if after > before and q[s - 4] > q[s - 1] then
-        state = 2
+    local gone, added, taken = {}, {}, {}
+    for g = 1, #group do
+      local seq, at, reserved, settled = group[g][1], group[g][2], group[g][3], group[g][4]
+      local member = 'r' .. seq .. ':' .. reserved[i]
+      -- An entry settles once, even when a call names it twice: its removal waits for the
+      -- group's ZREM.
+      local score = not taken[member] and redis.call('ZSCORE', log, member)
+      local state = 0
+      if score and score + 0 == at[i] + 0 then
+        taken[member] = true
+        local before, after = reserved[i] + 0, settled[i] + 0
+        state = 1
+        gone[#gone + 1] = member
+        added[#added + 1], added[#added + 2] = score, seq .. ':' .. settled[i]
+        q[s - 4] = q[s - 4] - before + after
+        quota_open(q, i, -before)
+        q.dirty = true
+        if after > before and q[s - 4] > q[s - 1] then
+          state = 2
+        end
       end
+      states[g][i] = state
     end
-    out[#out + 1] = state
+    if #gone > 0 then
+      redis.call('ZREM', log, unpack(gone))
+      redis.call('ZADD', log, unpack(added))
+    end
   end
+  return states
 end
 
 -- Writes back what changed, in one HSET, whatever the decision. A log must live until its

@@ -396,6 +396,51 @@ async fn batched(store: &dyn StateStore, route: &str) {
     }
 }
 
+/// Settlements of one key in a row share the key's read and write in the store: each still
+/// settles its own entry, one past the limit is an overrun, and an entry named twice settles
+/// once.
+async fn batched_one_key(store: &dyn StateStore, route: &str) {
+    let w = windows();
+    let t0 = 2_000_000_000_000u64;
+    let mut entries = Vec::new();
+    for i in 0..4u64 {
+        let r = reserve(store, route, "k", &w, &[1, tokens(100)], t0 + i).await;
+        entries.push(r.entry.unwrap());
+    }
+    let reserved = [1, tokens(100)];
+    let settled = [[1, tokens(10)], [1, tokens(20)], [1, tokens(30)], [1, tokens(1_000)]];
+    let mut batch: Vec<Settle<'_>> = entries
+        .iter()
+        .zip(&settled)
+        .map(|(&entry, settled)| Settle {
+            key: "k",
+            windows: &w,
+            entry,
+            reserved: &reserved,
+            settled,
+            periods: &[],
+            owner: Owner::Route,
+        })
+        .collect();
+    batch.insert(1, batch[0]);
+    let done = store.settle(route, &batch, Some(t0 + 100)).await.unwrap();
+    let d = [Settled::Done, Settled::Done];
+    let gone = [Settled::Gone, Settled::Gone];
+    assert_eq!(done[0], d);
+    assert_eq!(done[1], gone, "named twice, settled once");
+    assert_eq!(done[2], d);
+    assert_eq!(done[3], d);
+    // 10 + 20 + 30 + 1,000 tokens: past the limit of 1,000.
+    assert_eq!(done[4], [Settled::Done, Settled::Overrun]);
+    assert_eq!(remaining(store, route, "k", &w, t0 + 200).await[1], 0);
+    let usage = store
+        .usage(route, Owner::Route, "k", &w, Some(t0 + 200))
+        .await
+        .unwrap();
+    assert_eq!(usage[1].total, tokens(1_060));
+    assert_eq!(usage[1].open, 0);
+}
+
 const DAY: u64 = 86_400_000_000;
 
 /// A calendar day as the caller cuts it (here UTC), and the window that counts in it: a fixed
@@ -908,6 +953,7 @@ async fn memory_reserves_and_settles() {
     let store = MemoryStore::new();
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
+    batched_one_key(&store, "usage1").await;
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
@@ -920,6 +966,7 @@ async fn redis_reserves_and_settles() {
     let store = redis_store(&server.url());
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
+    batched_one_key(&store, "usage1").await;
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
@@ -972,6 +1019,7 @@ async fn redis_without_functions_reserves_and_settles() {
     let store = redis_store(&server.url_without_functions());
     scenarios(&store, "usage").await;
     batched(&store, "usage").await;
+    batched_one_key(&store, "usage1").await;
     calendar(&store, "calendar").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
@@ -985,6 +1033,7 @@ async fn redis_cluster_reserves_and_settles() {
     for route in ["usage", "other", "third"] {
         scenarios(&store, route).await;
         batched(&store, route).await;
+        batched_one_key(&store, &format!("{route}-one")).await;
         calendar(&store, route).await;
         key_pool(&store, route).await;
         // A pool of its own: the key pool above left two members in the route's.
