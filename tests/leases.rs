@@ -385,8 +385,8 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
         "the lease expired at lease_ttl and capacity came back"
     );
 
-    // A request held 4 s on a route whose leases live 1 s: while it is still at its member
-    // after more than two ttls, its lease still counts.
+    // A request held 4 s on a route whose leases live 1 s: renewed at a third of the ttl, its
+    // lease outlives the ttl while it runs.
     let addr = survivor.proxy_addr();
     let long = tokio::spawn(async move {
         request(
@@ -400,7 +400,28 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
         .await
     });
     assert!(wait_until(Duration::from_secs(5), || backends[1].in_flight() == 1).await);
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let redis = store
+        ._store
+        .as_ref()
+        .and_then(Store::redis)
+        .expect("a Redis store");
+    let expiry = || {
+        redis
+            .zrange_with_scores("sluice:{renew}:lz")
+            .first()
+            .map(|(_, score)| *score)
+    };
+    let taken = expiry().expect("the lease is in Redis");
+    // Renewed until its expiry is a whole ttl past the first: each renewal found it alive (an
+    // expired lease is dropped before renewals, never taken back), so it outlived its ttl.
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            expiry().is_some_and(|e| e >= taken + 1_000_000.0)
+        })
+        .await,
+        "the lease was renewed past its ttl: {taken} -> {:?}",
+        expiry()
+    );
     assert_eq!(
         backends[1].in_flight(),
         1,
