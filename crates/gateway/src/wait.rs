@@ -1,61 +1,183 @@
 //! Waiting for capacity instead of a 429 (SPEC §8, `quota.max_wait`).
 //!
 //! A request that the route's quota, every member's quota or every member's cooldown refuses
-//! may wait up to `max_wait` for capacity. Three rules shape how:
+//! may wait up to `max_wait` for capacity. These rules shape how:
 //!
-//! - **Arrival order, per instance.** The waiters of a route stand in one line: a fair
-//!   (first-in, first-out) async mutex. Only the head of the line asks the store again; the
-//!   others wait for their turn. A request that arrives while anyone waits joins the end of
-//!   the line rather than asking the store first, or a steady stream of newcomers could take
-//!   every freed unit from the waiters.
+//! - **In turn across clients, in arrival order within one.** The waiters of a route stand
+//!   in one line per instance, made of one lane per fairness key (the identified client's
+//!   name, or without one the request's `quota.key` value). The turn to ask the store goes
+//!   round the lanes, one request each (round robin by request), and within a lane to the
+//!   waiter that came first. A client that sends a burst fills only its own lane: each other
+//!   client waits at most one turn of it per request, instead of behind the whole burst.
+//! - **Only the holder of the turn asks the store.** A request that arrives while anyone
+//!   waits joins its lane rather than asking the store first, or a steady stream of
+//!   newcomers could take every freed unit from the waiters. A new lane joins the round
+//!   after the lanes already in it.
 //! - **Wake-ups from the store's own answer, not polling.** A refusal carries the exact time
 //!   until the request's cost fits (`retry_after_us`), computed by the store for every window
-//!   and member. The head sleeps exactly that long and asks again. Another instance may take
-//!   the capacity first; the head then gets a new exact time and sleeps again. A wait that
-//!   would end past the deadline is not started: the request is refused at once, with the
-//!   exact `Retry-After`.
-//! - **A bound.** At most `max_waiting` requests wait per route and instance; past it a
+//!   and member. The holder of the turn sleeps exactly that long and asks again. Another
+//!   instance may take the capacity first; it then gets a new exact time and sleeps again. A
+//!   wait that would end past the deadline is not started: the request is refused at once,
+//!   with the exact `Retry-After`.
+//! - **Bounds.** At most `max_waiting` requests wait per route and instance; past it a
 //!   request is answered `429` at once, without asking the store: capacity that frees then
 //!   is owed to the requests already waiting, and a newcomer that asked could take it ahead
-//!   of them. Its `Retry-After` is the time until the head of the line asks again
+//!   of them. Its `Retry-After` is the time until the turn's holder asks again
 //!   ([`WaitLine::until_next_ask`]). Each waiter holds a connection and a task, and an
-//!   unbounded line would let a burst hold them all.
+//!   unbounded line would let a burst hold them all. At most [`MAX_LANES`] keys have a lane
+//!   of their own; waiters of further keys share one more lane, which takes its turn like
+//!   any other, so that many keys cannot make the round itself costly. A lane is known by a
+//!   keyed 64-bit digest of its key, never the key: a long header value costs the line
+//!   nothing, and a key that is a credential is not kept.
 //! - **A waiter whose client hangs up leaves at once** ([`hung_up`]), uncharged: otherwise it
 //!   would keep its place, take the capacity at its turn for nobody, and push the live
 //!   waiters behind it past their `max_wait`.
+//!
+//! A request that finds nobody waiting takes no lock: it reads one counter and asks the store.
 
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::Notify;
 use tokio::time::Instant;
+
+/// The most fairness keys with a lane of their own in one line; waiters of further keys share
+/// one more lane.
+pub const MAX_LANES: usize = 1024;
+
+/// The lane of the keys past [`MAX_LANES`]. A key whose digest happens to be this one shares
+/// it too, which only makes it less separate, never lost.
+const SHARED_LANE: u64 = u64::MAX;
 
 /// The waiting line of one route.
 #[derive(Debug)]
 pub struct WaitLine {
-    /// Held by the head of the line while it waits and asks the store; tokio's mutex is fair,
-    /// so the others get it in the order they asked.
-    head: Mutex<()>,
-    /// Requests in the line, the head included.
+    /// The lanes and who holds the turn. A std mutex: it is never held across an await, and
+    /// only requests that wait take it.
+    lanes: Mutex<Lanes>,
+    /// Requests in the line, the holder of the turn included: read without the lock by every
+    /// request, to see whether anyone waits.
     waiting: AtomicUsize,
-    /// When the head asks the store next, in microseconds since `born`; 0 when it is not
-    /// asleep (or nobody waits).
+    /// When the holder of the turn asks the store next, in microseconds since `born`; 0 when
+    /// it is not asleep (or nobody waits).
     next_ask_us: AtomicU64,
     born: Instant,
+    /// Keys a lane's digest, per line, so that nobody can choose keys that share a lane.
+    digest: RandomState,
     /// `quota.max_wait`.
     pub max_wait: Duration,
     /// `quota.max_waiting`.
     pub max_waiting: usize,
 }
 
-/// A place in the line; leaving it (by drop) makes room for another.
+#[derive(Debug, Default)]
+struct Lanes {
+    /// The waiters of each lane that has any, in arrival order (the holder of the turn is in
+    /// none).
+    queued: HashMap<u64, VecDeque<Waiter>>,
+    /// The lanes in `queued`, in the order their turns come.
+    round: VecDeque<u64>,
+    /// The ticket of the waiter that holds the turn.
+    turn: Option<u64>,
+    next_ticket: u64,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    ticket: u64,
+    /// Told when the turn is handed to this waiter.
+    told: Arc<Notify>,
+}
+
+impl Lanes {
+    /// Hands a free turn to the first waiter of the next lane in the round, which then goes
+    /// to the end of the round if it has more.
+    fn hand_on(&mut self) {
+        if self.turn.is_some() {
+            return;
+        }
+        while let Some(lane) = self.round.pop_front() {
+            let Some(queue) = self.queued.get_mut(&lane) else {
+                continue;
+            };
+            let Some(next) = queue.pop_front() else {
+                self.queued.remove(&lane);
+                continue;
+            };
+            if queue.is_empty() {
+                self.queued.remove(&lane);
+            } else {
+                self.round.push_back(lane);
+            }
+            self.turn = Some(next.ticket);
+            next.told.notify_one();
+            return;
+        }
+    }
+
+    /// Takes `ticket` out of the line, handing the turn on when it held it.
+    fn leave(&mut self, lane: u64, ticket: u64) {
+        if self.turn == Some(ticket) {
+            self.turn = None;
+            self.hand_on();
+            return;
+        }
+        let Some(queue) = self.queued.get_mut(&lane) else {
+            return;
+        };
+        queue.retain(|w| w.ticket != ticket);
+        if queue.is_empty() {
+            self.queued.remove(&lane);
+            self.round.retain(|l| *l != lane);
+        }
+    }
+}
+
+/// A place in the line; leaving it (by drop) makes room for another, and hands the turn on
+/// when this place held it.
 pub struct Place<'a> {
     line: &'a WaitLine,
+    lane: u64,
+    ticket: u64,
+    told: Arc<Notify>,
+    /// Already out of the lanes (its deadline passed); only the count is left to give back.
+    left: bool,
+}
+
+impl Place<'_> {
+    /// Waits for this place's turn to ask the store, until `deadline`: `true` once it holds
+    /// the turn (until the place is dropped), `false` when the deadline came first, and the
+    /// place has then left the lanes.
+    pub async fn turn(&mut self, deadline: Instant) -> bool {
+        loop {
+            if self.line.lock().turn == Some(self.ticket) {
+                return true;
+            }
+            // A hand-on between the look above and this wait is not lost: `notify_one`
+            // keeps a permit for the next `notified`.
+            if tokio::time::timeout_at(deadline, self.told.notified())
+                .await
+                .is_err()
+            {
+                // A turn handed over just now is handed on by `leave`.
+                self.line.lock().leave(self.lane, self.ticket);
+                self.left = true;
+                return false;
+            }
+        }
+    }
 }
 
 impl Drop for Place<'_> {
     fn drop(&mut self) {
+        if !self.left {
+            self.line.lock().leave(self.lane, self.ticket);
+        }
         self.line.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -64,13 +186,19 @@ impl WaitLine {
     /// A line for a route with this `max_wait` (non-zero) and `max_waiting`.
     pub fn new(max_wait: Duration, max_waiting: usize) -> WaitLine {
         WaitLine {
-            head: Mutex::new(()),
+            lanes: Mutex::new(Lanes::default()),
             waiting: AtomicUsize::new(0),
             next_ask_us: AtomicU64::new(0),
             born: Instant::now(),
+            digest: RandomState::new(),
             max_wait,
             max_waiting,
         }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Lanes> {
+        // Nothing under this lock panics; a poisoned lock still holds consistent lanes.
+        self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether nobody waits: a newcomer may then ask the store directly.
@@ -83,44 +211,69 @@ impl WaitLine {
         self.waiting.load(Ordering::Acquire)
     }
 
-    /// A place at the end of the line, or `None` when it is full.
-    pub fn join(&self) -> Option<Place<'_>> {
-        let taken = self
-            .waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max_waiting).then_some(n + 1)
-            });
-        taken.ok().map(|_| Place { line: self })
+    /// How many lanes have waiters besides the holder of the turn (for tests).
+    pub fn lanes(&self) -> usize {
+        self.lock().queued.len()
     }
 
-    /// The head sleeps until `at` and then asks the store again.
+    /// A place at the end of the lane of `key` (the fairness key: the client's name, or the
+    /// quota key), or `None` when the line is full.
+    pub fn join(&self, key: &str) -> Option<Place<'_>> {
+        self.waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_waiting).then_some(n + 1)
+            })
+            .ok()?;
+        let told = Arc::new(Notify::new());
+        let mut lanes = self.lock();
+        let mut lane = self.digest.hash_one(key);
+        if !lanes.queued.contains_key(&lane) && lanes.queued.len() >= MAX_LANES {
+            lane = SHARED_LANE;
+        }
+        let ticket = lanes.next_ticket;
+        lanes.next_ticket += 1;
+        let waiter = Waiter {
+            ticket,
+            told: told.clone(),
+        };
+        match lanes.queued.get_mut(&lane) {
+            Some(queue) => queue.push_back(waiter),
+            None => {
+                lanes.queued.insert(lane, VecDeque::from([waiter]));
+                lanes.round.push_back(lane);
+            }
+        }
+        lanes.hand_on();
+        drop(lanes);
+        Some(Place {
+            line: self,
+            lane,
+            ticket,
+            told,
+            left: false,
+        })
+    }
+
+    /// The holder of the turn sleeps until `at` and then asks the store again.
     pub fn asks_at(&self, at: Instant) {
         let us =
             u64::try_from(at.saturating_duration_since(self.born).as_micros()).unwrap_or(u64::MAX);
         self.next_ask_us.store(us.max(1), Ordering::Release);
     }
 
-    /// The time from `now` until the head of the line asks the store again: the earliest a
-    /// request refused at a full line could find the line moving. Zero when the head is not
-    /// asleep.
+    /// The time from `now` until the holder of the turn asks the store again: the earliest a
+    /// request refused at a full line could find the line moving. Zero when it is not asleep.
     pub fn until_next_ask(&self, now: Instant) -> Duration {
         let us = self.next_ask_us.load(Ordering::Acquire);
         (self.born + Duration::from_micros(us)).saturating_duration_since(now)
     }
-
-    /// Waits for the head of the line until `deadline`; `None` when the deadline came first.
-    pub async fn head(&self, deadline: Instant) -> Option<MutexGuard<'_, ()>> {
-        tokio::time::timeout_at(deadline, self.head.lock())
-            .await
-            .ok()
-    }
 }
 
-/// When the head should ask again after a refusal that fits in `retry_after`, or `None` when
+/// When the holder of the turn should ask again after a refusal that fits in `retry_after`, or `None` when
 /// that is past `deadline` (waiting would only delay the same refusal).
 pub fn wake_at(now: Instant, retry_after: Duration, deadline: Instant) -> Option<Instant> {
     // A refusal that says "now" (a member freed in the same microsecond) still yields, so
-    // that a head that keeps losing races cannot spin.
+    // that a holder that keeps losing races cannot spin.
     let wake = now + retry_after.max(Duration::from_millis(1));
     (wake <= deadline).then_some(wake)
 }
@@ -192,16 +345,45 @@ fn peek(fd: RawFd) -> std::io::Result<usize> {
 mod tests {
     use super::*;
 
+    /// Who holds the turn, by the labels places were joined with.
+    fn holder<'a>(line: &WaitLine, places: &[(&'a str, Place<'_>)]) -> Option<&'a str> {
+        let turn = line.lock().turn?;
+        places
+            .iter()
+            .find(|(_, p)| p.ticket == turn)
+            .map(|(label, _)| *label)
+    }
+
+    /// Serves the line to its end, each holder of the turn leaving in turn: the order of the
+    /// turns, by label.
+    fn serve<'a>(line: &WaitLine, mut places: Vec<(&'a str, Place<'_>)>) -> Vec<&'a str> {
+        let mut order = Vec::new();
+        while let Some(label) = holder(line, &places) {
+            order.push(label);
+            let at = places.iter().position(|(l, _)| *l == label).unwrap();
+            places.remove(at);
+        }
+        assert!(places.is_empty(), "everyone had a turn");
+        order
+    }
+
+    fn join_all<'a, 'l>(line: &'l WaitLine, who: &[(&'a str, &str)]) -> Vec<(&'a str, Place<'l>)> {
+        who.iter()
+            .map(|(label, key)| (*label, line.join(key).expect("room")))
+            .collect()
+    }
+
     #[test]
     fn the_line_is_bounded_and_places_are_given_back() {
         let line = WaitLine::new(Duration::from_secs(1), 2);
         assert!(line.is_empty());
-        let a = line.join().expect("room");
-        let b = line.join().expect("room");
-        assert!(line.join().is_none(), "max_waiting is 2");
+        let a = line.join("a").expect("room");
+        let b = line.join("b").expect("room");
+        assert!(line.join("c").is_none(), "max_waiting is 2");
+        assert!(line.join("a").is_none(), "whatever the key");
         drop(a);
         assert_eq!(line.len(), 1);
-        let _c = line.join().expect("a place was given back");
+        let _c = line.join("c").expect("a place was given back");
         drop(b);
         assert!(!line.is_empty());
     }
@@ -224,45 +406,103 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn the_head_is_taken_in_arrival_order() {
-        let line = std::sync::Arc::new(WaitLine::new(Duration::from_secs(10), 10));
-        let first = line
-            .head(Instant::now() + Duration::from_secs(1))
-            .await
-            .unwrap();
-        let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let mut tasks = Vec::new();
-        for i in 0..5 {
-            let (line, order) = (line.clone(), order.clone());
-            tasks.push(tokio::spawn(async move {
-                let _head = line
-                    .head(Instant::now() + Duration::from_secs(60))
-                    .await
-                    .unwrap();
-                order.lock().unwrap().push(i);
-            }));
-            // Each task is queued on the mutex before the next one starts.
-            tokio::task::yield_now().await;
-        }
-        drop(first);
-        for t in tasks {
-            t.await.unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3, 4]);
+    #[test]
+    fn one_key_is_served_in_arrival_order() {
+        let line = WaitLine::new(Duration::from_secs(10), 10);
+        let places = join_all(&line, &[("1", "k"), ("2", "k"), ("3", "k"), ("4", "k")]);
+        assert_eq!(serve(&line, places), ["1", "2", "3", "4"]);
     }
 
-    #[tokio::test]
-    async fn a_waiter_past_its_deadline_gives_up() {
+    /// A burst of one key does not keep another key waiting behind all of it: the turn goes
+    /// round the keys, one request each, and a new key joins the round at its end.
+    #[test]
+    fn the_turn_goes_round_the_keys_one_request_each() {
+        let line = WaitLine::new(Duration::from_secs(10), 100);
+        let mut who: Vec<(&str, &str)> = vec![
+            ("a1", "a"),
+            ("a2", "a"),
+            ("a3", "a"),
+            ("a4", "a"),
+            ("a5", "a"),
+        ];
+        who.extend([("b1", "b"), ("b2", "b"), ("c1", "c")]);
+        let places = join_all(&line, &who);
+        assert_eq!(
+            serve(&line, places),
+            ["a1", "a2", "b1", "c1", "a3", "b2", "a4", "a5"]
+        );
+        assert_eq!(line.lanes(), 0);
+        assert!(line.is_empty());
+    }
+
+    /// A waiter that leaves (its client hung up) leaves its lane, and a lane left empty leaves
+    /// the round; the turn of one that leaves holding it goes on at once.
+    #[test]
+    fn leaving_takes_a_waiter_out_of_its_lane_and_round() {
+        let line = WaitLine::new(Duration::from_secs(10), 100);
+        let mut places = join_all(
+            &line,
+            &[
+                ("a1", "a"),
+                ("a2", "a"),
+                ("b1", "b"),
+                ("c1", "c"),
+                ("a3", "a"),
+            ],
+        );
+        assert_eq!(line.lanes(), 3, "a1 holds the turn; a, b and c wait");
+        // b1 and a2 hang up before their turn.
+        places.retain(|(l, _)| *l != "b1" && *l != "a2");
+        assert_eq!(line.lanes(), 2, "b's lane is gone");
+        assert_eq!(line.len(), 3);
+        // a's lane keeps its place in the round, ahead of c's.
+        assert_eq!(serve(&line, places), ["a1", "a3", "c1"]);
+        assert_eq!(line.lanes(), 0);
+    }
+
+    #[test]
+    fn keys_past_the_bound_share_one_lane() {
+        let line = WaitLine::new(Duration::from_secs(10), MAX_LANES + 100);
+        let _first = line.join("first").expect("room");
+        let keys: Vec<String> = (0..MAX_LANES + 50).map(|i| format!("k{i}")).collect();
+        let places: Vec<_> = keys.iter().map(|k| line.join(k).expect("room")).collect();
+        assert_eq!(
+            line.lanes(),
+            MAX_LANES + 1,
+            "the keys' lanes and the shared one"
+        );
+        assert_eq!(line.len(), MAX_LANES + 51);
+        drop(places);
+        assert_eq!(line.lanes(), 0);
+        assert_eq!(line.lock().round.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_turn_goes_to_a_waiter_when_its_holder_leaves() {
+        let line = WaitLine::new(Duration::from_secs(10), 10);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut a = line.join("a").expect("room");
+        assert!(a.turn(deadline).await, "the first to join holds the turn");
+        let mut b = line.join("b").expect("room");
+        let b_turn = b.turn(deadline);
+        tokio::pin!(b_turn);
+        assert!(futures_poll_once(b_turn.as_mut()).await.is_pending());
+        drop(a);
+        // Paused time jumps to the deadline if the hand-on is lost.
+        assert!(b_turn.await, "handed on before the deadline");
+        assert_eq!(Instant::now(), deadline - Duration::from_secs(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_past_its_deadline_gives_up_and_leaves() {
         let line = WaitLine::new(Duration::from_secs(1), 10);
-        let _held = line
-            .head(Instant::now() + Duration::from_secs(1))
-            .await
-            .unwrap();
-        assert!(line
-            .head(Instant::now() + Duration::from_millis(10))
-            .await
-            .is_none());
+        let _held = line.join("a").expect("room");
+        let mut b = line.join("b").expect("room");
+        assert!(!b.turn(Instant::now() + Duration::from_millis(10)).await);
+        assert_eq!(line.lanes(), 0, "out of its lane at once");
+        assert_eq!(line.len(), 2, "counted until its request is answered");
+        drop(b);
+        assert_eq!(line.len(), 1);
     }
 
     #[tokio::test]

@@ -273,7 +273,9 @@ pub(crate) async fn decide(
         }
         refusal = Some(admission);
     }
-    let Some(_place) = line.join() else {
+    // Served in turn across clients: the identified client's name, or else the quota key.
+    let fair_key = caller.map_or(key, |c| &*c.name);
+    let Some(mut place) = line.join(fair_key) else {
         // The line is full: answered at once. Not by asking the store: capacity that frees
         // now is owed to the requests already waiting, and the newcomer would take it.
         return match refusal {
@@ -294,16 +296,16 @@ pub(crate) async fn decide(
     // could still charge, for nobody.
     let gone = wait::hung_up(client);
     tokio::pin!(gone);
-    let head = tokio::select! {
+    let turn = tokio::select! {
         biased;
         () = &mut gone => return Verdict::Left,
-        head = line.head(deadline) => head,
+        turn = place.turn(deadline) => turn,
     };
-    let Some(_head) = head else {
+    if !turn {
         // max_wait passed in the line: one last look, which may still admit.
         let admission = admit_once(state, route, key, caller, cost, planned).await;
         return verdict(metrics, route, key, caller, cost, admission);
-    };
+    }
     let mut wake = first_wake;
     loop {
         if let Some(wake) = wake {
