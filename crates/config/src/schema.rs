@@ -16,10 +16,12 @@ use crate::urls::RedisUrl;
 mod clients;
 mod fallback;
 mod route;
+mod sticky;
 mod usage;
 pub use clients::*;
 pub use fallback::*;
 pub use route::*;
+pub use sticky::*;
 pub use usage::*;
 
 /// A socket address to listen on, such as `127.0.0.1:8080` or `[::1]:8080`.

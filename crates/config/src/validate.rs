@@ -12,6 +12,7 @@ use super::Config;
 mod clients;
 mod fallback;
 mod leases;
+mod sticky;
 mod usage;
 
 /// The longest quota window. A year and a day covers any calendar quota, and keeps every sum of
@@ -619,6 +620,7 @@ impl Config {
         problems.extend(usage::problems(self));
         problems.extend(fallback::problems(self));
         problems.extend(leases::problems(self));
+        problems.extend(sticky::problems(self));
         problems
     }
 }

@@ -137,8 +137,38 @@ impl AdminApi {
                 }
             }
         }
+        let mut sticky = Vec::new();
+        for r in table
+            .routes
+            .iter()
+            .filter(|r| r.config.upstream.sticky.is_some())
+        {
+            if let Ok(counts) = self.state.sticky_counts(&r.name, None).await {
+                sticky.push((r.name.clone(), counts));
+            }
+        }
         for gauge in route_gauges.iter().chain(&member_gauges) {
             gauge.reset();
+        }
+        metrics.sticky_bindings.reset();
+        metrics.sticky_unbound.reset();
+        metrics.sticky_moved.reset();
+        // The counters live in the store, shared: each scrape shows the store's totals.
+        for (route, counts) in &sticky {
+            let labels = [&**route];
+            let gauge = i64::try_from(counts.bindings).unwrap_or(i64::MAX);
+            metrics
+                .sticky_bindings
+                .with_label_values(&labels)
+                .set(gauge);
+            metrics
+                .sticky_unbound
+                .with_label_values(&labels)
+                .inc_by(counts.unbound);
+            metrics
+                .sticky_moved
+                .with_label_values(&labels)
+                .inc_by(counts.moved);
         }
         metrics.member_in_flight.reset();
         for (labels, n) in &in_flight {
@@ -199,6 +229,13 @@ impl AdminApi {
             } else {
                 HashMap::new()
             };
+            // Sticky bindings from every instance; `null` when the store cannot say.
+            let sticky = match r.config.upstream.sticky {
+                Some(_) => Some(self.state.sticky_counts(&r.name, None).await.ok().map(
+                    |c| json!({"bindings": c.bindings, "unbound": c.unbound, "moved": c.moved}),
+                )),
+                None => None,
+            };
             let now = std::time::SystemTime::now();
             let members: Vec<_> = r
                 .pool
@@ -254,7 +291,7 @@ impl AdminApi {
                 r.quota.as_deref().map_or(&[][..], |q| &q.unit_names),
                 &remaining,
             );
-            routes.push(json!({
+            let mut route = json!({
                 "name": &*r.name,
                 "selection": r.policy.name(),
                 "members": members,
@@ -262,7 +299,11 @@ impl AdminApi {
                 "waiting": r.wait_line.as_ref().map_or(0, |l| l.len()),
                 "requests": requests.get(&*r.name).copied().unwrap_or(0),
                 "in_flight": r.in_flight.get(),
-            }));
+            });
+            if let Some(sticky) = sticky {
+                route["sticky"] = sticky.into();
+            }
+            routes.push(route);
         }
         let clients = match table.clients.as_deref() {
             Some(c) => {

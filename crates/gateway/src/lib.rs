@@ -10,6 +10,7 @@
 //! - [`usage`]: a route's usage units made ready to apply, and the body read for a reservation;
 //! - [`cooldown`]: how long a member's answer asks it to be left alone;
 //! - [`lease`]: the leases of requests in flight, released when a request ends, renewed;
+//! - [`sticky`]: a request's session, which its route's assignments carry to the store;
 //! - [`health`]: member health, its carry-over across reloads, and active checks;
 //! - [`egress`]: the guard on destinations the client chooses; [`resolve`]: the process's
 //!   resolver, behind the guard and member DNS ([`dns`]);
@@ -45,6 +46,7 @@ pub mod router;
 pub mod select;
 pub mod server;
 pub mod state;
+pub mod sticky;
 pub mod table;
 pub mod target;
 pub mod trace;

@@ -78,6 +78,14 @@ pub struct Metrics {
     /// `sluice_member_in_flight{route,member}`: leases in flight on a member, across every
     /// instance, read from the store at scrape time.
     pub member_in_flight: IntGaugeVec,
+    /// `sluice_sticky_bindings{route}`: sticky sessions bound, across every instance, read
+    /// from the store at scrape time.
+    pub sticky_bindings: IntGaugeVec,
+    /// `sluice_sticky_unbound_total{route}`: new sessions a full binding table left unbound,
+    /// and `sluice_sticky_moved_total{route}`: bindings moved off their member; both counted
+    /// in the store (every instance's), read at scrape time.
+    pub sticky_unbound: IntCounterVec,
+    pub sticky_moved: IntCounterVec,
     /// `sluice_config_reloads_total{result}`
     pub config_reloads: IntCounterVec,
     /// `sluice_store_errors_total{op}`
@@ -294,6 +302,21 @@ impl Metrics {
             "Leases in flight on the member when scraped, from every instance (routes that keep leases).",
             &["route", "member"],
         );
+        let sticky_bindings = gauge(
+            "sluice_sticky_bindings",
+            "Sticky sessions bound to a member when scraped, from every instance (routes with upstream.sticky).",
+            &["route"],
+        );
+        let sticky_unbound = counter(
+            "sluice_sticky_unbound_total",
+            "New sticky sessions routed without a binding because the route's table was full (max_bindings), from every instance.",
+            &["route"],
+        );
+        let sticky_moved = counter(
+            "sluice_sticky_moved_total",
+            "Sticky bindings moved off their member: it could not take the request, or answered a rebind_on status or failed to connect, from every instance.",
+            &["route"],
+        );
         let in_flight = gauge(
             "sluice_requests_in_flight",
             "Requests of the route being answered now.",
@@ -389,6 +412,9 @@ impl Metrics {
             quota_rejections,
             member_healthy,
             member_in_flight,
+            sticky_bindings,
+            sticky_unbound,
+            sticky_moved,
             config_reloads,
             store_errors,
             selection_fallbacks,

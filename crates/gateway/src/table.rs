@@ -332,6 +332,7 @@ async fn build_route(
                     .collect(),
                 cooldowns: up.cooldown.is_some(),
                 leases: lease_plan(&name, rc, state),
+                sticky: up.sticky.is_some(),
             },
         ),
         pool,

@@ -404,6 +404,9 @@ pub struct UpstreamConfig {
     /// The most requests in flight on one member at once, across every instance (leases).
     #[serde(default)]
     pub max_in_flight: Option<NonZeroU64>,
+    /// Requests of one session go to one member (bindings shared in the store).
+    #[serde(default)]
+    pub sticky: Option<super::StickyConfig>,
 }
 
 fn yes() -> bool {

@@ -151,8 +151,25 @@ pub(crate) async fn admit(
     });
     let client = session.as_downstream().stream().map(|s| s.id());
     let planned = Planned::plan(&route, caller.as_deref(), &ctx.reserved, cost);
+    // A sticky route's session: admission and every retry of the request carry it.
+    ctx.sticky = route.config.upstream.sticky.as_ref().and_then(|_| {
+        // `anonymous` is everyone unidentified: each of them is a session of its own address.
+        let name = caller
+            .as_deref()
+            .map(|c| &*c.name)
+            .filter(|&n| n != crate::config::ANONYMOUS);
+        let addr = ctx.seen.forwarded_client.or_else(|| {
+            session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|a| a.ip())
+        });
+        let caller = crate::sticky::Caller { name, addr };
+        let headers = &session.req_header().headers;
+        crate::sticky::Sticky::of(&gateway.state, &route, headers, &caller)
+    });
     let verdict = decide(
-        &*gateway.state,
+        crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
         &gateway.metrics,
         &route,
         key,

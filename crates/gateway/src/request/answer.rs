@@ -224,7 +224,8 @@ pub(crate) async fn learn_cooldown(
     if cooldown.retry && !ctx.replayed && !session.as_downstream().retry_buffer_truncated() {
         // The next member is chosen now: a replay with nowhere to go would turn the member's
         // answer into a 503, and the client is better served by the answer itself.
-        if let Some(next) = route.policy.next(&*gateway.state, &mut ctx.tried).await {
+        let state = crate::sticky::store(&gateway.state, ctx.sticky.as_ref());
+        if let Some(next) = route.policy.next(state, &mut ctx.tried).await {
             tracing::info!(
                 target: "sluice::cooldown",
                 route = %route.name,

@@ -34,7 +34,7 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
         // The cooldown replay is not a connect retry: it does not spend the retry budget.
         let extra = usize::from(ctx.replayed);
         let next = next_member(
-            &*gateway.state,
+            crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
             &gateway.metrics,
             &route,
             &mut ctx.first,
@@ -96,6 +96,9 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
                 ctx.seen.connect_failures.push(ConnectFailure::Dns);
                 member.attempts_connect_failure.inc();
                 attempt.failed_to_connect();
+                if let Some(unbind) = ctx.rebind(crate::config::RebindOn::ConnectError) {
+                    unbind.await;
+                }
             }
         }
     }

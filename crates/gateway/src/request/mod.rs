@@ -218,6 +218,8 @@ pub struct RequestCtx {
     pub(crate) fallback: Option<Box<fallback::Trail>>,
     /// Admission's refusal on a route with a `fallback`, for [`fallback::after_refusal`].
     pub(crate) refusal: Option<Box<Refusal>>,
+    /// The request's session on a sticky route: the store it is admitted and retried through.
+    pub(crate) sticky: Option<Arc<crate::sticky::Sticky>>,
     _in_flight: InFlight,
 }
 
@@ -376,8 +378,19 @@ impl RequestCtx {
             meter: None,
             fallback: None,
             refusal: None,
+            sticky: None,
             _in_flight: InFlight::enter(in_flight),
         }
+    }
+
+    /// The latest attempt's member answered `what`: the call that makes a sticky session leave
+    /// it, when the route's `rebind_on` says so.
+    fn rebind(
+        &self,
+        what: crate::config::RebindOn,
+    ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        let (sticky, route) = (self.sticky.as_ref()?, self.route.as_ref()?);
+        sticky.unbinding(route, self.tried.last(), what)
     }
 
     /// The member of the latest attempt.
@@ -480,6 +493,10 @@ impl ProxyHttp for Gateway {
                 }
             } else {
                 attempt.failed_to_connect();
+                // Pingora's hook cannot wait: the retry, if any, moves the binding anyway.
+                if let Some(unbind) = ctx.rebind(crate::config::RebindOn::ConnectError) {
+                    tokio::spawn(unbind);
+                }
             }
             // Nothing reached the member, so trying another is safe for every method.
             // next_peer enforces the retry budget and the choice of an untried member.
@@ -520,6 +537,10 @@ impl ProxyHttp for Gateway {
         ctx: &mut RequestCtx,
     ) -> Result<()> {
         ctx.seen.ttfb = Some(ctx.started.elapsed());
+        let status = crate::config::RebindOn::Status(response.status.as_u16());
+        if let Some(unbind) = ctx.rebind(status) {
+            unbind.await;
+        }
         // A replay to another member of the route comes first; the route's fallback, when the
         // route has no other member to try.
         answer::learn_cooldown(self, session, response, ctx).await?;

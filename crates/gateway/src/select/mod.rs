@@ -365,6 +365,8 @@ pub(crate) struct Limits {
     pub(crate) cooldowns: bool,
     /// The leases its requests take, when they take any.
     pub(crate) leases: Option<LeasePlan>,
+    /// The route is sticky: a session's member is found in the store, so the store chooses.
+    pub(crate) sticky: bool,
 }
 
 impl Limits {
@@ -378,6 +380,7 @@ impl Limits {
                 .collect(),
             cooldowns: false,
             leases: None,
+            sticky: false,
         }
     }
 
@@ -386,6 +389,7 @@ impl Limits {
     pub(crate) fn active(&self) -> bool {
         self.cooldowns
             || self.leases.is_some()
+            || self.sticky
             || self.members.iter().any(|m| !m.windows.is_empty())
     }
 }

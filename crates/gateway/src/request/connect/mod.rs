@@ -208,8 +208,16 @@ impl Tunnels {
                 u.reserve(&prefix.request(&head.headers))
             });
         let planned = super::meter::Planned::plan(&route, caller.as_deref(), &reserved, cost);
+        // A sticky route's session: one exit per session over a proxy pool, tunnels included.
+        ctx.sticky = route.config.upstream.sticky.as_ref().and_then(|_| {
+            let sticky_caller = crate::sticky::Caller {
+                name: identified.filter(|&n| n != crate::config::ANONYMOUS),
+                addr: client_ip,
+            };
+            crate::sticky::Sticky::of(&self.state, &route, &head.headers, &sticky_caller)
+        });
         match decide(
-            &*self.state,
+            crate::sticky::store(&self.state, ctx.sticky.as_ref()),
             &self.metrics,
             &route,
             key,
@@ -262,7 +270,7 @@ impl Tunnels {
         let mut denied = None;
         let upstream = loop {
             let mut attempt = match next_member(
-                &*self.state,
+                crate::sticky::store(&self.state, ctx.sticky.as_ref()),
                 &self.metrics,
                 &route,
                 &mut ctx.first,
@@ -299,6 +307,9 @@ impl Tunnels {
                         drop(attempt);
                     } else {
                         attempt.failed_to_connect();
+                        if let Some(unbind) = ctx.rebind(crate::config::RebindOn::ConnectError) {
+                            unbind.await;
+                        }
                     }
                 }
             }

@@ -1,0 +1,260 @@
+//! Sticky sessions end to end, through the real binary and real backends: requests of one
+//! session (a header, a cookie, or the client) go to one member, whichever gateway on the
+//! shared store gets them; a `rebind_on` status or a cooling member moves the session, and it
+//! stays where it moved; a full binding table still serves every session (counted), never
+//! refuses one.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use sluice_echo::EchoServer;
+use support::{request, start_backends, url, wait_until_async, Backend, Config, Gateway, Store};
+
+on_both_stores!(
+    a_session_stays_on_one_member_through_100_requests,
+    a_listed_status_moves_the_session_and_it_stays,
+    a_cooling_member_moves_the_session,
+    a_full_table_still_serves_every_session,
+    sessions_by_cookie_and_by_client,
+);
+
+/// The store of a test and its gateways: two on Redis, one on memory.
+struct Setup {
+    _store: Store,
+    gws: Vec<Gateway>,
+    _backends: Vec<EchoServer>,
+}
+
+/// `upstream` is YAML under `upstream:` (without `members:`, which the backends fill).
+async fn setup(backend: Backend, selection: &str, upstream: &str) -> Setup {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: String = backends
+        .iter()
+        .map(|b| {
+            format!(
+                "      - {{ name: {}, url: \"{}\" }}\n",
+                b.name(),
+                url(b.local_addr())
+            )
+        })
+        .collect();
+    let base = Config::new().state(store.state()).yaml();
+    let base = base
+        .split("routes:")
+        .next()
+        .expect("the builder writes routes last")
+        .to_string();
+    let yaml = format!(
+        "{base}routes:\n  - name: s\n    match: {{ hosts: [s.test] }}\n    upstream:\n      selection: {selection}\n{upstream}      members:\n{members}"
+    );
+    let gws = (0..store.instances())
+        .map(|_| Gateway::start_with_ports(&yaml))
+        .collect();
+    Setup {
+        _store: store,
+        gws,
+        _backends: backends,
+    }
+}
+
+/// The member that answered a request of `session` (by `X-Session-Id`) on `path`, and its status.
+async fn send(gw: &Gateway, session: &str, path: &str) -> (u16, String) {
+    let r = request(
+        gw.proxy_addr(),
+        "GET",
+        "s.test",
+        path,
+        &[("x-session-id", session)],
+        b"",
+    )
+    .await;
+    let member = r.header("x-upstream").unwrap_or_default().to_string();
+    (r.status, member)
+}
+
+async fn member_of(setup: &Setup, i: usize, session: &str) -> String {
+    let (status, member) = send(&setup.gws[i % setup.gws.len()], session, "/").await;
+    assert_eq!(status, 200, "request {i} of {session}");
+    member
+}
+
+/// The route's `sticky` in `/status`.
+async fn sticky_status(gw: &Gateway) -> serde_json::Value {
+    let status = gw.status().await;
+    status["routes"][0]["sticky"].clone()
+}
+
+/// Round-robin alone would spread a session's requests over the three members: each session
+/// stays on its first member through 100 requests, alternating gateways. Counted in `/status`
+/// and the metrics of every gateway.
+async fn a_session_stays_on_one_member_through_100_requests(backend: Backend) {
+    let s = setup(
+        backend,
+        "round_robin",
+        "      sticky: { key: \"header:X-Session-Id\" }\n",
+    )
+    .await;
+    let mut firsts = BTreeSet::new();
+    for session in ["alpha", "beta"] {
+        let first = member_of(&s, 0, session).await;
+        for i in 1..100 {
+            assert_eq!(
+                member_of(&s, i, session).await,
+                first,
+                "request {i} of {session}"
+            );
+        }
+        firsts.insert(first);
+    }
+    // Without a session, round-robin as usual.
+    let mut plain = BTreeSet::new();
+    for _ in 0..3 {
+        let r = request(s.gws[0].proxy_addr(), "GET", "s.test", "/", &[], b"").await;
+        plain.insert(r.header("x-upstream").unwrap_or_default().to_string());
+    }
+    assert_eq!(plain.len(), 3, "{plain:?}");
+    for gw in &s.gws {
+        let sticky = sticky_status(gw).await;
+        assert_eq!(sticky["bindings"], 2, "{sticky}");
+        assert_eq!(sticky["unbound"], 0, "{sticky}");
+        let bindings = gw.metric("sluice_sticky_bindings", &[("route", "s")]).await;
+        assert_eq!(bindings, Some(2.0));
+    }
+    // The session key never reaches a log or the store: only its hash.
+    for gw in &s.gws {
+        assert!(
+            !gw.logs().contains("alpha"),
+            "the session key is in the log"
+        );
+    }
+}
+
+/// `rebind_on: [403]`, least-used: the session's member answers 403, so the session is routed
+/// by the policy again (to the least used, another member) and stays there.
+async fn a_listed_status_moves_the_session_and_it_stays(backend: Backend) {
+    let s = setup(
+        backend,
+        "least_used",
+        "      sticky: { key: \"header:X-Session-Id\", rebind_on: [403] }\n",
+    )
+    .await;
+    let first = member_of(&s, 0, "s").await;
+    for i in 1..5 {
+        assert_eq!(member_of(&s, i, "s").await, first);
+    }
+    let (status, member) = send(&s.gws[1 % s.gws.len()], "s", "/status/403").await;
+    assert_eq!((status, member.as_str()), (403, first.as_str()));
+    let moved = member_of(&s, 0, "s").await;
+    assert_ne!(moved, first, "a 403 moves the session");
+    for i in 1..20 {
+        assert_eq!(
+            member_of(&s, i, "s").await,
+            moved,
+            "request {i} after the move"
+        );
+    }
+    // A status not listed does not.
+    let (status, _) = send(&s.gws[0], "s", "/status/500").await;
+    assert_eq!(status, 500);
+    assert_eq!(member_of(&s, 1, "s").await, moved);
+    let sticky = sticky_status(&s.gws[0]).await;
+    assert_eq!(sticky["moved"], 1, "{sticky}");
+}
+
+/// A bound member that cools (its 429 under `cooldown`) is not the session's any more: the
+/// next request goes to another member, and the session stays there after the cooldown.
+async fn a_cooling_member_moves_the_session(backend: Backend) {
+    let s = setup(
+        backend,
+        "priority",
+        "      cooldown: { on_status: [429], default: 2s }\n      sticky: { key: \"header:X-Session-Id\", rebind_on: [] }\n",
+    )
+    .await;
+    // Priority sends everything to b1 first; the session's binding is b1.
+    assert_eq!(member_of(&s, 0, "s").await, "b1");
+    let (status, member) = send(&s.gws[0], "s", "/status/429").await;
+    assert_eq!((status, member.as_str()), (429, "b1"));
+    let moved = member_of(&s, 1, "s").await;
+    assert_ne!(moved, "b1", "b1 cools: the session moves");
+    // Once the cooldown is over, priority would go back to b1; the session stays.
+    let gw = &s.gws[0];
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            let r = request(gw.proxy_addr(), "GET", "s.test", "/", &[], b"").await;
+            r.header("x-upstream") == Some("b1")
+        })
+        .await,
+        "b1 takes requests again"
+    );
+    for i in 0..10 {
+        assert_eq!(member_of(&s, i, "s").await, moved);
+    }
+}
+
+/// `max_bindings: 1`: the first session is bound; every later one is served all the same,
+/// routed by the policy, and counted as unbound.
+async fn a_full_table_still_serves_every_session(backend: Backend) {
+    let s = setup(
+        backend,
+        "round_robin",
+        "      sticky: { key: \"header:X-Session-Id\", max_bindings: 1 }\n",
+    )
+    .await;
+    let first = member_of(&s, 0, "first").await;
+    for i in 0..10 {
+        member_of(&s, i, &format!("other-{i}")).await;
+        assert_eq!(member_of(&s, i + 1, "first").await, first);
+    }
+    for gw in &s.gws {
+        let sticky = sticky_status(gw).await;
+        assert_eq!(sticky["bindings"], 1, "{sticky}");
+        assert_eq!(sticky["unbound"], 10, "{sticky}");
+        let unbound = gw
+            .metric("sluice_sticky_unbound_total", &[("route", "s")])
+            .await;
+        assert_eq!(unbound, Some(10.0));
+    }
+}
+
+/// A cookie names the session; so does the client (here, its address: every request of the
+/// test comes from 127.0.0.1).
+async fn sessions_by_cookie_and_by_client(backend: Backend) {
+    let s = setup(
+        backend,
+        "round_robin",
+        "      sticky: { key: \"cookie:sid\" }\n",
+    )
+    .await;
+    for sid in ["one", "two", "three"] {
+        let cookie = format!("theme=dark; sid={sid}");
+        let mut seen = BTreeSet::new();
+        for i in 0..12 {
+            let gw = &s.gws[i % s.gws.len()];
+            let r = request(
+                gw.proxy_addr(),
+                "GET",
+                "s.test",
+                "/",
+                &[("cookie", &cookie)],
+                b"",
+            )
+            .await;
+            assert_eq!(r.status, 200);
+            seen.insert(r.header("x-upstream").unwrap_or_default().to_string());
+        }
+        assert_eq!(seen.len(), 1, "session {sid}: {seen:?}");
+    }
+    drop(s);
+    let s = setup(backend, "round_robin", "      sticky: { key: client }\n").await;
+    let mut seen = BTreeSet::new();
+    for i in 0..12 {
+        let gw = &s.gws[i % s.gws.len()];
+        let r = request(gw.proxy_addr(), "GET", "s.test", "/", &[], b"").await;
+        assert_eq!(r.status, 200);
+        seen.insert(r.header("x-upstream").unwrap_or_default().to_string());
+    }
+    assert_eq!(seen.len(), 1, "{seen:?}");
+}
