@@ -18,6 +18,7 @@ use support::{request, url, wait_until, wait_until_async, Backend, Config, Gatew
 on_both_stores!(
     a_teams_burst_does_not_starve_another_team,
     a_clients_burst_does_not_starve_another_client,
+    a_full_line_makes_room_for_another_team,
 );
 
 /// Requests of the client that sends a burst, besides the first one, which the member holds.
@@ -186,4 +187,61 @@ async fn a_clients_burst_does_not_starve_another_client(backend: Backend) {
     let gw = Gateway::start_with_ports(&yaml);
     let auth = |token: &str| vec![("Proxy-Authorization", format!("Bearer {token}"))];
     burst_against(&gw, &stub, auth(ALPHA_TOKEN), auth(BETA_TOKEN)).await;
+}
+
+/// A burst that fills the line (`max_waiting`) does not keep another team out of it: each of
+/// the other team's requests pushes out the newest of the burst, which is answered 429 as at a
+/// full line, and is admitted in its turn. A line that refused newcomers once full would
+/// answer all of the other team's requests 429.
+async fn a_full_line_makes_room_for_another_team(backend: Backend) {
+    const MAX_WAITING: usize = 10;
+    let store = Store::start(backend);
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let quota = format!(", key: \"header:x-team\", max_waiting: {MAX_WAITING}");
+    let gw = Gateway::start_with_ports(&config(&store, &url(stub.local_addr()), &quota));
+    let addr = gw.proxy_addr();
+    let alpha = || vec![("x-team", "alpha".to_string())];
+    stub.hold();
+    let plug = send(addr, "a0".into(), alpha());
+    assert!(
+        wait_until(Duration::from_secs(10), || stub.held() == 1).await,
+        "the first request reaches the member"
+    );
+    let burst: Vec<_> = (1..=MAX_WAITING)
+        .map(|i| send(addr, format!("a{i}"), alpha()))
+        .collect();
+    assert!(
+        wait_until_async(Duration::from_secs(10), || async {
+            waiting(&gw).await == MAX_WAITING as u64
+        })
+        .await,
+        "the burst fills the line"
+    );
+    let few: Vec<_> = (1..=FEW)
+        .map(|i| send(addr, format!("b{i}"), vec![("x-team", "beta".to_string())]))
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            burst.iter().filter(|t| t.is_finished()).count() >= FEW
+        })
+        .await,
+        "as many of the burst are answered as beta sent"
+    );
+    stub.release();
+    assert_eq!(plug.await.unwrap(), 200);
+    for b in few {
+        assert_eq!(b.await.unwrap(), 200, "beta got into the full line");
+    }
+    let mut statuses = Vec::new();
+    for a in burst {
+        statuses.push(a.await.unwrap());
+    }
+    let refused = statuses.iter().filter(|&&s| s == 429).count();
+    assert_eq!(refused, FEW, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 200).count(),
+        MAX_WAITING - FEW
+    );
 }

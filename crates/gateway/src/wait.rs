@@ -24,7 +24,11 @@
 //!   is owed to the requests already waiting, and a newcomer that asked could take it ahead
 //!   of them. Its `Retry-After` is the time until the turn's holder asks again
 //!   ([`WaitLine::until_next_ask`]). Each waiter holds a connection and a task, and an
-//!   unbounded line would let a burst hold them all. At most [`MAX_LANES`] keys have a lane
+//!   unbounded line would let a burst hold them all. A full line still makes room for a
+//!   client that has fewer waiters than another: the newest waiter of the longest lane is
+//!   pushed out (answered the same `429`), as long as that lane stays at least as long as
+//!   the newcomer's. Otherwise one client's burst could fill the line and keep every other
+//!   client out of it. At most [`MAX_LANES`] keys have a lane
 //!   of their own; waiters of further keys share one more lane, which takes its turn like
 //!   any other, so that many keys cannot make the round itself costly. A lane is known by a
 //!   keyed 64-bit digest of its key, never the key: a long header value costs the line
@@ -39,7 +43,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -60,8 +64,9 @@ pub struct WaitLine {
     /// The lanes and who holds the turn. A std mutex: it is never held across an await, and
     /// only requests that wait take it.
     lanes: Mutex<Lanes>,
-    /// Requests in the line, the holder of the turn included: read without the lock by every
-    /// request, to see whether anyone waits.
+    /// Places not given back yet, the holder of the turn and waiters pushed out but not yet
+    /// answered included: read without the lock by every request, to see whether anyone
+    /// waits.
     waiting: AtomicUsize,
     /// When the holder of the turn asks the store next, in microseconds since `born`; 0 when
     /// it is not asleep (or nobody waits).
@@ -84,14 +89,35 @@ struct Lanes {
     round: VecDeque<u64>,
     /// The ticket of the waiter that holds the turn.
     turn: Option<u64>,
+    /// Waiters in `queued`, and the holder of the turn: what `max_waiting` bounds.
+    in_line: usize,
     next_ticket: u64,
 }
 
 #[derive(Debug)]
 struct Waiter {
     ticket: u64,
-    /// Told when the turn is handed to this waiter.
-    told: Arc<Notify>,
+    told: Arc<Told>,
+}
+
+/// What a waiter is told, under the lanes' lock: that the turn was handed to it, or that it
+/// was pushed out of a full line.
+#[derive(Debug, Default)]
+struct Told {
+    notify: Notify,
+    pushed_out: AtomicBool,
+}
+
+/// How a wait for the turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// This place holds the turn, until it is dropped.
+    Held,
+    /// The deadline came first; the place has left the line.
+    TimedOut,
+    /// A full line made room for a client with fewer waiters: this place has left the line,
+    /// and its request is answered as if it had found the line full.
+    PushedOut,
 }
 
 impl Lanes {
@@ -115,7 +141,7 @@ impl Lanes {
                 self.round.push_back(lane);
             }
             self.turn = Some(next.ticket);
-            next.told.notify_one();
+            next.told.notify.notify_one();
             return;
         }
     }
@@ -124,17 +150,41 @@ impl Lanes {
     fn leave(&mut self, lane: u64, ticket: u64) {
         if self.turn == Some(ticket) {
             self.turn = None;
+            self.in_line -= 1;
             self.hand_on();
             return;
         }
         let Some(queue) = self.queued.get_mut(&lane) else {
             return;
         };
+        let before = queue.len();
         queue.retain(|w| w.ticket != ticket);
+        self.in_line -= before - queue.len();
         if queue.is_empty() {
             self.queued.remove(&lane);
             self.round.retain(|l| *l != lane);
         }
+    }
+
+    /// Makes room in a full line for a newcomer of `lane`: pushes out the newest waiter of
+    /// the longest lane, when that lane keeps at least as many waiters as `lane` will have.
+    /// The holder of the turn, which is in no lane, is never pushed out. Whether room was made.
+    fn push_out_for(&mut self, lane: u64) -> bool {
+        let own = self.queued.get(&lane).map_or(0, VecDeque::len);
+        let Some(longest) = self.queued.values_mut().max_by_key(|q| q.len()) else {
+            return false;
+        };
+        if longest.len() < own + 2 {
+            return false;
+        }
+        // Two or more in it: the lane keeps a waiter, and its place in the round.
+        let Some(out) = longest.pop_back() else {
+            return false;
+        };
+        out.told.pushed_out.store(true, Ordering::Relaxed);
+        out.told.notify.notify_one();
+        self.in_line -= 1;
+        true
     }
 }
 
@@ -144,30 +194,36 @@ pub struct Place<'a> {
     line: &'a WaitLine,
     lane: u64,
     ticket: u64,
-    told: Arc<Notify>,
-    /// Already out of the lanes (its deadline passed); only the count is left to give back.
+    told: Arc<Told>,
+    /// Already out of the lanes (its deadline passed, or it was pushed out); only the count
+    /// is left to give back.
     left: bool,
 }
 
 impl Place<'_> {
-    /// Waits for this place's turn to ask the store, until `deadline`: `true` once it holds
-    /// the turn (until the place is dropped), `false` when the deadline came first, and the
-    /// place has then left the lanes.
-    pub async fn turn(&mut self, deadline: Instant) -> bool {
+    /// Waits for this place's turn to ask the store, until `deadline` (see [`Turn`]).
+    pub async fn turn(&mut self, deadline: Instant) -> Turn {
         loop {
-            if self.line.lock().turn == Some(self.ticket) {
-                return true;
+            {
+                let lanes = self.line.lock();
+                if self.told.pushed_out.load(Ordering::Relaxed) {
+                    self.left = true;
+                    return Turn::PushedOut;
+                }
+                if lanes.turn == Some(self.ticket) {
+                    return Turn::Held;
+                }
             }
             // A hand-on between the look above and this wait is not lost: `notify_one`
             // keeps a permit for the next `notified`.
-            if tokio::time::timeout_at(deadline, self.told.notified())
+            if tokio::time::timeout_at(deadline, self.told.notify.notified())
                 .await
                 .is_err()
             {
                 // A turn handed over just now is handed on by `leave`.
                 self.line.lock().leave(self.lane, self.ticket);
                 self.left = true;
-                return false;
+                return Turn::TimedOut;
             }
         }
     }
@@ -217,19 +273,20 @@ impl WaitLine {
     }
 
     /// A place at the end of the lane of `key` (the fairness key: the client's name, or the
-    /// quota key), or `None` when the line is full.
+    /// quota key), or `None` when the line is full and no other lane is longer than this
+    /// one would be by two or more.
     pub fn join(&self, key: &str) -> Option<Place<'_>> {
-        self.waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max_waiting).then_some(n + 1)
-            })
-            .ok()?;
-        let told = Arc::new(Notify::new());
+        let told = Arc::new(Told::default());
         let mut lanes = self.lock();
         let mut lane = self.digest.hash_one(key);
         if !lanes.queued.contains_key(&lane) && lanes.queued.len() >= MAX_LANES {
             lane = SHARED_LANE;
         }
+        if lanes.in_line >= self.max_waiting && !lanes.push_out_for(lane) {
+            return None;
+        }
+        lanes.in_line += 1;
+        self.waiting.fetch_add(1, Ordering::AcqRel);
         let ticket = lanes.next_ticket;
         lanes.next_ticket += 1;
         let waiter = Waiter {
@@ -460,6 +517,42 @@ mod tests {
         assert_eq!(line.lanes(), 0);
     }
 
+    /// A full line makes room for a client with fewer waiters than another, by pushing out
+    /// the newest waiter of the longest lane, until the lanes are even; the holder of the
+    /// turn is never pushed out.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_line_makes_room_for_a_client_with_fewer_waiters() {
+        let line = WaitLine::new(Duration::from_secs(10), 5);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut places = join_all(&line, &[("a1", "a"), ("a2", "a"), ("a3", "a")]);
+        let mut a4 = line.join("a").expect("room");
+        let mut a5 = line.join("a").expect("room");
+        assert!(
+            line.join("a").is_none(),
+            "full, and a's own lane is the longest"
+        );
+        places.push(("b1", line.join("b").expect("a5 makes room")));
+        assert_eq!(a5.turn(deadline).await, Turn::PushedOut);
+        places.push(("b2", line.join("b").expect("a4 makes room")));
+        assert_eq!(a4.turn(deadline).await, Turn::PushedOut);
+        assert!(
+            line.join("b").is_none(),
+            "a's lane (a2, a3) is no longer than b's"
+        );
+        assert_eq!(
+            line.len(),
+            7,
+            "places are counted until they are given back"
+        );
+        drop((a4, a5));
+        assert_eq!(serve(&line, places), ["a1", "a2", "b1", "a3", "b2"]);
+        assert!(line.is_empty());
+
+        let one = WaitLine::new(Duration::from_secs(10), 1);
+        let _held = one.join("a").expect("room");
+        assert!(one.join("b").is_none(), "the holder of the turn stays");
+    }
+
     #[test]
     fn keys_past_the_bound_share_one_lane() {
         let line = WaitLine::new(Duration::from_secs(10), MAX_LANES + 100);
@@ -482,14 +575,14 @@ mod tests {
         let line = WaitLine::new(Duration::from_secs(10), 10);
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut a = line.join("a").expect("room");
-        assert!(a.turn(deadline).await, "the first to join holds the turn");
+        assert_eq!(a.turn(deadline).await, Turn::Held, "the first to join");
         let mut b = line.join("b").expect("room");
         let b_turn = b.turn(deadline);
         tokio::pin!(b_turn);
         assert!(futures_poll_once(b_turn.as_mut()).await.is_pending());
         drop(a);
         // Paused time jumps to the deadline if the hand-on is lost.
-        assert!(b_turn.await, "handed on before the deadline");
+        assert_eq!(b_turn.await, Turn::Held, "handed on before the deadline");
         assert_eq!(Instant::now(), deadline - Duration::from_secs(10));
     }
 
@@ -498,7 +591,8 @@ mod tests {
         let line = WaitLine::new(Duration::from_secs(1), 10);
         let _held = line.join("a").expect("room");
         let mut b = line.join("b").expect("room");
-        assert!(!b.turn(Instant::now() + Duration::from_millis(10)).await);
+        let deadline = Instant::now() + Duration::from_millis(10);
+        assert_eq!(b.turn(deadline).await, Turn::TimedOut);
         assert_eq!(line.lanes(), 0, "out of its lane at once");
         assert_eq!(line.len(), 2, "counted until its request is answered");
         drop(b);

@@ -318,10 +318,15 @@ pub(crate) async fn decide(
         () = &mut gone => return Verdict::Left,
         turn = place.turn(deadline) => turn,
     };
-    if !turn {
-        // max_wait passed in the line: one last look, which may still admit.
-        let admission = admit_once(state, route, key, caller, cost, planned).await;
-        return verdict(metrics, route, key, caller, cost, admission);
+    match turn {
+        wait::Turn::Held => {}
+        // Room made for a client with fewer waiters: answered as a full line would have.
+        wait::Turn::PushedOut => return line_full(metrics, route, line),
+        wait::Turn::TimedOut => {
+            // max_wait passed in the line: one last look, which may still admit.
+            let admission = admit_once(state, route, key, caller, cost, planned).await;
+            return verdict(metrics, route, key, caller, cost, admission);
+        }
     }
     let mut wake = first_wake;
     loop {
