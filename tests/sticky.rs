@@ -10,7 +10,11 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use sluice_echo::EchoServer;
-use support::{request, start_backends, url, wait_until_async, Backend, Config, Gateway, Store};
+use support::tinyproxy::Tinyproxy;
+use support::{
+    request, start_backends, url, wait_until_async, Backend, Config, Egress, Gateway, Store,
+    TempDir,
+};
 
 on_both_stores!(
     a_session_stays_on_one_member_through_100_requests,
@@ -18,13 +22,15 @@ on_both_stores!(
     a_cooling_member_moves_the_session,
     a_full_table_still_serves_every_session,
     sessions_by_cookie_and_by_client,
+    a_down_member_moves_the_session,
+    tunnels_of_a_client_leave_through_one_proxy,
 );
 
 /// The store of a test and its gateways: two on Redis, one on memory.
 struct Setup {
     _store: Store,
     gws: Vec<Gateway>,
-    _backends: Vec<EchoServer>,
+    backends: Vec<EchoServer>,
 }
 
 /// `upstream` is YAML under `upstream:` (without `members:`, which the backends fill).
@@ -56,7 +62,7 @@ async fn setup(backend: Backend, selection: &str, upstream: &str) -> Setup {
     Setup {
         _store: store,
         gws,
-        _backends: backends,
+        backends,
     }
 }
 
@@ -257,4 +263,92 @@ async fn sessions_by_cookie_and_by_client(backend: Backend) {
         seen.insert(r.header("x-upstream").unwrap_or_default().to_string());
     }
     assert_eq!(seen.len(), 1, "{seen:?}");
+}
+
+/// The session's member stops listening: a request fails to connect there and is retried on
+/// another member (the binding moves with it), and the session stays on its new member.
+async fn a_down_member_moves_the_session(backend: Backend) {
+    let s = setup(
+        backend,
+        "round_robin",
+        "      sticky: { key: \"header:X-Session-Id\" }\n",
+    )
+    .await;
+    let first = member_of(&s, 0, "s").await;
+    let down = s
+        .backends
+        .iter()
+        .find(|b| b.name() == first)
+        .expect("the member is a backend");
+    down.stop().await;
+    // A connection a gateway pooled before the stop still answers once (with `Connection:
+    // close`); the first request that connects anew fails there and is retried elsewhere.
+    let mut moved = first.clone();
+    for i in 1..10 {
+        moved = member_of(&s, i, "s").await;
+        if moved != first {
+            break;
+        }
+    }
+    assert_ne!(moved, first, "retried on another member");
+    for i in 0..20 {
+        assert_eq!(
+            member_of(&s, i, "s").await,
+            moved,
+            "request {i} after the move"
+        );
+    }
+}
+
+/// A proxy pool: every tunnel of one client leaves through the same proxy, on every gateway,
+/// where least-used alone would spread them over the three.
+async fn tunnels_of_a_client_leave_through_one_proxy(backend: Backend) {
+    let store = Store::start(backend);
+    let dir = TempDir::new("sticky-proxies");
+    let proxies: Vec<Tinyproxy> = ["p1", "p2", "p3"]
+        .iter()
+        .map(|name| Tinyproxy::start(dir.path(), name, None))
+        .collect();
+    let backends = start_backends(&["origin"]).await;
+    let target = backends[0].local_addr().to_string();
+    let members: String = proxies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("        - {{ proxy: \"{}\", name: p{} }}\n", p.url(), i + 1))
+        .collect();
+    let base = Config::new()
+        .state(store.state())
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
+        .yaml();
+    let base = base.split("routes:").next().unwrap_or_default().to_string();
+    let yaml = format!(
+        "{base}routes:\n  - name: t\n    match: {{ hosts: [\"127.0.0.1\"] }}\n    upstream:\n      selection: least_used\n      sticky: {{ key: client }}\n      members:\n{members}"
+    );
+    let gws: Vec<Gateway> = (0..store.instances())
+        .map(|_| Gateway::start_with_ports(&yaml))
+        .collect();
+    for i in 0..6 {
+        let gw = &gws[i % gws.len()];
+        let (mut tunnel, r) = support::open_tunnel(gw.proxy_addr(), &target, true).await;
+        assert_eq!(r.status, 200, "tunnel {i}");
+        let r = tunnel.request("GET", &target, "/", &[], b"").await.unwrap();
+        assert_eq!(r.status, 200, "tunnel {i} carries a request");
+    }
+    let line = format!("CONNECT {target} ");
+    let mut counts: Vec<usize> = Vec::new();
+    for p in &proxies {
+        counts.push(p.requests(&line).len());
+    }
+    let total: usize = counts.iter().sum();
+    if total < 6 {
+        // tinyproxy writes its log line a moment after the tunnel opens.
+        let busiest = proxies
+            .iter()
+            .max_by_key(|p| p.requests(&line).len())
+            .expect("proxies");
+        busiest.wait_requests(&line, 6).await;
+        counts = proxies.iter().map(|p| p.requests(&line).len()).collect();
+    }
+    counts.sort_unstable();
+    assert_eq!(counts, [0, 0, 6], "one exit for the client");
 }
