@@ -7,12 +7,13 @@ from .servers import (lua_script, load_script, populate_pool, rcli, start_redis,
                       store_errors, wait_ok)
 from .state import BIG_WINDOW, QUOTA_YAML, Run, when
 
-TARGETS = ["rr_mem", "lu_mem", "lu_redis", "qlu_redis", "rr_redis"]
+TARGETS = ["rr_mem", "lu_mem", "lu_redis", "lif_redis", "qlu_redis", "rr_redis"]
 LABELS = {
     "rr_mem": "round_robin (memory process)",
     "lu_mem": "least_used, memory store",
     "rr_redis": "round_robin (Redis process)",
     "lu_redis": "least_used, Redis",
+    "lif_redis": "least_in_flight, Redis (lease taken and released)",
     "qlu_redis": "quota + least_used, Redis (fused script)",
 }
 
@@ -40,10 +41,11 @@ def run(run: Run) -> str:
         f'listen: ["127.0.0.1:{rpt}"]\nthreads: {run.sluice_threads}\nadmin:\n  listen: "127.0.0.1:{radmin}"\n'
         f'state:\n  backend: redis\n  redis:\n    url: "redis://127.0.0.1:{rport}/0"\nroutes:\n'
         + route(run, "rr", "round_robin") + route(run, "lu", "least_used")
+        + route(run, "lif", "least_in_flight")
         + route(run, "qlu", "least_used", quota=True))
     mem = start_sluice(procs, run.sluice, "lu-mem", mem_cfg, mport, madmin, "warn")
     red = start_sluice(procs, run.sluice, "lu-redis", redis_cfg, rpt, radmin, "warn")
-    for name, port in (("rr", mport), ("lu", mport), ("rr", rpt), ("lu", rpt), ("qlu", rpt)):
+    for name, port in (("rr", mport), ("lu", mport), ("rr", rpt), ("lu", rpt), ("lif", rpt), ("qlu", rpt)):
         wait_ok(f"http://127.0.0.1:{port}/", f"{name}.bench", f"route {name} on port {port}")
 
     run.label.update(LABELS)
@@ -100,7 +102,7 @@ def run(run: Run) -> str:
         "",
         f"**wrk through sluice, one run.** Two sluice processes (`threads: {run.sluice_threads}`, `RUST_LOG=warn`), both running all the",
         "time, each loaded in turn: one on the memory store (routes `rr`: round_robin, `lu`: least_used), one on a local Redis",
-        "(routes `rr`, `lu`: least_used, `qlu`: least_used with the quota `{ name: w, limit: 1000000000000, window: 1h }`,",
+        "(routes `rr`, `lu`: least_used, `lif`: least_in_flight, `qlu`: least_used with the quota `{ name: w, limit: 1000000000000, window: 1h }`,",
         "one fused script call for the requests of the route that wait together). Every route has the same two nginx backends as members.",
         f"Each target: `{run.wrk_cmd['qlu_redis']}` with the route's Host, after an unrecorded {run.warmup} warm-up; {run.rounds} rounds.",
         "",
@@ -109,6 +111,8 @@ def run(run: Run) -> str:
         f"- quota + least_used (Redis) / round_robin (memory process), req/s: {run.ratio('rps', 'qlu_redis', 'rr_mem')} — target ≥ 0.5×",
         f"- quota + least_used (Redis) / round_robin (same Redis process), req/s: {run.ratio('rps', 'qlu_redis', 'rr_redis')}",
         f"- least_used (Redis) / round_robin (memory process), req/s: {run.ratio('rps', 'lu_redis', 'rr_mem')}",
+        f"- least_in_flight (Redis) / least_used (Redis), req/s: {run.ratio('rps', 'lif_redis', 'lu_redis')} — target ≥ 0.8×"
+        " (a lease is taken in the assignment's call and released in a second, shared by the releases that come due together)",
         f"- least_used (memory) / round_robin (memory process), req/s: {run.ratio('rps', 'lu_mem', 'rr_mem')}",
         f"- p99, quota + least_used (Redis) / round_robin (memory process): {run.ratio('p99', 'qlu_redis', 'rr_mem')}",
         f"- errors reported by wrk: {run.wrk_errors(TARGETS)}; sluice store errors and fallbacks: {errors}.",

@@ -10,7 +10,7 @@ replaces each part's section of docs/benchmark-runs.md (between <!-- bench:state
   quota       wrk against three routes of one sluice (no quota, quota at cost 1, at cost 100);
               redis-benchmark EVALSHA of the quota script at cost 1 and 100 (calls/s and
               usec_per_call); Redis memory per admitted request (MEMORY USAGE / entries).
-  least-used  wrk against round_robin, least_used (memory), least_used (Redis) and
+  least-used  wrk against round_robin, least_used (memory), least_used and least_in_flight (Redis) and
               quota + least_used (Redis) routes; the allocator (and fused) script at pool
               sizes 10 and 10,000.
   key-pool    wrk against least_used, route quota + least_used and a key-pool route (three
