@@ -23,6 +23,7 @@ on_both_stores!(
     a_full_table_still_serves_every_session,
     sessions_by_cookie_and_by_client,
     a_down_member_moves_the_session,
+    a_fallback_route_keeps_its_own_sessions,
     tunnels_of_a_client_leave_through_one_proxy,
 );
 
@@ -35,6 +36,11 @@ struct Setup {
 
 /// `upstream` is YAML under `upstream:` (without `members:`, which the backends fill).
 async fn setup(backend: Backend, selection: &str, upstream: &str) -> Setup {
+    setup_with(backend, selection, upstream, "").await
+}
+
+/// [`setup`], with `more` routes (YAML items under `routes:`) after the sticky route `s`.
+async fn setup_with(backend: Backend, selection: &str, upstream: &str, more: &str) -> Setup {
     let store = Store::start(backend);
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let members: String = backends
@@ -54,7 +60,7 @@ async fn setup(backend: Backend, selection: &str, upstream: &str) -> Setup {
         .expect("the builder writes routes last")
         .to_string();
     let yaml = format!(
-        "{base}routes:\n  - name: s\n    match: {{ hosts: [s.test] }}\n    upstream:\n      selection: {selection}\n{upstream}      members:\n{members}"
+        "{base}routes:\n  - name: s\n    match: {{ hosts: [s.test] }}\n    upstream:\n      selection: {selection}\n{upstream}      members:\n{members}{more}"
     );
     let gws = (0..store.instances())
         .map(|_| Gateway::start_with_ports(&yaml))
@@ -351,4 +357,32 @@ async fn tunnels_of_a_client_leave_through_one_proxy(backend: Backend) {
     }
     counts.sort_unstable();
     assert_eq!(counts, [0, 0, 6], "one exit for the client");
+}
+
+/// A request that route `a` hands to its fallback `s` (a sticky route) is admitted with its
+/// session on `s`: it stays on one member there too.
+async fn a_fallback_route_keeps_its_own_sessions(backend: Backend) {
+    let s = setup_with(
+        backend,
+        "round_robin",
+        "      sticky: { key: \"header:X-Session-Id\" }\n",
+        "  - name: a\n    match: { hosts: [a.test] }\n    upstream: { members: [] }\n    fallback: [{ route: s, on: [no_member] }]\n",
+    )
+    .await;
+    let mut seen = BTreeSet::new();
+    for i in 0..12 {
+        let gw = &s.gws[i % s.gws.len()];
+        let r = request(
+            gw.proxy_addr(),
+            "GET",
+            "a.test",
+            "/",
+            &[("x-session-id", "f")],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 200, "request {i}");
+        seen.insert(r.header("x-upstream").unwrap_or_default().to_string());
+    }
+    assert_eq!(seen.len(), 1, "{seen:?}");
 }

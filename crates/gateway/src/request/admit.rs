@@ -152,22 +152,7 @@ pub(crate) async fn admit(
     let client = session.as_downstream().stream().map(|s| s.id());
     let planned = Planned::plan(&route, caller.as_deref(), &ctx.reserved, cost);
     // A sticky route's session: admission and every retry of the request carry it.
-    ctx.sticky = route.config.upstream.sticky.as_ref().and_then(|_| {
-        // `anonymous` is everyone unidentified: each of them is a session of its own address.
-        let name = caller
-            .as_deref()
-            .map(|c| &*c.name)
-            .filter(|&n| n != crate::config::ANONYMOUS);
-        let addr = ctx.seen.forwarded_client.or_else(|| {
-            session
-                .client_addr()
-                .and_then(|a| a.as_inet())
-                .map(|a| a.ip())
-        });
-        let caller = crate::sticky::Caller { name, addr };
-        let headers = &session.req_header().headers;
-        crate::sticky::Sticky::of(&gateway.state, &route, headers, &caller)
-    });
+    ctx.sticky = sticky_of(gateway, session, ctx, &route);
     let verdict = decide(
         crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
         &gateway.metrics,
@@ -231,6 +216,31 @@ pub(crate) async fn admit(
         )
         .into_down()),
     }
+}
+
+/// The session of a request on `route`, when the route is sticky and the request names one.
+pub(crate) fn sticky_of(
+    gateway: &Gateway,
+    session: &Session,
+    ctx: &RequestCtx,
+    route: &Route,
+) -> Option<std::sync::Arc<crate::sticky::Sticky>> {
+    route.config.upstream.sticky.as_ref()?;
+    // `anonymous` is everyone unidentified: each of them is a session of its own address.
+    let name = ctx
+        .client
+        .as_deref()
+        .map(|c| &*c.name)
+        .filter(|&n| n != crate::config::ANONYMOUS);
+    let addr = ctx.seen.forwarded_client.or_else(|| {
+        session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip())
+    });
+    let caller = crate::sticky::Caller { name, addr };
+    let headers = &session.req_header().headers;
+    crate::sticky::Sticky::of(&gateway.state, route, headers, &caller)
 }
 
 /// What admission decided about a request, apart from how the answer is sent: shared by

@@ -371,8 +371,10 @@ async fn admit_on(
     });
     let client = session.as_downstream().stream().map(|s| s.id());
     let planned = Planned::plan(route, caller.as_deref(), &reserved, cost);
+    // The next route's own session, if it is sticky: its admission and retries carry it.
+    ctx.sticky = super::admit::sticky_of(gateway, session, ctx, route);
     let verdict = decide(
-        &*gateway.state,
+        crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
         &gateway.metrics,
         route,
         key,
