@@ -10,9 +10,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use sluice_echo::EchoServer;
+use sluice_testkit::RedisCluster;
 use support::tinyproxy::Tinyproxy;
 use support::{
-    request, start_backends, url, wait_until_async, Backend, Config, Egress, Gateway, Store,
+    request, start_backends, url, wait_until_async, Backend, Config, Egress, Gateway, State, Store,
     TempDir,
 };
 
@@ -29,7 +30,8 @@ on_both_stores!(
 
 /// The store of a test and its gateways: two on Redis, one on memory.
 struct Setup {
-    _store: Store,
+    _store: Option<Store>,
+    _cluster: Option<RedisCluster>,
     gws: Vec<Gateway>,
     backends: Vec<EchoServer>,
 }
@@ -42,6 +44,20 @@ async fn setup(backend: Backend, selection: &str, upstream: &str) -> Setup {
 /// [`setup`], with `more` routes (YAML items under `routes:`) after the sticky route `s`.
 async fn setup_with(backend: Backend, selection: &str, upstream: &str, more: &str) -> Setup {
     let store = Store::start(backend);
+    let (state, instances) = (store.state(), store.instances());
+    let mut s = setup_on(state, instances, selection, upstream, more).await;
+    s._store = Some(store);
+    s
+}
+
+/// [`setup_with`] on `state`, with `instances` gateways.
+async fn setup_on(
+    state: State,
+    instances: usize,
+    selection: &str,
+    upstream: &str,
+    more: &str,
+) -> Setup {
     let backends = start_backends(&["b1", "b2", "b3"]).await;
     let members: String = backends
         .iter()
@@ -53,7 +69,7 @@ async fn setup_with(backend: Backend, selection: &str, upstream: &str, more: &st
             )
         })
         .collect();
-    let base = Config::new().state(store.state()).yaml();
+    let base = Config::new().state(state).yaml();
     let base = base
         .split("routes:")
         .next()
@@ -62,11 +78,12 @@ async fn setup_with(backend: Backend, selection: &str, upstream: &str, more: &st
     let yaml = format!(
         "{base}routes:\n  - name: s\n    match: {{ hosts: [s.test] }}\n    upstream:\n      selection: {selection}\n{upstream}      members:\n{members}{more}"
     );
-    let gws = (0..store.instances())
+    let gws = (0..instances)
         .map(|_| Gateway::start_with_ports(&yaml))
         .collect();
     Setup {
-        _store: store,
+        _store: None,
+        _cluster: None,
         gws,
         backends,
     }
@@ -385,4 +402,26 @@ async fn a_fallback_route_keeps_its_own_sessions(backend: Backend) {
         seen.insert(r.header("x-upstream").unwrap_or_default().to_string());
     }
     assert_eq!(seen.len(), 1, "{seen:?}");
+}
+
+/// Two gateways on a Redis Cluster: a route's bindings live in its slot, and each session still
+/// stays on one member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_stays_on_one_member_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let sticky = "      sticky: { key: \"header:X-Session-Id\" }\n";
+    let mut s = setup_on(State::cluster(cluster.urls()), 2, "round_robin", sticky, "").await;
+    s._cluster = Some(cluster);
+    for session in ["alpha", "beta", "gamma"] {
+        let first = member_of(&s, 0, session).await;
+        for i in 1..30 {
+            assert_eq!(
+                member_of(&s, i, session).await,
+                first,
+                "request {i} of {session}"
+            );
+        }
+    }
+    let sticky = sticky_status(&s.gws[1]).await;
+    assert_eq!(sticky["bindings"], 3, "{sticky}");
 }
