@@ -5,8 +5,9 @@
 //! used, and not at all on a route that does not define the unit; the same on a Redis Cluster,
 //! where a client's windows are in a slot of their own. A retry to another key charges and
 //! settles that key's calendar window too. Expected boundaries come from
-//! the test's own clock, in a zone without summer time (Asia/Tokyo, UTC+9) so that plain
-//! arithmetic finds its midnight.
+//! the test's own clock, in a fixed-offset zone (`Etc/GMT-h`) chosen when the test runs so that
+//! its local time is about noon: no day or month ends within hours of a test, whenever it runs,
+//! and plain arithmetic finds the next midnight.
 
 mod support;
 
@@ -28,8 +29,7 @@ on_both_stores!(
     a_retry_charges_the_next_members_calendar_window_and_settles_it,
 );
 
-const TOKYO: u64 = 9 * 3600;
-const DAY: u64 = 86_400;
+const DAY: i64 = 86_400;
 const BILLING: &str = "billing-token-0123456789";
 
 fn now_secs() -> f64 {
@@ -39,11 +39,47 @@ fn now_secs() -> f64 {
         .as_secs_f64()
 }
 
+/// A zone without summer time whose local time is about noon now, and its offset east of UTC
+/// in seconds (`Etc/GMT-h` is h hours east), so that no period's boundary comes near a test.
+fn noon_zone() -> (String, i64) {
+    let utc_hour = (now_secs() as i64 / 3600) % 24;
+    let h = 12 - utc_hour;
+    let name = match h {
+        0 => "Etc/GMT".to_string(),
+        h if h > 0 => format!("Etc/GMT-{h}"),
+        h => format!("Etc/GMT+{}", -h),
+    };
+    (name, h * 3600)
+}
+
+/// `yaml` with every calendar window's `tz` set to `zone`, wherever the window is.
+fn in_zone(yaml: &str, zone: &str) -> String {
+    fn walk(v: &mut Value, zone: &str) {
+        match v {
+            Value::Object(map) => {
+                let calendar = map
+                    .get("window")
+                    .and_then(Value::as_str)
+                    .is_some_and(|w| w.starts_with("calendar_"));
+                if calendar {
+                    map.insert("tz".into(), zone.into());
+                }
+                map.values_mut().for_each(|v| walk(v, zone));
+            }
+            Value::Array(items) => items.iter_mut().for_each(|v| walk(v, zone)),
+            _ => {}
+        }
+    }
+    let mut config: Value = serde_yaml::from_str(yaml).unwrap();
+    walk(&mut config, zone);
+    serde_yaml::to_string(&config).unwrap()
+}
+
 /// The next midnight, in Unix seconds, of the zone `offset` seconds east of UTC (no summer
 /// time), after `at`.
-fn next_midnight(at: f64, offset: u64) -> f64 {
-    let local = at as u64 + offset;
-    ((local / DAY + 1) * DAY - offset) as f64
+fn next_midnight(at: f64, offset: i64) -> f64 {
+    let local = at as i64 + offset;
+    ((local.div_euclid(DAY) + 1) * DAY - offset) as f64
 }
 
 /// Asserts that the refusal `r`, answered between `before` and `after` (Unix seconds), waits
@@ -89,8 +125,8 @@ async fn get(client: &mut HttpClient, host: &str, auth: Option<&str>) -> Respons
         .unwrap()
 }
 
-/// A plain route's `{limit: 3, window: calendar_day, tz: Asia/Tokyo}` counts requests: three
-/// go, the fourth is refused until Tokyo's next midnight, and reaches no member.
+/// A plain route's `{limit: 3, window: calendar_day}` (in the noon zone) counts requests:
+/// three go, the fourth is refused until the zone's next midnight, and reaches no member.
 async fn a_routes_calendar_day_counting_requests_refuses_until_local_midnight(backend: Backend) {
     let store = Store::start(backend);
     route_calendar_day(Config::new().store(&store)).await;
@@ -104,9 +140,10 @@ async fn route_calendar_day(config: Config) {
     let yaml = set(
         &base,
         &["routes", "0", "quota"],
-        "windows: [{ name: day, limit: 3, window: calendar_day, tz: Asia/Tokyo }]",
+        "windows: [{ name: day, limit: 3, window: calendar_day }]",
     );
-    let gw = Gateway::start_with_ports(&yaml);
+    let (zone, offset) = noon_zone();
+    let gw = Gateway::start_with_ports(&in_zone(&yaml, &zone));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..3 {
         assert_eq!(get(&mut client, "api.test", None).await.status, 200);
@@ -116,12 +153,12 @@ async fn route_calendar_day(config: Config) {
     let after = now_secs();
     assert_eq!(refused.status, 429, "{}", refused.text());
     assert_eq!(refused.header("x-sluice-error"), Some("quota_exceeded"));
-    waits_until(&refused, next_midnight(before, TOKYO), before, after);
+    waits_until(&refused, next_midnight(before, offset), before, after);
     assert_eq!(backends[0].proxied_requests(), 3);
 }
 
-/// Two keys with `{limit: 2, window: calendar_day}` (UTC) each: four requests go, the fifth
-/// finds every key full until UTC midnight.
+/// Two keys with `{limit: 2, window: calendar_day}` each: four requests go, the fifth finds
+/// every key full until midnight.
 async fn a_members_calendar_window_refuses_until_midnight(backend: Backend) {
     let store = Store::start(backend);
     member_calendar_day(Config::new().store(&store)).await;
@@ -140,8 +177,8 @@ async fn member_calendar_day(config: Config) {
             2,
             "calendar_day",
         ));
-    let yaml = config.route(route).yaml();
-    let gw = Gateway::start_with_ports(&yaml);
+    let (zone, offset) = noon_zone();
+    let gw = Gateway::start_with_ports(&in_zone(&config.route(route).yaml(), &zone));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..4 {
         assert_eq!(get(&mut client, "api.test", None).await.status, 200);
@@ -150,14 +187,14 @@ async fn member_calendar_day(config: Config) {
     let refused = get(&mut client, "api.test", None).await;
     let after = now_secs();
     assert_eq!(refused.status, 429, "{}", refused.text());
-    waits_until(&refused, next_midnight(before, 0), before, after);
+    waits_until(&refused, next_midnight(before, offset), before, after);
     let sent: Vec<u64> = backends.iter().map(|b| b.proxied_requests()).collect();
     assert_eq!(sent, [2, 2]);
 }
 
-/// A client's own `{limit: 2, window: calendar_day, tz: Asia/Tokyo}` counts its requests on a
-/// route without a quota: the third is refused, naming the client's window, until Tokyo's
-/// midnight; another client is not limited by it.
+/// A client's own `{limit: 2, window: calendar_day}` counts its requests on a route without a
+/// quota: the third is refused, naming the client's window, until midnight; another client is
+/// not limited by it.
 async fn a_clients_calendar_window_refuses_until_local_midnight(backend: Backend) {
     let store = Store::start(backend);
     client_calendar_day(Config::new().store(&store)).await;
@@ -175,14 +212,15 @@ async fn client_calendar_day(config: Config) {
       tokens: [\"{BILLING}\"]
       routes: [\"*\"]
       destinations: [\"*\"]
-      quota: {{ windows: [{{ name: day, limit: 2, window: calendar_day, tz: Asia/Tokyo }}] }}
+      quota: {{ windows: [{{ name: day, limit: 2, window: calendar_day }}] }}
     - name: search
       tokens: [\"search-token-0123456789\"]
       routes: [\"*\"]
       destinations: [\"*\"]
 "
     );
-    let gw = Gateway::start_with_ports(&yaml);
+    let (zone, offset) = noon_zone();
+    let gw = Gateway::start_with_ports(&in_zone(&yaml, &zone));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..2 {
         assert_eq!(
@@ -199,7 +237,7 @@ async fn client_calendar_day(config: Config) {
         detail.contains("billing") && detail.contains("day"),
         "{detail}"
     );
-    waits_until(&refused, next_midnight(before, TOKYO), before, after);
+    waits_until(&refused, next_midnight(before, offset), before, after);
     let search = get(&mut client, "api.test", Some("search-token-0123456789")).await;
     assert_eq!(search.status, 200);
 }
@@ -264,10 +302,10 @@ usage:
       tokens: [\"{BILLING}\"]
       routes: [\"*\"]
       destinations: [\"*\"]
-      quota: {{ windows: [{{ name: month, limit: 1, window: calendar_month, tz: Asia/Tokyo, unit: usd }}] }}
+      quota: {{ windows: [{{ name: month, limit: 1, window: calendar_month, unit: usd }}] }}
 "
     );
-    let gw = Gateway::start_with_ports(&yaml);
+    let gw = Gateway::start_with_ports(&in_zone(&yaml, &noon_zone().0));
     let auth = format!("Bearer {BILLING}");
     let body = json!({"model": "m", "max_tokens": 50, "messages": []}).to_string();
     let chat = || {
@@ -400,7 +438,8 @@ async fn a_retry_charges_the_next_members_calendar_window_and_settles_it(backend
             5,
             "calendar_day",
         ));
-    let gw = Gateway::start_with_ports(&Config::new().store(&store).route(route).yaml());
+    let yaml = Config::new().store(&store).route(route).yaml();
+    let gw = Gateway::start_with_ports(&in_zone(&yaml, &noon_zone().0));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     for _ in 0..2 {
         let r = get(&mut client, "api.test", None).await;
