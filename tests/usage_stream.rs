@@ -2,8 +2,9 @@
 //! what the member sent reaches the client byte for byte (SSE streams with and without their
 //! usage chunk, JSON answers, gzip on and off), the SDK reads the usage the member reported,
 //! the request body reaches the member unchanged, and a stream the member cuts stays an error
-//! to the client, not a clean end. Whatever sluice later reads of a body as it passes must keep
-//! all of this true.
+//! to the client, not a clean end. The route meters tokens, so sluice reads every answer as it
+//! passes: each test also checks what the window settled (the usage the member reported, or the
+//! reservation when the answer holds none).
 
 mod support;
 
@@ -11,22 +12,56 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 use sluice_echo::openai::{Exchange, OpenAiStub};
-use support::{url, Config, Gateway, Route};
+use support::{url, wait_until_async, Config, Gateway, Route};
 
 /// A gateway whose one route, matched by the address the SDK is given as its base URL, goes to
-/// the stub.
+/// the stub, and meters tokens: the request's `max_tokens` (100 without it) reserved, the
+/// answer's `usage.total_tokens` settled, in a window no test fills.
 async fn setup() -> (Gateway, OpenAiStub) {
     let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
-    let gw = Config::new()
+    let base = Config::new()
         .route(
             Route::new("openai")
                 .hosts(&["127.0.0.1"])
                 .member(url(stub.local_addr())),
         )
-        .start();
+        .yaml();
+    let mut config: Value = serde_yaml::from_str(&base).unwrap();
+    config["routes"][0]["quota"] = serde_yaml::from_str(
+        r#"
+windows: [{ name: tpm, limit: 1000000, window: 1h, unit: tokens }]
+usage:
+  tokens:
+    reserve: { json: "max_tokens", default: 100 }
+    settle: { json: "usage.total_tokens" }
+"#,
+    )
+    .unwrap();
+    let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
     (gw, stub)
+}
+
+/// What a request reserves: the script's `max_tokens` when the spec gives none.
+const RESERVED: u64 = 16;
+
+/// Waits until the route's window holds `tokens`, all settled, and fails saying what it held.
+async fn settled(gw: &Gateway, tokens: u64) {
+    let held = || async {
+        let status = gw.status().await;
+        let w = status["routes"][0]["quota"][0].clone();
+        (w["settled"].as_u64(), w["reserved"].as_u64())
+    };
+    let ok = wait_until_async(std::time::Duration::from_secs(10), || async {
+        held().await == (Some(tokens), Some(0))
+    })
+    .await;
+    assert!(
+        ok,
+        "the window holds {:?}, not {tokens} settled",
+        held().await
+    );
 }
 
 /// One chat completion by the SDK (tests/python/openai_chat.py) through `gw`, and the stub's
@@ -128,14 +163,18 @@ async fn a_stream_reaches_the_openai_sdk_byte_for_byte_with_its_usage_chunk() {
         // The usage chunk arrived whole, and is the stub's.
         let sent = usage_event(&exchange.answer).expect("the stub sent a usage chunk");
         assert_eq!(usage_event(&unhex(&out["decoded"])), Some(sent));
+        // Read from the stream as it passed, gzip or not.
+        settled(&gw, if identity { 2 * 1545 } else { 1545 }).await;
     }
 
-    // A stream that reports no usage (no include_usage) reaches the SDK as it was, too.
+    // A stream that reports no usage (no include_usage) reaches the SDK as it was, too, and
+    // its reservation stands.
     let (out, exchange) = chat(&gw, &stub, json!({"stream": true})).await;
     assert_eq!(out["error"], Value::Null, "{out}");
     assert_eq!(exchange.usage, None);
     assert_unchanged(&out, &exchange);
     assert_eq!(usage_event(&unhex(&out["decoded"])), None);
+    settled(&gw, 2 * 1545 + RESERVED).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,6 +183,7 @@ async fn a_json_answer_reaches_the_openai_sdk_byte_for_byte() {
         return;
     }
     let (gw, stub) = setup().await;
+    let mut used = 0;
     for identity in [false, true] {
         let headers = if identity {
             json!({"accept-encoding": "identity"})
@@ -157,15 +197,22 @@ async fn a_json_answer_reaches_the_openai_sdk_byte_for_byte() {
         assert_unchanged(&out, &exchange);
         assert_eq!(out["usage"]["completion_tokens"], 77);
         // The usage header of a provider that reports it there comes through as well.
-        let total = exchange.usage.unwrap().total_tokens().to_string();
-        assert_eq!(out["headers"]["x-usage-total-tokens"], total.as_str());
+        let total = exchange.usage.unwrap().total_tokens();
+        assert_eq!(
+            out["headers"]["x-usage-total-tokens"],
+            total.to_string().as_str()
+        );
+        used += total;
+        settled(&gw, used).await;
     }
 
-    // An error answer is the member's, byte for byte, and the SDK's error class follows it.
+    // An error answer is the member's, byte for byte, and the SDK's error class follows it;
+    // it reports no usage, so the reservation stands.
     let spec = json!({"headers": {"x-stub-status": "500"}});
     let (out, exchange) = chat(&gw, &stub, spec).await;
     assert_eq!(out["error"]["class"], "InternalServerError", "{out}");
     assert_unchanged(&out, &exchange);
+    settled(&gw, used + RESERVED).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -187,5 +234,7 @@ async fn a_stream_the_member_cuts_stays_an_error_to_the_sdk() {
         assert_eq!(out["chunks"], 3, "{out}");
         assert_eq!(unhex(&out["raw"]), exchange.sent);
         assert_eq!(out["usage"], Value::Null);
+        // The usage chunk never came: the reservation stands.
+        settled(&gw, if identity { 2 } else { 1 } * RESERVED).await;
     }
 }
