@@ -475,6 +475,133 @@ async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Back
     assert_eq!(admitted.status, 200, "{}", admitted.text());
 }
 
+/// A key of [`key_pool`]: its member's url, its name, its tpm limit and the headers sent to it.
+type Key<'a> = (String, &'a str, u64, &'a [(&'a str, &'a str)]);
+
+/// A least-used key pool on one route that meters tokens: per member `(url, name, tpm limit,
+/// headers sent to it)`, each key with a window of tokens per minute, requests reserving their
+/// `max_tokens` and settling `usage.total_tokens`. With `replay`, a 429 cools the key and the
+/// request goes to another (`cooldown.retry`); one connect retry either way.
+fn key_pool(store: &Store, keys: &[Key<'_>], replay: bool) -> Gateway {
+    let mut route = Route::new("openai")
+        .hosts(&["openai.test"])
+        .least_used()
+        .retries(1);
+    for (url, name, _, headers) in keys {
+        let mut member = support::KeyMember::new(url.clone(), name);
+        for (h, v) in *headers {
+            member = member.header(h, v);
+        }
+        route = route.key_member(member);
+    }
+    if replay {
+        route = route.cooldown(support::Cooldown::new().on_status(&[429]).retry());
+    }
+    let base = Config::new().store(store).route(route).yaml();
+    let mut config: Value = serde_yaml::from_str(&base).unwrap();
+    for (m, (_, _, limit, _)) in keys.iter().enumerate() {
+        config["routes"][0]["upstream"]["members"][m]["quota"] = serde_yaml::from_str(&format!(
+            "windows: [{{ name: tpm, limit: {limit}, window: 1m, unit: tokens }}]"
+        ))
+        .unwrap();
+    }
+    config["routes"][0]["quota"] = serde_yaml::from_str(
+        "usage: { tokens: { reserve: { json: max_tokens, default: 100 }, settle: { json: usage.total_tokens } } }",
+    )
+    .unwrap();
+    Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap())
+}
+
+/// Waits until the members' windows hold `tokens`, and fails with what they held last.
+async fn members_settle_to(gw: &Gateway, tokens: &[u64]) {
+    let settled = wait_until_async(Duration::from_secs(10), || async {
+        members_hold(gw).await == tokens
+    })
+    .await;
+    assert!(
+        settled,
+        "the keys hold {:?}, not {tokens:?}",
+        members_hold(gw).await
+    );
+}
+
+/// A request reserving 50 tokens that uses 10.
+async fn chat_using_10(gw: &Gateway) -> support::Response {
+    let body = json!({"model": "m", "max_tokens": 50, "messages": []});
+    let used = [
+        ("x-stub-prompt-tokens", "4"),
+        ("x-stub-completion-tokens", "6"),
+    ];
+    chat(gw, &body, &used).await
+}
+
+/// key-a answers 429 and the request is replayed to key-b, which answers: key-b did the work
+/// and its window holds the answer's usage; key-a did none and holds nothing.
+async fn a_replay_charges_the_key_that_answered(backend: Backend) {
+    let store = Store::start(backend);
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let member = url(stub.local_addr());
+    let refuses: &[(&str, &str)] = &[("x-stub-status", "429")];
+    let keys = [
+        (member.clone(), "key-a", 100, refuses),
+        (member, "key-b", 100, &[][..]),
+    ];
+    let gw = key_pool(&store, &keys, true);
+    // Ties go to the smallest name: key-a gets the request first.
+    let r = chat_using_10(&gw).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        stub.exchanges().len(),
+        2,
+        "key-a's 429, then key-b's answer"
+    );
+    members_settle_to(&gw, &[0, 10]).await;
+}
+
+/// key-a answers 429 and key-b's window cannot take the request's reservation: there is no
+/// replay, the 429 goes to the client, and neither key holds anything.
+async fn no_replay_to_a_key_whose_window_cannot_take_the_reservation(backend: Backend) {
+    let store = Store::start(backend);
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let member = url(stub.local_addr());
+    let refuses: &[(&str, &str)] = &[("x-stub-status", "429")];
+    // key-b's whole window is 40 tokens: the request reserves 50.
+    let keys = [
+        (member.clone(), "key-a", 100, refuses),
+        (member, "key-b", 40, &[][..]),
+    ];
+    let gw = key_pool(&store, &keys, true);
+    let r = chat_using_10(&gw).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(stub.exchanges().len(), 1, "key-b never gets the request");
+    members_settle_to(&gw, &[0, 0]).await;
+}
+
+/// key-a does not listen: the request goes to key-b, which holds the usage; key-a never got
+/// the request and holds nothing.
+async fn a_connect_retry_charges_the_key_that_answered(backend: Backend) {
+    let store = Store::start(backend);
+    let gone = OpenAiStub::start("gone", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    gone.stop().await;
+    let keys = [
+        (url(gone.local_addr()), "key-a", 100, &[][..]),
+        (url(stub.local_addr()), "key-b", 100, &[][..]),
+    ];
+    let gw = key_pool(&store, &keys, false);
+    let r = chat_using_10(&gw).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    members_settle_to(&gw, &[0, 10]).await;
+}
+
 /// The `r` of a `RateLimit` item, and the policy's `q` of the window it names.
 fn ratelimit(r: &support::Response) -> (String, u64, u64) {
     let item = r.header("ratelimit").expect("a RateLimit header");
@@ -548,6 +675,9 @@ on_both_stores!(
     a_request_no_member_got_settles_to_zero,
     ratelimit_and_status_report_tokens,
     members_windows_in_tokens_pick_a_key_with_room_and_settle,
+    a_replay_charges_the_key_that_answered,
+    no_replay_to_a_key_whose_window_cannot_take_the_reservation,
+    a_connect_retry_charges_the_key_that_answered,
     a_settlement_past_the_limit_is_recorded_and_counted,
     the_openai_sdk_settles_from_gzip_streams_and_bodies,
     json_usage_settles_exactly,

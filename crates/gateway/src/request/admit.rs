@@ -183,6 +183,7 @@ pub(crate) async fn admit(
                     scanner: None,
                     status: None,
                     sent: false,
+                    sent_to: None,
                     retried: Vec::new(),
                 })
             });

@@ -236,6 +236,9 @@ pub(crate) async fn learn_cooldown(
                 "replaying the request to another member (cooldown.retry)"
             );
             ctx.first = Some(next);
+            if let Some(meter) = ctx.meter.as_deref_mut() {
+                meter.replaying();
+            }
             ctx.replayed = true;
             ctx.replay_pending = true;
             return Err(Error::explain(

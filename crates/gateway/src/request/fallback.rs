@@ -166,6 +166,8 @@ pub(crate) async fn after_answer(
     // answer was read), before the next route reserves its own.
     if let Some(mut meter) = ctx.meter.take() {
         meter.did_no_work(status);
+        // Entries a retry on this route reserved in other members settle with it.
+        meter.retried = std::mem::take(&mut ctx.tried.retried);
         let client = ctx.client.as_deref();
         let (state, metrics) = (&*gateway.state, &gateway.metrics);
         meter
@@ -403,6 +405,7 @@ async fn admit_on(
                     scanner: None,
                     status: None,
                     sent: false,
+                    sent_to: None,
                     retried: Vec::new(),
                 })
             });

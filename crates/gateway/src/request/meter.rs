@@ -35,8 +35,6 @@ pub(crate) struct Planned {
     pub(crate) client_amounts: Vec<u64>,
     /// Per window of the client's, what it counts.
     client_units: Vec<ClientUnit>,
-    /// The request's cost.
-    cost: u64,
 }
 
 /// What one of a client's windows counts on the route of a request.
@@ -145,7 +143,6 @@ impl Planned {
             client_windows,
             client_periods,
             client_units,
-            cost,
         })
     }
 
@@ -160,22 +157,16 @@ impl Planned {
         }
     }
 
-    /// What a retry charges the members' own windows, when one has calendar windows: the
-    /// request's cost in each (as on any route; its entry is not settled), in the periods of
-    /// the admission.
+    /// What a retry reserves in the next member's own windows, when a member has windows of
+    /// its own: the request's planned amounts, as admission reserved in the first member's, so
+    /// that a retry goes only to a member whose windows admit the reservation, and its entry
+    /// settles from the answer like the first one's.
     pub(crate) fn for_retries(&self) -> Option<Arc<MemberPlan>> {
         let plan = &self.members;
-        plan.has_periods().then(|| {
-            Arc::new(MemberPlan {
-                amounts: plan
-                    .amounts
-                    .iter()
-                    .map(|a| vec![self.cost; a.len()])
-                    .collect(),
-                periods: plan.periods.clone(),
-                windows: plan.windows.clone(),
-            })
-        })
+        plan.windows
+            .iter()
+            .any(|w| !w.is_empty())
+            .then(|| plan.clone())
     }
 }
 
@@ -238,6 +229,16 @@ fn client_amounts(units: &[ClientUnit], amounts: &[Millionths], cost: u64) -> Ve
         .collect()
 }
 
+/// One member's entry of a request, as it settles.
+struct MemberEntry {
+    /// The member's index in the route's pool.
+    index: usize,
+    entry: sluice_limiter::EntryId,
+    /// Per window of the member's own, what was reserved and what it settles to.
+    reserved: Vec<u64>,
+    settled: Vec<u64>,
+}
+
 /// An admitted request's reservation, kept on its context until its answer ends.
 pub(crate) struct Meter {
     /// The quota key it was reserved under.
@@ -258,8 +259,11 @@ pub(crate) struct Meter {
     /// work (and billed it) even when no answer comes back, so the reservation is no longer
     /// given back.
     pub(crate) sent: bool,
-    /// The entries retries reserved in other members' calendar windows, with each member's id:
-    /// settled with the request's cost, which closes them.
+    /// The member (its index in the route's pool) the head went to last, whose answer settles
+    /// its own windows: every other member the request went to did no work.
+    pub(crate) sent_to: Option<usize>,
+    /// The entries retries reserved in other members' own windows, with each member's id:
+    /// settled like the first member's entry.
     pub(crate) retried: Vec<(Arc<str>, sluice_limiter::EntryId)>,
 }
 
@@ -280,10 +284,21 @@ impl Meter {
             .then(|| ResponseScanner::new(&usage.settles, usage.max_response_body, headers));
     }
 
-    /// The request goes to a member (again, after a replay or a fallback): an earlier
+    /// The request goes to `member` (again, after a replay or a fallback): an earlier
     /// member's answer no longer says what this request used.
-    pub(crate) fn sending(&mut self) {
+    pub(crate) fn sending(&mut self, member: Option<usize>) {
         self.sent = true;
+        self.sent_to = member;
+        self.status = None;
+        self.scanner = None;
+    }
+
+    /// The member's answer is dropped and the request replayed to another member: the
+    /// member said it did no work (a cooldown status), so its windows settle to 0, and the
+    /// request is as if no member got it until the replay goes out.
+    pub(crate) fn replaying(&mut self) {
+        self.sent = false;
+        self.sent_to = None;
         self.status = None;
         self.scanner = None;
     }
@@ -360,61 +375,44 @@ impl Meter {
                 owner: Owner::Route,
             });
         }
-        // The chosen member's own windows settle like the route's, and the client's: a window
-        // of requests keeps the cost (settling it closes the reservation), a unit's becomes
-        // what the answer used.
-        let member = self.entries.member.as_ref().and_then(|(id, entry)| {
-            let i = members.iter().position(|m| m.name == *id)?;
-            Some((&members[i], i, *entry))
-        });
-        let no_units = Vec::new();
+        // Each member the request reserved in (admission's, then each retry's) settles its own
+        // windows like the route's, and the client's: a window of requests keeps the cost
+        // (settling it closes the reservation), a unit's becomes what the answer used for the
+        // member the request went to last, and 0 for any other: it never got the request, or
+        // its answer was dropped for a replay.
         let plan = &self.planned.members;
-        let (member_reserved, member_settled) = match member {
-            Some((_, i, _)) => (
-                plan.amounts.get(i).cloned().unwrap_or_default(),
-                amounts_of(
-                    self.planned.member_units.get(i).unwrap_or(&no_units),
-                    &settled,
-                    self.cost,
-                ),
-            ),
-            None => (Vec::new(), Vec::new()),
-        };
-        if let Some((m, i, entry)) = member {
-            let periods = plan.periods.get(i).map_or(&[][..], |p| &p[..]);
-            settlements.push(Settle {
-                key: &m.name,
-                windows: plan.windows.get(i).unwrap_or(&m.windows),
-                entry,
-                reserved: &member_reserved,
-                settled: &member_settled,
-                periods,
-                owner: Owner::Member,
-            });
-        }
-        // A retry's entries hold the request's cost in each window ([`Planned::for_retries`]).
-        let retried: Vec<(
-            &crate::table::Member,
-            usize,
-            sluice_limiter::EntryId,
-            Vec<u64>,
-        )> = self
-            .retried
+        let no_work = settled.iter().map(|_| Millionths(0)).collect::<Vec<_>>();
+        let no_units = Vec::new();
+        let member_entries: Vec<MemberEntry> = self
+            .entries
+            .member
             .iter()
+            .chain(&self.retried)
             .filter_map(|(id, entry)| {
                 let i = members.iter().position(|m| m.name == *id)?;
-                let costs = vec![self.cost; members[i].windows.len()];
-                Some((&members[i], i, *entry, costs))
+                let units = self.planned.member_units.get(i).unwrap_or(&no_units);
+                let used = if self.sent_to == Some(i) {
+                    &settled
+                } else {
+                    &no_work
+                };
+                Some(MemberEntry {
+                    index: i,
+                    entry: *entry,
+                    reserved: plan.amounts.get(i).cloned().unwrap_or_default(),
+                    settled: amounts_of(units, used, self.cost),
+                })
             })
             .collect();
-        for (m, i, entry, costs) in &retried {
+        for e in &member_entries {
+            let m = &members[e.index];
             settlements.push(Settle {
                 key: &m.name,
-                windows: plan.windows.get(*i).unwrap_or(&m.windows),
-                entry: *entry,
-                reserved: costs,
-                settled: costs,
-                periods: plan.periods.get(*i).map_or(&[][..], |p| &p[..]),
+                windows: plan.windows.get(e.index).unwrap_or(&m.windows),
+                entry: e.entry,
+                reserved: &e.reserved,
+                settled: &e.settled,
+                periods: plan.periods.get(e.index).map_or(&[][..], |p| &p[..]),
                 owner: Owner::Member,
             });
         }

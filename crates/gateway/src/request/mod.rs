@@ -522,7 +522,7 @@ impl ProxyHttp for Gateway {
                 .is_some_and(|r| route::meters_usage(&r.config));
         forward::request_headers(session, upstream, ctx)?;
         if let Some(meter) = ctx.meter.as_deref_mut() {
-            meter.sending();
+            meter.sending(ctx.tried.last());
         }
         send_with_the_others().await;
         Ok(())

@@ -588,8 +588,7 @@ pub(crate) struct Reserving<'a> {
 }
 
 /// What a request charges the members' own windows, planned before admission; kept for a
-/// retry when a member has calendar windows, which only a reservation can place in their
-/// period.
+/// retry, which reserves the same in the next member's windows.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct MemberPlan {
     /// Per member, in pool order, per window of its own, its amount.
@@ -810,9 +809,11 @@ pub(crate) struct Tried {
     len: usize,
     /// The least-used store failed for this request: it goes on with round-robin.
     pub(crate) fallback: bool,
-    /// The request's cost, which another member's own windows are charged on a retry.
+    /// The request's cost, which another member's own windows are charged on a retry of a
+    /// request that reserved nothing.
     pub(crate) cost: u64,
-    /// What a retry charges the members' own windows, when one has calendar windows.
+    /// What a retry reserves in the next member's own windows: the request's planned amounts,
+    /// when a member has windows of its own.
     pub(crate) members: Option<Arc<MemberPlan>>,
     /// The entries retries reserved in members' own windows ([`Tried::members`]), with each
     /// member's id, which the request's settlement closes.
@@ -820,9 +821,9 @@ pub(crate) struct Tried {
 }
 
 impl Tried {
-    /// A retry's reservation in the members' own windows: only theirs, in the periods of the
-    /// request's admission. `None` when every member's windows slide (a plain assignment
-    /// then charges the cost).
+    /// A retry's reservation in the members' own windows: only theirs, the amounts and periods
+    /// of the request's admission. `None` when the request reserved nothing in members' windows
+    /// (a plain assignment then charges the cost).
     pub(crate) fn reserving(&self) -> Option<Reserving<'_>> {
         self.members.as_deref().map(|members| Reserving {
             amounts: &[],
