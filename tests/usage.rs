@@ -407,6 +407,17 @@ async fn members_hold(gw: &Gateway) -> Vec<u64> {
 }
 
 async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Backend) {
+    keys_with_token_windows(backend, "least_used").await;
+}
+
+/// `least_in_flight` takes a key whose windows admit the reservation too, and settles it.
+async fn least_in_flight_picks_a_key_whose_tokens_admit_the_reservation(backend: Backend) {
+    keys_with_token_windows(backend, "least_in_flight").await;
+}
+
+/// Two keys of 100 tokens a minute under `selection`: two held requests reserving 80 take one
+/// key each, a third fits neither, and each key settles to what its answer used.
+async fn keys_with_token_windows(backend: Backend, selection: &str) {
     let store = Store::start(backend);
     let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
         .await
@@ -433,6 +444,7 @@ async fn members_windows_in_tokens_pick_a_key_with_room_and_settle(backend: Back
         "usage: { tokens: { reserve: { json: max_tokens, default: 100 }, settle: { json: usage.total_tokens } } }",
     )
     .unwrap();
+    config["routes"][0]["upstream"]["selection"] = selection.into();
     let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
 
     stub.hold();
@@ -675,6 +687,7 @@ on_both_stores!(
     a_request_no_member_got_settles_to_zero,
     ratelimit_and_status_report_tokens,
     members_windows_in_tokens_pick_a_key_with_room_and_settle,
+    least_in_flight_picks_a_key_whose_tokens_admit_the_reservation,
     a_replay_charges_the_key_that_answered,
     no_replay_to_a_key_whose_window_cannot_take_the_reservation,
     a_connect_retry_charges_the_key_that_answered,
