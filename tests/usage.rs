@@ -317,6 +317,14 @@ async fn a_settlement_past_the_limit_is_recorded_and_counted(backend: Backend) {
     assert_eq!(chat(&gw, &body, &used).await.status, 200);
     // 10 reserved, 150 used: recorded as used, past the limit, so nothing remains.
     holds(&gw, 100).await;
+    let status = gw.status().await;
+    for w in status["routes"][0]["quota"].as_array().unwrap() {
+        assert_eq!(
+            (&w["settled"], &w["reserved"]),
+            (&150.into(), &0.into()),
+            "{w}"
+        );
+    }
     let labels = [("route", "openai")];
     assert_eq!(
         gw.metric("sluice_usage_overrun_total", &labels).await,
