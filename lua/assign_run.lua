@@ -32,6 +32,7 @@
 --   3 the pool does not exist (nothing changed: sync and ask again);
 --   4 busy: every eligible member cools or refuses; wait_us is the least time until one admits.
 --   5 concurrency: the route holds its most leases, or every candidate holds its own.
+--   6 the calling client holds its most leases (its cap came with the lease ask).
 -- With a lease ask, ARGV[3] ends with "l" and the arguments and keys end with it (leases.lua,
 -- leases_ask): the chosen member's lease is taken in the same step, members at their most
 -- leases are not candidates, and "I" walks the candidates fewest leases first.
@@ -121,7 +122,7 @@ if sticking then
   local last, sk = #ARGV, #KEYS - 2
   if leasing then
     last = last - tonumber(ARGV[last]) - 1
-    sk = sk - 3
+    sk = sk - leases_keys()
   end
   sticky = sticky_ask(sk, last, now)
 end
@@ -134,6 +135,12 @@ if leasing then
       return entries({5, '', 0}, false)
     end
     return entries(quota_finish_both(q, c, 1, {5, '', 0}, 3), false)
+  end
+  if leases_client_full(lease) then
+    if not q and not c then
+      return entries({6, '', 0}, false)
+    end
+    return entries(quota_finish_both(q, c, 1, {6, '', 0}, 3), false)
   end
   excluded, capped = leases_cap(lease, excluded)
 end

@@ -7,10 +7,31 @@
 -- - h: a hash, lease id → the member it is on;
 -- - c: a hash, member → its leases in flight (members with none are absent).
 -- The route's total is ZCARD z.
+-- A client with a max_in_flight has its leases in one more sorted set, under the client's own
+-- hash tag (lease id → expiry): its count is its ZCARD, on every route.
 
 -- Every call that reads or takes leases first drops at most this many expired ones: bounded work
 -- per call. Those left go in later calls and count meanwhile, which only ever refuses early.
 local LEASES_EXPIRED_PER_CALL = 64
+
+-- Drops at most LEASES_EXPIRED_PER_CALL expired leases of a client's set `z`.
+local function leases_trim(z, now)
+  local over = redis.call('ZRANGEBYSCORE', z, '-inf', string.format('%d', now), 'LIMIT', 0,
+    LEASES_EXPIRED_PER_CALL)
+  if #over > 0 then
+    redis.call('ZREM', z, unpack(over))
+  end
+end
+
+-- Adds lease `id` to a client's set `z` for ttl_us from `now`; the set lives as long as its
+-- longest lease, and a minute more.
+local function leases_client_take(z, id, now, ttl_us)
+  redis.call('ZADD', z, string.format('%d', now + ttl_us), id)
+  local keep = math.ceil(ttl_us / 1000) + 60000
+  if redis.call('PTTL', z) < keep then
+    redis.call('PEXPIRE', z, keep)
+  end
+end
 
 -- Forgets lease `id` in h and its member's count (its entry in z is the caller's).
 local function leases_forget(l, id)
@@ -67,6 +88,9 @@ local function leases_take(l, id, member, ttl_us)
   redis.call('HSET', l.h, id, member)
   redis.call('HINCRBY', l.c, member, 1)
   leases_keep(l, math.ceil(ttl_us / 1000))
+  if l.cz then
+    leases_client_take(l.cz, id, l.now, ttl_us)
+  end
 end
 
 -- Releases lease `id`, if still held.
@@ -82,14 +106,27 @@ local function leases_renew(l, id, ttl_us)
   redis.call('ZADD', l.z, 'XX', string.format('%d', l.now + ttl_us), id)
 end
 
+-- How many keys the lease ask takes: the route's three, and the client's set when the ask
+-- carries the client's cap (six lease arguments rather than five).
+local function leases_keys()
+  return tonumber(ARGV[#ARGV]) == 6 and 4 or 3
+end
+
 -- The lease ask an assignment ends with (assign_run.lua): its last ARGV is the number of lease
 -- arguments before it: the lease id, its ttl in µs, the member's most leases and the route's
--- ("" for none), and "I" to walk the candidates fewest leases first (least_in_flight) or "-".
--- Its keys are the last three.
+-- ("" for none), "I" to walk the candidates fewest leases first (least_in_flight) or "-", and
+-- the client's most leases when it has a cap. Its keys are the last three, then the client's
+-- set when it has a cap.
 local function leases_ask(now)
   local n = #ARGV
   local at = n - tonumber(ARGV[n])
-  local l = leases_open(#KEYS - 2, now)
+  local nk = leases_keys()
+  local l = leases_open(#KEYS - nk + 1, now)
+  if nk == 4 then
+    l.cz = KEYS[#KEYS]
+    l.client_max = tonumber(ARGV[at + 5])
+    leases_trim(l.cz, now)
+  end
   l.id = ARGV[at]
   l.ttl = tonumber(ARGV[at + 1])
   l.member_max = tonumber(ARGV[at + 2])
@@ -102,6 +139,11 @@ end
 -- Whether the route holds its most leases.
 local function leases_full(l)
   return l.route_max and redis.call('ZCARD', l.z) >= l.route_max
+end
+
+-- Whether the calling client holds its most leases.
+local function leases_client_full(l)
+  return l.cz and redis.call('ZCARD', l.cz) >= l.client_max
 end
 
 -- The excluded set with the members at their most leases added (they are not candidates), and

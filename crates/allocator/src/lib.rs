@@ -106,6 +106,20 @@ pub struct Lease<'a> {
     pub member_max: Option<u64>,
     /// The most leases the route may hold (`max_in_flight`).
     pub route_max: Option<u64>,
+    /// The calling client's cap (`clients.list[].max_in_flight`): the lease also counts in the
+    /// client's own leases, on every route, and a client at its cap is assigned nobody
+    /// ([`Assignment::ClientConcurrency`]).
+    pub client: Option<ClientCap<'a>>,
+}
+
+/// A client's cap on its requests in flight, across every route and instance. Its leases live
+/// under the client's name (on Redis, in the client's own hash tag), apart from any route's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientCap<'a> {
+    /// The client's name.
+    pub name: &'a str,
+    /// The most leases it may hold.
+    pub max: u64,
 }
 
 /// Every call that reads or takes a route's leases first drops at most this many that expired:
@@ -210,6 +224,12 @@ pub enum Assignment {
     /// The route holds its `max_in_flight` leases, or every eligible member holds its own: a
     /// lease must be released first. Nothing was recorded.
     Concurrency {
+        /// The route quota's state, unchanged by this request.
+        quota: Option<Outcome>,
+    },
+    /// The calling client holds its `max_in_flight` leases ([`Lease::client`]): one of them
+    /// must be released first. Nothing was recorded.
+    ClientConcurrency {
         /// The route quota's state, unchanged by this request.
         quota: Option<Outcome>,
     },
@@ -377,6 +397,19 @@ pub trait StateStore: Send + Sync + 'static {
     async fn renew(
         &self,
         route: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError>;
+
+    /// Releases leases that also counted in `client`'s own ([`Lease::client`]), all in one
+    /// call. Idempotent, as [`StateStore::release`], which releases their route's part.
+    async fn release_client(&self, client: &str, leases: &[&str]) -> Result<(), StoreError>;
+
+    /// Renews leases of `client`'s own, as [`StateStore::renew`] does a route's.
+    async fn renew_client(
+        &self,
+        client: &str,
         leases: &[&str],
         ttl_us: u64,
         at_us: Option<u64>,

@@ -2,11 +2,12 @@
 //! windows and cooldowns in memory, with the same behaviour as the Redis scripts.
 //!
 //! Locks are always taken in one order, so no two calls can deadlock: the route's state (pool
-//! and cooldowns) first, then the route quota key's shard, then the client's shard, then one
-//! member log shard at a time. A plain `acquire` takes only a route quota shard (and the
+//! and cooldowns) first, then the route quota key's shard, then the client's shard, then the
+//! clients' leases, then one member log shard at a time. A plain `acquire` takes only a route quota shard (and the
 //! client's), and member shards are never held together.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
@@ -15,6 +16,7 @@ use sluice_limiter::{
     Settled, StoreError, Window, WindowUsage,
 };
 
+use crate::memory_leases::Leases;
 use crate::memory_pools::{Excluded, Pools, Route};
 use crate::{Assign, Assignment, Order, PoolMember, Reserved, StateStore, StickyCounts, Usage};
 
@@ -33,6 +35,10 @@ pub struct MemoryStore {
     /// `quotas`, since they are the client's on every route it uses.
     clients: QuotaLogs,
     pools: Pools,
+    /// The leases of clients with a `max_in_flight`, by client name (each lease's "member" is
+    /// its route): apart from every route's, since a client's cap counts on every route. Keyed
+    /// by names the config bounds, and each table by the client's cap.
+    client_leases: Mutex<HashMap<Box<str>, Leases>>,
 }
 
 /// What the walk over a route's candidates found.
@@ -46,6 +52,8 @@ enum Pick {
     Nobody,
     /// The route holds its most leases, or every candidate not excluded holds its own.
     Capped,
+    /// The calling client holds its most leases.
+    ClientCapped,
 }
 
 impl MemoryStore {
@@ -64,6 +72,7 @@ impl MemoryStore {
             // Keyed by client names, which the config bounds likewise.
             clients: QuotaLogs::new(),
             pools: Pools::default(),
+            client_leases: Mutex::default(),
         }
     }
 
@@ -150,6 +159,18 @@ impl MemoryStore {
                 .is_some_and(|max| route.leases.total() >= max)
             {
                 return Ok(Pick::Capped);
+            }
+        }
+        // The client's leases stay locked until the walk ends, so that no other route's
+        // assignment can take the client's last lease between the check and the take.
+        let cap = ask.lease.and_then(|l| l.client);
+        let mut client_leases =
+            cap.map(|_| self.client_leases.lock().unwrap_or_else(|p| p.into_inner()));
+        if let (Some(cap), Some(all)) = (cap, client_leases.as_mut()) {
+            let mine = all.entry(cap.name.into()).or_default();
+            mine.expire(now);
+            if mine.total() >= cap.max {
+                return Ok(Pick::ClientCapped);
             }
         }
         if ask.cooldowns {
@@ -313,6 +334,12 @@ impl MemoryStore {
             if let Some(lease) = ask.lease {
                 let expiry = now.saturating_add(lease.ttl_us);
                 route.leases.take(lease.id, &id, expiry);
+                if let (Some(cap), Some(all)) = (lease.client, client_leases.as_mut()) {
+                    let on: Arc<str> = ask.route.into();
+                    all.entry(cap.name.into())
+                        .or_default()
+                        .take(lease.id, &on, expiry);
+                }
             }
             return Ok(Pick::Chosen(id, entry));
         }
@@ -415,6 +442,7 @@ impl StateStore for MemoryStore {
                 },
                 Pick::Nobody => Assignment::NoMember { quota: None },
                 Pick::Capped => Assignment::Concurrency { quota: None },
+                Pick::ClientCapped => Assignment::ClientConcurrency { quota: None },
             });
         };
         // The quota goes first, and records the request in the same step as the assignment,
@@ -445,6 +473,9 @@ impl StateStore for MemoryStore {
                 quota: Some(outcome),
             },
             (None, Some(Ok(Pick::Capped))) => Assignment::Concurrency {
+                quota: Some(outcome),
+            },
+            (None, Some(Ok(Pick::ClientCapped))) => Assignment::ClientConcurrency {
                 quota: Some(outcome),
             },
             (None, _) if !outcome.admitted => Assignment::QuotaRefused(outcome),
@@ -521,6 +552,7 @@ impl StateStore for MemoryStore {
                     }),
                     Pick::Nobody => unassigned(Assignment::NoMember { quota: None }),
                     Pick::Capped => unassigned(Assignment::Concurrency { quota: None }),
+                    Pick::ClientCapped => unassigned(Assignment::ClientConcurrency { quota: None }),
                 },
             );
         };
@@ -594,6 +626,9 @@ impl StateStore for MemoryStore {
                 quota: Some(outcome),
             }),
             (None, Some(Ok(Pick::Capped))) => unassigned(Assignment::Concurrency {
+                quota: Some(outcome),
+            }),
+            (None, Some(Ok(Pick::ClientCapped))) => unassigned(Assignment::ClientConcurrency {
                 quota: Some(outcome),
             }),
             (None, _) if !outcome.admitted => unassigned(Assignment::QuotaRefused(outcome)),
@@ -749,6 +784,37 @@ impl StateStore for MemoryStore {
         route.leases.expire(now);
         for id in leases {
             route.leases.renew(id, now.saturating_add(ttl_us));
+        }
+        Ok(())
+    }
+
+    async fn release_client(&self, client: &str, leases: &[&str]) -> Result<(), StoreError> {
+        let mut all = self.client_leases.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mine) = all.get_mut(client) {
+            for id in leases {
+                mine.release(id);
+            }
+            if mine.total() == 0 {
+                all.remove(client);
+            }
+        }
+        Ok(())
+    }
+
+    async fn renew_client(
+        &self,
+        client: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let now = at_us.unwrap_or_else(|| self.quotas.now_us());
+        let mut all = self.client_leases.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mine) = all.get_mut(client) {
+            mine.expire(now);
+            for id in leases {
+                mine.renew(id, now.saturating_add(ttl_us));
+            }
         }
         Ok(())
     }

@@ -8,6 +8,11 @@
 //! The task (one per state store, on a thread of its own) also renews, in one call per route,
 //! the leases older than a third of their ttl. Releases that come due together share one store
 //! call per route: the ones that arrive while a call is out go in the next (group commit).
+//!
+//! A lease of a client with a `max_in_flight` also counts in the client's own leases
+//! ([`sluice_allocator::ClientCap`]): the request's store says so ([`client_lease`]) as the
+//! assignment answers, and the task then releases and renews the client's part with the
+//! route's, in one more call per client.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -77,6 +82,7 @@ impl LeasePlan {
             ttl_us: u64::try_from(self.ttl.as_micros()).unwrap_or(u64::MAX),
             member_max: self.member_max,
             route_max: self.route_max,
+            client: None,
         }
     }
 
@@ -128,7 +134,21 @@ impl Drop for LeaseGuard {
     }
 }
 
+/// Lease `id`, just taken by an assignment on `state`, also counts in `client`'s own leases:
+/// its release and renewals go to the client's too. Sent before the lease's guard exists, on
+/// the same channel, so the task knows it when the guard's messages come.
+pub(crate) fn client_lease(state: &Arc<dyn StateStore>, id: &str, client: &Arc<str>) {
+    Leaser::for_store(state).send(Message::Client {
+        id: id.into(),
+        client: client.clone(),
+    });
+}
+
 enum Message {
+    Client {
+        id: Arc<str>,
+        client: Arc<str>,
+    },
     Taken {
         route: Arc<str>,
         id: Arc<str>,
@@ -198,6 +218,8 @@ impl Leaser {
 /// A lease the task renews.
 struct Live {
     route: Arc<str>,
+    /// The client whose own leases it also counts in.
+    client: Option<Arc<str>>,
     ttl: Duration,
     renewed: Instant,
 }
@@ -207,6 +229,10 @@ struct Live {
 async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message>) {
     let mut live: HashMap<Arc<str>, Live> = HashMap::new();
     let mut releases: HashMap<Arc<str>, Vec<Arc<str>>> = HashMap::new();
+    // Lease id → its client, from the request's store, until the lease's guard says Taken.
+    let mut owners: HashMap<Arc<str>, Arc<str>> = HashMap::new();
+    // The clients' parts of released leases, by client.
+    let mut client_releases: HashMap<Arc<str>, Vec<Arc<str>>> = HashMap::new();
     let mut pending = 0usize;
     let mut open = true;
     while open || pending > 0 {
@@ -222,20 +248,32 @@ async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message
         let rest = std::iter::from_fn(|| rx.try_recv().ok());
         for message in first.into_iter().chain(rest) {
             match message {
+                Message::Client { id, client } => {
+                    // Bounded as the leases are: each is taken before its guard exists.
+                    if owners.len() < MAX_PENDING_RELEASES {
+                        owners.insert(id, client);
+                    }
+                }
                 Message::Taken { route, id, ttl } => {
                     let renewed = Instant::now();
+                    let client = owners.remove(&id);
                     live.insert(
                         id,
                         Live {
                             route,
+                            client,
                             ttl,
                             renewed,
                         },
                     );
                 }
                 Message::Released { route, id } => {
-                    live.remove(&id);
+                    let client = live.remove(&id).and_then(|l| l.client);
                     if pending < MAX_PENDING_RELEASES {
+                        if let Some(client) = client {
+                            client_releases.entry(client).or_default().push(id.clone());
+                            pending += 1;
+                        }
                         releases.entry(route).or_default().push(id);
                         pending += 1;
                     }
@@ -257,6 +295,20 @@ async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message
             }
         }
         releases.retain(|_, ids| !ids.is_empty());
+        for (client, ids) in client_releases.iter_mut() {
+            let refs: Vec<&str> = ids.iter().map(|id| &**id).collect();
+            match state.release_client(client, &refs).await {
+                Ok(()) => {
+                    pending -= ids.len();
+                    ids.clear();
+                }
+                Err(error) => {
+                    failed = true;
+                    tracing::debug!(target: "sluice::lease", %error, "a client's release failed; retried");
+                }
+            }
+        }
+        client_releases.retain(|_, ids| !ids.is_empty());
         if failed && !open {
             // Shutting down with the store out: the leases expire at their ttl.
             break;
@@ -269,11 +321,29 @@ async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message
 async fn renew_due(state: &dyn StateStore, live: &mut HashMap<Arc<str>, Live>) {
     let now = Instant::now();
     let mut due: HashMap<(Arc<str>, Duration), Vec<Arc<str>>> = HashMap::new();
+    let mut clients_due: HashMap<(Arc<str>, Duration), Vec<Arc<str>>> = HashMap::new();
     for (id, lease) in live.iter() {
         if now.duration_since(lease.renewed) >= lease.ttl / 3 {
             due.entry((lease.route.clone(), lease.ttl))
                 .or_default()
                 .push(id.clone());
+            if let Some(client) = &lease.client {
+                clients_due
+                    .entry((client.clone(), lease.ttl))
+                    .or_default()
+                    .push(id.clone());
+            }
+        }
+    }
+    // The clients' parts first: a failed one is tried again at the next tick, as the route's
+    // renewal of the same leases then is too (it is not marked renewed).
+    let mut failed: Vec<Arc<str>> = Vec::new();
+    for ((client, ttl), ids) in clients_due {
+        let refs: Vec<&str> = ids.iter().map(|id| &**id).collect();
+        let ttl_us = u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX);
+        if let Err(error) = state.renew_client(&client, &refs, ttl_us, None).await {
+            tracing::debug!(target: "sluice::lease", %error, "a client's renewal failed; retried");
+            failed.extend(ids);
         }
     }
     for ((route, ttl), ids) in due {
@@ -281,7 +351,7 @@ async fn renew_due(state: &dyn StateStore, live: &mut HashMap<Arc<str>, Live>) {
         let ttl_us = u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX);
         match state.renew(&route, &refs, ttl_us, None).await {
             Ok(()) => {
-                for id in &ids {
+                for id in ids.iter().filter(|id| !failed.contains(id)) {
                     if let Some(lease) = live.get_mut(id) {
                         lease.renewed = now;
                     }

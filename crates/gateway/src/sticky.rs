@@ -12,13 +12,20 @@
 //! A member that answers a `rebind_on` status, or fails to connect, loses the session's
 //! binding (one small store call, which drops it only while it still points there): the next
 //! request of the session is routed by the policy and bound anew.
+//!
+//! The same per-request store carries the calling client's `max_in_flight`
+//! ([`sluice_allocator::ClientCap`]), on every route: each lease an assignment takes then
+//! counts in the client's own leases too, in the same step, and no selection policy needs to
+//! know about clients either.
 
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use http::HeaderMap;
-use sluice_allocator::{Assign, Assignment, PoolMember, Reserved, StateStore, StickyCounts, Usage};
+use sluice_allocator::{
+    Assign, Assignment, ClientCap, Lease, PoolMember, Reserved, StateStore, StickyCounts, Usage,
+};
 use sluice_limiter::{
     Acquire, Outcome, Owner, Reservation, Reserve, Settle, Settled, StoreError, Window, WindowUsage,
 };
@@ -26,15 +33,18 @@ use sluice_limiter::{
 use crate::config::{RebindOn, StickyKey};
 use crate::table::Route;
 
-/// The store as one request of a sticky route sees it: each assignment on the route carries
-/// the request's session.
+/// The store as one request sees it: each assignment on a sticky route carries the request's
+/// session, and each lease (on any route) the calling client's cap.
 pub struct Sticky {
     inner: Arc<dyn StateStore>,
     route: Arc<str>,
-    /// The session key's hash, in hex.
-    session: Box<str>,
+    /// The session key's hash, in hex; none when the route is not sticky or the request names
+    /// no session.
+    session: Option<Box<str>>,
     ttl_us: u64,
     max_bindings: u64,
+    /// The client's name and its `max_in_flight`, when it has one.
+    client: Option<(Arc<str>, u64)>,
 }
 
 /// The store a request is admitted and retried through: its [`Sticky`] when it has one.
@@ -52,22 +62,44 @@ pub(crate) fn store<'a>(
 pub(crate) struct Caller<'a> {
     /// The client identified (`clients`), if any.
     pub(crate) name: Option<&'a str>,
+    /// The client identified (`anonymous` too) and its `max_in_flight`, when it has one.
+    pub(crate) cap: Option<(&'a str, u64)>,
     /// Else its address (a trusted proxy's `X-Forwarded-For`, or the connection's).
     pub(crate) addr: Option<IpAddr>,
 }
 
 impl Sticky {
-    /// The session of a request on `route`, when the route is sticky and the request names
-    /// one; a request without its header or cookie is routed by the policy alone.
+    /// The store of a request on `route`: its session, when the route is sticky and the
+    /// request names one (a request without its header or cookie is routed by the policy
+    /// alone), and its client's cap. `None` when it has neither.
     pub(crate) fn of(
         state: &Arc<dyn StateStore>,
         route: &Route,
         headers: &HeaderMap,
         caller: &Caller<'_>,
     ) -> Option<Arc<Sticky>> {
-        let config = route.config.upstream.sticky.as_ref()?;
+        let client = caller.cap;
+        let config = route.config.upstream.sticky.as_ref();
+        let session = config.and_then(|config| Sticky::session(&config.key, headers, caller));
+        if session.is_none() && client.is_none() {
+            return None;
+        }
+        Some(Arc::new(Sticky {
+            inner: state.clone(),
+            route: route.name.clone(),
+            session,
+            ttl_us: config.map_or(0, |c| {
+                u64::try_from(c.ttl.0.as_micros()).unwrap_or(u64::MAX)
+            }),
+            max_bindings: config.map_or(0, |c| c.max_bindings.get()),
+            client: client.map(|(name, max)| (name.into(), max)),
+        }))
+    }
+
+    /// The hash of the request's session key, if it names one.
+    fn session(key: &StickyKey, headers: &HeaderMap, caller: &Caller<'_>) -> Option<Box<str>> {
         let mut hasher = blake3::Hasher::new();
-        match &config.key {
+        match key {
             StickyKey::Header(name) => {
                 let value = headers.get(name.as_str())?.as_bytes();
                 if value.is_empty() {
@@ -92,13 +124,7 @@ impl Sticky {
         }
         // 128 bits name a session well enough, at half the store's memory.
         let hex = hasher.finalize().to_hex();
-        Some(Arc::new(Sticky {
-            inner: state.clone(),
-            route: route.name.clone(),
-            session: hex[..32].into(),
-            ttl_us: u64::try_from(config.ttl.0.as_micros()).unwrap_or(u64::MAX),
-            max_bindings: config.max_bindings.get(),
-        }))
+        Some(hex[..32].into())
     }
 
     /// The member at `index` of `route` answered `what`: when the route's `rebind_on` lists
@@ -114,15 +140,13 @@ impl Sticky {
         if !config.rebind_on.contains(&what) || *route.name != *self.route {
             return None;
         }
+        self.session.as_ref()?;
         let member = index.and_then(|i| route.members.get(i))?;
         let sticky = self.clone();
         let member = member.name.clone();
         Some(async move {
-            if let Err(error) = sticky
-                .inner
-                .unbind(&sticky.route, &sticky.session, &member)
-                .await
-            {
+            let session = sticky.session.as_deref().unwrap_or_default();
+            if let Err(error) = sticky.inner.unbind(&sticky.route, session, &member).await {
                 tracing::debug!(
                     target: "sluice::sticky",
                     route = %sticky.route,
@@ -134,17 +158,36 @@ impl Sticky {
     }
 
     fn with<'a>(&'a self, ask: Assign<'a>) -> Assign<'a> {
-        if ask.route != &*self.route {
-            // Another route (a fallback's): its own stickiness is its own request's.
-            return ask;
-        }
-        Assign {
-            sticky: Some(sluice_allocator::Sticky {
-                session: &self.session,
+        // The client's cap goes with every lease, whatever the route.
+        let lease = match (ask.lease, &self.client) {
+            (Some(lease), Some((name, max))) => Some(Lease {
+                client: Some(ClientCap { name, max: *max }),
+                ..lease
+            }),
+            (lease, _) => lease,
+        };
+        let session = self.session.as_deref();
+        // Another route (a fallback's): its own stickiness is its own request's.
+        let sticky = match session.filter(|_| ask.route == &*self.route) {
+            Some(session) => Some(sluice_allocator::Sticky {
+                session,
                 ttl_us: self.ttl_us,
                 max_bindings: self.max_bindings,
             }),
+            None => ask.sticky,
+        };
+        Assign {
+            sticky,
+            lease,
             ..ask
+        }
+    }
+
+    /// After an assignment that took a lease counted in the client's own: the lease's release
+    /// and renewals go to the client's too.
+    fn taken(&self, ask: &Assign<'_>, assigned: bool) {
+        if let (true, Some(lease), Some((client, _))) = (assigned, ask.lease, &self.client) {
+            crate::lease::client_lease(&self.inner, lease.id, client);
         }
     }
 }
@@ -178,7 +221,16 @@ impl StateStore for Sticky {
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError> {
-        self.inner.assign_reserve(self.with(ask), usage).await
+        let answer = self.inner.assign_reserve(self.with(ask), usage).await;
+        let assigned = matches!(
+            answer,
+            Ok(Reserved {
+                assignment: Assignment::Assigned { .. },
+                ..
+            })
+        );
+        self.taken(&ask, assigned);
+        answer
     }
 
     async fn settle(
@@ -202,7 +254,9 @@ impl StateStore for Sticky {
     }
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
-        self.inner.assign(self.with(ask)).await
+        let answer = self.inner.assign(self.with(ask)).await;
+        self.taken(&ask, matches!(answer, Ok(Assignment::Assigned { .. })));
+        answer
     }
 
     async fn sync(
@@ -265,6 +319,20 @@ impl StateStore for Sticky {
         at_us: Option<u64>,
     ) -> Result<(), StoreError> {
         self.inner.renew(route, leases, ttl_us, at_us).await
+    }
+
+    async fn release_client(&self, client: &str, leases: &[&str]) -> Result<(), StoreError> {
+        self.inner.release_client(client, leases).await
+    }
+
+    async fn renew_client(
+        &self,
+        client: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        self.inner.renew_client(client, leases, ttl_us, at_us).await
     }
 
     async fn in_flight(

@@ -161,10 +161,15 @@ impl Table {
             .map(|t| t.routes.iter().map(|r| (&*r.name, r)).collect())
             .unwrap_or_default();
         let mut routes = Vec::with_capacity(config.routes.len());
+        // A client's max_in_flight counts the leases of its requests on every route.
+        let capped = config
+            .clients
+            .as_ref()
+            .is_some_and(|c| c.list.iter().any(|c| c.max_in_flight.is_some()));
         for rc in &config.routes {
             let before = prior.get(rc.name.0.as_str()).copied();
             routes.push(Arc::new(
-                build_route(rc, metrics, state, resolver, before).await,
+                build_route(rc, metrics, state, resolver, before, capped).await,
             ));
         }
         let own_listeners = match previous {
@@ -261,6 +266,7 @@ async fn build_route(
     state: &Arc<dyn StateStore>,
     resolver: &Resolver,
     before: Option<&Arc<Route>>,
+    capped: bool,
 ) -> Route {
     let name: Arc<str> = rc.name.0.as_str().into();
     let up = &rc.upstream;
@@ -331,7 +337,7 @@ async fn build_route(
                     })
                     .collect(),
                 cooldowns: up.cooldown.is_some(),
-                leases: lease_plan(&name, rc, state),
+                leases: lease_plan(&name, rc, state, capped),
                 sticky: up.sticky.is_some(),
             },
         ),
@@ -342,17 +348,19 @@ async fn build_route(
     }
 }
 
-/// The leases a route's requests take, when its policy needs them or it caps requests in
-/// flight.
+/// The leases a route's requests take, when its policy needs them, it caps requests in
+/// flight, or some client caps its own (`capped`): the store then chooses on every route, and
+/// each request's lease counts in its client's.
 fn lease_plan(
     name: &Arc<str>,
     rc: &RouteConfig,
     state: &Arc<dyn StateStore>,
+    capped: bool,
 ) -> Option<crate::lease::LeasePlan> {
     let up = &rc.upstream;
     let member_max = up.max_in_flight.map(|n| n.get());
     let route_max = rc.max_in_flight.map(|n| n.get());
-    crate::select::keeps_leases(rc).then(|| {
+    (capped || crate::select::keeps_leases(rc)).then(|| {
         crate::lease::LeasePlan::new(name.clone(), up.lease_ttl.0, member_max, route_max, state)
     })
 }

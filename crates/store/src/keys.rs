@@ -16,6 +16,9 @@
 //!   helper hash, as `…:q:` and `…:qm:`. They are the client's on every route it uses, so they
 //!   have a hash tag (a Redis Cluster slot) of their own: on a single Redis one script decides
 //!   them with a route's keys; on a cluster, a call of their own goes first;
+//! - `<prefix>:{client:<name>}:cl` — the leases of a client with a `max_in_flight`: a sorted
+//!   set, member = lease id, score = the time in µs when it expires. In the client's hash tag,
+//!   as its windows, and kept as long as its longest lease and a minute more;
 //! - `…:cool` — the cooldowns: a sorted set, member = member id, score = the time in µs (Redis
 //!   `TIME`) until which it cools. Entries past are trimmed when a member is cooled, and the key
 //!   expires with its longest cooldown.
@@ -122,6 +125,10 @@ impl Keys {
 
     pub(crate) fn client_meta_parts<'a>(&'a self, client: &'a str) -> [&'a str; 4] {
         [&self.prefix, ":{client:", client, "}:cqm"]
+    }
+
+    pub(crate) fn client_leases_parts<'a>(&'a self, client: &'a str) -> [&'a str; 4] {
+        [&self.prefix, ":{client:", client, "}:cl"]
     }
 
     pub(crate) fn client_log_parts<'a>(&'a self, client: &'a str, window: &'a str) -> [&'a str; 5] {

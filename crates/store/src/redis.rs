@@ -12,7 +12,8 @@ use async_trait::async_trait;
 use redis::Value;
 
 use sluice_allocator::{
-    Assign, Assignment, MemberUsage, Order, PoolMember, Reserved, StateStore, StickyCounts, Usage,
+    Assign, Assignment, ClientCap, Lease, MemberUsage, Order, PoolMember, Reserved, StateStore,
+    StickyCounts, Usage,
 };
 use sluice_limiter::{
     check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Owner, Period,
@@ -195,7 +196,13 @@ impl RedisStore {
                 .filter(|(_, m)| !m.windows.is_empty())
                 .map(|(_, m)| 1 + m.windows.len())
                 .sum::<usize>()
-            + if ask.lease.is_some() { 3 } else { 0 }
+            + match ask.lease {
+                Some(Lease {
+                    client: Some(_), ..
+                }) => 4,
+                Some(_) => 3,
+                None => 0,
+            }
             + if ask.sticky.is_some() { 3 } else { 0 };
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, keys);
         if least_used {
@@ -224,9 +231,12 @@ impl RedisStore {
                 call.key(&self.keys.lease_parts(route, which));
             }
         }
-        if ask.lease.is_some() {
+        if let Some(lease) = ask.lease {
             for which in ["}:lz", "}:lh", "}:lc"] {
                 call.key(&self.keys.lease_parts(route, which));
+            }
+            if let Some(cap) = lease.client {
+                call.key(&self.keys.client_leases_parts(cap.name));
             }
         }
         // One clock for the whole decision, as in memory.
@@ -336,8 +346,11 @@ impl RedisStore {
                     "I"
                 } else {
                     "-"
-                })
-                .arg(5);
+                });
+            match lease.client {
+                Some(cap) => call.arg(cap.max).arg(6),
+                None => call.arg(5),
+            };
         }
         let reply: Value = self.invoke(&call).await?;
         let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
@@ -533,6 +546,9 @@ impl RedisStore {
             Assignment::Concurrency { quota } => Assignment::Concurrency {
                 quota: Some(join(quota, mine)),
             },
+            Assignment::ClientConcurrency { quota } => Assignment::ClientConcurrency {
+                quota: Some(join(quota, mine)),
+            },
         };
         Ok(reserved)
     }
@@ -653,6 +669,9 @@ impl RedisStore {
             Assignment::Concurrency { quota } => Assignment::Concurrency {
                 quota: Some(join(quota, mine)),
             },
+            Assignment::ClientConcurrency { quota } => Assignment::ClientConcurrency {
+                quota: Some(join(quota, mine)),
+            },
         })
     }
 
@@ -714,6 +733,48 @@ impl RedisStore {
             call.arg(*id);
         }
         self.invoke(&call).await
+    }
+
+    /// One call of the lease script on `client`'s leases (lease_run.lua's "client_…" ops).
+    async fn client_lease_call(&self, client: &str, args: &[&str]) -> Result<Value, StoreError> {
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.lease, 1);
+        call.key(&self.keys.client_leases_parts(client));
+        for arg in args {
+            call.arg(*arg);
+        }
+        self.invoke(&call).await
+    }
+
+    /// On Redis Cluster, an ask whose lease counts in a client's own leases: those live in the
+    /// client's slot, so (as its windows, `decide_split`) its lease is taken first by a call of
+    /// its own, and the route's step goes without it. `None` elsewhere.
+    fn client_lease_split<'a>(&self, ask: &Assign<'a>) -> Option<(Lease<'a>, ClientCap<'a>)> {
+        let lease = ask.lease?;
+        let cap = lease.client?;
+        self.connection.is_cluster().then_some((lease, cap))
+    }
+
+    /// Takes the client's part of `lease` in its own slot; false when the client holds its cap.
+    async fn client_take(
+        &self,
+        lease: Lease<'_>,
+        cap: ClientCap<'_>,
+        at_us: Option<u64>,
+    ) -> Result<bool, StoreError> {
+        let at = at_us.map_or(String::new(), |t| t.to_string());
+        let (ttl, max) = (lease.ttl_us.to_string(), cap.max.to_string());
+        let args = ["client_take", &at, lease.id, &ttl, &max];
+        let reply = self.client_lease_call(cap.name, &args).await?;
+        Ok(matches!(reply, Value::Int(1)))
+    }
+
+    /// Gives the client's part of a lease back when the route then assigned nobody. When Redis
+    /// cannot be asked, the lease counts in the client's until its ttl: the client is refused
+    /// early, never admitted over its cap.
+    async fn client_give_back(&self, cap: ClientCap<'_>, id: &str) {
+        let _ = self
+            .client_lease_call(cap.name, &["client_release", "", id])
+            .await;
     }
 
     /// One call of the sticky script on `route`'s bindings (sticky_run.lua).
@@ -969,6 +1030,35 @@ impl StateStore for RedisStore {
                 client: None,
             });
         }
+        if let Some((lease, cap)) = self.client_lease_split(&ask) {
+            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
+            if !self.client_take(lease, cap, at_us).await? {
+                return Ok(Reserved {
+                    assignment: Assignment::ClientConcurrency { quota: None },
+                    route: None,
+                    member: None,
+                    client: None,
+                });
+            }
+            let rest = Assign {
+                lease: Some(Lease {
+                    client: None,
+                    ..lease
+                }),
+                ..ask
+            };
+            let answer = self.assign_reserve(rest, usage).await;
+            if !matches!(
+                answer,
+                Ok(Reserved {
+                    assignment: Assignment::Assigned { .. },
+                    ..
+                })
+            ) {
+                self.client_give_back(cap, lease.id).await;
+            }
+            return answer;
+        }
         let client = ask
             .quota
             .and_then(|q| q.client)
@@ -983,6 +1073,24 @@ impl StateStore for RedisStore {
         // Redis has no empty sorted set: an empty pool is simply one with no member.
         if ask.members.is_empty() {
             return Ok(Assignment::NoMember { quota: None });
+        }
+        if let Some((lease, cap)) = self.client_lease_split(&ask) {
+            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
+            if !self.client_take(lease, cap, at_us).await? {
+                return Ok(Assignment::ClientConcurrency { quota: None });
+            }
+            let rest = Assign {
+                lease: Some(Lease {
+                    client: None,
+                    ..lease
+                }),
+                ..ask
+            };
+            let answer = self.assign(rest).await;
+            if !matches!(answer, Ok(Assignment::Assigned { .. })) {
+                self.client_give_back(cap, lease.id).await;
+            }
+            return answer;
         }
         let split = ask
             .quota
@@ -1126,6 +1234,32 @@ impl StateStore for RedisStore {
         self.lease_call(route, "renew", Some(ttl_us), leases, at_us)
             .await
             .map(drop)
+    }
+
+    async fn release_client(&self, client: &str, leases: &[&str]) -> Result<(), StoreError> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let mut args = vec!["client_release", ""];
+        args.extend_from_slice(leases);
+        self.client_lease_call(client, &args).await.map(drop)
+    }
+
+    async fn renew_client(
+        &self,
+        client: &str,
+        leases: &[&str],
+        ttl_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let at = at_us.map_or(String::new(), |t| t.to_string());
+        let ttl = ttl_us.to_string();
+        let mut args = vec!["client_renew", &at, &ttl];
+        args.extend_from_slice(leases);
+        self.client_lease_call(client, &args).await.map(drop)
     }
 
     async fn in_flight(

@@ -434,6 +434,7 @@ fn parse_reply(
             quota,
         }),
         5 if with_wait => Some(Assignment::Concurrency { quota }),
+        6 if with_wait => Some(Assignment::ClientConcurrency { quota }),
         _ => return Err(unexpected(reply)),
     })
 }

@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_allocator::{Assign, Assignment, Lease, MemoryStore, Order, PoolMember, StateStore};
+use sluice_allocator::{
+    Assign, Assignment, ClientCap, Lease, MemoryStore, Order, PoolMember, StateStore,
+};
 use sluice_limiter::{Acquire, Window};
 use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::{RedisCluster, RedisServer};
@@ -29,6 +31,7 @@ fn lease(id: &str, ttl_us: u64, member_max: Option<u64>, route_max: Option<u64>)
         ttl_us,
         member_max,
         route_max,
+        client: None,
     }
 }
 
@@ -273,11 +276,80 @@ async fn leases_expire_and_renew(a: &dyn StateStore, b: &dyn StateStore) {
     assert!(in_flight(b, route, T0 + 3 * SEC).await.is_empty());
 }
 
+/// A client's `max_in_flight` counts its leases on every route, apart from the route's caps: at
+/// its cap the client is refused (`ClientConcurrency`, nothing taken) on any route, through
+/// either instance, while another client goes on; a route that refuses gives the client's part
+/// back (on a cluster, taken first in the client's slot); a release, or the ttl, makes room, and
+/// a renewal keeps a lease counting.
+async fn a_client_at_its_cap_is_refused_on_every_route(a: &dyn StateStore, b: &dyn StateStore) {
+    let pool = members(&["m1", "m2"]);
+    let capped = |name: &'static str, max: u64| Some(ClientCap { name, max });
+    let take = |route: &'static str, id: &'static str, client, route_max, at: u64| {
+        let mut lease = lease(id, 10 * SEC, None, route_max);
+        lease.client = client;
+        ask(route, &pool, Order::Preference(&[0, 1]), lease, at)
+    };
+    assigned(a, take("ca", "k0", capped("c", 2), None, T0)).await;
+    assigned(b, take("cb", "k1", capped("c", 2), None, T0)).await;
+    for (store, route) in [(a, "ca"), (b, "cb"), (a, "cc")] {
+        assert_eq!(
+            store
+                .assign(take(route, "k2", capped("c", 2), None, T0))
+                .await
+                .unwrap(),
+            Assignment::ClientConcurrency { quota: None },
+            "{route}"
+        );
+    }
+    // The refused took nothing on its route.
+    assert_eq!(
+        in_flight(b, "ca", T0).await,
+        BTreeMap::from([("m1".to_string(), 1)])
+    );
+    assert!(in_flight(b, "cc", T0).await.is_empty());
+    // Another client, and a request without a cap, are not limited by c's.
+    assigned(b, take("ca", "d0", capped("d", 2), None, T0)).await;
+    assigned(a, take("ca", "n0", None, None, T0)).await;
+    // A route at its own cap refuses c's request, and c's part is given back: c, at one lease
+    // of its two, is still admitted elsewhere afterwards.
+    b.release_client("c", &["k1"]).await.unwrap();
+    b.release("cb", &["k1"]).await.unwrap();
+    assert_eq!(
+        a.assign(take("ca", "k3", capped("c", 2), Some(3), T0))
+            .await
+            .unwrap(),
+        Assignment::Concurrency { quota: None }
+    );
+    assigned(a, take("cc", "k4", capped("c", 2), None, T0)).await;
+    assert_eq!(
+        b.assign(take("cb", "k5", capped("c", 2), None, T0))
+            .await
+            .unwrap(),
+        Assignment::ClientConcurrency { quota: None }
+    );
+    // k4 renewed at T0 + 5 s lives until T0 + 15 s; k0 expires at T0 + 10 s and frees one.
+    a.renew_client("c", &["k4"], 10 * SEC, Some(T0 + 5 * SEC))
+        .await
+        .unwrap();
+    assigned(b, take("cb", "k6", capped("c", 2), None, T0 + 11 * SEC)).await;
+    assert_eq!(
+        a.assign(take("cb", "k7", capped("c", 2), None, T0 + 11 * SEC))
+            .await
+            .unwrap(),
+        Assignment::ClientConcurrency { quota: None }
+    );
+    // Both released: room for two again.
+    a.release_client("c", &["k4", "k6", "never"]).await.unwrap();
+    assigned(b, take("cb", "k8", capped("c", 2), None, T0 + 11 * SEC)).await;
+    assigned(a, take("ca", "k9", capped("c", 2), None, T0 + 11 * SEC)).await;
+}
+
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     least_in_flight_takes_the_fewest(&*a, &*b).await;
     a_member_at_its_cap_is_skipped(&*a, &*b).await;
     the_route_at_its_cap_refuses(&*a, &*b).await;
     leases_expire_and_renew(&*a, &*b).await;
+    a_client_at_its_cap_is_refused_on_every_route(&*a, &*b).await;
 }
 
 fn redis_store(url: &str) -> Arc<dyn StateStore> {

@@ -4,7 +4,7 @@
 //!
 //! Tokens are secrets: no message and no `Debug` output of this file shows one.
 
-use std::num::{NonZeroU16, NonZeroU32, NonZeroUsize};
+use std::num::{NonZeroU16, NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
 use serde::de::{self, Deserializer};
@@ -135,6 +135,10 @@ pub struct ClientConfig {
     /// Its own windows, on every route it uses.
     #[serde(default)]
     pub quota: Option<ClientQuota>,
+    /// The most requests it may have in flight, across every route and instance (a lease per
+    /// request, as a route's `max_in_flight`).
+    #[serde(default)]
+    pub max_in_flight: Option<NonZeroU64>,
 }
 
 impl ClientConfig {

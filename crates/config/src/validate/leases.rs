@@ -14,9 +14,25 @@ pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
 /// leases stays bounded by it.
 pub const MAX_IN_FLIGHT: u64 = 1_000_000;
 
-/// The problems of every route's leases.
+/// The problems of every route's leases, and of the clients' caps.
 pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
     let mut problems = Vec::new();
+    let clients = config.clients.iter().flat_map(|c| c.list.iter());
+    for (i, client) in clients.enumerate() {
+        if client
+            .max_in_flight
+            .is_some_and(|c| c.get() > MAX_IN_FLIGHT)
+        {
+            problems.push((
+                YamlPath::root()
+                    .key("clients")
+                    .key("list")
+                    .index(i)
+                    .key("max_in_flight"),
+                format!("max_in_flight is at most {MAX_IN_FLIGHT}"),
+            ));
+        }
+    }
     for (i, route) in config.routes.iter().enumerate() {
         let at = YamlPath::root().key("routes").index(i);
         let up = &route.upstream;
@@ -111,6 +127,20 @@ mod tests {
             "at most 1000000",
         );
         assert!(!errors(&route("    max_in_flight: 0\n    upstream: {}\n")).is_empty());
+        let client = |cap: &str| {
+            format!("clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      max_in_flight: {cap}\nroutes:\n  - name: a\n    upstream: {{}}\n")
+        };
+        assert!(
+            errors(&client("2")).is_empty(),
+            "{:?}",
+            errors(&client("2"))
+        );
+        one_error(
+            &client("1000001"),
+            "5:22: clients.list[0].max_in_flight",
+            "at most 1000000",
+        );
+        assert!(!errors(&client("0")).is_empty());
         // A quota with no windows may only set max_wait for a cap to wait at.
         assert!(errors(&route(
             "    quota: { max_wait: 5s }\n    upstream: { max_in_flight: 2 }\n"

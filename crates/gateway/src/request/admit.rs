@@ -219,14 +219,21 @@ pub(crate) async fn admit(
     }
 }
 
-/// The session of a request on `route`, when the route is sticky and the request names one.
+/// The store of a request on `route`: with its session, when the route is sticky and the
+/// request names one, and its client's `max_in_flight`.
 pub(crate) fn sticky_of(
     gateway: &Gateway,
     session: &Session,
     ctx: &RequestCtx,
     route: &Route,
 ) -> Option<std::sync::Arc<crate::sticky::Sticky>> {
-    route.config.upstream.sticky.as_ref()?;
+    let cap = ctx
+        .client
+        .as_deref()
+        .and_then(|c| Some((&*c.name, c.config.max_in_flight?.get())));
+    if route.config.upstream.sticky.is_none() && cap.is_none() {
+        return None;
+    }
     // `anonymous` is everyone unidentified: each of them is a session of its own address.
     let name = ctx
         .client
@@ -239,7 +246,7 @@ pub(crate) fn sticky_of(
             .and_then(|a| a.as_inet())
             .map(|a| a.ip())
     });
-    let caller = crate::sticky::Caller { name, addr };
+    let caller = crate::sticky::Caller { name, addr, cap };
     let headers = &session.req_header().headers;
     crate::sticky::Sticky::of(&gateway.state, route, headers, &caller)
 }
@@ -523,14 +530,26 @@ fn verdict(
                 no_member: false,
             }
         }
-        Admission::Concurrency { quota: outcome } => {
+        Admission::Concurrency {
+            quota: outcome,
+            client,
+        } => {
             metrics
                 .quota_rejections
                 .with_label_values(&[&route.name, "max_in_flight"])
                 .inc();
             let ms = u64::try_from(CONCURRENCY_POLL.as_millis()).unwrap_or(1);
+            let mut problem = Problem::concurrency_exceeded(ms);
+            // Only a client with a cap is refused for its own.
+            if let Some(c) = caller.filter(|_| client) {
+                let cap = c.config.max_in_flight.map_or(0, |n| n.get());
+                problem.detail = format!(
+                    "client {:?} has its max_in_flight of {cap} requests in flight",
+                    &*c.name
+                );
+            }
             Verdict::Answer {
-                problem: Problem::concurrency_exceeded(ms),
+                problem,
                 ratelimit: ratelimit_of(outcome.as_ref()),
                 no_member: false,
             }

@@ -171,7 +171,14 @@ impl LeastUsed {
                 })
             }
             Ok((Assignment::QuotaRefused(outcome), _)) => Some(Admission::QuotaRefused(outcome)),
-            Ok((Assignment::Concurrency { quota }, _)) => Some(Admission::Concurrency { quota }),
+            Ok((Assignment::Concurrency { quota }, _)) => Some(Admission::Concurrency {
+                quota,
+                client: false,
+            }),
+            Ok((Assignment::ClientConcurrency { quota }, _)) => Some(Admission::Concurrency {
+                quota,
+                client: true,
+            }),
             Ok((Assignment::Busy { retry_after_us, .. }, _)) => {
                 trial.put_off(Duration::from_micros(retry_after_us));
                 None

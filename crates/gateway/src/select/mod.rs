@@ -69,9 +69,12 @@ pub(crate) enum Admission {
         retry_after_us: u64,
         quota: Option<Outcome>,
     },
-    /// The route holds its `max_in_flight` requests, or every eligible member its own; nothing
-    /// was charged.
-    Concurrency { quota: Option<Outcome> },
+    /// The route holds its `max_in_flight` requests, or every eligible member its own, or
+    /// (`client`) the calling client its own; nothing was charged.
+    Concurrency {
+        quota: Option<Outcome>,
+        client: bool,
+    },
     /// The store failed; the route's `on_store_error` decides. `first` is the member already
     /// chosen in process, if any; `fallback` tells that selection itself fell back to
     /// round-robin (least-used), which is counted apart.
@@ -105,7 +108,14 @@ impl Admission {
                 retry_after_us,
                 quota,
             },
-            Assignment::Concurrency { quota } => Admission::Concurrency { quota },
+            Assignment::Concurrency { quota } => Admission::Concurrency {
+                quota,
+                client: false,
+            },
+            Assignment::ClientConcurrency { quota } => Admission::Concurrency {
+                quota,
+                client: true,
+            },
         }
     }
 

@@ -208,14 +208,21 @@ impl Tunnels {
                 u.reserve(&prefix.request(&head.headers))
             });
         let planned = super::meter::Planned::plan(&route, caller.as_deref(), &reserved, cost);
-        // A sticky route's session: one exit per session over a proxy pool, tunnels included.
-        ctx.sticky = route.config.upstream.sticky.as_ref().and_then(|_| {
-            let sticky_caller = crate::sticky::Caller {
-                name: identified.filter(|&n| n != crate::config::ANONYMOUS),
-                addr: client_ip,
-            };
-            crate::sticky::Sticky::of(&self.state, &route, &head.headers, &sticky_caller)
-        });
+        // A sticky route's session: one exit per session over a proxy pool, tunnels included;
+        // and the client's max_in_flight, which a tunnel counts in as a request does.
+        let cap = caller
+            .as_deref()
+            .and_then(|c| Some((&*c.name, c.config.max_in_flight?.get())));
+        ctx.sticky = (route.config.upstream.sticky.is_some() || cap.is_some())
+            .then(|| {
+                let sticky_caller = crate::sticky::Caller {
+                    name: identified.filter(|&n| n != crate::config::ANONYMOUS),
+                    addr: client_ip,
+                    cap,
+                };
+                crate::sticky::Sticky::of(&self.state, &route, &head.headers, &sticky_caller)
+            })
+            .flatten();
         match decide(
             crate::sticky::store(&self.state, ctx.sticky.as_ref()),
             &self.metrics,
