@@ -408,7 +408,12 @@ async fn batched_one_key(store: &dyn StateStore, route: &str) {
         entries.push(r.entry.unwrap());
     }
     let reserved = [1, tokens(100)];
-    let settled = [[1, tokens(10)], [1, tokens(20)], [1, tokens(30)], [1, tokens(1_000)]];
+    let settled = [
+        [1, tokens(10)],
+        [1, tokens(20)],
+        [1, tokens(30)],
+        [1, tokens(1_000)],
+    ];
     let mut batch: Vec<Settle<'_>> = entries
         .iter()
         .zip(&settled)
