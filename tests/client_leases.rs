@@ -11,14 +11,17 @@ use std::time::Duration;
 use sluice_echo::EchoServer;
 use sluice_testkit::RedisCluster;
 use support::{
-    request, start_backends, url, wait_until, wait_until_async, Backend, Config, Gateway, State,
-    Store,
+    request, start_backends, url, wait_until, wait_until_async, Backend, Config, Egress, Gateway,
+    HttpClient, Response, State, Store,
 };
 
 const BILLING: &str = "billing-token-0123456789";
 const SEARCH: &str = "search-token-0123456789";
 
-on_both_stores!(a_clients_max_in_flight_holds_on_every_route_and_gateway);
+on_both_stores!(
+    a_clients_max_in_flight_holds_on_every_route_and_gateway,
+    a_tunnel_counts_and_a_request_waits_with_max_wait,
+);
 
 async fn a_clients_max_in_flight_holds_on_every_route_and_gateway(backend: Backend) {
     let store = Store::start(backend);
@@ -32,7 +35,7 @@ async fn a_clients_max_in_flight_holds_on_a_cluster() {
 }
 
 /// A request to `host` by the client holding `token`, held `ms` milliseconds by the member.
-async fn call(gw: &Gateway, host: &str, token: &str, ms: u64) -> support::Response {
+async fn call(gw: &Gateway, host: &str, token: &str, ms: u64) -> Response {
     let auth = format!("Bearer {token}");
     let delay = ms.to_string();
     request(
@@ -164,4 +167,85 @@ async fn check_refused(gw: &Gateway) {
         // Another client is not limited by billing's cap.
         assert_eq!(call(gw, host, SEARCH, 0).await.status, 200, "{host}");
     }
+}
+
+/// A CONNECT tunnel to `target` through `gw`, by the client holding `token`.
+async fn tunnel(gw: &Gateway, target: &str, token: &str) -> (HttpClient, Response) {
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let head = format!(
+        "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Bearer {token}\r\n\r\n"
+    );
+    client.write_raw(head.as_bytes()).await.unwrap();
+    let r = client.read_response(true).await.unwrap();
+    (client, r)
+}
+
+/// With `max_in_flight: 1`, billing's open tunnel holds its one lease: a second tunnel is
+/// refused, and a request on a route with `quota.max_wait` waits (on another gateway too)
+/// until the tunnel closes, then goes.
+async fn a_tunnel_counts_and_a_request_waits_with_max_wait(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1"]).await;
+    let member = url(backends[0].local_addr());
+    let target = backends[0].local_addr().to_string();
+    let base = Config::new()
+        .store(&store)
+        .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
+        .yaml();
+    let base = base.split("routes:").next().unwrap_or_default().to_string();
+    let yaml = format!(
+        "{base}clients:
+  list:
+    - name: billing
+      tokens: [\"{BILLING}\"]
+      routes: [\"*\"]
+      destinations: [\"*\"]
+      max_in_flight: 1
+routes:
+  - name: t
+    match: {{ hosts: [\"127.0.0.1\"] }}
+    upstream:
+      members:
+        - {{ direct: true }}
+  - name: waits
+    match: {{ hosts: [waits.test] }}
+    quota: {{ max_wait: 30s }}
+    upstream:
+      members:
+        - {{ name: m1, url: \"{member}\" }}
+"
+    );
+    let gws: Vec<Gateway> = (0..store.instances())
+        .map(|_| Gateway::start_with_ports(&yaml))
+        .collect();
+    let last = gws.last().expect("a gateway");
+    let (open, r) = tunnel(&gws[0], &target, BILLING).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let waiting = {
+        let addr = last.proxy_addr();
+        tokio::spawn(async move {
+            let auth = format!("Bearer {BILLING}");
+            request(
+                addr,
+                "GET",
+                "waits.test",
+                "/",
+                &[("Proxy-Authorization", &auth)],
+                b"",
+            )
+            .await
+        })
+    };
+    let (_, refused) = tunnel(last, &target, BILLING).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(
+        refused.header("x-sluice-error"),
+        Some("concurrency_exceeded")
+    );
+    // The tunnel still holds billing's one lease: the request cannot have gone.
+    assert!(!waiting.is_finished(), "the request waits for the tunnel");
+    assert_eq!(backends[0].proxied_requests(), 0);
+    drop(open);
+    let r = waiting.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
 }

@@ -529,7 +529,13 @@ impl Config {
                 let at = at.clone().key("quota");
                 let member_windows = up.members.iter().any(|m| m.quota.is_some());
                 let waits = !quota.max_wait.0.is_zero();
-                let caps = up.max_in_flight.is_some() || route.max_in_flight.is_some();
+                // A client's max_in_flight caps its requests on every route.
+                let client_caps = self
+                    .clients
+                    .as_ref()
+                    .is_some_and(|c| c.list.iter().any(|c| c.max_in_flight.is_some()));
+                let caps =
+                    up.max_in_flight.is_some() || route.max_in_flight.is_some() || client_caps;
                 // Units for members' or clients' windows are defined on the route's quota, which
                 // may then have no window of its own.
                 if quota.windows.is_empty()

@@ -141,6 +141,10 @@ mod tests {
             "at most 1000000",
         );
         assert!(!errors(&client("0")).is_empty());
+        // A client's cap, like a route's, is something a windowless quota's max_wait waits at.
+        let waits =
+            client("1").replace("upstream: {}", "quota: { max_wait: 5s }\n    upstream: {}");
+        assert!(errors(&waits).is_empty(), "{:?}", errors(&waits));
         // A quota with no windows may only set max_wait for a cap to wait at.
         assert!(errors(&route(
             "    quota: { max_wait: 5s }\n    upstream: { max_in_flight: 2 }\n"
