@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_allocator::{
-    Assign, Assignment, ClientCap, Lease, MemoryStore, Order, PoolMember, StateStore,
+    Assign, Assignment, ClientCap, Lease, MemoryStore, Order, PoolMember, StateStore, Sticky,
 };
 use sluice_limiter::{Acquire, Window};
 use sluice_store::{RedisConnection, RedisStore};
@@ -342,6 +342,23 @@ async fn a_client_at_its_cap_is_refused_on_every_route(a: &dyn StateStore, b: &d
     a.release_client("c", &["k4", "k6", "never"]).await.unwrap();
     assigned(b, take("cb", "k8", capped("c", 2), None, T0 + 11 * SEC)).await;
     assigned(a, take("ca", "k9", capped("c", 2), None, T0 + 11 * SEC)).await;
+    // With a sticky session too (its keys and the client's both in the one step): bound, and
+    // counted in the client's leases, which are now full.
+    let mut sticky = take("cs", "k10", capped("e", 1), None, T0);
+    sticky.sticky = Some(Sticky {
+        session: "s1",
+        ttl_us: LONG,
+        max_bindings: 10,
+    });
+    assigned(b, sticky).await;
+    let counts = a.sticky_counts("cs", Some(T0)).await.unwrap();
+    assert_eq!(counts.bindings, 1);
+    assert_eq!(
+        a.assign(take("ca", "k11", capped("e", 1), None, T0))
+            .await
+            .unwrap(),
+        Assignment::ClientConcurrency { quota: None }
+    );
 }
 
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
