@@ -110,10 +110,11 @@ fn total(backends: &[EchoServer]) -> u64 {
     backends.iter().map(EchoServer::in_flight).sum()
 }
 
-/// Requests held open are sent one at a time, alternating gateways, each once the one before is
-/// at its member: every pick sees exact counts, and takes a member with the fewest (ties to the
-/// smallest name), so the members fill up evenly. `/status` and the metric show the leases;
-/// once the answers are done every lease is released.
+/// Slow requests (held open) and fast ones, mixed: sent one at a time, alternating gateways,
+/// each once the one before is at its member (and a fast one's lease released everywhere):
+/// every pick sees exact counts, and takes a member with the fewest (ties to the smallest name),
+/// so the slow ones fill the members up evenly and each fast one goes to the least loaded.
+/// `/status` and the metric show the leases; once the answers are done every lease is released.
 async fn least_in_flight_picks_the_member_with_the_fewest(backend: Backend) {
     least_in_flight_on(Shared::of(backend)).await;
 }
@@ -140,18 +141,50 @@ async fn least_in_flight_on(store: Shared) {
     let gws = gateways(&store, &yaml);
     let mut held = Vec::new();
     let mut counts = [0u64; 3];
+    let fewest = |counts: &[u64; 3]| (0..3).min_by_key(|&m| (counts[m], m)).unwrap();
     for i in 0..7 {
+        // A fast request first, through the other gateway: it goes to the least loaded member,
+        // and its lease is released before the next pick.
+        if i > 0 {
+            let gw = &gws[(i + 1) % gws.len()];
+            let before: Vec<u64> = backends.iter().map(EchoServer::proxied_requests).collect();
+            assert_eq!(slow(gw, "lif.test", 0).await.status, 200);
+            let least = fewest(&counts);
+            let after: Vec<u64> = backends.iter().map(EchoServer::proxied_requests).collect();
+            let went: Vec<usize> = (0..3).filter(|&m| after[m] > before[m]).collect();
+            assert_eq!(went, [least], "fast request {i} with {counts:?} in flight");
+            let want: Vec<(String, u64)> =
+                (0..3).map(|m| (format!("m{}", m + 1), counts[m])).collect();
+            for gw in &gws {
+                assert!(
+                    wait_until_async(Duration::from_secs(10), || async {
+                        in_flight(gw, "lif").await == want
+                    })
+                    .await,
+                    "the fast request's lease released: {:?}",
+                    in_flight(gw, "lif").await
+                );
+            }
+        }
         let gw = &gws[i % gws.len()];
         let addr = gw.proxy_addr();
         held.push(tokio::spawn(async move {
-            request(addr, "GET", "lif.test", "/", &[("x-delay-ms", "6000")], b"").await
+            request(
+                addr,
+                "GET",
+                "lif.test",
+                "/",
+                &[("x-delay-ms", "9000")],
+                b"",
+            )
+            .await
         }));
         assert!(
             wait_until(Duration::from_secs(5), || total(&backends) == i as u64 + 1).await,
             "request {i} reached its member"
         );
         // The fewest, ties to the smallest name.
-        let least = (0..3).min_by_key(|&m| (counts[m], m)).unwrap();
+        let least = fewest(&counts);
         assert_eq!(
             backends[least].in_flight(),
             counts[least] + 1,
