@@ -137,59 +137,10 @@ pub(crate) async fn admit(
 
     // Quota and first member, decided together. This is the only place a request is charged:
     // retries happen after this hook and never come back to it.
-    let mut key_buf = String::new();
-    // The client identified, held apart from `ctx`, which admission changes.
-    let caller = ctx.client.clone();
-    let key = route.quota.as_deref().map_or("", |q| {
-        let forwarded = ctx.seen.forwarded_client;
-        q.key_of(
-            session,
-            forwarded,
-            caller.as_deref().map(|c| &*c.name),
-            &mut key_buf,
-        )
-    });
-    let client = session.as_downstream().stream().map(|s| s.id());
-    let planned = Planned::plan(&route, caller.as_deref(), &ctx.reserved, cost);
-    // A sticky route's session: admission and every retry of the request carry it.
-    ctx.sticky = sticky_of(gateway, session, ctx, &route);
-    let verdict = decide(
-        crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
-        &gateway.metrics,
-        &route,
-        key,
-        caller.as_deref(),
-        cost,
-        client,
-        planned.as_ref(),
-    )
-    .await;
-    match verdict {
-        Verdict::Go {
-            first,
-            ratelimit,
-            fallback,
-            entries,
-        } => {
-            ctx.admitted(first, ratelimit, fallback, cost);
-            ctx.tried.members = planned.as_ref().and_then(Planned::for_retries);
-            ctx.meter = planned.map(|planned| {
-                Box::new(Meter {
-                    key: key.into(),
-                    planned,
-                    reserved: std::mem::take(&mut ctx.reserved),
-                    cost,
-                    entries,
-                    scanner: None,
-                    status: None,
-                    sent: false,
-                    sent_to: None,
-                    retried: Vec::new(),
-                })
-            });
-            Ok(false)
-        }
-        Verdict::Answer {
+    let reserved = std::mem::take(&mut ctx.reserved);
+    match admit_to(gateway, session, ctx, &route, cost, reserved).await {
+        Admitted::Go => Ok(false),
+        Admitted::Refused {
             problem,
             ratelimit,
             no_member,
@@ -211,11 +162,102 @@ pub(crate) async fn admit(
             answer::problem(session, ctx, problem).await?;
             Ok(true)
         }
-        Verdict::Left => Err(Error::explain(
+        Admitted::Left => Err(Error::explain(
             ErrorType::ConnectionClosed,
             "the client hung up while waiting for capacity",
         )
         .into_down()),
+    }
+}
+
+/// What admitting a request on a route decided.
+pub(crate) enum Admitted {
+    /// Admitted: `ctx` holds the route's first member and the request's reservation.
+    Go,
+    /// Refused, with the answer the route gives.
+    Refused {
+        problem: Problem,
+        ratelimit: Option<HeaderValue>,
+        no_member: bool,
+    },
+    /// The client hung up while it waited for capacity.
+    Left,
+}
+
+/// Quota and first member of a request on `route`, decided together in one step of its policy
+/// (its sticky session and its client's cap carried), charging `cost` and the units `reserved`;
+/// when admitted, `ctx` takes the first member and the meter that settles the reservation. The
+/// one admission a request has, on its own route or on a route it falls back to.
+pub(crate) async fn admit_to(
+    gateway: &Gateway,
+    session: &Session,
+    ctx: &mut RequestCtx,
+    route: &std::sync::Arc<Route>,
+    cost: u64,
+    reserved: Vec<sluice_usage::Millionths>,
+) -> Admitted {
+    let mut key_buf = String::new();
+    // The client identified, held apart from `ctx`, which admission changes.
+    let caller = ctx.client.clone();
+    let key = route.quota.as_deref().map_or("", |q| {
+        let forwarded = ctx.seen.forwarded_client;
+        q.key_of(
+            session,
+            forwarded,
+            caller.as_deref().map(|c| &*c.name),
+            &mut key_buf,
+        )
+    });
+    let client = session.as_downstream().stream().map(|s| s.id());
+    let planned = Planned::plan(route, caller.as_deref(), &reserved, cost);
+    // A sticky route's session: admission and every retry of the request carry it.
+    ctx.sticky = sticky_of(gateway, session, ctx, route);
+    let verdict = decide(
+        crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
+        &gateway.metrics,
+        route,
+        key,
+        caller.as_deref(),
+        cost,
+        client,
+        planned.as_ref(),
+    )
+    .await;
+    match verdict {
+        Verdict::Go {
+            first,
+            ratelimit,
+            fallback,
+            entries,
+        } => {
+            ctx.admitted(first, ratelimit, fallback, cost);
+            ctx.tried.members = planned.as_ref().and_then(Planned::for_retries);
+            ctx.meter = planned.map(|planned| {
+                Box::new(Meter {
+                    key: key.into(),
+                    planned,
+                    reserved,
+                    cost,
+                    entries,
+                    scanner: None,
+                    status: None,
+                    sent: false,
+                    sent_to: None,
+                    retried: Vec::new(),
+                })
+            });
+            Admitted::Go
+        }
+        Verdict::Answer {
+            problem,
+            ratelimit,
+            no_member,
+        } => Admitted::Refused {
+            problem,
+            ratelimit,
+            no_member,
+        },
+        Verdict::Left => Admitted::Left,
     }
 }
 

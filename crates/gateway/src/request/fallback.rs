@@ -16,13 +16,12 @@
 
 use std::sync::Arc;
 
-use http::{header, HeaderValue};
+use http::header;
 use pingora::prelude::*;
 use pingora::proxy::Session;
 use pingora::ErrorType;
 
-use super::admit::{decide, Verdict};
-use super::meter::{Meter, Planned};
+use super::admit::{admit_to, Admitted};
 use super::{answer, Failure, Gateway, RequestCtx};
 use crate::config::{FallbackOn, MemberKind, MAX_FALLBACK_HOPS};
 use crate::problem::Problem;
@@ -230,15 +229,15 @@ async fn follow(
         ctx.ratelimit = None;
         let (problem, ratelimit, no_member) =
             match admit_on(gateway, session, ctx, &next, at_answer).await {
-                Hop::Go => return Ok(false),
-                Hop::Left => {
+                Admitted::Go => return Ok(false),
+                Admitted::Left => {
                     return Err(Error::explain(
                         ErrorType::ConnectionClosed,
                         "the client hung up while waiting for capacity",
                     )
                     .into_down())
                 }
-                Hop::Refused {
+                Admitted::Refused {
                     problem,
                     ratelimit,
                     no_member,
@@ -266,20 +265,6 @@ async fn follow(
     }
 }
 
-/// What admission on a fallback route decided.
-enum Hop {
-    /// Admitted: `ctx` holds the route, its first member and its reservation.
-    Go,
-    /// Refused, with the answer the route gives.
-    Refused {
-        problem: Problem,
-        ratelimit: Option<HeaderValue>,
-        no_member: bool,
-    },
-    /// The client hung up while it waited.
-    Left,
-}
-
 /// Admission of the request on `route`, the steps [`super::admit::admit`] takes once it has
 /// routed a request: the clients check, the usage reservation, and the quota and first member
 /// in one step of the route's policy.
@@ -289,8 +274,8 @@ async fn admit_on(
     ctx: &mut RequestCtx,
     route: &Arc<Route>,
     at_answer: bool,
-) -> Hop {
-    let refused = |problem| Hop::Refused {
+) -> Admitted {
+    let refused = |problem| Admitted::Refused {
         problem,
         ratelimit: None,
         no_member: false,
@@ -360,73 +345,13 @@ async fn admit_on(
         };
         reserved = usage.reserve(&prefix.request(&session.req_header().headers));
     }
-    let caller = ctx.client.clone();
-    let mut key_buf = String::new();
-    let key = route.quota.as_deref().map_or("", |q| {
-        let forwarded = ctx.seen.forwarded_client;
-        q.key_of(
-            session,
-            forwarded,
-            caller.as_deref().map(|c| &*c.name),
-            &mut key_buf,
-        )
-    });
-    let client = session.as_downstream().stream().map(|s| s.id());
-    let planned = Planned::plan(route, caller.as_deref(), &reserved, cost);
-    // The next route's own session, if it is sticky: its admission and retries carry it.
-    ctx.sticky = super::admit::sticky_of(gateway, session, ctx, route);
-    let verdict = decide(
-        crate::sticky::store(&gateway.state, ctx.sticky.as_ref()),
-        &gateway.metrics,
-        route,
-        key,
-        caller.as_deref(),
-        cost,
-        client,
-        planned.as_ref(),
-    )
-    .await;
-    match verdict {
-        Verdict::Go {
-            first,
-            ratelimit,
-            fallback,
-            entries,
-        } => {
-            ctx.admitted(first, ratelimit, fallback, cost);
-            ctx.tried.members = planned.as_ref().and_then(Planned::for_retries);
-            ctx.meter = planned.map(|planned| {
-                Box::new(Meter {
-                    key: key.into(),
-                    planned,
-                    reserved,
-                    cost,
-                    entries,
-                    scanner: None,
-                    status: None,
-                    sent: false,
-                    sent_to: None,
-                    retried: Vec::new(),
-                })
-            });
-            Hop::Go
-        }
-        Verdict::Answer {
-            problem,
-            ratelimit,
-            no_member,
-        } => Hop::Refused {
-            problem,
-            ratelimit,
-            no_member,
-        },
-        Verdict::Left => Hop::Left,
-    }
+    admit_to(gateway, session, ctx, route, cost, reserved).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderValue;
 
     #[test]
     fn only_answers_that_did_no_work_send_a_request_on() {
