@@ -555,10 +555,9 @@ async fn chat_using_10(gw: &Gateway) -> support::Response {
     chat(gw, &body, &used).await
 }
 
-/// key-a answers 429 and the request is replayed to key-b, which answers: key-b did the work
-/// and its window holds the answer's usage; key-a did none and holds nothing.
-async fn a_replay_charges_the_key_that_answered(backend: Backend) {
-    let store = Store::start(backend);
+/// key-a, whose answers are 429s, and key-b, with a window of `key_b_limit` tokens, over one
+/// stub, with the cooldown replay on.
+async fn replay_pool(store: &Store, key_b_limit: u64) -> (Gateway, OpenAiStub) {
     let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
@@ -566,9 +565,16 @@ async fn a_replay_charges_the_key_that_answered(backend: Backend) {
     let refuses: &[(&str, &str)] = &[("x-stub-status", "429")];
     let keys = [
         (member.clone(), "key-a", 100, refuses),
-        (member, "key-b", 100, &[][..]),
+        (member, "key-b", key_b_limit, &[][..]),
     ];
-    let gw = key_pool(&store, &keys, true);
+    (key_pool(store, &keys, true), stub)
+}
+
+/// key-a answers 429 and the request is replayed to key-b, which answers: key-b did the work
+/// and its window holds the answer's usage; key-a did none and holds nothing.
+async fn a_replay_charges_the_key_that_answered(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = replay_pool(&store, 100).await;
     // Ties go to the smallest name: key-a gets the request first.
     let r = chat_using_10(&gw).await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -584,17 +590,8 @@ async fn a_replay_charges_the_key_that_answered(backend: Backend) {
 /// replay, the 429 goes to the client, and neither key holds anything.
 async fn no_replay_to_a_key_whose_window_cannot_take_the_reservation(backend: Backend) {
     let store = Store::start(backend);
-    let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let member = url(stub.local_addr());
-    let refuses: &[(&str, &str)] = &[("x-stub-status", "429")];
     // key-b's whole window is 40 tokens: the request reserves 50.
-    let keys = [
-        (member.clone(), "key-a", 100, refuses),
-        (member, "key-b", 40, &[][..]),
-    ];
-    let gw = key_pool(&store, &keys, true);
+    let (gw, stub) = replay_pool(&store, 40).await;
     let r = chat_using_10(&gw).await;
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(stub.exchanges().len(), 1, "key-b never gets the request");
