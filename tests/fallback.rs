@@ -214,13 +214,11 @@ async fn a_holds(gw: &Gateway) -> u64 {
     limit - w["remaining"].as_u64().unwrap_or(limit)
 }
 
-/// On a usage-metered route, the request that leaves after its member's 429 settles its
-/// reservation there to 0: the member did no work, and `b` serves it.
-async fn the_route_left_settles_its_reservation_to_zero(backend_kind: Backend) {
-    let store = Store::start(backend_kind);
-    let (a, b) = (backend("a").await, backend("b").await);
+/// Routes `a` and `b` over backends `a` and `b`, `a` falling back to `b` on a 429, as a YAML
+/// value a test adds to.
+fn a_429_to_b(store: &Store, a: &EchoServer, b: &EchoServer) -> serde_json::Value {
     let base = Config::new()
-        .store(&store)
+        .store(store)
         .routes([
             Route::new("a")
                 .member(url(a.local_addr()))
@@ -228,7 +226,15 @@ async fn the_route_left_settles_its_reservation_to_zero(backend_kind: Backend) {
             Route::new("b").member(url(b.local_addr())),
         ])
         .yaml();
-    let mut config: serde_json::Value = serde_yaml::from_str(&base).unwrap();
+    serde_yaml::from_str(&base).unwrap()
+}
+
+/// On a usage-metered route, the request that leaves after its member's 429 settles its
+/// reservation there to 0: the member did no work, and `b` serves it.
+async fn the_route_left_settles_its_reservation_to_zero(backend_kind: Backend) {
+    let store = Store::start(backend_kind);
+    let (a, b) = (backend("a").await, backend("b").await);
+    let mut config = a_429_to_b(&store, &a, &b);
     config["routes"][0]["quota"] = serde_yaml::from_str(
         r#"
 windows: [{ name: tpm, limit: 1000, window: 1m, unit: tokens }]
@@ -260,16 +266,7 @@ usage:
 async fn the_fallback_route_checks_the_client_as_its_own(backend_kind: Backend) {
     let store = Store::start(backend_kind);
     let (a, b) = (backend("a").await, backend("b").await);
-    let base = Config::new()
-        .store(&store)
-        .routes([
-            Route::new("a")
-                .member(url(a.local_addr()))
-                .fallback("b", &["429"]),
-            Route::new("b").member(url(b.local_addr())),
-        ])
-        .yaml();
-    let mut config: serde_json::Value = serde_yaml::from_str(&base).unwrap();
+    let mut config = a_429_to_b(&store, &a, &b);
     config["clients"] = serde_yaml::from_str(
         r#"
 list:
