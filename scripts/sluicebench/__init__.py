@@ -13,6 +13,7 @@ Those five entry points are thin wrappers around ``python3 -m sluicebench COMMAN
     common.py     knobs (environment variables), required tools, locating or building binaries
     servers.py    the nginx backends, sluice and redis-server, as every benchmark starts them
     bench.py      scripts/bench: wrk against direct, nginx, HAProxy and sluice
+    latency.py    scripts/bench-latency: oha at fixed rates (open-loop): the latency sluice adds
     state.py      scripts/bench-state: the shared helpers of its parts and the doc section;
                   quota.py, least_used.py, reload.py and cluster.py are its parts
     tunnel.py     scripts/bench-tunnel: CONNECT tunnels through sluice, tinyproxy and squid
