@@ -16,8 +16,8 @@ Targets, each loaded in turn at each rate:
   qlu     the same sluice on a quota + least_used route on a local Redis (one fused script
           call for the requests that wait together, up to 32; a lone request goes at once).
 The added latency of a target is its percentile minus direct's, taken within a round.
-Last, LONE_RATE req/s on 1 connection to direct, rr and qlu: a request that finds no call out
-must not wait for company, so qlu's added p50 there should be one Redis round trip, no more.
+Last, LONE_RATE req/s on 1 connection to each target: a request on the Redis route that finds
+no call out must not wait for company, so qlu should read rr plus one Redis call there.
 
 sluice has no switch that turns the batching of store calls off (no config key, no environment
 variable), so every qlu figure is with batching on; the report gives the FCALLs per request,
@@ -140,12 +140,12 @@ class Latency:
         return stats.median(self.res.get((id, rate, conns, r), {}).get(what)
                             for r in range(1, self.rounds + 1))
 
-    def added(self, id: str, rate: int, conns: int, what: str) -> Optional[float]:
-        """Median over rounds of (target - direct), in µs."""
+    def added(self, id: str, rate: int, conns: int, what: str, base: str = "direct") -> Optional[float]:
+        """Median over rounds of (target - BASE), in µs."""
         return stats.median(
             None if a is None or b is None else (a - b) * 1e3
             for a, b in ((self.res.get((id, rate, conns, r), {}).get(what),
-                          self.res.get(("direct", rate, conns, r), {}).get(what))
+                          self.res.get((base, rate, conns, r), {}).get(what))
                          for r in range(1, self.rounds + 1)))
 
 
@@ -178,12 +178,14 @@ def run(lat: Latency, sluice: Path, write: bool) -> str:
 
     orders = []
     for r in range(1, lat.rounds + 1):
-        for rate in lat.rates:
-            order = stats.order_of(r + rate, TARGETS)  # a different order per rate and round
+        for i, rate in enumerate(lat.rates):
+            # A different order per rate and round, so that no target is always first (after the
+            # rate changed) or always follows the same one.
+            order = stats.order_of(r + i, TARGETS)
             orders.append(f"round {r} {rate}: {' '.join(order)}")
             for id in order:
                 one(id, rate, lat.connections, r)
-        for id in ("direct", "rr", "qlu"):
+        for id in TARGETS:
             one(id, lat.lone_rate, 1, r)
     errors = store_errors(admin, sl.log)
     return report(lat, sluice, orders, errors, write)
@@ -204,7 +206,7 @@ def report(lat: Latency, sluice: Path, orders: Sequence[str], store_errs: str, w
         "",
         f"Run on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {binary}, "
         f"`nproc` = {common.nproc()}, {common.redis_version()}, nginx {common.nginx_version()}, {version}. "
-        f"The machine was shared: load average at the end {load} (1 / 5 / 15 min), other engineers' builds and tests included.",
+        f"The machine is shared (other engineers' builds and tests may run): load average at the end {load} (1 / 5 / 15 min).",
         "",
         "```sh",
         cmd,
@@ -231,10 +233,15 @@ def report(lat: Latency, sluice: Path, orders: Sequence[str], store_errs: str, w
             out.append(f"| {label} | {LABELS[id]} | {stats.fmt(f('rps'))} | {stats.fmt(f('p50'), '.3f')} "
                        f"| {stats.fmt(f('p99'), '.3f')} | {stats.fmt(f('p99.9'), '.3f')} | {' | '.join(added)} "
                        f"| {stats.fmt(f('other'))} / {stats.fmt(f('errors'))} | {fc} |")
+    store_share = "; ".join(
+        f"{rate}{' (1 connection)' if conns == 1 else ''}: "
+        + ", ".join(f"{k} {stats.fmt(lat.added('qlu', rate, conns, k, base='rr'), '.0f')}" for k, _ in PCTS)
+        for rate, conns in [*((rate, c) for rate in lat.rates), (lat.lone_rate, 1)])
     out += [
         "",
+        f"- the Redis route over the round-robin one, same process (the store call's share), µs: {store_share}.",
         f"- sluice store errors and fallbacks: {store_errs}.",
-        f"- order: {'; '.join(orders)}; then, at {lat.lone_rate} req/s on 1 connection: direct rr qlu.",
+        f"- order: {'; '.join(orders)}; then, at {lat.lone_rate} req/s on 1 connection: {' '.join(TARGETS)}.",
     ]
     return "\n".join(out)
 
