@@ -169,15 +169,7 @@ async fn least_in_flight_on(store: Shared) {
         let gw = &gws[i % gws.len()];
         let addr = gw.proxy_addr();
         held.push(tokio::spawn(async move {
-            request(
-                addr,
-                "GET",
-                "lif.test",
-                "/",
-                &[("x-delay-ms", "9000")],
-                b"",
-            )
-            .await
+            request(addr, "GET", "lif.test", "/", &[("x-delay-ms", "9000")], b"").await
         }));
         assert!(
             wait_until(Duration::from_secs(5), || total(&backends) == i as u64 + 1).await,
