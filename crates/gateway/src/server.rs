@@ -193,7 +193,17 @@ pub fn run(config: Config, bytes: Vec<u8>, source: Option<PathBuf>) -> Result<()
     trim.threads = Some(1);
     let mut proxy = Service::new("sluice proxy".to_string(), app);
     for listener in &config.listen {
-        proxy.add_tcp(&listener.addr.to_string());
+        // No read buffer under the HTTP parser: Pingora's own head and body buffers already
+        // batch reads, and the 64 KiB one it would add by default stays with every connection,
+        // idle keep-alives included (docs/benchmarks.md, "Idle connections").
+        let unbuffered = pingora::listeners::L4BufferSettings {
+            read: Some(0),
+            write: None,
+        };
+        proxy.add_listener(
+            pingora::listeners::ListenerConfig::tcp(listener.addr.to_string())
+                .l4_buffer(unbuffered),
+        );
     }
     proxy.threads = Some(threads);
 
