@@ -402,7 +402,7 @@ usage:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_calendar_and_dollar_windows_hold() {
     let cluster = RedisCluster::start();
-    let config = || Config::new().state(State::cluster(cluster.urls()).timeout("2s"));
+    let config = || Config::new().state(State::cluster(cluster.urls()));
     route_calendar_day(config()).await;
     member_calendar_day(config()).await;
     client_calendar_day(config()).await;

@@ -323,13 +323,11 @@ async fn two_gateways_share_a_clients_quota_at_one_store_call_a_request() {
 async fn on_a_cluster_two_calls_and_the_give_back() {
     let cluster = RedisCluster::start();
     let backends = start_backends(&["b1"]).await;
-    let config = Config::new()
-        .state(State::cluster(cluster.urls()).timeout("2s"))
-        .route(
-            Route::new("api")
-                .member(url(backends[0].local_addr()))
-                .quota(Quota::window("rpm", 3, "1m")),
-        );
+    let config = Config::new().state(State::cluster(cluster.urls())).route(
+        Route::new("api")
+            .member(url(backends[0].local_addr()))
+            .quota(Quota::window("rpm", 3, "1m")),
+    );
     let gw = Gateway::start_with_ports(&with_clients(&config, 100));
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     // The first request loads sluice's library on every master.
