@@ -527,29 +527,7 @@ impl RedisStore {
         }
         let mut reserved = decided?;
         reserved.client = reservation.entry.filter(|_| assigned);
-        reserved.assignment = match reserved.assignment {
-            Assignment::Assigned { member, quota } => Assignment::Assigned {
-                member,
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::NoMember { quota } => Assignment::NoMember {
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::QuotaRefused(quota) => Assignment::QuotaRefused(join(Some(quota), mine)),
-            Assignment::Busy {
-                retry_after_us,
-                quota,
-            } => Assignment::Busy {
-                retry_after_us,
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::Concurrency { quota } => Assignment::Concurrency {
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::ClientConcurrency { quota } => Assignment::ClientConcurrency {
-                quota: Some(join(quota, mine)),
-            },
-        };
+        reserved.assignment = with_client(reserved.assignment, mine);
         Ok(reserved)
     }
 
@@ -650,29 +628,7 @@ impl RedisStore {
             }
             _ => mine,
         };
-        Ok(match decided? {
-            Assignment::Assigned { member, quota } => Assignment::Assigned {
-                member,
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::NoMember { quota } => Assignment::NoMember {
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::QuotaRefused(quota) => Assignment::QuotaRefused(join(Some(quota), mine)),
-            Assignment::Busy {
-                retry_after_us,
-                quota,
-            } => Assignment::Busy {
-                retry_after_us,
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::Concurrency { quota } => Assignment::Concurrency {
-                quota: Some(join(quota, mine)),
-            },
-            Assignment::ClientConcurrency { quota } => Assignment::ClientConcurrency {
-                quota: Some(join(quota, mine)),
-            },
-        })
+        Ok(with_client(decided?, mine))
     }
 
     /// One request against its route's quota alone: the quota script.
@@ -1350,6 +1306,34 @@ fn untouched(windows: &[Window]) -> Outcome {
 
 /// One decision from the route's (if it has a quota) and the client's, decided apart (Redis
 /// Cluster).
+/// The route's assignment with the client's own decision (made in its slot) joined to its
+/// quota's, whatever the assignment was.
+fn with_client(assignment: Assignment, mine: Outcome) -> Assignment {
+    match assignment {
+        Assignment::Assigned { member, quota } => Assignment::Assigned {
+            member,
+            quota: Some(join(quota, mine)),
+        },
+        Assignment::NoMember { quota } => Assignment::NoMember {
+            quota: Some(join(quota, mine)),
+        },
+        Assignment::QuotaRefused(quota) => Assignment::QuotaRefused(join(Some(quota), mine)),
+        Assignment::Busy {
+            retry_after_us,
+            quota,
+        } => Assignment::Busy {
+            retry_after_us,
+            quota: Some(join(quota, mine)),
+        },
+        Assignment::Concurrency { quota } => Assignment::Concurrency {
+            quota: Some(join(quota, mine)),
+        },
+        Assignment::ClientConcurrency { quota } => Assignment::ClientConcurrency {
+            quota: Some(join(quota, mine)),
+        },
+    }
+}
+
 fn join(route: Option<Outcome>, client: Outcome) -> Outcome {
     match route {
         Some(route) => route.with_client(client),
