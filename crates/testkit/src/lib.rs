@@ -389,8 +389,13 @@ impl RedisCluster {
             "yes",
             "--cluster-config-file",
             "nodes.conf",
+            // A node that answers no ping for this long is failed over. 1 s was too short
+            // for a loaded 2-core machine: a starved master was replaced while a test ran,
+            // and the gateway's next write reached the demoted node (READONLY), a store error
+            // that `on_store_error: open` admits uncounted. 3 s still fails over within the
+            // failover test's deadline.
             "--cluster-node-timeout",
-            "1000",
+            "3000",
             // Replicas sync at once instead of waiting 5 s for company: a
             // replica that never synced cannot be promoted.
             "--repl-diskless-sync-delay",
@@ -453,6 +458,7 @@ impl RedisCluster {
                         .is_ok_and(|i| i.contains("cluster_state:ok"))
                 })
                 && cluster.masters().len() == 3
+                && cluster.converged()
             {
                 return cluster;
             }
@@ -523,6 +529,43 @@ impl RedisCluster {
             return out;
         }
         Vec::new()
+    }
+
+    /// Whether every node sees the same cluster: six nodes, each a master with its slots or a
+    /// replica, none flagged failing or still in handshake. `cluster_state:ok` on each node is
+    /// not enough: a node may be ok while its view of who serves a slot is older than another's,
+    /// and the cluster client takes its slot map from whichever node it asks first.
+    fn converged(&self) -> bool {
+        let views: Vec<Option<Vec<String>>> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                let raw = n.command(&["CLUSTER", "NODES"]).ok()?;
+                let mut view = Vec::new();
+                for line in raw.lines().filter(|l| !l.trim().is_empty()) {
+                    let fields: Vec<&str> = line.split(' ').collect();
+                    let flags = *fields.get(2)?;
+                    if ["fail", "handshake", "noaddr"]
+                        .iter()
+                        .any(|f| flags.contains(f))
+                    {
+                        return None;
+                    }
+                    let role = if flags.contains("master") {
+                        "master"
+                    } else {
+                        "replica"
+                    };
+                    // id, role, the master's id (replicas), slots (masters).
+                    let mut entry = vec![fields[0], role, fields.get(3)?];
+                    entry.extend(fields.iter().skip(8));
+                    view.push(entry.join(" "));
+                }
+                view.sort();
+                (view.len() == self.nodes.len()).then_some(view)
+            })
+            .collect();
+        views.iter().all(|v| v.is_some()) && views.windows(2).all(|w| w[0] == w[1])
     }
 
     /// Ports of the masters that serve slots.
