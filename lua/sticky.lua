@@ -47,14 +47,22 @@ local function sticky_bound(s)
   return s.member
 end
 
--- The keys live as long as their longest binding, and a minute more.
+-- Gives `key` at least `keep` ms more to live (never less than it has).
+local function sticky_expire(key, keep)
+  if redis.call('PTTL', key) < keep then
+    redis.call('PEXPIRE', key, keep)
+  end
+end
+
+-- The keys live as long as their longest binding, and a minute more. Each key is looked at on
+-- its own: the bindings (z, h) go empty and are deleted by Redis while the counters (c) live
+-- on, so the next bind makes them anew without an expiry while c still has its own; judged by
+-- c alone they were left to live forever.
 local function sticky_keep(s)
   local keep = math.ceil(s.ttl / 1000) + 60000
-  if redis.call('PTTL', s.c) < keep then
-    redis.call('PEXPIRE', s.z, keep)
-    redis.call('PEXPIRE', s.h, keep)
-    redis.call('PEXPIRE', s.c, keep)
-  end
+  sticky_expire(s.z, keep)
+  sticky_expire(s.h, keep)
+  sticky_expire(s.c, keep)
 end
 
 -- Binds the session to `member` (the one just assigned) for s.ttl more: a binding held moves,
@@ -82,5 +90,7 @@ local function sticky_unbind(s, session, member)
     redis.call('ZREM', s.z, session)
     redis.call('HDEL', s.h, session)
     redis.call('HINCRBY', s.c, 'moved', 1)
+    -- The counters may be made anew here; they live a minute, or until the next bind keeps them.
+    sticky_expire(s.c, 60000)
   end
 end

@@ -283,6 +283,48 @@ async fn redis_sticky() {
     assert!(ttl > 600_000 && ttl <= 660_000, "{ttl}");
 }
 
+/// Every sticky key expires, whichever of them Redis deleted and a later call made anew: the
+/// bindings go empty (deleted) while the counters live on with an expiry as long as theirs or
+/// longer (a route whose bindings lasted longer before a reload), and an unbind may make the
+/// counters anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sticky_keys_always_expire() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url());
+    let pool = members(&["m1", "m2"]);
+    let (route, order) = ("reborn", Order::LeastUsed);
+    let pttl = |key: &str| server.integer(&["PTTL", &format!("sluice:{{reborn}}:{key}")]);
+    assigned(&*store, ask(route, &pool, order, Some(sticky("s1", 1)), T0)).await;
+    // The table is full: s2 goes unbound, which makes the counters.
+    assigned(
+        &*store,
+        ask(route, &pool, order, Some(sticky("s2", 1)), T0 + 1),
+    )
+    .await;
+    server
+        .command(&["PEXPIRE", "sluice:{reborn}:sc", "36000000"])
+        .unwrap();
+    // s1's binding is over: dropping it empties the bindings, and s3's bind makes them anew.
+    let later = T0 + TTL + 100;
+    let s3 = assigned(
+        &*store,
+        ask(route, &pool, order, Some(sticky("s3", 1)), later),
+    )
+    .await;
+    for key in ["sz", "sh", "sc"] {
+        let ttl = pttl(key).unwrap();
+        assert!(ttl > 0, "{key} has no expiry: {ttl}");
+    }
+    // An unbind counts a move, making the counters anew if they were gone.
+    server.command(&["DEL", "sluice:{reborn}:sc"]).unwrap();
+    store.unbind(route, "s3", &s3).await.unwrap();
+    let ttl = pttl("sc").unwrap();
+    assert!(
+        ttl > 0,
+        "the counters made by an unbind have no expiry: {ttl}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_sticky_without_functions() {
     let server = RedisServer::start();
