@@ -148,6 +148,14 @@ impl HttpPersistentSettings {
         self.pipelined_prefix = Some(prefix);
     }
 
+    /// Take the pipelined-prefix bytes, if any, e.g. to learn whether the next
+    /// request is already buffered before building its session, and hand them
+    /// to that session with [`ServerSession::set_pipelined_prefix`].
+    // PATCH (sluice, the next request's bytes taken out of the settings)
+    pub fn take_pipelined_prefix(&mut self) -> Option<BytesMut> {
+        self.pipelined_prefix.take()
+    }
+
     pub fn apply_to_session(self, session: &mut ServerSession) {
         let Self {
             keepalive_timeout,
