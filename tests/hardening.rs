@@ -226,6 +226,111 @@ mod downstream_limits {
         assert_eq!(closed, Some(2.0));
     }
 
+    /// On a kept-alive connection the next request is served, and once it has waited for its
+    /// next one for `limits.idle_timeout` the connection is closed, as a fresh one is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_alive_connection_serves_its_next_request_then_is_closed_when_idle() {
+        let backends = start_backends(&["api"]).await;
+        // Not shorter: each request must reach the gateway before its connection counts as
+        // idle, however slow the machine.
+        let gw = start(&url(backends[0].local_addr()), "  idle_timeout: 3s\n", "");
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        for i in 0..3 {
+            let r = client
+                .request("GET", "api.test", &format!("/k{i}"), &[], b"")
+                .await
+                .unwrap_or_else(|e| panic!("request {i}: {e}"));
+            assert_eq!(r.status, 200);
+        }
+        assert!(
+            client.wait_closed(DEADLINE).await,
+            "an idle keep-alive connection stayed open"
+        );
+        assert_eq!(backends[0].proxied_requests(), 3);
+        let closed = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "idle_timeout")],
+            )
+            .await;
+        assert_eq!(closed, Some(1.0));
+    }
+
+    /// On a kept-alive connection, the first bytes of the next head start the header timer:
+    /// a head that stops halfway is cut at `limits.header_timeout`, not left to the (much
+    /// longer) idle timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_alive_connection_whose_next_head_stalls_is_cut_at_the_header_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  idle_timeout: 60s\n  header_timeout: 1s\n",
+            "",
+        );
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        client
+            .write_raw(b"GET /second HTTP/1.1\r\nHost: api.t")
+            .await
+            .unwrap();
+        assert!(
+            client.wait_closed(DEADLINE).await,
+            "a stalled head on a kept-alive connection kept it open"
+        );
+        assert_eq!(backends[0].proxied_requests(), 1);
+        let cut = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "header_timeout")],
+            )
+            .await;
+        assert_eq!(cut, Some(1.0));
+    }
+
+    /// A graceful stop closes the connections that wait for a request at once, with no answer,
+    /// while a request in flight goes on: idle keep-alive clients learn of the stop, and the
+    /// drain waits only for requests.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_graceful_stop_closes_idle_connections_while_a_request_runs() {
+        let backends = start_backends(&["api"]).await;
+        let gw = Gateway::start_with_ports_and_env(
+            &config(&url(backends[0].local_addr()), "", ""),
+            &[("SLUICE_DRAIN_PERIOD", "120s")],
+        );
+        let mut idle = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        let r = idle
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        let addr = gw.proxy_addr();
+        // Longer than the test waits for the idle connection to close: the process cannot have
+        // exited by then.
+        let slow = tokio::spawn(async move {
+            support::try_request(
+                addr,
+                "GET",
+                "api.test",
+                "/slow",
+                &[("x-delay-ms", "60000")],
+                b"",
+            )
+            .await
+        });
+        assert!(support::wait_until(DEADLINE, || backends[0].requests() == 2).await);
+        gw.sigterm();
+        assert!(
+            idle.wait_closed(DEADLINE).await,
+            "an idle keep-alive connection stayed open through a graceful stop"
+        );
+        assert!(!slow.is_finished(), "the request in flight was cut");
+        slow.abort();
+    }
+
     /// Slowloris: a head trickled one header line every half second never completes, and every
     /// read is well within any per-read timeout. The whole head must arrive within
     /// `limits.header_timeout`, so the connection is closed.

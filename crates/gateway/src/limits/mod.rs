@@ -34,7 +34,11 @@
 //!   Reading and answering the request are then bounded by the route's timeouts, as before.
 //!   A WebSocket upgrade stays in that phase after its `101` for as long as it is open: Pingora
 //!   never reuses an upgraded connection (it turns keep-alive off on a 101), so it never goes
-//!   back to waiting for a request, and only the route's `read_timeout` bounds it.
+//!   back to waiting for a request, and only the route's `read_timeout` bounds it;
+//! - between requests a connection waits for the next one's first bytes here, in a small future
+//!   of its own, not inside Pingora's request future: the head buffer and the request's state
+//!   (many KiB) are made once bytes arrive, and dropped when the request ends, so an idle
+//!   keep-alive connection holds little more than its socket (docs/benchmarks.md).
 //!
 //! [`MemoryTrim`] gives memory back to the system once many connections have closed: glibc's
 //! malloc keeps what they freed, scattered between chunks still in use, and its own trimming only
@@ -46,12 +50,17 @@
 
 mod proxy;
 mod serve;
+#[cfg(test)]
+mod tests;
 mod timers;
 mod trim;
 
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -59,6 +68,8 @@ use pingora::listeners::tls::{Acceptor, TlsSettings};
 use pingora::protocols::{Shutdown, Stream};
 use prometheus::{IntCounter, IntGauge};
 use tokio::io::AsyncWriteExt;
+use tokio::sync::futures::Notified;
+use tokio::sync::Notify;
 
 use crate::config::LimitsConfig;
 use crate::metrics::Metrics;
@@ -166,6 +177,8 @@ pub struct LimitedApp<A> {
     /// The table whose `clients.trusted_proxies` may open their connections with a PROXY
     /// header; None reads no header.
     table: Option<Arc<ArcSwap<Table>>>,
+    /// Ends the idle connections' wait for a next request when the server shuts down.
+    closing: Closing,
 }
 
 impl<A> LimitedApp<A> {
@@ -228,6 +241,7 @@ impl<A> LimitedApp<A> {
             tunnels: None,
             tls: Vec::new(),
             table: None,
+            closing: Closing::default(),
         }
     }
 
@@ -323,6 +337,53 @@ impl<A> LimitedApp<A> {
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
         Shutdown::shutdown(&mut *stream).await;
+    }
+}
+
+/// Set once the server shuts down, with a wake-up for the connections waiting for a request.
+/// Each connection that waits registers with a `Notify`, under that `Notify`'s lock: the
+/// waiters are spread over shards by thread so that threads do not contend for one lock.
+#[derive(Default)]
+struct Closing {
+    closed: AtomicBool,
+    shards: [NotifyShard; CLOSING_SHARDS],
+}
+
+/// Shards of [`Closing`]: a power of two, at least as many as the threads usually run.
+const CLOSING_SHARDS: usize = 16;
+
+/// One shard on a cache line of its own, so that threads that use two neighbours do not share it.
+#[derive(Default)]
+#[repr(align(128))]
+struct NotifyShard(Notify);
+
+impl Closing {
+    /// A wake-up at shutdown, registered with this thread's shard when first polled.
+    fn notified(&self) -> Notified<'_> {
+        static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static THREAD: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+        }
+        let shard = THREAD.with(|t| *t) % CLOSING_SHARDS;
+        self.shards[shard].0.notified()
+    }
+
+    /// Ready once the server is shutting down. Polling `notified` registers it first, so that a
+    /// shutdown is either seen in the flag or wakes this task.
+    fn poll_closed(&self, notified: Pin<&mut Notified<'_>>, cx: &mut Context<'_>) -> Poll<()> {
+        if notified.poll(cx).is_ready() || self.closed.load(Ordering::Acquire) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Shuts down: wakes every waiting connection, on every shard.
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for shard in &self.shards {
+            shard.0.notify_waiters();
+        }
     }
 }
 

@@ -1,17 +1,22 @@
 //! The connection loop: Pingora's own HTTP/1 loop, run here so that each connection takes its
 //! slot, its TLS handshake and its timers first (the module's doc, in limits/mod.rs, says why).
 
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::Poll;
 
 use async_trait::async_trait;
-use pingora::apps::{HttpServerApp, ServerApp};
+use bytes::BytesMut;
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream, ServerApp};
 use pingora::listeners::tls::Acceptor;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::l4::stream::Stream as L4Stream;
-use pingora::protocols::Stream;
+use pingora::protocols::{Shutdown, Stream};
 use pingora::proxy::{HttpProxy, ProxyHttp};
 use pingora::server::ShutdownWatch;
+use tokio::io::AsyncReadExt;
 
 use super::timers::{LimitedStream, WAITING};
 use super::LimitedApp;
@@ -55,7 +60,10 @@ where
         let stream = self.past_proxy_header(stream, within).await?;
         let mut stream = match acceptor {
             Some(acceptor) => {
-                let done = tokio::time::timeout(within, tls_handshake(&acceptor, stream)).await;
+                // Boxed, as the tunnel below: what waits for a request is no larger than that
+                // wait needs, whatever a handshake or a tunnel takes while it lasts.
+                let handshake = Box::pin(tls_handshake(&acceptor, stream));
+                let done = tokio::time::timeout(within, handshake).await;
                 drop(handshaking);
                 match done {
                     Ok(Some(stream)) => stream,
@@ -77,7 +85,7 @@ where
             let within = self.limits.idle_timeout.min(self.limits.header_timeout);
             match crate::tunnel::first_bytes(&mut stream, within).await {
                 First::Connect(bytes) => {
-                    tunnels.serve(stream, bytes).await;
+                    Box::pin(tunnels.serve(stream, bytes)).await;
                     return None;
                 }
                 First::Other(bytes) => first = bytes,
@@ -91,36 +99,130 @@ where
         }
         let stream = LimitedStream::new(stream, slot, self, first);
         let phase = stream.phase.clone();
-        let mut session = ServerSession::new_http1(Box::new(stream));
-        // Pingora's own keep-alive timer is per read; sluice's idle timer is the one that
-        // counts, and this one only backs it up.
-        session.set_keepalive(if *shutdown.borrow() {
-            None
-        } else {
-            Some(self.limits.idle_timeout.as_secs().max(1) + 1)
-        });
-        session.set_keepalive_reuses_remaining(
-            self.inner
-                .server_options()
-                .and_then(|o| o.keepalive_request_limit),
-        );
-        // Answer pipelined requests one after the other (RFC 9112 §9.3.2) instead of closing
-        // the connection after the first answer and dropping the rest, Pingora's default.
-        session.set_pipelining_enabled(true);
-        let mut result = self.inner.process_new_http_unboxed(session, shutdown).await;
-        while let Some((stream, settings)) = result.map(|r| r.consume()) {
-            phase.store(WAITING, Ordering::Release);
-            let mut session = ServerSession::new_http1(stream);
-            if let Some(settings) = settings {
-                settings.apply_to_session(&mut session);
+        // Bytes already read (to look for a CONNECT) are replayed by the stream itself.
+        let mut waiting = !stream.replays();
+        let mut stream: Stream = Box::new(stream);
+        let mut settings: Option<HttpPersistentSettings> = None;
+        let mut head = None;
+        let mut reused = false;
+        loop {
+            // A connection that waits for its next request holds only this function's small
+            // state and the stream: the head buffer is made once bytes are there, and Pingora's
+            // request future (about 18 KiB) is made per request, in a box dropped when the
+            // request ends. Waiting inside Pingora's `read_request` held both for the life of
+            // every idle keep-alive connection.
+            if waiting {
+                head = Some(self.next_head(&mut stream).await?);
             }
-            result = self.inner.process_new_http_unboxed(session, shutdown).await;
+            let mut session = ServerSession::new_http1(stream);
+            if reused {
+                if let Some(settings) = settings.take() {
+                    settings.apply_to_session(&mut session);
+                }
+            } else {
+                // Pingora's own keep-alive timer is per read; sluice's idle timer is the one
+                // that counts, and this one only backs it up.
+                session.set_keepalive(if *shutdown.borrow() {
+                    None
+                } else {
+                    Some(self.limits.idle_timeout.as_secs().max(1) + 1)
+                });
+                session.set_keepalive_reuses_remaining(
+                    self.inner
+                        .server_options()
+                        .and_then(|o| o.keepalive_request_limit),
+                );
+                // Answer pipelined requests one after the other (RFC 9112 §9.3.2) instead of
+                // closing the connection after the first answer and dropping the rest,
+                // Pingora's default.
+                session.set_pipelining_enabled(true);
+            }
+            // The first bytes read above, or those a pipelined request left behind, are where
+            // Pingora's parser starts.
+            if let Some(head) = head.take() {
+                session.set_pipelined_prefix(head);
+            }
+            let result = boxed_in_place(|| request(self, session, shutdown)).await;
+            let (next, next_settings) = result?.consume();
+            phase.store(WAITING, Ordering::Release);
+            stream = next;
+            settings = next_settings;
+            head = settings
+                .as_mut()
+                .and_then(|s| s.take_pipelined_prefix())
+                .filter(|prefix| !prefix.is_empty());
+            waiting = head.is_none();
+            reused = true;
         }
-        None
     }
 
     async fn cleanup(&self) {
+        self.closing.close();
         self.inner.http_cleanup().await;
+    }
+}
+
+/// Pingora's future for one request: many KiB, since it holds every state of the proxying. Not
+/// inlined, so that it is built straight where its caller asks (see [`boxed_in_place`]).
+#[inline(never)]
+fn request<'a, SV>(
+    app: &'a Arc<LimitedApp<HttpProxy<SV>>>,
+    session: ServerSession,
+    shutdown: &'a ShutdownWatch,
+) -> impl Future<Output = Option<ReusedHttpStream>> + Send + 'a
+where
+    SV: ProxyHttp + Send + Sync + 'static,
+    <SV as ProxyHttp>::CTX: Send + Sync,
+{
+    app.inner.process_new_http_unboxed(session, shutdown)
+}
+
+/// `make()`'s value in a new box, built in place: the box is allocated first and the value
+/// written into it, so that the compiler can have `make` build it there. `Box::pin(make())`
+/// builds it on the stack and copies it into the box, which for a request's future is a copy of
+/// many KiB per request.
+fn boxed_in_place<F>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
+    Box::into_pin(Box::write(Box::new_uninit(), make()))
+}
+
+/// Room for the first read of a request head: Pingora's own first head buffer
+/// (`INIT_HEADER_BUF_SIZE`), so that the reads after it go as they did.
+const HEAD_BUF: usize = 4096;
+
+impl<A> LimitedApp<A> {
+    /// The first bytes of a connection's next request, in a head buffer made only when a read
+    /// finds bytes there (one that has to wait frees it again). None when the connection ends
+    /// instead: the client closed it, the idle timer did (the stream then reads an end of
+    /// stream), a read failed, or the server is shutting down, which ends idle connections as
+    /// Pingora's own wait for a head does (bytes already there are read first).
+    async fn next_head(&self, stream: &mut Stream) -> Option<BytesMut> {
+        let mut closing = pin!(self.closing.notified());
+        let mut buf = BytesMut::new();
+        let read = poll_fn(|cx| {
+            if buf.capacity() == 0 {
+                buf = BytesMut::with_capacity(HEAD_BUF);
+            }
+            match pin!(stream.read_buf(&mut buf)).poll(cx) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Ok(false)),
+                Poll::Ready(Ok(_)) => return Poll::Ready(Ok(true)),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => buf = BytesMut::new(),
+            }
+            match self.closing.poll_closed(closing.as_mut(), cx) {
+                Poll::Ready(()) => Poll::Ready(Ok(false)),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await;
+        match read {
+            Ok(true) => Some(buf),
+            Ok(false) => None,
+            Err(e) => {
+                tracing::debug!(target: "sluice::server", error = %e, "reading a client's next request failed");
+                Shutdown::shutdown(&mut **stream).await;
+                None
+            }
+        }
     }
 }
 

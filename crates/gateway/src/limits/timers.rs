@@ -107,6 +107,11 @@ impl LimitedStream {
         }
     }
 
+    /// Whether bytes read before the stream was made are still to be read.
+    pub(super) fn replays(&self) -> bool {
+        self.first_at < self.first.len()
+    }
+
     /// Sets the deadline of the current phase when the phase changed since it was last set.
     fn follow_phase(&mut self) {
         let phase = self.phase.load(Ordering::Acquire);
