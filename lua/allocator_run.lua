@@ -1,26 +1,66 @@
 -- sluice least-used drivers. Runs after allocator.lua. KEYS[1] is the pool.
 -- ARGV[1] is the operation:
---   "assign"   ARGV[2..]: excluded (count, ids).        Returns {1, member}, {2, ""} when no
---              member is eligible, or {3, ""} when the pool does not exist (never synced, or
---              Redis restarted empty): the caller syncs and asks again.
+--   "assign"   ARGV[2..]: excluded (count, ids), and for each further request sent in the same
+--              call, its own.   Returns {1, member}, {2, ""} when no member is eligible, or
+--              {3, ""} when the pool does not exist (never synced, or Redis restarted empty):
+--              the caller syncs and asks again; one such pair per request, in one flat array.
 --   "sync"     ARGV[2]: member count, then the ids, then excluded (count, ids). Returns 1.
 --   "restore"  ARGV[2]: the member, then excluded (count, ids). Returns 1.
 
 local pool, op = KEYS[1], ARGV[1]
 if op == 'assign' then
-  local excluded, count = pool_excluded(2)
-  -- The pick's first read, made first: an empty one says the pool does not exist (Redis keeps
-  -- no empty sorted set), which saves an EXISTS.
-  local first = redis.call('ZRANGE', pool, '0', pool_text(count))
-  if #first == 0 then
-    return {3, ''}
+  local excluded, count, i = pool_excluded(2)
+  if i > #ARGV then
+    -- One request. The pick's first read, made first: an empty one says the pool does not
+    -- exist (Redis keeps no empty sorted set), which saves an EXISTS.
+    local first = redis.call('ZRANGE', pool, '0', pool_text(count))
+    if #first == 0 then
+      return {3, ''}
+    end
+    local member = pool_pick(pool, excluded, count, first)
+    if not member then
+      return {2, ''}
+    end
+    pool_assign(pool, member)
+    return {1, member}
   end
-  local member = pool_pick(pool, excluded, count, first)
-  if not member then
-    return {2, ''}
+  -- Several requests of the route sent together (crates/store/src/batch.rs), each decided as
+  -- if it had come alone, in order; as fused_run.lua does, from 6 requests they pick on one
+  -- view of the pool, read once and written once.
+  local asks, counts, all = { excluded }, { count }, count
+  while i <= #ARGV do
+    excluded, count, i = pool_excluded(i)
+    asks[#asks + 1], counts[#counts + 1], all = excluded, count, all + count
   end
-  pool_assign(pool, member)
-  return {1, member}
+  local requests, out, view, first, exists = #asks, {}, nil, nil, nil
+  if requests >= 6 then
+    view = pool_view(pool, requests + 1 + all)
+    exists = view.n > 0
+  else
+    -- A pick's first read while it excludes none (pool_pick), until a pick changes the pool.
+    first = redis.call('ZRANGE', pool, '0', '0')
+    exists = #first > 0
+  end
+  for k = 1, requests do
+    local member
+    if exists then
+      if view then
+        member = pool_view_pick(view, asks[k])
+      else
+        member = pool_pick(pool, asks[k], counts[k], counts[k] == 0 and first or nil)
+        if member then
+          pool_assign(pool, member)
+          first = nil
+        end
+      end
+    end
+    out[2 * k - 1] = (not exists and 3) or (member and 1) or 2
+    out[2 * k] = member or ''
+  end
+  if view then
+    pool_settle(view)
+  end
+  return out
 elseif op == 'sync' then
   local n = tonumber(ARGV[2])
   local members = {}

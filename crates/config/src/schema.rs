@@ -293,6 +293,10 @@ pub struct RedisConfig {
     /// trusted.
     #[serde(default)]
     pub tls: Option<RedisTlsConfig>,
+    /// Whether the requests of a route that wait for a Redis call together share one; `false`
+    /// makes one call per request, for comparing latency and for debugging.
+    #[serde(default = "default_batch")]
+    pub batch: bool,
 }
 
 /// `state.redis.tls:` — how a `rediss://` Redis is trusted.
@@ -303,6 +307,10 @@ pub struct RedisTlsConfig {
     /// certificate must chain to one of these, and the system's roots are not used.
     #[serde(default)]
     pub ca: Option<PathBuf>,
+}
+
+fn default_batch() -> bool {
+    true
 }
 
 fn default_key_prefix() -> String {

@@ -378,6 +378,16 @@ fn redis_urls_are_checked_by_the_client_itself() {
     assert_eq!(url.0, "redis://user:pw@127.0.0.1:6379/2");
 }
 
+/// Requests that wait together share a Redis call unless `state.redis.batch: false`.
+#[test]
+fn redis_batching_is_on_unless_turned_off() {
+    let url = "    url: \"redis://127.0.0.1:6379\"\n";
+    let on = parse(&with_redis(url));
+    assert!(on.state.redis.unwrap().batch);
+    let off = parse(&with_redis(&format!("{url}    batch: false\n")));
+    assert!(!off.state.redis.unwrap().batch);
+}
+
 #[test]
 fn rediss_urls_and_their_ca_file() {
     // TLS with the system's roots.
@@ -1457,6 +1467,7 @@ fn debug_output_hides_the_password() {
         key_prefix: "sluice".into(),
         timeout: Dur(std::time::Duration::from_millis(50)),
         tls: None,
+        batch: true,
     };
     for shown in [
         format!("{url:?}"),

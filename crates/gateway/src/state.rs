@@ -38,8 +38,8 @@ pub fn open(config: &Config) -> Result<Arc<dyn StateStore>, String> {
         }
     }
     .map_err(|e| format!("cannot use the Redis of state.redis: {e}"))?;
-    Ok(Arc::new(RedisStore::with_connection(
-        Arc::new(connection),
-        &redis.key_prefix,
-    )))
+    Ok(Arc::new(
+        RedisStore::with_connection(Arc::new(connection), &redis.key_prefix)
+            .with_batching(redis.batch),
+    ))
 }

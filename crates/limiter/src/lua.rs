@@ -4,7 +4,7 @@
 
 /// The quota library (`lua/quota.lua`): functions that check and record a quota.
 pub const LIBRARY: &str = include_str!("../../../lua/quota.lua");
-/// The quota driver (`lua/quota_run.lua`): one request against one quota key.
+/// The quota driver (`lua/quota_run.lua`): one or more requests against one quota key.
 pub const DRIVER: &str = include_str!("../../../lua/quota_run.lua");
 /// The client quota driver (`lua/client_run.lua`): one request against its route's quota and
 /// its client's own windows together, or (Redis Cluster) the client's alone, and their give-back.

@@ -1,25 +1,29 @@
-//! Group commit for the fused quota + least-used call: the requests of one route and one quota
-//! key that reach the Redis store while a call for that pair is out go together in the next
-//! call, which decides them one after another, exactly as separate calls would
-//! (`lua/fused_run.lua`).
+//! Group commit for the Redis store's decisions: the requests of one lane that reach the store
+//! while a call for that lane is out go together in the next call, which decides them one after
+//! another, exactly as separate calls would. Three kinds of call are batched, each with its lane:
+//! - quota + least-used, per route and quota key (`lua/fused_run.lua`);
+//! - a quota alone, per route and quota key (`lua/quota_run.lua`);
+//! - least-used alone, per route (`lua/allocator_run.lua`'s `assign`).
 //!
 //! Why: such a call costs Redis a fixed 10 µs or so before it decides anything (running the
-//! script, reading the quota's hash and logs, writing them back), and only a few µs more per
-//! request it decides. Under load that fixed cost was most of Redis's share of a request, and
-//! Redis shares the gateway's cores (docs/benchmarks.md).
+//! script, reading the quota's hash and logs or the pool, writing them back), and only a few µs
+//! more per request it decides. Under load that fixed cost was most of Redis's share of a
+//! request, and Redis shares the gateway's cores (docs/benchmarks.md).
 //!
 //! How:
-//! - A *lane* (route, quota key, windows, clock) exists while a task is sending its calls. The
-//!   first request to find none creates it and spawns the task; later ones queue in it. The
-//!   task takes every request waiting (at most [`MAX_BATCH`]), makes one call, hands each
-//!   request its own reply, and goes on until no request waits; then the lane is removed. A
-//!   call never waits for company: a lone request goes at once, as before.
+//! - A *lane* (kind, route, quota key, windows, clock) exists while a task is sending its
+//!   calls. The first request to find none creates it and spawns the task; later ones queue in
+//!   it. The task takes every request waiting (at most [`MAX_BATCH`]), makes one call, hands
+//!   each request its own reply, and goes on until no request waits; then the lane is removed.
+//!   A call never waits for company: a lone request goes at once, as before.
 //! - The task, not a request, makes the call. A request that gives up (its client left, its
 //!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
 //!   call left is taken out of it, so it is never charged; once its call has left, it may have
 //!   been charged, as when a request's own call timed out before.
 //! - Every resource is bounded: lanes exist only while requests wait in them, and a call holds at
 //!   most [`MAX_BATCH`] requests.
+//! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
+//!   each request makes its own call of the same script, at once, from its own task.
 
 use std::collections::hash_map::{HashMap, RandomState};
 use std::hash::BuildHasher;
@@ -36,11 +40,70 @@ use crate::keys::Keys;
 use crate::scripts::Scripts;
 
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
-/// stays short (a call of 32 takes Redis about 120 µs), and its reply stays small.
+/// stays short (a fused call of 32 takes Redis about 120 µs), and its reply stays small.
 pub const MAX_BATCH: usize = 32;
+
+/// Which script a lane's calls run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    /// A route quota and least-used together (`fused_run.lua`).
+    Fused,
+    /// A route quota alone (`quota_run.lua`).
+    Quota,
+    /// Least-used alone (`allocator_run.lua`'s `assign`).
+    LeastUsed,
+}
+
+/// One request for a batched call, as its caller holds it.
+pub(crate) struct Ask<'a> {
+    kind: Kind,
+    route: &'a str,
+    key: &'a str,
+    windows: &'a [Window],
+    at_us: Option<u64>,
+    cost: u64,
+    excluded: &'a [&'a str],
+}
+
+impl<'a> Ask<'a> {
+    /// Quota `q` and its route's pool, least-used, `excluded` left out.
+    pub(crate) fn fused(q: &Acquire<'a>, excluded: &'a [&'a str]) -> Ask<'a> {
+        Ask {
+            kind: Kind::Fused,
+            route: q.route,
+            key: q.key,
+            windows: q.windows,
+            at_us: q.at_us,
+            cost: q.cost,
+            excluded,
+        }
+    }
+
+    /// Quota `q` alone.
+    pub(crate) fn quota(q: &Acquire<'a>) -> Ask<'a> {
+        Ask {
+            kind: Kind::Quota,
+            ..Ask::fused(q, &[])
+        }
+    }
+
+    /// `route`'s pool alone, least-used, `excluded` left out.
+    pub(crate) fn least_used(route: &'a str, excluded: &'a [&'a str]) -> Ask<'a> {
+        Ask {
+            kind: Kind::LeastUsed,
+            route,
+            key: "",
+            windows: &[],
+            at_us: None,
+            cost: 0,
+            excluded,
+        }
+    }
+}
 
 /// What a lane's requests share, and so what one call is for.
 struct LaneId {
+    kind: Kind,
     route: String,
     key: String,
     windows: Vec<Window>,
@@ -48,11 +111,31 @@ struct LaneId {
 }
 
 impl LaneId {
-    fn is(&self, q: &Acquire<'_>) -> bool {
-        self.route == q.route
-            && self.key == q.key
-            && self.at_us == q.at_us
-            && self.windows == q.windows
+    fn of(ask: &Ask<'_>) -> LaneId {
+        LaneId {
+            kind: ask.kind,
+            route: ask.route.to_string(),
+            key: ask.key.to_string(),
+            windows: ask.windows.to_vec(),
+            at_us: ask.at_us,
+        }
+    }
+
+    fn is(&self, ask: &Ask<'_>) -> bool {
+        self.kind == ask.kind
+            && self.route == ask.route
+            && self.key == ask.key
+            && self.at_us == ask.at_us
+            && self.windows == ask.windows
+    }
+
+    /// How many values each request's reply holds in the call's flat reply.
+    fn width(&self) -> usize {
+        match self.kind {
+            Kind::Fused => 4 + 2 * self.windows.len(),
+            Kind::Quota => 2 + 2 * self.windows.len(),
+            Kind::LeastUsed => 2,
+        }
     }
 }
 
@@ -70,27 +153,36 @@ struct Lane {
 
 /// The lanes of one store, by a hash of their id (a lookup allocates nothing; a lane's id is
 /// copied once, when it is created).
-pub(crate) struct FusedBatches {
+pub(crate) struct Batches {
     connection: Arc<RedisConnection>,
     scripts: Arc<Scripts>,
     keys: Arc<Keys>,
     lanes: Mutex<HashMap<u64, Vec<Lane>>>,
     hasher: RandomState,
+    /// Off: one call per request (`state.redis.batch: false`).
+    on: bool,
 }
 
-impl FusedBatches {
+impl Batches {
     pub(crate) fn new(
         connection: Arc<RedisConnection>,
         scripts: Arc<Scripts>,
         keys: Arc<Keys>,
-    ) -> FusedBatches {
-        FusedBatches {
+        on: bool,
+    ) -> Batches {
+        Batches {
             connection,
             scripts,
             keys,
             lanes: Mutex::new(HashMap::new()),
             hasher: RandomState::new(),
+            on,
         }
+    }
+
+    /// Whether requests that wait together share a call.
+    pub(crate) fn on(&self) -> bool {
+        self.on
     }
 
     fn lanes(&self) -> MutexGuard<'_, HashMap<u64, Vec<Lane>>> {
@@ -98,48 +190,25 @@ impl FusedBatches {
         self.lanes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn hash(&self, q: &Acquire<'_>) -> u64 {
-        self.hasher.hash_one((q.route, q.key, q.at_us))
+    fn hash(&self, ask: &Ask<'_>) -> u64 {
+        self.hasher
+            .hash_one((ask.kind, ask.route, ask.key, ask.at_us))
     }
 
-    /// Decides one request of quota `q` (its route's pool least-used, `excluded` left out), in
-    /// the next call of its lane. The reply is the request's own, as `fused_run.lua` gives it.
-    pub(crate) async fn decide(
-        self: &Arc<Self>,
-        q: &Acquire<'_>,
-        excluded: &[&str],
-    ) -> Result<Value, StoreError> {
+    /// Decides one request in the next call of its lane. The reply is the request's own, as its
+    /// script gives it for a call of one request.
+    pub(crate) async fn decide(self: &Arc<Self>, ask: Ask<'_>) -> Result<Value, StoreError> {
         let (tx, rx) = oneshot::channel();
         let waiter = Waiter {
-            cost: q.cost,
-            excluded: excluded.iter().map(|e| e.to_string()).collect(),
+            cost: ask.cost,
+            excluded: ask.excluded.iter().map(|e| e.to_string()).collect(),
             reply: tx,
         };
-        let hash = self.hash(q);
-        let spawn = {
-            let mut lanes = self.lanes();
-            let bucket = lanes.entry(hash).or_default();
-            match bucket.iter_mut().find(|lane| lane.id.is(q)) {
-                Some(lane) => {
-                    lane.waiting.push(waiter);
-                    None
-                }
-                None => {
-                    let id = Arc::new(LaneId {
-                        route: q.route.to_string(),
-                        key: q.key.to_string(),
-                        windows: q.windows.to_vec(),
-                        at_us: q.at_us,
-                    });
-                    bucket.push(Lane {
-                        id: id.clone(),
-                        waiting: vec![waiter],
-                    });
-                    Some(id)
-                }
-            }
-        };
-        if let Some(id) = spawn {
+        if !self.on {
+            let id = LaneId::of(&ask);
+            let reply = self.call(&id, std::slice::from_ref(&waiter)).await;
+            deliver(vec![waiter], id.width(), reply);
+        } else if let Some((hash, id)) = self.enqueue(&ask, waiter) {
             let batches = self.clone();
             tokio::spawn(async move { batches.run(hash, id).await });
         }
@@ -151,6 +220,28 @@ impl FusedBatches {
                 "the batched call ended without a reply".into(),
             )),
             Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// Queues `waiter` in its lane; the new lane's hash and id when there was none, for which a
+    /// task must be spawned.
+    fn enqueue(&self, ask: &Ask<'_>, waiter: Waiter) -> Option<(u64, Arc<LaneId>)> {
+        let hash = self.hash(ask);
+        let mut lanes = self.lanes();
+        let bucket = lanes.entry(hash).or_default();
+        match bucket.iter_mut().find(|lane| lane.id.is(ask)) {
+            Some(lane) => {
+                lane.waiting.push(waiter);
+                None
+            }
+            None => {
+                let id = Arc::new(LaneId::of(ask));
+                bucket.push(Lane {
+                    id: id.clone(),
+                    waiting: vec![waiter],
+                });
+                Some((hash, id))
+            }
         }
     }
 
@@ -166,7 +257,7 @@ impl FusedBatches {
                 continue;
             }
             let reply = self.call(&id, &batch).await;
-            deliver(batch, 4 + 2 * id.windows.len(), reply);
+            deliver(batch, id.width(), reply);
         }
     }
 
@@ -194,28 +285,60 @@ impl FusedBatches {
         )
     }
 
+    /// One call of the lane's script for `batch`, laid out as its driver reads several requests.
     async fn call(&self, id: &LaneId, batch: &[Waiter]) -> Result<Value, StoreError> {
-        let mut call = ScriptCall::new(
-            &self.scripts.library,
-            &self.scripts.fused,
-            2 + id.windows.len(),
-        );
-        call.key(&self.keys.quota_meta_parts(&id.route, &id.key));
-        for w in &id.windows {
-            call.key(&self.keys.quota_log_parts(&id.route, &w.name, &id.key));
-        }
-        call.key(&self.keys.pool_parts(&id.route));
-        match id.at_us {
-            Some(t) => call.arg(t),
-            None => call.arg(""),
+        let (library, keys) = (&self.scripts.library, &self.keys);
+        let mut call = match id.kind {
+            Kind::Fused | Kind::Quota => {
+                let (script, pool) = match id.kind {
+                    Kind::Fused => (&self.scripts.fused, 1),
+                    _ => (&self.scripts.quota, 0),
+                };
+                let mut call = ScriptCall::new(library, script, 1 + id.windows.len() + pool);
+                call.key(&keys.quota_meta_parts(&id.route, &id.key));
+                for w in &id.windows {
+                    call.key(&keys.quota_log_parts(&id.route, &w.name, &id.key));
+                }
+                if pool == 1 {
+                    call.key(&keys.pool_parts(&id.route));
+                } else {
+                    // quota_run.lua reads the first request's cost before the clock.
+                    call.arg(batch.first().map_or(0, |w| w.cost));
+                }
+                match id.at_us {
+                    Some(t) => call.arg(t),
+                    None => call.arg(""),
+                };
+                for w in &id.windows {
+                    call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                }
+                call
+            }
+            Kind::LeastUsed => {
+                let mut call = ScriptCall::new(library, &self.scripts.allocator, 1);
+                call.key(&keys.pool_parts(&id.route));
+                call.arg("assign");
+                call
+            }
         };
-        for w in &id.windows {
-            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
-        }
-        call.arg(batch.len());
-        for w in batch {
-            call.arg(w.cost);
-            call.excluded(&w.excluded);
+        match id.kind {
+            Kind::Fused => {
+                call.arg(batch.len());
+                for w in batch {
+                    call.arg(w.cost);
+                    call.excluded(&w.excluded);
+                }
+            }
+            Kind::Quota => {
+                for w in batch.iter().skip(1) {
+                    call.arg(w.cost);
+                }
+            }
+            Kind::LeastUsed => {
+                for w in batch {
+                    call.excluded(&w.excluded);
+                }
+            }
         }
         let call = &call;
         self.connection
@@ -242,7 +365,7 @@ fn deliver(batch: Vec<Waiter>, width: usize, reply: Result<Value, StoreError>) {
             let error = match other {
                 Err(e) => e,
                 Ok(_) => StoreError::Backend(format!(
-                    "the fused script did not answer each of the {n} requests"
+                    "the batched script did not answer each of the {n} requests"
                 )),
             };
             for w in batch {
@@ -256,7 +379,7 @@ fn deliver(batch: Vec<Waiter>, width: usize, reply: Result<Value, StoreError>) {
 /// do not queue behind a task that is gone. A lane removed already, or replaced by a new one of
 /// the same id, is left alone.
 struct LaneGuard<'a> {
-    batches: &'a FusedBatches,
+    batches: &'a Batches,
     hash: u64,
     id: &'a Arc<LaneId>,
 }

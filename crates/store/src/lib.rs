@@ -10,8 +10,8 @@
 //! - the Redis key schema (SPEC §6), in [`keys`];
 //! - how the Lua scripts in `lua/` are assembled and answered, in [`scripts`], and how one
 //!   call is written and sent (`FCALL`, or `EVALSHA`), in `call.rs`;
-//! - the fused calls that decide every request of a route and quota key waiting together, in
-//!   `batch.rs`.
+//! - the calls that decide every request of a route (and quota key) waiting together, in
+//!   `batch.rs`, and the settlements', in `settle_batch.rs`.
 //!
 //! At most one script call per request (requests that wait together share one), time from
 //! Redis `TIME`.

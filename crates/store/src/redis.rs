@@ -2,8 +2,8 @@
 //! same assignment counts, member windows and cooldowns. Each request costs at most one call
 //! (`FCALL`, or `EVALSHA` where Redis takes no functions): the quota script, the allocator
 //! script, both fused into one, or (with member windows, cooldowns or a preference order) the
-//! assign script, which does all of it. A fused call decides every request of its route and
-//! quota key that waits for one (batch.rs).
+//! assign script, which does all of it. A quota, allocator or fused call decides every request of
+//! its route (and quota key) that waits for one (batch.rs).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +21,7 @@ use sluice_limiter::{
     MAX_AMOUNT,
 };
 
-use crate::batch::FusedBatches;
+use crate::batch::{Ask, Batches};
 
 /// A route's sticky keys (`lua/sticky.lua`): expiries (`sz`), session → member (`sh`), and the
 /// counters (`sc`).
@@ -48,8 +48,9 @@ pub struct RedisStore {
     connection: Arc<RedisConnection>,
     scripts: Arc<Scripts>,
     keys: Arc<Keys>,
-    /// The fused quota + least-used calls, batched per route and quota key.
-    fused: Arc<FusedBatches>,
+    /// The fused quota + least-used calls and the plain quota ones, batched per route and quota
+    /// key; the plain least-used ones, per route (batch.rs).
+    batches: Arc<Batches>,
     /// Settlements, batched per route (and, on Cluster, per client's slot).
     settles: Arc<SettleBatches>,
 }
@@ -79,15 +80,29 @@ impl RedisStore {
                 scripts.clone(),
                 keys.clone(),
             )),
-            fused: Arc::new(FusedBatches::new(
+            batches: Arc::new(Batches::new(
                 connection.clone(),
                 scripts.clone(),
                 keys.clone(),
+                true,
             )),
             connection,
             scripts,
             keys,
         }
+    }
+
+    /// With `false`, every request makes its own call, and so does each settlement (for
+    /// comparing latency and for debugging); by default, requests of one route that wait for
+    /// a call together share one (batch.rs, settle_batch.rs).
+    pub fn with_batching(mut self, on: bool) -> RedisStore {
+        self.batches = Arc::new(Batches::new(
+            self.connection.clone(),
+            self.scripts.clone(),
+            self.keys.clone(),
+            on,
+        ));
+        self
     }
 
     /// The key schema this store writes.
@@ -631,16 +646,12 @@ impl RedisStore {
         Ok(with_client(decided?, mine))
     }
 
-    /// One request against its route's quota alone: the quota script.
+    /// One request against its route's quota alone: the quota script, with the other requests
+    /// of its route and quota key that wait for a call (batch.rs).
     async fn route_acquire(&self, req: &Acquire<'_>) -> Result<Outcome, StoreError> {
-        let mut call = ScriptCall::new(
-            &self.scripts.library,
-            &self.scripts.quota,
-            1 + req.windows.len(),
-        );
-        self.push_quota_keys(&mut call, req);
-        call.quota_args(req);
-        let reply: Vec<i64> = self.invoke(&call).await?;
+        let reply = self.batches.decide(Ask::quota(req)).await?;
+        let reply: Vec<i64> = redis::from_redis_value(reply)
+            .map_err(|e| StoreError::Backend(format!("unexpected quota reply: {e}")))?;
         scripts::parse_quota(&reply, req.windows.len())
     }
 
@@ -773,14 +784,15 @@ impl RedisStore {
 
     /// A least-used assignment with no member windows and no cooldowns: the allocator script,
     /// or the fused one with a route quota (fewer commands than the general script), which
-    /// goes with the other requests of its route and quota key that wait for a call
+    /// goes with the other requests of its route (and quota key) that wait for a call
     /// (batch.rs).
     async fn least_used_once(&self, ask: &Assign<'_>) -> Result<Option<Assignment>, StoreError> {
         let quota = self.quota_of(ask);
         let reply = match &quota {
-            None => self.allocator(ask.route, &["assign"], ask.excluded).await?,
-            Some(q) => self.fused.decide(q, ask.excluded).await?,
+            None => Ask::least_used(ask.route, ask.excluded),
+            Some(q) => Ask::fused(q, ask.excluded),
         };
+        let reply = self.batches.decide(reply).await?;
         scripts::parse_assignment(&reply, quota.map(|q| q.windows.len()))
     }
 
@@ -904,8 +916,14 @@ impl StateStore for RedisStore {
                 (Owner::Client, true) => first.key,
                 _ => "",
             };
-            let items = group.iter().map(|&i| Owned::of(&settlements[i])).collect();
-            let states = self.settles.settle(route, tag, items, at_us).await?;
+            let states = if self.batches.on() {
+                let items = group.iter().map(|&i| Owned::of(&settlements[i])).collect();
+                self.settles.settle(route, tag, items, at_us).await?
+            } else {
+                let group: Vec<&Settle<'_>> = group.iter().map(|&i| &settlements[i]).collect();
+                let (c, s, k) = (&self.connection, &self.scripts, &self.keys);
+                settle_call(c, s, k, route, &group, at_us).await?
+            };
             for (i, states) in group.into_iter().zip(states) {
                 out[i] = states;
             }

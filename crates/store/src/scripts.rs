@@ -66,12 +66,12 @@ impl Library {
 pub struct Scripts {
     /// Every operation below, as one function library.
     pub library: Library,
-    /// One request against one quota key.
+    /// One or more requests against one quota key (batch.rs).
     pub quota: StateScript,
     /// One request against its route's quota and its client's own windows together; on Redis
     /// Cluster, the client's windows alone, and the give-back of their charge.
     pub client: StateScript,
-    /// Least-used `assign`, `sync` and `restore` on one pool.
+    /// Least-used `assign` (one or more requests, batch.rs), `sync` and `restore` on one pool.
     pub allocator: StateScript,
     /// Quota and least-used assignment in one atomic call, for one or more requests of one
     /// route and quota key (batch.rs).

@@ -1,5 +1,7 @@
 //! The Redis store decides the quota + least-used requests of one route and quota key that wait
-//! together in one script call (crates/store/src/batch.rs, lua/fused_run.lua). Each request must
+//! together in one script call (crates/store/src/batch.rs, lua/fused_run.lua), and so the plain
+//! quota ones (lua/quota_run.lua) and the plain least-used ones of a route
+//! (lua/allocator_run.lua); `with_batching(false)` makes a call per request. Each request must
 //! be decided exactly as if it had come alone: these tests hold every answer of a batched run to
 //! the memory store's sequential ones, and to the Redis store's own sequential ones, request by
 //! request, over random traces (proptest) of groups of requests that arrive together, with
@@ -19,7 +21,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
-use sluice_limiter::{Acquire, Window};
+use sluice_limiter::{Acquire, Outcome, Window};
 use sluice_store::{RedisConnection, RedisStore, RedisStoreConfig};
 use sluice_testkit::{RedisCluster, RedisServer};
 
@@ -136,6 +138,53 @@ async fn together<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
     outputs.into_iter().map(|o| o.unwrap()).collect()
 }
 
+/// `futures` all at once (each first poll before any second), or one after another.
+async fn all<F: Future>(futures: Vec<F>, at_once: bool) -> Vec<F::Output> {
+    if at_once {
+        return together(futures).await;
+    }
+    let mut outputs = Vec::new();
+    for f in futures {
+        outputs.push(f.await);
+    }
+    outputs
+}
+
+/// Polls each of `futures` once: each queues for its call (the first of a lane also starts the
+/// call's task, which has not run yet), and none is answered before it.
+async fn queue<F: Future + Unpin>(futures: &mut [F]) {
+    std::future::poll_fn(|cx| {
+        for f in futures.iter_mut() {
+            assert!(
+                Pin::new(&mut *f).poll(cx).is_pending(),
+                "no answer before the call"
+            );
+        }
+        Poll::Ready(())
+    })
+    .await;
+}
+
+/// The assignments counted in `route`'s pool, all members together.
+async fn counted(store: &dyn StateStore, route: &str) -> u64 {
+    store
+        .counts(route)
+        .await
+        .unwrap()
+        .iter()
+        .map(|(_, c)| c)
+        .sum()
+}
+
+/// The first `n` of MEMBER_IDS, as members and as ids.
+fn pool(n: usize) -> (Vec<PoolMember>, Vec<Arc<str>>) {
+    let ids = &MEMBER_IDS[..n];
+    (
+        ids.iter().map(|m| PoolMember::new(*m)).collect(),
+        ids.iter().map(|m| Arc::from(*m)).collect(),
+    )
+}
+
 /// The group's requests on `store`: all at once, or one after another.
 async fn decide(
     store: &dyn StateStore,
@@ -175,16 +224,8 @@ async fn decide(
             sticky: None,
         })
         .collect();
-    let results = if at_once {
-        together(asks.into_iter().map(|a| store.assign(a)).collect()).await
-    } else {
-        let mut results = Vec::new();
-        for a in asks {
-            results.push(store.assign(a).await);
-        }
-        results
-    };
-    results
+    all(asks.into_iter().map(|a| store.assign(a)).collect(), at_once)
+        .await
         .into_iter()
         .map(|r| r.map_err(|e| TestCaseError::fail(format!("store error {e}"))))
         .collect()
@@ -477,17 +518,7 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
         redis.sync(route, &ids, &[]).await.unwrap();
         let before = script_calls(&server);
         let mut asks: Vec<_> = (0..3).map(|_| redis.assign(ask)).collect();
-        // Each request queues (the first also starts the call's task, which has not run yet).
-        std::future::poll_fn(|cx| {
-            for a in asks.iter_mut() {
-                assert!(
-                    a.as_mut().poll(cx).is_pending(),
-                    "no answer before the call"
-                );
-            }
-            Poll::Ready(())
-        })
-        .await;
+        queue(&mut asks).await;
         drop(asks.remove(1));
         let answers = together(asks).await;
         assert_eq!(script_calls(&server) - before, 1, "one call for both");
@@ -499,14 +530,7 @@ fn a_request_that_gives_up_before_its_call_leaves_is_not_charged() {
             })
             .collect();
         assert_eq!(remaining, [9, 8], "two requests charged");
-        let counted: u64 = redis
-            .counts(route)
-            .await
-            .unwrap()
-            .iter()
-            .map(|(_, c)| c)
-            .sum();
-        assert_eq!(counted, 2, "two requests counted");
+        assert_eq!(counted(&redis, route).await, 2, "two requests counted");
     });
 }
 
@@ -626,4 +650,301 @@ fn every_request_of_a_call_that_finds_no_pool_is_synced_and_decided() {
             assert_eq!(counted, n as u64);
         }
     }
+}
+
+/// A quota of two windows that 40 requests overrun: costs of 1 mostly, some reads (0), some of
+/// 3 and one that can never fit.
+fn plain_quota_trace() -> (Vec<Window>, Vec<u64>) {
+    let windows = vec![
+        Window {
+            name: "short".into(),
+            limit: 25,
+            length_us: 4 * UNIT,
+        },
+        Window {
+            name: "long".into(),
+            limit: 30,
+            length_us: 8 * UNIT,
+        },
+    ];
+    let costs = (0..40u64)
+        .map(|i| match i % 10 {
+            3 => 0,
+            7 => 3,
+            _ if i == 11 => 1_000,
+            _ => 1,
+        })
+        .collect();
+    (windows, costs)
+}
+
+/// A request of `cost` against `route`'s quota alone.
+fn plain_quota<'a>(route: &'a str, windows: &'a [Window], cost: u64, now: u64) -> Acquire<'a> {
+    Acquire {
+        route,
+        key: "k",
+        windows,
+        cost,
+        at_us: Some(now),
+        client: None,
+    }
+}
+
+/// A plain least-used request on `route`, leaving out `excluded`.
+fn plain_least_used<'a>(
+    route: &'a str,
+    members: &'a [PoolMember],
+    excluded: &'a [&'a str],
+) -> Assign<'a> {
+    Assign {
+        route,
+        members,
+        order: Order::LeastUsed,
+        excluded,
+        quota: None,
+        cost: 1,
+        cooldowns: false,
+        at_us: None,
+        lease: None,
+        sticky: None,
+    }
+}
+
+/// Requests of `costs` against `route`'s quota alone: all at once, or one after another.
+async fn acquire_all(
+    store: &dyn StateStore,
+    route: &str,
+    windows: &[Window],
+    costs: &[u64],
+    now: u64,
+    at_once: bool,
+) -> Vec<Outcome> {
+    let asks = costs
+        .iter()
+        .map(|&cost| store.acquire(plain_quota(route, windows, cost, now)));
+    let results = all(asks.collect(), at_once).await;
+    results.into_iter().map(|r| r.expect("decided")).collect()
+}
+
+/// Plain least-used requests on `route`, each leaving out its own members: all at once, or one
+/// after another.
+async fn least_used_all(
+    store: &dyn StateStore,
+    route: &str,
+    members: &[PoolMember],
+    excluded: &[Vec<&str>],
+    at_once: bool,
+) -> Vec<Assignment> {
+    let asks = excluded
+        .iter()
+        .map(|excluded| store.assign(plain_least_used(route, members, excluded)));
+    let results = all(asks.collect(), at_once).await;
+    results.into_iter().map(|r| r.expect("decided")).collect()
+}
+
+/// One plain quota request and one plain least-used request, so that their scripts are loaded
+/// (by EVALSHA each is loaded on its first call) before calls are counted.
+fn warm_up_plain(rt: &tokio::runtime::Runtime, redis: &RedisStore) {
+    let (windows, _) = plain_quota_trace();
+    let (members, _) = pool(1);
+    let route = "warm-up-plain";
+    rt.block_on(acquire_all(redis, route, &windows, &[1], 1, false));
+    rt.block_on(least_used_all(redis, route, &members, &[vec![]], false));
+}
+
+/// 40 requests of a route with a quota and no selection, arriving together, are decided as the
+/// memory store decides them one after another (the limit admits exactly its units), in two
+/// calls of at most MAX_BATCH requests when batching is on, and in one call each when off.
+fn plain_quota_requests_share_calls(server: &RedisServer, url: String, batching: bool) {
+    let rt = runtime();
+    let redis = redis_store(url).with_batching(batching);
+    warm_up_plain(&rt, &redis);
+    let (windows, costs) = plain_quota_trace();
+    let route = fresh_route();
+    let now = 1_000_000_000;
+    let before = script_calls(server);
+    let batched = rt.block_on(acquire_all(&redis, &route, &windows, &costs, now, true));
+    let made = script_calls(server) - before;
+    let memory = MemoryStore::new();
+    let expected = rt.block_on(acquire_all(&memory, &route, &windows, &costs, now, false));
+    assert_eq!(batched, expected, "batching {batching}");
+    let units: u64 = costs
+        .iter()
+        .zip(&batched)
+        .filter(|(_, o)| o.admitted)
+        .map(|(c, _)| c)
+        .sum();
+    assert_eq!(units, 25, "the short window's limit, exactly");
+    assert_eq!(made, if batching { 2 } else { 40 }, "batching {batching}");
+}
+
+#[test]
+fn plain_quota_requests_that_wait_together_share_a_call() {
+    let server = RedisServer::start();
+    plain_quota_requests_share_calls(&server, server.url(), true);
+    plain_quota_requests_share_calls(&server, server.url_without_functions(), true);
+}
+
+#[test]
+fn plain_quota_requests_make_a_call_each_with_batching_off() {
+    let server = RedisServer::start();
+    plain_quota_requests_share_calls(&server, server.url(), false);
+}
+
+/// Plain least-used requests of one route arriving together (40 alike, then groups that pick
+/// one by one and on a view of the pool, with members left out) are decided as the memory store
+/// decides them one after another: after the 40, the members' counts differ by at most one. In
+/// one call per MAX_BATCH requests when batching is on, one call each when off.
+fn plain_least_used_requests_share_calls(server: &RedisServer, url: String, batching: bool) {
+    let rt = runtime();
+    let redis = redis_store(url).with_batching(batching);
+    warm_up_plain(&rt, &redis);
+    let memory = MemoryStore::new();
+    let route = fresh_route();
+    let (members, ids) = pool(3);
+    rt.block_on(redis.sync(&route, &ids, &[])).unwrap();
+    let groups: [Vec<Vec<&str>>; 3] = [
+        vec![Vec::new(); 40],
+        (0..4u16).map(|i| excluded_ids(i * 3 % 8)).collect(),
+        (0..12u16).map(|i| excluded_ids(i * 3 % 8)).collect(),
+    ];
+    for (g, excluded) in groups.iter().enumerate() {
+        let before = script_calls(server);
+        let batched = rt.block_on(least_used_all(&redis, &route, &members, excluded, true));
+        let made = script_calls(server) - before;
+        let expected = rt.block_on(least_used_all(&memory, &route, &members, excluded, false));
+        assert_eq!(batched, expected, "group {g}, batching {batching}");
+        let calls = if batching {
+            excluded.len().div_ceil(32)
+        } else {
+            excluded.len()
+        };
+        assert_eq!(made, calls as u64, "group {g}, batching {batching}");
+        if g == 0 {
+            let counts = rt.block_on(redis.counts(&route)).unwrap();
+            let counts: Vec<u64> = counts.into_iter().map(|(_, c)| c).collect();
+            assert_eq!(counts.iter().sum::<u64>(), 40, "{counts:?}");
+            let (least, most) = (counts.iter().min(), counts.iter().max());
+            assert!(most.unwrap() - least.unwrap() <= 1, "{counts:?}");
+        }
+    }
+}
+
+#[test]
+fn plain_least_used_requests_that_wait_together_share_a_call() {
+    let server = RedisServer::start();
+    plain_least_used_requests_share_calls(&server, server.url(), true);
+    plain_least_used_requests_share_calls(&server, server.url_without_functions(), true);
+}
+
+#[test]
+fn plain_least_used_requests_make_a_call_each_with_batching_off() {
+    let server = RedisServer::start();
+    plain_least_used_requests_share_calls(&server, server.url(), false);
+}
+
+/// A plain quota or plain least-used request that gives up while it waits for its call is taken
+/// out of the call before it leaves: neither charged nor counted.
+#[test]
+fn a_plain_request_that_gives_up_before_its_call_leaves_is_not_charged() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = redis_store(server.url());
+    warm_up_plain(&rt, &redis);
+    let windows = [Window {
+        name: "w".into(),
+        limit: 10,
+        length_us: 4 * UNIT,
+    }];
+    let (members, ids) = pool(MEMBER_IDS.len());
+    let route = "plain-gives-up";
+    let quota = plain_quota(route, &windows, 1, 1_000_000_000);
+    let assign = plain_least_used(route, &members, &[]);
+    rt.block_on(async {
+        redis.sync(route, &ids, &[]).await.unwrap();
+        let before = script_calls(&server);
+        let mut acquires: Vec<_> = (0..3).map(|_| redis.acquire(quota)).collect();
+        let mut assigns: Vec<_> = (0..3).map(|_| redis.assign(assign)).collect();
+        queue(&mut acquires).await;
+        queue(&mut assigns).await;
+        drop(acquires.remove(1));
+        drop(assigns.remove(1));
+        let remaining: Vec<u64> = together(acquires)
+            .await
+            .into_iter()
+            .map(|o| o.unwrap().windows[0].remaining)
+            .collect();
+        assert_eq!(remaining, [9, 8], "two requests charged");
+        let assigned = together(assigns).await;
+        assert!(assigned
+            .iter()
+            .all(|a| matches!(a, Ok(Assignment::Assigned { .. }))));
+        assert_eq!(script_calls(&server) - before, 2, "one call of each kind");
+        assert_eq!(counted(&redis, route).await, 2, "two requests counted");
+    });
+}
+
+/// Plain least-used requests whose call finds no pool (first use, Redis restarted empty) are
+/// each told to sync it, in rows of two, and each is then decided.
+#[test]
+fn every_plain_least_used_request_of_a_call_that_finds_no_pool_is_decided() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = redis_store(server.url());
+    warm_up_plain(&rt, &redis);
+    let (members, _) = pool(3);
+    for n in [1, 2, 7] {
+        let route = fresh_route();
+        let excluded = vec![Vec::new(); n];
+        let answers = rt.block_on(least_used_all(&redis, &route, &members, &excluded, true));
+        assert!(
+            answers
+                .iter()
+                .all(|a| matches!(a, Assignment::Assigned { .. })),
+            "{n} requests: {answers:?}"
+        );
+        assert_eq!(rt.block_on(counted(&redis, &route)), n as u64);
+    }
+}
+
+/// With batching off, quota + least-used requests that arrive together make a call each, and are
+/// decided as the memory store decides them one after another.
+#[test]
+fn fused_requests_make_a_call_each_with_batching_off() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = redis_store(server.url()).with_batching(false);
+    warm_up(&rt, &redis);
+    let route = fresh_route();
+    let windows = vec![Window {
+        name: "w".into(),
+        limit: 3,
+        length_us: 4 * UNIT,
+    }];
+    let group = Group {
+        after_us: 0,
+        requests: (0..5)
+            .map(|i| Request {
+                cost: 1,
+                excluded: i,
+            })
+            .collect(),
+    };
+    let (members, ids) = pool(3);
+    rt.block_on(redis.sync(&route, &ids, &[])).unwrap();
+    let now = 1_000_000_000;
+    let before = script_calls(&server);
+    let batched = rt
+        .block_on(decide(
+            &redis, &route, &members, &windows, &group, now, true,
+        ))
+        .unwrap();
+    assert_eq!(script_calls(&server) - before, 5, "a call each");
+    let memory = MemoryStore::new();
+    let expected = rt
+        .block_on(decide(
+            &memory, &route, &members, &windows, &group, now, false,
+        ))
+        .unwrap();
+    assert_eq!(batched, expected);
 }
