@@ -658,12 +658,14 @@ impl HealthCheck {
         }
     }
 
-    /// A check that reacts fast, as the tests want: every `interval`, a 500 ms timeout,
-    /// `rise` and `fall` as given.
+    /// A check that reacts fast, as the tests want: every `interval`, `rise` and `fall` as
+    /// given. Its timeout is long (5 s): the tests take members down with a 503 or a refused
+    /// connection, which fail at once, while with `fall: 1` a short timeout would take a
+    /// healthy member out whenever a loaded machine delays one answer.
     pub fn fast_http(interval: &str, rise: u32, fall: u32) -> HealthCheck {
         HealthCheck::http("/healthz")
             .interval(interval)
-            .timeout("500ms")
+            .timeout("5s")
             .rise(rise)
             .fall(fall)
     }
