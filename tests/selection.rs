@@ -19,9 +19,12 @@ fn url(addr: SocketAddr) -> String {
 fn state(redis: Option<&RedisServer>) -> String {
     match redis {
         None => String::new(),
+        // The tests' generous call timeout: a slower call on a loaded machine must not become
+        // a store error, which `on_store_error: open` admits uncounted.
         Some(r) => format!(
-            "state:\n  backend: redis\n  redis:\n    url: \"{}\"\n    timeout: 1s\n",
-            r.url()
+            "state:\n  backend: redis\n  redis:\n    url: \"{}\"\n    timeout: {}\n",
+            r.url(),
+            support::config::REDIS_TIMEOUT
         ),
     }
 }
@@ -47,11 +50,14 @@ async fn get(gw: &Gateway) -> support::Response {
 async fn priority_prefers_the_first_healthy_member(redis: Option<&RedisServer>) {
     let backends = start_backends(&["primary", "backup", "last"]).await;
     let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    // The check's timeout is long: the primary fails its checks with a 503 at once, and with
+    // `fall: 1` one check a loaded machine delayed past a short timeout would take the healthy
+    // primary out.
     let gw = Gateway::start_with_ports(&config(
         &state(redis),
         "priority",
         &members,
-        "      health_check:\n        kind: http\n        path: /healthz\n        interval: 100ms\n        timeout: 1s\n        rise: 1\n        fall: 1\n",
+        "      health_check:\n        kind: http\n        path: /healthz\n        interval: 100ms\n        timeout: 5s\n        rise: 1\n        fall: 1\n",
         "",
     ));
     for _ in 0..10 {
@@ -69,7 +75,7 @@ async fn priority_prefers_the_first_healthy_member(redis: Option<&RedisServer>) 
     // The primary stops answering its checks: the backup takes every request.
     backends[0].set_healthy(false);
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             gw.metric("sluice_member_healthy", &[("member", &members[0])])
                 .await
                 == Some(0.0)
@@ -92,7 +98,7 @@ async fn priority_prefers_the_first_healthy_member(redis: Option<&RedisServer>) 
     // Back up: traffic returns to the primary.
     backends[0].set_healthy(true);
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             gw.metric("sluice_member_healthy", &[("member", &members[0])])
                 .await
                 == Some(1.0)
@@ -147,13 +153,15 @@ async fn a_quota_refusal_gives_a_down_members_trial_back(redis: Option<&RedisSer
     let backends = start_backends(&["steady"]).await;
     let late: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let members = vec![url(late), url(backends[0].local_addr())];
-    let window = Duration::from_secs(4);
+    // The window outlasts the refused requests below (2.5 s) by far: a request sent just
+    // before 2.5 s that a loaded machine delays must still find the window full.
+    let window = Duration::from_secs(8);
     let gw = Gateway::start_with_ports(&config(
         &state(redis),
         "least_used",
         &members,
         "      passive:\n        fall: 1\n        cooldown: 1s\n",
-        "    quota:\n      windows:\n        - { name: w, limit: 3, window: 4s }\n",
+        "    quota:\n      windows:\n        - { name: w, limit: 3, window: 8s }\n",
     ));
     let started = Instant::now();
     // Least-used tries every member within the first two requests, so `late` is found down.
