@@ -63,7 +63,8 @@ async fn capped_on(state: State, instances: usize) {
         .expect("the builder writes routes last")
         .to_string();
     // `plain` has no lease of its own (round-robin, no cap), `lif` counts its members'. A
-    // lease_ttl of 1 s, which the held requests outlive: their renewals keep them counting.
+    // lease_ttl of 2 s, which the held requests outlive: their renewals keep them counting. (At
+    // 1 s, a renewal a loaded machine delayed by two thirds of a second lost the lease.)
     let yaml = format!(
         "{base}clients:
   list:
@@ -78,14 +79,14 @@ routes:
   - name: plain
     match: {{ hosts: [plain.test] }}
     upstream:
-      lease_ttl: 1s
+      lease_ttl: 2s
       members:
         - {{ name: m1, url: \"{one}\" }}
   - name: lif
     match: {{ hosts: [lif.test] }}
     upstream:
       selection: least_in_flight
-      lease_ttl: 1s
+      lease_ttl: 2s
       members:
         - {{ name: m2, url: \"{two}\" }}
 "
@@ -105,7 +106,7 @@ routes:
                     "GET",
                     host,
                     "/",
-                    &[("Proxy-Authorization", &auth), ("x-delay-ms", "6000")],
+                    &[("Proxy-Authorization", &auth), ("x-delay-ms", "15000")],
                     b"",
                 )
                 .await
@@ -114,13 +115,14 @@ routes:
         .collect();
     let total = |b: &[EchoServer]| b.iter().map(EchoServer::in_flight).sum::<u64>();
     assert!(
-        wait_until(Duration::from_secs(10), || total(&backends) == 2).await,
+        wait_until(Duration::from_secs(20), || total(&backends) == 2).await,
         "both held requests reach their members"
     );
     let started = std::time::Instant::now();
     let mut rounds = 0u64;
-    // Checked again and again until the holds are past two lease_ttls (they last 6 s).
-    while rounds == 0 || started.elapsed() < Duration::from_millis(2500) {
+    // Checked again and again until the holds are past two lease_ttls. They last 15 s, far
+    // longer than the last round can end even on a loaded machine.
+    while rounds == 0 || started.elapsed() < Duration::from_millis(4500) {
         rounds += 1;
         for gw in &gws {
             check_refused(gw).await;
@@ -141,7 +143,7 @@ routes:
     // land, through every gateway.
     for gw in &gws {
         assert!(
-            wait_until_async(Duration::from_secs(10), || async {
+            wait_until_async(Duration::from_secs(20), || async {
                 call(gw, "plain.test", BILLING, 0).await.status == 200
             })
             .await

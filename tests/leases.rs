@@ -157,7 +157,7 @@ async fn least_in_flight_on(store: Shared) {
                 (0..3).map(|m| (format!("m{}", m + 1), counts[m])).collect();
             for gw in &gws {
                 assert!(
-                    wait_until_async(Duration::from_secs(10), || async {
+                    wait_until_async(Duration::from_secs(20), || async {
                         in_flight(gw, "lif").await == want
                     })
                     .await,
@@ -168,11 +168,21 @@ async fn least_in_flight_on(store: Shared) {
         }
         let gw = &gws[i % gws.len()];
         let addr = gw.proxy_addr();
+        // Held 15 s: the whole sequence of seven, with its /status polls, must end before the
+        // first of them does, on a loaded machine too.
         held.push(tokio::spawn(async move {
-            request(addr, "GET", "lif.test", "/", &[("x-delay-ms", "9000")], b"").await
+            request(
+                addr,
+                "GET",
+                "lif.test",
+                "/",
+                &[("x-delay-ms", "15000")],
+                b"",
+            )
+            .await
         }));
         assert!(
-            wait_until(Duration::from_secs(5), || total(&backends) == i as u64 + 1).await,
+            wait_until(Duration::from_secs(20), || total(&backends) == i as u64 + 1).await,
             "request {i} reached its member"
         );
         // The fewest, ties to the smallest name.
@@ -204,7 +214,7 @@ async fn least_in_flight_on(store: Shared) {
     // Every answer is done: each lease is released, on every gateway's view.
     for gw in &gws {
         assert!(
-            wait_until_async(Duration::from_secs(10), || async {
+            wait_until_async(Duration::from_secs(20), || async {
                 in_flight(gw, "lif").await.iter().all(|(_, n)| *n == 0)
             })
             .await,
@@ -255,8 +265,10 @@ async fn max_in_flight_on(store: Shared) {
         let burst: Vec<_> = (0..12)
             .map(|i| {
                 let addr = gws[i % gws.len()].proxy_addr();
+                // Held 3 s: the twelve must overlap, however slowly a loaded machine sends
+                // them, for some to find the caps full.
                 tokio::spawn(async move {
-                    request(addr, "GET", host, "/", &[("x-delay-ms", "800")], b"").await
+                    request(addr, "GET", host, "/", &[("x-delay-ms", "3000")], b"").await
                 })
             })
             .collect();
@@ -293,7 +305,7 @@ async fn max_in_flight_on(store: Shared) {
         assert!(peaks <= cap, "{host}: {peaks} > {cap}");
         // The leases are back once the answers are done: the next request goes.
         assert!(
-            wait_until_async(Duration::from_secs(10), || async {
+            wait_until_async(Duration::from_secs(20), || async {
                 slow(&gws[0], host, 0).await.status == 200
             })
             .await
@@ -365,14 +377,14 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
     match: {{ hosts: [crash.test] }}
     upstream:
       selection: least_in_flight
-      lease_ttl: 2s
+      lease_ttl: 10s
       max_in_flight: 1
       members:
         - {{ name: m1, url: \"{one}\" }}
   - name: renew
     match: {{ hosts: [renew.test] }}
     upstream:
-      lease_ttl: 1s
+      lease_ttl: 2s
       max_in_flight: 1
       members:
         - {{ name: m1, url: \"{two}\" }}
@@ -394,8 +406,10 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
         )
         .await;
     });
-    assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+    assert!(wait_until(Duration::from_secs(20), || backends[0].in_flight() == 1).await);
     doomed.signal("KILL");
+    // The dead gateway's lease lives 10 s: long enough that this request finds it even when a
+    // loaded machine delays it, short enough to wait for below.
     let refused = slow(&survivor, "crash.test", 0).await;
     assert_eq!(refused.status, 429, "the dead gateway's lease still counts");
     assert_eq!(
@@ -403,15 +417,16 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
         Some("concurrency_exceeded")
     );
     assert!(
-        wait_until_async(Duration::from_secs(15), || async {
+        wait_until_async(Duration::from_secs(30), || async {
             slow(&survivor, "crash.test", 0).await.status == 200
         })
         .await,
         "the lease expired at lease_ttl and capacity came back"
     );
 
-    // A request held 4 s on a route whose leases live 1 s: renewed at a third of the ttl, its
-    // lease outlives the ttl while it runs.
+    // A request held 15 s on a route whose leases live 2 s: renewed at a third of the ttl, its
+    // lease outlives the ttl while it runs. The hold is far longer than the steps below take
+    // even on a loaded machine, so the request is still at its member when they check.
     let addr = survivor.proxy_addr();
     let long = tokio::spawn(async move {
         request(
@@ -419,12 +434,12 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
             "GET",
             "renew.test",
             "/",
-            &[("x-delay-ms", "4000")],
+            &[("x-delay-ms", "15000")],
             b"",
         )
         .await
     });
-    assert!(wait_until(Duration::from_secs(5), || backends[1].in_flight() == 1).await);
+    assert!(wait_until(Duration::from_secs(20), || backends[1].in_flight() == 1).await);
     let redis = store
         ._store
         .as_ref()
@@ -440,8 +455,8 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
     // Renewed until its expiry is a whole ttl past the first: each renewal found it alive (an
     // expired lease is dropped before renewals, never taken back), so it outlived its ttl.
     assert!(
-        wait_until(Duration::from_secs(5), || {
-            expiry().is_some_and(|e| e >= taken + 1_000_000.0)
+        wait_until(Duration::from_secs(20), || {
+            expiry().is_some_and(|e| e >= taken + 2_000_000.0)
         })
         .await,
         "the lease was renewed past its ttl: {taken} -> {:?}",
@@ -461,7 +476,7 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
     );
     assert_eq!(long.await.unwrap().status, 200);
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             slow(&survivor, "renew.test", 0).await.status == 200
         })
         .await
@@ -503,7 +518,7 @@ async fn a_tunnel_holds_its_lease_until_it_closes(backend: Backend) {
     );
     drop(tunnel);
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             let (_, r) = support::open_tunnel(last.proxy_addr(), &target, true).await;
             r.status == 200
         })
@@ -552,9 +567,11 @@ async fn a_route_at_its_cap_falls_back_on_concurrency_exceeded(backend: Backend)
     let gws = gateways(&store, &yaml);
     let addr = gws[0].proxy_addr();
     let held = tokio::spawn(async move {
-        request(addr, "GET", "a.test", "/", &[("x-delay-ms", "3000")], b"").await
+        // Held far longer than the next request takes even on a loaded machine: it must find
+        // the one slot taken.
+        request(addr, "GET", "a.test", "/", &[("x-delay-ms", "10000")], b"").await
     });
-    assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+    assert!(wait_until(Duration::from_secs(20), || backends[0].in_flight() == 1).await);
     let last = gws.last().expect("a gateway");
     let r = slow(last, "a.test", 0).await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -598,7 +615,7 @@ async fn the_wake_up_delay_after_a_release_is_measured() {
     );
     let gws = gateways(&store, &yaml);
     let mut delays = Vec::new();
-    for _ in 0..10 {
+    for round in 0..10u64 {
         let holder_addr = gws[0].proxy_addr();
         let holder = tokio::spawn(async move {
             let r = request(
@@ -612,7 +629,13 @@ async fn the_wake_up_delay_after_a_release_is_measured() {
             .await;
             (r.status, std::time::Instant::now())
         });
-        assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+        // Received (each round's holder and waiter before it), not in flight: a 300 ms hold can
+        // end between two polls on a loaded machine.
+        assert!(
+            wait_until(Duration::from_secs(20), || backends[0].proxied_requests()
+                == 2 * round + 1)
+            .await
+        );
         let waiter_addr = gws[1].proxy_addr();
         let waiter = tokio::spawn(async move {
             let r = request(waiter_addr, "GET", "wake.test", "/", &[], b"").await;
@@ -655,9 +678,9 @@ async fn during_a_store_outage_a_capped_route_follows_on_store_error() {
         - {{ name: m1, url: \"{one}\" }}
 "
     );
-    let base = Config::new()
-        .state(State::redis(redis.url()).timeout("500ms"))
-        .yaml();
+    // The tests' generous call timeout: a killed Redis refuses connections at once, and a short
+    // one would let a slow call on a loaded machine admit a request unleased once it is back.
+    let base = Config::new().state(State::redis(redis.url())).yaml();
     let base = base.split("routes:").next().unwrap_or_default().to_string();
     let gw = Gateway::start_with_ports(&format!("{base}routes:\n{routes}"));
     assert_eq!(slow(&gw, "open.test", 0).await.status, 200);
@@ -673,7 +696,7 @@ async fn during_a_store_outage_a_capped_route_follows_on_store_error() {
     redis.restart();
     // Back: once /status reads the leases again, the cap holds again.
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             let status = gw.status().await;
             status["routes"][0]["members"][0]["in_flight"].is_u64()
         })
@@ -687,12 +710,12 @@ async fn during_a_store_outage_a_capped_route_follows_on_store_error() {
             "GET",
             "open.test",
             "/",
-            &[("x-delay-ms", "3000")],
+            &[("x-delay-ms", "10000")],
             b"",
         )
         .await
     });
-    assert!(wait_until(Duration::from_secs(5), || backends[0].in_flight() == 1).await);
+    assert!(wait_until(Duration::from_secs(20), || backends[0].in_flight() == 1).await);
     let refused = slow(&gw, "open.test", 0).await;
     assert_eq!(refused.status, 429, "{}", refused.text());
     assert_eq!(held.await.unwrap().status, 200);
