@@ -38,7 +38,7 @@ async fn waiting(gw: &Gateway) -> u64 {
 
 /// Waits until exactly `n` requests wait in the line.
 async fn until_waiting(gw: &Gateway, n: u64) {
-    let ok = wait_until_async(Duration::from_secs(10), || async { waiting(gw).await == n }).await;
+    let ok = wait_until_async(Duration::from_secs(20), || async { waiting(gw).await == n }).await;
     assert!(
         ok,
         "{n} request(s) wait; /status says {}",
@@ -65,8 +65,8 @@ on_both_stores!(
     a_tunnel_that_hangs_up_while_waiting_leaves_the_line,
 );
 
-/// One request per 4 s (time enough for the steps below on a loaded machine, and short
-/// enough for the newcomer's wait of two windows to stay within the client's 10 s) and
+/// One request per 8 s (time enough for the steps below on a loaded machine, and short
+/// enough for the newcomer's wait of two windows to stay within the client's 30 s) and
 /// `max_waiting: 2`. Two requests wait; the first one's client hangs up. It leaves the line
 /// at once: a newcomer finds a place instead of a 429, the gone request is never sent to the
 /// API nor charged, and the live waiter behind it is served first.
@@ -77,7 +77,7 @@ async fn a_waiter_that_hangs_up_leaves_the_line_uncharged(backend: Backend) {
         .hosts(&[HOST])
         .member(url(api.local_addr()))
         .quota(
-            Quota::window("slow", 1, "4s")
+            Quota::window("slow", 1, "8s")
                 .max_wait("30s")
                 .max_waiting(2),
         );
@@ -111,7 +111,7 @@ async fn a_waiter_that_hangs_up_leaves_the_line_uncharged(backend: Backend) {
     assert_eq!(served(&api), ["/first", "/live", "/newcomer"]);
 
     // The gone request's access line: no answer, no member, the client's hang-up.
-    let ok = wait_until_async(Duration::from_secs(10), || async {
+    let ok = wait_until_async(Duration::from_secs(20), || async {
         !access_lines(&gw, "/gone").is_empty()
     })
     .await;
@@ -210,7 +210,7 @@ async fn a_tunnel_that_hangs_up_while_waiting_leaves_the_line(backend: Backend) 
     drop(second);
     until_waiting(&gw, 0).await;
 
-    let ok = wait_until_async(Duration::from_secs(10), || async {
+    let ok = wait_until_async(Duration::from_secs(20), || async {
         gw.log_json().iter().any(|l| {
             l["target"] == "sluice::access" && l["method"] == "CONNECT" && l["status"] == 0
         })

@@ -194,12 +194,14 @@ async fn a_listed_status_moves_the_session_and_it_stays(backend: Backend) {
 }
 
 /// A bound member that cools (its 429 under `cooldown`) is not the session's any more: the
-/// next request goes to another member, and the session stays there after the cooldown.
+/// next request goes to another member, and the session stays there after the cooldown. The
+/// cooldown (5 s) is far longer than a loaded machine takes between the 429 and the next request,
+/// which must find b1 still cooling.
 async fn a_cooling_member_moves_the_session(backend: Backend) {
     let s = setup(
         backend,
         "priority",
-        "      cooldown: { on_status: [429], default: 2s }\n      sticky: { key: \"header:X-Session-Id\", rebind_on: [] }\n",
+        "      cooldown: { on_status: [429], default: 5s }\n      sticky: { key: \"header:X-Session-Id\", rebind_on: [] }\n",
     )
     .await;
     // Priority sends everything to b1 first; the session's binding is b1.
@@ -211,7 +213,7 @@ async fn a_cooling_member_moves_the_session(backend: Backend) {
     // Once the cooldown is over, priority would go back to b1; the session stays.
     let gw = &s.gws[0];
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             let r = request(gw.proxy_addr(), "GET", "s.test", "/", &[], b"").await;
             r.header("x-upstream") == Some("b1")
         })
