@@ -18,7 +18,7 @@ use support::tinyproxy::Tinyproxy;
 use support::tls::{make_certificates, tls_origin};
 use support::{start_backends, Config, Egress, Gateway, HttpClient, Quota, Route, TempDir};
 
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(20);
 
 /// A forward proxy that answers every CONNECT with `status`, counting them.
 async fn refusing_proxy(status: u16) -> (SocketAddr, Arc<AtomicU64>) {
@@ -473,10 +473,12 @@ async fn a_tunnel_with_no_bytes_for_read_timeout_is_closed() {
     let gw = Config::new()
         .egress(Egress::loopback_allowed().connect_ports(&[backends[0].local_addr().port()]))
         .route(
+            // Long enough that the request below, sent right after the tunnel opens, never
+            // finds it closed on a loaded machine.
             Route::new("idle")
                 .hosts(&["127.0.0.1"])
                 .direct_member()
-                .read_timeout("1s"),
+                .read_timeout("3s"),
         )
         .start();
     let (mut tunnel, r) = connect(&gw, &target).await;

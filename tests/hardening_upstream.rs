@@ -162,7 +162,9 @@ async fn tls_and_dns_failures_are_named_too() {
                 .member(tls_member)
                 .member("http://nowhere.test:80")
                 .retries(1)
-                .connect_timeout("2s"),
+                // Both attempts fail at once; a loaded machine that delays either past a short
+                // timeout would make its reason "timed out".
+                .connect_timeout("10s"),
         )
         .start_with_env(&[(
             "SLUICE_DNS_SERVERS",

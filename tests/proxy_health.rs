@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 
 use support::{wait_until, wait_until_async, Gateway};
 
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(20);
 
 /// A forward proxy that answers every CONNECT with `status` and closes, keeping each request
 /// head it received.
@@ -63,6 +63,8 @@ impl FakeProxy {
     }
 }
 
+/// The probe's timeout is long: the fake proxy answers every probe at once, and with `fall: 1`
+/// one probe a loaded machine delayed past a short timeout would take a healthy member down.
 fn config(proxy: SocketAddr) -> String {
     format!(
         "listen: [\"{{PROXY}}\"]
@@ -74,7 +76,7 @@ routes:
     upstream:
       members:
         - proxy: \"http://user:secret@{proxy}\"
-      health_check: {{kind: connect, target: \"upstream.test:443\", interval: 100ms, timeout: 500ms, rise: 1, fall: 1}}
+      health_check: {{kind: connect, target: \"upstream.test:443\", interval: 100ms, timeout: 5s, rise: 1, fall: 1}}
 "
     )
 }
