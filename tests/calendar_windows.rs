@@ -332,7 +332,7 @@ usage:
         // A request that finds the previous one's reservation not settled yet is refused, and
         // asks again: on a Redis Cluster the client's settlement is a call of its own, after
         // the route's. Were any settlement inexact or missing, the sixth would never fit.
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let r = chat().await;
             if r.status == 200 {
@@ -346,7 +346,7 @@ usage:
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let settled = wait_until_async(Duration::from_secs(10), || async {
+        let settled = wait_until_async(Duration::from_secs(20), || async {
             tokens_held(&gw).await == 10 * n
         })
         .await;
@@ -376,7 +376,7 @@ usage:
     assert!((28..=31).contains(&days), "{month}");
     // What it holds shows apart, exact: $0.60 settled and nothing reserved, once the client's
     // own settlement (a call of its own on a cluster) is in.
-    let apart = wait_until_async(Duration::from_secs(10), || async {
+    let apart = wait_until_async(Duration::from_secs(20), || async {
         let status = gw.status().await;
         let month = &status["clients"]["list"][0]["quota"][0];
         month["reserved"] == 0 && month["settled"].as_f64() == Some(0.6)
@@ -447,7 +447,7 @@ async fn a_retry_charges_the_next_members_calendar_window_and_settles_it(backend
     }
     assert_eq!(backends[0].proxied_requests(), 2);
     for i in [0, 1] {
-        let settled = wait_until_async(Duration::from_secs(10), || async {
+        let settled = wait_until_async(Duration::from_secs(20), || async {
             member_holds(&gw, i).await == (0, 2)
         })
         .await;

@@ -172,7 +172,7 @@ async fn a_trusted_proxys_proxy_header_names_the_client_for_the_whole_connection
 
     // The access line's `client` is the address the header named.
     assert!(
-        support::wait_until(Duration::from_secs(10), || access_lines(&gw)
+        support::wait_until(Duration::from_secs(20), || access_lines(&gw)
             .iter()
             .any(|l| l["client"] == "203.0.113.9:40000"))
         .await,
@@ -273,7 +273,7 @@ async fn a_trusted_proxys_forwarded_for_names_its_last_untrusted_hop() {
             .collect::<Vec<_>>()
     };
     assert!(
-        support::wait_until(Duration::from_secs(10), || office(&gw).len() == 2).await,
+        support::wait_until(Duration::from_secs(20), || office(&gw).len() == 2).await,
         "{}",
         gw.logs()
     );

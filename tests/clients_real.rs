@@ -359,7 +359,7 @@ async fn the_openai_sdk_with_a_sluice_token_as_its_key() {
     let seen: Vec<String> = s.member.request_log().into_iter().map(|r| r.key).collect();
     assert_eq!(seen, [format!("Bearer {PROVIDER_KEY}")], "{seen:?}");
     // The client is named in the access log.
-    let named = support::wait_until(Duration::from_secs(10), || {
+    let named = support::wait_until(Duration::from_secs(20), || {
         s.gw.log_json().iter().any(|l| {
             l["target"] == "sluice::access"
                 && l["route"] == "openai"

@@ -96,7 +96,7 @@ async fn history_counts_each_second_by_class_with_no_token_and_no_secret(backend
         let r = support::get(gw.proxy_addr(), "keys.test", "/").await;
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    let counted = wait_until_async(Duration::from_secs(10), || async {
+    let counted = wait_until_async(Duration::from_secs(20), || async {
         let h = history_of(&gw, "metered").await;
         sum(&h["requests"]["2xx"]) == 3 && sum(&h["requests"]["429"]) == 2
     })
@@ -128,7 +128,7 @@ async fn history_counts_each_second_by_class_with_no_token_and_no_secret(backend
     assert_eq!(metered["members"][0]["share"], 1.0, "{metered}");
 
     // Least-used spreads the keys' 4 requests 2 and 2.
-    let spread = wait_until_async(Duration::from_secs(10), || async {
+    let spread = wait_until_async(Duration::from_secs(20), || async {
         let h = history_of(&gw, "keys").await;
         h["members"].as_array().is_some_and(|m| {
             m.len() == 2
@@ -176,7 +176,7 @@ async fn the_dashboard_draws_history_quota_and_countdowns() {
         support::get(gw.proxy_addr(), "keys.test", "/").await;
         support::get(gw.proxy_addr(), "metered.test", "/").await;
     }
-    let sampled = wait_until_async(Duration::from_secs(10), || async {
+    let sampled = wait_until_async(Duration::from_secs(20), || async {
         sum(&history_of(&gw, "metered").await["requests"]["2xx"]) == 6
     })
     .await;
@@ -307,7 +307,7 @@ async fn the_dashboard_shows_status_and_follows_health() {
         support::get(gw.proxy_addr(), "metered.test", "/").await;
     }
     support::get(gw.proxy_addr(), "keys.test", "/").await;
-    let requests_counted = support::wait_until_async(Duration::from_secs(5), || async {
+    let requests_counted = support::wait_until_async(Duration::from_secs(20), || async {
         let metered = &gw.status().await["routes"][1];
         metered["requests"] == 3 && metered["quota"][1]["settled"] == 0.75
     })

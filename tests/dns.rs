@@ -10,7 +10,7 @@ use std::time::Duration;
 use sluice_echo::EchoServer;
 use support::{get, wait_until_async, Config, Egress, HealthCheck, HttpClient, Route};
 
-const WAIT: Duration = Duration::from_secs(15);
+const WAIT: Duration = Duration::from_secs(20);
 
 /// A DNS server on loopback UDP that answers A queries for one name with its addresses, in
 /// order (TTL 1 s), AAAA queries for it with no records, and NXDOMAIN for any other name, or
@@ -323,7 +323,7 @@ async fn a_direct_destination_falls_back_to_its_next_checked_address() {
             .into_iter()
             .find(|l| l["target"] == "sluice::access" && l["method"] == "GET")
     };
-    support::wait_until(Duration::from_secs(10), || find().is_some()).await;
+    support::wait_until(Duration::from_secs(20), || find().is_some()).await;
     let access = find().expect("an access line");
     assert_eq!(access["status"], 200, "{access}");
 

@@ -95,14 +95,14 @@ async fn burst_against(
     stub.hold();
     let mut sent = vec![send(addr, "a0".into(), a.clone())];
     assert!(
-        wait_until(Duration::from_secs(10), || stub.held() == 1).await,
+        wait_until(Duration::from_secs(20), || stub.held() == 1).await,
         "the first request reaches the member"
     );
     for i in 1..=BURST {
         sent.push(send(addr, format!("a{i}"), a.clone()));
     }
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             waiting(gw).await == BURST as u64
         })
         .await,
@@ -112,7 +112,7 @@ async fn burst_against(
         sent.push(send(addr, format!("b{i}"), b.clone()));
     }
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             waiting(gw).await == (BURST + FEW) as u64
         })
         .await,
@@ -206,14 +206,14 @@ async fn a_full_line_makes_room_for_another_team(backend: Backend) {
     stub.hold();
     let plug = send(addr, "a0".into(), alpha());
     assert!(
-        wait_until(Duration::from_secs(10), || stub.held() == 1).await,
+        wait_until(Duration::from_secs(20), || stub.held() == 1).await,
         "the first request reaches the member"
     );
     let burst: Vec<_> = (1..=MAX_WAITING)
         .map(|i| send(addr, format!("a{i}"), alpha()))
         .collect();
     assert!(
-        wait_until_async(Duration::from_secs(10), || async {
+        wait_until_async(Duration::from_secs(20), || async {
             waiting(&gw).await == MAX_WAITING as u64
         })
         .await,
@@ -223,7 +223,7 @@ async fn a_full_line_makes_room_for_another_team(backend: Backend) {
         .map(|i| send(addr, format!("b{i}"), vec![("x-team", "beta".to_string())]))
         .collect();
     assert!(
-        wait_until(Duration::from_secs(10), || {
+        wait_until(Duration::from_secs(20), || {
             burst.iter().filter(|t| t.is_finished()).count() >= FEW
         })
         .await,

@@ -12,7 +12,7 @@ use std::time::Duration;
 use sluice_echo::{EchoOptions, EchoServer};
 use support::{request, url, Backend, Config, Gateway, Quota, Route, Store};
 
-const DEADLINE: Duration = Duration::from_secs(10);
+const DEADLINE: Duration = Duration::from_secs(20);
 
 /// A backend that counts and logs every request, and answers 429 when a test scripts it
 /// (`refuse_next` on the empty key: sluice sends no `Authorization`).

@@ -16,7 +16,7 @@ use tokio::net::TcpListener;
 
 use support::{Config, Egress, Gateway, HttpClient, KeyMember, Route, TempDir};
 
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(20);
 const KEY: &str = "sk-NEVER-FOLLOWS-THE-CLIENT";
 
 /// A listener on 127.0.0.1 that keeps every byte of every connection and answers each head

@@ -76,7 +76,7 @@ async fn a_backend_killed_under_load_fails_no_request_and_comes_back() {
         &failures[..failures.len().min(5)]
     );
 
-    let ejected = support::wait_until_async(Duration::from_secs(10), || async {
+    let ejected = support::wait_until_async(Duration::from_secs(20), || async {
         gw.metric("sluice_member_healthy", &[("member", &victim)])
             .await
             == Some(0.0)
@@ -86,7 +86,7 @@ async fn a_backend_killed_under_load_fails_no_request_and_comes_back() {
 
     // Bring b2 back on the same address: the active check must restore it.
     let revived = EchoServer::start("b2-again", victim_addr).await.unwrap();
-    let restored = support::wait_until_async(Duration::from_secs(10), || async {
+    let restored = support::wait_until_async(Duration::from_secs(20), || async {
         gw.metric("sluice_member_healthy", &[("member", &victim)])
             .await
             == Some(1.0)
@@ -200,14 +200,14 @@ async fn in_flight_requests_finish_on(signal: &str) {
         }));
     }
     // Let all six reach the backend, then ask the gateway to stop.
-    assert!(support::wait_until(Duration::from_secs(5), || backends[0].requests() == 6).await);
+    assert!(support::wait_until(Duration::from_secs(20), || backends[0].requests() == 6).await);
     gw.signal(signal);
     for r in requests {
         let r = r.await.unwrap().expect("the request in flight is answered");
         assert_eq!(r.status, 200, "{}", r.text());
     }
     let status = gw
-        .wait_exit_async(Duration::from_secs(10))
+        .wait_exit_async(Duration::from_secs(30))
         .await
         .expect("sluice exits");
     assert_eq!(status.code(), Some(0), "{}", gw.logs());
@@ -244,7 +244,7 @@ async fn access_log_has_one_json_line_per_request() {
     )
     .await;
     request(gw.proxy_addr(), "GET", "nope.test", "/missing", &[], b"").await;
-    let found = support::wait_until(Duration::from_secs(5), || {
+    let found = support::wait_until(Duration::from_secs(20), || {
         gw.log_json()
             .iter()
             .filter(|l| l["target"] == "sluice::access")
@@ -299,10 +299,10 @@ async fn a_drain_that_cuts_requests_exits_3() {
         )
         .await
     });
-    assert!(support::wait_until(Duration::from_secs(5), || backends[0].requests() == 1).await);
+    assert!(support::wait_until(Duration::from_secs(20), || backends[0].requests() == 1).await);
     gw.sigterm();
     let status = gw
-        .wait_exit_async(Duration::from_secs(15))
+        .wait_exit_async(Duration::from_secs(30))
         .await
         .expect("sluice exits once the drain period is over");
     assert_eq!(status.code(), Some(3), "{}", gw.logs());

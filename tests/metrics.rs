@@ -12,7 +12,7 @@ use support::{
     dead_url, start_backends, url, Config, Gateway, HttpClient, KeyMember, Quota, Route,
 };
 
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(20);
 
 /// A scrape of the gateway's `/metrics`, parsed.
 async fn scrape(gw: &Gateway) -> Scrape {

@@ -417,7 +417,7 @@ async fn a_certificate_identifies_its_client_for_requests_and_tunnels_alike() {
         ("200".to_string(), true)
     );
     assert!(
-        support::wait_until(std::time::Duration::from_secs(10), || {
+        support::wait_until(std::time::Duration::from_secs(20), || {
             client_names(&gw, "api") == ["billing"] && client_names(&gw, "local") == ["reports"]
         })
         .await,
@@ -579,7 +579,7 @@ async fn python_requests_presents_its_certificate_with_cert() {
     );
     assert_eq!(backends[0].requests(), 1);
     assert!(
-        support::wait_until(std::time::Duration::from_secs(10), || {
+        support::wait_until(std::time::Duration::from_secs(20), || {
             client_names(&gw, "local") == ["reports", "billing"]
         })
         .await,

@@ -17,7 +17,7 @@ async fn access_lines(gw: &Gateway, n: usize) -> Vec<Value> {
             .filter(|l| l["target"] == "sluice::access")
             .collect()
     };
-    let found = support::wait_until(Duration::from_secs(10), || lines().len() >= n).await;
+    let found = support::wait_until(Duration::from_secs(20), || lines().len() >= n).await;
     assert!(found, "fewer than {n} access lines:\n{}", gw.logs());
     lines()
 }
@@ -32,7 +32,7 @@ async fn access_line(gw: &Gateway, id: &str) -> Value {
             .into_iter()
             .find(|l| l["target"] == "sluice::access" && l["request_id"] == id)
     };
-    let found = support::wait_until(Duration::from_secs(10), || find().is_some()).await;
+    let found = support::wait_until(Duration::from_secs(20), || find().is_some()).await;
     assert!(found, "no access line with request id {id}:\n{}", gw.logs());
     find().unwrap()
 }
@@ -200,7 +200,7 @@ async fn a_retried_request_lists_its_members_and_pingoras_warning_leaks_nothing(
     );
     // Pingora warns of the retried connect failure: through sluice's redaction.
     assert!(
-        gw.wait_for_log("Fail to proxy", Duration::from_secs(5))
+        gw.wait_for_log("Fail to proxy", Duration::from_secs(20))
             .await,
         "{}",
         gw.logs()
@@ -374,7 +374,7 @@ async fn spans_reach_an_otlp_receiver_with_the_clients_trace_id() {
     assert!(new_trace.ends_with("-01"), "{new_trace}");
 
     let arrived =
-        support::wait_until(Duration::from_secs(15), || spans.lock().unwrap().len() >= 2).await;
+        support::wait_until(Duration::from_secs(20), || spans.lock().unwrap().len() >= 2).await;
     assert!(arrived, "no spans at the receiver:\n{}", gw.logs());
     let spans = spans.lock().unwrap().clone();
     let span = spans
@@ -692,7 +692,7 @@ async fn a_dead_otlp_receiver_is_counted_and_logged_and_does_not_hold_the_exit()
     assert!(
         gw.wait_for_log(
             "span export to the OTLP receiver failed",
-            Duration::from_secs(10)
+            Duration::from_secs(20)
         )
         .await,
         "{}",

@@ -14,7 +14,7 @@ use support::{
     start_backends, Backend, Config, Egress, Gateway, HttpClient, Quota, Route, Store, TempDir,
 };
 
-const WAIT: Duration = Duration::from_secs(15);
+const WAIT: Duration = Duration::from_secs(20);
 
 /// How a request reaches its target through sluice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -121,7 +121,7 @@ async fn gauged(gw: &Gateway) -> Vec<Option<(f64, f64)>> {
 /// Waits until `/status` and the gauges both show `want`, and fails with what they showed.
 async fn shows(gw: &Gateway, want: &[(f64, f64)]) {
     let gauges: Vec<_> = want.iter().copied().map(Some).collect();
-    let ok = wait_until_async(Duration::from_secs(10), || async {
+    let ok = wait_until_async(Duration::from_secs(20), || async {
         shown(gw).await == want && gauged(gw).await == gauges
     })
     .await;
@@ -154,7 +154,7 @@ async fn reserved_and_settled_are_shown_apart_in_each_unit(backend: Backend) {
         )
         .await
     });
-    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    assert!(wait_until_async(Duration::from_secs(20), || async { stub.held() == 1 }).await);
     // Held: each window holds the reservation alone, none of it settled: one request, 70
     // tokens, and 70 tokens at $0.00001, $0.0007.
     let held = [
@@ -212,7 +212,7 @@ async fn reserved_and_settled_are_shown_apart_in_each_unit(backend: Backend) {
     for _ in 0..2 {
         support::get(gw.proxy_addr(), "plain.test", "/").await;
     }
-    let plain = wait_until_async(Duration::from_secs(10), || async {
+    let plain = wait_until_async(Duration::from_secs(20), || async {
         let w = gw.status().await["routes"][1]["quota"][0].clone();
         w["reserved"] == 0 && w["settled"] == 2 && w["remaining"] == 3
     })

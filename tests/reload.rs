@@ -45,7 +45,7 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let ok = support::wait_until_async(Duration::from_secs(10), f).await;
+    let ok = support::wait_until_async(Duration::from_secs(20), f).await;
     assert!(ok, "{what}");
 }
 
@@ -91,7 +91,7 @@ async fn each_trigger_takes_effect() {
     })
     .await;
     assert!(
-        support::wait_until(Duration::from_secs(5), || gw
+        support::wait_until(Duration::from_secs(20), || gw
             .logs()
             .contains("\"trigger\":\"sighup\""))
         .await,
@@ -338,7 +338,7 @@ async fn fifty_reloads_under_load_fail_no_request() {
         // Let traffic flow on this config before the next reload: wait for requests, not for
         // a moment, so every config in the series really serves some.
         let after_reload = sent.load(Ordering::Relaxed);
-        let flowed = support::wait_until(Duration::from_secs(10), || {
+        let flowed = support::wait_until(Duration::from_secs(20), || {
             sent.load(Ordering::Relaxed) >= after_reload + 8
         })
         .await;

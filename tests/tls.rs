@@ -109,7 +109,7 @@ async fn assert_tls_line(gw: &Gateway, reason: &str) {
             .find(|l| l["target"] == "sluice::access")
     };
     assert!(
-        support::wait_until(Duration::from_secs(10), || line().is_some()).await,
+        support::wait_until(Duration::from_secs(20), || line().is_some()).await,
         "{}",
         gw.logs()
     );

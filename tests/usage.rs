@@ -72,7 +72,7 @@ async fn held(gw: &Gateway) -> Vec<u64> {
 /// Waits until both windows hold `tokens`, and says what they held last.
 async fn holds(gw: &Gateway, tokens: u64) -> Vec<u64> {
     let mut last = Vec::new();
-    let ok = wait_until_async(Duration::from_secs(10), || {
+    let ok = wait_until_async(Duration::from_secs(20), || {
         let gw = &*gw;
         async move { held(gw).await == vec![tokens; 2] }
     })
@@ -157,7 +157,7 @@ async fn a_stream_without_usage_leaves_its_reservation(backend: Backend) {
     let r = chat(&gw, &body, &[("x-stub-completion-tokens", "5")]).await;
     assert_eq!(r.status, 200);
     let labels = [("route", "openai"), ("reason", "no_usage")];
-    let counted = wait_until_async(Duration::from_secs(10), || async {
+    let counted = wait_until_async(Duration::from_secs(20), || async {
         gw.metric("sluice_usage_unsettled_total", &labels).await == Some(1.0)
     })
     .await;
@@ -188,7 +188,7 @@ async fn held_chat(
         )
         .await
     });
-    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    assert!(wait_until_async(Duration::from_secs(20), || async { stub.held() == 1 }).await);
     task
 }
 
@@ -213,7 +213,7 @@ async fn a_client_gone_after_the_member_got_the_request_leaves_its_reservation(b
     // The client hangs up while the member holds its answer.
     task.abort();
     let labels = [("route", "openai"), ("reason", "no_answer")];
-    let counted = wait_until_async(Duration::from_secs(10), || async {
+    let counted = wait_until_async(Duration::from_secs(20), || async {
         gw.metric("sluice_usage_unsettled_total", &labels).await == Some(1.0)
     })
     .await;
@@ -256,7 +256,7 @@ async fn a_full_window_refuses_until_a_settlement_frees_room(backend: Backend) {
         )
         .await
     });
-    assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == 1 }).await);
+    assert!(wait_until_async(Duration::from_secs(20), || async { stub.held() == 1 }).await);
     // 80 reserved of 100: another 80 does not fit.
     let refused = chat(&gw, &serde_json::from_str(&big).unwrap(), &[]).await;
     assert_eq!(refused.status, 429, "{}", refused.text());
@@ -476,7 +476,7 @@ async fn keys_with_token_windows(backend: Backend, selection: &str) {
             )
             .await
         }));
-        assert!(wait_until_async(Duration::from_secs(10), || async { stub.held() == n }).await);
+        assert!(wait_until_async(Duration::from_secs(20), || async { stub.held() == n }).await);
     }
     // Each key holds one reservation of 80 of its 100: a third does not fit either.
     assert_eq!(members_hold(&gw).await, vec![80, 80]);
@@ -486,7 +486,7 @@ async fn keys_with_token_windows(backend: Backend, selection: &str) {
     for h in held {
         assert_eq!(h.await.unwrap().status, 200);
     }
-    let settled = wait_until_async(Duration::from_secs(10), || async {
+    let settled = wait_until_async(Duration::from_secs(20), || async {
         members_hold(&gw).await == vec![10, 10]
     })
     .await;
@@ -534,7 +534,7 @@ fn key_pool(store: &Store, keys: &[Key<'_>], replay: bool) -> Gateway {
 
 /// Waits until the members' windows hold `tokens`, and fails with what they held last.
 async fn members_settle_to(gw: &Gateway, tokens: &[u64]) {
-    let settled = wait_until_async(Duration::from_secs(10), || async {
+    let settled = wait_until_async(Duration::from_secs(20), || async {
         members_hold(gw).await == tokens
     })
     .await;

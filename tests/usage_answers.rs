@@ -13,7 +13,7 @@ use sluice_echo::openai::OpenAiStub;
 use support::{request, url, wait_until_async, Backend, Config, Gateway, Route, Store};
 
 /// How long a condition may take to hold on a loaded machine.
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(20);
 
 /// A gateway config on `store` whose route `openai` goes to `stub` and meters tokens with
 /// `settle`: `max_tokens` (default 100) reserved, in a window of 1,000 tokens a minute.

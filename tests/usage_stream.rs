@@ -53,7 +53,7 @@ async fn settled(gw: &Gateway, tokens: u64) {
         let w = status["routes"][0]["quota"][0].clone();
         (w["settled"].as_u64(), w["reserved"].as_u64())
     };
-    let ok = wait_until_async(std::time::Duration::from_secs(10), || async {
+    let ok = wait_until_async(std::time::Duration::from_secs(20), || async {
         held().await == (Some(tokens), Some(0))
     })
     .await;
