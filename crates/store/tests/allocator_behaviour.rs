@@ -381,7 +381,7 @@ async fn memory_allocator_behaves() {
 }
 
 fn redis_allocator(server: &RedisServer) -> RedisStore {
-    let connection = RedisConnection::new(&server.url(), Duration::from_secs(2)).unwrap();
+    let connection = RedisConnection::new(&server.url(), Duration::from_secs(5)).unwrap();
     RedisStore::with_connection(Arc::new(connection), "sluice")
 }
 
@@ -452,7 +452,7 @@ async fn redis_one_script_call_per_fused_request_and_recovery_after_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_allocator_behaves() {
     let cluster = sluice_testkit::RedisCluster::start();
-    let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
     suite(Arc::new(RedisStore::with_connection(
         Arc::new(connection),
         "sluice",

@@ -304,14 +304,14 @@ fn redis_store(url: &str) -> Arc<dyn StateStore> {
         RedisStore::new(RedisStoreConfig {
             url: url.into(),
             key_prefix: "sluice".into(),
-            timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(5),
         })
         .unwrap(),
     )
 }
 
 fn cluster_store(cluster: &RedisCluster) -> Arc<dyn StateStore> {
-    let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+    let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
     Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
 }
 

@@ -370,7 +370,7 @@ async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
 }
 
 fn redis_store(url: &str) -> Arc<dyn StateStore> {
-    let connection = RedisConnection::new(url, Duration::from_secs(2)).unwrap();
+    let connection = RedisConnection::new(url, Duration::from_secs(5)).unwrap();
     Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
 }
 
@@ -406,7 +406,7 @@ async fn redis_leases_without_functions() {
 async fn redis_cluster_leases() {
     let cluster = RedisCluster::start();
     let store = || -> Arc<dyn StateStore> {
-        let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+        let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
         Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
     };
     suite(store(), store()).await;

@@ -586,7 +586,7 @@ async fn suite(store: Arc<dyn StateStore>) {
 }
 
 fn redis_store(url: &str) -> Arc<dyn StateStore> {
-    let connection = RedisConnection::new(url, Duration::from_secs(2)).unwrap();
+    let connection = RedisConnection::new(url, Duration::from_secs(5)).unwrap();
     Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
 }
 
@@ -683,7 +683,7 @@ async fn redis_members_behave_without_functions() {
 async fn redis_cluster_members_behave() {
     let cluster = RedisCluster::start();
     let store = || -> Arc<dyn StateStore> {
-        let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+        let connection = RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
         Arc::new(RedisStore::with_connection(Arc::new(connection), "sluice"))
     };
     suite(store()).await;

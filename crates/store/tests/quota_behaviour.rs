@@ -157,7 +157,7 @@ fn redis_store(url: &str) -> RedisStore {
     RedisStore::new(RedisStoreConfig {
         url: url.into(),
         key_prefix: "sluice".into(),
-        timeout: Duration::from_secs(2),
+        timeout: Duration::from_secs(5),
     })
     .unwrap()
 }
@@ -286,7 +286,7 @@ async fn all_windows_or_none() {
 async fn redis_cluster_store_matches_the_model() {
     let cluster = sluice_testkit::RedisCluster::start();
     let connection =
-        sluice_store::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(2)).unwrap();
+        sluice_store::RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
     let store = RedisStore::with_connection(Arc::new(connection), "sluice");
     suite(&store, "cluster").await;
     scenarios(&store).await;

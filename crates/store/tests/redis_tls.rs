@@ -28,7 +28,7 @@ fn least_used<'a>(route: &'a str, members: &'a [PoolMember]) -> Assign<'a> {
 
 fn store_over_tls(server: &RedisServer, ca: Option<&[u8]>) -> RedisStore {
     let connection =
-        RedisConnection::new_with_ca(&server.tls_url(), Duration::from_secs(2), ca).unwrap();
+        RedisConnection::new_with_ca(&server.tls_url(), Duration::from_secs(5), ca).unwrap();
     RedisStore::with_connection(Arc::new(connection), "sluice")
 }
 
@@ -155,7 +155,7 @@ async fn quota_and_least_used_over_a_rediss_cluster() {
     let ca = std::fs::read(cluster.ca_file()).unwrap();
     // One seed node is enough: the rest are discovered, and reached over TLS too.
     let connection =
-        RedisConnection::cluster_with_ca(&cluster.urls()[..1], Duration::from_secs(2), Some(&ca))
+        RedisConnection::cluster_with_ca(&cluster.urls()[..1], Duration::from_secs(5), Some(&ca))
             .unwrap();
     let store = RedisStore::with_connection(Arc::new(connection), "sluice");
     let windows = vec![Window {
