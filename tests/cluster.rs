@@ -168,9 +168,10 @@ async fn a_master_killed_under_load() {
     // happens, it may admit LIMIT requests in all, and no more.
     let config = config(
         &cluster,
-        // Short enough that requests during the failover get the store error rather than
-        // waiting it out; long enough that a loaded machine does not fail calls before it.
-        "1s",
+        // Shorter than the failover (about 5 s), so that requests during it get the store
+        // error rather than waiting it out; long enough that a loaded machine does not fail a
+        // call before it (at 1 s one could: a 503 before the kill, and an admission lost).
+        "3s",
         [
             route(
                 &open_name,
