@@ -97,8 +97,8 @@ routes:
         f"- order: {run.orders['quota']}",
         "",
         f"Reading: on this box a quota checked in Redis costs {stats.fmt(None if r1 is None else (1 - r1) * 100)}% "
-        "of the no-quota throughput (one FCALL round trip",
-        f"per request, paid in sluice's CPU and in latency), and cost 100 runs at {stats.fmt(r100, '.2f')}× the rate of cost 1"
+        "of the no-quota throughput (a round trip",
+        f"per request, paid in sluice's CPU and in latency; the requests that wait together share one call), and cost 100 runs at {stats.fmt(r100, '.2f')}× the rate of cost 1"
         + when(r100, lambda x: x >= 0.9, ": the cost does not change the price.",
                ": noticeably slower, see the script figures below."),
         "",
