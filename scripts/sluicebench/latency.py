@@ -14,14 +14,14 @@ Targets, each loaded in turn at each rate:
   nginx   an nginx proxy (1 worker, upstream keepalive, access_log on) over both backends;
   rr      sluice (`threads: SLUICE_THREADS`, its JSON access log on) on a round_robin route;
   qlu     the same sluice on a quota + least_used route on a local Redis (one fused script
-          call for the requests that wait together, up to 32; a lone request goes at once).
+          call for the requests that wait together, up to 32; a lone request goes at once);
+  qlu1    a second sluice, the same route with `state.redis.batch: false`: one call per request.
 The added latency of a target is its percentile minus direct's, taken within a round.
 Last, LONE_RATE req/s on 1 connection to each target: a request on the Redis route that finds
 no call out must not wait for company, so qlu should read rr plus one Redis call there.
 
-sluice has no switch that turns the batching of store calls off (no config key, no environment
-variable), so every qlu figure is with batching on; the report gives the FCALLs per request,
-which is 1.00 where no batch formed.
+qlu and qlu1 are the same route with batching on and off; the report gives the FCALLs per
+request, which is 1.00 where no batch formed and always for qlu1.
 
 Knobs (environment): ROUNDS (1), RATES ("1000 5000 10000"), DURATION (10s), WARMUP (2s),
 CONNECTIONS (32), LONE_RATE (100), SLUICE_THREADS (1), SLUICE_BIN_DIR (a directory holding a
@@ -54,9 +54,11 @@ from .state import QUOTA_YAML, wait_quiet
 START_MARK = "<!-- bench:latency:start -->"
 END_MARK = "<!-- bench:latency:end -->"
 KNOBS = ["ROUNDS", "RATES", "DURATION", "WARMUP", "CONNECTIONS", "LONE_RATE", "SLUICE_THREADS"]
-TARGETS = ["direct", "nginx", "rr", "qlu"]
+TARGETS = ["direct", "nginx", "rr", "qlu", "qlu1"]
+REDIS_TARGETS = ("qlu", "qlu1")
 LABELS = {"direct": "direct to the backend", "nginx": "nginx proxy (access_log on)",
-          "rr": "sluice, round_robin", "qlu": "sluice, quota + least_used on Redis"}
+          "rr": "sluice, round_robin", "qlu": "sluice, quota + least_used on Redis",
+          "qlu1": "the same, `batch: false` (one call per request)"}
 PCTS = [("p50", "p50"), ("p99", "p99"), ("p99.9", "p99.9")]
 OHA_INSTALL = "cargo install oha --locked (it goes to ~/.cargo/bin, where this driver also looks)"
 
@@ -154,27 +156,37 @@ def run(lat: Latency, sluice: Path, write: bool) -> str:
     backends = start_backends(procs)
     nginx = start_nginx_proxy(procs, "nginx-proxy", backends, log_on=True)
     rport, sport, admin = procs.free_port(), procs.free_port(), procs.free_port()
+    sport1, admin1 = procs.free_port(), procs.free_port()
     start_redis(procs, "redis", rport)
-    cfg = procs.work / "conf" / "sluice.yaml"
-    cfg.parent.mkdir(parents=True)
-    cfg.write_text(
-        f'listen: ["127.0.0.1:{sport}"]\nthreads: {lat.threads}\nadmin:\n  listen: "127.0.0.1:{admin}"\n'
-        f'state:\n  backend: redis\n  redis:\n    url: "redis://127.0.0.1:{rport}/0"\nroutes:\n'
-        + backends.route_yaml("rr", "round_robin", "rr.bench")
-        + backends.route_yaml("qlu", "least_used", "qlu.bench") + QUOTA_YAML)
-    # RUST_LOG unset: sluice's default, its JSON access log on (stderr, appended to a file).
-    sl = start_sluice(procs, sluice, "sluice", cfg, sport, admin, None)
+    (procs.work / "conf").mkdir(parents=True)
+
+    def config(name: str, port: int, admin_port: int, batch: bool) -> Path:
+        cfg = procs.work / "conf" / f"{name}.yaml"
+        cfg.write_text(
+            f'listen: ["127.0.0.1:{port}"]\nthreads: {lat.threads}\nadmin:\n  listen: "127.0.0.1:{admin_port}"\n'
+            f'state:\n  backend: redis\n  redis:\n    url: "redis://127.0.0.1:{rport}/0"\n'
+            f'    batch: {"true" if batch else "false"}\nroutes:\n'
+            + backends.route_yaml("rr", "round_robin", "rr.bench")
+            + backends.route_yaml("qlu", "least_used", "qlu.bench") + QUOTA_YAML)
+        return cfg
+
+    # RUST_LOG unset: sluice's default, its JSON access log on (stderr, appended to a file). The
+    # second process only serves qlu1; it idles while the others are measured.
+    sl = start_sluice(procs, sluice, "sluice", config("sluice", sport, admin, True), sport, admin, None)
+    sl1 = start_sluice(procs, sluice, "sluice-unbatched", config("sluice-unbatched", sport1, admin1, False),
+                       sport1, admin1, None)
     wait_ok(f"http://127.0.0.1:{backends.ports[0]}/", "direct.bench", "the backend")
     wait_ok(f"http://127.0.0.1:{nginx.port}/", "nginx.bench", "the nginx proxy")
     for name in ("rr", "qlu"):
         wait_ok(f"http://127.0.0.1:{sport}/", f"{name}.bench", f"route {name}")
+    wait_ok(f"http://127.0.0.1:{sport1}/", "qlu.bench", "route qlu, unbatched")
     where = {"direct": (backends.ports[0], None), "nginx": (nginx.port, None),
-             "rr": (sport, "rr.bench"), "qlu": (sport, "qlu.bench")}
+             "rr": (sport, "rr.bench"), "qlu": (sport, "qlu.bench"), "qlu1": (sport1, "qlu.bench")}
 
     def one(id: str, rate: int, conns: int, r: int) -> None:
         port, host = where[id]
         lat.measure(id, f"http://127.0.0.1:{port}/", host, rate, conns, r,
-                    redis_port=rport if id == "qlu" else None)
+                    redis_port=rport if id in REDIS_TARGETS else None)
 
     orders = []
     for r in range(1, lat.rounds + 1):
@@ -187,7 +199,7 @@ def run(lat: Latency, sluice: Path, write: bool) -> str:
                 one(id, rate, lat.connections, r)
         for id in TARGETS:
             one(id, lat.lone_rate, 1, r)
-    errors = store_errors(admin, sl.log)
+    errors = "batched: " + store_errors(admin, sl.log) + "; unbatched: " + store_errors(admin1, sl1.log)
     return report(lat, sluice, orders, errors, write)
 
 
@@ -215,8 +227,8 @@ def report(lat: Latency, sluice: Path, orders: Sequence[str], store_errs: str, w
         f"Each target: `oha {shown}` (`--host` only for sluice's routes) after an unrecorded {lat.warmup} warm-up at the "
         f"same rate; {lat.rounds} round(s). Latencies count from when each request was due (`--latency-correction`). "
         f"{c} keep-alive connections; sluice `threads: {lat.threads}` against 1 nginx worker; access logs on for both "
-        "(the backend's off). Batching: sluice has no switch that turns it off, so qlu is always batched; "
-        "FCALLs per request below show how much.",
+        "(the backend's off). qlu and qlu1 are one route with `state.redis.batch` on and off (two sluice "
+        "processes, one idle while the other is measured); FCALLs per request below show how much was batched.",
         "",
         "| rate req/s | target | req/s done | p50 ms | p99 ms | p99.9 ms | added p50 µs | added p99 µs | added p99.9 µs | non-200 / errors | FCALL per request (µs in Redis per FCALL) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
@@ -228,18 +240,20 @@ def report(lat: Latency, sluice: Path, orders: Sequence[str], store_errs: str, w
             f = lambda what: lat.med(id, rate, conns, what)  # noqa: E731
             added = ["-", "-", "-"] if id == "direct" else [stats.fmt(lat.added(id, rate, conns, k), ".0f") for k, _ in PCTS]
             fc = (f"{stats.fmt(f('fcall_per_req'), '.2f')} ({stats.fmt(f('fcall_us'), '.1f')})"
-                  if id == "qlu" else "")
+                  if id in REDIS_TARGETS else "")
             label = f"{rate}" + (" (1 connection)" if conns == 1 else "")
             out.append(f"| {label} | {LABELS[id]} | {stats.fmt(f('rps'))} | {stats.fmt(f('p50'), '.3f')} "
                        f"| {stats.fmt(f('p99'), '.3f')} | {stats.fmt(f('p99.9'), '.3f')} | {' | '.join(added)} "
                        f"| {stats.fmt(f('other'))} / {stats.fmt(f('errors'))} | {fc} |")
-    store_share = "; ".join(
-        f"{rate}{' (1 connection)' if conns == 1 else ''}: "
-        + ", ".join(f"{k} {stats.fmt(lat.added('qlu', rate, conns, k, base='rr'), '.0f')}" for k, _ in PCTS)
-        for rate, conns in [*((rate, c) for rate in lat.rates), (lat.lone_rate, 1)])
+    def share(id: str) -> str:
+        return "; ".join(
+            f"{rate}{' (1 connection)' if conns == 1 else ''}: "
+            + ", ".join(f"{k} {stats.fmt(lat.added(id, rate, conns, k, base='rr'), '.0f')}" for k, _ in PCTS)
+            for rate, conns in [*((rate, c) for rate in lat.rates), (lat.lone_rate, 1)])
     out += [
         "",
-        f"- the Redis route over the round-robin one, same process (the store call's share), µs: {store_share}.",
+        f"- the Redis route over the round-robin one (the store call's share), µs, batched: {share('qlu')}.",
+        f"- the same, unbatched: {share('qlu1')}.",
         f"- sluice store errors and fallbacks: {store_errs}.",
         f"- order: {'; '.join(orders)}; then, at {lat.lone_rate} req/s on 1 connection: {' '.join(TARGETS)}.",
     ]
