@@ -231,7 +231,13 @@ impl<A: ServerApp + Send + Sync + 'static> Service<A> {
                     let shutdown = shutdown.clone();
                     current_handle().spawn(async move {
                         let peer_addr = io.peer_addr();
-                        match timeout(Duration::from_secs(60), io.handshake()).await {
+                        // PATCH (sluice, the handshake boxed in the connection task): a future is
+                        // as large as its largest state, and the task keeps its future for the
+                        // connection's life. Inline, the handshake's state (the largest, with a
+                        // TLS handshake in it) sized every connection's task, idle keep-alives
+                        // included; boxed, it is freed once the handshake is done.
+                        let handshake = Box::pin(io.handshake());
+                        match timeout(Duration::from_secs(60), handshake).await {
                             Ok(handshake) => {
                                 match handshake {
                                     Ok(io) => Self::handle_event(io, app, shutdown).await,
