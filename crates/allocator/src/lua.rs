@@ -13,8 +13,8 @@ pub const ALLOCATOR_DRIVER: &str = include_str!("../../../lua/allocator_run.lua"
 /// Quota and least-used assignment in one atomic call, for one or more requests of one route
 /// and quota key (`lua/fused_run.lua`).
 pub const FUSED_DRIVER: &str = include_str!("../../../lua/fused_run.lua");
-/// An assignment with member windows, cooldowns or a preference order, with the route's quota
-/// (`lua/assign_run.lua`).
+/// One or more assignments (sluice-store's batch.rs) with member windows, cooldowns or a
+/// preference order, with the route's quota (`lua/assign_run.lua`).
 pub const ASSIGN_DRIVER: &str = include_str!("../../../lua/assign_run.lua");
 /// Cooling a member, and listing the cooling members (`lua/cool_run.lua`).
 pub const COOL_DRIVER: &str = include_str!("../../../lua/cool_run.lua");

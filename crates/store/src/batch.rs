@@ -1,9 +1,14 @@
 //! Group commit for the Redis store's decisions: the requests of one lane that reach the store
 //! while a call for that lane is out go together in the next call, which decides them one after
-//! another, exactly as separate calls would. Three kinds of call are batched, each with its lane:
+//! another, exactly as separate calls would. Four kinds of call are batched, each with its lane:
 //! - quota + least-used, per route and quota key (`lua/fused_run.lua`);
 //! - a quota alone, per route and quota key (`lua/quota_run.lua`);
-//! - least-used alone, per route (`lua/allocator_run.lua`'s `assign`).
+//! - least-used alone, per route (`lua/allocator_run.lua`'s `assign`);
+//! - the general assignment (member windows, cooldowns, a preference order: key pools), per
+//!   route and quota key (`lua/assign_run.lua`). Each request brings its call as written alone,
+//!   and the script decides them one after another on its own keys and arguments. An ask with a
+//!   lease, a sticky session, a client's windows or windows that reserve usage keeps a call of
+//!   its own (redis.rs).
 //!
 //! Why: such a call costs Redis a fixed 10 µs or so before it decides anything (running the
 //! script, reading the quota's hash and logs or the pool, writing them back), and only a few µs
@@ -29,7 +34,7 @@ use std::collections::hash_map::{HashMap, RandomState};
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use redis::Value;
+use redis::{Arg, Cmd, Value};
 use tokio::sync::oneshot;
 
 use sluice_limiter::{Acquire, StoreError, Window};
@@ -52,6 +57,8 @@ pub(crate) enum Kind {
     Quota,
     /// Least-used alone (`allocator_run.lua`'s `assign`).
     LeastUsed,
+    /// The general assignment (`assign_run.lua`), each request's call written whole.
+    Assign,
 }
 
 /// One request for a batched call, as its caller holds it.
@@ -63,6 +70,8 @@ pub(crate) struct Ask<'a> {
     at_us: Option<u64>,
     cost: u64,
     excluded: &'a [&'a str],
+    /// [`Kind::Assign`]: the request's own call, as `ScriptCall::into_parts` gives it.
+    call: Option<(Cmd, usize)>,
 }
 
 impl<'a> Ask<'a> {
@@ -76,6 +85,7 @@ impl<'a> Ask<'a> {
             at_us: q.at_us,
             cost: q.cost,
             excluded,
+            call: None,
         }
     }
 
@@ -97,6 +107,28 @@ impl<'a> Ask<'a> {
             at_us: None,
             cost: 0,
             excluded,
+            call: None,
+        }
+    }
+
+    /// A general assignment on `route` (against quota key `key` with `windows`, on the clock
+    /// `at_us`), whose call of `assign_run.lua` alone is `call`.
+    pub(crate) fn assign(
+        route: &'a str,
+        key: &'a str,
+        windows: &'a [Window],
+        at_us: Option<u64>,
+        call: (Cmd, usize),
+    ) -> Ask<'a> {
+        Ask {
+            kind: Kind::Assign,
+            route,
+            key,
+            windows,
+            at_us,
+            cost: 0,
+            excluded: &[],
+            call: Some(call),
         }
     }
 }
@@ -129,12 +161,14 @@ impl LaneId {
             && self.windows == ask.windows
     }
 
-    /// How many values each request's reply holds in the call's flat reply.
+    /// How many values each request's reply holds in the call's flat reply; 0 when the reply
+    /// holds one array per request (their lengths differ).
     fn width(&self) -> usize {
         match self.kind {
             Kind::Fused => 4 + 2 * self.windows.len(),
             Kind::Quota => 2 + 2 * self.windows.len(),
             Kind::LeastUsed => 2,
+            Kind::Assign => 0,
         }
     }
 }
@@ -143,6 +177,8 @@ impl LaneId {
 struct Waiter {
     cost: u64,
     excluded: Vec<String>,
+    /// [`Kind::Assign`]: the request's call alone and its key count.
+    call: Option<(Cmd, usize)>,
     reply: oneshot::Sender<Result<Value, StoreError>>,
 }
 
@@ -197,11 +233,12 @@ impl Batches {
 
     /// Decides one request in the next call of its lane. The reply is the request's own, as its
     /// script gives it for a call of one request.
-    pub(crate) async fn decide(self: &Arc<Self>, ask: Ask<'_>) -> Result<Value, StoreError> {
+    pub(crate) async fn decide(self: &Arc<Self>, mut ask: Ask<'_>) -> Result<Value, StoreError> {
         let (tx, rx) = oneshot::channel();
         let waiter = Waiter {
             cost: ask.cost,
             excluded: ask.excluded.iter().map(|e| e.to_string()).collect(),
+            call: ask.call.take(),
             reply: tx,
         };
         if !self.on {
@@ -289,6 +326,7 @@ impl Batches {
     async fn call(&self, id: &LaneId, batch: &[Waiter]) -> Result<Value, StoreError> {
         let (library, keys) = (&self.scripts.library, &self.keys);
         let mut call = match id.kind {
+            Kind::Assign => return self.assign_call(batch).await,
             Kind::Fused | Kind::Quota => {
                 let (script, pool) = match id.kind {
                     Kind::Fused => (&self.scripts.fused, 1),
@@ -339,12 +377,71 @@ impl Batches {
                     call.excluded(&w.excluded);
                 }
             }
+            Kind::Assign => {}
         }
         let call = &call;
         self.connection
             .run(|mut conn| async move { call.invoke::<Value>(&mut conn).await })
             .await
     }
+
+    /// One call of `assign_run.lua` for `batch`: a lone request's call as it was written, or
+    /// each request's keys, one request after another, and after `*` each request's key count,
+    /// argument count and arguments. The reply holds one array per request.
+    async fn assign_call(&self, batch: &[Waiter]) -> Result<Value, StoreError> {
+        let total: usize = batch
+            .iter()
+            .map(|w| w.call.as_ref().map_or(0, |c| c.1))
+            .sum();
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, total);
+        if let [lone] = batch {
+            let (keys, args) = parts(lone);
+            for k in keys {
+                call.raw_key(k);
+            }
+            for a in args {
+                call.arg(a);
+            }
+        } else {
+            for w in batch {
+                for k in parts(w).0 {
+                    call.raw_key(k);
+                }
+            }
+            call.arg("*");
+            for w in batch {
+                let (keys, args) = parts(w);
+                call.arg(keys.len()).arg(args.len());
+                for a in args {
+                    call.arg(a);
+                }
+            }
+        }
+        let call = &call;
+        let reply = self
+            .connection
+            .run(|mut conn| async move { call.invoke::<Value>(&mut conn).await })
+            .await?;
+        Ok(if batch.len() == 1 {
+            Value::Array(vec![reply])
+        } else {
+            reply
+        })
+    }
+}
+
+/// A request's call as written alone: its keys, then its arguments (after the command's name,
+/// the function's or script's, and the key count).
+fn parts(w: &Waiter) -> (Vec<&[u8]>, Vec<&[u8]>) {
+    let Some((cmd, keys)) = &w.call else {
+        return (Vec::new(), Vec::new());
+    };
+    let mut args = cmd.args_iter().skip(3).filter_map(|a| match a {
+        Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    });
+    let keys = args.by_ref().take(*keys).collect();
+    (keys, args.collect())
 }
 
 /// Hands each request its own reply (the script's flat reply, cut into rows of `width`
@@ -353,6 +450,11 @@ impl Batches {
 fn deliver(batch: Vec<Waiter>, width: usize, reply: Result<Value, StoreError>) {
     let n = batch.len();
     match reply {
+        Ok(Value::Array(values)) if width == 0 && values.len() == n => {
+            for (w, row) in batch.into_iter().zip(values) {
+                let _ = w.reply.send(Ok(row));
+            }
+        }
         Ok(Value::Array(values)) if values.len() == n * width => {
             let mut values = values.into_iter();
             for w in batch {
@@ -415,6 +517,7 @@ mod tests {
                 let w = Waiter {
                     cost: 1,
                     excluded: Vec::new(),
+                    call: None,
                     reply: tx,
                 };
                 (w, rx)

@@ -40,6 +40,7 @@ pub struct ScriptCall<'s> {
     library: &'s Library,
     fcall: bool,
     cmd: Cmd,
+    keys: usize,
     keys_left: usize,
 }
 
@@ -62,6 +63,7 @@ impl<'s> ScriptCall<'s> {
             library,
             fcall,
             cmd,
+            keys,
             keys_left: keys,
         }
     }
@@ -78,6 +80,22 @@ impl<'s> ScriptCall<'s> {
             }
         }
         self
+    }
+
+    /// Appends a key given whole, as another call's [`ScriptCall::into_parts`] gave it.
+    pub fn raw_key(&mut self, key: &[u8]) -> &mut Self {
+        debug_assert!(self.keys_left > 0, "more keys than announced");
+        self.keys_left = self.keys_left.saturating_sub(1);
+        self.cmd.arg(key);
+        self
+    }
+
+    /// The call as written, for a batched call to copy its keys and arguments from (batch.rs):
+    /// the command (its first three arguments name the call and count its keys) and its key
+    /// count.
+    pub fn into_parts(self) -> (Cmd, usize) {
+        debug_assert_eq!(self.keys_left, 0, "fewer keys than announced");
+        (self.cmd, self.keys)
     }
 
     /// Appends an argument (after every key).

@@ -367,7 +367,19 @@ impl RedisStore {
                 None => call.arg(5),
             };
         }
-        let reply: Value = self.invoke(&call).await?;
+        // A lease, a sticky session, a client's windows (on Redis Cluster, in another slot) and
+        // a reservation keep a call of their own: their state is not the route's alone, or
+        // their reply is of another kind. Others go with the requests of their route and quota
+        // key that wait for a call (batch.rs).
+        let alone = ask.lease.is_some() || ask.sticky.is_some() || client.is_some();
+        let reply: Value = if alone || usage.is_some() {
+            self.invoke(&call).await?
+        } else {
+            let (key, windows) = quota.as_ref().map_or(("", &[][..]), |q| (q.key, q.windows));
+            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
+            let ask = Ask::assign(route, key, windows, at_us, call.into_parts());
+            self.batches.decide(ask).await?
+        };
         let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
         let replied = (quota.is_some() || client.is_some()).then_some(windows);
         if usage.is_none() {

@@ -165,10 +165,12 @@ impl Scripts {
                 "fused",
                 format!("{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{FUSED_DRIVER}"),
             ),
+            // The driver decides several requests in one call by giving each its own KEYS and
+            // ARGV in turn; a script's globals are read-only, so those are the script's locals.
             assign: op(
                 "assign",
                 format!(
-                    "{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{STICKY_LIBRARY}\n{ASSIGN_DRIVER}"
+                    "local KEYS, ARGV = KEYS, ARGV\n{QUOTA_LIBRARY}\n{ALLOCATOR_LIBRARY}\n{MEMBERS_LIBRARY}\n{LEASES_LIBRARY}\n{STICKY_LIBRARY}\n{ASSIGN_DRIVER}"
                 ),
             ),
             cool: op(

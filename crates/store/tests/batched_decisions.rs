@@ -948,3 +948,287 @@ fn fused_requests_make_a_call_each_with_batching_off() {
         .unwrap();
     assert_eq!(batched, expected);
 }
+
+/// A small deterministic generator (xorshift), so that the key-pool traces need no shrinking to
+/// read: each seed is one trace.
+struct Dice(u64);
+
+impl Dice {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// A key pool of five members with windows of their own (small limits, so that they fill and
+/// refuse; the second and third share theirs, as "=" in the call), with or without a route
+/// quota.
+fn key_pool(route_quota: bool) -> (Vec<PoolMember>, Vec<Window>) {
+    let window = |limit: u64, n: u64| Window {
+        name: format!("m{n}").into(),
+        limit,
+        length_us: n * UNIT,
+    };
+    let shared: Arc<[Window]> = Arc::new([window(3, 4)]);
+    let members = MEMBER_IDS[..5]
+        .iter()
+        .enumerate()
+        .map(|(i, id)| PoolMember {
+            id: Arc::from(*id),
+            windows: match i {
+                1 | 2 => shared.clone(),
+                4 => Arc::new([window(2, 2), window(4, 8)]),
+                _ => Arc::new([window(2 + i as u64, 4)]),
+            },
+        })
+        .collect();
+    let quota = if route_quota {
+        vec![window(9, 6)]
+    } else {
+        Vec::new()
+    };
+    (members, quota)
+}
+
+/// One key-pool request: least-used or a preference order of its own, members left out, a cost.
+#[derive(Debug, Clone)]
+struct PoolAsk {
+    preference: Option<Vec<usize>>,
+    excluded: Vec<&'static str>,
+    cost: u64,
+}
+
+fn pool_asks(dice: &mut Dice, n: usize) -> Vec<PoolAsk> {
+    (0..n)
+        .map(|_| PoolAsk {
+            preference: (dice.below(2) == 0).then(|| {
+                let mut order: Vec<usize> = (0..5).collect();
+                order.rotate_left(dice.below(5) as usize);
+                order.truncate(1 + dice.below(5) as usize);
+                order
+            }),
+            excluded: if dice.below(3) == 0 {
+                excluded_ids(dice.below(32) as u16)
+            } else {
+                Vec::new()
+            },
+            cost: [1, 1, 1, 2, 5][dice.below(5) as usize],
+        })
+        .collect()
+}
+
+/// `asks` on `store`'s `route` (cooldowns on), all at once or one after another.
+async fn pool_decide(
+    store: &dyn StateStore,
+    route: &str,
+    members: &[PoolMember],
+    quota: &[Window],
+    asks: &[PoolAsk],
+    now: u64,
+    at_once: bool,
+) -> Vec<Assignment> {
+    let futures = asks.iter().map(|a| {
+        store.assign(Assign {
+            route,
+            members,
+            order: match &a.preference {
+                Some(order) => Order::Preference(order),
+                None => Order::LeastUsed,
+            },
+            excluded: &a.excluded,
+            quota: (!quota.is_empty()).then_some(Acquire {
+                route,
+                key: "k",
+                windows: quota,
+                cost: a.cost,
+                at_us: Some(now),
+                client: None,
+            }),
+            cost: a.cost,
+            cooldowns: true,
+            at_us: Some(now),
+            lease: None,
+            sticky: None,
+        })
+    });
+    let results = all(futures.collect(), at_once).await;
+    results.into_iter().map(|r| r.expect("decided")).collect()
+}
+
+/// Key-pool requests (member windows, cooldowns, preference orders: the general assignment
+/// script) of one route arriving together are decided as the memory store decides them one
+/// after another, over traces of groups with members cooled between them; a group of up to
+/// MAX_BATCH requests is one call with batching on, and each request a call of its own when off.
+fn key_pool_requests_share_calls(server: &RedisServer, url: String, batching: bool) {
+    let redis = redis_store(url).with_batching(batching);
+    key_pool_calls(&runtime(), redis, &|| script_calls(server), batching);
+}
+
+fn key_pool_calls(
+    rt: &tokio::runtime::Runtime,
+    redis: RedisStore,
+    script_calls: &dyn Fn() -> u64,
+    batching: bool,
+) {
+    for route_quota in [false, true] {
+        let (members, quota) = key_pool(route_quota);
+        let ids: Vec<Arc<str>> = members.iter().map(|m| m.id.clone()).collect();
+        for seed in 1..=6u64 {
+            let route = fresh_route();
+            let memory = MemoryStore::new();
+            rt.block_on(redis.sync(&route, &ids, &[])).unwrap();
+            // Loads the script (a first call that finds it missing counts twice).
+            let warm = format!("{route}-warm");
+            rt.block_on(redis.sync(&warm, &ids, &[])).unwrap();
+            let one = pool_asks(&mut Dice(seed), 1);
+            rt.block_on(pool_decide(&redis, &warm, &members, &quota, &one, 1, false));
+            let mut dice = Dice(seed * 7919);
+            let mut now = 1_000_000_000u64;
+            let mut answered = 0;
+            for g in 0..10 {
+                now += [0, UNIT / 3, UNIT, 3 * UNIT][dice.below(4) as usize];
+                if dice.below(4) == 0 {
+                    let member = MEMBER_IDS[dice.below(5) as usize];
+                    let for_us = (1 + dice.below(6)) * UNIT / 2;
+                    for store in [&redis as &dyn StateStore, &memory] {
+                        rt.block_on(store.cool(&route, member, for_us, Some(now)))
+                            .unwrap();
+                    }
+                }
+                let n = if g == 9 {
+                    40
+                } else {
+                    1 + dice.below(12) as usize
+                };
+                let asks = pool_asks(&mut dice, n);
+                let before = script_calls();
+                let batched = rt.block_on(pool_decide(
+                    &redis, &route, &members, &quota, &asks, now, true,
+                ));
+                let made = script_calls() - before;
+                let expected = rt.block_on(pool_decide(
+                    &memory, &route, &members, &quota, &asks, now, false,
+                ));
+                assert_eq!(
+                    batched, expected,
+                    "seed {seed}, group {g}, route quota {route_quota}, batching {batching}: {asks:?}"
+                );
+                let calls = if batching { n.div_ceil(32) } else { n };
+                assert_eq!(made, calls as u64, "seed {seed}, group {g}, {n} requests");
+                answered += batched
+                    .iter()
+                    .filter(|a| matches!(a, Assignment::Assigned { .. }))
+                    .count();
+            }
+            assert!(answered > 0, "seed {seed}: some requests were assigned");
+            let mut counts = rt.block_on(redis.counts(&route)).unwrap();
+            let mut expected = rt.block_on(memory.counts(&route)).unwrap();
+            counts.sort();
+            expected.sort();
+            assert_eq!(counts, expected, "seed {seed}: the pools' counts");
+        }
+    }
+}
+
+#[test]
+fn key_pool_requests_that_wait_together_share_a_call() {
+    let server = RedisServer::start();
+    key_pool_requests_share_calls(&server, server.url(), true);
+}
+
+/// The same by `EVALSHA`, where the script's `KEYS` and `ARGV` are replaced per request.
+#[test]
+fn key_pool_requests_that_wait_together_share_a_call_by_evalsha() {
+    let server = RedisServer::start();
+    key_pool_requests_share_calls(&server, server.url_without_functions(), true);
+}
+
+/// On a Redis Cluster: every key of such a call is in its route's slot.
+#[test]
+fn key_pool_requests_that_wait_together_share_a_call_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let rt = runtime();
+    let redis = rt.block_on(async {
+        RedisStore::with_connection(
+            Arc::new(RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap()),
+            "sluice",
+        )
+    });
+    let calls = || {
+        cluster
+            .nodes()
+            .iter()
+            .map(|n| n.command_calls("fcall") + n.command_calls("evalsha"))
+            .sum::<u64>()
+    };
+    key_pool_calls(&rt, redis, &calls, true);
+}
+
+#[test]
+fn key_pool_requests_make_a_call_each_with_batching_off() {
+    let server = RedisServer::start();
+    key_pool_requests_share_calls(&server, server.url(), false);
+}
+
+/// A key-pool request that gives up while it waits for its call is taken out of the call before
+/// it leaves: neither its member's window nor the route's quota is charged.
+#[test]
+fn a_key_pool_request_that_gives_up_before_its_call_leaves_is_not_charged() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = redis_store(server.url());
+    let (members, quota) = key_pool(true);
+    let ids: Vec<Arc<str>> = members.iter().map(|m| m.id.clone()).collect();
+    let route = "pool-gives-up";
+    let asks = vec![
+        PoolAsk {
+            preference: Some(vec![3]),
+            excluded: Vec::new(),
+            cost: 2,
+        };
+        3
+    ];
+    rt.block_on(async {
+        redis.sync(route, &ids, &[]).await.unwrap();
+        pool_decide(
+            &redis,
+            "pool-warm-up",
+            &members,
+            &quota,
+            &asks[..1],
+            1,
+            false,
+        )
+        .await;
+        let before = script_calls(&server);
+        let mut futures: Vec<_> = asks
+            .iter()
+            .map(|a| {
+                Box::pin(pool_decide(
+                    &redis,
+                    route,
+                    &members,
+                    &quota,
+                    std::slice::from_ref(a),
+                    1_000_000_000,
+                    false,
+                ))
+            })
+            .collect();
+        queue(&mut futures).await;
+        drop(futures.remove(1));
+        let answers: Vec<Assignment> = together(futures).await.into_iter().flatten().collect();
+        assert_eq!(script_calls(&server) - before, 1, "one call for both");
+        let remaining: Vec<u64> = answers
+            .iter()
+            .map(|a| match a {
+                Assignment::Assigned { quota: Some(q), .. } => q.windows[0].remaining,
+                other => panic!("assigned: {other:?}"),
+            })
+            .collect();
+        // The member's window (limit 5) admitted both: it was charged 4, not 6.
+        assert_eq!(remaining, [7, 5], "two requests charged to the route");
+    });
+}
