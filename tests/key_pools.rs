@@ -539,3 +539,52 @@ async fn on_redis_cluster_member_limits_and_cooldowns_hold() {
         assert_eq!(api.refused(&bearer(k)), 0);
     }
 }
+
+/// A burst of 40 requests over two gateways sharing a Redis, against three keys of 10 a minute
+/// each (one request per gateway taken before): exactly 28 more reach the API, 10 per key, and sluice refuses the
+/// rest itself. With `state.redis.batch: false`, each request is one script call of its own;
+/// with batching on (the default), requests waiting together share calls, so there are never
+/// more calls than requests (how many fewer depends on the machine's timing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_on_redis_counts_exactly_with_batching_on_and_off() {
+    for batch in [false, true] {
+        let redis = sluice_testkit::RedisServer::start();
+        let api = api(1_000, Duration::from_secs(60)).await;
+        let route = pool(&api, &KEYS, 10, "1m")
+            .least_used()
+            .cooldown(Cooldown::new().max("1m"));
+        let config = Config::new()
+            .state(State::redis(redis.url()).batch(batch))
+            .route(route);
+        let gateways = [config.start(), config.start()];
+        // Each gateway's first request loads sluice's library (or scripts) and syncs the pool.
+        for gw in &gateways {
+            let r = request(gw.proxy_addr(), "GET", HOST, "/", &[], b"").await;
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        redis.command(&["CONFIG", "RESETSTAT"]).unwrap();
+        let responses = burst(&gateways, 40).await;
+        let calls = redis.command_calls("fcall") + redis.command_calls("evalsha");
+        let admitted = responses.iter().filter(|r| r.status == 200).count();
+        assert_eq!(admitted, 28, "batch {batch}: 30 in all, 10 per key");
+        for r in responses.iter().filter(|r| r.status != 200) {
+            assert_sluice_refusal(r, 60_000);
+        }
+        for k in KEYS {
+            assert_eq!(
+                api.served(&bearer(k)),
+                10,
+                "batch {batch}: {k} got its limit"
+            );
+        }
+        if batch {
+            assert!(
+                calls <= 40,
+                "batch {batch}: {calls} script calls for 40 requests"
+            );
+        } else {
+            assert_eq!(calls, 40, "batch {batch}: one script call per request");
+        }
+        eprintln!("batch {batch}: {calls} script calls for 40 requests");
+    }
+}

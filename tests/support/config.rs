@@ -95,6 +95,8 @@ struct RedisState {
     timeout: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<RedisTls>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<bool>,
 }
 
 /// `state.redis.tls:`.
@@ -127,6 +129,7 @@ impl State {
                 cluster: None,
                 timeout: Some(REDIS_TIMEOUT.into()),
                 tls: None,
+                batch: None,
             }),
         }
     }
@@ -140,6 +143,7 @@ impl State {
                 cluster: Some(nodes.into_iter().map(Into::into).collect()),
                 timeout: Some(REDIS_TIMEOUT.into()),
                 tls: None,
+                batch: None,
             }),
         }
     }
@@ -150,6 +154,15 @@ impl State {
             .as_mut()
             .expect("a timeout needs backend: redis")
             .timeout = Some(timeout.into());
+        self
+    }
+
+    /// Sets `state.redis.batch` (a redis backend only).
+    pub fn batch(mut self, on: bool) -> State {
+        self.redis
+            .as_mut()
+            .expect("batch needs backend: redis")
+            .batch = Some(on);
         self
     }
 
