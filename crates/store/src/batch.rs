@@ -23,8 +23,10 @@
 //!   A call never waits for company: a lone request goes at once, as before.
 //! - The task, not a request, makes the call. A request that gives up (its client left, its
 //!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
-//!   call left is taken out of it, so it is never charged; once its call has left, it may have
-//!   been charged, as when a request's own call timed out before.
+//!   call left is taken out of it, so it is never charged. A request waits for its call to
+//!   leave at most the store's timeout (then it leaves the queue, uncharged); once its call has
+//!   left, it waits for that call's answer, which the call's own timeout bounds, so that it is
+//!   never told "timeout" after a call that charged it answered in time.
 //! - Every resource is bounded: lanes exist only while requests wait in them, and a call holds at
 //!   most [`MAX_BATCH`] requests.
 //! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
@@ -32,6 +34,7 @@
 
 use std::collections::hash_map::{HashMap, RandomState};
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use redis::{Arg, Cmd, Value};
@@ -175,6 +178,9 @@ impl LaneId {
 
 /// A request waiting for its call.
 struct Waiter {
+    /// Tells this request apart in its lane, so that it can leave the queue when its time
+    /// runs out there.
+    ticket: u64,
     cost: u64,
     excluded: Vec<String>,
     /// [`Kind::Assign`]: the request's call alone and its key count.
@@ -195,6 +201,8 @@ pub(crate) struct Batches {
     keys: Arc<Keys>,
     lanes: Mutex<HashMap<u64, Vec<Lane>>>,
     hasher: RandomState,
+    /// The next [`Waiter::ticket`].
+    tickets: AtomicU64,
     /// Off: one call per request (`state.redis.batch: false`).
     on: bool,
 }
@@ -212,6 +220,7 @@ impl Batches {
             keys,
             lanes: Mutex::new(HashMap::new()),
             hasher: RandomState::new(),
+            tickets: AtomicU64::new(0),
             on,
         }
     }
@@ -234,36 +243,68 @@ impl Batches {
     /// Decides one request in the next call of its lane. The reply is the request's own, as its
     /// script gives it for a call of one request.
     pub(crate) async fn decide(self: &Arc<Self>, mut ask: Ask<'_>) -> Result<Value, StoreError> {
-        let (tx, rx) = oneshot::channel();
+        let (tx, mut rx) = oneshot::channel();
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         let waiter = Waiter {
+            ticket,
             cost: ask.cost,
             excluded: ask.excluded.iter().map(|e| e.to_string()).collect(),
             call: ask.call.take(),
             reply: tx,
         };
+        let hash = self.hash(&ask);
         if !self.on {
             let id = LaneId::of(&ask);
             let reply = self.call(&id, std::slice::from_ref(&waiter)).await;
             deliver(vec![waiter], id.width(), reply);
-        } else if let Some((hash, id)) = self.enqueue(&ask, waiter) {
-            let batches = self.clone();
-            tokio::spawn(async move { batches.run(hash, id).await });
+        } else if let Some(id) = self.enqueue(hash, &ask, waiter) {
+            // The guard is made before the task is spawned: a task dropped before it first
+            // runs (its runtime shutting down) still removes its lane.
+            let guard = LaneGuard {
+                batches: self.clone(),
+                hash,
+                id,
+            };
+            tokio::spawn(async move { guard.run().await });
         }
-        // The call has the store's timeout; waiting for the call before it may take as long
-        // again, so the request bounds its whole wait by the same timeout.
-        match tokio::time::timeout(self.connection.timeout(), rx).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(_)) => Err(StoreError::Backend(
-                "the batched call ended without a reply".into(),
-            )),
-            Err(_) => Err(StoreError::Timeout),
+        let received = |r: Result<_, oneshot::error::RecvError>| {
+            r.unwrap_or_else(|_| {
+                Err(StoreError::Backend(
+                    "the batched call ended without a reply".into(),
+                ))
+            })
+        };
+        // A request waits for its call to leave for at most the store's timeout, as long as a
+        // call of its own may take; past it, one still in the queue leaves it, uncharged.
+        match tokio::time::timeout(self.connection.timeout(), &mut rx).await {
+            Ok(r) => received(r),
+            Err(_) if self.withdraw(hash, ticket) => Err(StoreError::Timeout),
+            // Its call has left and may charge it: the answer says what it was charged, and
+            // the call's own timeout bounds the wait for it. Giving up here would answer a
+            // request as refused (or admit it uncounted) that the store may have charged.
+            Err(_) => received(rx.await),
         }
     }
 
-    /// Queues `waiter` in its lane; the new lane's hash and id when there was none, for which a
-    /// task must be spawned.
-    fn enqueue(&self, ask: &Ask<'_>, waiter: Waiter) -> Option<(u64, Arc<LaneId>)> {
-        let hash = self.hash(ask);
+    /// Takes the request with `ticket` out of its lane's queue; false if its call has left.
+    fn withdraw(&self, hash: u64, ticket: u64) -> bool {
+        let mut lanes = self.lanes();
+        let Some(bucket) = lanes.get_mut(&hash) else {
+            return false;
+        };
+        for lane in bucket.iter_mut() {
+            if let Some(at) = lane.waiting.iter().position(|w| w.ticket == ticket) {
+                // In order: the others keep their turn.
+                lane.waiting.remove(at);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Queues `waiter` in its lane (`hash` is the ask's); the new lane's id when there was
+    /// none, for which a task must be spawned.
+    fn enqueue(&self, hash: u64, ask: &Ask<'_>, waiter: Waiter) -> Option<Arc<LaneId>> {
         let mut lanes = self.lanes();
         let bucket = lanes.entry(hash).or_default();
         match bucket.iter_mut().find(|lane| lane.id.is(ask)) {
@@ -277,24 +318,8 @@ impl Batches {
                     id: id.clone(),
                     waiting: vec![waiter],
                 });
-                Some((hash, id))
+                Some(id)
             }
-        }
-    }
-
-    /// The lane's task: one call after another while requests wait.
-    async fn run(self: Arc<Self>, hash: u64, id: Arc<LaneId>) {
-        let _guard = LaneGuard {
-            batches: &self,
-            hash,
-            id: &id,
-        };
-        while let Some(batch) = self.take(hash, &id) {
-            if batch.is_empty() {
-                continue;
-            }
-            let reply = self.call(&id, &batch).await;
-            deliver(batch, id.width(), reply);
         }
     }
 
@@ -477,20 +502,35 @@ fn deliver(batch: Vec<Waiter>, width: usize, reply: Result<Value, StoreError>) {
     }
 }
 
-/// Removes a lane whose task ends without removing it (its runtime shut down), so that requests
-/// do not queue behind a task that is gone. A lane removed already, or replaced by a new one of
-/// the same id, is left alone.
-struct LaneGuard<'a> {
-    batches: &'a Batches,
+/// A lane's task, which removes its lane however it ends: when no request waits (as `take`
+/// does), or, if the task is dropped first (its runtime shut down, maybe before it ever ran),
+/// on drop, so that requests do not queue behind a task that is gone. A lane removed already,
+/// or replaced by a new one of the same id, is left alone.
+struct LaneGuard {
+    batches: Arc<Batches>,
     hash: u64,
-    id: &'a Arc<LaneId>,
+    id: Arc<LaneId>,
 }
 
-impl Drop for LaneGuard<'_> {
+impl LaneGuard {
+    /// One call after another while requests wait.
+    async fn run(self) {
+        let (batches, hash, id) = (&self.batches, self.hash, &self.id);
+        while let Some(batch) = batches.take(hash, id) {
+            if batch.is_empty() {
+                continue;
+            }
+            let reply = batches.call(id, &batch).await;
+            deliver(batch, id.width(), reply);
+        }
+    }
+}
+
+impl Drop for LaneGuard {
     fn drop(&mut self) {
         let mut lanes = self.batches.lanes();
         if let Some(bucket) = lanes.get_mut(&self.hash) {
-            if let Some(at) = bucket.iter().position(|l| Arc::ptr_eq(&l.id, self.id)) {
+            if let Some(at) = bucket.iter().position(|l| Arc::ptr_eq(&l.id, &self.id)) {
                 // Those still waiting get an error from their dropped senders at once.
                 bucket.swap_remove(at);
             }
@@ -504,6 +544,9 @@ impl Drop for LaneGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::Poll;
 
     fn waiters(
         n: usize,
@@ -515,6 +558,7 @@ mod tests {
             .map(|_| {
                 let (tx, rx) = oneshot::channel();
                 let w = Waiter {
+                    ticket: 0,
                     cost: 1,
                     excluded: Vec::new(),
                     call: None,
@@ -566,5 +610,85 @@ mod tests {
         for rx in replies.iter_mut() {
             assert!(matches!(rx.try_recv(), Ok(Err(StoreError::Timeout))));
         }
+    }
+
+    const TIMEOUT: std::time::Duration = std::time::Duration::from_millis(50);
+
+    /// A store whose lane for a plain quota request of route "r" exists with no task behind
+    /// it (none is ever spawned: the lane is there), so that a test makes the calls leave.
+    /// Nothing connects: the connection is lazy, and no call is made.
+    fn parked() -> (Arc<Batches>, Vec<Window>) {
+        let connection = RedisConnection::new("redis://127.0.0.1:1", TIMEOUT).unwrap();
+        let batches = Arc::new(Batches::new(
+            Arc::new(connection),
+            Arc::new(Scripts::new()),
+            Arc::new(Keys::new("sluice")),
+            true,
+        ));
+        let windows = vec![Window {
+            name: "w".into(),
+            limit: 10,
+            length_us: 1_000_000,
+        }];
+        (batches, windows)
+    }
+
+    fn quota<'a>(windows: &'a [Window]) -> Acquire<'a> {
+        Acquire {
+            route: "r",
+            key: "k",
+            windows,
+            cost: 1,
+            at_us: None,
+            client: None,
+        }
+    }
+
+    fn park(batches: &Batches, ask: &Ask<'_>) -> (u64, Arc<LaneId>) {
+        let (hash, id) = (batches.hash(ask), Arc::new(LaneId::of(ask)));
+        batches.lanes().entry(hash).or_default().push(Lane {
+            id: id.clone(),
+            waiting: Vec::new(),
+        });
+        (hash, id)
+    }
+
+    /// Polls `f` once.
+    async fn poll_once<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+        std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *f).poll(cx))).await
+    }
+
+    /// A request whose time runs out while it waits in its lane leaves the queue: no call will
+    /// carry it, so nothing charges it.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_time_runs_out_in_the_queue_leaves_it() {
+        let (batches, windows) = parked();
+        let q = quota(&windows);
+        let (hash, id) = park(&batches, &Ask::quota(&q));
+        let reply = batches.decide(Ask::quota(&q)).await;
+        assert!(matches!(reply, Err(StoreError::Timeout)), "{reply:?}");
+        assert!(batches.take(hash, &id).is_none(), "the queue is empty");
+    }
+
+    /// A request whose call has left waits for that call's answer past its own time: the call
+    /// may charge it, and its answer says so. Told "timeout" instead, the request would be
+    /// refused (or admitted uncounted) after the store charged it.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_call_has_left_waits_for_its_answer() {
+        let (batches, windows) = parked();
+        let q = quota(&windows);
+        let (hash, id) = park(&batches, &Ask::quota(&q));
+        let mut decided = Box::pin(batches.decide(Ask::quota(&q)));
+        assert!(poll_once(&mut decided).await.is_pending(), "queued");
+        let batch = batches.take(hash, &id).expect("its call leaves");
+        assert_eq!(batch.len(), 1);
+        tokio::time::advance(TIMEOUT * 3).await;
+        assert!(
+            poll_once(&mut decided).await.is_pending(),
+            "past its time, it waits for the call that carries it"
+        );
+        let row = vec![Value::Int(1), Value::Int(0), Value::Int(9), Value::Int(7)];
+        deliver(batch, 4, Ok(Value::Array(row.clone())));
+        assert_eq!(decided.await.unwrap(), Value::Array(row));
     }
 }
