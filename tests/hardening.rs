@@ -293,6 +293,39 @@ mod downstream_limits {
         assert_eq!(cut, Some(1.0));
     }
 
+    /// Part of the next head sent with a request (pipelined) starts that head's timer: a client
+    /// that then stalls is cut at header_timeout, as one that sends the part after the answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pipelined_part_of_a_head_that_stalls_is_cut_at_the_header_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  idle_timeout: 60s\n  header_timeout: 1s\n",
+            "",
+        );
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        client
+            .write_raw(
+                b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\nGET /second HTTP/1.1\r\nHost: api.t",
+            )
+            .await
+            .unwrap();
+        let r = client.read_response(false).await.unwrap();
+        assert_eq!(r.status, 200);
+        assert!(
+            client.wait_closed(DEADLINE).await,
+            "a stalled pipelined head kept the connection open"
+        );
+        assert_eq!(backends[0].proxied_requests(), 1);
+        let cut = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "header_timeout")],
+            )
+            .await;
+        assert_eq!(cut, Some(1.0));
+    }
+
     /// A graceful stop closes the connections that wait for a request at once, with no answer,
     /// while a request in flight goes on: idle keep-alive clients learn of the stop, and the
     /// drain waits only for requests.

@@ -13,12 +13,12 @@ use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream, Ser
 use pingora::listeners::tls::Acceptor;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::l4::stream::Stream as L4Stream;
-use pingora::protocols::{Shutdown, Stream};
+use pingora::protocols::Stream;
 use pingora::proxy::{HttpProxy, ProxyHttp};
 use pingora::server::ShutdownWatch;
 use tokio::io::AsyncReadExt;
 
-use super::timers::{LimitedStream, WAITING};
+use super::timers::{LimitedStream, IN_HEAD, WAITING};
 use super::LimitedApp;
 use crate::tunnel::First;
 
@@ -144,7 +144,6 @@ where
             }
             let result = boxed_in_place(|| request(self, session, shutdown)).await;
             let (next, next_settings) = result?.consume();
-            phase.store(WAITING, Ordering::Release);
             stream = next;
             settings = next_settings;
             head = settings
@@ -152,6 +151,10 @@ where
                 .and_then(|s| s.take_pipelined_prefix())
                 .filter(|prefix| !prefix.is_empty());
             waiting = head.is_none();
+            // Bytes of the next head already here start its header timer, as the first bytes
+            // replayed on a new connection do: a client that sent part of a head and stalls is
+            // cut at header_timeout, not kept for idle_timeout.
+            phase.store(if waiting { WAITING } else { IN_HEAD }, Ordering::Release);
             reused = true;
         }
     }
@@ -218,8 +221,10 @@ impl<A> LimitedApp<A> {
             Ok(true) => Some(buf),
             Ok(false) => None,
             Err(e) => {
+                // Dropped, not shut down: a TLS close_notify could wait forever on a client that
+                // reads nothing, and no timer covers writes here. Pingora's own wait for a head
+                // drops the stream as well.
                 tracing::debug!(target: "sluice::server", error = %e, "reading a client's next request failed");
-                Shutdown::shutdown(&mut **stream).await;
                 None
             }
         }

@@ -37,7 +37,7 @@ pub fn head_parsed(session: &ServerSession) {
 /// proxy's hook (which sees a head parsed) and the connection loop (which sees a request end).
 pub(super) const WAITING: u8 = 0;
 /// The first bytes of a head have arrived; the header timer runs.
-const IN_HEAD: u8 = 1;
+pub(super) const IN_HEAD: u8 = 1;
 /// The head is parsed; sluice runs no timer of its own.
 const IN_REQUEST: u8 = 2;
 /// No timer armed yet.
