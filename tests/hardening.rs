@@ -326,6 +326,26 @@ mod downstream_limits {
         assert_eq!(cut, Some(1.0));
     }
 
+    /// A first head that comes slower than idle_timeout but within header_timeout is served:
+    /// the header timer is the head's, whatever the idle one is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_head_slower_than_the_idle_timeout_but_within_the_header_timeout_is_served() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  idle_timeout: 1s\n  header_timeout: 20s\n",
+            "",
+        );
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        client.write_raw(b"GET / HTTP/1.1\r\nHost: ").await.unwrap();
+        // Part of the scenario, not a synchronisation: the head pauses for longer than the
+        // idle timeout (and anything derived from it), far within the header timeout.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        client.write_raw(b"api.test\r\n\r\n").await.unwrap();
+        let r = client.read_response(false).await.unwrap();
+        assert_eq!(r.status, 200);
+    }
+
     /// A graceful stop closes the connections that wait for a request at once, with no answer,
     /// while a request in flight goes on: idle keep-alive clients learn of the stop, and the
     /// drain waits only for requests.

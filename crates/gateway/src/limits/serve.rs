@@ -120,13 +120,11 @@ where
                     settings.apply_to_session(&mut session);
                 }
             } else {
-                // Pingora's own keep-alive timer is per read; sluice's idle timer is the one
-                // that counts, and this one only backs it up.
-                session.set_keepalive(if *shutdown.borrow() {
-                    None
-                } else {
-                    Some(self.limits.idle_timeout.as_secs().max(1) + 1)
-                });
+                // Keep-alive without Pingora's own timer (0: no timeout): sluice waits for each
+                // next request itself and times heads with its own idle and header timers.
+                // Pingora's timer runs per read of a head, so a head slower than it but within
+                // header_timeout would be dropped with no answer.
+                session.set_keepalive(if *shutdown.borrow() { None } else { Some(0) });
                 session.set_keepalive_reuses_remaining(
                     self.inner
                         .server_options()
