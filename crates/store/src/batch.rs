@@ -20,15 +20,17 @@
 //!   calls. The first request to find none creates it and spawns the task; later ones queue in
 //!   it. The task takes every request waiting (at most [`MAX_BATCH`]), makes one call, hands
 //!   each request its own reply, and goes on until no request waits; then the lane is removed.
-//!   A call never waits for company: a lone request goes at once, as before.
+//!   A call never waits for company: a lone request goes at once, as before. A key-pool lane
+//!   may have two tasks, so two calls out at once ([`ASSIGN_CALLS`]): a request that finds one
+//!   call out starts the second task and goes at once too.
 //! - The task, not a request, makes the call. A request that gives up (its client left, its
 //!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
 //!   call left is taken out of it, so it is never charged. A request waits for its call to
 //!   leave at most the store's timeout (then it leaves the queue, uncharged); once its call has
 //!   left, it waits for that call's answer, which the call's own timeout bounds, so that it is
 //!   never told "timeout" after a call that charged it answered in time.
-//! - Every resource is bounded: lanes exist only while requests wait in them, and a call holds at
-//!   most [`MAX_BATCH`] requests.
+//! - Every resource is bounded: lanes exist only while requests wait in them, a call holds at
+//!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out.
 //! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
 //!   each request makes its own call of the same script, at once, from its own task.
 
@@ -50,6 +52,15 @@ use crate::scripts::Scripts;
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
 /// stays short (a fused call of 32 takes Redis about 120 µs), and its reply stays small.
 pub const MAX_BATCH: usize = 32;
+
+/// The most calls of one key-pool lane out at once. Its script's work per request (the
+/// cooldowns, each member's windows, the pool) outweighs a call's fixed cost several times over,
+/// so one call at a time left Redis idle while the answer travelled and the next call was
+/// written, and the whole route waited on that loop; with two, Redis decides the next call's
+/// requests while the gateway reads the last one's answer. Calls of one lane go over one
+/// connection, so Redis runs them in the order they left. The other kinds keep one call at a
+/// time: their script's fixed cost is most of a call, and fewer, larger calls serve them best.
+const ASSIGN_CALLS: usize = 2;
 
 /// Which script a lane's calls run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -174,6 +185,14 @@ impl LaneId {
             Kind::Assign => 0,
         }
     }
+
+    /// The most calls of this lane out at once.
+    fn calls(&self) -> usize {
+        match self.kind {
+            Kind::Assign => ASSIGN_CALLS,
+            _ => 1,
+        }
+    }
 }
 
 /// A request waiting for its call.
@@ -191,6 +210,8 @@ struct Waiter {
 struct Lane {
     id: Arc<LaneId>,
     waiting: Vec<Waiter>,
+    /// Tasks sending this lane's calls (at most `id.calls()`), each one call at a time.
+    tasks: usize,
 }
 
 /// The lanes of one store, by a hash of their id (a lookup allocates nothing; a lane's id is
@@ -264,6 +285,7 @@ impl Batches {
                 batches: self.clone(),
                 hash,
                 id,
+                ended: false,
             };
             tokio::spawn(async move { guard.run().await });
         }
@@ -302,14 +324,18 @@ impl Batches {
         false
     }
 
-    /// Queues `waiter` in its lane (`hash` is the ask's); the new lane's id when there was
-    /// none, for which a task must be spawned.
+    /// Queues `waiter` in its lane (`hash` is the ask's); the lane's id when a task must be
+    /// spawned for it: the lane is new, or has fewer tasks than it may have calls out.
     fn enqueue(&self, hash: u64, ask: &Ask<'_>, waiter: Waiter) -> Option<Arc<LaneId>> {
         let mut lanes = self.lanes();
         let bucket = lanes.entry(hash).or_default();
         match bucket.iter_mut().find(|lane| lane.id.is(ask)) {
             Some(lane) => {
                 lane.waiting.push(waiter);
+                if lane.tasks < lane.id.calls() {
+                    lane.tasks += 1;
+                    return Some(lane.id.clone());
+                }
                 None
             }
             None => {
@@ -317,6 +343,7 @@ impl Batches {
                 bucket.push(Lane {
                     id: id.clone(),
                     waiting: vec![waiter],
+                    tasks: 1,
                 });
                 Some(id)
             }
@@ -324,14 +351,18 @@ impl Batches {
     }
 
     /// The requests of the next call: those waiting, up to [`MAX_BATCH`], less any that gave up.
-    /// `None` once none waits; the lane is then removed, under the same lock, so that the next
-    /// request creates a new one.
+    /// `None` once none waits: the calling task ends, and the lane's last task removes it,
+    /// under the same lock, so that the next request creates a new one.
     fn take(&self, hash: u64, id: &Arc<LaneId>) -> Option<Vec<Waiter>> {
         let mut lanes = self.lanes();
         let bucket = lanes.get_mut(&hash)?;
         let at = bucket.iter().position(|l| Arc::ptr_eq(&l.id, id))?;
         let lane = &mut bucket[at];
         if lane.waiting.is_empty() {
+            lane.tasks = lane.tasks.saturating_sub(1);
+            if lane.tasks > 0 {
+                return None;
+            }
             bucket.swap_remove(at);
             if bucket.is_empty() {
                 lanes.remove(&hash);
@@ -502,19 +533,21 @@ fn deliver(batch: Vec<Waiter>, width: usize, reply: Result<Value, StoreError>) {
     }
 }
 
-/// A lane's task, which removes its lane however it ends: when no request waits (as `take`
-/// does), or, if the task is dropped first (its runtime shut down, maybe before it ever ran),
-/// on drop, so that requests do not queue behind a task that is gone. A lane removed already,
-/// or replaced by a new one of the same id, is left alone.
+/// A lane's task, which leaves its lane however it ends: when no request waits (`take`, which
+/// removes the lane with its last task), or, if the task is dropped first (its runtime shut
+/// down, maybe before it ever ran), on drop, so that requests do not queue behind a task that is
+/// gone. A lane removed already, or replaced by a new one of the same id, is left alone.
 struct LaneGuard {
     batches: Arc<Batches>,
     hash: u64,
     id: Arc<LaneId>,
+    /// Set when `take` has counted this task out.
+    ended: bool,
 }
 
 impl LaneGuard {
     /// One call after another while requests wait.
-    async fn run(self) {
+    async fn run(mut self) {
         let (batches, hash, id) = (&self.batches, self.hash, &self.id);
         while let Some(batch) = batches.take(hash, id) {
             if batch.is_empty() {
@@ -523,11 +556,15 @@ impl LaneGuard {
             let reply = batches.call(id, &batch).await;
             deliver(batch, id.width(), reply);
         }
+        self.ended = true;
     }
 }
 
 impl Drop for LaneGuard {
     fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
         let mut lanes = self.batches.lanes();
         if let Some(bucket) = lanes.get_mut(&self.hash) {
             if let Some(at) = bucket.iter().position(|l| Arc::ptr_eq(&l.id, &self.id)) {
@@ -649,6 +686,7 @@ mod tests {
         batches.lanes().entry(hash).or_default().push(Lane {
             id: id.clone(),
             waiting: Vec::new(),
+            tasks: 1,
         });
         (hash, id)
     }
