@@ -1232,3 +1232,71 @@ fn a_key_pool_request_that_gives_up_before_its_call_leaves_is_not_charged() {
         assert_eq!(remaining, [7, 5], "two requests charged to the route");
     });
 }
+
+/// A key-pool lane may have two calls out at once: while Redis holds the first (paused for
+/// writes), a second request goes at once in a call of its own, and only those that come while
+/// both are out wait, to share the next call. Each is still decided as the memory store decides
+/// them one after another.
+#[test]
+fn a_key_pool_lane_has_two_calls_out_at_once() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = redis_store(server.url());
+    let (members, quota) = key_pool(false);
+    let ids: Vec<Arc<str>> = members.iter().map(|m| m.id.clone()).collect();
+    let route = "two-out";
+    let asks = pool_asks(&mut Dice(5), 4);
+    let now = 1_000_000_000;
+    let answers = rt.block_on(async {
+        redis.sync(route, &ids, &[]).await.unwrap();
+        pool_decide(
+            &redis,
+            "two-out-warm-up",
+            &members,
+            &quota,
+            &asks[..1],
+            1,
+            false,
+        )
+        .await;
+        let before = script_calls(&server);
+        server
+            .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
+            .unwrap();
+        let mut futures: Vec<_> = asks
+            .iter()
+            .map(|a| {
+                Box::pin(pool_decide(
+                    &redis,
+                    route,
+                    &members,
+                    &quota,
+                    std::slice::from_ref(a),
+                    now,
+                    false,
+                ))
+            })
+            .collect();
+        // The first request's task takes it into a call, which Redis holds; so does the
+        // second's, a task of its own; the last two wait in the lane.
+        for at in [0..1, 1..2, 2..4] {
+            queue(&mut futures[at]).await;
+            for _ in 0..8 {
+                tokio::task::yield_now().await;
+            }
+        }
+        server.command(&["CLIENT", "UNPAUSE"]).unwrap();
+        let answers: Vec<Assignment> = together(futures).await.into_iter().flatten().collect();
+        assert_eq!(
+            script_calls(&server) - before,
+            3,
+            "alone, alone, then together"
+        );
+        answers
+    });
+    let memory = MemoryStore::new();
+    let expected = rt.block_on(pool_decide(
+        &memory, route, &members, &quota, &asks, now, false,
+    ));
+    assert_eq!(answers, expected);
+}
