@@ -145,6 +145,15 @@ impl PeerCell {
         self.peer.load().as_deref().cloned()
     }
 
+    /// The current peer in the box Pingora takes for each attempt; `None` while the host
+    /// never resolved. The clone is written straight into the box: cloned on the stack, then
+    /// boxed, the peer (several hundred bytes) was copied twice more on every request.
+    pub fn boxed_peer(&self) -> Option<Box<HttpPeer>> {
+        let current = self.peer.load();
+        let peer = current.as_deref()?;
+        Some(Box::write(Box::new_uninit(), peer.clone()))
+    }
+
     /// The current address; `None` while the host never resolved.
     pub fn address(&self) -> Option<SocketAddr> {
         self.peer

@@ -128,9 +128,10 @@ pub struct Member {
 }
 
 impl Member {
-    /// The current peer; `None` for a direct member and while the host never resolved.
-    pub fn peer(&self) -> Option<HttpPeer> {
-        self.cell.as_ref().and_then(|c| c.peer())
+    /// The current peer, boxed as Pingora takes it; `None` for a direct member and while the
+    /// host never resolved.
+    pub fn peer(&self) -> Option<Box<HttpPeer>> {
+        self.cell.as_ref().and_then(|c| c.boxed_peer())
     }
 
     /// The current address; `None` for a direct member and while the host never resolved.

@@ -89,7 +89,7 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
         match member.peer() {
             Some(peer) => {
                 ctx.current = Some(attempt);
-                return Ok(Box::new(peer));
+                return Ok(peer);
             }
             None => {
                 // An unresolvable host is a connect failure that never reached Pingora.
