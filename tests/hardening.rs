@@ -258,11 +258,10 @@ mod downstream_limits {
         assert_eq!(closed, Some(1.0));
     }
 
-    /// On a kept-alive connection, the first bytes of the next head start the header timer:
-    /// a head that stops halfway is cut at `limits.header_timeout`, not left to the (much
-    /// longer) idle timeout.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_kept_alive_connection_whose_next_head_stalls_is_cut_at_the_header_timeout() {
+    /// A kept-alive connection whose next head stops halfway, after `first` (the bytes written
+    /// before the answer is read) and `then` (written after it), is cut at the header timeout,
+    /// not left to the (much longer) idle timeout, and counted as such.
+    async fn a_stalled_next_head_is_cut_at_the_header_timeout(first: &[u8], then: &[u8]) {
         let backends = start_backends(&["api"]).await;
         let gw = start(
             &url(backends[0].local_addr()),
@@ -270,15 +269,10 @@ mod downstream_limits {
             "",
         );
         let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        let r = client
-            .request("GET", "api.test", "/", &[], b"")
-            .await
-            .unwrap();
+        client.write_raw(first).await.unwrap();
+        let r = client.read_response(false).await.unwrap();
         assert_eq!(r.status, 200);
-        client
-            .write_raw(b"GET /second HTTP/1.1\r\nHost: api.t")
-            .await
-            .unwrap();
+        client.write_raw(then).await.unwrap();
         assert!(
             client.wait_closed(DEADLINE).await,
             "a stalled head on a kept-alive connection kept it open"
@@ -293,37 +287,24 @@ mod downstream_limits {
         assert_eq!(cut, Some(1.0));
     }
 
-    /// Part of the next head sent with a request (pipelined) starts that head's timer: a client
-    /// that then stalls is cut at header_timeout, as one that sends the part after the answer.
+    /// The first bytes of the next head, sent after the answer, start the header timer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_alive_connection_whose_next_head_stalls_is_cut_at_the_header_timeout() {
+        a_stalled_next_head_is_cut_at_the_header_timeout(
+            b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n",
+            b"GET /second HTTP/1.1\r\nHost: api.t",
+        )
+        .await;
+    }
+
+    /// Part of the next head sent with a request (pipelined) starts that head's timer too.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pipelined_part_of_a_head_that_stalls_is_cut_at_the_header_timeout() {
-        let backends = start_backends(&["api"]).await;
-        let gw = start(
-            &url(backends[0].local_addr()),
-            "  idle_timeout: 60s\n  header_timeout: 1s\n",
-            "",
-        );
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        client
-            .write_raw(
-                b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\nGET /second HTTP/1.1\r\nHost: api.t",
-            )
-            .await
-            .unwrap();
-        let r = client.read_response(false).await.unwrap();
-        assert_eq!(r.status, 200);
-        assert!(
-            client.wait_closed(DEADLINE).await,
-            "a stalled pipelined head kept the connection open"
-        );
-        assert_eq!(backends[0].proxied_requests(), 1);
-        let cut = gw
-            .metric(
-                "sluice_connections_closed_total",
-                &[("reason", "header_timeout")],
-            )
-            .await;
-        assert_eq!(cut, Some(1.0));
+        a_stalled_next_head_is_cut_at_the_header_timeout(
+            b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\nGET /second HTTP/1.1\r\nHost: api.t",
+            b"",
+        )
+        .await;
     }
 
     /// A first head that comes slower than idle_timeout but within header_timeout is served:
