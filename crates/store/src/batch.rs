@@ -277,12 +277,22 @@ impl Batches {
             call: ask.call.take(),
             reply: tx,
         };
-        let hash = self.hash(&ask);
+        let received = |r: Result<_, oneshot::error::RecvError>| {
+            r.unwrap_or_else(|_| {
+                Err(StoreError::Backend(
+                    "the batched call ended without a reply".into(),
+                ))
+            })
+        };
         if !self.on {
+            // Its own call, made here: no lane, no queue, and the call's timeout is the bound.
             let id = LaneId::of(&ask);
             let reply = self.call(&id, std::slice::from_ref(&waiter)).await;
             deliver(vec![waiter], id.width(), reply);
-        } else if let Some(id) = self.enqueue(hash, &ask, waiter) {
+            return received(rx.await);
+        }
+        let hash = self.hash(&ask);
+        if let Some(id) = self.enqueue(hash, &ask, waiter) {
             // The guard is made before the task is spawned: a task dropped before it first
             // runs (its runtime shutting down) still removes its lane.
             let guard = LaneGuard {
@@ -293,13 +303,6 @@ impl Batches {
             };
             tokio::spawn(async move { guard.run().await });
         }
-        let received = |r: Result<_, oneshot::error::RecvError>| {
-            r.unwrap_or_else(|_| {
-                Err(StoreError::Backend(
-                    "the batched call ended without a reply".into(),
-                ))
-            })
-        };
         // A request waits for its call to leave for at most the store's timeout, as long as a
         // call of its own may take; past it, one still in the queue leaves it, uncharged.
         match tokio::time::timeout(self.connection.timeout(), &mut rx).await {
