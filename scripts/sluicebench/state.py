@@ -3,7 +3,7 @@ hot reload, Redis Cluster.
 
   scripts/bench-state [PART...] [--write]
 
-PART is quota, least-used, key-pool, usage, reload or cluster (default: all six, in that order). --write also
+PART is quota, least-used, key-pool, usage, reload, cluster or lease-wake (default: all seven, in that order). --write also
 replaces each part's section of docs/benchmark-runs.md (between <!-- bench:state:start --> and
 <!-- bench:state:end -->, one sub-section per part, so parts can be run one at a time).
 
@@ -26,6 +26,9 @@ replaces each part's section of docs/benchmark-runs.md (between <!-- bench:state
               routes; request p99 during a reload storm against none.
   cluster     quota + least_used on one Redis against a 3-master Redis Cluster (wrk), and the
               Redis-side ceiling with redis-benchmark on 1, 2 and 3 masters at once.
+  lease-wake  two sluice processes on one Redis, a route with max_in_flight: 1 and max_wait:
+              how long a request waiting at the cap on one takes to go once the other's
+              request ends (WAKE_ROUNDS rounds, 50; each holder HOLD_MS, 100).
 
 Knobs (environment): ROUNDS (3), DURATION (10s), CONNECTIONS (64), WRK_THREADS (2), WARMUP (2s),
 SLUICE_THREADS (1), RB_REQUESTS (200000), RB_CLIENTS (50), MEM_REQUESTS (10000),
@@ -65,7 +68,7 @@ from .servers import Backends, commandstats, rcli, script_stats, start_backends
 
 START_MARK = "<!-- bench:state:start -->"
 END_MARK = "<!-- bench:state:end -->"
-PARTS = ["quota", "least-used", "key-pool", "usage", "reload", "cluster"]
+PARTS = ["quota", "least-used", "key-pool", "usage", "reload", "cluster", "lease-wake"]
 WRK_KNOBS = ["ROUNDS", "DURATION", "CONNECTIONS", "WRK_THREADS", "WARMUP", "SLUICE_THREADS"]
 # What the fused and quota scripts are called with: a window "w" no benchmark ever fills.
 BIG_WINDOW = ["w", "1000000000000", "3600000000"]
@@ -291,7 +294,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench-state", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", metavar="PART",
-                        help="quota, least-used, key-pool, usage, reload or cluster (default: all six)")
+                        help="quota, least-used, key-pool, usage, reload, cluster or lease-wake (default: all seven)")
     parser.add_argument("--write", action="store_true",
                         help="replace the parts' sections of docs/benchmark-runs.md with the report")
     opts = parser.parse_args(argv)
@@ -314,9 +317,9 @@ def main(argv: list[str]) -> int:
         run = Run(procs, knobs, sluice, opts.write, doc_path)
         if run.rounds < 3:
             procs.log(f"warning: ROUNDS={run.rounds}; use at least 3 for figures worth reporting")
-        from . import cluster, key_pool, least_used, quota, reload, usage
+        from . import cluster, key_pool, lease_wake, least_used, quota, reload, usage
         modules = {"quota": quota, "least-used": least_used, "key-pool": key_pool, "usage": usage, "reload": reload,
-                   "cluster": cluster}
+                   "cluster": cluster, "lease-wake": lease_wake}
         for part in parts:
             procs.log(f"=== part: {part} ===")
             reports[part] = modules[part].run(run)
