@@ -12,6 +12,7 @@ use super::Config;
 mod clients;
 mod fallback;
 mod leases;
+mod shards;
 mod sticky;
 mod usage;
 
@@ -627,6 +628,7 @@ impl Config {
         problems.extend(fallback::problems(self));
         problems.extend(leases::problems(self));
         problems.extend(sticky::problems(self));
+        problems.extend(shards::problems(self));
         problems
     }
 }

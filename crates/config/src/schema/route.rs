@@ -37,6 +37,16 @@ pub struct RouteConfig {
     /// The most requests in flight on the route at once, across every instance (leases).
     #[serde(default)]
     pub max_in_flight: Option<NonZeroU64>,
+    /// How many sub-logs the route's state is split into on Redis, each under a hash tag of its
+    /// own (on a Redis Cluster, spread over the masters) with its share of every limit; 1 (the
+    /// default) keeps the one log and the keys of a route without it. The memory store keeps
+    /// one log whatever it says.
+    #[serde(default = "one_shard")]
+    pub state_shards: NonZeroU32,
+}
+
+fn one_shard() -> NonZeroU32 {
+    NonZeroU32::MIN
 }
 
 /// `client_token`: a header name a client may carry its token in. Not one that sluice or

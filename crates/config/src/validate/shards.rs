@@ -1,0 +1,190 @@
+//! The rules of a route's `state_shards`: how many sub-logs its state is split into on Redis.
+//!
+//! Each sub-log admits its share of every limit (the limit divided by the sub-logs, the
+//! remainder on the first ones), so a request must fit in one share. What a sub-log cannot
+//! hold yet (reservations settled later, leases released later, sticky bindings looked up by
+//! session) is refused with more than one.
+
+use super::super::position::YamlPath;
+use super::super::schema::{RouteGrant, WindowConfig, WindowUnit};
+use super::super::Config;
+
+/// The most sub-logs a route may have: a Redis Cluster seldom has more masters for one route
+/// to use, and a request that finds every other sub-log full may try each one.
+pub const MAX_STATE_SHARDS: u32 = 16;
+
+/// The problems of every route's `state_shards`.
+pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
+    let mut problems = Vec::new();
+    let clients: Vec<_> = config.clients.iter().flat_map(|c| c.list.iter()).collect();
+    for (i, route) in config.routes.iter().enumerate() {
+        let shards = route.state_shards.get();
+        if shards == 1 {
+            continue;
+        }
+        let route_at = YamlPath::root().key("routes").index(i);
+        let at = route_at.clone().key("state_shards");
+        if shards > MAX_STATE_SHARDS {
+            problems.push((
+                at.clone(),
+                format!("state_shards is at most {MAX_STATE_SHARDS}"),
+            ));
+            continue;
+        }
+        let mut refuse = |why: &str| {
+            problems.push((
+                at.clone(),
+                format!("state_shards above 1 cannot be used with {why}"),
+            ));
+        };
+        let quota = route.quota.as_ref();
+        if quota.is_some_and(|q| q.usage.is_some()) {
+            refuse("quota.usage: a reservation is settled in the sub-log it was taken from, which is not kept yet");
+        }
+        if route.max_in_flight.is_some() || route.upstream.max_in_flight.is_some() {
+            refuse("max_in_flight: leases are not split into sub-logs yet");
+        }
+        if route.upstream.sticky.is_some() {
+            refuse("upstream.sticky: sessions are not split into sub-logs yet");
+        }
+        if let Some(c) = clients.iter().find(|c| c.max_in_flight.is_some()) {
+            refuse(&format!(
+                "a client's max_in_flight (clients.list {:?}): it makes every route keep leases, which are not split into sub-logs yet",
+                c.name.0
+            ));
+        }
+        let granted = clients.iter().find(|c| {
+            c.routes.iter().any(|g| {
+                matches!(g, RouteGrant::All)
+                    || matches!(g, RouteGrant::Route(r) if r.0 == route.name.0)
+            }) && c
+                .quota
+                .as_ref()
+                .is_some_and(|q| q.windows.iter().any(reserves))
+        });
+        if let Some(c) = granted {
+            refuse(&format!(
+                "client {:?}, granted this route, whose windows count usage units or calendar periods: a reservation is settled in the sub-log it was taken from, which is not kept yet",
+                c.name.0
+            ));
+        }
+        // The largest cost a request of the route may have: it is charged to the route's
+        // windows and to its member's.
+        let cost = quota.map_or(1, |q| {
+            q.cost
+                .rules
+                .iter()
+                .map(|r| r.cost.get())
+                .fold(q.cost.default.get(), u64::max)
+        });
+        let route_windows = quota.map_or(&[][..], |q| &q.windows[..]);
+        let mut check = |windows: &[WindowConfig], windows_at: YamlPath| {
+            for (j, w) in windows.iter().enumerate() {
+                let window_at = windows_at.clone().index(j);
+                if reserves(w) {
+                    problems.push((
+                        window_at.clone(),
+                        "state_shards above 1 cannot be used with a window in usage units or calendar periods: a reservation is settled in the sub-log it was taken from, which is not kept yet".to_string(),
+                    ));
+                } else if w.limit.get() / cost < u64::from(shards) {
+                    problems.push((
+                        window_at.key("limit"),
+                        format!(
+                            "state_shards: {shards} splits this limit into {shards} shares of about {} each, which cannot hold a request of the route's largest cost ({cost}): the limit must be at least state_shards × that cost ({})",
+                            w.limit.get() / u64::from(shards),
+                            u64::from(shards).saturating_mul(cost)
+                        ),
+                    ));
+                }
+            }
+        };
+        check(route_windows, route_at.clone().key("quota").key("windows"));
+        for (m, member) in route.upstream.members.iter().enumerate() {
+            if let Some(q) = &member.quota {
+                check(
+                    &q.windows,
+                    route_at
+                        .clone()
+                        .key("upstream")
+                        .key("members")
+                        .index(m)
+                        .key("quota")
+                        .key("windows"),
+                );
+            }
+        }
+    }
+    problems
+}
+
+/// Whether a window is reserved rather than only counted.
+fn reserves(w: &WindowConfig) -> bool {
+    w.calendar().is_some() || !matches!(w.unit, WindowUnit::Requests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::tests::{errors, one_error};
+
+    fn route(lines: &str) -> String {
+        format!("routes:\n  - name: a\n    upstream: {{}}\n{lines}")
+    }
+
+    #[test]
+    fn state_shards_default_to_one_and_parse() {
+        let config = crate::Config::parse("t.yaml", &route("")).unwrap();
+        assert_eq!(config.routes[0].state_shards.get(), 1);
+        let yaml = route(
+            "    state_shards: 3\n    quota:\n      windows: [{name: m, limit: 300, window: 1m}]\n      cost: {default: 1, rules: [{path_prefix: /big, cost: 100}]}\n",
+        );
+        assert!(errors(&yaml).is_empty(), "{:?}", errors(&yaml));
+        let config = crate::Config::parse("t.yaml", &yaml).unwrap();
+        assert_eq!(config.routes[0].state_shards.get(), 3);
+    }
+
+    #[test]
+    fn check_refuses_more_shares_than_a_limit_holds_requests() {
+        one_error(
+            &route("    state_shards: 4\n    quota:\n      windows: [{name: m, limit: 300, window: 1m}]\n      cost: {default: 1, rules: [{path_prefix: /big, cost: 100}]}\n"),
+            "6:34: routes[0].quota.windows[0].limit",
+            "the limit must be at least state_shards × that cost (400)",
+        );
+        let member = "routes:\n  - name: a\n    state_shards: 3\n    upstream:\n      selection: least_used\n      members:\n        - url: http://k.test\n          quota: {windows: [{name: rpm, limit: 2, window: 1m}]}\n";
+        one_error(
+            member,
+            "8:48: routes[0].upstream.members[0].quota.windows[0].limit",
+            "the limit must be at least state_shards × that cost (3)",
+        );
+        one_error(
+            &route("    state_shards: 17\n"),
+            "4:19: routes[0].state_shards",
+            "at most 16",
+        );
+        assert!(!errors(&route("    state_shards: 0\n")).is_empty());
+    }
+
+    #[test]
+    fn check_refuses_what_sub_logs_do_not_keep() {
+        for (lines, what) in [
+            ("    max_in_flight: 5\n", "max_in_flight"),
+            (
+                "    quota:\n      windows: [{name: d, limit: 300, window: calendar_day}]\n",
+                "",
+            ),
+        ] {
+            let all = errors(&route(&format!("    state_shards: 2\n{lines}")));
+            assert!(
+                all.len() == 1 && all[0].contains("state_shards above 1") && all[0].contains(what),
+                "{all:#?}"
+            );
+        }
+        let sticky = "routes:\n  - name: a\n    state_shards: 2\n    upstream:\n      sticky: { key: client }\n";
+        one_error(sticky, "3:19: routes[0].state_shards", "upstream.sticky");
+        let client = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      max_in_flight: 2\nroutes:\n  - name: a\n    state_shards: 2\n    upstream: {}\n";
+        one_error(
+            client,
+            "8:19: routes[0].state_shards",
+            "a client's max_in_flight",
+        );
+    }
+}
