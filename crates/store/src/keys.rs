@@ -24,6 +24,89 @@
 //!   expires with its longest cooldown.
 //!
 //! Every key expires on its own once idle, except the pool, which holds the configured members.
+//!
+//! A route with `state_shards: S` above 1 keeps S sub-logs, each a whole set of the keys above
+//! under a name of its own ([`sub_log`]): sub-log 0 is the route's own name (its keys are
+//! exactly those of a route without sub-logs), sub-log i ≥ 1 is `<route>#<i><suffix>`, whose
+//! three-character suffix puts its hash tag on the slot `S` evenly spaced slots away from the
+//! route's own (the [`suffixes`] table). Every instance computes the same names from the
+//! config alone.
+
+use std::sync::OnceLock;
+
+/// Redis Cluster's slots.
+pub const SLOTS: u16 = 16384;
+
+/// CRC16-CCITT (XMODEM), the checksum Redis Cluster hashes a key's tag with.
+pub fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The Redis Cluster slot of a hash tag (what a key holds between its first `{` and `}`).
+pub fn slot(tag: &[u8]) -> u16 {
+    crc16(tag) % SLOTS
+}
+
+/// The characters a suffix is made of: letters and digits, nothing a key or a log would
+/// quote.
+const ALPHABET: &[u8; 62] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+
+/// Per slot, a three-character suffix whose own slot is that one: the first such in
+/// [`ALPHABET`] order, so the table is the same on every instance and in every version.
+/// Three characters reach every slot (a unit test proves it).
+pub fn suffixes() -> &'static [[u8; 3]] {
+    static TABLE: OnceLock<Vec<[u8; 3]>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut table = vec![[0u8; 3]; usize::from(SLOTS)];
+        let mut filled = vec![false; usize::from(SLOTS)];
+        for &a in ALPHABET {
+            for &b in ALPHABET {
+                for &c in ALPHABET {
+                    let s = usize::from(slot(&[a, b, c]));
+                    if !filled[s] {
+                        filled[s] = true;
+                        table[s] = [a, b, c];
+                    }
+                }
+            }
+        }
+        table
+    })
+}
+
+/// The name sub-log `i` of `shards` of `route` goes by in its keys (in place of the route's
+/// name). Sub-log 0 is the route's own name. Sub-log i ≥ 1 is `<route>#<i>` and a suffix
+/// from [`suffixes`] that puts it on slot (slot of `route` + i·⌊16384/shards⌋) mod 16384:
+/// evenly spaced slots, which land on distinct masters when the masters own equal contiguous
+/// ranges, as `redis-cli --cluster create` assigns them. With CRC16's zero start, the
+/// checksum of `base ‖ suffix` is that of `base ‖ 000` xor that of the suffix, so the suffix
+/// needed is the table's entry for the target slot xor the slot of `base ‖ 000`. Route names
+/// are `[A-Za-z0-9_-]`: no other route's sub-log has the same name.
+pub fn sub_log(route: &str, i: u32, shards: u32) -> String {
+    if i == 0 || shards <= 1 {
+        return route.to_string();
+    }
+    let step = u32::from(SLOTS) / shards;
+    let target = ((u32::from(slot(route.as_bytes())) + i * step) % u32::from(SLOTS)) as u16;
+    let mut name = format!("{route}#{i}");
+    let mut padded = name.clone().into_bytes();
+    padded.extend_from_slice(&[0, 0, 0]);
+    let from_base = crc16(&padded) % SLOTS;
+    let suffix = suffixes()[usize::from(target ^ from_base)];
+    name.extend(suffix.iter().map(|&b| char::from(b)));
+    name
+}
 
 /// Names the keys of every route under one prefix.
 #[derive(Debug, Clone)]
@@ -168,6 +251,93 @@ mod tests {
                 "sluice:{api}:cool"
             ]
         );
+    }
+
+    #[test]
+    fn every_suffix_hashes_to_its_slot() {
+        let table = suffixes();
+        assert_eq!(table.len(), usize::from(SLOTS));
+        for (s, suffix) in table.iter().enumerate() {
+            assert!(
+                suffix.iter().all(|b| ALPHABET.contains(b)),
+                "slot {s} has no suffix"
+            );
+            assert_eq!(
+                usize::from(slot(suffix)),
+                s,
+                "{:?}",
+                std::str::from_utf8(suffix)
+            );
+        }
+        // The checksum Redis documents for its Cluster.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+    }
+
+    /// The slot of each sub-log's tag is its target, for routes of every length; sub-log 0 is
+    /// the route itself, so one sub-log changes no key.
+    #[test]
+    fn sub_logs_land_on_evenly_spaced_slots() {
+        for route in [
+            "a",
+            "api",
+            "openai-chat_v2",
+            "r7",
+            "a-route-with-a-rather-long-name",
+        ] {
+            let base = slot(route.as_bytes());
+            assert_eq!(sub_log(route, 0, 1), route);
+            assert_eq!(sub_log(route, 0, 3), route);
+            for shards in 2..=16u32 {
+                let mut names = std::collections::HashSet::new();
+                for i in 0..shards {
+                    let name = sub_log(route, i, shards);
+                    let want = (u32::from(base) + i * (16384 / shards)) % 16384;
+                    assert_eq!(u32::from(slot(name.as_bytes())), want, "{name}");
+                    assert!(names.insert(name));
+                }
+            }
+        }
+        assert_eq!(
+            Keys::new("sluice").pool(&sub_log("api", 0, 3)),
+            "sluice:{api}:pool"
+        );
+        let one = sub_log("api", 1, 3);
+        assert!(
+            one.starts_with("api#1") && one.len() == "api#1".len() + 3,
+            "{one}"
+        );
+    }
+
+    /// With three masters as `redis-cli --cluster create` assigns them (0-5460, 5461-10922,
+    /// 10923-16383), three sub-logs sit on three masters for every route but those whose own
+    /// slot is 0 or 5461 (the spacing falls on a boundary there).
+    #[test]
+    fn three_sub_logs_land_on_three_masters_of_a_created_cluster() {
+        let master = |s: u16| match s {
+            0..=5460 => 0,
+            5461..=10922 => 1,
+            _ => 2,
+        };
+        let mut missed = Vec::new();
+        for i in 0..2000 {
+            let route = format!("r{i}");
+            let masters: std::collections::HashSet<_> = (0..3)
+                .map(|j| master(slot(sub_log(&route, j, 3).as_bytes())))
+                .collect();
+            if masters.len() != 3 {
+                missed.push(slot(route.as_bytes()));
+            }
+        }
+        assert!(missed.iter().all(|s| [0, 5461].contains(s)), "{missed:?}");
+        let all_slots = (0..SLOTS)
+            .filter(|&s| {
+                let step = SLOTS / 3;
+                let m: std::collections::HashSet<_> =
+                    (0..3).map(|j| master((s + j * step) % SLOTS)).collect();
+                m.len() != 3
+            })
+            .collect::<Vec<_>>();
+        assert_eq!(all_slots, [0, 5461]);
     }
 
     /// A client's windows are its own on every route: their keys share one hash tag, the
