@@ -388,6 +388,13 @@ pub trait StateStore: Send + Sync + 'static {
     /// back in a later reload keeps its quota. Redis drops nothing here.
     async fn retain_routes(&self, _routes: &[&str]) {}
 
+    /// The routes of the config in force with their `state_shards` (how many sub-logs their
+    /// state is split into). A store that keeps one exact log per route (the memory store)
+    /// ignores it; Redis keeps a route with more than one as that many sub-logs, each with its
+    /// share of every limit, under hash tags of their own. Every call on such a route answers
+    /// for the route as a whole (reads sum the sub-logs).
+    fn shard_routes(&self, _routes: &[(&str, u32)]) {}
+
     /// Releases leases of `route` taken by [`Assign::lease`], all in one call: each stops
     /// counting. Idempotent: a lease already released or expired changes nothing.
     async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError>;

@@ -307,6 +307,10 @@ impl StateStore for Sticky {
         self.inner.retain_routes(routes).await
     }
 
+    fn shard_routes(&self, routes: &[(&str, u32)]) {
+        self.inner.shard_routes(routes)
+    }
+
     async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError> {
         self.inner.release(route, leases).await
     }

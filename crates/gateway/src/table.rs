@@ -162,6 +162,13 @@ impl Table {
             .map(|t| t.routes.iter().map(|r| (&*r.name, r)).collect())
             .unwrap_or_default();
         let mut routes = Vec::with_capacity(config.routes.len());
+        // Which routes' state is split into sub-logs (Redis): before any request of this table.
+        let shards: Vec<(&str, u32)> = config
+            .routes
+            .iter()
+            .map(|r| (r.name.0.as_str(), r.state_shards.get()))
+            .collect();
+        state.shard_routes(&shards);
         // A client's max_in_flight counts the leases of its requests on every route.
         let capped = config
             .clients

@@ -11,7 +11,8 @@
 //! - how the Lua scripts in `lua/` are assembled and answered, in [`scripts`], and how one
 //!   call is written and sent (`FCALL`, or `EVALSHA`), in `call.rs`;
 //! - the calls that decide every request of a route (and quota key) waiting together, in
-//!   `batch.rs`, and the settlements', in `settle_batch.rs`.
+//!   `batch.rs`, and the settlements', in `settle_batch.rs`;
+//! - a route kept as several sub-logs (`state_shards`), in `shards.rs`.
 //!
 //! At most one script call per request (requests that wait together share one), time from
 //! Redis `TIME`.
@@ -25,6 +26,7 @@ pub mod keys;
 mod redis;
 pub mod scripts;
 mod settle_batch;
+mod shards;
 
 pub use connection::RedisConnection;
 pub use redis::{RedisStore, RedisStoreConfig};

@@ -5,6 +5,7 @@
 //! assign script, which does all of it. A quota, allocator or fused call decides every request of
 //! its route (and quota key) that waits for one (batch.rs).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +32,7 @@ use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
 use crate::settle_batch::{settle_call, Owned, SettleBatches};
+use crate::shards::{self, Sharded, Shards};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -53,6 +55,8 @@ pub struct RedisStore {
     batches: Arc<Batches>,
     /// Settlements, batched per route (and, on Cluster, per client's slot).
     settles: Arc<SettleBatches>,
+    /// The routes whose state is split into sub-logs (`state_shards`).
+    shards: Arc<Shards>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -89,6 +93,7 @@ impl RedisStore {
             connection,
             scripts,
             keys,
+            shards: Arc::new(Shards::default()),
         }
     }
 
@@ -440,7 +445,7 @@ impl RedisStore {
         }
         // The pool is missing (first use, or Redis restarted empty), as in `assign`.
         let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
-        self.sync(ask.route, &ids, ask.excluded).await?;
+        self.sync_one(ask.route, &ids, ask.excluded).await?;
         self.assign_script(&ask, Some(&usage))
             .await?
             .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
@@ -678,7 +683,7 @@ impl RedisStore {
         // The pool is missing: first use, or Redis restarted empty. Counts start again from
         // the agreed floor, and the request goes on.
         let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
-        self.sync(ask.route, &ids, ask.excluded).await?;
+        self.sync_one(ask.route, &ids, ask.excluded).await?;
         self.assign_once(&ask)
             .await?
             .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
@@ -834,9 +839,9 @@ impl RedisStore {
     }
 }
 
-#[async_trait]
-impl StateStore for RedisStore {
-    async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
+// The calls on one log: a route without sub-logs, or one sub-log of a route with them.
+impl RedisStore {
+    async fn acquire_one(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         let Some(client) = req.client else {
             return self.route_acquire(&req).await;
         };
@@ -875,7 +880,538 @@ impl StateStore for RedisStore {
         }
     }
 
+    async fn usage_one(
+        &self,
+        route: &str,
+        owner: Owner,
+        key: &str,
+        windows: &[Window],
+        at_us: Option<u64>,
+    ) -> Result<Vec<WindowUsage>, StoreError> {
+        if windows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.usage,
+            1 + windows.len(),
+        );
+        match owner {
+            Owner::Route => {
+                call.key(&self.keys.quota_meta_parts(route, key));
+                for w in windows {
+                    call.key(&self.keys.quota_log_parts(route, &w.name, key));
+                }
+            }
+            Owner::Member => {
+                call.key(&self.keys.member_meta_parts(route, key));
+                for w in windows {
+                    call.key(&self.keys.member_log_parts(route, &w.name, key));
+                }
+            }
+            Owner::Client => {
+                call.key(&self.keys.client_meta_parts(key));
+                for w in windows {
+                    call.key(&self.keys.client_log_parts(key, &w.name));
+                }
+            }
+        }
+        call.arg("read");
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        for w in windows {
+            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
+        }
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        scripts::parse_usage(&reply, windows.len())
+    }
+
+    async fn assign_one(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
+        // Redis has no empty sorted set: an empty pool is simply one with no member.
+        if ask.members.is_empty() {
+            return Ok(Assignment::NoMember { quota: None });
+        }
+        if let Some((lease, cap)) = self.client_lease_split(&ask) {
+            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
+            if !self.client_take(lease, cap, at_us).await? {
+                return Ok(Assignment::ClientConcurrency { quota: None });
+            }
+            let rest = Assign {
+                lease: Some(Lease {
+                    client: None,
+                    ..lease
+                }),
+                ..ask
+            };
+            let answer = self.assign(rest).await;
+            if !matches!(answer, Ok(Assignment::Assigned { .. })) {
+                self.client_give_back(cap, lease.id).await;
+            }
+            return answer;
+        }
+        let split = ask
+            .quota
+            .and_then(|q| q.client.map(|c| (q, c)))
+            .filter(|_| self.connection.is_cluster());
+        let Some((quota, client)) = split else {
+            return self.assign_route(ask).await;
+        };
+        let route = |with_route: bool| {
+            let plain = Acquire {
+                client: None,
+                ..quota
+            };
+            self.assign_route(Assign {
+                quota: with_route.then_some(plain),
+                ..ask
+            })
+        };
+        self.decide_split(&quota, client, route).await
+    }
+
+    async fn sync_one(
+        &self,
+        route: &str,
+        members: &[Arc<str>],
+        excluded: &[&str],
+    ) -> Result<(), StoreError> {
+        let n = members.len().to_string();
+        let mut leading = Vec::with_capacity(2 + members.len());
+        leading.push("sync");
+        leading.push(&n);
+        leading.extend(members.iter().map(|m| &**m));
+        self.allocator(route, &leading, excluded).await.map(drop)
+    }
+
+    async fn restore_to_min_one(
+        &self,
+        route: &str,
+        member: &str,
+        excluded: &[&str],
+    ) -> Result<(), StoreError> {
+        self.allocator(route, &["restore", member], excluded)
+            .await
+            .map(drop)
+    }
+
+    async fn member_remaining_one(
+        &self,
+        route: &str,
+        member: &PoolMember,
+    ) -> Result<Vec<u64>, StoreError> {
+        let read = Acquire {
+            route,
+            key: &member.id,
+            windows: &member.windows,
+            cost: 0,
+            at_us: None,
+            client: None,
+        };
+        let mut call = ScriptCall::new(
+            &self.scripts.library,
+            &self.scripts.quota,
+            1 + member.windows.len(),
+        );
+        call.key(&self.keys.member_meta_parts(route, &member.id));
+        for w in member.windows.iter() {
+            call.key(&self.keys.member_log_parts(route, &w.name, &member.id));
+        }
+        call.quota_args(&read);
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        let outcome = scripts::parse_quota(&reply, member.windows.len())?;
+        Ok(outcome.windows.iter().map(|w| w.remaining).collect())
+    }
+
+    async fn counts_one(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let key = self.keys.pool(route);
+        let pairs: Vec<(String, f64)> = self
+            .connection
+            .run(|mut conn| {
+                let key = key.clone();
+                async move {
+                    redis::cmd("ZRANGE")
+                        .arg(key)
+                        .arg(0)
+                        .arg(-1)
+                        .arg("WITHSCORES")
+                        .query_async(&mut conn)
+                        .await
+                }
+            })
+            .await?;
+        Ok(pairs.into_iter().map(|(m, c)| (m, c as u64)).collect())
+    }
+
+    async fn cool_one(
+        &self,
+        route: &str,
+        member: &str,
+        for_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
+        call.key(&self.keys.cooldowns_parts(route))
+            .arg("cool")
+            .arg(member)
+            .arg(for_us);
+        match at_us {
+            Some(t) => call.arg(t),
+            None => call.arg(""),
+        };
+        let reply: Value = self.invoke(&call).await?;
+        match reply {
+            Value::Int(left) if left >= 0 => Ok(left as u64),
+            other => Err(StoreError::Backend(format!(
+                "unexpected cool reply {other:?}"
+            ))),
+        }
+    }
+
+    async fn cooldowns_one(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
+        call.key(&self.keys.cooldowns_parts(route)).arg("list");
+        let reply: Value = self.invoke(&call).await?;
+        scripts::parse_cooldowns(&reply)
+    }
+}
+
+// Routes with sub-logs (shards.rs): each call goes to one sub-log, with its share of the limits,
+// or to all of them and sums.
+impl RedisStore {
+    /// A call that sub-logs do not split (reservations: their settlements would need the
+    /// sub-log), refused on a route with them; config validation refuses such routes first.
+    fn unsplit(&self, route: &str) -> Result<(), StoreError> {
+        match self.shards.of(route) {
+            None => Ok(()),
+            Some(_) => Err(StoreError::Backend(format!(
+                "route {route} keeps its state in sub-logs (state_shards), which do not take reservations"
+            ))),
+        }
+    }
+
+    /// A request on a route with sub-logs: a read (cost 0) reads every sub-log and sums; else
+    /// the sub-logs in turn, skipping those known full, until one admits it or every one
+    /// refused. A sub-log is charged only when it admits: a request is charged once.
+    async fn acquire_sharded(
+        &self,
+        req: Acquire<'_>,
+        sharded: &Sharded,
+    ) -> Result<Outcome, StoreError> {
+        let n = sharded.len();
+        let mine = req.windows.len();
+        if req.cost == 0 {
+            let mut sum: Option<Outcome> = None;
+            for (i, name) in sharded.names.iter().enumerate() {
+                let share = shards::split(req.windows, i, n);
+                let part = self
+                    .acquire_one(Acquire {
+                        route: name,
+                        windows: &share,
+                        ..req
+                    })
+                    .await?;
+                sum = Some(match sum {
+                    None => part,
+                    Some(mut sum) => {
+                        sum.admitted &= part.admitted;
+                        sum.retry_after_us = sum.retry_after_us.max(part.retry_after_us);
+                        for (s, p) in sum.windows.iter_mut().zip(&part.windows).take(mine) {
+                            s.remaining = s.remaining.saturating_add(p.remaining);
+                            s.reset_us = match (s.reset_us, p.reset_us) {
+                                (0, r) | (r, 0) => r,
+                                (a, b) => a.min(b),
+                            };
+                        }
+                        sum
+                    }
+                });
+            }
+            return sum.ok_or_else(|| StoreError::Backend("a route without sub-logs".into()));
+        }
+        let mut refused: Option<Outcome> = None;
+        for i in sharded.order() {
+            let outcome = match sharded.known_full(req.key, i) {
+                Some((left, Assignment::QuotaRefused(mut outcome))) => {
+                    outcome.retry_after_us = micros(left);
+                    outcome
+                }
+                Some(_) => continue,
+                None => {
+                    let share = shards::split(req.windows, i, n);
+                    let outcome = self
+                        .acquire_one(Acquire {
+                            route: &sharded.names[i],
+                            windows: &share,
+                            ..req
+                        })
+                        .await?;
+                    if outcome.admitted {
+                        return Ok(outcome);
+                    }
+                    let states = &outcome.windows[..mine.min(outcome.windows.len())];
+                    // Refused by the client's own windows alone: no other sub-log admits.
+                    let Some(full_us) = shards::full_for(states, req.cost) else {
+                        return Ok(outcome);
+                    };
+                    let refusal = Assignment::QuotaRefused(outcome);
+                    sharded.full(req.key, i, full_us, &refusal);
+                    let Assignment::QuotaRefused(outcome) = refusal else {
+                        continue;
+                    };
+                    outcome
+                }
+            };
+            if refused
+                .as_ref()
+                .is_none_or(|r| outcome.retry_after_us < r.retry_after_us)
+            {
+                refused = Some(outcome);
+            }
+        }
+        refused.ok_or_else(|| StoreError::Backend("a route without sub-logs".into()))
+    }
+
+    /// An assignment on a route with sub-logs: the sub-logs in turn, skipping those known full,
+    /// each with its share of the route's windows and of the members', until one assigns. A
+    /// sub-log whose route windows refuse, or whose members are all busy, is known full until
+    /// its answer says; any other answer (assigned, no member, refused by the client's own
+    /// windows alone) is the request's.
+    async fn assign_sharded(
+        &self,
+        ask: Assign<'_>,
+        sharded: &Sharded,
+    ) -> Result<Assignment, StoreError> {
+        if ask.lease.is_some() || ask.sticky.is_some() {
+            return Err(StoreError::Backend(format!(
+                "route {} keeps its state in sub-logs (state_shards), which do not take leases or sticky sessions",
+                ask.route
+            )));
+        }
+        let n = sharded.len();
+        let key = ask.quota.map_or("", |q| q.key);
+        let mine = ask.quota.map_or(0, |q| q.windows.len());
+        let cost = ask.quota.map_or(ask.cost, |q| q.cost);
+        let mut refused: Option<(u64, Assignment)> = None;
+        for i in sharded.order() {
+            let answer = match sharded.known_full(key, i) {
+                Some((left, answer)) => with_retry_after(answer, micros(left)),
+                None => {
+                    let name = &sharded.names[i];
+                    let share = ask.quota.map(|q| shards::split(q.windows, i, n));
+                    let members = shards::split_members(ask.members, i, n);
+                    let quota = ask.quota.map(|q| Acquire {
+                        route: name,
+                        windows: share.as_deref().unwrap_or_default(),
+                        ..q
+                    });
+                    let answer = self
+                        .assign_one(Assign {
+                            route: name,
+                            members: &members,
+                            quota,
+                            ..ask
+                        })
+                        .await?;
+                    let full_us = match &answer {
+                        Assignment::QuotaRefused(o) => {
+                            shards::full_for(&o.windows[..mine.min(o.windows.len())], cost)
+                        }
+                        Assignment::Busy { retry_after_us, .. } => Some(*retry_after_us),
+                        _ => None,
+                    };
+                    let Some(full_us) = full_us else {
+                        return Ok(answer);
+                    };
+                    sharded.full(key, i, full_us, &answer);
+                    answer
+                }
+            };
+            let wait = match &answer {
+                Assignment::QuotaRefused(o) => o.retry_after_us,
+                Assignment::Busy { retry_after_us, .. } => *retry_after_us,
+                _ => u64::MAX,
+            };
+            if refused.as_ref().is_none_or(|(w, _)| wait < *w) {
+                refused = Some((wait, answer));
+            }
+        }
+        refused
+            .map(|(_, answer)| answer)
+            .ok_or_else(|| StoreError::Backend("a route without sub-logs".into()))
+    }
+}
+
+/// Whole microseconds of `d`, at least 1.
+fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+/// A refusal remembered from a sub-log, waiting `us` from now.
+fn with_retry_after(answer: Assignment, us: u64) -> Assignment {
+    match answer {
+        Assignment::QuotaRefused(mut o) => {
+            o.retry_after_us = us;
+            Assignment::QuotaRefused(o)
+        }
+        Assignment::Busy { quota, .. } => Assignment::Busy {
+            retry_after_us: us,
+            quota,
+        },
+        other => other,
+    }
+}
+
+#[async_trait]
+impl StateStore for RedisStore {
+    async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
+        match self.shards.of(req.route) {
+            None => self.acquire_one(req).await,
+            Some(sharded) => self.acquire_sharded(req, &sharded).await,
+        }
+    }
+
+    async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
+        match self.shards.of(ask.route) {
+            None => self.assign_one(ask).await,
+            Some(sharded) => self.assign_sharded(ask, &sharded).await,
+        }
+    }
+
+    fn shard_routes(&self, routes: &[(&str, u32)]) {
+        self.shards.set(routes);
+    }
+
+    async fn usage(
+        &self,
+        route: &str,
+        owner: Owner,
+        key: &str,
+        windows: &[Window],
+        at_us: Option<u64>,
+    ) -> Result<Vec<WindowUsage>, StoreError> {
+        let sharded = self.shards.of(route).filter(|_| owner != Owner::Client);
+        let Some(sharded) = sharded else {
+            return self.usage_one(route, owner, key, windows, at_us).await;
+        };
+        let n = sharded.len();
+        let mut sum = vec![WindowUsage::default(); windows.len()];
+        for (i, name) in sharded.names.iter().enumerate() {
+            let share = shards::split(windows, i, n);
+            let part = self.usage_one(name, owner, key, &share, at_us).await?;
+            for (s, p) in sum.iter_mut().zip(part) {
+                s.total = s.total.saturating_add(p.total);
+                s.open = s.open.saturating_add(p.open);
+            }
+        }
+        Ok(sum)
+    }
+
+    async fn sync(
+        &self,
+        route: &str,
+        members: &[Arc<str>],
+        excluded: &[&str],
+    ) -> Result<(), StoreError> {
+        match self.shards.of(route) {
+            None => self.sync_one(route, members, excluded).await,
+            Some(sharded) => {
+                for name in &sharded.names {
+                    self.sync_one(name, members, excluded).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn restore_to_min(
+        &self,
+        route: &str,
+        member: &str,
+        excluded: &[&str],
+    ) -> Result<(), StoreError> {
+        match self.shards.of(route) {
+            None => self.restore_to_min_one(route, member, excluded).await,
+            Some(sharded) => {
+                for name in &sharded.names {
+                    self.restore_to_min_one(name, member, excluded).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn member_remaining(
+        &self,
+        route: &str,
+        member: &PoolMember,
+    ) -> Result<Vec<u64>, StoreError> {
+        let Some(sharded) = self.shards.of(route) else {
+            return self.member_remaining_one(route, member).await;
+        };
+        let n = sharded.len();
+        let mut sum = vec![0u64; member.windows.len()];
+        for (i, name) in sharded.names.iter().enumerate() {
+            let share = &shards::split_members(std::slice::from_ref(member), i, n)[0];
+            let part = self.member_remaining_one(name, share).await?;
+            for (s, p) in sum.iter_mut().zip(part) {
+                *s = s.saturating_add(p);
+            }
+        }
+        Ok(sum)
+    }
+
+    async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let Some(sharded) = self.shards.of(route) else {
+            return self.counts_one(route).await;
+        };
+        let mut sum: HashMap<String, u64> = HashMap::new();
+        for name in &sharded.names {
+            for (member, count) in self.counts_one(name).await? {
+                *sum.entry(member).or_default() += count;
+            }
+        }
+        let mut counts: Vec<(String, u64)> = sum.into_iter().collect();
+        counts.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+        Ok(counts)
+    }
+
+    async fn cool(
+        &self,
+        route: &str,
+        member: &str,
+        for_us: u64,
+        at_us: Option<u64>,
+    ) -> Result<u64, StoreError> {
+        let Some(sharded) = self.shards.of(route) else {
+            return self.cool_one(route, member, for_us, at_us).await;
+        };
+        // Every sub-log's assignments must skip the member: each keeps its own cooldowns.
+        let mut left = 0;
+        for name in &sharded.names {
+            left = left.max(self.cool_one(name, member, for_us, at_us).await?);
+        }
+        Ok(left)
+    }
+
+    async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
+        let Some(sharded) = self.shards.of(route) else {
+            return self.cooldowns_one(route).await;
+        };
+        let mut longest: HashMap<String, u64> = HashMap::new();
+        for name in &sharded.names {
+            for (member, left) in self.cooldowns_one(name).await? {
+                let l = longest.entry(member).or_default();
+                *l = (*l).max(left);
+            }
+        }
+        let mut all: Vec<(String, u64)> = longest.into_iter().collect();
+        all.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+        Ok(all)
+    }
     async fn reserve(&self, req: Reserve<'_>) -> Result<Reservation, StoreError> {
+        self.unsplit(req.route)?;
         check_amounts(req.windows, req.amounts)?;
         check_periods(req.windows, req.periods)?;
         if req.windows.is_empty() {
@@ -943,59 +1479,12 @@ impl StateStore for RedisStore {
         Ok(out)
     }
 
-    async fn usage(
-        &self,
-        route: &str,
-        owner: Owner,
-        key: &str,
-        windows: &[Window],
-        at_us: Option<u64>,
-    ) -> Result<Vec<WindowUsage>, StoreError> {
-        if windows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut call = ScriptCall::new(
-            &self.scripts.library,
-            &self.scripts.usage,
-            1 + windows.len(),
-        );
-        match owner {
-            Owner::Route => {
-                call.key(&self.keys.quota_meta_parts(route, key));
-                for w in windows {
-                    call.key(&self.keys.quota_log_parts(route, &w.name, key));
-                }
-            }
-            Owner::Member => {
-                call.key(&self.keys.member_meta_parts(route, key));
-                for w in windows {
-                    call.key(&self.keys.member_log_parts(route, &w.name, key));
-                }
-            }
-            Owner::Client => {
-                call.key(&self.keys.client_meta_parts(key));
-                for w in windows {
-                    call.key(&self.keys.client_log_parts(key, &w.name));
-                }
-            }
-        }
-        call.arg("read");
-        match at_us {
-            Some(t) => call.arg(t),
-            None => call.arg(""),
-        };
-        for w in windows {
-            call.arg(&*w.name).arg(w.limit).arg(w.length_us);
-        }
-        let reply: Vec<i64> = self.invoke(&call).await?;
-        scripts::parse_usage(&reply, windows.len())
-    }
-
     async fn assign_reserve(
         &self,
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError> {
+        self.unsplit(ask.route)?;
         if let Some(q) = ask.quota {
             check_amounts(q.windows, usage.route)?;
             check_periods(q.windows, usage.route_periods)?;
@@ -1055,155 +1544,7 @@ impl StateStore for RedisStore {
         self.assign_reserve_route(ask, usage).await
     }
 
-    async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
-        // Redis has no empty sorted set: an empty pool is simply one with no member.
-        if ask.members.is_empty() {
-            return Ok(Assignment::NoMember { quota: None });
-        }
-        if let Some((lease, cap)) = self.client_lease_split(&ask) {
-            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
-            if !self.client_take(lease, cap, at_us).await? {
-                return Ok(Assignment::ClientConcurrency { quota: None });
-            }
-            let rest = Assign {
-                lease: Some(Lease {
-                    client: None,
-                    ..lease
-                }),
-                ..ask
-            };
-            let answer = self.assign(rest).await;
-            if !matches!(answer, Ok(Assignment::Assigned { .. })) {
-                self.client_give_back(cap, lease.id).await;
-            }
-            return answer;
-        }
-        let split = ask
-            .quota
-            .and_then(|q| q.client.map(|c| (q, c)))
-            .filter(|_| self.connection.is_cluster());
-        let Some((quota, client)) = split else {
-            return self.assign_route(ask).await;
-        };
-        let route = |with_route: bool| {
-            let plain = Acquire {
-                client: None,
-                ..quota
-            };
-            self.assign_route(Assign {
-                quota: with_route.then_some(plain),
-                ..ask
-            })
-        };
-        self.decide_split(&quota, client, route).await
-    }
-
-    async fn sync(
-        &self,
-        route: &str,
-        members: &[Arc<str>],
-        excluded: &[&str],
-    ) -> Result<(), StoreError> {
-        let n = members.len().to_string();
-        let mut leading = Vec::with_capacity(2 + members.len());
-        leading.push("sync");
-        leading.push(&n);
-        leading.extend(members.iter().map(|m| &**m));
-        self.allocator(route, &leading, excluded).await.map(drop)
-    }
-
-    async fn restore_to_min(
-        &self,
-        route: &str,
-        member: &str,
-        excluded: &[&str],
-    ) -> Result<(), StoreError> {
-        self.allocator(route, &["restore", member], excluded)
-            .await
-            .map(drop)
-    }
-
     // The quota script over the member's own logs, with a cost of 0: it reads, never records.
-    async fn member_remaining(
-        &self,
-        route: &str,
-        member: &PoolMember,
-    ) -> Result<Vec<u64>, StoreError> {
-        let read = Acquire {
-            route,
-            key: &member.id,
-            windows: &member.windows,
-            cost: 0,
-            at_us: None,
-            client: None,
-        };
-        let mut call = ScriptCall::new(
-            &self.scripts.library,
-            &self.scripts.quota,
-            1 + member.windows.len(),
-        );
-        call.key(&self.keys.member_meta_parts(route, &member.id));
-        for w in member.windows.iter() {
-            call.key(&self.keys.member_log_parts(route, &w.name, &member.id));
-        }
-        call.quota_args(&read);
-        let reply: Vec<i64> = self.invoke(&call).await?;
-        let outcome = scripts::parse_quota(&reply, member.windows.len())?;
-        Ok(outcome.windows.iter().map(|w| w.remaining).collect())
-    }
-
-    async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let key = self.keys.pool(route);
-        let pairs: Vec<(String, f64)> = self
-            .connection
-            .run(|mut conn| {
-                let key = key.clone();
-                async move {
-                    redis::cmd("ZRANGE")
-                        .arg(key)
-                        .arg(0)
-                        .arg(-1)
-                        .arg("WITHSCORES")
-                        .query_async(&mut conn)
-                        .await
-                }
-            })
-            .await?;
-        Ok(pairs.into_iter().map(|(m, c)| (m, c as u64)).collect())
-    }
-
-    async fn cool(
-        &self,
-        route: &str,
-        member: &str,
-        for_us: u64,
-        at_us: Option<u64>,
-    ) -> Result<u64, StoreError> {
-        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
-        call.key(&self.keys.cooldowns_parts(route))
-            .arg("cool")
-            .arg(member)
-            .arg(for_us);
-        match at_us {
-            Some(t) => call.arg(t),
-            None => call.arg(""),
-        };
-        let reply: Value = self.invoke(&call).await?;
-        match reply {
-            Value::Int(left) if left >= 0 => Ok(left as u64),
-            other => Err(StoreError::Backend(format!(
-                "unexpected cool reply {other:?}"
-            ))),
-        }
-    }
-
-    async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.cool, 1);
-        call.key(&self.keys.cooldowns_parts(route)).arg("list");
-        let reply: Value = self.invoke(&call).await?;
-        scripts::parse_cooldowns(&reply)
-    }
-
     async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError> {
         self.lease_call(route, "release", None, leases, None)
             .await

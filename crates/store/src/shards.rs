@@ -1,0 +1,240 @@
+//! Routes with `state_shards` above 1: their sub-logs' names, each sub-log's share of a limit,
+//! which sub-log a request tries first, and what this instance knows of the full ones.
+//!
+//! Each sub-log is a whole, exact copy of a route's state (quota logs, pool, member logs,
+//! cooldowns) under a name of its own ([`keys::sub_log`]), with the share `limit / S` of every
+//! limit (the remainder on the first ones), so that any window holds at most the sum of the
+//! shares, the limit. A request tries the sub-logs in turn from one this instance picks
+//! round-robin; a sub-log that refused says (in its answer) until when it cannot admit, and this
+//! instance skips it until then: a request that finds every sub-log known full is refused
+//! without a call. A hint is only ever a lower bound of when the sub-log has room, so a stale
+//! one makes a request skip a sub-log with room (refused early), never admits more.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use sluice_allocator::{Assignment, PoolMember};
+use sluice_limiter::Window;
+
+use crate::keys;
+
+/// Quota keys whose hints one route keeps at most; past it the expired ones go, and if none
+/// has expired, all of them (hints only save calls).
+const MAX_HINTED_KEYS: usize = 4096;
+
+/// The sharded routes of the config in force.
+#[derive(Debug, Default)]
+pub(crate) struct Shards {
+    /// Whether any route has more than one sub-log: when none has, a request looks no further.
+    any: AtomicBool,
+    routes: RwLock<HashMap<Box<str>, Arc<Sharded>>>,
+}
+
+impl Shards {
+    /// The sub-logs of `route`, when it has more than one.
+    pub(crate) fn of(&self, route: &str) -> Option<Arc<Sharded>> {
+        if !self.any.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.routes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(route)
+            .cloned()
+    }
+
+    /// Makes `routes` (name, sub-logs) the sharded ones; a route kept with the same count keeps
+    /// what this instance knows of its sub-logs.
+    pub(crate) fn set(&self, routes: &[(&str, u32)]) {
+        let mut map = self.routes.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = HashMap::new();
+        for &(route, shards) in routes {
+            if shards <= 1 {
+                continue;
+            }
+            let kept = map
+                .remove(route)
+                .filter(|s| s.names.len() == shards as usize);
+            let sharded = kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards)));
+            next.insert(route.into(), sharded);
+        }
+        self.any.store(!next.is_empty(), Ordering::Relaxed);
+        *map = next;
+    }
+}
+
+/// One route's sub-logs.
+#[derive(Debug)]
+pub(crate) struct Sharded {
+    /// Per sub-log, the name its keys are under (sub-log 0: the route's).
+    pub(crate) names: Vec<String>,
+    /// The sub-log the next request tries first, modulo their count.
+    next: AtomicUsize,
+    /// Per quota key ("" without a quota), per sub-log: until when it refuses, and how.
+    hints: Mutex<HashMap<Box<str>, Vec<Option<Hint>>>>,
+}
+
+/// What this instance knows of a full sub-log.
+#[derive(Debug, Clone)]
+struct Hint {
+    until: Instant,
+    refusal: Assignment,
+}
+
+impl Sharded {
+    fn new(route: &str, shards: u32) -> Sharded {
+        Sharded {
+            names: (0..shards)
+                .map(|i| keys::sub_log(route, i, shards))
+                .collect(),
+            next: AtomicUsize::new(0),
+            hints: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The number of sub-logs.
+    pub(crate) fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// The sub-logs in the order the next request tries them.
+    pub(crate) fn order(&self) -> impl Iterator<Item = usize> {
+        let n = self.names.len();
+        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        (0..n).map(move |k| (first + k) % n)
+    }
+
+    /// The refusal sub-log `i` answered for `key` and how long it still holds, if it is known
+    /// full now.
+    pub(crate) fn known_full(&self, key: &str, i: usize) -> Option<(Duration, Assignment)> {
+        let hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
+        let hint = hints.get(key)?.get(i)?.as_ref()?;
+        let left = hint.until.checked_duration_since(Instant::now())?;
+        (!left.is_zero()).then(|| (left, hint.refusal.clone()))
+    }
+
+    /// Sub-log `i` refused `key` with `refusal`, and cannot admit it for `for_us`.
+    pub(crate) fn full(&self, key: &str, i: usize, for_us: u64, refusal: &Assignment) {
+        if for_us == 0 {
+            return;
+        }
+        let until = Instant::now() + Duration::from_micros(for_us);
+        let mut hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
+        if hints.len() >= MAX_HINTED_KEYS && !hints.contains_key(key) {
+            let now = Instant::now();
+            hints.retain(|_, v| v.iter().flatten().any(|h| h.until > now));
+            if hints.len() >= MAX_HINTED_KEYS {
+                hints.clear();
+            }
+        }
+        let n = self.names.len();
+        let slots = hints.entry(key.into()).or_insert_with(|| vec![None; n]);
+        if let Some(slot) = slots.get_mut(i) {
+            *slot = Some(Hint {
+                until,
+                refusal: refusal.clone(),
+            });
+        }
+    }
+}
+
+/// Sub-log `i` of `shards`' share of a limit: the quotient, one more on the first `limit mod
+/// shards` sub-logs. The shares add up to the limit.
+pub(crate) fn share(limit: u64, i: usize, shards: usize) -> u64 {
+    let (i, s) = (i as u64, shards as u64);
+    limit / s + u64::from(i < limit % s)
+}
+
+/// `windows` with sub-log `i`'s share of each limit.
+pub(crate) fn split(windows: &[Window], i: usize, shards: usize) -> Vec<Window> {
+    windows
+        .iter()
+        .map(|w| Window {
+            name: w.name.clone(),
+            limit: share(w.limit, i, shards),
+            length_us: w.length_us,
+        })
+        .collect()
+}
+
+/// `members` with sub-log `i`'s share of each of their windows.
+pub(crate) fn split_members(members: &[PoolMember], i: usize, shards: usize) -> Vec<PoolMember> {
+    members
+        .iter()
+        .map(|m| PoolMember {
+            id: m.id.clone(),
+            windows: if m.windows.is_empty() {
+                m.windows.clone()
+            } else {
+                split(&m.windows, i, shards).into()
+            },
+        })
+        .collect()
+}
+
+/// How long a sub-log that refused `cost` with these window states (its share of the route's
+/// windows, in order) cannot admit it: until the last of the windows that refused it sees its
+/// oldest entry leave. `None` when none of them refused (the refusal was the client's own
+/// windows').
+pub(crate) fn full_for(states: &[sluice_limiter::WindowState], cost: u64) -> Option<u64> {
+    states
+        .iter()
+        .filter(|w| w.remaining < cost)
+        .map(|w| w.reset_us)
+        .max()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_add_up_to_the_limit_and_differ_by_at_most_one() {
+        for limit in [1u64, 2, 3, 7, 10, 100, 1_000_003] {
+            for s in 1..=16usize {
+                if limit < s as u64 {
+                    continue;
+                }
+                let shares: Vec<u64> = (0..s).map(|i| share(limit, i, s)).collect();
+                assert_eq!(shares.iter().sum::<u64>(), limit, "{limit} / {s}");
+                let (lo, hi) = (shares.iter().min().unwrap(), shares.iter().max().unwrap());
+                assert!(hi - lo <= 1 && *lo >= 1, "{shares:?}");
+            }
+        }
+        assert_eq!(
+            (0..3).map(|i| share(10, i, 3)).collect::<Vec<_>>(),
+            [4, 3, 3]
+        );
+    }
+
+    #[test]
+    fn hints_say_full_until_they_pass_and_the_order_turns() {
+        let s = Sharded::new("api", 3);
+        assert_eq!(s.names[0], "api");
+        let refused = Assignment::NoMember { quota: None };
+        assert!(s.known_full("k", 1).is_none());
+        s.full("k", 1, 60_000_000, &refused);
+        assert!(s.known_full("k", 1).is_some());
+        assert!(s.known_full("other", 1).is_none());
+        assert!(s.known_full("k", 0).is_none());
+        s.full("k", 2, 1, &refused);
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(s.known_full("k", 2).is_none());
+        let firsts: Vec<usize> = (0..3).map(|_| s.order().next().unwrap()).collect();
+        assert_eq!(firsts, [0, 1, 2]);
+        assert_eq!(s.order().collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    #[test]
+    fn only_the_routes_windows_that_refused_say_how_long() {
+        use sluice_limiter::WindowState;
+        let w = |remaining, reset_us| WindowState {
+            remaining,
+            reset_us,
+        };
+        assert_eq!(full_for(&[w(5, 10), w(0, 30), w(1, 20)], 2), Some(30));
+        assert_eq!(full_for(&[w(5, 10)], 2), None);
+    }
+}

@@ -1,0 +1,339 @@
+//! A route kept as sub-logs (`state_shards`) on a real Redis and a real Redis Cluster: exactly
+//! the limit admitted across the sub-logs (each holds its share, on a slot of its own, on three
+//! masters of the cluster), least-used counts within the sub-log count of each other, a
+//! cooldown written to every sub-log, reads that sum them, a refusal without a call once every
+//! sub-log is known full, and one sub-log leaving every key as it was.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
+use sluice_limiter::{Acquire, Window};
+use sluice_store::keys::{self, sub_log};
+use sluice_store::{RedisConnection, RedisStore};
+use sluice_testkit::{RedisCluster, RedisServer};
+
+const SHARDS: u32 = 3;
+
+fn hour(limit: u64) -> Vec<Window> {
+    vec![Window {
+        name: "hour".into(),
+        limit,
+        length_us: 3_600_000_000,
+    }]
+}
+
+fn acquire<'a>(route: &'a str, windows: &'a [Window], cost: u64) -> Acquire<'a> {
+    Acquire {
+        route,
+        key: "",
+        windows,
+        cost,
+        at_us: None,
+        client: None,
+    }
+}
+
+fn least_used<'a>(
+    route: &'a str,
+    members: &'a [PoolMember],
+    quota: Option<Acquire<'a>>,
+    cooldowns: bool,
+) -> Assign<'a> {
+    Assign {
+        route,
+        members,
+        order: Order::LeastUsed,
+        excluded: &[],
+        quota,
+        cost: 1,
+        cooldowns,
+        at_us: None,
+        lease: None,
+        sticky: None,
+    }
+}
+
+fn members(n: usize) -> Vec<PoolMember> {
+    (0..n).map(|i| PoolMember::new(format!("m{i}"))).collect()
+}
+
+fn single(server: &RedisServer) -> RedisStore {
+    RedisStore::with_connection(
+        Arc::new(RedisConnection::new(&server.url(), Duration::from_secs(5)).unwrap()),
+        "sluice",
+    )
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `n` concurrent requests of cost 1 on `route`'s quota of `limit` an hour; how many were
+/// admitted.
+async fn burst(store: &Arc<dyn StateStore>, route: &'static str, limit: u64, n: usize) -> u64 {
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let windows = hour(limit);
+            store
+                .acquire(acquire(route, &windows, 1))
+                .await
+                .unwrap()
+                .admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += u64::from(t.await.unwrap());
+    }
+    admitted
+}
+
+/// `n` concurrent least-used assignments on `route` with a quota of `limit` an hour, over
+/// `pool`; how many were assigned.
+async fn assign_burst(
+    store: &Arc<dyn StateStore>,
+    route: &'static str,
+    limit: u64,
+    pool: usize,
+    n: usize,
+) -> u64 {
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let windows = hour(limit);
+            let members = members(pool);
+            let ask = least_used(route, &members, Some(acquire(route, &windows, 1)), false);
+            matches!(
+                store.assign(ask).await.unwrap(),
+                Assignment::Assigned { .. }
+            )
+        }));
+    }
+    let mut assigned = 0;
+    for t in tasks {
+        assigned += u64::from(t.await.unwrap());
+    }
+    assigned
+}
+
+/// Per sub-log of `route`, the number of entries in its hour log, read by `zcard`.
+fn entries(route: &str, zcard: impl Fn(&str) -> i64) -> Vec<i64> {
+    let keys = keys::Keys::new("sluice");
+    (0..SHARDS)
+        .map(|i| zcard(&keys.quota_log(&sub_log(route, i, SHARDS), "hour", "")))
+        .collect()
+}
+
+/// The integer answer of `args` on `server`.
+fn integer(server: &RedisServer, args: &[&str]) -> i64 {
+    server.integer(args).unwrap_or(0)
+}
+
+#[test]
+fn sub_logs_admit_exactly_the_limit_on_a_single_redis() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    const LIMIT: u64 = 40;
+    let store: Arc<dyn StateStore> = Arc::new(rt.block_on(async { single(&server) }));
+    store.shard_routes(&[("api", SHARDS), ("pool", SHARDS)]);
+    let admitted = rt.block_on(burst(&store, "api", LIMIT, 150));
+    assert_eq!(admitted, LIMIT, "exactly the limit, across the sub-logs");
+    // Each sub-log holds its share (40 = 14 + 13 + 13), no more.
+    let held = entries("api", |k| integer(&server, &["ZCARD", k]));
+    assert_eq!(held, [14, 13, 13], "each sub-log filled to its share");
+    // A read sums them: nothing is left.
+    let windows = hour(LIMIT);
+    let read = rt
+        .block_on(store.acquire(acquire("api", &windows, 0)))
+        .unwrap();
+    assert_eq!(read.windows[0].remaining, 0);
+    // Every sub-log is known full now: a refusal without a call.
+    let calls = || server.command_calls("fcall") + server.command_calls("evalsha");
+    let before = calls();
+    let refused = rt
+        .block_on(store.acquire(acquire("api", &windows, 1)))
+        .unwrap();
+    assert!(!refused.admitted && refused.retry_after_us > 0);
+    assert_eq!(calls(), before, "no call once every sub-log is known full");
+
+    // The same for assignments, and least-used counts stay within the sub-logs' count.
+    let assigned = rt.block_on(assign_burst(&store, "pool", LIMIT, 4, 150));
+    assert_eq!(assigned, LIMIT);
+    let counts: HashMap<String, u64> = rt
+        .block_on(store.counts("pool"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(counts.values().sum::<u64>(), LIMIT, "{counts:?}");
+    let (lo, hi) = (
+        counts.values().min().unwrap(),
+        counts.values().max().unwrap(),
+    );
+    assert!(hi - lo <= u64::from(SHARDS), "{counts:?}");
+}
+
+#[test]
+fn a_cooldown_reaches_every_sub_log_and_reads_sum_them() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS), ("keys", SHARDS)]);
+    let pool = members(2);
+    // Sync the pools by assigning once in each sub-log.
+    for _ in 0..SHARDS {
+        let answer = rt
+            .block_on(store.assign(least_used("api", &pool, None, true)))
+            .unwrap();
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+    }
+    let left = rt
+        .block_on(store.cool("api", "m0", 60_000_000, None))
+        .unwrap();
+    assert!(left > 0);
+    let keys = keys::Keys::new("sluice");
+    for i in 0..SHARDS {
+        let cool = keys.cooldowns(&sub_log("api", i, SHARDS));
+        let score = server.command(&["ZSCORE", &cool, "m0"]).unwrap();
+        assert!(
+            score.trim().parse::<f64>().is_ok_and(|until| until > 0.0),
+            "sub-log {i} cools m0: {cool} {score:?}"
+        );
+    }
+    assert_eq!(
+        rt.block_on(store.cooldowns("api"))
+            .unwrap()
+            .iter()
+            .map(|(m, _)| m.as_str())
+            .collect::<Vec<_>>(),
+        ["m0"]
+    );
+    // Every sub-log now skips m0: the next assignments all go to m1.
+    for _ in 0..(2 * SHARDS) {
+        match rt
+            .block_on(store.assign(least_used("api", &pool, None, true)))
+            .unwrap()
+        {
+            Assignment::Assigned { member, .. } => assert_eq!(member, "m1"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // Member windows split and sum the same way.
+    let limited = vec![PoolMember {
+        id: "k".into(),
+        windows: hour(10).into(),
+    }];
+    let mut assigned = 0;
+    for _ in 0..30 {
+        let ask = least_used("keys", &limited, None, false);
+        if matches!(
+            rt.block_on(store.assign(ask)).unwrap(),
+            Assignment::Assigned { .. }
+        ) {
+            assigned += 1;
+        }
+    }
+    assert_eq!(
+        assigned, 10,
+        "a member's window holds its limit across sub-logs"
+    );
+    assert_eq!(
+        rt.block_on(store.member_remaining("keys", &limited[0]))
+            .unwrap(),
+        [0]
+    );
+}
+
+#[test]
+fn one_sub_log_keeps_every_key_of_a_route_without_them() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", 1)]);
+    let windows = hour(5);
+    let pool = members(2);
+    rt.block_on(store.assign(least_used(
+        "api",
+        &pool,
+        Some(acquire("api", &windows, 1)),
+        true,
+    )))
+    .unwrap();
+    rt.block_on(store.cool("api", "m0", 1_000_000, None))
+        .unwrap();
+    let all = server.command(&["KEYS", "*"]).unwrap();
+    assert!(all.contains("sluice:{api}:pool"), "{all}");
+    assert!(all.contains("sluice:{api}:q:hour:"), "{all}");
+    assert!(all.contains("sluice:{api}:cool"), "{all}");
+    assert!(!all.contains('#'), "no sub-log keys: {all}");
+}
+
+#[test]
+fn the_memory_store_keeps_one_exact_log() {
+    let rt = runtime();
+    let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
+    store.shard_routes(&[("api", SHARDS)]);
+    assert_eq!(rt.block_on(burst(&store, "api", 40, 150)), 40);
+}
+
+/// On a cluster made by `redis-cli --cluster create`, three sub-logs sit on three masters, and
+/// the route admits exactly its limit.
+#[test]
+fn sub_logs_spread_over_the_masters_of_a_cluster_and_admit_exactly_the_limit() {
+    let cluster = RedisCluster::start();
+    let rt = runtime();
+    const LIMIT: u64 = 40;
+    let store: Arc<dyn StateStore> = Arc::new(rt.block_on(async {
+        RedisStore::with_connection(
+            Arc::new(RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap()),
+            "sluice",
+        )
+    }));
+    store.shard_routes(&[("api", SHARDS), ("pool", SHARDS)]);
+    let admitted = rt.block_on(burst(&store, "api", LIMIT, 150));
+    assert_eq!(admitted, LIMIT, "exactly the limit, across the sub-logs");
+    let keys = keys::Keys::new("sluice");
+    let logs: Vec<String> = (0..SHARDS)
+        .map(|i| keys.quota_log(&sub_log("api", i, SHARDS), "hour", ""))
+        .collect();
+    let masters: HashSet<u16> = logs.iter().map(|k| cluster.master_of(k).unwrap()).collect();
+    assert_eq!(masters.len(), 3, "three masters: {logs:?}");
+    // The cluster's own slot for each key is the one the table aimed at.
+    let node = &cluster.nodes()[0];
+    let slots: HashSet<i64> = logs
+        .iter()
+        .map(|k| node.integer(&["CLUSTER", "KEYSLOT", k]).unwrap())
+        .collect();
+    assert_eq!(slots.len(), 3);
+    let held = entries("api", |k| {
+        let port = cluster.master_of(k).unwrap();
+        cluster.nodes()[cluster.index_of(port)]
+            .integer(&["ZCARD", k])
+            .unwrap_or(0)
+    });
+    assert_eq!(held, [14, 13, 13], "each sub-log filled to its share");
+
+    let assigned = rt.block_on(assign_burst(&store, "pool", LIMIT, 4, 150));
+    assert_eq!(assigned, LIMIT);
+    let counts: Vec<u64> = rt
+        .block_on(store.counts("pool"))
+        .unwrap()
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    assert_eq!(counts.iter().sum::<u64>(), LIMIT);
+    assert!(
+        counts.iter().max().unwrap() - counts.iter().min().unwrap() <= u64::from(SHARDS),
+        "{counts:?}"
+    );
+}
