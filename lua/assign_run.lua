@@ -42,11 +42,15 @@
 -- Nothing is recorded unless a member is assigned.
 --
 -- Several requests of one route (and quota key) sent together (crates/store/src/batch.rs):
--- ARGV[1] is "*", then per request its key count, its argument count and its arguments as
--- above; KEYS are each request's keys, one request after another. Each is decided as if it had
--- come in a call of its own, in order, on one clock (the first request's Redis TIME). Returns
--- each request's reply, one array per request. Requests with a lease or a sticky session, or a
--- client's windows, or windows that reserve usage, are never sent this way.
+-- ARGV[1] is "*", then per request either its key count, its argument count and its arguments
+-- as above, or "=": the same keys and arguments as the request before it (whose keys are not
+-- sent again). KEYS are the requests' keys, one request after another. Each is decided as if it
+-- had come in a call of its own, in order, on one clock (the first request's Redis TIME).
+-- Returns the requests' replies one after another in one flat array (a table per request would
+-- be garbage to collect, and Redis checks each table of a reply for a dozen fields), each
+-- {status, member, wait_us}, then, with a route quota, its reply; a status 3 is followed by
+-- zeros. Only orders "L" and "P" are sent this way: a lease, a sticky session, a client's
+-- windows and usage keep a call of their own.
 
 local function assign_one()
   local cost = ARGV[2]
@@ -224,27 +228,311 @@ local function assign_one()
   return entries(quota_finish_both(q, c, 1, out, 3), w.chosen)
 end
 
+-- Several requests in one call. Each is decided as a call of its own would decide it, one after
+-- another on one clock; what they share is read once and written once, which a call of their
+-- own each cannot do:
+-- - the quota state of each helper hash (the route quota's, each member's): read when a request
+--   first needs it (as its own call would read it then), decided on in Lua by the requests after
+--   it (quota_admit, quota_record), and written once at the end (quota_finish): one ZADD per log
+--   for every entry, one HSET per hash. This is what fused_run.lua does for a route quota;
+--   on one clock, a read made again later would find what the first left (nothing more leaves a
+--   window), so only the first is made;
+-- - the cooldowns: read and settled by the first request that needs them, as its own call
+--   would; on one clock, the later requests would find the same members cooling, and nothing
+--   left to settle;
+-- - a least-used pool of at most ASSIGN_VIEW_MAX members: read whole once, with its counts, kept
+--   in its order (count, then id bytes) as requests are assigned, and its changed counts written
+--   once, in one ZADD. A larger pool is read and counted per request, as alone.
+-- A request with a lease, a sticky session, a client's windows or usage (never sent in a batch
+-- by sluice) is decided by assign_one on its own KEYS and ARGV, after what the call holds is
+-- written, as is one on another clock.
+
+local ASSIGN_VIEW_MAX = 32
+
+-- What the call holds, reset at its start (a library's locals outlive a call).
+local assign_quotas, assign_finish, assign_cool, assign_views, assign_now, assign_clock
+
+-- The quota state of the n windows whose helper hash is KEYS[meta], their logs after it and
+-- their definitions at ARGV[at]: the call's, read at the first request that needs it. Windows
+-- defined otherwise under the same hash (a reload between two requests of one call) end the
+-- state held: it is written, and read again, as a call of their own would.
+local function assign_quota(meta, n, at)
+  local name = KEYS[meta]
+  local q = assign_quotas[name]
+  if q then
+    local same = q.n == n
+    if same and q.at ~= at then
+      -- Arguments and keys are interned strings: each comparison is a pointer's.
+      for j = 0, 3 * n - 1 do
+        if ARGV[q.at + j] ~= ARGV[at + j] then
+          same = false
+          break
+        end
+      end
+      for i = 1, n do
+        if KEYS[q.key + i] ~= KEYS[meta + i] then
+          same = false
+          break
+        end
+      end
+    end
+    if same then
+      return q
+    end
+    quota_finish(q)
+    for i = 1, #assign_finish do
+      if assign_finish[i] == q then
+        assign_finish[i] = false
+      end
+    end
+  end
+  q = quota_read(meta, n, at, assign_now)
+  assign_quotas[name] = q
+  assign_finish[#assign_finish + 1] = q
+  return q
+end
+
+-- A count as a ZADD score: an integer (which every count is) as one, anything else in full.
+local function assign_count_text(n)
+  if n % 1 == 0 then
+    return pool_text(n)
+  end
+  return string.format('%.17g', n)
+end
+
+-- A view of `pool`, which has at most ASSIGN_VIEW_MAX members: per member, in the pool's order
+-- (count, then id bytes), three slots from 3i - 2: its id, its count as stored, its count now.
+-- v.n == 0: the pool does not exist. False when the pool is larger.
+local function assign_view(pool)
+  local v = assign_views[pool]
+  if v ~= nil then
+    return v
+  end
+  local read = redis.call('ZRANGE', pool, '0', pool_text(ASSIGN_VIEW_MAX), 'WITHSCORES')
+  local n = #read / 2
+  if n > ASSIGN_VIEW_MAX then
+    v = false
+  else
+    v = { n = n, less = false }
+    for i = 1, n do
+      local j, count = 3 * i, read[2 * i] + 0
+      v[j - 2], v[j - 1], v[j] = read[2 * i - 1], count, count
+    end
+  end
+  assign_views[pool] = v
+  return v
+end
+
+-- One more assignment for the member at slot j of view v, which moves it after the members
+-- that now come before it: those of a lower count, or of the same count and a lower id.
+local function assign_view_count(v, j)
+  local id, stored, count = v[j], v[j + 1], v[j + 2] + 1
+  local k, last = j + 3, 3 * v.n
+  while k <= last do
+    local c = v[k + 2]
+    if c > count or (c == count and pool_id_less(v, id, v[k])) then
+      break
+    end
+    v[k - 3], v[k - 2], v[k - 1] = v[k], v[k + 1], v[k + 2]
+    k = k + 3
+  end
+  v[k - 3], v[k - 2], v[k - 1] = id, stored, count
+end
+
+-- Writes the counts view v changed, in one command.
+local function assign_view_write(pool, v)
+  local set, c = false, 0
+  for j = 1, 3 * v.n, 3 do
+    if v[j + 2] ~= v[j + 1] then
+      set = set or {}
+      set[c + 1], set[c + 2], c = assign_count_text(v[j + 2]), v[j], c + 2
+      v[j + 1] = v[j + 2]
+    end
+  end
+  if c > 0 then
+    redis.call('ZADD', pool, unpack(set, 1, c))
+  end
+end
+
+-- Writes everything the call holds, and holds nothing more.
+local function assign_write()
+  for pool, v in pairs(assign_views) do
+    if v then
+      assign_view_write(pool, v)
+    end
+  end
+  for i = 1, #assign_finish do
+    if assign_finish[i] then
+      quota_finish(assign_finish[i])
+    end
+  end
+  assign_quotas, assign_finish, assign_cool, assign_views = {}, {}, {}, {}
+end
+
+-- The members cooling (cooldowns key `cool`), as the first request that reads them sees them:
+-- it settles the cooldowns that are over (members_cooling), on the pool as it stands, so the
+-- counts the call holds are written first; a raise makes the call read the pool again.
+local function assign_cooling(cool, pool, excluded)
+  local cooling = assign_cool[cool]
+  if cooling ~= nil then
+    return cooling
+  end
+  local v = pool and assign_views[pool]
+  if v then
+    assign_view_write(pool, v)
+  end
+  local raised
+  cooling, raised = members_cooling(cool, assign_now, pool, excluded)
+  if raised then
+    assign_views[pool] = nil
+  end
+  assign_cool[cool] = cooling
+  return cooling
+end
+
+-- One walk per call, reset for each request (members_walk's fields).
+local assign_w
+
+-- Decides a request of order "L" or "P" whose keys follow KEYS[k] and arguments ARGV[a],
+-- exactly as assign_one would in a call of its own, and writes its reply into `out` after its
+-- first `o` values. Returns the index of its reply's last value.
+local function assign_batched(k, a, out, o)
+  local cost = ARGV[a + 2]
+  local least_used = ARGV[a + 3] == 'L'
+  local windows_text = ARGV[a + 5]
+  local route_windows = windows_text == '' and 0 or windows_text + 0
+  local excluded, count, at = pool_excluded(a + 7 + 3 * route_windows)
+  k = k + 1
+  local pool, v, first
+  if least_used then
+    pool = KEYS[k]
+    k = k + 1
+    v = assign_view(pool)
+    if v then
+      first = v.n > 0
+    else
+      first = members_first(pool, count)
+      if #first == 0 then
+        first = false
+      end
+    end
+    if not first then
+      -- The pool does not exist: nothing changed.
+      local last = o + 3 + (windows_text == '' and 0 or 2 + 2 * route_windows)
+      out[o + 1], out[o + 2] = 3, ''
+      for j = o + 3, last do
+        out[j] = 0
+      end
+      return last
+    end
+  end
+  local cool
+  if ARGV[a + 4] == '1' then
+    cool = KEYS[k]
+    k = k + 1
+  end
+  local q
+  if windows_text ~= '' then
+    q = assign_quota(k, route_windows, a + 7)
+    quota_admit(q, ARGV[a + 6])
+    k = k + 1 + route_windows
+    if q.admitted == 0 then
+      out[o + 1], out[o + 2], out[o + 3] = 0, '', 0
+      quota_reply(q, 0, out, o + 3)
+      return o + 5 + 2 * q.n
+    end
+  end
+  local cooling = false
+  if cool then
+    cooling = assign_cooling(cool, pool, excluded)
+    if pool then
+      v = assign_view(pool)
+      if not v then
+        -- A raise may have changed counts since the first read.
+        first = members_first(pool, count)
+      end
+    end
+  end
+  local w = assign_w
+  w.at, w.k_at, w.excluded, w.cooling, w.cost, w.now = at, k, excluded, cooling, cost, assign_now
+  w.chosen, w.eligible, w.wait, w.deferred, w.seq = nil, false, nil, false, 0
+  if not least_used then
+    members_walk_listed(w)
+  elseif v then
+    for j = 1, 3 * v.n, 3 do
+      if members_offer(w, v[j]) then
+        assign_view_count(v, j)
+        break
+      end
+    end
+  else
+    members_walk_pool(w, pool, count, first)
+    if w.chosen then
+      pool_assign(pool, w.chosen)
+    end
+  end
+  if w.chosen then
+    if q then
+      quota_record(q)
+    end
+    out[o + 1], out[o + 2], out[o + 3] = 1, w.chosen, 0
+  elseif w.eligible then
+    members_settle(w)
+    out[o + 1], out[o + 2], out[o + 3] = 4, '', w.wait or 0
+  else
+    out[o + 1], out[o + 2], out[o + 3] = 2, '', 0
+  end
+  if not q then
+    return o + 3
+  end
+  -- Admissible, but recorded only when a member was assigned.
+  quota_reply(q, 1, out, o + 3)
+  return o + 5 + 2 * q.n
+end
+
 if ARGV[1] ~= '*' then
   return assign_one()
 end
-local all_keys, all_args = KEYS, ARGV
-local out, k, i = {}, 0, 2
-while i <= #all_args do
-  local nk, na = tonumber(all_args[i]), tonumber(all_args[i + 1])
-  local keys, args = {}, {}
-  for j = 1, nk do
-    keys[j] = all_keys[k + j]
+assign_quotas, assign_finish, assign_cool, assign_views = {}, {}, {}, {}
+assign_now, assign_clock = nil, nil
+assign_w = members_walk(0, 0, pool_none_excluded, false, '0', 0, 0)
+assign_w.cache = assign_quota
+-- Checked before anything is decided, so that a call refused changes nothing.
+local i, a = 2, nil
+while i <= #ARGV do
+  if ARGV[i] == '=' and a then
+    i = i + 1
+  else
+    a = ARGV[i + 4]
+    if a ~= 'L' and a ~= 'P' then
+      return redis.error_reply('a batched assignment takes orders L and P only')
+    end
+    i = i + 2 + ARGV[i + 1]
   end
-  for j = 1, na do
-    args[j] = all_args[i + 1 + j]
-  end
-  -- One clock for the call, as when its requests' own calls come at the same moment.
-  if args[1] == '' and quota_now_text then
-    args[1] = quota_now_text
-  end
-  KEYS, ARGV = keys, args
-  out[#out + 1] = assign_one()
-  k, i = k + nk, i + 2 + na
 end
-KEYS, ARGV = all_keys, all_args
+local out, o, k, nk = {}, 0, 0, 0
+i = 2
+while i <= #ARGV do
+  if ARGV[i] == '=' then
+    -- The request before, again: its keys and arguments where they lie.
+    i = i + 1
+  else
+    local na
+    k, a, nk, na = k + nk, i + 1, ARGV[i] + 0, ARGV[i + 1] + 0
+    i = i + 2 + na
+    -- One clock for the call, as when its requests' own calls come at the same moment.
+    local clock = ARGV[a + 1]
+    if clock == '' then
+      clock = quota_now_text or ''
+    end
+    if clock ~= assign_clock then
+      -- Another clock (never from sluice): what the call holds was decided on the last one.
+      assign_write()
+      assign_now = quota_clock(clock)
+      assign_clock = quota_now_text
+    end
+  end
+  o = assign_batched(k, a, out, o)
+end
+assign_write()
 return out

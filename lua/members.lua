@@ -116,16 +116,25 @@ end
 --              windows come their amounts, then their scores ('' or a fixed window's period
 --              start); 0 when each is charged `cost`.
 -- w.seq        the chosen member's entry number, when its windows reserved usage.
+-- w.cache      false, or (several requests decided in one call, assign_run.lua) the function
+--              that gives a member's quota state as this call holds it, read once: its
+--              decisions are written once, at the end of the call, not by each offer.
 local function members_walk(at, k_at, excluded, cooling, cost, now, extra)
   return {
     at = at, k_at = k_at, excluded = excluded, cooling = cooling, cost = cost, now = now,
     chosen = nil, eligible = false, wait = nil, deferred = false, extra = extra or 0, seq = 0,
+    cache = false,
   }
 end
 
 -- Decides the member whose `windows` windows lie at ARGV[at] and KEYS[k]; records nothing.
 -- Returns its quota state, and (usage) what quota_record_each records.
 local function members_check(w, k, windows, at)
+  if w.cache then
+    local q = w.cache(k, windows, at)
+    quota_admit(q, w.cost)
+    return q
+  end
   if w.extra == 0 then
     return quota_check(k, windows, at, w.cost, w.now)
   end
@@ -163,7 +172,9 @@ local function members_offer(w, id)
         quota_record(mq)
       end
     end
-    quota_finish(mq)
+    if not w.cache then
+      quota_finish(mq)
+    end
     if mq.admitted == 0 then
       members_note(w, mq.retry_after)
       return false
@@ -197,7 +208,9 @@ local function members_settle(w)
       local at, windows, k = members_find(w, id)
       if at and windows > 0 then
         local mq = members_check(w, k, windows, at)
-        quota_finish(mq)
+        if not w.cache then
+          quota_finish(mq)
+        end
         if mq.retry_after > wait then
           wait = mq.retry_after
         end

@@ -389,7 +389,14 @@ impl Batches {
     async fn call(&self, id: &LaneId, batch: &[Waiter]) -> Result<Value, StoreError> {
         let (library, keys) = (&self.scripts.library, &self.keys);
         let mut call = match id.kind {
-            Kind::Assign => return self.assign_call(batch).await,
+            // Its reply: status, member and wait, then the route quota's when it has one.
+            Kind::Assign => {
+                let quota = match id.windows.len() {
+                    0 => 0,
+                    n => 2 + 2 * n,
+                };
+                return self.assign_call(batch, 3 + quota).await;
+            }
             Kind::Fused | Kind::Quota => {
                 let (script, pool) = match id.kind {
                     Kind::Fused => (&self.scripts.fused, 1),
@@ -450,15 +457,19 @@ impl Batches {
 
     /// One call of `assign_run.lua` for `batch`: a lone request's call as it was written, or
     /// each request's keys, one request after another, and after `*` each request's key count,
-    /// argument count and arguments. The reply holds one array per request.
-    async fn assign_call(&self, batch: &[Waiter]) -> Result<Value, StoreError> {
-        let total: usize = batch
-            .iter()
-            .map(|w| w.call.as_ref().map_or(0, |c| c.1))
+    /// argument count and arguments, or `=` for a request whose keys and arguments are those of
+    /// the request before it (its keys are not sent again). A lane's requests usually are
+    /// alike, and every argument costs Redis about as much as a small command. The batched
+    /// reply is flat, `width` values per request; the answer holds one array per request.
+    async fn assign_call(&self, batch: &[Waiter], width: usize) -> Result<Value, StoreError> {
+        let parts: Vec<_> = batch.iter().map(parts).collect();
+        let repeats = |i: usize| i > 0 && parts[i] == parts[i - 1];
+        let total: usize = (0..batch.len())
+            .filter(|&i| !repeats(i))
+            .map(|i| parts[i].0.len())
             .sum();
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, total);
-        if let [lone] = batch {
-            let (keys, args) = parts(lone);
+        if let [(keys, args)] = parts.as_slice() {
             for k in keys {
                 call.raw_key(k);
             }
@@ -466,14 +477,19 @@ impl Batches {
                 call.arg(a);
             }
         } else {
-            for w in batch {
-                for k in parts(w).0 {
-                    call.raw_key(k);
+            for (i, (keys, _)) in parts.iter().enumerate() {
+                if !repeats(i) {
+                    for k in keys {
+                        call.raw_key(k);
+                    }
                 }
             }
             call.arg("*");
-            for w in batch {
-                let (keys, args) = parts(w);
+            for (i, (keys, args)) in parts.iter().enumerate() {
+                if repeats(i) {
+                    call.arg("=");
+                    continue;
+                }
                 call.arg(keys.len()).arg(args.len());
                 for a in args {
                     call.arg(a);
@@ -485,11 +501,23 @@ impl Batches {
             .connection
             .run(|mut conn| async move { call.invoke::<Value>(&mut conn).await })
             .await?;
-        Ok(if batch.len() == 1 {
-            Value::Array(vec![reply])
-        } else {
-            reply
-        })
+        if batch.len() == 1 {
+            return Ok(Value::Array(vec![reply]));
+        }
+        match reply {
+            Value::Array(values) if values.len() == batch.len() * width => {
+                let mut values = values.into_iter();
+                Ok(Value::Array(
+                    (0..batch.len())
+                        .map(|_| Value::Array(values.by_ref().take(width).collect()))
+                        .collect(),
+                ))
+            }
+            _ => Err(StoreError::Backend(format!(
+                "the batched assignment did not answer each of the {} requests",
+                batch.len()
+            ))),
+        }
     }
 }
 
