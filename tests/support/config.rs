@@ -298,6 +298,8 @@ pub struct Route {
     quota: Option<Quota>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     fallback: Vec<Fallback>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_shards: Option<u32>,
 }
 
 /// One entry of a route's `fallback`.
@@ -475,6 +477,7 @@ impl Route {
             },
             quota: None,
             fallback: Vec::new(),
+            state_shards: None,
         }
     }
 
@@ -616,6 +619,12 @@ impl Route {
     /// `quota:`.
     pub fn quota(mut self, quota: Quota) -> Route {
         self.quota = Some(quota);
+        self
+    }
+
+    /// `state_shards`: the route's state kept as `n` sub-logs on Redis.
+    pub fn state_shards(mut self, n: u32) -> Route {
+        self.state_shards = Some(n);
         self
     }
 

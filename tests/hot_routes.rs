@@ -1,0 +1,134 @@
+//! A hot route kept as sub-logs (`state_shards: 3`), through the real gateway: exactly the limit
+//! admitted across two gateways on one Redis and on a 3-master Redis Cluster (each sub-log holding
+//! its share, in a slot of its own, on three masters of the cluster), `/status` summing the
+//! sub-logs, least-used totals within three of each other, and the memory store keeping one log.
+
+mod support;
+
+use std::collections::HashSet;
+
+use sluice_testkit::RedisCluster;
+use support::{
+    start_backends, url, Backend, Config, Gateway, HttpClient, Quota, Route, State, Store,
+};
+
+const LIMIT: u64 = 40;
+const SHARDS: u64 = 3;
+
+on_both_stores!(sub_logs_admit_exactly_the_limit);
+
+/// A least-used route `name` over `members` with a quota of `LIMIT` an hour, in three sub-logs.
+fn hot(name: &str, members: &[String]) -> Route {
+    Route::new(name)
+        .least_used()
+        .members(members)
+        .quota(Quota::window("hour", LIMIT, "1h"))
+        .state_shards(SHARDS as u32)
+}
+
+/// 16 clients, 10 requests each, spread over `gateways` on host `host`: the statuses.
+async fn burst(gateways: &[Gateway], host: &str) -> Vec<u16> {
+    let mut tasks = Vec::new();
+    for c in 0..16 {
+        let addr = gateways[c % gateways.len()].proxy_addr();
+        let host = host.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut client = HttpClient::connect(addr).await.unwrap();
+            let mut statuses = Vec::new();
+            for _ in 0..10 {
+                let r = client.request("GET", &host, "/", &[], b"").await;
+                statuses.push(r.map_or(0, |r| r.status));
+            }
+            statuses
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.extend(t.await.unwrap());
+    }
+    statuses
+}
+
+/// Exactly `LIMIT` of the 160 requests admitted, the rest refused with 429, only the admitted
+/// reaching a member; `/status` shows nothing left, and assignment counts that add up to the
+/// limit and differ by at most the sub-logs' count.
+async fn admitted_exactly(gateways: &[Gateway], host: &str) {
+    let statuses = burst(gateways, host).await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+    let refused = statuses.iter().filter(|&&s| s == 429).count() as u64;
+    assert_eq!(admitted + refused, 160, "every request is 200 or 429");
+    assert_eq!(admitted, LIMIT, "exactly the limit, across the sub-logs");
+    let status = gateways[0].status().await;
+    let route = &status["routes"][0];
+    assert_eq!(route["quota"][0]["remaining"], 0, "{route}");
+    let counts: Vec<u64> = route["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .map(|m| m["assignments"].as_u64().expect("assignments"))
+        .collect();
+    assert_eq!(counts.iter().sum::<u64>(), LIMIT, "{counts:?}");
+    let spread = counts.iter().max().unwrap() - counts.iter().min().unwrap();
+    assert!(
+        spread <= SHARDS,
+        "least-used totals within the sub-logs' count: {counts:?}"
+    );
+}
+
+async fn sub_logs_admit_exactly_the_limit(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let config = Config::new().store(&store).route(hot("api", &members));
+    let gateways: Vec<Gateway> = (0..store.instances()).map(|_| config.start()).collect();
+    admitted_exactly(&gateways, "api.test").await;
+    assert_eq!(
+        backends.iter().map(|b| b.proxied_requests()).sum::<u64>(),
+        LIMIT,
+        "only the admitted requests reach a member"
+    );
+    let Some(redis) = store.redis() else {
+        return;
+    };
+    // On Redis, the three sub-logs' hour logs, each filled to its share (14 + 13 + 13).
+    let keys = redis.command(&["KEYS", "sluice:{api*:q:hour:*"]).unwrap();
+    let mut held: Vec<i64> = keys
+        .lines()
+        .filter(|k| !k.is_empty())
+        .map(|k| redis.integer(&["ZCARD", k]).unwrap())
+        .collect();
+    held.sort_unstable();
+    assert_eq!(held, [13, 13, 14], "{keys}");
+}
+
+/// On a 3-master Redis Cluster, the three sub-logs sit on three masters, each holding its
+/// share, and two gateways admit exactly the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sub_logs_on_three_masters_admit_exactly_the_limit() {
+    let cluster = RedisCluster::start();
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let config = Config::new()
+        .state(State::cluster(cluster.urls()))
+        .route(hot("hot", &members));
+    let gateways = [config.start(), config.start()];
+    admitted_exactly(&gateways, "hot.test").await;
+    assert_eq!(
+        backends.iter().map(|b| b.proxied_requests()).sum::<u64>(),
+        LIMIT
+    );
+    // Each master holds one sub-log's hour log, in a slot of its own.
+    let mut slots = HashSet::new();
+    let mut held = Vec::new();
+    for port in cluster.masters() {
+        let node = &cluster.nodes()[cluster.index_of(port)];
+        let keys = node.command(&["KEYS", "sluice:{hot*:q:hour:*"]).unwrap();
+        let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+        assert_eq!(keys.len(), 1, "one sub-log on master {port}: {keys:?}");
+        slots.insert(node.integer(&["CLUSTER", "KEYSLOT", keys[0]]).unwrap());
+        held.push(node.integer(&["ZCARD", keys[0]]).unwrap());
+    }
+    assert_eq!(slots.len(), 3, "three slots: {slots:?}");
+    held.sort_unstable();
+    assert_eq!(held, [13, 13, 14]);
+}
