@@ -68,13 +68,13 @@ def run(run: Run) -> str:
         holder.start()
         # The waiter must find the slot taken: wait until the holder's lease is in Redis.
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            # The route's lease set (`…:lz`) exists exactly while a lease is held.
-            if any(k.endswith(":lz") for k in redis_keys(rport)):
-                break
+        # The route's lease set (`…:lz`) exists exactly while a lease is held.
+        while not any(k.endswith(":lz") for k in redis_keys(rport)):
+            if not holder.is_alive() or time.monotonic() > deadline:
+                holder.join(timeout=60)
+                raise Failure(f"round {r + 1}: the holder's lease was not seen in Redis while it was held "
+                              f"(the holder's answer: {held.get('r', (0, 0.0))[0]})")
             time.sleep(0.002)
-        else:
-            raise Failure("the holder's lease never appeared in Redis")
         status, admitted = request(waiter_gw.port, "wake.bench", {})
         holder.join(timeout=60)
         hs, released = held.get("r", (0, 0.0))
@@ -89,7 +89,8 @@ def run(run: Run) -> str:
         "",
         run.header(),
         "",
-        f"Command: `{run.command('lease-wake', 'WAKE_ROUNDS', 'HOLD_MS')}`. Two sluice processes on one Redis, "
+        f"Command: `{run.knobs.line(['SLUICE_THREADS', 'WAKE_ROUNDS', 'HOLD_MS'])} scripts/bench-state lease-wake"
+        f"{' --write' if run.write else ''}`. Two sluice processes on one Redis, "
         f"a route with `max_in_flight: 1` and `quota.max_wait`; {rounds} rounds, each a holder of {hold_ms} ms "
         "through one gateway and a waiter through the other. The delay runs from the holder's answer to the "
         "waiter's (the release, the waiter's next poll of the store, one round trip, and the member's own "

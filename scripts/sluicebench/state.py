@@ -342,7 +342,7 @@ def write_doc(doc_path: Path, reports: dict[str, str]) -> None:
         "Everything on 127.0.0.1 on one shared machine (client, gateway, backends and Redis on the same cores, unless a",
         "part's first line says Redis was pinned to a CPU of its own with `REDIS_CPU`): compare",
         "the ratios taken within one run, not the absolute figures. Each part can be rerun alone",
-        "(`scripts/bench-state quota|least-used|key-pool|usage|reload|cluster --write`).",
+        "(`scripts/bench-state quota|least-used|key-pool|usage|reload|cluster|lease-wake --write`).",
     ]
     for part in PARTS:
         start, end = f"<!-- bench:state:{part}:start -->", f"<!-- bench:state:{part}:end -->"
