@@ -47,9 +47,9 @@ pub use pingora_http::authority::{
 /// [RFC 9112 section 3.2]: https://www.rfc-editor.org/rfc/rfc9112.html#section-3.2
 /// [RFC 9112 section 3.2.2]: https://www.rfc-editor.org/rfc/rfc9112.html#section-3.2.2
 pub fn validate_request_authority(req: &RequestHeader) -> Result<()> {
-    validate_request_authority_fields(req)?;
-
-    let host = req.headers.get(header::HOST);
+    // PATCH (sluice, framing read once; third_party/PATCHES.md): the field checks found the one
+    // `Host` already; it was looked up a second time here.
+    let host = checked_host(req)?;
 
     if req.method == http::Method::CONNECT {
         return validate_connect_authority(req.raw_path(), host);
@@ -92,6 +92,12 @@ pub fn validate_request_authority(req: &RequestHeader) -> Result<()> {
 
 /// Validate authority fields shared by H1 and H2 ingress.
 pub(super) fn validate_request_authority_fields(req: &RequestHeader) -> Result<()> {
+    checked_host(req).map(|_| ())
+}
+
+/// PATCH (sluice, framing read once): [`validate_request_authority_fields`], returning the one
+/// `Host` field it checked (`None` when there is none).
+fn checked_host(req: &RequestHeader) -> Result<Option<&HeaderValue>> {
     let mut hosts = req.headers.get_all(header::HOST).iter();
     let (host, duplicate_host) = (hosts.next(), hosts.next());
 
@@ -115,7 +121,7 @@ pub(super) fn validate_request_authority_fields(req: &RequestHeader) -> Result<(
         return Error::e_explain(InvalidHTTPHeader, "Host header differs from URI authority");
     }
 
-    Ok(())
+    Ok(host)
 }
 
 /// Reconcile authority-like CONNECT targets with `Host` while preserving custom target forms.

@@ -61,6 +61,9 @@ pub struct HttpSession {
     // the connection's reuse depends on in the response head, read when the head is parsed, so
     // that the head itself can go to the caller (`read_response_task`) instead of a copy.
     response_connection: ResponseConnection,
+    // PATCH (sluice, framing read once; third_party/PATCHES.md): how the body of the
+    // response head last read is framed, found while the head was validated.
+    response_framing: BodyFraming,
     request_written: Option<Box<RequestHeader>>,
     bytes_sent: usize,
     /// Total response body payload bytes received from upstream
@@ -99,6 +102,7 @@ impl HttpSession {
             keepalive_timeout: KeepaliveStatus::Off,
             response_header: None,
             response_connection: ResponseConnection::default(),
+            response_framing: BodyFraming::default(),
             request_written: None,
             read_timeout: None,
             write_timeout: None,
@@ -211,33 +215,49 @@ impl HttpSession {
     }
 
     // Validate the response header read. This function must be called after the response header
-    // read.
-    fn validate_response(&self) -> Result<()> {
+    // read, and after `response_connection` was set from it.
+    //
+    // PATCH (sluice, framing read once; third_party/PATCHES.md): returns the body's
+    // framing as validated, which `init_body_reader` then uses rather than reading the
+    // `Transfer-Encoding` and `Content-Length` fields a second time.
+    fn validate_response(&self) -> Result<BodyFraming> {
         let resp_header = self
             .response_header
             .as_ref()
             .expect("response header must be read");
 
+        // HTTP/1: Transfer-Encoding takes precedence over Content-Length (which read_response
+        // removed), as in `validate_content_length`.
+        if self.response_connection.transfer_encoding {
+            return Ok(BodyFraming {
+                chunked: is_chunked_encoding_from_headers(&resp_header.headers),
+                content_length: None,
+            });
+        }
         // Validate/reconcile Content-Length per RFC 9110 section 8.6 (hyper
         // parity): identical duplicates and comma-combined identical values are
         // accepted and collapsed. Conflicting or duplicate values are always an
         // unrecoverable framing error. A peer may opt to tolerate a single,
         // otherwise-invalid value and treat the response as close-delimited.
-        // Note: Content-Length is already removed if Transfer-Encoding is present.
-        if let Err(e) = super::common::validate_content_length(&resp_header.headers) {
-            if self.allow_h1_response_invalid_content_length
-                && super::common::content_length_is_single_token(&resp_header.headers)
-            {
-                debug!(
-                    "tolerating invalid Content-Length ({e}); \
-                     treating response as close-delimited"
-                );
-            } else {
-                return Err(e);
+        match content_length_for_framing(&resp_header.headers) {
+            Ok(content_length) => Ok(BodyFraming {
+                chunked: false,
+                content_length,
+            }),
+            Err(e) => {
+                if self.allow_h1_response_invalid_content_length
+                    && super::common::content_length_is_single_token(&resp_header.headers)
+                {
+                    debug!(
+                        "tolerating invalid Content-Length ({e}); \
+                         treating response as close-delimited"
+                    );
+                    Ok(BodyFraming::default())
+                } else {
+                    Err(e)
+                }
             }
         }
-
-        Ok(())
     }
 
     fn clear_response_header_read_state(&mut self) {
@@ -334,23 +354,27 @@ impl HttpSession {
                         let contains_transfer_encoding = response_header
                             .headers
                             .contains_key(header::TRANSFER_ENCODING);
-                        let contains_content_length =
-                            response_header.headers.contains_key(header::CONTENT_LENGTH);
 
                         // Transfer encoding overrides content length, so when
                         // both are present, we MUST remove content length. This is
                         // https://datatracker.ietf.org/doc/html/rfc9112#section-6.3-2.3
-                        if contains_content_length && contains_transfer_encoding {
+                        // PATCH (sluice, framing read once): `Content-Length` is
+                        // looked up only when `Transfer-Encoding` is there.
+                        if contains_transfer_encoding
+                            && response_header.headers.contains_key(header::CONTENT_LENGTH)
+                        {
                             response_header.remove_header(&header::CONTENT_LENGTH);
                         }
 
                         self.raw_header = Some(BufRef(0, s));
                         self.preread_body = Some(BufRef(s, total_read));
                         self.buf = buf;
-                        self.response_connection = ResponseConnection::of(&response_header);
+                        self.response_connection =
+                            ResponseConnection::of(&response_header, contains_transfer_encoding);
                         self.response_header = Some(response_header);
-                        if let Err(e) = self.validate_response() {
-                            return self.fail_response_header_read(e);
+                        match self.validate_response() {
+                            Ok(framing) => self.response_framing = framing,
+                            Err(e) => return self.fail_response_header_read(e),
                         }
                         // convert to upgrade body type
                         // https://datatracker.ietf.org/doc/html/rfc9110#status.101
@@ -727,13 +751,16 @@ impl HttpSession {
                 }
             }
 
+            // PATCH (sluice, framing read once): as `validate_response` found it
+            // when the head was read (an invalid length it tolerated is `None`), not read again
+            // from the head, which the caller may have taken by now.
             if upgraded {
                 self.body_reader.init_close_delimited(preread_body);
                 self.close_delimited_resp = true;
-            } else if self.is_chunked_encoding() {
+            } else if self.response_framing.chunked {
                 // if chunked encoding, content-length should be ignored
                 self.body_reader.init_chunked(preread_body);
-            } else if let Some(cl) = self.get_content_length().unwrap_or(None) {
+            } else if let Some(cl) = self.response_framing.content_length {
                 self.body_reader.init_content_length(cl, preread_body);
             } else {
                 self.body_reader.init_close_delimited(preread_body);
@@ -778,6 +805,7 @@ impl HttpSession {
         }
     }
 
+    #[cfg(test)] // PATCH (sluice, framing read once): see `response_framing`.
     fn get_content_length(&self) -> Result<Option<usize>> {
         match self.resp_header() {
             Some(h) => content_length_for_framing(&h.headers),
@@ -785,6 +813,7 @@ impl HttpSession {
         }
     }
 
+    #[cfg(test)] // PATCH (sluice, framing read once): see `response_framing`.
     fn is_chunked_encoding(&self) -> bool {
         self.resp_header()
             .map(|h| is_chunked_encoding_from_headers(&h.headers))
@@ -946,7 +975,8 @@ struct ResponseConnection {
 }
 
 impl ResponseConnection {
-    fn of(head: &ResponseHeader) -> Self {
+    /// `transfer_encoding`: whether the head has that field, which the caller just looked up.
+    fn of(head: &ResponseHeader, transfer_encoding: bool) -> Self {
         let connection = is_buf_keepalive(head.headers.get(header::CONNECTION));
         ResponseConnection {
             keepalive: connection,
@@ -955,7 +985,7 @@ impl ResponseConnection {
                 Some(true) => keepalive_values(head.headers.get(&KEEP_ALIVE)).0,
                 _ => None,
             },
-            transfer_encoding: head.headers.contains_key(header::TRANSFER_ENCODING),
+            transfer_encoding,
         }
     }
 }

@@ -109,6 +109,9 @@ pub struct HttpSession {
     response_written: Option<Box<ResponseHeader>>,
     /// The parsed request header
     request_header: Option<Box<RequestHeader>>,
+    /// PATCH (sluice, framing read once; third_party/PATCHES.md): how the body of the request
+    /// head last read is framed, found while the head was validated.
+    request_framing: BodyFraming,
     /// An internal buffer that holds a copy of the request body up to a certain size
     retry_buffer: Option<FixedBuffer>,
     /// Whether this session is an upgraded session. This flag is calculated when sending the
@@ -186,6 +189,7 @@ impl HttpSession {
             update_resp_headers: true,
             response_written: None,
             request_header: None,
+            request_framing: BodyFraming::default(),
             read_timeout: Some(Duration::from_secs(60)),
             write_timeout: None,
             total_drain_timeout: None,
@@ -400,8 +404,6 @@ impl HttpSession {
 
                         let contains_transfer_encoding =
                             request_header.headers.contains_key(TRANSFER_ENCODING);
-                        let contains_content_length =
-                            request_header.headers.contains_key(CONTENT_LENGTH);
 
                         // Transfer encoding overrides content length, so when
                         // both are present, we can remove content length. This
@@ -409,8 +411,10 @@ impl HttpSession {
                         //
                         // RFC 9112 Section 6.1 (https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-15)
                         // also requires us to disable keepalive when both headers are present.
-                        let has_both_te_and_cl =
-                            contains_content_length && contains_transfer_encoding;
+                        // PATCH (sluice, framing read once; third_party/PATCHES.md):
+                        // `Content-Length` is looked up only when `Transfer-Encoding` is there.
+                        let has_both_te_and_cl = contains_transfer_encoding
+                            && request_header.headers.contains_key(CONTENT_LENGTH);
                         if has_both_te_and_cl {
                             request_header.remove_header(&CONTENT_LENGTH);
                         }
@@ -428,7 +432,9 @@ impl HttpSession {
                         if has_both_te_and_cl {
                             self.set_keepalive(None);
                         }
-                        self.validate_request()?;
+                        // PATCH (sluice, framing read once): the body's framing, as validated.
+                        self.request_framing =
+                            self.validate_request_head(contains_transfer_encoding)?;
 
                         return Ok(Some(s));
                     }
@@ -484,6 +490,16 @@ impl HttpSession {
     /// # Panics
     /// this function and most other functions will panic if called before [`Self::read_request()`]
     pub fn validate_request(&self) -> Result<()> {
+        let transfer_encoding = self.req_header().headers.contains_key(TRANSFER_ENCODING);
+        self.validate_request_head(transfer_encoding).map(|_| ())
+    }
+
+    // PATCH (sluice, framing read once; third_party/PATCHES.md): [`Self::validate_request`],
+    // given whether the head has `Transfer-Encoding` (`read_request` just looked it up), and
+    // returning how the body is framed, which `init_body_reader` then uses rather than reading
+    // the `Transfer-Encoding` and `Content-Length` fields a second time. The body on the wire is
+    // framed by the head as the client sent it, whatever filters later change in the head.
+    fn validate_request_head(&self, transfer_encoding: bool) -> Result<BodyFraming> {
         let req_header = self.req_header();
 
         // Reject an ambiguous authority before anything routes on it.
@@ -493,26 +509,32 @@ impl HttpSession {
         // parity): identical duplicates and comma-combined identical values are
         // accepted and collapsed; differing or unparseable values are rejected.
         // This is a no-op when Transfer-Encoding is present (TE overrides CL).
-        super::common::validate_content_length(&req_header.headers)?;
-
-        if req_header.headers.contains_key(TRANSFER_ENCODING) {
-            // Per [RFC 9112 Section 6.1-16](https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-16),
-            // HTTP/1.0 requests with Transfer-Encoding MUST be treated as having faulty framing.
-            // We reject with 400 Bad Request and close the connection.
-            if req_header.version == http::Version::HTTP_10 {
-                return Error::e_explain(
-                    InvalidHTTPHeader,
-                    "HTTP/1.0 requests cannot include Transfer-Encoding header",
-                );
-            }
-            // If chunked is not the final Transfer-Encoding, reject request
-            // See https://datatracker.ietf.org/doc/html/rfc9112#section-6.3-2.4.3
-            if !self.is_chunked_encoding() {
-                return Error::e_explain(InvalidHTTPHeader, "non-chunked final Transfer-Encoding");
-            }
+        if !transfer_encoding {
+            return Ok(BodyFraming {
+                chunked: false,
+                content_length: content_length_for_framing(&req_header.headers)?,
+            });
         }
 
-        Ok(())
+        // Per [RFC 9112 Section 6.1-16](https://datatracker.ietf.org/doc/html/rfc9112#section-6.1-16),
+        // HTTP/1.0 requests with Transfer-Encoding MUST be treated as having faulty framing.
+        // We reject with 400 Bad Request and close the connection.
+        if req_header.version == http::Version::HTTP_10 {
+            return Error::e_explain(
+                InvalidHTTPHeader,
+                "HTTP/1.0 requests cannot include Transfer-Encoding header",
+            );
+        }
+        // If chunked is not the final Transfer-Encoding, reject request
+        // See https://datatracker.ietf.org/doc/html/rfc9112#section-6.3-2.4.3
+        if !self.is_chunked_encoding() {
+            return Error::e_explain(InvalidHTTPHeader, "non-chunked final Transfer-Encoding");
+        }
+
+        Ok(BodyFraming {
+            chunked: true,
+            content_length: None,
+        })
     }
 
     /// Return a reference of the `RequestHeader` this session read
@@ -1113,10 +1135,6 @@ impl HttpSession {
         is_chunked_encoding_from_headers(&self.req_header().headers)
     }
 
-    fn get_content_length(&self) -> Result<Option<usize>> {
-        content_length_for_framing(&self.req_header().headers)
-    }
-
     fn init_body_reader(&mut self) {
         if self.body_reader.need_init() {
             // reset retry buffer
@@ -1131,13 +1149,13 @@ impl HttpSession {
                 // if upgraded _post_ 101 (and body was not init yet)
                 // treat as upgraded body (pass through until closed)
                 self.body_reader.init_close_delimited_owned(preread_body);
-            } else if self.is_chunked_encoding() {
+            } else if self.request_framing.chunked {
                 // if chunked encoding, content-length should be ignored
                 self.body_reader.init_chunked_owned(preread_body);
             } else {
-                // At this point, validate_request() should have already been called,
-                // so get_content_length() should not return an error for invalid values
-                let cl = self.get_content_length().unwrap_or(None);
+                // PATCH (sluice, framing read once): as `validate_request_head` found it when the
+                // head was read, not read again from the head.
+                let cl = self.request_framing.content_length;
                 match cl {
                     Some(i) => {
                         self.body_reader.init_content_length_owned(i, preread_body);
