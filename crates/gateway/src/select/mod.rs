@@ -148,6 +148,14 @@ pub(crate) trait Selector: Send + Sync {
     /// The member of the next attempt, skipping those `tried`; `None` when none is left.
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt>;
 
+    /// [`Selector::admit`] for a request without a quota or a reservation, when this policy
+    /// decides it in process alone: `None` means "call `admit`". `admit`'s future is boxed (the
+    /// selector is a trait object), an allocation and a copy that a round-robin request, which
+    /// never waits here, need not pay.
+    fn admit_in_process(&self) -> Option<Admission> {
+        None
+    }
+
     /// The round-robin schedule the policy picks from, if it has one: a table that replaces
     /// this one goes on from its position.
     fn schedule(&self) -> Option<&Arc<WeightedRoundRobin>> {
@@ -367,6 +375,11 @@ impl Policy {
         cost: u64,
         reserving: Option<Reserving<'_>>,
     ) -> Admission {
+        if quota.is_none() && reserving.is_none() {
+            if let Some(admission) = self.selector.admit_in_process() {
+                return admission;
+            }
+        }
         self.selector.admit(state, quota, cost, reserving).await
     }
 
@@ -457,6 +470,22 @@ impl<P: InProcess + Send + Sync> Selector for P {
                 choose_in_order(self, state, limits, &tried, quota, cost, reserving).await
             }
         }
+    }
+
+    fn admit_in_process(&self) -> Option<Admission> {
+        // What `admit` does with neither limits, a quota nor a reservation (`charge` with no
+        // quota), without its future.
+        if self.limits().is_some() {
+            return None;
+        }
+        Some(match self.pick(&Tried::default()) {
+            Some(first) => Admission::Admitted {
+                first: Some(first),
+                quota: None,
+                entries: Entries::default(),
+            },
+            None => Admission::NoMember { quota: None },
+        })
     }
 
     async fn next(&self, state: &dyn StateStore, tried: &mut Tried) -> Option<Attempt> {
