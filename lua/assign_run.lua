@@ -228,6 +228,12 @@ local function assign_one()
   return entries(quota_finish_both(q, c, 1, out, 3), w.chosen)
 end
 
+-- A call of one request defines none of the functions below (a library creates them anew on
+-- every call of its operation, a script on every call).
+if ARGV[1] ~= '*' then
+  return assign_one()
+end
+
 -- Several requests in one call. Each is decided as a call of its own would decide it, one after
 -- another on one clock; what they share is read once and written once, which a call of their
 -- own each cannot do:
@@ -490,9 +496,6 @@ local function assign_batched(k, a, out, o)
   return o + 5 + 2 * q.n
 end
 
-if ARGV[1] ~= '*' then
-  return assign_one()
-end
 assign_quotas, assign_finish, assign_cool, assign_views = {}, {}, {}, {}
 assign_now, assign_clock = nil, nil
 assign_w = members_walk(0, 0, pool_none_excluded, false, '0', 0, 0)
