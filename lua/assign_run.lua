@@ -399,32 +399,85 @@ end
 -- One walk per call, reset for each request (members_walk's fields).
 local assign_w
 
--- Decides a request of order "L" or "P" whose keys follow KEYS[k] and arguments ARGV[a],
--- exactly as assign_one would in a call of its own, and writes its reply into `out` after its
--- first `o` values. Returns the index of its reply's last value.
-local function assign_batched(k, a, out, o)
-  local cost = ARGV[a + 2]
-  local least_used = ARGV[a + 3] == 'L'
-  local windows_text = ARGV[a + 5]
-  local route_windows = windows_text == '' and 0 or windows_text + 0
-  local excluded, count, at = pool_excluded(a + 7 + 3 * route_windows)
+-- The request being decided, as assign_prepare read it from its arguments (once for a run of
+-- requests sent as "="): its cost, order, route quota (the window count's text, the count, the
+-- cost, where its keys and windows lie), excluded members, where its members' arguments and
+-- keys start, its pool and cooldowns keys, and per member id its quota state (false: none).
+local r_cost, r_least, r_windows_text, r_windows, r_quota_cost, r_qk, r_qa
+local r_excluded, r_count, r_at, r_k, r_pool, r_cool, r_qof
+
+local function assign_prepare(k, a)
+  r_cost, r_least = ARGV[a + 2], ARGV[a + 3] == 'L'
+  r_windows_text = ARGV[a + 5]
+  r_windows = r_windows_text == '' and 0 or r_windows_text + 0
+  r_quota_cost, r_qa = ARGV[a + 6], a + 7
+  r_excluded, r_count, r_at = pool_excluded(a + 7 + 3 * r_windows)
   k = k + 1
-  local pool, v, first
-  if least_used then
-    pool = KEYS[k]
-    k = k + 1
+  r_pool, r_cool = false, false
+  if r_least then
+    r_pool, k = KEYS[k], k + 1
+  end
+  if ARGV[a + 4] == '1' then
+    r_cool, k = KEYS[k], k + 1
+  end
+  r_qk = k
+  if r_windows_text ~= '' then
+    k = k + 1 + r_windows
+  end
+  r_k, r_qof = k, {}
+  assign_w.found = {}
+end
+
+-- members_offer for a call that holds its members' quota states: the same decision, found
+-- once per run of requests.
+local function assign_offer(w, id)
+  if w.excluded[id] then
+    return false
+  end
+  w.eligible = true
+  local left = w.cooling and w.cooling[id]
+  if left then
+    w.deferred = w.deferred or {}
+    w.deferred[#w.deferred + 1] = id
+    w.deferred[#w.deferred + 1] = left
+    return false
+  end
+  local mq = r_qof[id]
+  if mq == nil then
+    local at, windows, k = members_find(w, id)
+    mq = at and windows > 0 and assign_quota(k, windows, at) or false
+    r_qof[id] = mq
+  end
+  if mq then
+    quota_admit(mq, w.cost)
+    if mq.admitted == 0 then
+      members_note(w, mq.retry_after)
+      return false
+    end
+    quota_record(mq)
+  end
+  w.chosen = id
+  return true
+end
+
+-- Decides the request assign_prepare read, exactly as assign_one would in a call of its own,
+-- and writes its reply into `out` after its first `o` values. Returns the index of its reply's
+-- last value.
+local function assign_decide(out, o)
+  local pool, v, first = r_pool, false, false
+  if pool then
     v = assign_view(pool)
     if v then
       first = v.n > 0
     else
-      first = members_first(pool, count)
+      first = members_first(pool, r_count)
       if #first == 0 then
         first = false
       end
     end
     if not first then
       -- The pool does not exist: nothing changed.
-      local last = o + 3 + (windows_text == '' and 0 or 2 + 2 * route_windows)
+      local last = o + 3 + (r_windows_text == '' and 0 or 2 + 2 * r_windows)
       out[o + 1], out[o + 2] = 3, ''
       for j = o + 3, last do
         out[j] = 0
@@ -432,16 +485,10 @@ local function assign_batched(k, a, out, o)
       return last
     end
   end
-  local cool
-  if ARGV[a + 4] == '1' then
-    cool = KEYS[k]
-    k = k + 1
-  end
   local q
-  if windows_text ~= '' then
-    q = assign_quota(k, route_windows, a + 7)
-    quota_admit(q, ARGV[a + 6])
-    k = k + 1 + route_windows
+  if r_windows_text ~= '' then
+    q = assign_quota(r_qk, r_windows, r_qa)
+    quota_admit(q, r_quota_cost)
     if q.admitted == 0 then
       out[o + 1], out[o + 2], out[o + 3] = 0, '', 0
       quota_reply(q, 0, out, o + 3)
@@ -449,30 +496,30 @@ local function assign_batched(k, a, out, o)
     end
   end
   local cooling = false
-  if cool then
-    cooling = assign_cooling(cool, pool, excluded)
+  if r_cool then
+    cooling = assign_cooling(r_cool, pool, r_excluded)
     if pool then
       v = assign_view(pool)
       if not v then
         -- A raise may have changed counts since the first read.
-        first = members_first(pool, count)
+        first = members_first(pool, r_count)
       end
     end
   end
   local w = assign_w
-  w.at, w.k_at, w.excluded, w.cooling, w.cost, w.now = at, k, excluded, cooling, cost, assign_now
-  w.chosen, w.eligible, w.wait, w.deferred, w.seq = nil, false, nil, false, 0
-  if not least_used then
+  w.at, w.k_at, w.excluded, w.cooling, w.cost = r_at, r_k, r_excluded, cooling, r_cost
+  w.chosen, w.eligible, w.wait, w.deferred = nil, false, nil, false
+  if not pool then
     members_walk_listed(w)
   elseif v then
     for j = 1, 3 * v.n, 3 do
-      if members_offer(w, v[j]) then
+      if assign_offer(w, v[j]) then
         assign_view_count(v, j)
         break
       end
     end
   else
-    members_walk_pool(w, pool, count, first)
+    members_walk_pool(w, pool, r_count, first)
     if w.chosen then
       pool_assign(pool, w.chosen)
     end
@@ -533,9 +580,11 @@ while i <= #ARGV do
       assign_write()
       assign_now = quota_clock(clock)
       assign_clock = quota_now_text
+      assign_w.now = assign_now
     end
+    assign_prepare(k, a)
   end
-  o = assign_batched(k, a, out, o)
+  o = assign_decide(out, o)
 end
 assign_write()
 return out

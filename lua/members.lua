@@ -91,7 +91,21 @@ end
 
 -- Where member `id`'s windows lie: the index in ARGV of the first, their count and the index
 -- in KEYS of its helper hash; nil when this script was not told about the member.
-local function members_find(w, id)
+local function members_find(w, id, direct)
+  -- Requests after the first of a batched call that are sent as "=" have the same arguments:
+  -- what this found for one of them holds for all (w.found, kept by assign_run.lua).
+  local found = not direct and w.found
+  if found then
+    local f = found[id]
+    if f then
+      return f[1], f[2], f[3]
+    elseif f == false then
+      return nil
+    end
+    local at, windows, k = members_find(w, id, true)
+    found[id] = at and {at, windows, k} or false
+    return at, windows, k
+  end
   local at, k, windows, wat = w.at + 1, w.k_at, 0, 0
   for _ = 1, ARGV[w.at] + 0 do
     local next_at

@@ -212,7 +212,10 @@ end
 -- Decides a request of `cost` (a string, as its caller received it: it is also part of the
 -- entry) on the state as it stands; records nothing. Sets q.admitted and q.retry_after.
 local function quota_admit(q, cost)
-  q.cost_text, q.cost = cost, cost + 0
+  -- Parsed once per cost a call decides on, not per request (each parse is a strtod).
+  if cost ~= q.cost_text then
+    q.cost_text, q.cost = cost, cost + 0
+  end
   cost = q.cost
   q.admitted, q.retry_after = 1, 0
   for i = 1, q.n do
