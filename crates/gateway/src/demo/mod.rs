@@ -80,13 +80,36 @@ pub fn start(gateway: SocketAddr) {
                         None
                     }
                 };
-                // Let the gateway come up before the first request.
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                // The gateway's listeners open on other threads: the first request waits for
+                // them rather than for a guessed delay, which a loaded machine can outlast
+                // (the demo's first answers were then "connection refused").
+                for addr in [gateway, parse(ADMIN)] {
+                    if !listening(addr).await {
+                        tracing::warn!(target: "sluice::demo", %addr, "the gateway is not listening yet; the demo client starts anyway");
+                    }
+                }
                 client::run(gateway, parse(ADMIN), api, tls).await;
             });
         })
         .expect("spawn the demo thread");
 }
+
+/// Whether `addr` accepts a connection within [`LISTEN_WAIT`], tried every few milliseconds.
+async fn listening(addr: SocketAddr) -> bool {
+    let deadline = tokio::time::Instant::now() + LISTEN_WAIT;
+    loop {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// How long the demo client waits for the gateway's listeners before its first request.
+const LISTEN_WAIT: Duration = Duration::from_secs(30);
 
 /// The constants above are valid addresses.
 fn parse(addr: &str) -> SocketAddr {
