@@ -145,6 +145,32 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
     }
 }
 
+/// The `Content-Length` that frames a message, by the rule Pingora's HTTP/1 parser frames it
+/// with (RFC 9112 §6.3, RFC 9110 §8.6): every value of every `Content-Length` line, split at
+/// commas, must be plain decimal digits and all equal, and then that value frames the body
+/// (`5, 5` or two lines of `5` are `5`). `None` when there is no such line, or when the values
+/// disagree or one is invalid, which Pingora refused before sluice saw the message. What sluice
+/// reads of a body (usage reservations, draining) must agree with what Pingora frames, or a
+/// client could send a body that is served but not charged.
+pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    let mut length = None;
+    for line in headers.get_all(header::CONTENT_LENGTH) {
+        for value in line.as_bytes().split(|&b| b == b',') {
+            let value = value.trim_ascii();
+            if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            let n = std::str::from_utf8(value).ok()?.parse::<u64>().ok()?;
+            match length {
+                None => length = Some(n),
+                Some(prev) if prev != n => return None,
+                Some(_) => {}
+            }
+        }
+    }
+    length
+}
+
 /// Whether a request asks for a WebSocket upgrade that sluice passes to the member: a GET over
 /// HTTP/1.1 whose `Connection` names `upgrade` and whose `Upgrade` offers `websocket`
 /// (RFC 6455 §4.1, RFC 9110 §7.8). Other upgrades (`h2c`, TLS) are stripped like any
@@ -259,6 +285,30 @@ mod tests {
         let mut left: Vec<&str> = req.headers.keys().map(|k| k.as_str()).collect();
         left.sort_unstable();
         assert_eq!(left, ["transfer-encoding", "x-kept"]);
+    }
+
+    #[test]
+    fn content_length_is_reconciled_as_pingora_frames_it() {
+        let cases: [(&[&str], Option<u64>); 11] = [
+            (&[], None),
+            (&["5"], Some(5)),
+            (&[" 5 "], Some(5)),
+            (&["5, 5"], Some(5)),
+            (&["5,5, 5"], Some(5)),
+            (&["5", "5"], Some(5)),
+            (&["5, 6"], None),
+            (&["5", "6"], None),
+            (&["+5"], None),
+            (&["5,"], None),
+            (&["99999999999999999999999"], None),
+        ];
+        for (lines, expected) in cases {
+            let mut headers = http::HeaderMap::new();
+            for line in lines {
+                headers.append(header::CONTENT_LENGTH, HeaderValue::from_static(line));
+            }
+            assert_eq!(content_length(&headers), expected, "{lines:?}");
+        }
     }
 
     fn request(method: &str, headers: &[(&str, &str)]) -> RequestHeader {

@@ -126,10 +126,8 @@ fn keep_if_body_small(session: &mut Session) {
     let expects_continue = headers
         .get(header::EXPECT)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    let small = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.trim().parse::<usize>().ok())
-        .is_some_and(|length| length <= DISCARD_BYTES);
+    let small = crate::headers::content_length(headers)
+        .is_some_and(|length| length <= DISCARD_BYTES as u64);
     if expects_continue || !small || headers.contains_key(header::TRANSFER_ENCODING) {
         return;
     }

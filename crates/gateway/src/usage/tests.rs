@@ -98,6 +98,33 @@ async fn a_small_body_is_read_whole_and_kept_for_the_member() {
     assert_eq!(reserved, [Millionths(300_000_000 + 11_500_000)]);
 }
 
+/// A length sent as a list of equal values or as equal lines frames the body as that one
+/// length, as Pingora serves it (RFC 9112 §6.3): the body is read and charged like one with a
+/// plain `Content-Length`, not taken for absent.
+#[tokio::test]
+async fn a_listed_or_repeated_length_is_read_as_the_one_length() {
+    let usage = usage(TOKENS);
+    let body = br#"{"model":"gpt","max_tokens":300,"messages":[]}"#;
+    let n = body.len();
+    for lengths in [
+        format!("Content-Length: {n}, {n}\r\n"),
+        format!("Content-Length: {n},{n}\r\nContent-Length: {n}\r\n"),
+        format!("Content-Length: {n}\r\nContent-Length: {n}\r\n"),
+    ] {
+        let (mut session, _client) = open(post(&lengths, body)).await;
+        let prefix = read_prefix(&mut session, usage.max_request_body).await;
+        assert_eq!(prefix.body.as_deref(), Some(&body[..]), "{lengths:?}");
+        assert_eq!(prefix.len, n as u64, "{lengths:?}");
+        assert_eq!(session.get_retry_buffer(), Some(Bytes::from_static(body)));
+        let reserved = usage.reserve(&prefix.request(&session.req_header().headers));
+        assert_eq!(
+            reserved,
+            [Millionths(300_000_000 + 11_500_000)],
+            "{lengths:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_body_exactly_at_the_bound_is_read_and_one_byte_more_is_not() {
     let usage = usage(TOKENS);
