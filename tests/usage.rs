@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use sluice_echo::openai::OpenAiStub;
-use support::{request, url, wait_until_async, Backend, Config, Gateway, Route, Store};
+use support::{request, url, wait_until_async, Backend, Config, Gateway, HttpClient, Route, Store};
 
 /// The route's windows: tokens per minute and tokens per calendar day, both of `limit` tokens,
 /// reserving the request's `max_tokens` (default 100) and settling `usage.total_tokens`.
@@ -190,6 +190,44 @@ async fn held_chat(
     });
     assert!(wait_until_async(Duration::from_secs(20), || async { stub.held() == 1 }).await);
     task
+}
+
+/// A `Content-Length` sent as a list of equal values, or as equal lines, frames the body as
+/// one length (RFC 9112 §6.3), as Pingora serves it: the reservation reads the same body and
+/// takes its `max_tokens` exactly as with a plain `Content-Length`, never its default. Sent
+/// raw, as no client library writes such a head.
+async fn a_listed_content_length_reserves_from_the_body(backend: Backend) {
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    let body = json!({"model": "m", "max_tokens": 70, "messages": []}).to_string();
+    let n = body.len();
+    for lengths in [
+        format!("Content-Length: {n}\r\n"),
+        format!("Content-Length: {n}, {n}\r\n"),
+        format!("Content-Length: {n}\r\nContent-Length: {n}\r\n"),
+    ] {
+        stub.hold();
+        let raw = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: openai.test\r\n\
+             Content-Type: application/json\r\nx-stub-status: 429\r\n{lengths}\r\n{body}"
+        );
+        let addr = gw.proxy_addr();
+        let task = tokio::spawn(async move {
+            let mut client = HttpClient::connect(addr).await.unwrap();
+            client.write_raw(raw.as_bytes()).await.unwrap();
+            client.read_response(false).await.unwrap()
+        });
+        let held_one =
+            wait_until_async(Duration::from_secs(20), || async { stub.held() == 1 }).await;
+        assert!(held_one, "{lengths:?}: the member never got the request");
+        // The default would reserve 100.
+        holds(&gw, 70).await;
+        stub.release();
+        let r = task.await.unwrap();
+        assert_eq!(r.status, 429, "{lengths:?}: {}", r.text());
+        // The member's 429 settles to 0, so the next case starts from empty windows.
+        holds(&gw, 0).await;
+    }
 }
 
 async fn a_member_429_settles_to_zero(backend: Backend) {
@@ -688,6 +726,7 @@ async fn ratelimit_and_status_report_tokens(backend: Backend) {
 }
 
 on_both_stores!(
+    a_listed_content_length_reserves_from_the_body,
     a_client_gone_after_the_member_got_the_request_leaves_its_reservation,
     a_request_no_member_got_settles_to_zero,
     ratelimit_and_status_report_tokens,

@@ -71,6 +71,8 @@ pub(crate) trait HeaderEdit {
     fn remove<'a, N: ?Sized>(&mut self, name: &'a N)
     where
         &'a N: AsHeaderName;
+    /// Sets `name` to `value` alone, replacing every line of it.
+    fn set(&mut self, name: HeaderName, value: HeaderValue) -> Result<()>;
 }
 
 impl HeaderEdit for RequestHeader {
@@ -83,6 +85,9 @@ impl HeaderEdit for RequestHeader {
     {
         self.remove_header(name);
     }
+    fn set(&mut self, name: HeaderName, value: HeaderValue) -> Result<()> {
+        self.insert_header(name, value)
+    }
 }
 
 impl HeaderEdit for ResponseHeader {
@@ -94,6 +99,9 @@ impl HeaderEdit for ResponseHeader {
         &'a N: AsHeaderName,
     {
         self.remove_header(name);
+    }
+    fn set(&mut self, name: HeaderName, value: HeaderValue) -> Result<()> {
+        self.insert_header(name, value)
     }
 }
 
@@ -169,6 +177,29 @@ pub(crate) fn content_length(headers: &http::HeaderMap) -> Option<u64> {
         }
     }
     length
+}
+
+/// Forwards a `Content-Length` sent as a list of equal values, or as several equal lines, as
+/// the one `Content-Length: N` it frames the body with (RFC 9112 §6.3: a proxy that accepts
+/// such a list must forward one value). The next hop may read a list its own way: hyper's
+/// server, for one, refuses `5, 5` with a 400. A plain single length is left as it is; so is
+/// a message with `Transfer-Encoding`, which that framing rules (Pingora drops a request's
+/// `Content-Length` then).
+pub(crate) fn forward_one_content_length(head: &mut impl HeaderEdit) -> Result<()> {
+    let map = head.header_map();
+    let mut lines = map.get_all(header::CONTENT_LENGTH).iter();
+    let Some(first) = lines.next() else {
+        return Ok(());
+    };
+    let listed = lines.next().is_some() || first.as_bytes().contains(&b',');
+    if !listed || map.contains_key(header::TRANSFER_ENCODING) {
+        return Ok(());
+    }
+    // Pingora refused a list that does not reconcile before sluice saw the message.
+    let Some(length) = content_length(map) else {
+        return Ok(());
+    };
+    head.set(header::CONTENT_LENGTH, HeaderValue::from(length))
 }
 
 /// Whether a request asks for a WebSocket upgrade that sluice passes to the member: a GET over
@@ -309,6 +340,43 @@ mod tests {
             }
             assert_eq!(content_length(&headers), expected, "{lines:?}");
         }
+    }
+
+    #[test]
+    fn a_listed_content_length_is_forwarded_as_one() {
+        let cases: [(&[&str], &[&str]); 6] = [
+            (&["5, 5"], &["5"]),
+            (&["5", "5"], &["5"]),
+            (&["5,5", "5"], &["5"]),
+            (&["5"], &["5"]),
+            (&[" 5"], &[" 5"]),
+            (&[], &[]),
+        ];
+        for (lines, forwarded) in cases {
+            let mut req = RequestHeader::build("POST", b"/", None).unwrap();
+            let mut resp = ResponseHeader::build(200, None).unwrap();
+            for line in lines {
+                req.append_header("Content-Length", *line).unwrap();
+                resp.append_header("Content-Length", *line).unwrap();
+            }
+            forward_one_content_length(&mut req).unwrap();
+            forward_one_content_length(&mut resp).unwrap();
+            for map in [&req.headers, &resp.headers] {
+                let got: Vec<&[u8]> = map
+                    .get_all(header::CONTENT_LENGTH)
+                    .iter()
+                    .map(HeaderValue::as_bytes)
+                    .collect();
+                let want: Vec<&[u8]> = forwarded.iter().map(|v| v.as_bytes()).collect();
+                assert_eq!(got, want, "{lines:?}");
+            }
+        }
+        // Transfer-Encoding frames the message: the lengths are left to Pingora.
+        let mut resp = ResponseHeader::build(200, None).unwrap();
+        resp.append_header("Content-Length", "5, 5").unwrap();
+        resp.append_header("Transfer-Encoding", "chunked").unwrap();
+        forward_one_content_length(&mut resp).unwrap();
+        assert_eq!(resp.headers[header::CONTENT_LENGTH], "5, 5");
     }
 
     fn request(method: &str, headers: &[(&str, &str)]) -> RequestHeader {

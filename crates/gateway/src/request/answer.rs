@@ -15,7 +15,9 @@ use sluice_limiter::Outcome;
 
 use super::account::ConnectFailure;
 use super::{Failure, RequestCtx};
-use crate::headers::{strip_hop_by_hop, RATELIMIT, RATELIMIT_POLICY, X_REQUEST_ID};
+use crate::headers::{
+    forward_one_content_length, strip_hop_by_hop, RATELIMIT, RATELIMIT_POLICY, X_REQUEST_ID,
+};
 use crate::problem::{self, Problem};
 use crate::quota::RouteQuota;
 use crate::table::Route;
@@ -262,6 +264,7 @@ pub(crate) fn response_headers(
         .then(|| response.headers.get(header::UPGRADE).cloned())
         .flatten();
     strip_hop_by_hop(response);
+    forward_one_content_length(response)?;
     if switching {
         if let Some(upgrade) = upgrade {
             response.insert_header(header::UPGRADE, upgrade)?;

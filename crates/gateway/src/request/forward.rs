@@ -15,7 +15,8 @@ use super::{Dest, DirectRest, Failure, Gateway, RequestCtx};
 use crate::config::MemberKind;
 use crate::egress::{Guard, Refusal, Resolver, MAX_ADDRESSES_TRIED};
 use crate::headers::{
-    append_forwarded_for, keep_websocket_upgrade, strip_hop_by_hop, TRACEPARENT, X_REQUEST_ID,
+    append_forwarded_for, forward_one_content_length, keep_websocket_upgrade, strip_hop_by_hop,
+    TRACEPARENT, X_REQUEST_ID,
 };
 use crate::table::{peer_for, Route};
 
@@ -179,6 +180,7 @@ pub(crate) fn request_headers(
     };
     // Proxy-Authorization goes with the hop-by-hop headers, whoever it identified.
     strip_hop_by_hop(upstream);
+    forward_one_content_length(upstream)?;
     // A sluice token is for sluice alone, whether or not it identified anyone; a member's
     // `headers` then put the provider's key in its place (virtual keys).
     if let Some(name) = &route.config.client_token {
