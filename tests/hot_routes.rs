@@ -1,11 +1,14 @@
 //! A hot route kept as sub-logs (`state_shards: 3`), through the real gateway: exactly the limit
 //! admitted across two gateways on one Redis and on a 3-master Redis Cluster (each sub-log holding
 //! its share, in a slot of its own, on three masters of the cluster), `/status` summing the
-//! sub-logs, least-used totals within three of each other, and the memory store keeping one log.
+//! sub-logs, least-used totals within three of each other, and the memory store keeping one log;
+//! a route's `max_in_flight` split over the sub-logs, each lease released in the sub-log that
+//! took it.
 
 mod support;
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use sluice_testkit::RedisCluster;
 use support::{
@@ -131,4 +134,75 @@ async fn sub_logs_on_three_masters_admit_exactly_the_limit() {
     assert_eq!(slots.len(), 3, "three slots: {slots:?}");
     held.sort_unstable();
     assert_eq!(held, [13, 13, 14]);
+}
+
+/// `max_in_flight: 6` over three sub-logs on Redis, two gateways: six requests held at their
+/// members, two each in every sub-log's leases, the seventh and eighth refused at the cap;
+/// `/status` sums the sub-logs' leases; once the answers are done, every sub-log's leases are
+/// gone (a release sent to another sub-log would leave them until their `lease_ttl`, 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routes_cap_splits_over_the_sub_logs_and_each_lease_goes_back_to_its_own() {
+    let store = Store::start(Backend::Redis);
+    let redis = store.redis().expect("a Redis");
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: String = backends
+        .iter()
+        .map(|b| format!("      - url: \"{}\"\n", url(b.local_addr())))
+        .collect();
+    let base = Config::new().store(&store).yaml();
+    let base = base.split("routes:").next().expect("routes come last");
+    let yaml = format!(
+        "{base}routes:\n  - name: cap\n    match: {{ hosts: [cap.test] }}\n    state_shards: 3\n    max_in_flight: 6\n    upstream:\n      selection: least_in_flight\n      members:\n{members}"
+    );
+    let gateways = [
+        Gateway::start_with_ports(&yaml),
+        Gateway::start_with_ports(&yaml),
+    ];
+    let in_flight = || backends.iter().map(|b| b.in_flight()).sum::<u64>();
+    let mut held = Vec::new();
+    for i in 0..6 {
+        let addr = gateways[i % 2].proxy_addr();
+        held.push(tokio::spawn(async move {
+            support::request(addr, "GET", "cap.test", "/", &[("x-delay-ms", "8000")], b"")
+                .await
+                .status
+        }));
+        assert!(
+            support::wait_until(Duration::from_secs(20), || in_flight() == i as u64 + 1).await,
+            "request {i} reached its member"
+        );
+    }
+    for gw in &gateways {
+        let r = support::request(gw.proxy_addr(), "GET", "cap.test", "/", &[], b"").await;
+        assert_eq!(r.status, 429, "at the cap: {}", r.text());
+    }
+    let lease_keys: Vec<String> = redis
+        .command(&["KEYS", "sluice:{cap*:lz"])
+        .unwrap()
+        .lines()
+        .filter(|k| !k.is_empty())
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lease_keys.len(), 3, "{lease_keys:?}");
+    for k in &lease_keys {
+        assert_eq!(redis.integer(&["ZCARD", k]), Some(2), "{k}: its share");
+    }
+    let status = gateways[0].status().await;
+    let shown: u64 = status["routes"][0]["members"]
+        .as_array()
+        .expect("members")
+        .iter()
+        .map(|m| m["in_flight"].as_u64().expect("in_flight"))
+        .sum();
+    assert_eq!(shown, 6, "/status sums the sub-logs' leases");
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    assert!(
+        support::wait_until(Duration::from_secs(20), || lease_keys
+            .iter()
+            .all(|k| redis.integer(&["ZCARD", k]).unwrap_or(0) == 0))
+        .await,
+        "every lease released in its own sub-log"
+    );
 }

@@ -945,7 +945,8 @@ impl RedisStore {
                 }),
                 ..ask
             };
-            let answer = self.assign(rest).await;
+            // This log's own step, whatever the route: a sub-log's ask is already its share.
+            let answer = Box::pin(self.assign_one(rest)).await;
             if !matches!(answer, Ok(Assignment::Assigned { .. })) {
                 self.client_give_back(cap, lease.id).await;
             }
@@ -996,6 +997,7 @@ impl RedisStore {
             .map(drop)
     }
 
+    // The quota script over the member's own logs, with a cost of 0: it reads, never records.
     async fn member_remaining_one(
         &self,
         route: &str,
@@ -1173,28 +1175,32 @@ impl RedisStore {
         refused.ok_or_else(|| StoreError::Backend("a route without sub-logs".into()))
     }
 
-    /// An assignment on a route with sub-logs: the sub-logs in turn, skipping those known full,
-    /// each with its share of the route's windows and of the members', until one assigns. A
-    /// sub-log whose route windows refuse, or whose members are all busy, is known full until
-    /// its answer says; any other answer (assigned, no member, refused by the client's own
-    /// windows alone) is the request's.
+    /// An assignment on a route with sub-logs: the sub-logs in turn (a session's from its own),
+    /// skipping those known full, each with its share of the route's windows, of the members',
+    /// and of the caps on leases and bindings, until one assigns. A sub-log whose route windows
+    /// refuse, or whose members are all busy, is known full until its answer says; one at its
+    /// share of leases is passed over; any other answer (no member, refused by the client's own
+    /// windows or cap) is the request's. A lease taken is remembered with its sub-log, where
+    /// its release and renewals go.
     async fn assign_sharded(
         &self,
         ask: Assign<'_>,
         sharded: &Sharded,
     ) -> Result<Assignment, StoreError> {
-        if ask.lease.is_some() || ask.sticky.is_some() {
-            return Err(StoreError::Backend(format!(
-                "route {} keeps its state in sub-logs (state_shards), which do not take leases or sticky sessions",
-                ask.route
-            )));
-        }
         let n = sharded.len();
         let key = ask.quota.map_or("", |q| q.key);
         let mine = ask.quota.map_or(0, |q| q.windows.len());
         let cost = ask.quota.map_or(ask.cost, |q| q.cost);
+        // A session starts at its own sub-log, where its binding is; others at the next in turn.
+        let order: Vec<usize> = match ask.sticky {
+            Some(sticky) => {
+                let home = sharded.home(sticky.session);
+                (0..n).map(|k| (home + k) % n).collect()
+            }
+            None => sharded.order().collect(),
+        };
         let mut refused: Option<(u64, Assignment)> = None;
-        for i in sharded.order() {
+        for i in order {
             let answer = match sharded.known_full(key, i) {
                 Some((left, answer)) => with_retry_after(answer, micros(left)),
                 None => {
@@ -1206,19 +1212,41 @@ impl RedisStore {
                         windows: share.as_deref().unwrap_or_default(),
                         ..q
                     });
+                    // Each sub-log keeps its share of the caps on leases and bindings.
+                    let part = |cap: u64| shards::share(cap, i, n).max(1);
+                    let lease = ask.lease.map(|l| Lease {
+                        member_max: l.member_max.map(part),
+                        route_max: l.route_max.map(part),
+                        ..l
+                    });
+                    let sticky = ask.sticky.map(|st| sluice_allocator::Sticky {
+                        max_bindings: part(st.max_bindings),
+                        ..st
+                    });
                     let answer = self
                         .assign_one(Assign {
                             route: name,
                             members: &members,
                             quota,
+                            lease,
+                            sticky,
                             ..ask
                         })
                         .await?;
                     let full_us = match &answer {
+                        Assignment::Assigned { .. } => {
+                            if let Some(lease) = ask.lease {
+                                sharded.leased(lease.id, i);
+                            }
+                            return Ok(answer);
+                        }
                         Assignment::QuotaRefused(o) => {
                             shards::full_for(&o.windows[..mine.min(o.windows.len())], cost)
                         }
                         Assignment::Busy { retry_after_us, .. } => Some(*retry_after_us),
+                        // The sub-log holds its share of leases: another may have room. Only a
+                        // release frees one, so nothing says until when.
+                        Assignment::Concurrency { .. } => Some(0),
                         _ => None,
                     };
                     let Some(full_us) = full_us else {
@@ -1544,11 +1572,17 @@ impl StateStore for RedisStore {
         self.assign_reserve_route(ask, usage).await
     }
 
-    // The quota script over the member's own logs, with a cost of 0: it reads, never records.
     async fn release(&self, route: &str, leases: &[&str]) -> Result<(), StoreError> {
-        self.lease_call(route, "release", None, leases, None)
-            .await
-            .map(drop)
+        let Some(sharded) = self.shards.of(route) else {
+            return self
+                .lease_call(route, "release", None, leases, None)
+                .await
+                .map(drop);
+        };
+        for (name, ids) in sharded.names.iter().zip(sharded.lease_groups(leases, true)) {
+            self.lease_call(name, "release", None, &ids, None).await?;
+        }
+        Ok(())
     }
 
     async fn renew(
@@ -1558,9 +1592,21 @@ impl StateStore for RedisStore {
         ttl_us: u64,
         at_us: Option<u64>,
     ) -> Result<(), StoreError> {
-        self.lease_call(route, "renew", Some(ttl_us), leases, at_us)
-            .await
-            .map(drop)
+        let Some(sharded) = self.shards.of(route) else {
+            return self
+                .lease_call(route, "renew", Some(ttl_us), leases, at_us)
+                .await
+                .map(drop);
+        };
+        for (name, ids) in sharded
+            .names
+            .iter()
+            .zip(sharded.lease_groups(leases, false))
+        {
+            self.lease_call(name, "renew", Some(ttl_us), &ids, at_us)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn release_client(&self, client: &str, leases: &[&str]) -> Result<(), StoreError> {
@@ -1594,17 +1640,63 @@ impl StateStore for RedisStore {
         route: &str,
         at_us: Option<u64>,
     ) -> Result<Vec<(String, u64)>, StoreError> {
-        let reply = self.lease_call(route, "read", None, &[], at_us).await?;
-        scripts::parse_cooldowns(&reply)
+        let Some(sharded) = self.shards.of(route) else {
+            let reply = self.lease_call(route, "read", None, &[], at_us).await?;
+            return scripts::parse_cooldowns(&reply);
+        };
+        let mut sum: HashMap<String, u64> = HashMap::new();
+        for name in &sharded.names {
+            let reply = self.lease_call(name, "read", None, &[], at_us).await?;
+            for (member, n) in scripts::parse_cooldowns(&reply)? {
+                *sum.entry(member).or_default() += n;
+            }
+        }
+        let mut all: Vec<(String, u64)> = sum.into_iter().collect();
+        all.sort();
+        Ok(all)
     }
 
     async fn unbind(&self, route: &str, session: &str, member: &str) -> Result<(), StoreError> {
-        self.sticky_call(route, &["unbind", session, member], None)
-            .await
-            .map(drop)
+        let Some(sharded) = self.shards.of(route) else {
+            return self
+                .sticky_call(route, &["unbind", session, member], None)
+                .await
+                .map(drop);
+        };
+        // Its own sub-log holds the session's binding, unless that one was full when it was
+        // bound: every sub-log drops it if it still points to the member.
+        for name in &sharded.names {
+            self.sticky_call(name, &["unbind", session, member], None)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn sticky_counts(
+        &self,
+        route: &str,
+        at_us: Option<u64>,
+    ) -> Result<StickyCounts, StoreError> {
+        let Some(sharded) = self.shards.of(route) else {
+            return self.sticky_counts_one(route, at_us).await;
+        };
+        let mut sum = StickyCounts::default();
+        for name in &sharded.names {
+            let part = self.sticky_counts_one(name, at_us).await?;
+            sum.bindings += part.bindings;
+            sum.unbound += part.unbound;
+            sum.moved += part.moved;
+        }
+        Ok(sum)
+    }
+
+    async fn ready(&self) -> bool {
+        self.connection.ping().await
+    }
+}
+
+impl RedisStore {
+    async fn sticky_counts_one(
         &self,
         route: &str,
         at_us: Option<u64>,
@@ -1623,10 +1715,6 @@ impl StateStore for RedisStore {
                 reply.len()
             ))),
         }
-    }
-
-    async fn ready(&self) -> bool {
-        self.connection.ping().await
     }
 }
 

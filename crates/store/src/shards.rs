@@ -74,6 +74,10 @@ pub(crate) struct Sharded {
     next: AtomicUsize,
     /// Per quota key ("" without a quota), per sub-log: until when it refuses, and how.
     hints: Mutex<HashMap<Box<str>, Vec<Option<Hint>>>>,
+    /// The sub-log of each lease this instance took and has not released: its release and
+    /// renewals go there. Only the instance that took a lease releases or renews it; one that
+    /// died leaves its leases to expire in their sub-logs.
+    leases: Mutex<HashMap<Box<str>, usize>>,
 }
 
 /// What this instance knows of a full sub-log.
@@ -91,6 +95,7 @@ impl Sharded {
                 .collect(),
             next: AtomicUsize::new(0),
             hints: Mutex::new(HashMap::new()),
+            leases: Mutex::new(HashMap::new()),
         }
     }
 
@@ -104,6 +109,39 @@ impl Sharded {
         let n = self.names.len();
         let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
         (0..n).map(move |k| (first + k) % n)
+    }
+
+    /// The sub-log a sticky session starts at: its binding lives there (the session is
+    /// already a hash, and every instance reads the same).
+    pub(crate) fn home(&self, session: &str) -> usize {
+        usize::from(keys::crc16(session.as_bytes())) % self.names.len()
+    }
+
+    /// Lease `id` was taken in sub-log `i`.
+    pub(crate) fn leased(&self, id: &str, i: usize) {
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases.insert(id.into(), i);
+    }
+
+    /// `ids` grouped by sub-log, in the order of [`Sharded::names`]; a lease this instance does
+    /// not know (taken before a reload that split the route, say) goes to every sub-log, where
+    /// releasing or renewing one that is not there changes nothing. With `forget`, the leases
+    /// are released and forgotten here.
+    pub(crate) fn lease_groups<'a>(&self, ids: &[&'a str], forget: bool) -> Vec<Vec<&'a str>> {
+        let mut groups = vec![Vec::new(); self.names.len()];
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        for &id in ids {
+            let known = if forget {
+                leases.remove(id)
+            } else {
+                leases.get(id).copied()
+            };
+            match known.filter(|&i| i < groups.len()) {
+                Some(i) => groups[i].push(id),
+                None => groups.iter_mut().for_each(|g| g.push(id)),
+            }
+        }
+        groups
     }
 
     /// The refusal sub-log `i` answered for `key` and how long it still holds, if it is known
@@ -225,6 +263,27 @@ mod tests {
         let firsts: Vec<usize> = (0..3).map(|_| s.order().next().unwrap()).collect();
         assert_eq!(firsts, [0, 1, 2]);
         assert_eq!(s.order().collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_lease_goes_back_to_its_sub_log_and_is_forgotten_on_release() {
+        let s = Sharded::new("api", 3);
+        s.leased("a", 2);
+        s.leased("b", 0);
+        assert_eq!(
+            s.lease_groups(&["a", "b"], false),
+            [vec!["b"], vec![], vec!["a"]]
+        );
+        assert_eq!(
+            s.lease_groups(&["a", "b"], true),
+            [vec!["b"], vec![], vec!["a"]]
+        );
+        // Released: unknown now, so a late renewal goes everywhere and changes nothing.
+        assert_eq!(
+            s.lease_groups(&["a"], false),
+            [vec!["a"], vec!["a"], vec!["a"]]
+        );
+        assert_eq!(s.home("x"), s.home("x"));
     }
 
     #[test]

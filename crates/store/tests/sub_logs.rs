@@ -337,3 +337,132 @@ fn sub_logs_spread_over_the_masters_of_a_cluster_and_admit_exactly_the_limit() {
         "{counts:?}"
     );
 }
+
+/// The lease keys of sub-log `i` of `route`: expiries (`lz`).
+fn lease_expiries(route: &str, i: u32) -> String {
+    format!("sluice:{{{}}}:lz", sub_log(route, i, SHARDS))
+}
+
+/// A route's `max_in_flight` splits into one share per sub-log; a lease is released (and
+/// renewed) in the sub-log that took it, and its room there is taken again.
+#[test]
+fn a_lease_goes_back_to_the_sub_log_that_took_it() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let pool = members(3);
+    let take = |id: &str| {
+        let ask = Assign {
+            lease: Some(sluice_allocator::Lease {
+                id,
+                ttl_us: 60_000_000,
+                member_max: None,
+                route_max: Some(6),
+                client: None,
+            }),
+            ..least_used("api", &pool, None, false)
+        };
+        rt.block_on(store.assign(ask)).unwrap()
+    };
+    for k in 0..6 {
+        let answer = take(&format!("l{k}"));
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+    }
+    assert!(
+        matches!(take("l-over"), Assignment::Concurrency { .. }),
+        "six leases: two in each sub-log's share"
+    );
+    let held = |i: u32| integer(&server, &["ZCARD", &lease_expiries("api", i)]);
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [2, 2, 2]);
+    let in_flight: u64 = rt
+        .block_on(store.in_flight("api", None))
+        .unwrap()
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(in_flight, 6);
+    // l0's sub-log, as Redis holds it.
+    let home = (0..SHARDS)
+        .find(|&i| {
+            !server
+                .command(&["ZSCORE", &lease_expiries("api", i), "l0"])
+                .unwrap()
+                .is_empty()
+        })
+        .expect("l0 is held somewhere");
+    // One call each, to that sub-log alone.
+    let calls = || server.command_calls("fcall") + server.command_calls("evalsha");
+    let before = calls();
+    rt.block_on(store.renew("api", &["l0"], 60_000_000, None))
+        .unwrap();
+    rt.block_on(store.release("api", &["l0"])).unwrap();
+    assert_eq!(
+        calls() - before,
+        2,
+        "a renewal and a release, one call each"
+    );
+    for i in 0..SHARDS {
+        assert_eq!(held(i), if i == home { 1 } else { 2 }, "sub-log {i}");
+    }
+    // Its room is there again, and only there.
+    assert!(matches!(take("l6"), Assignment::Assigned { .. }));
+    assert_eq!(held(home), 2);
+    assert!(matches!(take("l7"), Assignment::Concurrency { .. }));
+    let all: Vec<String> = (1..7).map(|k| format!("l{k}")).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    rt.block_on(store.release("api", &all)).unwrap();
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 0, 0]);
+}
+
+/// A session's binding lives in its own sub-log (its hash mod the count), so it finds its
+/// member there every time; the counts sum the sub-logs.
+#[test]
+fn a_session_keeps_its_member_through_its_own_sub_log() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let pool = members(3);
+    let ask = |session| Assign {
+        sticky: Some(sluice_allocator::Sticky {
+            session,
+            ttl_us: 60_000_000,
+            max_bindings: 99,
+        }),
+        ..least_used("api", &pool, None, false)
+    };
+    let member = |session| match rt.block_on(store.assign(ask(session))).unwrap() {
+        Assignment::Assigned { member, .. } => member,
+        other => panic!("{other:?}"),
+    };
+    let first = member("s1");
+    for _ in 0..6 {
+        assert_eq!(member("s1"), first);
+        member("other");
+    }
+    let home = u32::from(keys::crc16(b"s1")) % SHARDS;
+    let bound = server
+        .command(&[
+            "HGET",
+            &format!("sluice:{{{}}}:sh", sub_log("api", home, SHARDS)),
+            "s1",
+        ])
+        .unwrap();
+    assert_eq!(bound, first, "the binding is in the session's own sub-log");
+    assert_eq!(
+        rt.block_on(store.sticky_counts("api", None))
+            .unwrap()
+            .bindings,
+        2
+    );
+    rt.block_on(store.unbind("api", "s1", &first)).unwrap();
+    assert_eq!(
+        rt.block_on(store.sticky_counts("api", None))
+            .unwrap()
+            .bindings,
+        1
+    );
+}

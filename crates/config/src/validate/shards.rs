@@ -1,9 +1,9 @@
 //! The rules of a route's `state_shards`: how many sub-logs its state is split into on Redis.
 //!
 //! Each sub-log admits its share of every limit (the limit divided by the sub-logs, the
-//! remainder on the first ones), so a request must fit in one share. What a sub-log cannot
-//! hold yet (reservations settled later, leases released later, sticky bindings looked up by
-//! session) is refused with more than one.
+//! remainder on the first ones), so a request must fit in one share, and so must one lease or
+//! one binding in a cap's share. Reservations (settled later, in the sub-log they were taken
+//! from, which is not kept yet) are refused with more than one.
 
 use super::super::position::YamlPath;
 use super::super::schema::{RouteGrant, WindowConfig, WindowUnit};
@@ -31,6 +31,32 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
             ));
             continue;
         }
+        // Each sub-log keeps its share of a cap on leases or bindings: at least one.
+        for (cap, cap_at) in [
+            (
+                route.max_in_flight.map(|c| c.get()),
+                route_at.clone().key("max_in_flight"),
+            ),
+            (
+                route.upstream.max_in_flight.map(|c| c.get()),
+                route_at.clone().key("upstream").key("max_in_flight"),
+            ),
+            (
+                route.upstream.sticky.as_ref().map(|s| s.max_bindings.get()),
+                route_at
+                    .clone()
+                    .key("upstream")
+                    .key("sticky")
+                    .key("max_bindings"),
+            ),
+        ] {
+            if cap.is_some_and(|c| c < u64::from(shards)) {
+                problems.push((
+                    cap_at,
+                    format!("state_shards: {shards} splits this cap into {shards} shares: it must be at least {shards}"),
+                ));
+            }
+        }
         let mut refuse = |why: &str| {
             problems.push((
                 at.clone(),
@@ -40,18 +66,6 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
         let quota = route.quota.as_ref();
         if quota.is_some_and(|q| q.usage.is_some()) {
             refuse("quota.usage: a reservation is settled in the sub-log it was taken from, which is not kept yet");
-        }
-        if route.max_in_flight.is_some() || route.upstream.max_in_flight.is_some() {
-            refuse("max_in_flight: leases are not split into sub-logs yet");
-        }
-        if route.upstream.sticky.is_some() {
-            refuse("upstream.sticky: sessions are not split into sub-logs yet");
-        }
-        if let Some(c) = clients.iter().find(|c| c.max_in_flight.is_some()) {
-            refuse(&format!(
-                "a client's max_in_flight (clients.list {:?}): it makes every route keep leases, which are not split into sub-logs yet",
-                c.name.0
-            ));
         }
         let granted = clients.iter().find(|c| {
             c.routes.iter().any(|g| {
@@ -165,26 +179,36 @@ mod tests {
 
     #[test]
     fn check_refuses_what_sub_logs_do_not_keep() {
-        for (lines, what) in [
-            ("    max_in_flight: 5\n", "max_in_flight"),
-            (
-                "    quota:\n      windows: [{name: d, limit: 300, window: calendar_day}]\n",
-                "",
-            ),
-        ] {
-            let all = errors(&route(&format!("    state_shards: 2\n{lines}")));
-            assert!(
-                all.len() == 1 && all[0].contains("state_shards above 1") && all[0].contains(what),
-                "{all:#?}"
-            );
-        }
-        let sticky = "routes:\n  - name: a\n    state_shards: 2\n    upstream:\n      sticky: { key: client }\n";
-        one_error(sticky, "3:19: routes[0].state_shards", "upstream.sticky");
-        let client = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      max_in_flight: 2\nroutes:\n  - name: a\n    state_shards: 2\n    upstream: {}\n";
+        let all = errors(&route(
+            "    state_shards: 2
+    quota:
+      windows: [{name: d, limit: 300, window: calendar_day}]
+",
+        ));
+        assert!(
+            all.len() == 1
+                && all[0].contains("state_shards above 1")
+                && all[0].contains("calendar"),
+            "{all:#?}"
+        );
+        let usage = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      routes: [a]\n      quota: {windows: [{name: d, limit: 5, window: calendar_day}]}\nroutes:\n  - name: a\n    state_shards: 2\n    upstream: {}\n";
+        one_error(usage, "9:19: routes[0].state_shards", "client \"c\"");
+    }
+
+    #[test]
+    fn leases_and_bindings_split_when_each_share_holds_one() {
+        let ok = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      max_in_flight: 2\nroutes:\n  - name: a\n    state_shards: 2\n    max_in_flight: 4\n    upstream:\n      max_in_flight: 2\n      sticky: { key: client, max_bindings: 2 }\n";
+        assert!(errors(ok).is_empty(), "{:?}", errors(ok));
         one_error(
-            client,
-            "8:19: routes[0].state_shards",
-            "a client's max_in_flight",
+            &route("    state_shards: 3\n    max_in_flight: 2\n"),
+            "5:20: routes[0].max_in_flight",
+            "at least 3",
+        );
+        let sticky = "routes:\n  - name: a\n    state_shards: 3\n    upstream:\n      sticky: { key: client, max_bindings: 2 }\n";
+        one_error(
+            sticky,
+            "5:44: routes[0].upstream.sticky.max_bindings",
+            "at least 3",
         );
     }
 }

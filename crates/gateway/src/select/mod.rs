@@ -264,16 +264,6 @@ impl Rules for PolicyRules {
                     ),
                 ));
             }
-            // The policy's leases would live in one sub-log, which is not kept yet.
-            if entry.leases && route.state_shards.get() > 1 {
-                problems.push((
-                    YamlPath::root().key("routes").index(i).key("state_shards"),
-                    format!(
-                        "state_shards above 1 cannot be used with selection: {}: its leases are not split into sub-logs yet",
-                        entry.name
-                    ),
-                ));
-            }
             (entry.check)(up, &at, &mut problems);
         }
         problems
