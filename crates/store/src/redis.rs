@@ -1135,11 +1135,10 @@ impl RedisStore {
         let mut refused: Option<Outcome> = None;
         for i in sharded.order() {
             let outcome = match sharded.known_full(req.key, i) {
-                Some((left, Assignment::QuotaRefused(mut outcome))) => {
+                Some((left, mut outcome)) => {
                     outcome.retry_after_us = micros(left);
                     outcome
                 }
-                Some(_) => continue,
                 None => {
                     let share = shards::split(req.windows, i, n);
                     let outcome = self
@@ -1157,11 +1156,7 @@ impl RedisStore {
                     let Some(full_us) = shards::full_for(states, req.cost) else {
                         return Ok(outcome);
                     };
-                    let refusal = Assignment::QuotaRefused(outcome);
-                    sharded.full(req.key, i, full_us, &refusal);
-                    let Assignment::QuotaRefused(outcome) = refusal else {
-                        continue;
-                    };
+                    sharded.full(req.key, i, full_us, &outcome);
                     outcome
                 }
             };
@@ -1178,9 +1173,10 @@ impl RedisStore {
     /// An assignment on a route with sub-logs: the sub-logs in turn (a session's from its own),
     /// skipping those known full, each with its share of the route's windows, of the members',
     /// and of the caps on leases and bindings, until one assigns. A sub-log whose route windows
-    /// refuse, or whose members are all busy, is known full until its answer says; one at its
-    /// share of leases is passed over; any other answer (no member, refused by the client's own
-    /// windows or cap) is the request's. A lease taken is remembered with its sub-log, where
+    /// refuse is known full until its answer says; one whose members are all busy, or at its
+    /// share of leases, is passed over (busy members say nothing of the members another request
+    /// may have, so that is not remembered); any other answer (no member, refused by the
+    /// client's own windows or cap) is the request's. A lease taken is remembered with its sub-log, where
     /// its release and renewals go.
     async fn assign_sharded(
         &self,
@@ -1202,7 +1198,10 @@ impl RedisStore {
         let mut refused: Option<(u64, Assignment)> = None;
         for i in order {
             let answer = match sharded.known_full(key, i) {
-                Some((left, answer)) => with_retry_after(answer, micros(left)),
+                Some((left, mut outcome)) => {
+                    outcome.retry_after_us = micros(left);
+                    Assignment::QuotaRefused(outcome)
+                }
                 None => {
                     let name = &sharded.names[i];
                     let share = ask.quota.map(|q| shards::split(q.windows, i, n));
@@ -1233,7 +1232,7 @@ impl RedisStore {
                             ..ask
                         })
                         .await?;
-                    let full_us = match &answer {
+                    match &answer {
                         Assignment::Assigned { .. } => {
                             if let Some(lease) = ask.lease {
                                 sharded.leased(lease.id, i);
@@ -1241,18 +1240,18 @@ impl RedisStore {
                             return Ok(answer);
                         }
                         Assignment::QuotaRefused(o) => {
-                            shards::full_for(&o.windows[..mine.min(o.windows.len())], cost)
+                            let states = &o.windows[..mine.min(o.windows.len())];
+                            // Refused by the client's own windows alone: no other sub-log admits.
+                            let Some(full_us) = shards::full_for(states, cost) else {
+                                return Ok(answer);
+                            };
+                            sharded.full(key, i, full_us, o);
                         }
-                        Assignment::Busy { retry_after_us, .. } => Some(*retry_after_us),
-                        // The sub-log holds its share of leases: another may have room. Only a
-                        // release frees one, so nothing says until when.
-                        Assignment::Concurrency { .. } => Some(0),
-                        _ => None,
-                    };
-                    let Some(full_us) = full_us else {
-                        return Ok(answer);
-                    };
-                    sharded.full(key, i, full_us, &answer);
+                        // Its members are busy, or it holds its share of leases: another may
+                        // have room.
+                        Assignment::Busy { .. } | Assignment::Concurrency { .. } => {}
+                        _ => return Ok(answer),
+                    }
                     answer
                 }
             };
@@ -1274,21 +1273,6 @@ impl RedisStore {
 /// Whole microseconds of `d`, at least 1.
 fn micros(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
-}
-
-/// A refusal remembered from a sub-log, waiting `us` from now.
-fn with_retry_after(answer: Assignment, us: u64) -> Assignment {
-    match answer {
-        Assignment::QuotaRefused(mut o) => {
-            o.retry_after_us = us;
-            Assignment::QuotaRefused(o)
-        }
-        Assignment::Busy { quota, .. } => Assignment::Busy {
-            retry_after_us: us,
-            quota,
-        },
-        other => other,
-    }
 }
 
 #[async_trait]

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use sluice_allocator::{Assignment, PoolMember};
-use sluice_limiter::Window;
+use sluice_allocator::PoolMember;
+use sluice_limiter::{Outcome, Window};
 
 use crate::keys;
 
@@ -72,7 +72,10 @@ pub(crate) struct Sharded {
     pub(crate) names: Vec<String>,
     /// The sub-log the next request tries first, modulo their count.
     next: AtomicUsize,
-    /// Per quota key ("" without a quota), per sub-log: until when it refuses, and how.
+    /// Per quota key ("" without a quota), per sub-log: until when its share of the route's
+    /// quota windows refuses, and the refusal. Only those windows' refusals are hints: they
+    /// hold for every request with that key, whereas members busy hold only for the members a
+    /// request could have (a retry or a down member's trial leaves out the others).
     hints: Mutex<HashMap<Box<str>, Vec<Option<Hint>>>>,
     /// The sub-log of each lease this instance took and has not released: its release and
     /// renewals go there. Only the instance that took a lease releases or renews it; one that
@@ -84,7 +87,7 @@ pub(crate) struct Sharded {
 #[derive(Debug, Clone)]
 struct Hint {
     until: Instant,
-    refusal: Assignment,
+    refusal: Outcome,
 }
 
 impl Sharded {
@@ -146,15 +149,16 @@ impl Sharded {
 
     /// The refusal sub-log `i` answered for `key` and how long it still holds, if it is known
     /// full now.
-    pub(crate) fn known_full(&self, key: &str, i: usize) -> Option<(Duration, Assignment)> {
+    pub(crate) fn known_full(&self, key: &str, i: usize) -> Option<(Duration, Outcome)> {
         let hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         let hint = hints.get(key)?.get(i)?.as_ref()?;
         let left = hint.until.checked_duration_since(Instant::now())?;
         (!left.is_zero()).then(|| (left, hint.refusal.clone()))
     }
 
-    /// Sub-log `i` refused `key` with `refusal`, and cannot admit it for `for_us`.
-    pub(crate) fn full(&self, key: &str, i: usize, for_us: u64, refusal: &Assignment) {
+    /// Sub-log `i`'s quota windows refused `key` with `refusal`, and cannot admit it for
+    /// `for_us`.
+    pub(crate) fn full(&self, key: &str, i: usize, for_us: u64, refusal: &Outcome) {
         if for_us == 0 {
             return;
         }
@@ -251,7 +255,11 @@ mod tests {
     fn hints_say_full_until_they_pass_and_the_order_turns() {
         let s = Sharded::new("api", 3);
         assert_eq!(s.names[0], "api");
-        let refused = Assignment::NoMember { quota: None };
+        let refused = Outcome {
+            admitted: false,
+            retry_after_us: 1,
+            windows: Vec::new(),
+        };
         assert!(s.known_full("k", 1).is_none());
         s.full("k", 1, 60_000_000, &refused);
         assert!(s.known_full("k", 1).is_some());

@@ -466,3 +466,47 @@ fn a_session_keeps_its_member_through_its_own_sub_log() {
         1
     );
 }
+
+/// A least-used assignment on `route` over `pool` that leaves out `excluded`.
+fn excluding<'a>(route: &'a str, pool: &'a [PoolMember], excluded: &'a [&'a str]) -> Assign<'a> {
+    Assign {
+        excluded,
+        ..least_used(route, pool, None, false)
+    }
+}
+
+#[test]
+fn members_busy_for_one_request_leave_no_hint_for_the_others() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    // m0 holds one request an hour in each sub-log; m1 has no windows.
+    let pool = vec![
+        PoolMember {
+            id: "m0".into(),
+            windows: hour(u64::from(SHARDS)).into(),
+        },
+        PoolMember::new("m1"),
+    ];
+    for _ in 0..SHARDS {
+        let answer = rt
+            .block_on(store.assign(excluding("api", &pool, &["m1"])))
+            .unwrap();
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+    }
+    // A request that may only have m0 (a retry, a down member's trial) finds every sub-log busy.
+    let busy = rt
+        .block_on(store.assign(excluding("api", &pool, &["m1"])))
+        .unwrap();
+    assert!(matches!(busy, Assignment::Busy { .. }), "{busy:?}");
+    // That says nothing of m1: the next request that may have it gets it.
+    match rt
+        .block_on(store.assign(excluding("api", &pool, &[])))
+        .unwrap()
+    {
+        Assignment::Assigned { member, .. } => assert_eq!(member, "m1"),
+        other => panic!("m1 has room: {other:?}"),
+    }
+}
