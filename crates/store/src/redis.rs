@@ -1134,7 +1134,7 @@ impl RedisStore {
         }
         let mut refused: Option<Outcome> = None;
         for i in sharded.order() {
-            let outcome = match sharded.known_full(req.key, i) {
+            let outcome = match sharded.known_full(req.key, i, req.cost) {
                 Some((left, mut outcome)) => {
                     outcome.retry_after_us = micros(left);
                     outcome
@@ -1153,10 +1153,10 @@ impl RedisStore {
                     }
                     let states = &outcome.windows[..mine.min(outcome.windows.len())];
                     // Refused by the client's own windows alone: no other sub-log admits.
-                    let Some(full_us) = shards::full_for(states, req.cost) else {
+                    if shards::full_for(states, req.cost).is_none() {
                         return Ok(outcome);
-                    };
-                    sharded.full(req.key, i, full_us, &outcome);
+                    }
+                    sharded.full(req.key, i, mine, &outcome);
                     outcome
                 }
             };
@@ -1197,7 +1197,7 @@ impl RedisStore {
         };
         let mut refused: Option<(u64, Assignment)> = None;
         for i in order {
-            let answer = match sharded.known_full(key, i) {
+            let answer = match sharded.known_full(key, i, cost) {
                 Some((left, mut outcome)) => {
                     outcome.retry_after_us = micros(left);
                     Assignment::QuotaRefused(outcome)
@@ -1242,10 +1242,10 @@ impl RedisStore {
                         Assignment::QuotaRefused(o) => {
                             let states = &o.windows[..mine.min(o.windows.len())];
                             // Refused by the client's own windows alone: no other sub-log admits.
-                            let Some(full_us) = shards::full_for(states, cost) else {
+                            if shards::full_for(states, cost).is_none() {
                                 return Ok(answer);
-                            };
-                            sharded.full(key, i, full_us, o);
+                            }
+                            sharded.full(key, i, mine, o);
                         }
                         // Its members are busy, or it holds its share of leases: another may
                         // have room.

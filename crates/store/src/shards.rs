@@ -5,8 +5,9 @@
 //! cooldowns) under a name of its own ([`keys::sub_log`]), with the share `limit / S` of every
 //! limit (the remainder on the first ones), so that any window holds at most the sum of the
 //! shares, the limit. A request tries the sub-logs in turn from one this instance picks
-//! round-robin; a sub-log that refused says (in its answer) until when it cannot admit, and this
-//! instance skips it until then: a request that finds every sub-log known full is refused
+//! round-robin; a sub-log that refused says (in its answer) how much each window has left and
+//! when its oldest entry leaves, and this instance skips it for a request whose cost does not fit
+//! one of them until then: a request that finds every sub-log known full for its cost is refused
 //! without a call. A hint is only ever a lower bound of when the sub-log has room, so a stale
 //! one makes a request skip a sub-log with room (refused early), never admits more.
 
@@ -72,8 +73,8 @@ pub(crate) struct Sharded {
     pub(crate) names: Vec<String>,
     /// The sub-log the next request tries first, modulo their count.
     next: AtomicUsize,
-    /// Per quota key ("" without a quota), per sub-log: until when its share of the route's
-    /// quota windows refuses, and the refusal. Only those windows' refusals are hints: they
+    /// Per quota key ("" without a quota), per sub-log: the last refusal of its share of the
+    /// route's quota windows, which says what each had left and until when. Only those windows' refusals are hints: they
     /// hold for every request with that key, whereas members busy hold only for the members a
     /// request could have (a retry or a down member's trial leaves out the others).
     hints: Mutex<HashMap<Box<str>, Vec<Option<Hint>>>>,
@@ -86,8 +87,20 @@ pub(crate) struct Sharded {
 /// What this instance knows of a full sub-log.
 #[derive(Debug, Clone)]
 struct Hint {
-    until: Instant,
+    /// When the refusal was answered.
+    at: Instant,
+    /// How many of `refusal`'s windows are the route's (the client's own follow).
+    route_windows: usize,
     refusal: Outcome,
+}
+
+impl Hint {
+    /// How long after the refusal a request of `cost` cannot fit: until the last of the route
+    /// windows with less than `cost` left sees its oldest entry leave.
+    fn holds_for(&self, cost: u64) -> Option<Duration> {
+        let states = &self.refusal.windows[..self.route_windows.min(self.refusal.windows.len())];
+        full_for(states, cost).map(Duration::from_micros)
+    }
 }
 
 impl Sharded {
@@ -147,26 +160,27 @@ impl Sharded {
         groups
     }
 
-    /// The refusal sub-log `i` answered for `key` and how long it still holds, if it is known
-    /// full now.
-    pub(crate) fn known_full(&self, key: &str, i: usize) -> Option<(Duration, Outcome)> {
+    /// The refusal sub-log `i` last answered for `key` and how long it still holds for a
+    /// request of `cost`, if that cost is known not to fit there now. A refusal of a larger cost
+    /// says nothing of a smaller one that fits what its windows had left.
+    pub(crate) fn known_full(&self, key: &str, i: usize, cost: u64) -> Option<(Duration, Outcome)> {
         let hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         let hint = hints.get(key)?.get(i)?.as_ref()?;
-        let left = hint.until.checked_duration_since(Instant::now())?;
+        let until = hint.at + hint.holds_for(cost)?;
+        let left = until.checked_duration_since(Instant::now())?;
         (!left.is_zero()).then(|| (left, hint.refusal.clone()))
     }
 
-    /// Sub-log `i`'s quota windows refused `key` with `refusal`, and cannot admit it for
-    /// `for_us`.
-    pub(crate) fn full(&self, key: &str, i: usize, for_us: u64, refusal: &Outcome) {
-        if for_us == 0 {
-            return;
-        }
-        let until = Instant::now() + Duration::from_micros(for_us);
+    /// Sub-log `i`'s quota windows refused `key` with `refusal`, whose first `route_windows`
+    /// windows are the route's.
+    pub(crate) fn full(&self, key: &str, i: usize, route_windows: usize, refusal: &Outcome) {
+        let at = Instant::now();
         let mut hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         if hints.len() >= MAX_HINTED_KEYS && !hints.contains_key(key) {
             let now = Instant::now();
-            hints.retain(|_, v| v.iter().flatten().any(|h| h.until > now));
+            // A hint holds longest for the largest cost.
+            let live = |h: &Hint| h.holds_for(u64::MAX).is_some_and(|d| h.at + d > now);
+            hints.retain(|_, v| v.iter().flatten().any(live));
             if hints.len() >= MAX_HINTED_KEYS {
                 hints.clear();
             }
@@ -175,7 +189,8 @@ impl Sharded {
         let slots = hints.entry(key.into()).or_insert_with(|| vec![None; n]);
         if let Some(slot) = slots.get_mut(i) {
             *slot = Some(Hint {
-                until,
+                at,
+                route_windows,
                 refusal: refusal.clone(),
             });
         }
@@ -255,19 +270,29 @@ mod tests {
     fn hints_say_full_until_they_pass_and_the_order_turns() {
         let s = Sharded::new("api", 3);
         assert_eq!(s.names[0], "api");
-        let refused = Outcome {
+        let refused = |remaining, reset_us| Outcome {
             admitted: false,
             retry_after_us: 1,
-            windows: Vec::new(),
+            windows: vec![sluice_limiter::WindowState {
+                remaining,
+                reset_us,
+            }],
         };
-        assert!(s.known_full("k", 1).is_none());
-        s.full("k", 1, 60_000_000, &refused);
-        assert!(s.known_full("k", 1).is_some());
-        assert!(s.known_full("other", 1).is_none());
-        assert!(s.known_full("k", 0).is_none());
-        s.full("k", 2, 1, &refused);
+        assert!(s.known_full("k", 1, 1).is_none());
+        s.full("k", 1, 1, &refused(0, 60_000_000));
+        assert!(s.known_full("k", 1, 1).is_some());
+        assert!(s.known_full("other", 1, 1).is_none());
+        assert!(s.known_full("k", 0, 1).is_none());
+        s.full("k", 2, 1, &refused(0, 1));
         std::thread::sleep(Duration::from_millis(2));
-        assert!(s.known_full("k", 2).is_none());
+        assert!(s.known_full("k", 2, 1).is_none());
+        // 5 left: a cost of 6 does not fit, one of 5 does.
+        s.full("k", 0, 1, &refused(5, 60_000_000));
+        assert!(s.known_full("k", 0, 6).is_some());
+        assert!(s.known_full("k", 0, 5).is_none());
+        // The client's own windows (after the route's) say nothing.
+        s.full("k", 0, 0, &refused(0, 60_000_000));
+        assert!(s.known_full("k", 0, 6).is_none());
         let firsts: Vec<usize> = (0..3).map(|_| s.order().next().unwrap()).collect();
         assert_eq!(firsts, [0, 1, 2]);
         assert_eq!(s.order().collect::<Vec<_>>(), [0, 1, 2]);

@@ -510,3 +510,43 @@ fn members_busy_for_one_request_leave_no_hint_for_the_others() {
         other => panic!("m1 has room: {other:?}"),
     }
 }
+
+#[test]
+fn a_large_refused_cost_leaves_room_for_a_small_one() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    // 300 an hour: 100 in each sub-log, 99 left in each after one unit there.
+    let windows = hour(300);
+    for _ in 0..SHARDS {
+        let one = rt
+            .block_on(store.acquire(acquire("api", &windows, 1)))
+            .unwrap();
+        assert!(one.admitted);
+    }
+    assert_eq!(
+        entries("api", |k| integer(&server, &["ZCARD", k])),
+        [1, 1, 1]
+    );
+    let big = rt
+        .block_on(store.acquire(acquire("api", &windows, 100)))
+        .unwrap();
+    assert!(!big.admitted, "no sub-log holds 100 more");
+    // The big refusal does not stand for a small cost, which fits in any sub-log.
+    for _ in 0..SHARDS {
+        let small = rt
+            .block_on(store.acquire(acquire("api", &windows, 1)))
+            .unwrap();
+        assert!(small.admitted, "{small:?}");
+    }
+    // A cost that did not fit is still refused without a call, with a wait of its own.
+    let calls = || server.command_calls("fcall") + server.command_calls("evalsha");
+    let before = calls();
+    let again = rt
+        .block_on(store.acquire(acquire("api", &windows, 100)))
+        .unwrap();
+    assert!(!again.admitted && again.retry_after_us > 0);
+    assert_eq!(calls(), before, "the same cost is known not to fit");
+}
