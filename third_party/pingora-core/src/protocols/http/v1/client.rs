@@ -372,6 +372,9 @@ impl HttpSession {
                         self.response_connection =
                             ResponseConnection::of(&response_header, contains_transfer_encoding);
                         self.response_header = Some(response_header);
+                        // PATCH (sluice, framing read once): reset first, so that an answer
+                        // that fails validation never leaves the framing of the one before it.
+                        self.response_framing = BodyFraming::default();
                         match self.validate_response() {
                             Ok(framing) => self.response_framing = framing,
                             Err(e) => return self.fail_response_header_read(e),
@@ -2935,6 +2938,22 @@ hello";
         }
 
         assert_eq!(http_stream.body_reader.body_state, ParseState::Complete(0));
+    }
+
+    /// PATCH (sluice, framing read once; third_party/PATCHES.md): an answer that fails
+    /// validation leaves no framing behind, not that of the interim answer before it.
+    #[tokio::test]
+    async fn an_answer_that_fails_validation_leaves_no_framing() {
+        init_log();
+        let interim = b"HTTP/1.1 100 Continue\r\nContent-Length: 5\r\n\r\n";
+        let last = b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\n";
+        let mock_io = Builder::new().read(&interim[..]).read(&last[..]).build();
+        let mut http_stream = HttpSession::new(Box::new(mock_io));
+        http_stream.read_response().await.unwrap();
+        assert_eq!(http_stream.response_framing.content_length, Some(5));
+        assert!(http_stream.read_response().await.is_err());
+        assert_eq!(http_stream.response_framing.content_length, None);
+        assert!(!http_stream.response_framing.chunked);
     }
 }
 

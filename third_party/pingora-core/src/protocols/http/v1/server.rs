@@ -433,6 +433,9 @@ impl HttpSession {
                             self.set_keepalive(None);
                         }
                         // PATCH (sluice, framing read once): the body's framing, as validated.
+                        // Reset first, so that a head that fails validation never leaves the
+                        // framing of the request before it.
+                        self.request_framing = BodyFraming::default();
                         self.request_framing =
                             self.validate_request_head(contains_transfer_encoding)?;
 
@@ -4616,5 +4619,21 @@ mod test_pipelining {
         }
 
         assert!(prefix.is_empty());
+    }
+
+    /// PATCH (sluice, framing read once): a head that fails validation leaves no framing behind,
+    /// not that of the request read before it on the session.
+    #[tokio::test]
+    async fn a_head_that_fails_validation_leaves_no_framing() {
+        init_log();
+        let req1 = b"POST /one HTTP/1.1\r\nHost: pingora.org\r\nContent-Length: 5\r\n\r\nhello";
+        let req2 = b"POST /two HTTP/1.1\r\nHost: pingora.org\r\nContent-Length: 5, 6\r\n\r\n";
+        let mock_io = Builder::new().read(&req1[..]).read(&req2[..]).build();
+        let mut s = HttpSession::new(Box::new(mock_io));
+        s.read_request().await.unwrap();
+        assert_eq!(s.request_framing.content_length, Some(5));
+        assert!(s.read_request().await.is_err());
+        assert_eq!(s.request_framing.content_length, None);
+        assert!(!s.request_framing.chunked);
     }
 }
