@@ -46,8 +46,9 @@ impl Shards {
             .cloned()
     }
 
-    /// Makes `routes` (name, sub-logs) the sharded ones; a route kept with the same count keeps
-    /// what this instance knows of its sub-logs.
+    /// Makes `routes` (name, sub-logs) the sharded ones. A route kept with the same count keeps
+    /// the sub-log of each of its leases, but forgets every refusal: the new config may have
+    /// raised a limit or added members, and a hint only saves a call.
     pub(crate) fn set(&self, routes: &[(&str, u32)]) {
         let mut map = self.routes.write().unwrap_or_else(|p| p.into_inner());
         let mut next = HashMap::new();
@@ -58,6 +59,9 @@ impl Shards {
             let kept = map
                 .remove(route)
                 .filter(|s| s.names.len() == shards as usize);
+            if let Some(kept) = &kept {
+                kept.hints.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            }
             let sharded = kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards)));
             next.insert(route.into(), sharded);
         }

@@ -550,3 +550,31 @@ fn a_large_refused_cost_leaves_room_for_a_small_one() {
     assert!(!again.admitted && again.retry_after_us > 0);
     assert_eq!(calls(), before, "the same cost is known not to fit");
 }
+
+#[test]
+fn a_reload_forgets_what_the_sub_logs_refused() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let small = hour(u64::from(SHARDS));
+    for _ in 0..SHARDS {
+        assert!(
+            rt.block_on(store.acquire(acquire("api", &small, 1)))
+                .unwrap()
+                .admitted
+        );
+    }
+    let full = rt
+        .block_on(store.acquire(acquire("api", &small, 1)))
+        .unwrap();
+    assert!(!full.admitted, "every sub-log at its share");
+    // A reload that keeps the sub-logs but raises the limit: the next request is admitted.
+    store.shard_routes(&[("api", SHARDS)]);
+    let raised = hour(u64::from(2 * SHARDS));
+    let after = rt
+        .block_on(store.acquire(acquire("api", &raised, 1)))
+        .unwrap();
+    assert!(after.admitted, "the raised limit has room: {after:?}");
+}
