@@ -578,3 +578,32 @@ fn a_reload_forgets_what_the_sub_logs_refused() {
         .unwrap();
     assert!(after.admitted, "the raised limit has room: {after:?}");
 }
+
+#[test]
+fn a_quota_call_after_every_sub_log_was_busy_gets_an_answer() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let pool = vec![PoolMember {
+        id: "m0".into(),
+        windows: hour(u64::from(SHARDS)).into(),
+    }];
+    for _ in 0..SHARDS {
+        let answer = rt
+            .block_on(store.assign(excluding("api", &pool, &[])))
+            .unwrap();
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+    }
+    let busy = rt
+        .block_on(store.assign(excluding("api", &pool, &[])))
+        .unwrap();
+    assert!(matches!(busy, Assignment::Busy { .. }), "{busy:?}");
+    // The same route and key asked of its quota alone (a reload to round-robin, say): every
+    // sub-log busy is no refusal of the quota, so the request is answered by a call, never
+    // failed for want of one (which `on_store_error: open` would admit uncounted).
+    let windows = hour(30);
+    let answer = rt.block_on(store.acquire(acquire("api", &windows, 1)));
+    assert!(answer.as_ref().is_ok_and(|o| o.admitted), "{answer:?}");
+}
