@@ -307,7 +307,7 @@ mod response_framing {
         /// head is refused.
         type Read = Option<(Vec<u8>, bool)>;
         let body = |b: &[u8], reused: bool| Some((b.to_vec(), reused));
-        let cases: [(&str, Case, Read); 12] = [
+        let cases: [(&str, Case, Read); 17] = [
             (
                 "by length",
                 case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"),
@@ -350,6 +350,31 @@ mod response_framing {
                 "identical lengths are one",
                 case(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello"),
                 body(b"hello", true),
+            ),
+            (
+                "a list of one length is that length",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello"),
+                body(b"hello", true),
+            ),
+            (
+                "chunks win over an invalid length",
+                case(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+                body(b"hello", true),
+            ),
+            (
+                "204: no body, whatever the length",
+                case(b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n"),
+                body(b"", true),
+            ),
+            (
+                "304: no body, whatever the length",
+                case(b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n"),
+                body(b"", true),
+            ),
+            (
+                "chunks on HTTP/1.0: read, and the connection not reused",
+                case(b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+                body(b"hello", false),
             ),
             (
                 "conflicting lengths are refused",

@@ -198,3 +198,159 @@ fn calendar_and_unit_windows_pass_check_wherever_a_window_can_be() {
     let client = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      routes: [\"*\"]\n      quota: { windows: [{ name: d, limit: 9, window: calendar_week, unit: tokens }, { name: r, limit: 9, window: calendar_day }] }\nroutes:\n  - name: a\n    upstream: {}\n    quota:\n      windows: [{ name: t, limit: 9, window: 1m, unit: tokens }]\n      usage:\n        tokens: { reserve: { value: 1 }, settle: { json: usage.total_tokens } }\n";
     assert_eq!(check(client), Vec::<String>::new());
 }
+
+/// The member an admission gave (`None` when it said no member is eligible).
+fn first_member(admission: &Admission) -> Option<usize> {
+    match admission {
+        Admission::Admitted { first, .. } => {
+            Some(first.as_ref().expect("an in-process pick").index())
+        }
+        Admission::NoMember { .. } => None,
+        _ => panic!("an admission without a quota is admitted or finds no member"),
+    }
+}
+
+/// Round-robin and priority admit a request without a quota or a reservation in process,
+/// without `admit`'s future, only when the route has none of the limits the store must weigh:
+/// a cooldown, leases, stickiness or a member's own windows each send it to `admit`.
+#[test]
+fn the_in_process_admission_is_used_only_without_limits() {
+    let route: Arc<str> = "r".into();
+    let pool = three_members();
+    let state: Arc<dyn StateStore> = Arc::new(sluice_allocator::MemoryStore::new());
+    let with = |change: &dyn Fn(&mut Limits)| {
+        let mut limits = Limits::plain(&pool);
+        change(&mut limits);
+        limits
+    };
+    let windowed: Arc<[PoolMember]> = pool
+        .members()
+        .iter()
+        .enumerate()
+        .map(|(i, m)| PoolMember {
+            id: m.id.clone(),
+            windows: if i == 1 {
+                vec![sluice_limiter::Window {
+                    name: "w".into(),
+                    limit: 10,
+                    length_us: 1_000_000,
+                }]
+                .into()
+            } else {
+                Vec::new().into()
+            },
+        })
+        .collect();
+    let limited = [
+        ("a cooldown", with(&|l| l.cooldowns = true)),
+        (
+            "leases",
+            with(&|l| {
+                l.leases = Some(LeasePlan::new(
+                    route.clone(),
+                    Duration::from_secs(60),
+                    Some(1),
+                    None,
+                    &state,
+                ))
+            }),
+        ),
+        ("stickiness", with(&|l| l.sticky = true)),
+        (
+            "a member's windows",
+            with(&|l| l.members = windowed.clone()),
+        ),
+    ];
+    for selection in ["round_robin", "priority"] {
+        let plain = Policy::new(
+            &Selection::named(selection),
+            &route,
+            &pool,
+            None,
+            Limits::plain(&pool),
+        );
+        assert!(
+            plain.selector.admit_in_process().is_some(),
+            "{selection} without limits"
+        );
+        for (name, limits) in &limited {
+            let policy = Policy::new(
+                &Selection::named(selection),
+                &route,
+                &pool,
+                None,
+                limits.clone(),
+            );
+            assert!(
+                policy.selector.admit_in_process().is_none(),
+                "{selection} with {name}"
+            );
+        }
+    }
+    // Least-used counts in the store: never in process. (Least-in-flight always has leases on a
+    // route, which the table gives it, so the case above covers it.)
+    let least_used = Policy::new(
+        &Selection::named("least_used"),
+        &route,
+        &pool,
+        None,
+        Limits::plain(&pool),
+    );
+    assert!(least_used.selector.admit_in_process().is_none());
+}
+
+/// The in-process admission answers as `admit` does: two policies over two like pools, one
+/// admitted each way, pick the same members in the same order, and both find no member when
+/// every member is down.
+#[tokio::test]
+async fn the_in_process_admission_answers_as_admit_does() {
+    let route: Arc<str> = "r".into();
+    let state = sluice_allocator::MemoryStore::new();
+    for selection in ["round_robin", "priority"] {
+        let (fast_pool, slow_pool) = (three_members(), three_members());
+        let policy = |pool: &Arc<Members>| {
+            Policy::new(
+                &Selection::named(selection),
+                &route,
+                pool,
+                None,
+                Limits::plain(pool),
+            )
+        };
+        let (fast, slow) = (policy(&fast_pool), policy(&slow_pool));
+        let mut picked = Vec::new();
+        for round in 0..9 {
+            // A member that fails is down for the rest: both skip it alike, and with every
+            // member down both find none.
+            let failing: &[usize] = match round {
+                4 => &[0],
+                7 => &[1, 2],
+                _ => &[],
+            };
+            for pool in [&fast_pool, &slow_pool] {
+                for &member in failing {
+                    for _ in 0..10 {
+                        pool.report_connect_failure(member, Instant::now());
+                    }
+                }
+            }
+            let quick = fast.selector.admit_in_process().expect("no limits");
+            let full = slow.selector.admit(&state, None, 1, None).await;
+            assert_eq!(
+                first_member(&quick),
+                first_member(&full),
+                "{selection}, request {round}"
+            );
+            picked.push(first_member(&quick));
+        }
+        if selection == "round_robin" {
+            assert_eq!(picked[..3], [Some(0), Some(1), Some(2)], "{picked:?}");
+        }
+        assert!(!picked[4..7].contains(&Some(0)), "{selection}: {picked:?}");
+        assert!(
+            picked[4..7].iter().all(Option::is_some),
+            "{selection}: {picked:?}"
+        );
+        assert_eq!(picked[7..], [None, None], "{selection}: {picked:?}");
+    }
+}

@@ -4621,6 +4621,49 @@ mod test_pipelining {
         assert!(prefix.is_empty());
     }
 
+    /// PATCH (sluice, framing read once; third_party/PATCHES.md): the body is framed by the
+    /// head as read and validated. A filter that then removes `Content-Length` or adds
+    /// `Transfer-Encoding` to the request head does not change where the body ends, so the
+    /// next pipelined request still parses.
+    #[rstest]
+    #[case::content_length_removed(false)]
+    #[case::chunked_added(true)]
+    #[tokio::test]
+    async fn an_edited_head_keeps_the_framing_it_was_read_with(#[case] add_chunked: bool) {
+        init_log();
+        let req1 = b"POST /one HTTP/1.1\r\nHost: pingora.org\r\nContent-Length: 5\r\n\r\nhello";
+        let req2 = b"GET /two HTTP/1.1\r\nHost: pingora.org\r\n\r\n";
+        let combined = [&req1[..], &req2[..]].concat();
+        let mock_io = Builder::new().read(&combined).build();
+        let mut a = HttpSession::new(Box::new(mock_io));
+        a.set_pipelining_enabled(true);
+        a.read_request().await.unwrap();
+        let head = a.req_header_mut();
+        head.remove_header(&CONTENT_LENGTH);
+        if add_chunked {
+            head.insert_header(TRANSFER_ENCODING, "chunked").unwrap();
+        }
+        assert_eq!(
+            a.read_body_bytes().await.unwrap().as_deref(),
+            Some(&b"hello"[..])
+        );
+        assert_eq!(a.read_body_bytes().await.unwrap(), None);
+        assert!(a.is_body_done());
+
+        let reused = a.reuse().await.unwrap().expect("connection reusable");
+        let (stream, prefix) = reused.into_parts();
+        let prefix = prefix.expect("the next request is the pipelined prefix");
+        assert_eq!(prefix.as_ref(), req2);
+        let mut b = HttpSession::new(stream);
+        b.set_pipelining_enabled(true);
+        b.set_pipelined_prefix(prefix);
+        b.read_request()
+            .await
+            .unwrap()
+            .expect("pipelined request must parse");
+        assert_eq!(b.req_header().uri.path(), "/two");
+    }
+
     /// PATCH (sluice, framing read once): a head that fails validation leaves no framing behind,
     /// not that of the request read before it on the session.
     #[tokio::test]
