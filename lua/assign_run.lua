@@ -249,9 +249,10 @@ end
 -- - a least-used pool of at most ASSIGN_VIEW_MAX members: read whole once, with its counts, kept
 --   in its order (count, then id bytes) as requests are assigned, and its changed counts written
 --   once, in one ZADD. A larger pool is read and counted per request, as alone.
--- A request with a lease, a sticky session, a client's windows or usage (never sent in a batch
--- by sluice) is decided by assign_one on its own KEYS and ARGV, after what the call holds is
--- written, as is one on another clock.
+-- A request with a lease, a sticky session, a client's windows or usage is never sent in a
+-- batch (sluice keeps each in a call of its own): a batch holding one is refused before anything
+-- is decided (its order is neither "L" nor "P", below). A request on another clock (never sent
+-- by sluice either) is decided after what the call holds is written.
 
 local ASSIGN_VIEW_MAX = 32
 

@@ -29,10 +29,14 @@
 //!   leave at most the store's timeout (then it leaves the queue, uncharged); once its call has
 //!   left, it waits for that call's answer, which the call's own timeout bounds, so that it is
 //!   never told "timeout" after a call that charged it answered in time.
-//! - A script that fails part-way (Redis out of memory on a write) is not rolled back: what it
-//!   recorded for the requests before the failure stays, and every request of the call gets the
-//!   error, as a request whose own call timed out after Redis ran it. Such requests follow their
-//!   route's `on_store_error`; what they were charged leaves with its window.
+//! - A script that fails part-way (a Lua error on data it did not write there: a key of another
+//!   type, a log entry of another form; Redis refuses a call for want of memory before it writes,
+//!   never after) is not rolled back: what it recorded for the requests before the failure
+//!   stays, and every request of the call gets the error, as a request whose own call timed out
+//!   after Redis ran it. Such requests follow their route's `on_store_error`; what they were
+//!   charged leaves with its window. A batched call writes each helper hash's running totals
+//!   once, at its end, so such a failure can also leave a hash's totals disagreeing with its
+//!   logs (a limit cut short, or entries not counted) until the logs empty.
 //! - Every resource is bounded: lanes exist only while requests wait in them, a call holds at
 //!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out.
 //! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
