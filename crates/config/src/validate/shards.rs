@@ -3,7 +3,8 @@
 //! Each sub-log admits its share of every limit (the limit divided by the sub-logs, the
 //! remainder on the first ones), so a request must fit in one share, and so must one lease or
 //! one binding in a cap's share. Reservations (settled later, in the sub-log they were taken
-//! from, which is not kept yet) are refused with more than one.
+//! from, which is not kept yet) are refused with more than one, and so is `priority` over
+//! members with windows of their own (below).
 
 use super::super::position::YamlPath;
 use super::super::schema::{RouteGrant, WindowConfig, WindowUnit};
@@ -63,6 +64,15 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
                 format!("state_shards above 1 cannot be used with {why}"),
             ));
         };
+        // Priority sends every request to the first member with room; each sub-log holds its
+        // share of a member's windows, so one whose share of the first member is spent would
+        // send requests to a backup while that member has room in the other sub-logs. The
+        // policy is the gateway's to name, but this rule is the sub-logs'.
+        if route.upstream.selection.as_str() == "priority"
+            && route.upstream.members.iter().any(|m| m.quota.is_some())
+        {
+            refuse("selection: priority over members with quota windows of their own: each sub-log holds its share of a member's windows, so one whose share of the first member is spent would send requests to a backup while that member has room in the other sub-logs");
+        }
         let quota = route.quota.as_ref();
         if quota.is_some_and(|q| q.usage.is_some()) {
             refuse("quota.usage: a reservation is settled in the sub-log it was taken from, which is not kept yet");
@@ -193,6 +203,23 @@ mod tests {
         );
         let usage = "clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      routes: [a]\n      quota: {windows: [{name: d, limit: 5, window: calendar_day}]}\nroutes:\n  - name: a\n    state_shards: 2\n    upstream: {}\n";
         one_error(usage, "9:19: routes[0].state_shards", "client \"c\"");
+    }
+
+    #[test]
+    fn check_refuses_priority_over_members_with_windows() {
+        let pool = |selection: &str, quota: &str| {
+            format!("routes:\n  - name: a\n    state_shards: 3\n    upstream:\n      selection: {selection}\n      members:\n        - url: http://k.test\n{quota}        - url: http://b.test\n")
+        };
+        let windows = "          quota: {windows: [{name: rpm, limit: 30, window: 1m}]}\n";
+        one_error(
+            &pool("priority", windows),
+            "3:19: routes[0].state_shards",
+            "selection: priority over members with quota windows",
+        );
+        // Without member windows, or with another policy, each sub-log's choice is the same.
+        for ok in [pool("priority", ""), pool("least_used", windows)] {
+            assert!(errors(&ok).is_empty(), "{ok}: {:?}", errors(&ok));
+        }
     }
 
     #[test]
