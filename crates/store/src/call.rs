@@ -12,6 +12,7 @@
 //! (`FCALL name numkeys key… arg…`), so callers count them first.
 
 use std::io::Write;
+use std::sync::atomic::Ordering;
 
 use redis::{
     Arg, Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, RedisWrite, ServerErrorKind,
@@ -172,15 +173,23 @@ impl<'s> ScriptCall<'s> {
 
     /// Loads the whole library on every node that takes writes (the cluster client sends
     /// `FUNCTION LOAD` to every master). `REPLACE`: another instance of the same version may
-    /// have loaded it a moment ago, with the same text.
+    /// have loaded it a moment ago, with the same text. One load at a time per store: a call
+    /// that found its function missing while another call of this store was loading it waits
+    /// for that load and does not load again ([`Library::loads`]).
     async fn load(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<()> {
+        let seen = self.library.loads.load(Ordering::Acquire);
+        let _one_at_a_time = self.library.loading.lock().await;
+        if self.library.loads.load(Ordering::Acquire) != seen {
+            return Ok(());
+        }
         redis::cmd("FUNCTION")
             .arg("LOAD")
             .arg("REPLACE")
             .arg(&self.library.source)
             .query_async::<redis::Value>(conn)
-            .await
-            .map(drop)
+            .await?;
+        self.library.loads.fetch_add(1, Ordering::Release);
+        Ok(())
     }
 
     /// The same call as an `EVALSHA`: the arguments after `FCALL` and the function's name.

@@ -15,7 +15,7 @@
 //! Replies are checked, never trusted: a reply of the wrong shape (another program's script
 //! under our SHA, a Redis proxy that mangles arrays) is a [`StoreError`], not a panic.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use redis::{Script, Value};
 
@@ -49,6 +49,14 @@ pub struct Library {
     /// Cleared, for good, when Redis refuses functions (Redis 6 has no `FCALL`; an ACL may deny
     /// it): every call then goes by `EVALSHA`.
     functions: AtomicBool,
+    /// How many times this store loaded the library, and the lock one load at a time holds.
+    /// When Redis has lost the library (a restart without persistence, `FUNCTION FLUSH`, a new
+    /// node), every call in flight finds its function missing at once: each loading the ~90 KB
+    /// library on its own made hundreds of loads on every master, each a millisecond or two of
+    /// Redis, and a burst of first calls outlasted its timeout. The first to take the lock
+    /// loads; the others wait for it and see the count moved, and send their call again.
+    pub(crate) loads: AtomicU64,
+    pub(crate) loading: tokio::sync::Mutex<()>,
 }
 
 impl Library {
@@ -192,6 +200,8 @@ impl Scripts {
                 source: template.replace(NAME, &name),
                 name,
                 functions: AtomicBool::new(true),
+                loads: AtomicU64::new(0),
+                loading: tokio::sync::Mutex::new(()),
             },
         }
     }

@@ -112,6 +112,56 @@ async fn function_and_script_flushes_are_transparent() {
     assert_eq!(server.command_calls("evalsha"), 0);
 }
 
+/// A burst of calls that all find the library missing (a fresh Redis, a restart without
+/// persistence, `FUNCTION FLUSH`) loads it once, not once per call: the others wait for that
+/// load and send their call again. Fifty routes, so that fifty calls are out at once (a
+/// route's requests would share one call).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_calls_that_find_the_library_missing_loads_it_once() {
+    let server = RedisServer::start();
+    let store = Arc::new(store(&server, Duration::from_secs(5)));
+    let routes: Vec<String> = (0..50).map(|i| format!("api{i}")).collect();
+    for round in ["first use", "after FUNCTION FLUSH"] {
+        if round != "first use" {
+            assert!(server
+                .command(&["FUNCTION", "FLUSH"])
+                .unwrap()
+                .starts_with("+OK"));
+        }
+        let before = server.command_calls("function|load");
+        let calls: Vec<_> = routes
+            .iter()
+            .map(|route| {
+                let store = store.clone();
+                let route = route.clone();
+                tokio::spawn(async move {
+                    let w = one_window(1000);
+                    store
+                        .acquire(Acquire {
+                            route: &route,
+                            key: "route",
+                            windows: &w,
+                            cost: 1,
+                            at_us: None,
+                            client: None,
+                        })
+                        .await
+                        .map(|o| o.admitted)
+                })
+            })
+            .collect();
+        for call in calls {
+            let admitted = call.await.unwrap();
+            assert!(matches!(admitted, Ok(true)), "{round}: {admitted:?}");
+        }
+        let loads = server.command_calls("function|load") - before;
+        // One load; a call whose function went missing just as another's load ended may
+        // load once more, which is harmless.
+        assert!((1..=2).contains(&loads), "{round}: {loads} loads");
+    }
+    assert!(store.uses_functions());
+}
+
 /// A Redis that refuses functions (Redis 6 has none; here an ACL denies them) gets every call
 /// as `EVALSHA`, from the first, and counts each once.
 #[tokio::test]
