@@ -1134,7 +1134,7 @@ impl RedisStore {
         }
         let mut refused: Option<Outcome> = None;
         for i in sharded.order() {
-            let outcome = match sharded.known_full(req.key, i, req.cost) {
+            let outcome = match sharded.known_full(req.key, i, req.cost, req.windows) {
                 Some((left, mut outcome)) => {
                     outcome.retry_after_us = micros(left);
                     outcome
@@ -1156,7 +1156,7 @@ impl RedisStore {
                     if shards::full_for(states, req.cost).is_none() {
                         return Ok(outcome);
                     }
-                    sharded.full(req.key, i, mine, &outcome);
+                    sharded.full(req.key, i, req.windows, &outcome);
                     outcome
                 }
             };
@@ -1185,7 +1185,8 @@ impl RedisStore {
     ) -> Result<Assignment, StoreError> {
         let n = sharded.len();
         let key = ask.quota.map_or("", |q| q.key);
-        let mine = ask.quota.map_or(0, |q| q.windows.len());
+        let windows = ask.quota.map_or(&[][..], |q| q.windows);
+        let mine = windows.len();
         let cost = ask.quota.map_or(ask.cost, |q| q.cost);
         // A session starts at its own sub-log, where its binding is; others at the next in turn.
         let order: Vec<usize> = match ask.sticky {
@@ -1197,7 +1198,7 @@ impl RedisStore {
         };
         let mut refused: Option<(u64, Assignment)> = None;
         for i in order {
-            let answer = match sharded.known_full(key, i, cost) {
+            let answer = match sharded.known_full(key, i, cost, windows) {
                 Some((left, mut outcome)) => {
                     outcome.retry_after_us = micros(left);
                     Assignment::QuotaRefused(outcome)
@@ -1245,7 +1246,7 @@ impl RedisStore {
                             if shards::full_for(states, cost).is_none() {
                                 return Ok(answer);
                             }
-                            sharded.full(key, i, mine, o);
+                            sharded.full(key, i, windows, o);
                         }
                         // Its members are busy, or it holds its share of leases: another may
                         // have room.

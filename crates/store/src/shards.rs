@@ -93,8 +93,10 @@ pub(crate) struct Sharded {
 struct Hint {
     /// When the refusal was answered.
     at: Instant,
-    /// How many of `refusal`'s windows are the route's (the client's own follow).
-    route_windows: usize,
+    /// The route's windows of the refused request (`refusal`'s first states; the client's own
+    /// follow): the hint holds only for a request with the same, so that one decided by the
+    /// config in force before a reload says nothing of the new limits.
+    windows: Box<[Window]>,
     refusal: Outcome,
 }
 
@@ -102,7 +104,7 @@ impl Hint {
     /// How long after the refusal a request of `cost` cannot fit: until the last of the route
     /// windows with less than `cost` left sees its oldest entry leave.
     fn holds_for(&self, cost: u64) -> Option<Duration> {
-        let states = &self.refusal.windows[..self.route_windows.min(self.refusal.windows.len())];
+        let states = &self.refusal.windows[..self.windows.len().min(self.refusal.windows.len())];
         full_for(states, cost).map(Duration::from_micros)
     }
 }
@@ -165,19 +167,29 @@ impl Sharded {
     }
 
     /// The refusal sub-log `i` last answered for `key` and how long it still holds for a
-    /// request of `cost`, if that cost is known not to fit there now. A refusal of a larger cost
-    /// says nothing of a smaller one that fits what its windows had left.
-    pub(crate) fn known_full(&self, key: &str, i: usize, cost: u64) -> Option<(Duration, Outcome)> {
+    /// request of `cost` on the route's `windows`, if that cost is known not to fit there now.
+    /// A refusal of a larger cost says nothing of a smaller one that fits what its windows had
+    /// left, nor one under other windows of a request under the new limits.
+    pub(crate) fn known_full(
+        &self,
+        key: &str,
+        i: usize,
+        cost: u64,
+        windows: &[Window],
+    ) -> Option<(Duration, Outcome)> {
         let hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         let hint = hints.get(key)?.get(i)?.as_ref()?;
+        if *hint.windows != *windows {
+            return None;
+        }
         let until = hint.at + hint.holds_for(cost)?;
         let left = until.checked_duration_since(Instant::now())?;
         (!left.is_zero()).then(|| (left, hint.refusal.clone()))
     }
 
-    /// Sub-log `i`'s quota windows refused `key` with `refusal`, whose first `route_windows`
-    /// windows are the route's.
-    pub(crate) fn full(&self, key: &str, i: usize, route_windows: usize, refusal: &Outcome) {
+    /// Sub-log `i`'s quota windows refused `key` with `refusal`, a request on the route's
+    /// `windows` (whole, not the sub-log's share), whose states come first in `refusal`.
+    pub(crate) fn full(&self, key: &str, i: usize, windows: &[Window], refusal: &Outcome) {
         let at = Instant::now();
         let mut hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         if hints.len() >= MAX_HINTED_KEYS && !hints.contains_key(key) {
@@ -194,7 +206,7 @@ impl Sharded {
         if let Some(slot) = slots.get_mut(i) {
             *slot = Some(Hint {
                 at,
-                route_windows,
+                windows: windows.into(),
                 refusal: refusal.clone(),
             });
         }
@@ -282,21 +294,33 @@ mod tests {
                 reset_us,
             }],
         };
-        assert!(s.known_full("k", 1, 1).is_none());
-        s.full("k", 1, 1, &refused(0, 60_000_000));
-        assert!(s.known_full("k", 1, 1).is_some());
-        assert!(s.known_full("other", 1, 1).is_none());
-        assert!(s.known_full("k", 0, 1).is_none());
-        s.full("k", 2, 1, &refused(0, 1));
+        let w = [Window {
+            name: "m".into(),
+            limit: 30,
+            length_us: 60_000_000,
+        }];
+        assert!(s.known_full("k", 1, 1, &w).is_none());
+        s.full("k", 1, &w, &refused(0, 60_000_000));
+        assert!(s.known_full("k", 1, 1, &w).is_some());
+        assert!(s.known_full("other", 1, 1, &w).is_none());
+        assert!(s.known_full("k", 0, 1, &w).is_none());
+        s.full("k", 2, &w, &refused(0, 1));
         std::thread::sleep(Duration::from_millis(2));
-        assert!(s.known_full("k", 2, 1).is_none());
+        assert!(s.known_full("k", 2, 1, &w).is_none());
         // 5 left: a cost of 6 does not fit, one of 5 does.
-        s.full("k", 0, 1, &refused(5, 60_000_000));
-        assert!(s.known_full("k", 0, 6).is_some());
-        assert!(s.known_full("k", 0, 5).is_none());
+        s.full("k", 0, &w, &refused(5, 60_000_000));
+        assert!(s.known_full("k", 0, 6, &w).is_some());
+        assert!(s.known_full("k", 0, 5, &w).is_none());
+        // A hint holds only for the windows it was refused under, not those of a config
+        // reloaded since.
+        let raised = [Window {
+            limit: 60,
+            ..w[0].clone()
+        }];
+        assert!(s.known_full("k", 0, 6, &raised).is_none());
         // The client's own windows (after the route's) say nothing.
-        s.full("k", 0, 0, &refused(0, 60_000_000));
-        assert!(s.known_full("k", 0, 6).is_none());
+        s.full("k", 0, &[], &refused(0, 60_000_000));
+        assert!(s.known_full("k", 0, 6, &[]).is_none());
         let firsts: Vec<usize> = (0..3).map(|_| s.order().next().unwrap()).collect();
         assert_eq!(firsts, [0, 1, 2]);
         assert_eq!(s.order().collect::<Vec<_>>(), [0, 1, 2]);

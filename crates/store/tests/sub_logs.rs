@@ -607,3 +607,30 @@ fn a_quota_call_after_every_sub_log_was_busy_gets_an_answer() {
     let answer = rt.block_on(store.acquire(acquire("api", &windows, 1)));
     assert!(answer.as_ref().is_ok_and(|o| o.admitted), "{answer:?}");
 }
+
+#[test]
+fn a_refusal_under_the_old_limits_says_nothing_of_the_new() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let small = hour(u64::from(SHARDS));
+    for _ in 0..=SHARDS {
+        rt.block_on(store.acquire(acquire("api", &small, 1)))
+            .unwrap();
+    }
+    // A request still decided by the config in force before a reload is refused after the
+    // reload forgot the hints (it raced the swap), and leaves a hint: a request under the new,
+    // raised limit does not take it for its own.
+    store.shard_routes(&[("api", SHARDS)]);
+    let late = rt
+        .block_on(store.acquire(acquire("api", &small, 1)))
+        .unwrap();
+    assert!(!late.admitted);
+    let raised = hour(u64::from(2 * SHARDS));
+    let after = rt
+        .block_on(store.acquire(acquire("api", &raised, 1)))
+        .unwrap();
+    assert!(after.admitted, "the raised limit has room: {after:?}");
+}
