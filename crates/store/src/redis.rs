@@ -1176,8 +1176,8 @@ impl RedisStore {
     /// refuse is known full until its answer says; one whose members are all busy, or at its
     /// share of leases, is passed over (busy members say nothing of the members another request
     /// may have, so that is not remembered); any other answer (no member, refused by the
-    /// client's own windows or cap) is the request's. A lease taken is remembered with its sub-log, where
-    /// its release and renewals go.
+    /// client's own windows or cap) is the request's. A lease taken is remembered with its
+    /// sub-log, where its release and renewals go.
     async fn assign_sharded(
         &self,
         ask: Assign<'_>,
