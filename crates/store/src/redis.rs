@@ -1329,12 +1329,11 @@ impl StateStore for RedisStore {
     ) -> Result<(), StoreError> {
         match self.shards.of(route) {
             None => self.sync_one(route, members, excluded).await,
-            Some(sharded) => {
-                for name in &sharded.names {
-                    self.sync_one(name, members, excluded).await?;
-                }
-                Ok(())
-            }
+            Some(sharded) => every_sub_log(&sharded.names, |name| {
+                self.sync_one(name, members, excluded)
+            })
+            .await
+            .map(drop),
         }
     }
 
@@ -1346,12 +1345,11 @@ impl StateStore for RedisStore {
     ) -> Result<(), StoreError> {
         match self.shards.of(route) {
             None => self.restore_to_min_one(route, member, excluded).await,
-            Some(sharded) => {
-                for name in &sharded.names {
-                    self.restore_to_min_one(name, member, excluded).await?;
-                }
-                Ok(())
-            }
+            Some(sharded) => every_sub_log(&sharded.names, |name| {
+                self.restore_to_min_one(name, member, excluded)
+            })
+            .await
+            .map(drop),
         }
     }
 
@@ -1401,11 +1399,11 @@ impl StateStore for RedisStore {
             return self.cool_one(route, member, for_us, at_us).await;
         };
         // Every sub-log's assignments must skip the member: each keeps its own cooldowns.
-        let mut left = 0;
-        for name in &sharded.names {
-            left = left.max(self.cool_one(name, member, for_us, at_us).await?);
-        }
-        Ok(left)
+        every_sub_log(&sharded.names, |name| {
+            self.cool_one(name, member, for_us, at_us)
+        })
+        .await
+        .map(|left| left.into_iter().max().unwrap_or(0))
     }
 
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
@@ -1650,11 +1648,10 @@ impl StateStore for RedisStore {
         };
         // Its own sub-log holds the session's binding, unless that one was full when it was
         // bound: every sub-log drops it if it still points to the member.
-        for name in &sharded.names {
-            self.sticky_call(name, &["unbind", session, member], None)
-                .await?;
-        }
-        Ok(())
+        let unbind = ["unbind", session, member];
+        every_sub_log(&sharded.names, |name| self.sticky_call(name, &unbind, None))
+            .await
+            .map(drop)
     }
 
     async fn sticky_counts(
@@ -1791,4 +1788,20 @@ fn given_back(mut outcome: Outcome, windows: &[Window], cost: u64) -> Outcome {
         state.remaining = state.remaining.saturating_add(cost).min(w.limit);
     }
     outcome
+}
+
+/// Runs `op` on every sub-log of a route at once and waits for all of them, so that each hears
+/// of a cooldown, a sync or an unbinding however the others fare: one after another, a sub-log
+/// out of reach kept the ones after it from hearing at all, and S calls cost S round trips
+/// before the request could be answered. The first error is the answer, once every call has
+/// ended.
+async fn every_sub_log<'a, T, F, Fut>(names: &'a [String], op: F) -> Result<Vec<T>, StoreError>
+where
+    F: FnMut(&'a str) -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    futures_util::future::join_all(names.iter().map(String::as_str).map(op))
+        .await
+        .into_iter()
+        .collect()
 }

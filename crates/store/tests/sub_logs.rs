@@ -253,6 +253,36 @@ fn a_cooldown_reaches_every_sub_log_and_reads_sum_them() {
     );
 }
 
+/// A sub-log that cannot take a cooldown (here its key holds another type; in production its
+/// master out of reach) does not keep the others from taking it: the call says it failed, and
+/// every other sub-log cools the member all the same.
+#[test]
+fn a_cooldown_reaches_the_other_sub_logs_when_one_fails() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let keys = keys::Keys::new("sluice");
+    // The first sub-log after the route's own fails; the last one must still hear.
+    let broken = keys.cooldowns(&sub_log("api", 1, SHARDS));
+    assert!(server
+        .command(&["SET", &broken, "not a sorted set"])
+        .unwrap()
+        .starts_with("+OK"));
+    assert!(rt
+        .block_on(store.cool("api", "m0", 60_000_000, None))
+        .is_err());
+    for i in [0, 2] {
+        let cool = keys.cooldowns(&sub_log("api", i, SHARDS));
+        let score = server.command(&["ZSCORE", &cool, "m0"]).unwrap();
+        assert!(
+            score.trim().parse::<f64>().is_ok_and(|until| until > 0.0),
+            "sub-log {i} cools m0: {cool} {score:?}"
+        );
+    }
+}
+
 #[test]
 fn one_sub_log_keeps_every_key_of_a_route_without_them() {
     let server = RedisServer::start();
