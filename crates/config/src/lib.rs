@@ -92,10 +92,29 @@ impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}:{}:{}: {}: {}",
-            self.file, self.line, self.column, self.path, self.message
-        )
+            "{}:{}:{}: {}: ",
+            self.file, self.line, self.column, self.path
+        )?;
+        // A message may quote the author's text (an unknown key, say).
+        write_one_line(f, &self.message)
     }
+}
+
+/// Writes `text` with its line breaks escaped (`\n`, `\u{2028}`, …), so that an error about
+/// text that spans lines stays one line: a line per mistake is what editors and CI annotations
+/// read. What YAML and editors take for a line break: LF, CR, VT, FF, NEL, LS and PS.
+pub(crate) fn write_one_line(f: &mut impl fmt::Write, text: &str) -> fmt::Result {
+    for c in text.chars() {
+        if matches!(
+            c,
+            '\n' | '\r' | '\u{0b}' | '\u{0c}' | '\u{85}' | '\u{2028}' | '\u{2029}'
+        ) {
+            write!(f, "{}", c.escape_default())?;
+        } else {
+            f.write_char(c)?;
+        }
+    }
+    Ok(())
 }
 
 /// All the mistakes found in one file; at least one.

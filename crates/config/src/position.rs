@@ -57,8 +57,13 @@ impl fmt::Display for YamlPath {
         }
         for (i, s) in self.0.iter().enumerate() {
             match s {
-                Segment::Key(k) if i == 0 => write!(f, "{k}")?,
-                Segment::Key(k) => write!(f, ".{k}")?,
+                Segment::Key(k) => {
+                    if i > 0 {
+                        f.write_str(".")?;
+                    }
+                    // A key is the author's text, and a complex key (`? …`) may span lines.
+                    crate::write_one_line(f, k)?;
+                }
                 Segment::Index(n) => write!(f, "[{n}]")?,
             }
         }

@@ -99,7 +99,9 @@ fn continue_shape(e: &ConfigError, line: &str) -> Result<(), TestCaseError> {
     prop_assert_eq!(parts.next(), Some(line_no.as_str()), "{}", line);
     prop_assert_eq!(parts.next(), Some(column_no.as_str()), "{}", line);
     let tail = parts.next().unwrap_or_default();
-    let expected = format!(" {}: {}", e.path, e.message);
+    let mut message = String::new();
+    crate::write_one_line(&mut message, &e.message).unwrap();
+    let expected = format!(" {}: {}", e.path, message);
     prop_assert_eq!(tail, expected.as_str());
     // PATH may be empty: the path of a key written `""` (or `!!str`) is the empty string.
     prop_assert!(!e.message.is_empty(), "{}", line);

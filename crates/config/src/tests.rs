@@ -347,6 +347,16 @@ fn a_document_that_is_not_a_mapping_is_an_error() {
     one_error("[1, 2]\n", "1:1: .", "found a sequence");
 }
 
+/// A complex key (`? …`) may span lines; its error is still one line, the key's line breaks
+/// written escaped (found by the proptest of YAML-ish text).
+#[test]
+fn a_key_that_spans_lines_keeps_its_error_on_one_line() {
+    let errors = Config::parse("t.yaml", "?     match:~\n\n  - name: a").unwrap_err();
+    let printed = errors.to_string();
+    assert_eq!(printed.lines().count(), errors.0.len(), "{printed}");
+    assert!(printed.contains("\\n"), "{printed}");
+}
+
 // What once passed `check` and then failed, panicked or misbehaved at `run`.
 
 fn with_redis(redis: &str) -> String {
