@@ -14,8 +14,10 @@ Those five entry points are thin wrappers around ``python3 -m sluicebench COMMAN
     servers.py    the nginx backends, sluice and redis-server, as every benchmark starts them
     bench.py      scripts/bench: wrk against direct, nginx, HAProxy and sluice
     latency.py    scripts/bench-latency: oha at fixed rates (open-loop): the latency sluice adds
-    state.py      scripts/bench-state: the shared helpers of its parts and the doc section;
-                  quota.py, least_used.py, reload.py and cluster.py are its parts
+    state.py      scripts/bench-state: the command and its doc section; quota.py,
+                  least_used.py, key_pool.py, usage.py, reload.py, cluster.py and
+                  lease_wake.py are its parts
+    staterun.py   what bench-state's parts share (settings, processes, backends, results)
     tunnel.py     scripts/bench-tunnel: CONNECT tunnels through sluice, tinyproxy and squid
                   (throughput, setup rate); also the sink and clients it runs as children
     idle_memory.py  scripts/bench-idle-memory: sluice's RSS around 5,000 idle connections

@@ -8,7 +8,7 @@ from . import common, stats
 from .procs import Failure, machine_cpu, now_ms
 from .servers import (lua_script, load_script, populate_pool, rcli, script_stats, start_redis,
                       start_sluice, store_errors, wait_ok)
-from .state import BIG_WINDOW, QUOTA_YAML, Run
+from .staterun import BIG_WINDOW, QUOTA_YAML, Run
 
 ROTATE_HOSTS_LUA = """local reqs, i = {}, 0
 function init(args)

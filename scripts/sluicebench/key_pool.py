@@ -13,7 +13,7 @@ import time
 
 from . import common, stats
 from .servers import rcli, start_redis, start_sluice, store_errors, wait_ok
-from .state import QUOTA_YAML, Run, when
+from .staterun import QUOTA_YAML, Run, when
 
 TARGETS = ["lu", "qlu", "kp"]
 LABELS = {

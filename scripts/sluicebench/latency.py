@@ -49,7 +49,7 @@ from . import common, doc, stats, wrk
 from .bench import start_nginx_proxy
 from .procs import Failure, Procs
 from .servers import commandstats, start_backends, start_redis, start_sluice, store_errors, wait_ok
-from .state import QUOTA_YAML, wait_quiet
+from .staterun import QUOTA_YAML, wait_quiet
 
 START_MARK = "<!-- bench:latency:start -->"
 END_MARK = "<!-- bench:latency:end -->"

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import stats
 from .procs import Failure
 from .servers import rcli, start_redis, start_sluice
-from .state import Run
+from .staterun import Run
 
 
 def request(port: int, host: str, headers: dict[str, str]) -> tuple[int, float]:

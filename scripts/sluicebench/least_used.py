@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import common, stats
 from .servers import (lua_script, load_script, populate_pool, rcli, start_redis, start_sluice,
                       store_errors, wait_ok)
-from .state import BIG_WINDOW, QUOTA_YAML, Run, when
+from .staterun import BIG_WINDOW, QUOTA_YAML, Run, when
 
 TARGETS = ["rr_mem", "lu_mem", "lu_redis", "lif_redis", "qlu_redis", "rr_redis"]
 LABELS = {

@@ -57,7 +57,7 @@ from typing import Sequence
 from . import common, key_pool, wrk
 from .procs import Failure, Procs, log
 from .servers import http_get, start_backends, start_redis, start_sluice, wait_ok
-from .state import QUOTA_YAML
+from .staterun import QUOTA_YAML
 
 NAME = "build-pgo"
 BINS = ("sluice", "sluice-echo")

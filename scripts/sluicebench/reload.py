@@ -12,7 +12,7 @@ from pathlib import Path
 from . import common, stats
 from .procs import Failure, now_ms
 from .servers import Backends, http_get, start_sluice, wait_ok
-from .state import Run, when
+from .staterun import Run, when
 
 
 def gen_routes_config(file: Path, n: int, variant: str, port: int, admin: int, threads: int,

@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
     from . import common, doc, stats
     from .procs import CLK_TCK, Failure, Procs, children_of, cpu_ticks, waited_children_ticks
     from .servers import start_sluice
-    from .state import wait_quiet
+    from .staterun import wait_quiet
 
     parser = argparse.ArgumentParser(prog="scripts/bench-tunnel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

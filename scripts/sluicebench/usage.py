@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import stats
 from .servers import http_get, rcli, start_nginx, start_redis, start_sluice, store_errors, wait_ok
-from .state import Run, when
+from .staterun import Run, when
 
 # What the backend answers: a chat completion's usage, as a provider reports it.
 ANSWER = '{"id":"c","object":"chat.completion","usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}'
