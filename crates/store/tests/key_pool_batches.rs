@@ -377,8 +377,9 @@ fn run(url: impl Fn(&RedisServer) -> String, cases: u32) {
     let server = RedisServer::start();
     let url = url(&server);
     let rt = runtime();
-    // The same traces on every run, so that a failure in CI replays on a developer's machine;
-    // `PROPTEST_RNG_SEED` picks others. A failing case's seed is also kept in
+    // The same traces on every run, so that a failure in CI replays on a developer's machine:
+    // the workspace's `PROPTEST_RNG_SEED` (.cargo/config.toml), or this seed if the test runs
+    // without it. A failing case's seed is also kept in
     // key_pool_batches.proptest-regressions beside this file, and run first from then on.
     let config = Config::default();
     let rng_seed = match config.rng_seed {
