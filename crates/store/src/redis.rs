@@ -32,7 +32,7 @@ use crate::connection::RedisConnection;
 use crate::keys::Keys;
 use crate::scripts::{self, Scripts};
 use crate::settle_batch::{settle_call, Owned, SettleBatches};
-use crate::shards::{self, Sharded, Shards};
+use crate::shards::{self, Log, Sharded, Shards};
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -1082,6 +1082,38 @@ impl RedisStore {
 // Routes with sub-logs (shards.rs): each call goes to one sub-log, with its share of the limits,
 // or to all of them and sums.
 impl RedisStore {
+    /// Runs `op` on each log of `route`: its own when it has no sub-logs, else every sub-log at
+    /// once, their answers joined by `sum` (a read's figures added up; `|(), ()| ()` for a write
+    /// that answers nothing). All at once, waiting for all, so that each sub-log hears of a
+    /// cooldown, a sync or an unbinding however the others fare: one after another, a sub-log out
+    /// of reach kept the ones after it from hearing at all, and S calls cost S round trips before
+    /// the request (or the status page) could be answered. The first error in the sub-logs' order
+    /// is the answer, once every call has ended.
+    async fn on_each_log<'r, T, F, Fut>(
+        &self,
+        route: &'r str,
+        mut op: F,
+        mut sum: impl FnMut(T, T) -> T,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut(Log<'r>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        let Some(sharded) = self.shards.of(route) else {
+            return op(Log::Whole(route)).await;
+        };
+        let mut total = None;
+        let each = (0..sharded.len()).map(|i| op(Log::Sub(sharded.clone(), i)));
+        for part in futures_util::future::join_all(each).await {
+            let part = part?;
+            total = Some(match total {
+                None => part,
+                Some(total) => sum(total, part),
+            });
+        }
+        total.ok_or_else(|| StoreError::Backend("a route without sub-logs".into()))
+    }
+
     /// A call that sub-logs do not split (reservations: their settlements would need the
     /// sub-log), refused on a route with them; config validation refuses such routes first.
     fn unsplit(&self, route: &str) -> Result<(), StoreError> {
@@ -1304,21 +1336,25 @@ impl StateStore for RedisStore {
         windows: &[Window],
         at_us: Option<u64>,
     ) -> Result<Vec<WindowUsage>, StoreError> {
-        let sharded = self.shards.of(route).filter(|_| owner != Owner::Client);
-        let Some(sharded) = sharded else {
+        if owner == Owner::Client {
+            // A client's windows are its own, in no route's sub-logs.
             return self.usage_one(route, owner, key, windows, at_us).await;
-        };
-        let n = sharded.len();
-        let mut sum = vec![WindowUsage::default(); windows.len()];
-        for (i, name) in sharded.names.iter().enumerate() {
-            let share = shards::split(windows, i, n);
-            let part = self.usage_one(name, owner, key, &share, at_us).await?;
-            for (s, p) in sum.iter_mut().zip(part) {
-                s.total = s.total.saturating_add(p.total);
-                s.open = s.open.saturating_add(p.open);
-            }
         }
-        Ok(sum)
+        self.on_each_log(
+            route,
+            |log| async move {
+                let share = log.windows(windows);
+                self.usage_one(log.name(), owner, key, &share, at_us).await
+            },
+            |mut sum, part| {
+                for (s, p) in sum.iter_mut().zip(part) {
+                    s.total = s.total.saturating_add(p.total);
+                    s.open = s.open.saturating_add(p.open);
+                }
+                sum
+            },
+        )
+        .await
     }
 
     async fn sync(
@@ -1327,14 +1363,12 @@ impl StateStore for RedisStore {
         members: &[Arc<str>],
         excluded: &[&str],
     ) -> Result<(), StoreError> {
-        match self.shards.of(route) {
-            None => self.sync_one(route, members, excluded).await,
-            Some(sharded) => every_sub_log(&sharded.names, |name| {
-                self.sync_one(name, members, excluded)
-            })
-            .await
-            .map(drop),
-        }
+        self.on_each_log(
+            route,
+            |log| async move { self.sync_one(log.name(), members, excluded).await },
+            |(), ()| (),
+        )
+        .await
     }
 
     async fn restore_to_min(
@@ -1343,14 +1377,12 @@ impl StateStore for RedisStore {
         member: &str,
         excluded: &[&str],
     ) -> Result<(), StoreError> {
-        match self.shards.of(route) {
-            None => self.restore_to_min_one(route, member, excluded).await,
-            Some(sharded) => every_sub_log(&sharded.names, |name| {
-                self.restore_to_min_one(name, member, excluded)
-            })
-            .await
-            .map(drop),
-        }
+        self.on_each_log(
+            route,
+            |log| async move { self.restore_to_min_one(log.name(), member, excluded).await },
+            |(), ()| (),
+        )
+        .await
     }
 
     async fn member_remaining(
@@ -1358,34 +1390,29 @@ impl StateStore for RedisStore {
         route: &str,
         member: &PoolMember,
     ) -> Result<Vec<u64>, StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            return self.member_remaining_one(route, member).await;
-        };
-        let n = sharded.len();
-        let mut sum = vec![0u64; member.windows.len()];
-        for (i, name) in sharded.names.iter().enumerate() {
-            let share = &shards::split_members(std::slice::from_ref(member), i, n)[0];
-            let part = self.member_remaining_one(name, share).await?;
-            for (s, p) in sum.iter_mut().zip(part) {
-                *s = s.saturating_add(p);
-            }
-        }
-        Ok(sum)
+        self.on_each_log(
+            route,
+            |log| async move {
+                let share = log.member(member);
+                self.member_remaining_one(log.name(), &share).await
+            },
+            |mut sum, part| {
+                for (s, p) in sum.iter_mut().zip(part) {
+                    *s = s.saturating_add(p);
+                }
+                sum
+            },
+        )
+        .await
     }
 
     async fn counts(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            return self.counts_one(route).await;
-        };
-        let mut sum: HashMap<String, u64> = HashMap::new();
-        for name in &sharded.names {
-            for (member, count) in self.counts_one(name).await? {
-                *sum.entry(member).or_default() += count;
-            }
-        }
-        let mut counts: Vec<(String, u64)> = sum.into_iter().collect();
-        counts.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
-        Ok(counts)
+        self.on_each_log(
+            route,
+            |log| async move { self.counts_one(log.name()).await },
+            |a, b| by_figure(per_member(a, b, |x, y| x + y)),
+        )
+        .await
     }
 
     async fn cool(
@@ -1395,31 +1422,22 @@ impl StateStore for RedisStore {
         for_us: u64,
         at_us: Option<u64>,
     ) -> Result<u64, StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            return self.cool_one(route, member, for_us, at_us).await;
-        };
         // Every sub-log's assignments must skip the member: each keeps its own cooldowns.
-        every_sub_log(&sharded.names, |name| {
-            self.cool_one(name, member, for_us, at_us)
-        })
+        self.on_each_log(
+            route,
+            |log| async move { self.cool_one(log.name(), member, for_us, at_us).await },
+            u64::max,
+        )
         .await
-        .map(|left| left.into_iter().max().unwrap_or(0))
     }
 
     async fn cooldowns(&self, route: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            return self.cooldowns_one(route).await;
-        };
-        let mut longest: HashMap<String, u64> = HashMap::new();
-        for name in &sharded.names {
-            for (member, left) in self.cooldowns_one(name).await? {
-                let l = longest.entry(member).or_default();
-                *l = (*l).max(left);
-            }
-        }
-        let mut all: Vec<(String, u64)> = longest.into_iter().collect();
-        all.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
-        Ok(all)
+        self.on_each_log(
+            route,
+            |log| async move { self.cooldowns_one(log.name()).await },
+            |a, b| by_figure(per_member(a, b, u64::max)),
+        )
+        .await
     }
     async fn reserve(&self, req: Reserve<'_>) -> Result<Reservation, StoreError> {
         self.unsplit(req.route)?;
@@ -1623,35 +1641,33 @@ impl StateStore for RedisStore {
         route: &str,
         at_us: Option<u64>,
     ) -> Result<Vec<(String, u64)>, StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            let reply = self.lease_call(route, "read", None, &[], at_us).await?;
-            return scripts::parse_cooldowns(&reply);
-        };
-        let mut sum: HashMap<String, u64> = HashMap::new();
-        for name in &sharded.names {
-            let reply = self.lease_call(name, "read", None, &[], at_us).await?;
-            for (member, n) in scripts::parse_cooldowns(&reply)? {
-                *sum.entry(member).or_default() += n;
-            }
-        }
-        let mut all: Vec<(String, u64)> = sum.into_iter().collect();
-        all.sort();
-        Ok(all)
+        self.on_each_log(
+            route,
+            |log| async move {
+                let reply = self
+                    .lease_call(log.name(), "read", None, &[], at_us)
+                    .await?;
+                scripts::parse_cooldowns(&reply)
+            },
+            |a, b| {
+                let mut all = per_member(a, b, |x, y| x + y);
+                all.sort();
+                all
+            },
+        )
+        .await
     }
 
     async fn unbind(&self, route: &str, session: &str, member: &str) -> Result<(), StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            return self
-                .sticky_call(route, &["unbind", session, member], None)
-                .await
-                .map(drop);
-        };
         // Its own sub-log holds the session's binding, unless that one was full when it was
         // bound: every sub-log drops it if it still points to the member.
         let unbind = ["unbind", session, member];
-        every_sub_log(&sharded.names, |name| self.sticky_call(name, &unbind, None))
-            .await
-            .map(drop)
+        self.on_each_log(
+            route,
+            |log| async move { self.sticky_call(log.name(), &unbind, None).await.map(drop) },
+            |(), ()| (),
+        )
+        .await
     }
 
     async fn sticky_counts(
@@ -1659,17 +1675,17 @@ impl StateStore for RedisStore {
         route: &str,
         at_us: Option<u64>,
     ) -> Result<StickyCounts, StoreError> {
-        let Some(sharded) = self.shards.of(route) else {
-            return self.sticky_counts_one(route, at_us).await;
-        };
-        let mut sum = StickyCounts::default();
-        for name in &sharded.names {
-            let part = self.sticky_counts_one(name, at_us).await?;
-            sum.bindings += part.bindings;
-            sum.unbound += part.unbound;
-            sum.moved += part.moved;
-        }
-        Ok(sum)
+        self.on_each_log(
+            route,
+            |log| async move { self.sticky_counts_one(log.name(), at_us).await },
+            |mut sum, part| {
+                sum.bindings += part.bindings;
+                sum.unbound += part.unbound;
+                sum.moved += part.moved;
+                sum
+            },
+        )
+        .await
     }
 
     async fn ready(&self) -> bool {
@@ -1790,18 +1806,23 @@ fn given_back(mut outcome: Outcome, windows: &[Window], cost: u64) -> Outcome {
     outcome
 }
 
-/// Runs `op` on every sub-log of a route at once and waits for all of them, so that each hears
-/// of a cooldown, a sync or an unbinding however the others fare: one after another, a sub-log
-/// out of reach kept the ones after it from hearing at all, and S calls cost S round trips
-/// before the request could be answered. The first error is the answer, once every call has
-/// ended.
-async fn every_sub_log<'a, T, F, Fut>(names: &'a [String], op: F) -> Result<Vec<T>, StoreError>
-where
-    F: FnMut(&'a str) -> Fut,
-    Fut: std::future::Future<Output = Result<T, StoreError>>,
-{
-    futures_util::future::join_all(names.iter().map(String::as_str).map(op))
-        .await
-        .into_iter()
-        .collect()
+/// Two logs' (member, figure) lists as one, a member's figures in both joined by `join`, in no
+/// particular order.
+fn per_member(
+    a: Vec<(String, u64)>,
+    b: Vec<(String, u64)>,
+    join: impl Fn(u64, u64) -> u64,
+) -> Vec<(String, u64)> {
+    let mut all: HashMap<String, u64> = HashMap::new();
+    for (member, figure) in a.into_iter().chain(b) {
+        let joined = all.entry(member).or_default();
+        *joined = join(*joined, figure);
+    }
+    all.into_iter().collect()
+}
+
+/// (member, figure) pairs, smallest figure first, then by member.
+fn by_figure(mut all: Vec<(String, u64)>) -> Vec<(String, u64)> {
+    all.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+    all
 }

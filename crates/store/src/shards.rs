@@ -11,6 +11,7 @@
 //! without a call. A hint is only ever a lower bound of when the sub-log has room, so a stale
 //! one makes a request skip a sub-log with room (refused early), never admits more.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -234,17 +235,53 @@ pub(crate) fn split(windows: &[Window], i: usize, shards: usize) -> Vec<Window> 
 
 /// `members` with sub-log `i`'s share of each of their windows.
 pub(crate) fn split_members(members: &[PoolMember], i: usize, shards: usize) -> Vec<PoolMember> {
-    members
-        .iter()
-        .map(|m| PoolMember {
-            id: m.id.clone(),
-            windows: if m.windows.is_empty() {
-                m.windows.clone()
-            } else {
-                split(&m.windows, i, shards).into()
-            },
-        })
-        .collect()
+    members.iter().map(|m| split_member(m, i, shards)).collect()
+}
+
+/// `member` with sub-log `i`'s share of each of its windows.
+fn split_member(member: &PoolMember, i: usize, shards: usize) -> PoolMember {
+    PoolMember {
+        id: member.id.clone(),
+        windows: if member.windows.is_empty() {
+            member.windows.clone()
+        } else {
+            split(&member.windows, i, shards).into()
+        },
+    }
+}
+
+/// One of a route's logs, as a call that goes to each of them sees it: the route's own, whole,
+/// when it has no sub-logs, else one sub-log with its share of every limit. A sub-log holds on to
+/// its route's [`Sharded`], so that a call a reload overtakes still ends on the logs it began on.
+pub(crate) enum Log<'r> {
+    Whole(&'r str),
+    Sub(Arc<Sharded>, usize),
+}
+
+impl Log<'_> {
+    /// The name its keys are under.
+    pub(crate) fn name(&self) -> &str {
+        match self {
+            Log::Whole(route) => route,
+            Log::Sub(sharded, i) => &sharded.names[*i],
+        }
+    }
+
+    /// `windows` with this log's share of each limit (borrowed as they are on a whole log).
+    pub(crate) fn windows<'w>(&self, windows: &'w [Window]) -> Cow<'w, [Window]> {
+        match self {
+            Log::Whole(_) => Cow::Borrowed(windows),
+            Log::Sub(sharded, i) => Cow::Owned(split(windows, *i, sharded.len())),
+        }
+    }
+
+    /// `member` with this log's share of each of its windows.
+    pub(crate) fn member<'m>(&self, member: &'m PoolMember) -> Cow<'m, PoolMember> {
+        match self {
+            Log::Whole(_) => Cow::Borrowed(member),
+            Log::Sub(sharded, i) => Cow::Owned(split_member(member, *i, sharded.len())),
+        }
+    }
 }
 
 /// How long a sub-log that refused `cost` with these window states (its share of the route's
