@@ -12,7 +12,8 @@
 //!   call is written and sent (`FCALL`, or `EVALSHA`), in `call.rs`;
 //! - the calls that decide every request of a route (and quota key) waiting together, in
 //!   `batch.rs`, and the settlements', in `settle_batch.rs`;
-//! - a route kept as several sub-logs (`state_shards`), in `shards.rs`.
+//! - a route kept as several sub-logs (`state_shards`): what this instance knows of them, in
+//!   `shards.rs`, and how a call goes to one of them or to each, in `redis/sub_logs.rs`.
 //!
 //! At most one script call per request (requests that wait together share one), time from
 //! Redis `TIME`.
