@@ -14,9 +14,10 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use sluice_allocator::PoolMember;
 use sluice_limiter::{Outcome, Window};
 
@@ -27,31 +28,38 @@ use crate::keys;
 const MAX_HINTED_KEYS: usize = 4096;
 
 /// The sharded routes of the config in force.
+///
+/// Every store call looks its route up here, so a lookup takes no lock: a reload replaces the
+/// table whole (arc-swap), and a lookup reads the table in force, marking it in use in a slot
+/// of its own thread's. A read lock wrote its count, one cache line for every core, on every
+/// call of every route once any route had sub-logs.
 #[derive(Debug, Default)]
 pub(crate) struct Shards {
     /// Whether any route has more than one sub-log: when none has, a request looks no further.
     any: AtomicBool,
-    routes: RwLock<HashMap<Box<str>, Arc<Sharded>>>,
+    routes: ArcSwap<HashMap<Box<str>, Arc<Sharded>>>,
+    /// Held by a reload while it builds the next table from the one in force, so that two
+    /// reloads at once cannot lose one's table; never by a request.
+    reload: Mutex<()>,
 }
 
 impl Shards {
     /// The sub-logs of `route`, when it has more than one.
     pub(crate) fn of(&self, route: &str) -> Option<Arc<Sharded>> {
-        if !self.any.load(Ordering::Relaxed) {
+        // Acquire: a request that sees a route sharded sees the table that made it so.
+        if !self.any.load(Ordering::Acquire) {
             return None;
         }
-        self.routes
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(route)
-            .cloned()
+        self.routes.load().get(route).cloned()
     }
 
     /// Makes `routes` (name, sub-logs) the sharded ones. A route kept with the same count keeps
     /// the sub-log of each of its leases, but forgets every refusal: the new config may have
-    /// raised a limit or added members, and a hint only saves a call.
+    /// raised a limit or added members, and a hint only saves a call. A request that read the
+    /// table before goes on with what it read, as one that began before the reload.
     pub(crate) fn set(&self, routes: &[(&str, u32)]) {
-        let mut map = self.routes.write().unwrap_or_else(|p| p.into_inner());
+        let _reload = self.reload.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = HashMap::clone(&self.routes.load());
         let mut next = HashMap::new();
         for &(route, shards) in routes {
             if shards <= 1 {
@@ -66,8 +74,9 @@ impl Shards {
             let sharded = kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards)));
             next.insert(route.into(), sharded);
         }
-        self.any.store(!next.is_empty(), Ordering::Relaxed);
-        *map = next;
+        let any = !next.is_empty();
+        self.routes.store(Arc::new(next));
+        self.any.store(any, Ordering::Release);
     }
 }
 
@@ -361,6 +370,47 @@ mod tests {
         let firsts: Vec<usize> = (0..3).map(|_| s.order().next().unwrap()).collect();
         assert_eq!(firsts, [0, 1, 2]);
         assert_eq!(s.order().collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_reload_keeps_a_route_of_the_same_count_and_forgets_its_refusals() {
+        let shards = Shards::default();
+        assert!(shards.of("api").is_none());
+        shards.set(&[("api", 3), ("one", 1), ("two", 2)]);
+        assert!(shards.of("one").is_none());
+        let api = shards.of("api").unwrap();
+        api.leased("a", 2);
+        let w = [Window {
+            name: "m".into(),
+            limit: 30,
+            length_us: 60_000_000,
+        }];
+        let refused = Outcome {
+            admitted: false,
+            retry_after_us: 1,
+            windows: vec![sluice_limiter::WindowState {
+                remaining: 0,
+                reset_us: 60_000_000,
+            }],
+        };
+        api.full("k", 1, &w, &refused);
+        let two = shards.of("two").unwrap();
+        shards.set(&[("api", 3), ("two", 3)]);
+        // The same sub-logs, with their leases, and no refusal.
+        let kept = shards.of("api").unwrap();
+        assert!(Arc::ptr_eq(&api, &kept));
+        assert!(kept.known_full("k", 1, 1, &w).is_none());
+        assert_eq!(
+            kept.lease_groups(&["a"], false),
+            [vec![], vec![], vec!["a"]]
+        );
+        // Another count: other sub-logs. A request that read the table before still has its own.
+        let three = shards.of("two").unwrap();
+        assert!(!Arc::ptr_eq(&two, &three) && three.len() == 3 && two.len() == 2);
+        shards.set(&[]);
+        assert!(shards.of("api").is_none() && shards.of("two").is_none());
+        shards.set(&[("api", 3)]);
+        assert!(!Arc::ptr_eq(&api, &shards.of("api").unwrap()));
     }
 
     #[test]
