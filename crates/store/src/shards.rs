@@ -27,6 +27,10 @@ use crate::keys;
 /// has expired, all of them (hints only save calls).
 const MAX_HINTED_KEYS: usize = 4096;
 
+/// The routes with sub-logs, by name. Hashed by foldhash, not SipHash: SipHash of the route's
+/// name was most of a lookup's cost, which every store call pays.
+type Table = HashMap<Box<str>, Arc<Sharded>, foldhash::fast::RandomState>;
+
 /// The sharded routes of the config in force.
 ///
 /// Every store call looks its route up here, so a lookup takes no lock: a reload replaces the
@@ -37,7 +41,7 @@ const MAX_HINTED_KEYS: usize = 4096;
 pub(crate) struct Shards {
     /// Whether any route has more than one sub-log: when none has, a request looks no further.
     any: AtomicBool,
-    routes: ArcSwap<HashMap<Box<str>, Arc<Sharded>>>,
+    routes: ArcSwap<Table>,
     /// Held by a reload while it builds the next table from the one in force, so that two
     /// reloads at once cannot lose one's table; never by a request.
     reload: Mutex<()>,
@@ -59,8 +63,8 @@ impl Shards {
     /// table before goes on with what it read, as one that began before the reload.
     pub(crate) fn set(&self, routes: &[(&str, u32)]) {
         let _reload = self.reload.lock().unwrap_or_else(|p| p.into_inner());
-        let mut map = HashMap::clone(&self.routes.load());
-        let mut next = HashMap::new();
+        let mut map = Table::clone(&self.routes.load());
+        let mut next = Table::default();
         for &(route, shards) in routes {
             if shards <= 1 {
                 continue;
