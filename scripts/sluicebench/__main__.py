@@ -1,4 +1,4 @@
-"""python3 -m sluicebench bench|bench-state|bench-latency|bench-tunnel|bench-idle-memory|profile|build-pgo|perf-split [ARGS...]
+"""python3 -m sluicebench bench|bench-state|bench-latency|bench-tunnel|bench-idle-memory|profile|build-pgo|perf-split|bench-dwell [ARGS...]
 (with scripts/ on sys.path). The scripts of those names call this with their own command name.
 """
 
@@ -11,7 +11,7 @@ from .procs import Failure, install_signal_handlers, log
 
 COMMANDS = {"bench": "bench", "bench-state": "state", "bench-latency": "latency", "bench-tunnel": "tunnel",
             "bench-idle-memory": "idle_memory", "profile": "profile",
-            "build-pgo": "pgo", "perf-split": "split"}
+            "build-pgo": "pgo", "perf-split": "split", "bench-dwell": "dwell"}
 
 
 def main(argv: list[str]) -> int:
