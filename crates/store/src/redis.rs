@@ -1354,10 +1354,12 @@ impl StateStore for RedisStore {
                 .await
                 .map(drop);
         };
-        for (name, ids) in sharded.names.iter().zip(sharded.lease_groups(leases, true)) {
-            self.lease_call(name, "release", None, &ids, None).await?;
-        }
-        Ok(())
+        // Forgotten here before the calls, whatever they answer: a release that fails is tried
+        // again by the caller with the same ids, which, unknown now, go to every sub-log; that
+        // releases each where it is still held and changes nothing in the others.
+        let groups = sharded.lease_groups(leases, true);
+        self.lease_on_each_sub_log(&sharded, "release", None, &groups, None)
+            .await
     }
 
     async fn renew(
@@ -1373,15 +1375,9 @@ impl StateStore for RedisStore {
                 .await
                 .map(drop);
         };
-        for (name, ids) in sharded
-            .names
-            .iter()
-            .zip(sharded.lease_groups(leases, false))
-        {
-            self.lease_call(name, "renew", Some(ttl_us), &ids, at_us)
-                .await?;
-        }
-        Ok(())
+        let groups = sharded.lease_groups(leases, false);
+        self.lease_on_each_sub_log(&sharded, "renew", Some(ttl_us), &groups, at_us)
+            .await
     }
 
     async fn release_client(&self, client: &str, leases: &[&str]) -> Result<(), StoreError> {

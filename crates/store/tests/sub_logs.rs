@@ -446,6 +446,101 @@ fn a_lease_goes_back_to_the_sub_log_that_took_it() {
     assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 0, 0]);
 }
 
+/// A sub-log whose lease calls fail (here its expiries key holds another type; in production
+/// its master out of reach) keeps neither a renewal nor a release from the others: each call
+/// says it failed, and the leases in every other sub-log are renewed, then released, all the
+/// same. Renewed only while sub-log 0 answered, they would expire there while still in flight,
+/// and their room would be taken again past `max_in_flight`.
+#[test]
+fn a_renewal_and_a_release_reach_the_other_sub_logs_when_one_fails() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let redis = rt.block_on(async { single(&server) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS)]);
+    let pool = members(3);
+    let ids: Vec<String> = (0..6).map(|k| format!("l{k}")).collect();
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    for id in &ids {
+        let ask = Assign {
+            lease: Some(sluice_allocator::Lease {
+                id,
+                ttl_us: 60_000_000,
+                member_max: None,
+                route_max: Some(6),
+                client: None,
+            }),
+            ..least_used("api", &pool, None, false)
+        };
+        let answer = rt.block_on(store.assign(ask)).unwrap();
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+    }
+    // Each lease's expiry (µs), by sub-log, as Redis holds it.
+    let expiries = |i: u32| -> HashMap<String, i64> {
+        server
+            .zrange_with_scores(&lease_expiries("api", i))
+            .into_iter()
+            .map(|(id, at)| (id, at as i64))
+            .collect()
+    };
+    let taken: Vec<HashMap<String, i64>> = (0..SHARDS).map(expiries).collect();
+    assert_eq!(
+        taken.iter().map(HashMap::len).collect::<Vec<_>>(),
+        [2, 2, 2],
+        "two leases in each sub-log's share"
+    );
+    // The first sub-log fails; the ones after it must still hear. Its leases are kept aside,
+    // to be put back when it answers again.
+    let first = lease_expiries("api", 0);
+    let aside = format!("{first}:aside");
+    for args in [
+        ["RENAME", &first, &aside],
+        ["SET", &first, "not a sorted set"],
+    ] {
+        assert!(
+            server.command(&args).unwrap().starts_with("+OK"),
+            "{args:?}"
+        );
+    }
+    // Renewed for an hour: each expiry that moves is an hour from the renewal, which comes
+    // after the minute from the taking, however long the machine took in between.
+    assert!(rt
+        .block_on(store.renew("api", &ids, 3_600_000_000, None))
+        .is_err());
+    for i in 1..SHARDS {
+        let renewed = expiries(i);
+        for (id, before) in &taken[i as usize] {
+            let after = renewed.get(id).copied().unwrap_or(0);
+            assert!(
+                after >= before - 60_000_000 + 3_600_000_000,
+                "sub-log {i} renews {id}: {before} then {after}"
+            );
+        }
+    }
+    let held = |i: u32| integer(&server, &["ZCARD", &lease_expiries("api", i)]);
+    assert!(rt.block_on(store.release("api", &ids)).is_err());
+    for i in 1..SHARDS {
+        assert_eq!(held(i), 0, "sub-log {i} releases its leases");
+    }
+    // Forgotten by the failed release, sub-log 0's leases go to every sub-log when it is tried
+    // again, and are released where they are once their sub-log answers.
+    assert_eq!(server.integer(&["DEL", &first]), Some(1));
+    assert!(server
+        .command(&["RENAME", &aside, &first])
+        .unwrap()
+        .starts_with("+OK"));
+    assert_eq!(held(0), 2);
+    rt.block_on(store.release("api", &ids)).unwrap();
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 0, 0]);
+    let in_flight: u64 = rt
+        .block_on(store.in_flight("api", None))
+        .unwrap()
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(in_flight, 0);
+}
+
 /// A session's binding lives in its own sub-log (its hash mod the count), so it finds its
 /// member there every time; the counts sum the sub-logs.
 #[test]

@@ -45,6 +45,33 @@ impl RedisStore {
         total.ok_or_else(|| StoreError::Backend("a route without sub-logs".into()))
     }
 
+    /// A lease operation (`"renew"`, `"release"`) on each sub-log of `sharded`, each with its
+    /// own group of lease ids (`groups`, from [`Sharded::lease_groups`], in the sub-logs'
+    /// order), all at once and each to its end, as [`RedisStore::on_each_log`] does and for the
+    /// same reason: one after another, a sub-log out of reach failed every renewal before the
+    /// sub-logs after it were asked, so their leases expired while still in flight and their
+    /// room was taken again past the route's `max_in_flight` (and a failed release held theirs
+    /// until the ttl). The first error in the sub-logs' order is the answer, once every call has
+    /// ended.
+    pub(super) async fn lease_on_each_sub_log(
+        &self,
+        sharded: &Sharded,
+        op: &str,
+        ttl_us: Option<u64>,
+        groups: &[Vec<&str>],
+        at_us: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let each = sharded
+            .names
+            .iter()
+            .zip(groups)
+            .map(|(name, ids)| self.lease_call(name, op, ttl_us, ids, at_us));
+        for answer in futures_util::future::join_all(each).await {
+            answer?;
+        }
+        Ok(())
+    }
+
     /// A call that sub-logs do not split (reservations: their settlements would need the
     /// sub-log), refused on a route with them; config validation refuses such routes first.
     pub(super) fn unsplit(&self, route: &str) -> Result<(), StoreError> {
