@@ -12,7 +12,6 @@
 // See the License for the specific language governing permissions and
 // limitations under the License.
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::net::ToSocketAddrs;
@@ -39,7 +38,6 @@ pub struct MyCtx {
     buffer: Vec<u8>,
 }
 
-#[async_trait]
 impl ProxyHttp for Json2Yaml {
     type CTX = MyCtx;
     fn new_ctx(&self) -> Self::CTX {

@@ -79,7 +79,6 @@ mod my_acl {
 
 pub struct MyProxy;
 
-#[async_trait]
 impl ProxyHttp for MyProxy {
     type CTX = ();
     fn new_ctx(&self) -> Self::CTX {}

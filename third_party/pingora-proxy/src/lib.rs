@@ -2001,7 +2001,6 @@ mod tests {
 
     struct DefaultRetryProxy;
 
-    #[async_trait]
     impl ProxyHttp for DefaultRetryProxy {
         type CTX = ();
 
@@ -2609,7 +2608,6 @@ mod tests {
 
     struct NoopProxy;
 
-    #[async_trait]
     impl ProxyHttp for NoopProxy {
         type CTX = ();
         fn new_ctx(&self) -> Self::CTX {}

@@ -2614,7 +2614,6 @@ mod tests {
 
     struct TestProxy;
 
-    #[async_trait]
     impl ProxyHttp for TestProxy {
         type CTX = ();
 

@@ -1178,7 +1178,6 @@ mod tests {
 
     struct ResponseFilter101;
 
-    #[async_trait]
     impl ProxyHttp for ResponseFilter101 {
         type CTX = ();
 

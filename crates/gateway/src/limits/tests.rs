@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::proxy::{http_proxy, ProxyHttp, Session};
 use pingora::server::configuration::ServerConf;
@@ -14,7 +13,6 @@ use crate::metrics::Metrics;
 
 struct Nowhere;
 
-#[async_trait]
 impl ProxyHttp for Nowhere {
     type CTX = ();
 

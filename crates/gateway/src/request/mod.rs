@@ -48,7 +48,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use async_trait::async_trait;
 use http::HeaderValue;
 use pingora::modules::http::HttpModules;
 use pingora::prelude::*;
@@ -399,7 +398,6 @@ impl RequestCtx {
     }
 }
 
-#[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
 
