@@ -145,13 +145,18 @@ fn sub_logs_admit_exactly_the_limit_on_a_single_redis() {
     const LIMIT: u64 = 40;
     let store: Arc<dyn StateStore> = Arc::new(rt.block_on(async { single(&server) }));
     store.shard_routes(&[("api", SHARDS), ("pool", SHARDS)]);
+    // A read sums the sub-logs' shares: the whole limit, before any request.
+    let windows = hour(LIMIT);
+    let read = rt
+        .block_on(store.acquire(acquire("api", &windows, 0)))
+        .unwrap();
+    assert_eq!(read.windows[0].remaining, LIMIT);
     let admitted = rt.block_on(burst(&store, "api", LIMIT, 150));
     assert_eq!(admitted, LIMIT, "exactly the limit, across the sub-logs");
     // Each sub-log holds its share (40 = 14 + 13 + 13), no more.
     let held = entries("api", |k| integer(&server, &["ZCARD", k]));
     assert_eq!(held, [14, 13, 13], "each sub-log filled to its share");
     // A read sums them: nothing is left.
-    let windows = hour(LIMIT);
     let read = rt
         .block_on(store.acquire(acquire("api", &windows, 0)))
         .unwrap();

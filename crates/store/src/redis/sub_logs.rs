@@ -83,9 +83,10 @@ impl RedisStore {
         }
     }
 
-    /// A request on a route with sub-logs: a read (cost 0) reads every sub-log and sums; else
-    /// the sub-logs in turn, skipping those known full, until one admits it or every one
-    /// refused. A sub-log is charged only when it admits: a request is charged once.
+    /// A request on a route with sub-logs: a read (cost 0) reads every sub-log at once
+    /// ([`RedisStore::on_each_log`]) and sums; else the sub-logs in turn, skipping those known
+    /// full, until one admits it or every one refused. A sub-log is charged only when it
+    /// admits: a request is charged once.
     pub(super) async fn acquire_sharded(
         &self,
         req: Acquire<'_>,
@@ -94,19 +95,22 @@ impl RedisStore {
         let n = sharded.len();
         let mine = req.windows.len();
         if req.cost == 0 {
-            let mut sum: Option<Outcome> = None;
-            for (i, name) in sharded.names.iter().enumerate() {
-                let share = shards::split(req.windows, i, n);
-                let part = self
-                    .acquire_one(Acquire {
-                        route: name,
-                        windows: &share,
-                        ..req
-                    })
-                    .await?;
-                sum = Some(match sum {
-                    None => part,
-                    Some(mut sum) => {
+            return self
+                .on_each_log(
+                    req.route,
+                    |log| async move {
+                        let share = match &log {
+                            Log::Whole(_) => req.windows.to_vec(),
+                            Log::Sub(sharded, i) => shards::split(req.windows, *i, sharded.len()),
+                        };
+                        self.acquire_one(Acquire {
+                            route: log.name(),
+                            windows: &share,
+                            ..req
+                        })
+                        .await
+                    },
+                    |mut sum, part| {
                         sum.admitted &= part.admitted;
                         sum.retry_after_us = sum.retry_after_us.max(part.retry_after_us);
                         for (s, p) in sum.windows.iter_mut().zip(&part.windows).take(mine) {
@@ -117,10 +121,9 @@ impl RedisStore {
                             };
                         }
                         sum
-                    }
-                });
-            }
-            return sum.ok_or_else(|| StoreError::Backend("a route without sub-logs".into()));
+                    },
+                )
+                .await;
         }
         let mut refused: Option<Outcome> = None;
         for i in sharded.order() {
