@@ -17,8 +17,9 @@
 //! reserves, `response_filter` and `response_body_filter` read the answer as it passes, and
 //! `logging` settles the reservation in one store call before step 6.
 //!
-//! Both hooks of step 4 end, and step 6 begins, by letting the other ready requests go first
-//! ([`send_with_the_others`]), so that the sends of one turn of the event loop leave together.
+//! On a busy thread, both hooks of step 4 end, and step 6 begins, by letting the other ready
+//! requests go first ([`sends_together`]), so that the sends of one turn of the event loop
+//! leave together.
 //!
 //! A request whose head Pingora cannot parse never gets that far: [`refuse::refuse`]
 //! (`request_error_filter`) answers, logs and counts it.
@@ -38,6 +39,7 @@ mod forward;
 mod meter;
 mod refuse;
 pub(crate) mod route;
+mod sends_together;
 mod store_warning;
 
 pub use connect::Tunnels;
@@ -64,28 +66,7 @@ use crate::metrics::Metrics;
 use crate::select::{Attempt, Tried};
 use crate::table::{Member, Route, Table};
 
-/// Called right before a head is sent, to the member or to the client: the send waits until
-/// every other request ready on this thread has run as far as it can (to its own send, or to
-/// its next wait), and then the waiting sends go out one after another. Called again once the
-/// response is sent, before the request's access line and metrics, so that the next request's
-/// send does not wait behind them: that took the wake-ups from 0.54 to 0.46 a request.
-///
-/// Why: a send to a peer that is asleep in `epoll_wait` (wrk, an nginx backend, a real client)
-/// makes the kernel wake it, and in the sender's own system call. On a VM, waking a task on
-/// another CPU costs an inter-processor interrupt and a hypervisor exit: 4–7 µs here, about a
-/// quarter of a request's CPU. Sent one by one, nearly every request found a peer asleep
-/// (0.87–0.98 wake-ups a request, `scripts/perf-split`); sent together, one wake-up serves
-/// several (0.49–0.61), and the proxy thread's CPU per request fell by 8–12%
-/// (docs/benchmarks.md). HAProxy, which sends at the end of its
-/// loop's pass, wakes 0.35 a request.
-///
-/// `yield_now` hands the task to the scheduler's deferred list, which is run after the ready
-/// queue is empty or at the scheduler's maintenance (every 61 polls), so the wait is bounded
-/// by one turn of the loop; with nothing else ready, it costs one `epoll_wait` that does not
-/// block.
-async fn send_with_the_others() {
-    tokio::task::yield_now().await;
-}
+use sends_together::send_with_the_others;
 
 /// The proxy service. Cheap to share: everything lives behind `Arc`s.
 pub struct Gateway {
