@@ -28,6 +28,7 @@ linux-perf), root or kernel.perf_event_paranoid <= 1, oha (`cargo install oha --
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -111,7 +112,6 @@ def measure(procs: Procs, oha: str, flags: list[str], t: Target, host: Optional[
     script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True,
                             timeout=600).stdout
     row = dwell(script)
-    import json
     j = json.loads(out)
     row["ok"] = int((j.get("statusCodeDistribution") or {}).get("200", 0))
     p = j.get("latencyPercentiles") or {}
