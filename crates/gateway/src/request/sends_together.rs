@@ -11,27 +11,39 @@
 //! take to run. Below saturation there is little to batch and nothing to gain, while a request
 //! that arrives in a burst still waits behind it: that wait was most of what sluice added to a
 //! request's tail over an nginx proxy (`scripts/bench-dwell`). So each proxy thread decides
-//! from how busy the runtime's workers have been lately: past half their time, sends wait for
-//! each other; below it, each goes at once.
+//! from how busy the runtime's workers have been lately: most of the time, and sends wait for
+//! each other; half of it or less, and each goes at once.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-/// The decision is taken again after this many calls on a thread (about a third as many
-/// requests): often enough to follow a change of load within milliseconds, rarely enough that
-/// reading the clock and the runtime's counters costs nothing per request.
-const DECIDE_EVERY: u32 = 64;
+/// The thread looks at the load again after this many calls (about a third as many requests),
+/// so that reading the clock and the runtime's counters costs nothing per request...
+const LOOK_EVERY: u32 = 64;
 
-/// Batched when the workers were busy (running tasks, not asleep waiting for events) more than
-/// this share of the time since the last decision, in per mille. A proxy well below its
-/// capacity is busy a small share of the time, a saturated one nearly all of it.
-const BUSY_PER_MILLE: u128 = 500;
+/// ...and decides once a look finds at least this much time gone by since the last decision:
+/// over a shorter span, the busy time tokio has published (at a park, or at a busy worker's
+/// maintenance every 61 polls) is too coarse to read a share from.
+const MIN_SPAN: Duration = Duration::from_millis(5);
+
+/// If tokio has published no busy time since the last decision, the span is let grow, up to
+/// this, before a decision reads it as idle: a saturated worker that never parks publishes only
+/// at its maintenance.
+const MAX_SPAN: Duration = Duration::from_millis(100);
+
+/// Sends are batched from when the workers were busy (running tasks, as opposed to parked
+/// waiting for events) more than this share of the span, in per mille, until a span in which
+/// they were busy less than [`UNBATCHED_BELOW`]. A proxy well below its capacity is busy a
+/// small share of the time, a saturated one nearly all of it; the gap between the two lines
+/// keeps a load near one of them from switching at every span.
+const BATCHED_ABOVE: u128 = 700;
+const UNBATCHED_BELOW: u128 = 500;
 
 struct Decision {
-    /// Calls on this thread since the last decision.
+    /// Calls on this thread since the last look.
     calls: Cell<u32>,
     /// When the last decision was taken, and the workers' busy time then (average per
-    /// worker). `None` until the first.
+    /// worker). `None` until the first look.
     last: Cell<Option<(Instant, Duration)>>,
     /// Whether sends wait for each other until the next decision. Starts batched, as under
     /// load, until the first decision.
@@ -62,7 +74,7 @@ pub(super) async fn send_with_the_others() {
 fn together() -> bool {
     DECISION.with(|d| {
         let calls = d.calls.get() + 1;
-        if calls < DECIDE_EVERY {
+        if calls < LOOK_EVERY {
             d.calls.set(calls);
             return d.together.get();
         }
@@ -71,20 +83,30 @@ fn together() -> bool {
             return d.together.get();
         };
         let now = Instant::now();
-        let Some((then, busy_then)) = d.last.replace(Some((now, busy))) else {
+        let Some((then, busy_then)) = d.last.get() else {
+            d.last.set(Some((now, busy)));
             return d.together.get();
         };
-        let wall = now.saturating_duration_since(then).as_nanos();
-        let worked = busy.saturating_sub(busy_then).as_nanos();
-        let together = worked * 1000 > wall * BUSY_PER_MILLE;
-        d.together.set(together);
-        together
+        let span = now.saturating_duration_since(then);
+        let worked = busy.saturating_sub(busy_then);
+        if span < MIN_SPAN || (worked.is_zero() && span < MAX_SPAN) {
+            return d.together.get();
+        }
+        d.last.set(Some((now, busy)));
+        let share = worked.as_nanos() * 1000 / span.as_nanos().max(1);
+        if share > BATCHED_ABOVE {
+            d.together.set(true);
+        } else if share < UNBATCHED_BELOW {
+            d.together.set(false);
+        }
+        d.together.get()
     })
 }
 
 /// How long, on average, each worker of the current runtime has spent running tasks (as
-/// opposed to parked, waiting for events). Tokio publishes it when a worker parks, which a
-/// saturated worker still does once its ready tasks run out.
+/// opposed to parked, waiting for events). Tokio publishes a worker's figure when it parks and
+/// at its maintenance, every 61 polls however busy it is; a yield's non-blocking look at the
+/// driver publishes nothing.
 fn busy_per_worker() -> Option<Duration> {
     let metrics = tokio::runtime::Handle::try_current().ok()?.metrics();
     let workers = metrics.num_workers();
@@ -98,8 +120,38 @@ fn busy_per_worker() -> Option<Duration> {
 mod tests {
     use super::*;
 
-    /// A runtime whose worker waits on a timer between short calls is mostly idle, so sends go
-    /// at once; one whose worker spins most of the time between calls batches.
+    /// Runs `calls` calls on the runtime's one worker, each after `between`, and returns the
+    /// last decision.
+    fn decide_after<F, Fut>(rt: &tokio::runtime::Runtime, calls: u32, between: F) -> bool
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        rt.block_on(async move {
+            tokio::spawn(async move {
+                let mut last = together();
+                for _ in 1..calls {
+                    between().await;
+                    last = together();
+                }
+                last
+            })
+            .await
+            .unwrap()
+        })
+    }
+
+    fn spin(how_long: Duration) {
+        let until = Instant::now() + how_long;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// A worker that waits on a timer between short calls is mostly idle, so sends go at once;
+    /// one that spins most of the time between calls batches, whether it parks between them
+    /// (and so publishes its busy time each time) or never parks at all (and publishes only at
+    /// its maintenance). Each phase starts from the decision the one before left.
     #[test]
     fn batches_only_while_the_workers_are_busy() {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -107,39 +159,33 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        // Idle: every call waits on a timer (at least a millisecond), the call itself is short.
-        let idle = rt.block_on(async {
-            tokio::spawn(async {
-                let mut last = true;
-                for _ in 0..DECIDE_EVERY * 3 {
-                    tokio::time::sleep(std::time::Duration::from_micros(50)).await;
-                    last = together();
-                }
-                last
-            })
-            .await
-            .unwrap()
-        });
-        assert!(!idle, "a loop idle most of the time sends at once");
-        // Busy: the task spins for 8 ms between calls and then waits on a timer for 1 ms or
-        // a little more, so the worker is busy most of the time, and parks (which publishes
-        // its busy time) once per call.
-        let busy = rt.block_on(async {
-            tokio::spawn(async {
-                let mut last = false;
-                for _ in 0..DECIDE_EVERY * 2 {
-                    let until = Instant::now() + Duration::from_millis(8);
-                    while Instant::now() < until {
-                        std::hint::spin_loop();
-                    }
-                    tokio::time::sleep(Duration::from_micros(1)).await;
-                    last = together();
-                }
-                last
-            })
-            .await
-            .unwrap()
-        });
-        assert!(busy, "a loop busy most of the time batches its sends");
+        // Each call waits on a timer (a millisecond or more); the call itself is short.
+        let idle = || async { tokio::time::sleep(Duration::from_micros(50)).await };
+        assert!(
+            !decide_after(&rt, LOOK_EVERY * 3, idle),
+            "a worker idle most of the time sends at once"
+        );
+        // Spins 8 ms, then waits on a timer (under a millisecond more): parks once per call.
+        let busy_parking = || async {
+            spin(Duration::from_millis(8));
+            tokio::time::sleep(Duration::from_micros(1)).await;
+        };
+        assert!(
+            decide_after(&rt, LOOK_EVERY * 2, busy_parking),
+            "a worker busy most of the time batches its sends"
+        );
+        assert!(
+            !decide_after(&rt, LOOK_EVERY * 3, idle),
+            "idle again, at once again"
+        );
+        // Spins 1 ms and yields: the worker always has this task to run, so it never parks.
+        let busy_never_parking = || async {
+            spin(Duration::from_millis(1));
+            tokio::task::yield_now().await;
+        };
+        assert!(
+            decide_after(&rt, LOOK_EVERY * 4, busy_never_parking),
+            "a worker that never parks batches its sends"
+        );
     }
 }
