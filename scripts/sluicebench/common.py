@@ -87,6 +87,24 @@ def sluice_binary(name: str, knobs: Knobs, bins: Sequence[str] = ("--bin", "slui
     return path
 
 
+def sluice_binaries(name: str, knobs: Knobs, key: str, label: str) -> list[tuple[str, str, Path]]:
+    """The sluice binaries a driver runs side by side, as (key, label, path): SLUICE_BIN_DIR's (or
+    a fresh build) under `key`, and, when SLUICE_BIN_DIR_B is set, that directory's under
+    `key`'s B twin, so that one run compares two builds on the same machine at the same moment."""
+    bins = [(key, label, sluice_binary(name, knobs))]
+    other = os.environ.get("SLUICE_BIN_DIR_B")
+    if other:
+        b_key = key.replace("sluice", "sluice_b", 1) if key.startswith("sluice") else f"{key}_b"
+        bins.append((b_key, "sluice B (SLUICE_BIN_DIR_B)", Path(other) / "sluice"))
+    return bins
+
+
+def bin_dirs() -> str:
+    """The SLUICE_BIN_DIR* settings of this run, as they go in a report's command line."""
+    dirs = " ".join(f"{n}=DIR" for n in ("SLUICE_BIN_DIR", "SLUICE_BIN_DIR_B") if os.environ.get(n))
+    return f"{dirs} " if dirs else ""
+
+
 def git_revision() -> str:
     """ "7488ba8" or "7488ba8 (with uncommitted changes)" """
     try:

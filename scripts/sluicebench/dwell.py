@@ -34,7 +34,6 @@ import re
 import subprocess
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Optional
 
 from . import common, stats, wrk
@@ -139,15 +138,12 @@ def main(argv: list[str]) -> int:
     out_flags, no_tui = oha_flags(oha)
     procs = Procs("bench-dwell", keep)
     try:
-        sluice = common.sluice_binary("bench-dwell", knobs)
+        bins = common.sluice_binaries("bench-dwell", knobs, "sluice", "sluice, round_robin (JSON access log on)")
         backends = start_backends(procs)
         nginx = start_nginx_proxy(procs, "nginx_on", backends, log_on=True)
         nginx.label = "nginx proxy (access_log on)"
         # (target, pid whose calls are traced, Host header)
         targets: dict[str, tuple[Target, int, Optional[str]]] = {"nginx": (nginx, nginx.pids[-1], None)}
-        bins = [("sluice", "sluice, round_robin (JSON access log on)", sluice)]
-        if os.environ.get("SLUICE_BIN_DIR_B"):
-            bins.append(("sluice_b", "sluice B (SLUICE_BIN_DIR_B)", Path(os.environ["SLUICE_BIN_DIR_B"]) / "sluice"))
         for key, label, path in bins:
             cfg, port, admin = sluice_config(procs, key, backends, 1)
             s = start_sluice(procs, path, key, cfg, port, admin, None)
@@ -161,8 +157,7 @@ def main(argv: list[str]) -> int:
                                                       conns, duration, f"{key}-{rate}-{r}")
                     procs.log(f"round {r} {rate} req/s {key}: request dwell p50 {pct(row['req'], 50):.0f} µs, "
                               f"answer p50 {pct(row['resp'], 50):.0f} µs, {len(row['req'])} traced")
-        dirs = " ".join(f"{n}=DIR" for n in ("SLUICE_BIN_DIR", "SLUICE_BIN_DIR_B") if os.environ.get(n))
-        command = f"{knobs.line(KNOB_NAMES)} {dirs + ' ' if dirs else ''}scripts/bench-dwell"
+        command = f"{knobs.line(KNOB_NAMES)} {common.bin_dirs()}scripts/bench-dwell"
         print(report(targets, res, rates, rounds, command, conns, duration))
     finally:
         procs.cleanup()

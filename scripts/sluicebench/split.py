@@ -28,7 +28,6 @@ import re
 import shutil
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Optional
 
 from . import common, stats, wrk
@@ -140,14 +139,10 @@ def main(argv: list[str]) -> int:
     try:
         if not use_perf:
             procs.log("warning: no perf (Debian: linux-perf); only the CPU split is measured")
-        sluice = common.sluice_binary("perf-split", knobs)
-        other = os.environ.get("SLUICE_BIN_DIR_B")
+        bins = common.sluice_binaries("perf-split", knobs, "sluice_on", "sluice")
         backends = start_backends(procs)
         targets = {"nginx_on": start_nginx_proxy(procs, "nginx_on", backends, log_on=True),
                    "haproxy_on": start_haproxy(procs, "haproxy_on", backends, log_on=True)}
-        bins = [("sluice_on", "sluice", sluice)]
-        if other:
-            bins.append(("sluice_b_on", "sluice B (SLUICE_BIN_DIR_B)", Path(other) / "sluice"))
         for key, label, path in bins:
             cfg, port, admin = sluice_config(procs, key, backends, 1)
             s = start_sluice(procs, path, key, cfg, port, admin, None)
@@ -163,8 +158,7 @@ def main(argv: list[str]) -> int:
                 procs.log(f"round {r} {key}: {row['rps']:.0f} req/s, thread "
                           f"{row['thread']:.1f} µs/req ({row['busy']:.0f}% busy), wake-ups "
                           f"{stats.fmt(row['wakeups'], '.2f')}/req")
-        dirs = " ".join(f"{n}=DIR" for n in ("SLUICE_BIN_DIR", "SLUICE_BIN_DIR_B") if os.environ.get(n))
-        command = f"{knobs.line(KNOB_NAMES)} {dirs + ' ' if dirs else ''}scripts/perf-split"
+        command = f"{knobs.line(KNOB_NAMES)} {common.bin_dirs()}scripts/perf-split"
         print(report(targets, res, rounds, command, duration, connections, wrk_threads))
     finally:
         procs.cleanup()
