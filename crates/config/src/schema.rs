@@ -297,6 +297,11 @@ pub struct RedisConfig {
     /// makes one call per request, for comparing latency and for debugging.
     #[serde(default = "default_batch")]
     pub batch: bool,
+    /// This instance's index among the gateways sharing the Redis (0, 1, 2, … each its own):
+    /// a route with `state_shards_start: home` starts its requests at sub-log `index mod
+    /// state_shards`.
+    #[serde(default)]
+    pub instance_index: Option<u32>,
 }
 
 /// `state.redis.tls:` — how a `rediss://` Redis is trusted.

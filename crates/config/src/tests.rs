@@ -1478,6 +1478,7 @@ fn debug_output_hides_the_password() {
         timeout: Dur(std::time::Duration::from_millis(50)),
         tls: None,
         batch: true,
+        instance_index: None,
     };
     for shown in [
         format!("{url:?}"),

@@ -43,6 +43,23 @@ pub struct RouteConfig {
     /// one log whatever it says.
     #[serde(default = "one_shard")]
     pub state_shards: NonZeroU32,
+    /// Which sub-log a request tries first (with `state_shards` above 1): the next in turn, or
+    /// the instance's own (`state.redis.instance_index` modulo `state_shards`), so that an
+    /// instance's requests share one batch lane while that sub-log has room.
+    #[serde(default)]
+    pub state_shards_start: ShardsStart,
+}
+
+/// `state_shards_start`: the sub-log a request of a route kept as sub-logs tries first. The
+/// others follow in turn either way, so it decides where calls go, never what is admitted.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardsStart {
+    /// Each instance takes the sub-logs in turn.
+    #[default]
+    RoundRobin,
+    /// Every request of an instance starts at the instance's own sub-log.
+    Home,
 }
 
 fn one_shard() -> NonZeroU32 {

@@ -4,10 +4,11 @@
 //! remainder on the first ones), so a request must fit in one share, and so must one lease or
 //! one binding in a cap's share. Reservations (settled later, in the sub-log they were taken
 //! from, which is not kept yet) are refused with more than one, and so is `priority` over
-//! members with windows of their own (below).
+//! members with windows of their own (below). `state_shards_start: home` needs sub-logs to
+//! start at, and on Redis an instance index to pick its own by.
 
 use super::super::position::YamlPath;
-use super::super::schema::{RouteGrant, WindowConfig, WindowUnit};
+use super::super::schema::{RouteGrant, ShardsStart, StateBackend, WindowConfig, WindowUnit};
 use super::super::Config;
 
 /// The most sub-logs a route may have: a Redis Cluster seldom has more masters for one route
@@ -18,12 +19,33 @@ pub const MAX_STATE_SHARDS: u32 = 16;
 pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
     let mut problems = Vec::new();
     let clients: Vec<_> = config.clients.iter().flat_map(|c| c.list.iter()).collect();
+    // Without an index of its own, every instance would take one sub-log for its own.
+    let unindexed = config.state.backend == StateBackend::Redis
+        && config
+            .state
+            .redis
+            .as_ref()
+            .is_none_or(|r| r.instance_index.is_none());
     for (i, route) in config.routes.iter().enumerate() {
         let shards = route.state_shards.get();
+        let route_at = YamlPath::root().key("routes").index(i);
+        if route.state_shards_start == ShardsStart::Home {
+            let start_at = route_at.clone().key("state_shards_start");
+            if shards == 1 {
+                problems.push((
+                    start_at,
+                    "state_shards_start: home needs state_shards above 1: a route in one log has no sub-log to start at".to_string(),
+                ));
+            } else if unindexed {
+                problems.push((
+                    start_at,
+                    "state_shards_start: home starts an instance's requests at sub-log state.redis.instance_index mod state_shards: set state.redis.instance_index, 0, 1, 2, … one of its own on each instance (`${NAME}` reads it from the environment)".to_string(),
+                ));
+            }
+        }
         if shards == 1 {
             continue;
         }
-        let route_at = YamlPath::root().key("routes").index(i);
         let at = route_at.clone().key("state_shards");
         if shards > MAX_STATE_SHARDS {
             problems.push((
@@ -220,6 +242,51 @@ mod tests {
         for ok in [pool("priority", ""), pool("least_used", windows)] {
             assert!(errors(&ok).is_empty(), "{ok}: {:?}", errors(&ok));
         }
+    }
+
+    #[test]
+    fn home_needs_sub_logs_and_on_redis_an_instance_index() {
+        let redis = |index: &str| {
+            format!(
+                "state:\n  backend: redis\n  redis:\n    url: \"redis://127.0.0.1:6379\"\n{index}"
+            )
+        };
+        let home = |shards: u32| {
+            route(&format!(
+                "    state_shards: {shards}\n    state_shards_start: home\n"
+            ))
+        };
+        let indexed = redis("    instance_index: 2\n");
+        let ok = format!("{indexed}{}", home(3));
+        assert!(errors(&ok).is_empty(), "{:?}", errors(&ok));
+        let config = crate::Config::parse("t.yaml", &ok).unwrap();
+        assert_eq!(
+            config.routes[0].state_shards_start,
+            crate::ShardsStart::Home
+        );
+        assert_eq!(config.state.redis.unwrap().instance_index, Some(2));
+        // The default takes them in turn, and needs no index.
+        let rr = format!("{}{}", redis(""), route("    state_shards: 3\n"));
+        assert!(errors(&rr).is_empty(), "{:?}", errors(&rr));
+        let config = crate::Config::parse("t.yaml", &rr).unwrap();
+        assert_eq!(
+            config.routes[0].state_shards_start,
+            crate::ShardsStart::RoundRobin
+        );
+        one_error(
+            &format!("{indexed}{}", home(1)),
+            "10:25: routes[0].state_shards_start",
+            "needs state_shards above 1",
+        );
+        one_error(
+            &format!("{}{}", redis(""), home(3)),
+            "9:25: routes[0].state_shards_start",
+            "set state.redis.instance_index",
+        );
+        // The memory store keeps one log whatever the route says: no index to pick by.
+        assert!(errors(&home(3)).is_empty(), "{:?}", errors(&home(3)));
+        one_error(&home(1), "5:25: routes[0].state_shards_start", "above 1");
+        assert!(!errors(&route("    state_shards: 3\n    state_shards_start: own\n")).is_empty());
     }
 
     #[test]
