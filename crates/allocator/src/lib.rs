@@ -49,6 +49,20 @@ use sluice_limiter::{
 
 pub use memory::MemoryStore;
 
+/// The sub-log a request of a route kept as sub-logs (`state_shards`) tries first; the others
+/// follow in turn whichever it is, so it changes which lane a request joins, never what is
+/// admitted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SubLogStart {
+    /// The next one in turn, per instance: an instance's requests are spread over every
+    /// sub-log.
+    #[default]
+    RoundRobin,
+    /// The instance's own (its index modulo the sub-logs' count): an instance's requests share
+    /// one sub-log's batch lane while it has room, so its calls fill as one log's do.
+    Home,
+}
+
 /// A pool member as the store sees it.
 ///
 /// The store needs a member's identity (to count, cool and log it) and its own quota windows
@@ -389,11 +403,12 @@ pub trait StateStore: Send + Sync + 'static {
     async fn retain_routes(&self, _routes: &[&str]) {}
 
     /// The routes of the config in force with their `state_shards` (how many sub-logs their
-    /// state is split into). A store that keeps one exact log per route (the memory store)
-    /// ignores it; Redis keeps a route with more than one as that many sub-logs, each with its
-    /// share of every limit, under hash tags of their own. Every call on such a route answers
-    /// for the route as a whole (reads sum the sub-logs).
-    fn shard_routes(&self, _routes: &[(&str, u32)]) {}
+    /// state is split into) and `state_shards_start` (which sub-log a request tries first). A
+    /// store that keeps one exact log per route (the memory store) ignores it; Redis keeps a
+    /// route with more than one as that many sub-logs, each with its share of every limit, under
+    /// hash tags of their own. Every call on such a route answers for the route as a whole
+    /// (reads sum the sub-logs).
+    fn shard_routes(&self, _routes: &[(&str, u32, SubLogStart)]) {}
 
     /// Releases leases of `route` taken by [`Assign::lease`], all in one call: each stops
     /// counting. Idempotent: a lease already released or expired changes nothing.

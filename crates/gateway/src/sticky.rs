@@ -24,7 +24,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use http::HeaderMap;
 use sluice_allocator::{
-    Assign, Assignment, ClientCap, Lease, PoolMember, Reserved, StateStore, StickyCounts, Usage,
+    Assign, Assignment, ClientCap, Lease, PoolMember, Reserved, StateStore, StickyCounts,
+    SubLogStart, Usage,
 };
 use sluice_limiter::{
     Acquire, Outcome, Owner, Reservation, Reserve, Settle, Settled, StoreError, Window, WindowUsage,
@@ -307,7 +308,7 @@ impl StateStore for Sticky {
         self.inner.retain_routes(routes).await
     }
 
-    fn shard_routes(&self, routes: &[(&str, u32)]) {
+    fn shard_routes(&self, routes: &[(&str, u32, SubLogStart)]) {
         self.inner.shard_routes(routes)
     }
 

@@ -14,13 +14,13 @@ use std::time::SystemTime;
 use http::HeaderValue;
 use pingora::upstreams::peer::HttpPeer;
 use prometheus::{Histogram, IntCounter, IntGauge};
-use sluice_allocator::{PoolMember, StateStore};
+use sluice_allocator::{PoolMember, StateStore, SubLogStart};
 use sluice_balancer::Members;
 use sluice_limiter::Window;
 
 use crate::config::{
     AdminConfig, Config, DnsConfig, LimitsConfig, Listener, MemberHeaders, MemberKind, MemberUrl,
-    RouteConfig, StateConfig, UpstreamConfig,
+    RouteConfig, ShardsStart, StateConfig, UpstreamConfig,
 };
 use crate::dns::PeerCell;
 use crate::egress::{Guard, Resolver};
@@ -162,11 +162,18 @@ impl Table {
             .map(|t| t.routes.iter().map(|r| (&*r.name, r)).collect())
             .unwrap_or_default();
         let mut routes = Vec::with_capacity(config.routes.len());
-        // Which routes' state is split into sub-logs (Redis): before any request of this table.
-        let shards: Vec<(&str, u32)> = config
+        // Which routes' state is split into sub-logs (Redis), and where their requests start:
+        // before any request of this table.
+        let shards: Vec<(&str, u32, SubLogStart)> = config
             .routes
             .iter()
-            .map(|r| (r.name.0.as_str(), r.state_shards.get()))
+            .map(|r| {
+                let start = match r.state_shards_start {
+                    ShardsStart::RoundRobin => SubLogStart::RoundRobin,
+                    ShardsStart::Home => SubLogStart::Home,
+                };
+                (r.name.0.as_str(), r.state_shards.get(), start)
+            })
             .collect();
         state.shard_routes(&shards);
         // A client's max_in_flight counts the leases of its requests on every route.

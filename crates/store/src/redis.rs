@@ -13,7 +13,7 @@ use redis::Value;
 
 use sluice_allocator::{
     Assign, Assignment, ClientCap, Lease, MemberUsage, Order, PoolMember, Reserved, StateStore,
-    StickyCounts, Usage,
+    StickyCounts, SubLogStart, Usage,
 };
 use sluice_limiter::{
     check_amounts, check_periods, placement, Acquire, ClientWindows, Outcome, Owner, Period,
@@ -110,6 +110,16 @@ impl RedisStore {
             self.keys.clone(),
             on,
         ));
+        self
+    }
+
+    /// This instance's index (`state.redis.instance_index`; 0 without it): a route with
+    /// `state_shards_start: home` starts each request at sub-log `index mod S`. Instances with
+    /// indices 0, 1, 2, … start at every sub-log in turn, so their requests spread over the
+    /// sub-logs as evenly as the instances' loads. Set before the routes are
+    /// ([`StateStore::shard_routes`]): it starts a new table of them.
+    pub fn with_instance_index(mut self, index: u32) -> RedisStore {
+        self.shards = Arc::new(Shards::with_instance(index));
         self
     }
 
@@ -1098,7 +1108,7 @@ impl StateStore for RedisStore {
         }
     }
 
-    fn shard_routes(&self, routes: &[(&str, u32)]) {
+    fn shard_routes(&self, routes: &[(&str, u32, SubLogStart)]) {
         self.shards.set(routes);
     }
 

@@ -5,7 +5,8 @@
 //! cooldowns) under a name of its own ([`keys::sub_log`]), with the share `limit / S` of every
 //! limit (the remainder on the first ones), so that any window holds at most the sum of the
 //! shares, the limit. A request tries the sub-logs in turn from one this instance picks
-//! round-robin; a sub-log that refused says (in its answer) how much each window has left and
+//! round-robin, or (`state_shards_start: home`) from this instance's own, its index modulo the
+//! sub-logs' count; a sub-log that refused says (in its answer) how much each window has left and
 //! when its oldest entry leaves, and this instance skips it for a request whose cost does not fit
 //! one of them until then: a request that finds every sub-log known full for its cost is refused
 //! without a call. A hint is only ever a lower bound of when the sub-log has room, so a stale
@@ -18,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use sluice_allocator::PoolMember;
+use sluice_allocator::{PoolMember, SubLogStart};
 use sluice_limiter::{Outcome, Window};
 
 use crate::keys;
@@ -45,9 +46,20 @@ pub(crate) struct Shards {
     /// Held by a reload while it builds the next table from the one in force, so that two
     /// reloads at once cannot lose one's table; never by a request.
     reload: Mutex<()>,
+    /// This instance's index (`state.redis.instance_index`): its own sub-log of a route of S
+    /// is this modulo S.
+    instance: usize,
 }
 
 impl Shards {
+    /// No sharded route yet, for the instance of index `instance`.
+    pub(crate) fn with_instance(instance: u32) -> Shards {
+        Shards {
+            instance: instance as usize,
+            ..Shards::default()
+        }
+    }
+
     /// The sub-logs of `route`, when it has more than one.
     pub(crate) fn of(&self, route: &str) -> Option<Arc<Sharded>> {
         // Acquire: a request that sees a route sharded sees the table that made it so.
@@ -57,15 +69,16 @@ impl Shards {
         self.routes.load().get(route).cloned()
     }
 
-    /// Makes `routes` (name, sub-logs) the sharded ones. A route kept with the same count keeps
-    /// the sub-log of each of its leases, but forgets every refusal: the new config may have
-    /// raised a limit or added members, and a hint only saves a call. A request that read the
-    /// table before goes on with what it read, as one that began before the reload.
-    pub(crate) fn set(&self, routes: &[(&str, u32)]) {
+    /// Makes `routes` (name, sub-logs, where a request starts) the sharded ones. A route kept
+    /// with the same count keeps the sub-log of each of its leases, but forgets every refusal:
+    /// the new config may have raised a limit or added members, and a hint only saves a call. A
+    /// request that read the table before goes on with what it read, as one that began before
+    /// the reload.
+    pub(crate) fn set(&self, routes: &[(&str, u32, SubLogStart)]) {
         let _reload = self.reload.lock().unwrap_or_else(|p| p.into_inner());
         let mut map = Table::clone(&self.routes.load());
         let mut next = Table::default();
-        for &(route, shards) in routes {
+        for &(route, shards, start) in routes {
             if shards <= 1 {
                 continue;
             }
@@ -75,7 +88,10 @@ impl Shards {
             if let Some(kept) = &kept {
                 kept.hints.lock().unwrap_or_else(|p| p.into_inner()).clear();
             }
-            let sharded = kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards)));
+            let sharded =
+                kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards, self.instance)));
+            let home = start == SubLogStart::Home;
+            sharded.at_home.store(home, Ordering::Relaxed);
             next.insert(route.into(), sharded);
         }
         let any = !next.is_empty();
@@ -89,8 +105,13 @@ impl Shards {
 pub(crate) struct Sharded {
     /// Per sub-log, the name its keys are under (sub-log 0: the route's).
     pub(crate) names: Vec<String>,
-    /// The sub-log the next request tries first, modulo their count.
+    /// The sub-log the next request tries first, modulo their count (round-robin).
     next: AtomicUsize,
+    /// Whether every request starts at `own` instead (`state_shards_start: home`); a reload
+    /// that keeps the route may turn it either way.
+    at_home: AtomicBool,
+    /// This instance's own sub-log: its index modulo their count.
+    own: usize,
     /// Per quota key ("" without a quota), per sub-log: the last refusal of its share of the
     /// route's quota windows, which says what each had left and until when. Only those windows' refusals are hints: they
     /// hold for every request with that key, whereas members busy hold only for the members a
@@ -124,12 +145,14 @@ impl Hint {
 }
 
 impl Sharded {
-    fn new(route: &str, shards: u32) -> Sharded {
+    fn new(route: &str, shards: u32, instance: usize) -> Sharded {
         Sharded {
             names: (0..shards)
                 .map(|i| keys::sub_log(route, i, shards))
                 .collect(),
             next: AtomicUsize::new(0),
+            at_home: AtomicBool::new(false),
+            own: instance % shards.max(1) as usize,
             hints: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
         }
@@ -140,10 +163,16 @@ impl Sharded {
         self.names.len()
     }
 
-    /// The sub-logs in the order the next request tries them.
+    /// The sub-logs in the order the next request tries them: from this instance's own
+    /// (`home`), or from the next in turn; either way on through the others in turn, so a
+    /// request refused by its first goes on exactly as from any other.
     pub(crate) fn order(&self) -> impl Iterator<Item = usize> {
         let n = self.names.len();
-        let first = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let first = if self.at_home.load(Ordering::Relaxed) {
+            self.own
+        } else {
+            self.next.fetch_add(1, Ordering::Relaxed) % n
+        };
         (0..n).map(move |k| (first + k) % n)
     }
 
@@ -313,6 +342,8 @@ pub(crate) fn full_for(states: &[sluice_limiter::WindowState], cost: u64) -> Opt
 mod tests {
     use super::*;
 
+    const RR: SubLogStart = SubLogStart::RoundRobin;
+
     #[test]
     fn shares_add_up_to_the_limit_and_differ_by_at_most_one() {
         for limit in [1u64, 2, 3, 7, 10, 100, 1_000_003] {
@@ -334,7 +365,7 @@ mod tests {
 
     #[test]
     fn hints_say_full_until_they_pass_and_the_order_turns() {
-        let s = Sharded::new("api", 3);
+        let s = Sharded::new("api", 3, 0);
         assert_eq!(s.names[0], "api");
         let refused = |remaining, reset_us| Outcome {
             admitted: false,
@@ -380,7 +411,7 @@ mod tests {
     fn a_reload_keeps_a_route_of_the_same_count_and_forgets_its_refusals() {
         let shards = Shards::default();
         assert!(shards.of("api").is_none());
-        shards.set(&[("api", 3), ("one", 1), ("two", 2)]);
+        shards.set(&[("api", 3, RR), ("one", 1, RR), ("two", 2, RR)]);
         assert!(shards.of("one").is_none());
         let api = shards.of("api").unwrap();
         api.leased("a", 2);
@@ -399,7 +430,7 @@ mod tests {
         };
         api.full("k", 1, &w, &refused);
         let two = shards.of("two").unwrap();
-        shards.set(&[("api", 3), ("two", 3)]);
+        shards.set(&[("api", 3, RR), ("two", 3, RR)]);
         // The same sub-logs, with their leases, and no refusal.
         let kept = shards.of("api").unwrap();
         assert!(Arc::ptr_eq(&api, &kept));
@@ -413,13 +444,47 @@ mod tests {
         assert!(!Arc::ptr_eq(&two, &three) && three.len() == 3 && two.len() == 2);
         shards.set(&[]);
         assert!(shards.of("api").is_none() && shards.of("two").is_none());
-        shards.set(&[("api", 3)]);
+        shards.set(&[("api", 3, RR)]);
         assert!(!Arc::ptr_eq(&api, &shards.of("api").unwrap()));
     }
 
     #[test]
+    fn home_starts_every_request_at_the_instances_own_sub_log_then_goes_on_in_turn() {
+        // Instance 4 of a route of 3 sub-logs: its own is 4 mod 3.
+        let shards = Shards::with_instance(4);
+        shards.set(&[("api", 3, SubLogStart::Home), ("rr", 3, RR)]);
+        let api = shards.of("api").unwrap();
+        for _ in 0..4 {
+            assert_eq!(api.order().collect::<Vec<_>>(), [1, 2, 0]);
+        }
+        // Round-robin on the same instance, for another route.
+        let rr = shards.of("rr").unwrap();
+        let firsts: Vec<usize> = (0..3).map(|_| rr.order().next().unwrap()).collect();
+        assert_eq!(firsts, [0, 1, 2]);
+        // A reload may turn a kept route either way, with its sub-logs and leases.
+        api.leased("l", 2);
+        shards.set(&[("api", 3, RR)]);
+        let kept = shards.of("api").unwrap();
+        assert!(Arc::ptr_eq(&api, &kept));
+        let firsts: Vec<usize> = (0..3).map(|_| kept.order().next().unwrap()).collect();
+        assert_eq!(firsts, [0, 1, 2]);
+        shards.set(&[("api", 3, SubLogStart::Home)]);
+        assert_eq!(kept.order().next(), Some(1));
+        assert_eq!(
+            kept.lease_groups(&["l"], false),
+            [vec![], vec![], vec!["l"]]
+        );
+        // Another count: its own is the index modulo the new count.
+        shards.set(&[("api", 2, SubLogStart::Home)]);
+        assert_eq!(
+            shards.of("api").unwrap().order().collect::<Vec<_>>(),
+            [0, 1]
+        );
+    }
+
+    #[test]
     fn a_lease_goes_back_to_its_sub_log_and_is_forgotten_on_release() {
-        let s = Sharded::new("api", 3);
+        let s = Sharded::new("api", 3, 0);
         s.leased("a", 2);
         s.leased("b", 0);
         assert_eq!(

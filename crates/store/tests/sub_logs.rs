@@ -2,19 +2,25 @@
 //! the limit admitted across the sub-logs (each holds its share, on a slot of its own, on three
 //! masters of the cluster), least-used counts within the sub-log count of each other, a
 //! cooldown written to every sub-log, reads that sum them, a refusal without a call once every
-//! sub-log is known full, and one sub-log leaving every key as it was.
+//! sub-log is known full, one sub-log leaving every key as it was, and, with
+//! `state_shards_start: home`, each instance's requests in its own sub-log until its share is
+//! spent, then in the others, exactly the limit in all.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
+use sluice_allocator::{
+    Assign, Assignment, MemoryStore, Order, PoolMember, StateStore, SubLogStart,
+};
 use sluice_limiter::{Acquire, Window};
 use sluice_store::keys::{self, sub_log};
 use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::{RedisCluster, RedisServer};
 
 const SHARDS: u32 = 3;
+const RR: SubLogStart = SubLogStart::RoundRobin;
+const HOME: SubLogStart = SubLogStart::Home;
 
 fn hour(limit: u64) -> Vec<Window> {
     vec![Window {
@@ -144,7 +150,7 @@ fn sub_logs_admit_exactly_the_limit_on_a_single_redis() {
     let rt = runtime();
     const LIMIT: u64 = 40;
     let store: Arc<dyn StateStore> = Arc::new(rt.block_on(async { single(&server) }));
-    store.shard_routes(&[("api", SHARDS), ("pool", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR), ("pool", SHARDS, RR)]);
     // A read sums the sub-logs' shares: the whole limit, before any request.
     let windows = hour(LIMIT);
     let read = rt
@@ -192,7 +198,7 @@ fn a_cooldown_reaches_every_sub_log_and_reads_sum_them() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS), ("keys", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR), ("keys", SHARDS, RR)]);
     let pool = members(2);
     // Sync the pools by assigning once in each sub-log.
     for _ in 0..SHARDS {
@@ -267,7 +273,7 @@ fn a_cooldown_reaches_the_other_sub_logs_when_one_fails() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let keys = keys::Keys::new("sluice");
     // The first sub-log after the route's own fails; the last one must still hear.
     let broken = keys.cooldowns(&sub_log("api", 1, SHARDS));
@@ -294,7 +300,7 @@ fn one_sub_log_keeps_every_key_of_a_route_without_them() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", 1)]);
+    store.shard_routes(&[("api", 1, RR)]);
     let windows = hour(5);
     let pool = members(2);
     rt.block_on(store.assign(least_used(
@@ -317,8 +323,111 @@ fn one_sub_log_keeps_every_key_of_a_route_without_them() {
 fn the_memory_store_keeps_one_exact_log() {
     let rt = runtime();
     let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR), ("home", SHARDS, HOME)]);
     assert_eq!(rt.block_on(burst(&store, "api", 40, 150)), 40);
+    assert_eq!(rt.block_on(burst(&store, "home", 40, 150)), 40);
+}
+
+/// Two instances, of indices 0 and 1, on a route whose requests start at the instance's own
+/// sub-log (`state_shards_start: home`), `held` reading each sub-log's hour log: each instance's
+/// requests land in its own sub-log while it has room (so they share its batch lane); past its
+/// share they go on to the others in turn, sub-log 2 (no instance's own) among them, and the
+/// route admits exactly its limit, no more, under a concurrent burst from both.
+fn each_instance_starts_at_its_own_sub_log(
+    rt: &tokio::runtime::Runtime,
+    stores: &[Arc<dyn StateStore>; 2],
+    held: impl Fn() -> Vec<i64>,
+) {
+    const LIMIT: u64 = 40;
+    for store in stores {
+        store.shard_routes(&[("api", SHARDS, HOME)]);
+    }
+    let windows = hour(LIMIT);
+    let one = |store: &Arc<dyn StateStore>| {
+        rt.block_on(store.acquire(acquire("api", &windows, 1)))
+            .unwrap()
+            .admitted
+    };
+    for _ in 0..5 {
+        assert!(one(&stores[0]));
+    }
+    assert_eq!(
+        held(),
+        [5, 0, 0],
+        "instance 0's requests in its own sub-log"
+    );
+    for _ in 0..4 {
+        assert!(one(&stores[1]));
+    }
+    assert_eq!(held(), [5, 4, 0], "instance 1's in its own");
+    // Instance 0 fills its own share (14 = 40 / 3 and the remainder), then goes on in turn.
+    for _ in 0..9 {
+        assert!(one(&stores[0]));
+    }
+    assert_eq!(held(), [14, 4, 0]);
+    assert!(one(&stores[0]), "admitted by the next sub-log in turn");
+    assert_eq!(held(), [14, 5, 0]);
+    // Both at once, far past the limit: exactly what is left, each sub-log to its share.
+    let admitted = rt.block_on(async {
+        let (a, b) = tokio::join!(
+            burst(&stores[0], "api", LIMIT, 75),
+            burst(&stores[1], "api", LIMIT, 75)
+        );
+        a + b
+    });
+    assert_eq!(admitted, LIMIT - 19, "exactly the limit in all, never more");
+    assert_eq!(held(), [14, 13, 13], "each sub-log filled to its share");
+    let read = rt
+        .block_on(stores[1].acquire(acquire("api", &windows, 0)))
+        .unwrap();
+    assert_eq!(read.windows[0].remaining, 0);
+    assert!(!one(&stores[0]) && !one(&stores[1]));
+    assert_eq!(held(), [14, 13, 13]);
+}
+
+#[test]
+fn each_instance_starts_at_its_own_sub_log_on_a_single_redis() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let stores = rt.block_on(async {
+        [0, 1].map(|i| Arc::new(single(&server).with_instance_index(i)) as Arc<dyn StateStore>)
+    });
+    each_instance_starts_at_its_own_sub_log(&rt, &stores, || {
+        entries("api", |k| integer(&server, &["ZCARD", k]))
+    });
+}
+
+/// The same on a 3-master cluster, where each instance's own sub-log is on a master of its
+/// own.
+#[test]
+fn each_instance_starts_at_its_own_sub_log_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let rt = runtime();
+    let stores = rt.block_on(async {
+        [0, 1].map(|i| {
+            let connection =
+                RedisConnection::cluster(&cluster.urls(), Duration::from_secs(5)).unwrap();
+            Arc::new(
+                RedisStore::with_connection(Arc::new(connection), "sluice").with_instance_index(i),
+            ) as Arc<dyn StateStore>
+        })
+    });
+    let keys = keys::Keys::new("sluice");
+    let masters: HashSet<u16> = (0..SHARDS)
+        .map(|i| {
+            let log = keys.quota_log(&sub_log("api", i, SHARDS), "hour", "");
+            cluster.master_of(&log).unwrap()
+        })
+        .collect();
+    assert_eq!(masters.len(), 3, "three masters");
+    each_instance_starts_at_its_own_sub_log(&rt, &stores, || {
+        entries("api", |k| {
+            let port = cluster.master_of(k).unwrap();
+            cluster.nodes()[cluster.index_of(port)]
+                .integer(&["ZCARD", k])
+                .unwrap_or(0)
+        })
+    });
 }
 
 /// On a cluster made by `redis-cli --cluster create`, three sub-logs sit on three masters, and
@@ -334,7 +443,7 @@ fn sub_logs_spread_over_the_masters_of_a_cluster_and_admit_exactly_the_limit() {
             "sluice",
         )
     }));
-    store.shard_routes(&[("api", SHARDS), ("pool", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR), ("pool", SHARDS, RR)]);
     let admitted = rt.block_on(burst(&store, "api", LIMIT, 150));
     assert_eq!(admitted, LIMIT, "exactly the limit, across the sub-logs");
     let keys = keys::Keys::new("sluice");
@@ -386,7 +495,7 @@ fn a_lease_goes_back_to_the_sub_log_that_took_it() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let pool = members(3);
     let take = |id: &str| {
         let ask = Assign {
@@ -462,7 +571,7 @@ fn a_renewal_and_a_release_reach_the_other_sub_logs_when_one_fails() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let pool = members(3);
     let ids: Vec<String> = (0..6).map(|k| format!("l{k}")).collect();
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
@@ -554,7 +663,7 @@ fn a_session_keeps_its_member_through_its_own_sub_log() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let pool = members(3);
     let ask = |session| Assign {
         sticky: Some(sluice_allocator::Sticky {
@@ -611,7 +720,7 @@ fn members_busy_for_one_request_leave_no_hint_for_the_others() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     // m0 holds one request an hour in each sub-log; m1 has no windows.
     let pool = vec![
         PoolMember {
@@ -647,7 +756,7 @@ fn a_large_refused_cost_leaves_room_for_a_small_one() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     // 300 an hour: 100 in each sub-log, 99 left in each after one unit there.
     let windows = hour(300);
     for _ in 0..SHARDS {
@@ -687,7 +796,7 @@ fn a_reload_forgets_what_the_sub_logs_refused() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let small = hour(u64::from(SHARDS));
     for _ in 0..SHARDS {
         assert!(
@@ -701,7 +810,7 @@ fn a_reload_forgets_what_the_sub_logs_refused() {
         .unwrap();
     assert!(!full.admitted, "every sub-log at its share");
     // A reload that keeps the sub-logs but raises the limit: the next request is admitted.
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let raised = hour(u64::from(2 * SHARDS));
     let after = rt
         .block_on(store.acquire(acquire("api", &raised, 1)))
@@ -715,7 +824,7 @@ fn a_quota_call_after_every_sub_log_was_busy_gets_an_answer() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let pool = vec![PoolMember {
         id: "m0".into(),
         windows: hour(u64::from(SHARDS)).into(),
@@ -744,7 +853,7 @@ fn a_refusal_under_the_old_limits_says_nothing_of_the_new() {
     let rt = runtime();
     let redis = rt.block_on(async { single(&server) });
     let store: &dyn StateStore = &redis;
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let small = hour(u64::from(SHARDS));
     for _ in 0..=SHARDS {
         rt.block_on(store.acquire(acquire("api", &small, 1)))
@@ -753,7 +862,7 @@ fn a_refusal_under_the_old_limits_says_nothing_of_the_new() {
     // A request still decided by the config in force before a reload is refused after the
     // reload forgot the hints (it raced the swap), and leaves a hint: a request under the new,
     // raised limit does not take it for its own.
-    store.shard_routes(&[("api", SHARDS)]);
+    store.shard_routes(&[("api", SHARDS, RR)]);
     let late = rt
         .block_on(store.acquire(acquire("api", &small, 1)))
         .unwrap();

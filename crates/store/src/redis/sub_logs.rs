@@ -84,8 +84,9 @@ impl RedisStore {
     }
 
     /// A request on a route with sub-logs: a read (cost 0) reads every sub-log at once
-    /// ([`RedisStore::on_each_log`]) and sums; else the sub-logs in turn, skipping those known
-    /// full, until one admits it or every one refused. A sub-log is charged only when it
+    /// ([`RedisStore::on_each_log`]) and sums; else the sub-logs in turn from the route's start
+    /// ([`Sharded::order`]), skipping those known full, until one admits it or every one
+    /// refused. A sub-log is charged only when it
     /// admits: a request is charged once.
     pub(super) async fn acquire_sharded(
         &self,
@@ -181,7 +182,8 @@ impl RedisStore {
         let windows = ask.quota.map_or(&[][..], |q| q.windows);
         let mine = windows.len();
         let cost = ask.quota.map_or(ask.cost, |q| q.cost);
-        // A session starts at its own sub-log, where its binding is; others at the next in turn.
+        // A session starts at its own sub-log, where its binding is; others where the route
+        // starts its requests (the next in turn, or this instance's own).
         let order: Vec<usize> = match ask.sticky {
             Some(sticky) => {
                 let home = sharded.home(sticky.session);
