@@ -3,7 +3,8 @@
 //! its share, in a slot of its own, on three masters of the cluster), `/status` summing the
 //! sub-logs, least-used totals within three of each other, and the memory store keeping one log;
 //! a route's `max_in_flight` split over the sub-logs, each lease released in the sub-log that
-//! took it.
+//! took it; with `state_shards_start: home`, each gateway's requests in its own sub-log until
+//! its share is spent, then in the others, exactly the limit in all.
 
 mod support;
 
@@ -18,7 +19,10 @@ use support::{
 const LIMIT: u64 = 40;
 const SHARDS: u64 = 3;
 
-on_both_stores!(sub_logs_admit_exactly_the_limit);
+on_both_stores!(
+    sub_logs_admit_exactly_the_limit,
+    each_gateway_starts_at_its_own_sub_log
+);
 
 /// A least-used route `name` over `members` with a quota of `LIMIT` an hour, in three sub-logs.
 fn hot(name: &str, members: &[String]) -> Route {
@@ -102,6 +106,76 @@ async fn sub_logs_admit_exactly_the_limit(backend: Backend) {
         .collect();
     held.sort_unstable();
     assert_eq!(held, [13, 13, 14], "{keys}");
+}
+
+/// `state_shards_start: home`, two gateways of `instance_index` 0 and 1 on Redis: each one's
+/// requests land in its own sub-log (0, the route's own keys, and 1); a burst from both past
+/// the limit goes on to the others, sub-log 2 (neither's own) among them, and exactly the limit
+/// is admitted in all. On the memory store (one log whatever the route says), one gateway
+/// admits exactly the limit too.
+async fn each_gateway_starts_at_its_own_sub_log(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let route = hot("api", &members).state_shards_start("home");
+    let gateways: Vec<Gateway> = (0..store.instances())
+        .map(|i| {
+            let state = match store.redis() {
+                Some(_) => store.state().instance_index(i as u32),
+                None => store.state(),
+            };
+            Config::new().state(state).route(route.clone()).start()
+        })
+        .collect();
+    let mut before = 0;
+    if let Some(redis) = store.redis() {
+        // Each sub-log's hour log, by key: sub-log 0's has no `#` in its tag.
+        let logs = || -> Vec<(bool, i64)> {
+            let keys = redis.command(&["KEYS", "sluice:{api*:q:hour:*"]).unwrap();
+            let mut logs: Vec<(bool, i64)> = keys
+                .lines()
+                .filter(|k| !k.is_empty())
+                .map(|k| (k.contains('#'), redis.integer(&["ZCARD", k]).unwrap()))
+                .collect();
+            logs.sort_unstable();
+            logs
+        };
+        for (gateway, n) in [(0, 5), (1, 4)] {
+            for _ in 0..n {
+                let addr = gateways[gateway].proxy_addr();
+                let r = support::request(addr, "GET", "api.test", "/", &[], b"").await;
+                assert_eq!(r.status, 200, "{}", r.text());
+            }
+        }
+        assert_eq!(
+            logs(),
+            [(false, 5), (true, 4)],
+            "gateway 0's requests in sub-log 0, gateway 1's in one other"
+        );
+        before = 9;
+    }
+    let statuses = burst(&gateways, "api.test").await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 429).count() as u64 + admitted,
+        160
+    );
+    assert_eq!(admitted + before, LIMIT, "exactly the limit, never more");
+    assert_eq!(
+        backends.iter().map(|b| b.proxied_requests()).sum::<u64>(),
+        LIMIT
+    );
+    let Some(redis) = store.redis() else {
+        return;
+    };
+    let keys = redis.command(&["KEYS", "sluice:{api*:q:hour:*"]).unwrap();
+    let mut held: Vec<i64> = keys
+        .lines()
+        .filter(|k| !k.is_empty())
+        .map(|k| redis.integer(&["ZCARD", k]).unwrap())
+        .collect();
+    held.sort_unstable();
+    assert_eq!(held, [13, 13, 14], "each sub-log to its share: {keys}");
 }
 
 /// On a 3-master Redis Cluster, the three sub-logs sit on three masters, each holding its

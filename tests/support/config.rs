@@ -97,6 +97,8 @@ struct RedisState {
     tls: Option<RedisTls>,
     #[serde(skip_serializing_if = "Option::is_none")]
     batch: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    instance_index: Option<u32>,
 }
 
 /// `state.redis.tls:`.
@@ -130,6 +132,7 @@ impl State {
                 timeout: Some(REDIS_TIMEOUT.into()),
                 tls: None,
                 batch: None,
+                instance_index: None,
             }),
         }
     }
@@ -144,6 +147,7 @@ impl State {
                 timeout: Some(REDIS_TIMEOUT.into()),
                 tls: None,
                 batch: None,
+                instance_index: None,
             }),
         }
     }
@@ -163,6 +167,15 @@ impl State {
             .as_mut()
             .expect("batch needs backend: redis")
             .batch = Some(on);
+        self
+    }
+
+    /// Sets `state.redis.instance_index` (a redis backend only).
+    pub fn instance_index(mut self, index: u32) -> State {
+        self.redis
+            .as_mut()
+            .expect("an instance index needs backend: redis")
+            .instance_index = Some(index);
         self
     }
 
@@ -300,6 +313,8 @@ pub struct Route {
     fallback: Vec<Fallback>,
     #[serde(skip_serializing_if = "Option::is_none")]
     state_shards: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_shards_start: Option<String>,
 }
 
 /// One entry of a route's `fallback`.
@@ -478,6 +493,7 @@ impl Route {
             quota: None,
             fallback: Vec::new(),
             state_shards: None,
+            state_shards_start: None,
         }
     }
 
@@ -625,6 +641,12 @@ impl Route {
     /// `state_shards`: the route's state kept as `n` sub-logs on Redis.
     pub fn state_shards(mut self, n: u32) -> Route {
         self.state_shards = Some(n);
+        self
+    }
+
+    /// `state_shards_start`: `round_robin` or `home`.
+    pub fn state_shards_start(mut self, start: &str) -> Route {
+        self.state_shards_start = Some(start.into());
         self
     }
 
