@@ -55,22 +55,29 @@
 local function assign_one()
   local cost = ARGV[2]
   local order = ARGV[3]
-  local leasing = string.sub(order, -1) == 'l'
-  if leasing then
-    order = string.sub(order, 1, -2)
+  -- The usual orders, "L" and "P", are known without taking the text apart (each string.sub
+  -- is a call and a string).
+  local least_used = order == 'L'
+  local leasing, sticking, usage, client = false, false, false, false
+  if not least_used and order ~= 'P' then
+    leasing = string.sub(order, -1) == 'l'
+    if leasing then
+      order = string.sub(order, 1, -2)
+    end
+    sticking = string.sub(order, -1) == 's'
+    if sticking then
+      order = string.sub(order, 1, -2)
+    end
+    least_used = string.sub(order, 1, 1) == 'L'
+    usage = string.sub(order, -1) == 'u'
+    client = string.sub(order, 2, 2) == 'c'
   end
-  local sticking = string.sub(order, -1) == 's'
-  if sticking then
-    order = string.sub(order, 1, -2)
-  end
-  local least_used = string.sub(order, 1, 1) == 'L'
-  local usage = string.sub(order, -1) == 'u'
   -- Arguments per window: name, limit, length, and with usage its amount and score.
   local per = usage and 5 or 3
   local route_windows = tonumber(ARGV[5]) or 0
   local client_at = 7 + per * route_windows
   local client_windows = 0
-  if string.sub(order, 2, 2) == 'c' then
+  if client then
     client_windows = ARGV[client_at] + 0
   end
   local excluded, count, at =
@@ -320,7 +327,10 @@ local function assign_view(pool)
   if n > ASSIGN_VIEW_MAX then
     v = false
   else
-    v = { n = n, less = false }
+    -- Built with the slots of a pool of up to four members, so that a small pool's view is
+    -- allocated once (a table that outgrows its constructor is rehashed, each time it does).
+    v = { false, false, false, false, false, false, false, false, false, false, false, false,
+      n = n, less = false }
     for i = 1, n do
       local j, count = 3 * i, read[2 * i] + 0
       v[j - 2], v[j - 1], v[j] = read[2 * i - 1], count, count
@@ -328,22 +338,6 @@ local function assign_view(pool)
   end
   assign_views[pool] = v
   return v
-end
-
--- One more assignment for the member at slot j of view v, which moves it after the members
--- that now come before it: those of a lower count, or of the same count and a lower id.
-local function assign_view_count(v, j)
-  local id, stored, count = v[j], v[j + 1], v[j + 2] + 1
-  local k, last = j + 3, 3 * v.n
-  while k <= last do
-    local c = v[k + 2]
-    if c > count or (c == count and pool_id_less(v, id, v[k])) then
-      break
-    end
-    v[k - 3], v[k - 2], v[k - 1] = v[k], v[k + 1], v[k + 2]
-    k = k + 3
-  end
-  v[k - 3], v[k - 2], v[k - 1] = id, stored, count
 end
 
 -- Writes the counts view v changed, in one command.
@@ -361,8 +355,8 @@ local function assign_view_write(pool, v)
   end
 end
 
--- Writes everything the call holds, and holds nothing more.
-local function assign_write()
+-- Writes everything the call holds, and (unless the call ends here: `last`) holds nothing more.
+local function assign_write(last)
   for pool, v in pairs(assign_views) do
     if v then
       assign_view_write(pool, v)
@@ -373,7 +367,9 @@ local function assign_write()
       quota_finish(assign_finish[i])
     end
   end
-  assign_quotas, assign_finish, assign_cool, assign_views = {}, {}, {}, {}
+  if not last then
+    assign_quotas, assign_finish, assign_cool, assign_views = {}, {}, {}, {}
+  end
 end
 
 -- The members cooling (cooldowns key `cool`), as the first request that reads them sees them:
@@ -426,48 +422,38 @@ local function assign_prepare(k, a)
     k = k + 1 + r_windows
   end
   r_k, r_qof = k, {}
-  assign_w.found = {}
+  -- What the walks of members.lua read of the request (members_find, members_settle), once
+  -- per run of requests. members_find's cache of where each member's arguments lie is made
+  -- only for a walk of members.lua's: assign_decide's own keeps what it finds per member.
+  local w = assign_w
+  w.at, w.k_at, w.excluded, w.cost, w.found = r_at, r_k, r_excluded, r_cost, false
 end
 
--- members_offer for a call that holds its members' quota states: the same decision, found
--- once per run of requests.
-local function assign_offer(w, id)
-  if w.excluded[id] then
-    return false
-  end
-  w.eligible = true
-  local left = w.cooling and w.cooling[id]
-  if left then
-    w.deferred = w.deferred or {}
-    w.deferred[#w.deferred + 1] = id
-    w.deferred[#w.deferred + 1] = left
-    return false
-  end
-  local mq = r_qof[id]
-  if mq == nil then
-    local at, windows, k = members_find(w, id)
-    mq = at and windows > 0 and assign_quota(k, windows, at) or false
-    r_qof[id] = mq
-  end
-  if mq then
-    quota_admit(mq, w.cost)
-    if mq.admitted == 0 then
-      members_note(w, mq.retry_after)
-      return false
-    end
-    quota_record(mq)
-  end
-  w.chosen = id
-  return true
+-- The quota state this call holds for member `id` of the request assign_prepare read (false:
+-- it has no windows), found once per run of requests.
+local function assign_member_quota(id)
+  -- Found directly: what it finds is kept here, per member (members_find's own cache is for
+  -- the walks of members.lua).
+  local at, windows, k = members_find(assign_w, id, true)
+  local mq = at and windows > 0 and assign_quota(k, windows, at) or false
+  r_qof[id] = mq
+  return mq
 end
 
--- Decides the request assign_prepare read, exactly as assign_one would in a call of its own,
--- and writes its reply into `out` after its first `o` values. Returns the index of its reply's
--- last value.
-local function assign_decide(out, o)
+-- Decides `n` requests on the arguments assign_prepare read (one, then those sent as "="), each
+-- exactly as assign_one would in a call of its own, and writes their replies into `out` after
+-- its first `o` values. Returns the index of the last reply's last value. What every request
+-- of the run would find the same is found once: the pool's view, the route quota's state and
+-- the cooldowns, which the call holds. On a pool the call holds in a view, the walk is
+-- members_offer's, written out here on the call's own state: most requests of a batch take
+-- this path, and each function call and table write they skip is a part of a request's cost.
+local function assign_decide(out, o, n)
   local pool, v, first = r_pool, false, false
   if pool then
-    v = assign_view(pool)
+    v = assign_views[pool]
+    if v == nil then
+      v = assign_view(pool)
+    end
     if v then
       first = v.n > 0
     else
@@ -477,71 +463,143 @@ local function assign_decide(out, o)
       end
     end
     if not first then
-      -- The pool does not exist: nothing changed.
-      local last = o + 3 + (r_windows_text == '' and 0 or 2 + 2 * r_windows)
-      out[o + 1], out[o + 2] = 3, ''
-      for j = o + 3, last do
+      -- The pool does not exist: nothing changed, for any request of the run (only a member
+      -- assigned from an existing pool writes it).
+      local last = o + n * (3 + (r_windows_text == '' and 0 or 2 + 2 * r_windows))
+      for j = o + 1, last do
         out[j] = 0
+      end
+      for j = o + 2, last, 3 + (r_windows_text == '' and 0 or 2 + 2 * r_windows) do
+        out[j - 1], out[j] = 3, ''
       end
       return last
     end
   end
-  local q
+  local q = false
   if r_windows_text ~= '' then
     q = assign_quota(r_qk, r_windows, r_qa)
-    quota_admit(q, r_quota_cost)
-    if q.admitted == 0 then
+  end
+  local cooling, cooled = false, false
+  local excluded, qof, cost = r_excluded, r_qof, r_cost
+  for r = 1, n do
+    if r > 1 and pool and not v then
+      -- A larger pool is read again for each request, as a call of its own reads it.
+      first = members_first(pool, r_count)
+    end
+    local refused = false
+    if q then
+      quota_admit(q, r_quota_cost)
+      refused = q.admitted == 0
+    end
+    if refused then
       out[o + 1], out[o + 2], out[o + 3] = 0, '', 0
       quota_reply(q, 0, out, o + 3)
-      return o + 5 + 2 * q.n
-    end
-  end
-  local cooling = false
-  if r_cool then
-    cooling = assign_cooling(r_cool, pool, r_excluded)
-    if pool then
-      v = assign_view(pool)
-      if not v then
-        -- A raise may have changed counts since the first read.
-        first = members_first(pool, r_count)
+      o = o + 5 + 2 * q.n
+    else
+      if r_cool and not cooled then
+        -- The first request of the run that gets this far reads them (the call's, once).
+        cooled = true
+        cooling = assign_cool[r_cool]
+        if cooling == nil then
+          cooling = assign_cooling(r_cool, pool, r_excluded)
+          if pool then
+            v = assign_view(pool)
+            if not v then
+              -- A raise may have changed counts since the first read.
+              first = members_first(pool, r_count)
+            end
+          end
+        end
+      end
+      local chosen, eligible, wait, deferred = nil, false, nil, false
+      if v then
+        -- members_offer over the view, in its order, each member's quota state held by the
+        -- call.
+        local last = 3 * v.n
+        for j = 1, last, 3 do
+          local id = v[j]
+          if not excluded[id] then
+            eligible = true
+            local left = cooling and cooling[id]
+            if left then
+              deferred = deferred or {}
+              deferred[#deferred + 1] = id
+              deferred[#deferred + 1] = left
+            else
+              local mq = qof[id]
+              if mq == nil then
+                mq = assign_member_quota(id)
+              end
+              if mq then
+                quota_admit(mq, cost)
+              end
+              if not mq or mq.admitted == 1 then
+                if mq then
+                  quota_record(mq)
+                end
+                chosen = id
+                -- One more assignment for it, which moves it after the members that now
+                -- come before it: those of a lower count, or of the same count and a lower id.
+                local stored, count, k = v[j + 1], v[j + 2] + 1, j + 3
+                while k <= last do
+                  local c = v[k + 2]
+                  if c > count or (c == count and pool_id_less(v, id, v[k])) then
+                    break
+                  end
+                  v[k - 3], v[k - 2], v[k - 1] = v[k], v[k + 1], c
+                  k = k + 3
+                end
+                v[k - 3], v[k - 2], v[k - 1] = id, stored, count
+                break
+              end
+              if not wait or mq.retry_after < wait then
+                wait = mq.retry_after
+              end
+            end
+          end
+        end
+      else
+        local w = assign_w
+        w.cooling, w.chosen, w.eligible, w.wait, w.deferred = cooling, nil, false, nil, false
+        if not w.found then
+          w.found = {}
+        end
+        if not pool then
+          members_walk_listed(w)
+        else
+          members_walk_pool(w, pool, r_count, first)
+          if w.chosen then
+            pool_assign(pool, w.chosen)
+          end
+        end
+        chosen, eligible, wait, deferred = w.chosen, w.eligible, w.wait, w.deferred
+      end
+      if chosen then
+        if q then
+          quota_record(q)
+        end
+        out[o + 1], out[o + 2], out[o + 3] = 1, chosen, 0
+      elseif eligible then
+        if deferred then
+          local w = assign_w
+          w.cooling, w.wait, w.deferred = cooling, wait, deferred
+          members_settle(w)
+          wait = w.wait
+        end
+        out[o + 1], out[o + 2], out[o + 3] = 4, '', wait or 0
+      else
+        out[o + 1], out[o + 2], out[o + 3] = 2, '', 0
+      end
+      if q then
+        -- Admissible, but recorded only when a member was assigned.
+        quota_reply(q, 1, out, o + 3)
+        o = o + 5 + 2 * q.n
+      else
+        o = o + 3
       end
     end
   end
-  local w = assign_w
-  w.at, w.k_at, w.excluded, w.cooling, w.cost = r_at, r_k, r_excluded, cooling, r_cost
-  w.chosen, w.eligible, w.wait, w.deferred = nil, false, nil, false
-  if not pool then
-    members_walk_listed(w)
-  elseif v then
-    for j = 1, 3 * v.n, 3 do
-      if assign_offer(w, v[j]) then
-        assign_view_count(v, j)
-        break
-      end
-    end
-  else
-    members_walk_pool(w, pool, r_count, first)
-    if w.chosen then
-      pool_assign(pool, w.chosen)
-    end
-  end
-  if w.chosen then
-    if q then
-      quota_record(q)
-    end
-    out[o + 1], out[o + 2], out[o + 3] = 1, w.chosen, 0
-  elseif w.eligible then
-    members_settle(w)
-    out[o + 1], out[o + 2], out[o + 3] = 4, '', w.wait or 0
-  else
-    out[o + 1], out[o + 2], out[o + 3] = 2, '', 0
-  end
-  if not q then
-    return o + 3
-  end
-  -- Admissible, but recorded only when a member was assigned.
-  quota_reply(q, 1, out, o + 3)
-  return o + 5 + 2 * q.n
+  return o
 end
 
 assign_quotas, assign_finish, assign_cool, assign_views = {}, {}, {}, {}
@@ -549,8 +607,8 @@ assign_now, assign_clock = nil, nil
 assign_w = members_walk(0, 0, pool_none_excluded, false, '0', 0, 0)
 assign_w.cache = assign_quota
 -- Checked before anything is decided, so that a call refused changes nothing.
-local i, a = 2, nil
-while i <= #ARGV do
+local i, a, nargs = 2, nil, #ARGV
+while i <= nargs do
   if ARGV[i] == '=' and a then
     i = i + 1
   else
@@ -563,7 +621,7 @@ while i <= #ARGV do
 end
 local out, o, k, nk = {}, 0, 0, 0
 i = 2
-while i <= #ARGV do
+while i <= nargs do
   if ARGV[i] == '=' then
     -- The request before, again: its keys and arguments where they lie.
     i = i + 1
@@ -585,7 +643,12 @@ while i <= #ARGV do
     end
     assign_prepare(k, a)
   end
-  o = assign_decide(out, o)
+  -- It, and the requests after it sent as "=", decided on the same arguments.
+  local n = 1
+  while i <= nargs and ARGV[i] == '=' do
+    n, i = n + 1, i + 1
+  end
+  o = assign_decide(out, o, n)
 end
-assign_write()
+assign_write(true)
 return out
