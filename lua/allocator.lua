@@ -107,11 +107,41 @@ local function pool_id_less(v, a, b)
     of_a = {}
     known[a] = of_a
   end
+  -- Compared eight bytes a call of string.byte (each call costs more than its comparisons;
+  -- ids often share a long prefix). Bytes past the shorter id are not read, so a position
+  -- either id lacks is nil on both sides.
+  local n = #a < #b and #a or #b
   local answer = #a < #b
-  for i = 1, #a < #b and #a or #b do
-    local x, y = string.byte(a, i), string.byte(b, i)
-    if x ~= y then
-      answer = x < y
+  for i = 1, n, 8 do
+    local j = i + 7
+    if j > n then
+      j = n
+    end
+    local a1, a2, a3, a4, a5, a6, a7, a8 = string.byte(a, i, j)
+    local b1, b2, b3, b4, b5, b6, b7, b8 = string.byte(b, i, j)
+    if a1 ~= b1 then
+      answer = a1 < b1
+      break
+    elseif a2 ~= b2 then
+      answer = a2 < b2
+      break
+    elseif a3 ~= b3 then
+      answer = a3 < b3
+      break
+    elseif a4 ~= b4 then
+      answer = a4 < b4
+      break
+    elseif a5 ~= b5 then
+      answer = a5 < b5
+      break
+    elseif a6 ~= b6 then
+      answer = a6 < b6
+      break
+    elseif a7 ~= b7 then
+      answer = a7 < b7
+      break
+    elseif a8 ~= b8 then
+      answer = a8 < b8
       break
     end
   end
