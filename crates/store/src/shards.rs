@@ -176,9 +176,9 @@ impl Sharded {
         (0..n).map(move |k| (first + k) % n)
     }
 
-    /// The sub-log a sticky session starts at: its binding lives there (the session is
-    /// already a hash, and every instance reads the same).
-    pub(crate) fn home(&self, session: &str) -> usize {
+    /// The sub-log a sticky session starts at, whatever the instance's own: its binding lives
+    /// there (the session is already a hash, and every instance reads the same).
+    pub(crate) fn session_sub_log(&self, session: &str) -> usize {
         usize::from(keys::crc16(session.as_bytes())) % self.names.len()
     }
 
@@ -500,7 +500,7 @@ mod tests {
             s.lease_groups(&["a"], false),
             [vec!["a"], vec!["a"], vec!["a"]]
         );
-        assert_eq!(s.home("x"), s.home("x"));
+        assert_eq!(s.session_sub_log("x"), s.session_sub_log("x"));
     }
 
     #[test]

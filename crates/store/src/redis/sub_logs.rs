@@ -182,12 +182,13 @@ impl RedisStore {
         let windows = ask.quota.map_or(&[][..], |q| q.windows);
         let mine = windows.len();
         let cost = ask.quota.map_or(ask.cost, |q| q.cost);
-        // A session starts at its own sub-log, where its binding is; others where the route
-        // starts its requests (the next in turn, or this instance's own).
+        // A session starts at its own sub-log, where its binding is, whatever the instance's
+        // own; others where the route starts its requests (the next in turn, or this
+        // instance's own).
         let order: Vec<usize> = match ask.sticky {
             Some(sticky) => {
-                let home = sharded.home(sticky.session);
-                (0..n).map(|k| (home + k) % n).collect()
+                let first = sharded.session_sub_log(sticky.session);
+                (0..n).map(|k| (first + k) % n).collect()
             }
             None => sharded.order().collect(),
         };
