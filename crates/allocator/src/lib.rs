@@ -408,7 +408,13 @@ pub trait StateStore: Send + Sync + 'static {
     /// route with more than one as that many sub-logs, each with its share of every limit, under
     /// hash tags of their own. Every call on such a route answers for the route as a whole
     /// (reads sum the sub-logs).
-    fn shard_routes(&self, _routes: &[(&str, u32, SubLogStart)]) {}
+    ///
+    /// Returns how many of the routes ask to start at the instance's own sub-log
+    /// ([`SubLogStart::Home`]) but start in turn, since the store has no instance index (it is
+    /// read at start only): the caller says so.
+    fn shard_routes(&self, _routes: &[(&str, u32, SubLogStart)]) -> usize {
+        0
+    }
 
     /// Releases leases of `route` taken by [`Assign::lease`], all in one call: each stops
     /// counting. Idempotent: a lease already released or expired changes nothing.

@@ -38,13 +38,12 @@ pub fn open(config: &Config) -> Result<Arc<dyn StateStore>, String> {
         }
     }
     .map_err(|e| format!("cannot use the Redis of state.redis: {e}"))?;
-    // `check` wants an index wherever a route starts at an instance's own sub-log; one drawn
-    // at random serves a reload that brings such a route in before the restart that reads the
-    // index (still exact, only spread less evenly than indices 0, 1, 2, …).
-    let index = redis.instance_index.unwrap_or_else(|| fastrand::u32(..));
-    Ok(Arc::new(
-        RedisStore::with_connection(Arc::new(connection), &redis.key_prefix)
-            .with_batching(redis.batch)
-            .with_instance_index(index),
-    ))
+    // Without an index (read here only), a `home` route a reload brings in takes its
+    // sub-logs in turn until a restart, and the reload says so (table.rs).
+    let store = RedisStore::with_connection(Arc::new(connection), &redis.key_prefix)
+        .with_batching(redis.batch);
+    Ok(Arc::new(match redis.instance_index {
+        Some(index) => store.with_instance_index(index),
+        None => store,
+    }))
 }

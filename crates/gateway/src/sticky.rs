@@ -308,7 +308,7 @@ impl StateStore for Sticky {
         self.inner.retain_routes(routes).await
     }
 
-    fn shard_routes(&self, routes: &[(&str, u32, SubLogStart)]) {
+    fn shard_routes(&self, routes: &[(&str, u32, SubLogStart)]) -> usize {
         self.inner.shard_routes(routes)
     }
 

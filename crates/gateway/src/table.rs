@@ -175,7 +175,16 @@ impl Table {
                 (r.name.0.as_str(), r.state_shards.get(), start)
             })
             .collect();
-        state.shard_routes(&shards);
+        let unindexed = state.shard_routes(&shards);
+        if unindexed > 0 {
+            // `check` wants the index with any `home` route, but the running store's index is
+            // the one it started with: state settings apply at a restart.
+            tracing::warn!(
+                target: "sluice::reload",
+                routes = unindexed,
+                "state_shards_start: home needs state.redis.instance_index at start, and this instance started without one: those routes take their sub-logs in turn (round_robin) until a restart"
+            );
+        }
         // A client's max_in_flight counts the leases of its requests on every route.
         let capped = config
             .clients

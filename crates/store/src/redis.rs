@@ -113,13 +113,14 @@ impl RedisStore {
         self
     }
 
-    /// This instance's index (`state.redis.instance_index`; 0 without it): a route with
+    /// This instance's index (`state.redis.instance_index`): a route with
     /// `state_shards_start: home` starts each request at sub-log `index mod S`. Instances with
     /// indices 0, 1, 2, … start at every sub-log in turn, so their requests spread over the
-    /// sub-logs as evenly as the instances' loads. Set before the routes are
-    /// ([`StateStore::shard_routes`]): it starts a new table of them.
-    pub fn with_instance_index(mut self, index: u32) -> RedisStore {
-        self.shards = Arc::new(Shards::with_instance(index));
+    /// sub-logs as evenly as the instances' loads. Without one, a `home` route takes its
+    /// sub-logs in turn, as `round_robin` does. It sets the index only: routes already set
+    /// ([`StateStore::shard_routes`]) stay, and start at the new own sub-log.
+    pub fn with_instance_index(self, index: u32) -> RedisStore {
+        self.shards.set_instance(index);
         self
     }
 
@@ -1108,8 +1109,8 @@ impl StateStore for RedisStore {
         }
     }
 
-    fn shard_routes(&self, routes: &[(&str, u32, SubLogStart)]) {
-        self.shards.set(routes);
+    fn shard_routes(&self, routes: &[(&str, u32, SubLogStart)]) -> usize {
+        self.shards.set(routes)
     }
 
     async fn usage(

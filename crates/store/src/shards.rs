@@ -6,7 +6,7 @@
 //! limit (the remainder on the first ones), so that any window holds at most the sum of the
 //! shares, the limit. A request tries the sub-logs in turn from one this instance picks
 //! round-robin, or (`state_shards_start: home`) from this instance's own, its index modulo the
-//! sub-logs' count; a sub-log that refused says (in its answer) how much each window has left and
+//! sub-logs' count (round-robin still while the instance has no index); a sub-log that refused says (in its answer) how much each window has left and
 //! when its oldest entry leaves, and this instance skips it for a request whose cost does not fit
 //! one of them until then: a request that finds every sub-log known full for its cost is refused
 //! without a call. A hint is only ever a lower bound of when the sub-log has room, so a stale
@@ -43,20 +43,24 @@ pub(crate) struct Shards {
     /// Whether any route has more than one sub-log: when none has, a request looks no further.
     any: AtomicBool,
     routes: ArcSwap<Table>,
-    /// Held by a reload while it builds the next table from the one in force, so that two
-    /// reloads at once cannot lose one's table; never by a request.
-    reload: Mutex<()>,
-    /// This instance's index (`state.redis.instance_index`): its own sub-log of a route of S
-    /// is this modulo S.
-    instance: usize,
+    /// Held by a reload (or a change of index) while it builds the next table from the one in
+    /// force, so that two at once cannot lose one's change; never by a request. It holds this
+    /// instance's index (`state.redis.instance_index`), whose own sub-log of a route of S is the
+    /// index modulo S; without one, a `home` route starts its requests in turn, as
+    /// `round_robin` does: one index for every instance would make them all start at one
+    /// sub-log, and one drawn at random would spread them unevenly and differently at each
+    /// start.
+    reload: Mutex<Option<u32>>,
 }
 
 impl Shards {
-    /// No sharded route yet, for the instance of index `instance`.
-    pub(crate) fn with_instance(instance: u32) -> Shards {
-        Shards {
-            instance: instance as usize,
-            ..Shards::default()
+    /// Makes `index` this instance's; the routes in force start at their own sub-log by it
+    /// from their next request.
+    pub(crate) fn set_instance(&self, index: u32) {
+        let mut instance = self.reload.lock().unwrap_or_else(|p| p.into_inner());
+        *instance = Some(index);
+        for sharded in self.routes.load().values() {
+            sharded.own_by(Some(index));
         }
     }
 
@@ -74,8 +78,12 @@ impl Shards {
     /// the new config may have raised a limit or added members, and a hint only saves a call. A
     /// request that read the table before goes on with what it read, as one that began before
     /// the reload.
-    pub(crate) fn set(&self, routes: &[(&str, u32, SubLogStart)]) {
-        let _reload = self.reload.lock().unwrap_or_else(|p| p.into_inner());
+    ///
+    /// Returns how many of `routes` ask to start at this instance's own sub-log (`home`) while
+    /// it has no index, and so start in turn instead.
+    pub(crate) fn set(&self, routes: &[(&str, u32, SubLogStart)]) -> usize {
+        let instance = self.reload.lock().unwrap_or_else(|p| p.into_inner());
+        let mut unindexed = 0;
         let mut map = Table::clone(&self.routes.load());
         let mut next = Table::default();
         for &(route, shards, start) in routes {
@@ -88,15 +96,17 @@ impl Shards {
             if let Some(kept) = &kept {
                 kept.hints.lock().unwrap_or_else(|p| p.into_inner()).clear();
             }
-            let sharded =
-                kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards, self.instance)));
+            let sharded = kept.unwrap_or_else(|| Arc::new(Sharded::new(route, shards)));
             let home = start == SubLogStart::Home;
             sharded.at_home.store(home, Ordering::Relaxed);
+            sharded.own_by(*instance);
+            unindexed += usize::from(home && instance.is_none());
             next.insert(route.into(), sharded);
         }
         let any = !next.is_empty();
         self.routes.store(Arc::new(next));
         self.any.store(any, Ordering::Release);
+        unindexed
     }
 }
 
@@ -110,8 +120,9 @@ pub(crate) struct Sharded {
     /// Whether every request starts at `own` instead (`state_shards_start: home`); a reload
     /// that keeps the route may turn it either way.
     at_home: AtomicBool,
-    /// This instance's own sub-log: its index modulo their count.
-    own: usize,
+    /// This instance's own sub-log, its index modulo their count, or [`NO_INDEX`] while the
+    /// instance has none (its requests then start in turn, `home` or not).
+    own: AtomicUsize,
     /// Per quota key ("" without a quota), per sub-log: the last refusal of its share of the
     /// route's quota windows, which says what each had left and until when. Only those windows' refusals are hints: they
     /// hold for every request with that key, whereas members busy hold only for the members a
@@ -144,18 +155,27 @@ impl Hint {
     }
 }
 
+/// [`Sharded::own`] of an instance without an index.
+const NO_INDEX: usize = usize::MAX;
+
 impl Sharded {
-    fn new(route: &str, shards: u32, instance: usize) -> Sharded {
+    fn new(route: &str, shards: u32) -> Sharded {
         Sharded {
             names: (0..shards)
                 .map(|i| keys::sub_log(route, i, shards))
                 .collect(),
             next: AtomicUsize::new(0),
             at_home: AtomicBool::new(false),
-            own: instance % shards.max(1) as usize,
+            own: AtomicUsize::new(NO_INDEX),
             hints: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Makes the instance's own sub-log that of `index` (none without one).
+    fn own_by(&self, index: Option<u32>) {
+        let own = index.map_or(NO_INDEX, |i| i as usize % self.names.len().max(1));
+        self.own.store(own, Ordering::Relaxed);
     }
 
     /// The number of sub-logs.
@@ -164,12 +184,13 @@ impl Sharded {
     }
 
     /// The sub-logs in the order the next request tries them: from this instance's own
-    /// (`home`), or from the next in turn; either way on through the others in turn, so a
-    /// request refused by its first goes on exactly as from any other.
+    /// (`home`, with an index), or from the next in turn; either way on through the others in
+    /// turn, so a request refused by its first goes on exactly as from any other.
     pub(crate) fn order(&self) -> impl Iterator<Item = usize> {
         let n = self.names.len();
-        let first = if self.at_home.load(Ordering::Relaxed) {
-            self.own
+        let own = self.own.load(Ordering::Relaxed);
+        let first = if self.at_home.load(Ordering::Relaxed) && own != NO_INDEX {
+            own
         } else {
             self.next.fetch_add(1, Ordering::Relaxed) % n
         };
@@ -365,7 +386,7 @@ mod tests {
 
     #[test]
     fn hints_say_full_until_they_pass_and_the_order_turns() {
-        let s = Sharded::new("api", 3, 0);
+        let s = Sharded::new("api", 3);
         assert_eq!(s.names[0], "api");
         let refused = |remaining, reset_us| Outcome {
             admitted: false,
@@ -451,8 +472,12 @@ mod tests {
     #[test]
     fn home_starts_every_request_at_the_instances_own_sub_log_then_goes_on_in_turn() {
         // Instance 4 of a route of 3 sub-logs: its own is 4 mod 3.
-        let shards = Shards::with_instance(4);
-        shards.set(&[("api", 3, SubLogStart::Home), ("rr", 3, RR)]);
+        let shards = Shards::default();
+        shards.set_instance(4);
+        assert_eq!(
+            shards.set(&[("api", 3, SubLogStart::Home), ("rr", 3, RR)]),
+            0
+        );
         let api = shards.of("api").unwrap();
         for _ in 0..4 {
             assert_eq!(api.order().collect::<Vec<_>>(), [1, 2, 0]);
@@ -483,8 +508,39 @@ mod tests {
     }
 
     #[test]
+    fn home_without_an_instance_index_takes_the_sub_logs_in_turn() {
+        let shards = Shards::default();
+        // Both routes ask for home; neither has an instance's own sub-log to start at.
+        let asked = [("api", 3, SubLogStart::Home), ("two", 2, SubLogStart::Home)];
+        assert_eq!(shards.set(&asked), 2, "both start in turn, and say so");
+        let api = shards.of("api").unwrap();
+        for _ in 0..2 {
+            let firsts: Vec<usize> = (0..3).map(|_| api.order().next().unwrap()).collect();
+            assert_eq!(
+                firsts,
+                [0, 1, 2],
+                "as round_robin: each sub-log first in turn"
+            );
+        }
+        assert_eq!(api.order().collect::<Vec<_>>(), [0, 1, 2]);
+        // An index set later reaches the routes in force, which it keeps, leases and all.
+        api.leased("l", 2);
+        shards.set_instance(5);
+        let kept = shards.of("api").unwrap();
+        assert!(Arc::ptr_eq(&api, &kept));
+        assert_eq!(kept.order().collect::<Vec<_>>(), [2, 0, 1]);
+        assert_eq!(shards.of("two").unwrap().order().next(), Some(1));
+        assert_eq!(
+            kept.lease_groups(&["l"], false),
+            [vec![], vec![], vec!["l"]]
+        );
+        assert_eq!(shards.set(&asked), 0);
+        assert_eq!(kept.order().next(), Some(2));
+    }
+
+    #[test]
     fn a_lease_goes_back_to_its_sub_log_and_is_forgotten_on_release() {
-        let s = Sharded::new("api", 3, 0);
+        let s = Sharded::new("api", 3);
         s.leased("a", 2);
         s.leased("b", 0);
         assert_eq!(
