@@ -5,7 +5,8 @@
 //! one binding in a cap's share. Reservations (settled later, in the sub-log they were taken
 //! from, which is not kept yet) are refused with more than one, and so is `priority` over
 //! members with windows of their own (below). `state_shards_start: home` needs sub-logs to
-//! start at, and on Redis an instance index to pick its own by.
+//! start at, on Redis an instance index to pick its own by, and requests that share store calls:
+//! it is refused where every request takes a lease or has a sticky session.
 
 use super::super::position::YamlPath;
 use super::super::schema::{RouteGrant, ShardsStart, StateBackend, WindowConfig, WindowUnit};
@@ -26,6 +27,11 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
             .redis
             .as_ref()
             .is_none_or(|r| r.instance_index.is_none());
+    // Said once, at the first route that needs it: the one setting serves them all.
+    let mut index_told = false;
+    // A client's cap counts the leases of its requests on every route, so with one, every
+    // request of every route takes a lease.
+    let capped = clients.iter().find(|c| c.max_in_flight.is_some());
     for (i, route) in config.routes.iter().enumerate() {
         let shards = route.state_shards.get();
         let route_at = YamlPath::root().key("routes").index(i);
@@ -33,13 +39,40 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
             let start_at = route_at.clone().key("state_shards_start");
             if shards == 1 {
                 problems.push((
-                    start_at,
+                    start_at.clone(),
                     "state_shards_start: home needs state_shards above 1: a route in one log has no sub-log to start at".to_string(),
                 ));
-            } else if unindexed {
+            } else if unindexed && !index_told {
+                index_told = true;
+                problems.push((
+                    start_at.clone(),
+                    "state_shards_start: home starts an instance's requests at sub-log state.redis.instance_index mod state_shards: set state.redis.instance_index, 0, 1, 2, … one of its own on each instance (`${NAME}` reads it from the environment)".to_string(),
+                ));
+            }
+            // A request with a lease or a sticky session keeps a store call of its own (the
+            // store's batch.rs), so starting every one at the instance's own sub-log fills no
+            // call; and a sub-log at its share of leases is not remembered as a full quota is,
+            // so each request would pay a refused call there before the next.
+            let own_calls = if route.max_in_flight.is_some() {
+                Some("max_in_flight".to_string())
+            } else if route.upstream.max_in_flight.is_some() {
+                Some("upstream.max_in_flight".to_string())
+            } else if route.upstream.selection.as_str() == "least_in_flight" {
+                Some("selection: least_in_flight".to_string())
+            } else if let Some(c) = capped {
+                Some(format!(
+                    "a client's max_in_flight (client {:?}), which makes every route's requests take leases",
+                    c.name.0
+                ))
+            } else if route.upstream.sticky.is_some() {
+                Some("upstream.sticky".to_string())
+            } else {
+                None
+            };
+            if let Some(why) = own_calls {
                 problems.push((
                     start_at,
-                    "state_shards_start: home starts an instance's requests at sub-log state.redis.instance_index mod state_shards: set state.redis.instance_index, 0, 1, 2, … one of its own on each instance (`${NAME}` reads it from the environment)".to_string(),
+                    format!("state_shards_start: home cannot be used with {why}: each such request (a lease, a sticky session) has a store call of its own, so home fills no call, and an instance's own sub-log at its share of leases costs a refused call before the next; leave the default, round_robin"),
                 ));
             }
         }
@@ -283,10 +316,62 @@ mod tests {
             "9:25: routes[0].state_shards_start",
             "set state.redis.instance_index",
         );
+        // Said once, at the first route, however many routes want it.
+        let second =
+            "  - name: b\n    match: {path_prefix: /b}\n    upstream: {}\n    state_shards: 2\n    state_shards_start: home\n";
+        one_error(
+            &format!("{}{}{second}", redis(""), home(3)),
+            "9:25: routes[0].state_shards_start",
+            "set state.redis.instance_index",
+        );
         // The memory store keeps one log whatever the route says: no index to pick by.
         assert!(errors(&home(3)).is_empty(), "{:?}", errors(&home(3)));
         one_error(&home(1), "5:25: routes[0].state_shards_start", "above 1");
         assert!(!errors(&route("    state_shards: 3\n    state_shards_start: own\n")).is_empty());
+    }
+
+    #[test]
+    fn home_is_refused_where_requests_keep_a_call_of_their_own() {
+        let home = |upstream: &str, more: &str| {
+            format!("routes:\n  - name: a\n    state_shards: 3\n    state_shards_start: home\n    upstream:\n      members: [{{url: http://k.test}}]\n{upstream}{more}")
+        };
+        let at = "4:25: routes[0].state_shards_start";
+        one_error(
+            &home("", "    max_in_flight: 3\n"),
+            at,
+            "with max_in_flight:",
+        );
+        one_error(
+            &home("      max_in_flight: 3\n", ""),
+            at,
+            "with upstream.max_in_flight:",
+        );
+        one_error(
+            &home("      selection: least_in_flight\n", ""),
+            at,
+            "with selection: least_in_flight:",
+        );
+        one_error(
+            &home(
+                "      sticky: { key: \"header:x-session\", max_bindings: 3 }\n",
+                "",
+            ),
+            at,
+            "with upstream.sticky:",
+        );
+        let capped = format!("clients:\n  list:\n    - name: c\n      tokens: [\"0123456789abcdef\"]\n      max_in_flight: 2\n{}", home("", ""));
+        one_error(
+            &capped,
+            "9:25: routes[0].state_shards_start",
+            "a client's max_in_flight (client \"c\")",
+        );
+        // Requests that share calls, and round_robin with leases, are fine.
+        for ok in [
+            home("", ""),
+            home("", "    max_in_flight: 3\n").replace("home", "round_robin"),
+        ] {
+            assert!(errors(&ok).is_empty(), "{ok}: {:?}", errors(&ok));
+        }
     }
 
     #[test]
