@@ -4,7 +4,9 @@
 //! cooldown written to every sub-log, reads that sum them, a refusal without a call once every
 //! sub-log is known full, one sub-log leaving every key as it was, and, with
 //! `state_shards_start: home`, each instance's requests in its own sub-log until its share is
-//! spent, then in the others, exactly the limit in all.
+//! spent, then in the others, exactly the limit in all; there, a session's binding still in the
+//! session's own sub-log, and a lease taken past the instance's own renewed and released where
+//! it was taken.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -560,6 +562,86 @@ fn a_lease_goes_back_to_the_sub_log_that_took_it() {
     assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 0, 0]);
 }
 
+/// On a `home` route (which `check` refuses with leases, since they share no call, but which
+/// the store must still keep exact), a lease the instance's own sub-log refuses at its share
+/// is taken in the next one, a refused call first each time (a sub-log at its share of leases
+/// is not remembered as full); its renewal and release go to that spill-over sub-log, one call
+/// each, and its room is taken again there, not in the instance's own.
+#[test]
+fn a_lease_taken_past_the_instances_own_sub_log_goes_back_there() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    // Instance 4: its own sub-log is 1, the spill-over one 2.
+    let redis = rt.block_on(async { single(&server).with_instance_index(4) });
+    let store: &dyn StateStore = &redis;
+    let pool = members(3);
+    // Every sub-log's pool made (a first assignment there syncs it), taken in turn; then home,
+    // by a reload that keeps the sub-logs: the calls below are the leases' own.
+    store.shard_routes(&[("api", SHARDS, RR)]);
+    for _ in 0..SHARDS {
+        let answer = rt
+            .block_on(store.assign(least_used("api", &pool, None, false)))
+            .unwrap();
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+    }
+    store.shard_routes(&[("api", SHARDS, HOME)]);
+    let (own, next) = (1, 2);
+    let calls = || server.command_calls("fcall") + server.command_calls("evalsha");
+    let take = |id: &str| {
+        let ask = Assign {
+            lease: Some(sluice_allocator::Lease {
+                id,
+                ttl_us: 60_000_000,
+                member_max: None,
+                route_max: Some(6),
+                client: None,
+            }),
+            ..least_used("api", &pool, None, false)
+        };
+        let before = calls();
+        let answer = rt.block_on(store.assign(ask)).unwrap();
+        assert!(matches!(answer, Assignment::Assigned { .. }), "{answer:?}");
+        calls() - before
+    };
+    let held = |i: u32| integer(&server, &["ZCARD", &lease_expiries("api", i)]);
+    let expiry = |i: u32, id: &str| {
+        let score = server
+            .command(&["ZSCORE", &lease_expiries("api", i), id])
+            .unwrap();
+        score.trim().parse::<f64>().ok()
+    };
+    // Two leases, the own sub-log's share of six: one call each, there.
+    assert_eq!((take("l0"), take("l1")), (1, 1));
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 2, 0]);
+    // The third: refused by the own sub-log, taken by the next.
+    assert_eq!(take("spill"), 2, "a refused call in the own sub-log first");
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 2, 1]);
+    let taken = expiry(next, "spill").expect("the lease is in the spill-over sub-log");
+    assert_eq!(expiry(own, "spill"), None);
+    // Renewed for an hour and released there, one call each.
+    let before = calls();
+    rt.block_on(store.renew("api", &["spill"], 3_600_000_000, None))
+        .unwrap();
+    let renewed = expiry(next, "spill").expect("still held there");
+    assert!(
+        renewed >= taken - 60_000_000.0 + 3_600_000_000.0,
+        "renewed in the sub-log that took it: {taken} then {renewed}"
+    );
+    rt.block_on(store.release("api", &["spill"])).unwrap();
+    assert_eq!(
+        calls() - before,
+        2,
+        "a renewal and a release, one call each"
+    );
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 2, 0]);
+    // Its room is taken again in the spill-over sub-log, past the own one at its share.
+    assert_eq!(take("again"), 2);
+    assert!(expiry(next, "again").is_some());
+    rt.block_on(store.release("api", &["l0", "l1", "again"]))
+        .unwrap();
+    assert_eq!((0..SHARDS).map(held).collect::<Vec<_>>(), [0, 0, 0]);
+}
+
 /// A sub-log whose lease calls fail (here its expiries key holds another type; in production
 /// its master out of reach) keeps neither a renewal nor a release from the others: each call
 /// says it failed, and the leases in every other sub-log are renewed, then released, all the
@@ -698,6 +780,52 @@ fn a_session_keeps_its_member_through_its_own_sub_log() {
         2
     );
     rt.block_on(store.unbind("api", "s1", &first)).unwrap();
+    assert_eq!(
+        rt.block_on(store.sticky_counts("api", None))
+            .unwrap()
+            .bindings,
+        1
+    );
+}
+
+/// On a `home` route (which `check` refuses with sticky sessions, but which the store must still
+/// keep right), a session starts at its own sub-log, not the instance's: its binding lives
+/// there, where every instance looks for it, and nothing of it is in the instance's own.
+#[test]
+fn a_session_on_a_home_route_keeps_its_binding_in_its_own_sub_log() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let session = u32::from(keys::crc16(b"s1")) % SHARDS;
+    // An instance whose own sub-log is another one.
+    let own = (session + 1) % SHARDS;
+    let redis = rt.block_on(async { single(&server).with_instance_index(own) });
+    let store: &dyn StateStore = &redis;
+    store.shard_routes(&[("api", SHARDS, HOME)]);
+    let pool = members(3);
+    let ask = Assign {
+        sticky: Some(sluice_allocator::Sticky {
+            session: "s1",
+            ttl_us: 60_000_000,
+            max_bindings: 99,
+        }),
+        ..least_used("api", &pool, None, false)
+    };
+    let member = || match rt.block_on(store.assign(ask)).unwrap() {
+        Assignment::Assigned { member, .. } => member,
+        other => panic!("{other:?}"),
+    };
+    let first = member();
+    for _ in 0..3 {
+        assert_eq!(member(), first);
+    }
+    let bindings = |i: u32| format!("sluice:{{{}}}:sh", sub_log("api", i, SHARDS));
+    let bound = server.command(&["HGET", &bindings(session), "s1"]).unwrap();
+    assert_eq!(bound, first, "the binding is in the session's own sub-log");
+    assert_eq!(
+        integer(&server, &["HLEN", &bindings(own)]),
+        0,
+        "nothing in the instance's own sub-log"
+    );
     assert_eq!(
         rt.block_on(store.sticky_counts("api", None))
             .unwrap()
