@@ -580,7 +580,30 @@ local function assign_decide(out, o, n)
         end
         out[o + 1], out[o + 2], out[o + 3] = 1, chosen, 0
       elseif eligible then
-        if deferred then
+        if deferred and v then
+          -- members_settle's rule, on the quota states the loop above holds per member: a
+          -- cooling member's windows are found once per run, not by a walk of the request's
+          -- arguments for every request that finds it cooling.
+          for i = 1, #deferred, 2 do
+            local id, left = deferred[i], deferred[i + 1]
+            if not wait or left < wait then
+              local mq = qof[id]
+              if mq == nil then
+                mq = assign_member_quota(id)
+              end
+              if mq then
+                quota_admit(mq, cost)
+                if mq.retry_after > left then
+                  left = mq.retry_after
+                end
+              end
+              if not wait or left < wait then
+                wait = left
+              end
+            end
+          end
+        elseif deferred then
+          -- The walk above made w.found, where members_settle finds each member once a run.
           local w = assign_w
           w.cooling, w.wait, w.deferred = cooling, wait, deferred
           members_settle(w)
