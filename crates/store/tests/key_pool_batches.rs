@@ -26,6 +26,31 @@ use sluice_testkit::RedisServer;
 /// letter (which sorts before every small one in bytes).
 const MEMBER_IDS: [&str; 5] = ["key-b", "key-a", "key-B", "key-a2", "key"];
 
+/// Names as a member's default name (its URL) makes them: long shared prefixes. The script
+/// compares ids eight bytes at a time where counts it raised become equal (pool_id_less): the
+/// first two first differ at byte 16 (the last of the second group of eight), the next two at
+/// byte 40 (the last of the fifth), where the shorter has a byte above 127 (a name is any UTF-8
+/// text) and so comes after (their lengths order them the wrong way), and the last is a prefix
+/// of both and differs from the first two at byte 9.
+const LONG_IDS: [&str; 5] = [
+    "https://eu-west2.api.provider.example/v1",
+    "https://eu-west1.api.provider.example/v1",
+    "https://api.provider.example/v1/keys/k-e-2",
+    "https://api.provider.example/v1/keys/k-\u{e9}",
+    "https://api.provider.example/v1/keys",
+];
+
+/// A pool larger than the script holds in a view (ASSIGN_VIEW_MAX in lua/assign_run.lua), which
+/// it reads again for each request as a call of one request does: MEMBER_IDS, then members
+/// enough to pass it.
+fn large_pool_ids() -> Vec<String> {
+    MEMBER_IDS
+        .iter()
+        .map(|id| id.to_string())
+        .chain((0..31).map(|i| format!("key-{i:02}")))
+        .collect()
+}
+
 /// The trace's clock unit. Redis expires idle keys in real time while the traces run on their
 /// own clock: windows of ten seconds and up outlive a case.
 const UNIT: u64 = 10_000_000;
@@ -102,21 +127,21 @@ fn trace() -> impl Strategy<Value = Trace> {
 }
 
 /// Five members with small windows of their own (the second and third share theirs, as "=" in
-/// the call; the fifth has two), so that groups fill them.
-fn members() -> Vec<PoolMember> {
+/// the call; the fifth has two), so that groups fill them; members after the fifth share the
+/// second's.
+fn members(ids: &[String]) -> Vec<PoolMember> {
     let window = |name: &str, limit: u64, units: u64| Window {
         name: name.into(),
         limit,
         length_us: units * UNIT,
     };
     let shared: Arc<[Window]> = Arc::new([window("m", 4, 4)]);
-    MEMBER_IDS
-        .iter()
+    ids.iter()
         .enumerate()
         .map(|(i, id)| PoolMember {
-            id: Arc::from(*id),
+            id: Arc::from(id.as_str()),
             windows: match i {
-                1 | 2 => shared.clone(),
+                1 | 2 | 5.. => shared.clone(),
                 4 => Arc::new([window("s", 2, 2), window("m", 5, 8)]),
                 _ => Arc::new([window("m", 3 + i as u64, 4)]),
             },
@@ -147,16 +172,18 @@ async fn together<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
     outputs.into_iter().map(|o| o.unwrap()).collect()
 }
 
-fn excluded_ids(mask: u8) -> Vec<&'static str> {
+fn excluded_ids(ids: &[String], mask: u8) -> Vec<&str> {
     (0..5)
         .filter(|i| mask & (1 << i) != 0)
-        .map(|i| MEMBER_IDS[i])
+        .map(|i| ids[i].as_str())
         .collect()
 }
 
-/// A route of the trace: its pool, its quota and whether it has cooldowns.
+/// A route of the trace: its pool (the trace's members are its first five), its quota and
+/// whether it has cooldowns.
 struct Route<'a> {
     name: &'a str,
+    ids: &'a [String],
     members: &'a [PoolMember],
     quota: &'a [Window],
     cooldowns: bool,
@@ -172,6 +199,7 @@ async fn decide(
 ) -> Vec<Assignment> {
     let Route {
         name: route,
+        ids,
         members,
         quota,
         cooldowns,
@@ -183,7 +211,10 @@ async fn decide(
                 .map(|(first, len)| (0..len).map(|i| (first + i) % 5).collect())
         })
         .collect();
-    let excluded: Vec<Vec<&str>> = requests.iter().map(|r| excluded_ids(r.excluded)).collect();
+    let excluded: Vec<Vec<&str>> = requests
+        .iter()
+        .map(|r| excluded_ids(ids, r.excluded))
+        .collect();
     let asks = requests.iter().enumerate().map(|(i, r)| {
         store.assign(Assign {
             route,
@@ -287,10 +318,11 @@ fn compare(
     rt: &tokio::runtime::Runtime,
     server: &RedisServer,
     url: &str,
+    ids: &[String],
     trace: &Trace,
 ) -> Result<(), TestCaseError> {
-    let members = members();
-    let ids: Vec<Arc<str>> = members.iter().map(|m| m.id.clone()).collect();
+    let members = members(ids);
+    let synced: Vec<Arc<str>> = members.iter().map(|m| m.id.clone()).collect();
     let quota: Vec<Window> = trace
         .route_limit
         .map(|limit| Window {
@@ -305,10 +337,10 @@ fn compare(
     let batched = store(url, "batched", true);
     let mut now = 1_000_000_000_000u64;
     for store in [&alone, &batched] {
-        rt.block_on(store.sync(&route, &ids, &[])).unwrap();
+        rt.block_on(store.sync(&route, &synced, &[])).unwrap();
         // Loads the script (a first call that finds it missing counts twice).
         let warm = format!("{route}-warm");
-        rt.block_on(store.sync(&warm, &ids, &[])).unwrap();
+        rt.block_on(store.sync(&warm, &synced, &[])).unwrap();
         let one = [Request {
             preference: None,
             excluded: 0,
@@ -316,6 +348,7 @@ fn compare(
         }];
         let warm = Route {
             name: &warm,
+            ids,
             members: &members,
             quota: &quota,
             cooldowns: true,
@@ -324,6 +357,7 @@ fn compare(
     }
     let on = Route {
         name: &route,
+        ids,
         members: &members,
         quota: &quota,
         cooldowns: trace.cooldowns,
@@ -332,7 +366,7 @@ fn compare(
         now += group.after * UNIT / 4;
         if let Some((member, quarters)) = group.cool {
             for store in [&alone, &batched] {
-                rt.block_on(store.cool(&route, MEMBER_IDS[member], quarters * UNIT / 4, Some(now)))
+                rt.block_on(store.cool(&route, &ids[member], quarters * UNIT / 4, Some(now)))
                     .unwrap();
             }
         }
@@ -373,7 +407,8 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-fn run(url: impl Fn(&RedisServer) -> String, cases: u32) {
+fn run(url: impl Fn(&RedisServer) -> String, ids: &[&str], cases: u32) {
+    let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
     let server = RedisServer::start();
     let url = url(&server);
     let rt = runtime();
@@ -392,18 +427,34 @@ fn run(url: impl Fn(&RedisServer) -> String, cases: u32) {
         source_file: Some(file!()),
         ..config
     });
-    if let Err(e) = runner.run(&trace(), |t| compare(&rt, &server, &url, &t)) {
+    if let Err(e) = runner.run(&trace(), |t| compare(&rt, &server, &url, &ids, &t)) {
         panic!("{e}");
     }
 }
 
 #[test]
 fn batched_key_pool_calls_decide_and_leave_what_calls_of_one_request_do() {
-    run(RedisServer::url, 128);
+    run(RedisServer::url, &MEMBER_IDS, 128);
 }
 
 /// The same by `EVALSHA` (Redis without functions), where the script is run whole per call.
 #[test]
 fn batched_key_pool_calls_decide_and_leave_what_calls_of_one_request_do_by_evalsha() {
-    run(RedisServer::url_without_functions, 32);
+    run(RedisServer::url_without_functions, &MEMBER_IDS, 32);
+}
+
+/// The same on ids that share long prefixes, which the script orders itself where its picks
+/// made counts equal.
+#[test]
+fn batched_key_pool_calls_order_long_shared_prefix_ids_as_redis_does() {
+    run(RedisServer::url, &LONG_IDS, 48);
+}
+
+/// The same on a pool larger than a view, which the batched call reads again for each request,
+/// as a call of one request does.
+#[test]
+fn batched_key_pool_calls_on_a_pool_larger_than_a_view_decide_as_calls_of_one_request_do() {
+    let ids = large_pool_ids();
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    run(RedisServer::url, &ids, 24);
 }
