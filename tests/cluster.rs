@@ -239,6 +239,9 @@ async fn a_master_killed_under_load() {
         "the closed route spends its quota and the replica has it all: {:?} on the replica",
         cluster.replica_integer(replica, &["ZCARD", &closed_log])
     );
+    // Every node learns the short timeout before the kill, so the replica is promoted within
+    // the deadlines below; until now no stall of a loaded machine could fail a master over.
+    cluster.fail_over_after(Duration::from_secs(3));
     cluster.kill(cluster.index_of(victim));
     let killed_at = Instant::now();
     // A request sent after the kill and answered by the store (an admission or a refusal by

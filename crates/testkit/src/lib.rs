@@ -391,13 +391,14 @@ impl RedisCluster {
             "yes",
             "--cluster-config-file",
             "nodes.conf",
-            // A node that answers no ping for this long is failed over. 1 s was too short
-            // for a loaded 2-core machine: a starved master was replaced while a test ran,
-            // and the gateway's next write reached the demoted node (READONLY), a store error
-            // that `on_store_error: open` admits uncounted. 3 s still fails over within the
-            // failover test's deadline.
+            // A node that answers no ping for this long is failed over. On a loaded 2-core
+            // machine a master can be starved for seconds (3 s was seen to be too short): it
+            // is then replaced while a test runs, and the gateway's next write reaches the
+            // demoted node (READONLY), a store error that `on_store_error: open` admits
+            // uncounted. So no test's master is failed over unless the test asks for it,
+            // with [`RedisCluster::fail_over_after`], right before it kills one.
             "--cluster-node-timeout",
-            "3000",
+            "30000",
             // Replicas sync at once instead of waiting 5 s for company: a
             // replica that never synced cannot be promoted.
             "--repl-diskless-sync-delay",
@@ -492,6 +493,20 @@ impl RedisCluster {
     /// The nodes, in start order.
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
+    }
+
+    /// From now on, a master that answers no ping for `timeout` is failed over. The cluster
+    /// starts with a timeout no loaded machine's stall reaches, so that only a test that kills
+    /// a master on purpose, and calls this first, sees a failover.
+    pub fn fail_over_after(&self, timeout: Duration) {
+        let ms = timeout.as_millis().to_string();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let set = n.command(&["CONFIG", "SET", "cluster-node-timeout", &ms]);
+            assert!(
+                set.is_ok(),
+                "CONFIG SET cluster-node-timeout on node {i}: {set:?}"
+            );
+        }
     }
 
     /// Kills node `i` (SIGKILL), as a crash would.
