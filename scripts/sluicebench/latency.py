@@ -20,6 +20,12 @@ The added latency of a target is its percentile minus direct's, taken within a r
 Last, LONE_RATE req/s on 1 connection to each target: a request on the Redis route that finds
 no call out must not wait for company, so qlu should read rr plus one Redis call there.
 
+The Redis route's target is its added p99 over Redis's own round trip. That round trip is taken
+as two parts, each measured here: the network's, the p99 of `redis-benchmark -c 1` PINGs to the
+same Redis after each round (closed-loop, one connection, nothing else loaded), and the script's,
+the mean time Redis spent per FCALL in that run (INFO commandstats). The report gives qlu's and
+qlu1's added p99 less both.
+
 qlu and qlu1 are the same route with batching on and off; the report gives the FCALLs per
 request, which is 1.00 where no batch formed and always for qlu1.
 
@@ -37,6 +43,7 @@ redis-server`). Everything runs on 127.0.0.1 and stops, by PID, on exit (Ctrl-C 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import shutil
@@ -100,6 +107,8 @@ class Latency:
         self.out_flags, self.no_tui = oha_flags(oha)
         # (target, rate, connections, round) -> result row
         self.res: dict[tuple[str, int, int, int], dict] = {}
+        # per round: the p99 of a PING round trip to the Redis, µs
+        self.ping_p99: list[Optional[float]] = []
 
     def oha_cmd(self, url: str, host: Optional[str], rate: int, conns: int, duration: str) -> list[str]:
         # -w: the requests still out at the deadline are waited for, not counted as errors.
@@ -151,6 +160,18 @@ class Latency:
                          for r in range(1, self.rounds + 1)))
 
 
+def redis_ping_p99(procs: Procs, port: int) -> Optional[float]:
+    """The p99 of a PING round trip to Redis at PORT in µs: `redis-benchmark` on one connection,
+    one PING at a time (its CSV reports the percentiles in ms)."""
+    text = procs.run(["redis-benchmark", "-p", str(port), "-c", "1", "-P", "1", "-n", "20000",
+                      "-t", "ping_mbulk", "--csv"], timeout=120)
+    rows = list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
+    if len(rows) < 2 or "p99_latency_ms" not in rows[0] or len(rows[1]) != len(rows[0]):
+        raise Failure(f"could not read redis-benchmark's CSV output: {text[:300]}")
+    head, vals = rows[0], rows[1]
+    return float(vals[head.index("p99_latency_ms")]) * 1e3
+
+
 def run(lat: Latency, sluice: Path, write: bool) -> str:
     procs = lat.procs
     backends = start_backends(procs)
@@ -199,6 +220,8 @@ def run(lat: Latency, sluice: Path, write: bool) -> str:
                 one(id, rate, lat.connections, r)
         for id in TARGETS:
             one(id, lat.lone_rate, 1, r)
+        lat.ping_p99.append(redis_ping_p99(procs, rport))
+        procs.log(f"round {r}: Redis PING p99 {stats.fmt(lat.ping_p99[-1], '.0f')} µs (redis-benchmark -c 1)")
     errors = "batched: " + store_errors(admin, sl.log) + "; unbatched: " + store_errors(admin1, sl1.log)
     return report(lat, sluice, orders, errors, write)
 
@@ -250,8 +273,23 @@ def report(lat: Latency, sluice: Path, orders: Sequence[str], store_errs: str, w
             f"{rate}{' (1 connection)' if conns == 1 else ''}: "
             + ", ".join(f"{k} {stats.fmt(lat.added(id, rate, conns, k, base='rr'), '.0f')}" for k, _ in PCTS)
             for rate, conns in [*((rate, c) for rate in lat.rates), (lat.lone_rate, 1)])
+    ping = stats.median(lat.ping_p99)
+
+    def over_rtt(id: str) -> str:
+        """Added p99 less Redis's round trip (PING p99 + the mean FCALL time), per rate."""
+        parts = []
+        for rate, conns in [*((rate, c) for rate in lat.rates), (lat.lone_rate, 1)]:
+            added, script = lat.added(id, rate, conns, "p99"), lat.med(id, rate, conns, "fcall_us")
+            left = None if added is None or ping is None or script is None else added - ping - script
+            parts.append(f"{rate}{' (1 connection)' if conns == 1 else ''}: {stats.fmt(left, '.0f')}")
+        return "; ".join(parts)
+
     out += [
         "",
+        f"- Redis's own round trip: PING p99 {stats.fmt(ping, '.0f')} µs (`redis-benchmark -c 1`, after each "
+        "round, median of rounds) plus the mean FCALL time in the table's last column.",
+        f"- the Redis route's added p99 less that round trip, µs (target ≤ 300 at 5,000 req/s), batched: "
+        f"{over_rtt('qlu')}; unbatched: {over_rtt('qlu1')}.",
         f"- the Redis route over the round-robin one (the store call's share), µs, batched: {share('qlu')}.",
         f"- the same, unbatched: {share('qlu1')}.",
         f"- sluice store errors and fallbacks: {store_errs}.",
@@ -269,7 +307,7 @@ def main(argv: list[str]) -> int:
     knobs = common.Knobs()
     doc_path = Path(knobs.str("DOC", str(common.DOC)))
     keep = knobs.choice("KEEP", "0", ("0", "1")) == "1"
-    common.require("bench-latency", ["nginx", "curl", "redis-server", "redis-cli"],
+    common.require("bench-latency", ["nginx", "curl", "redis-server", "redis-cli", "redis-benchmark"],
                    "sudo apt-get install -y nginx-light curl redis-server")
     oha = oha_path()
     procs = Procs("bench-latency", keep)
