@@ -4,14 +4,15 @@
 //! sub-logs, least-used totals within three of each other, and the memory store keeping one log;
 //! a route's `max_in_flight` split over the sub-logs, each lease released in the sub-log that
 //! took it; with `state_shards_start: home`, each gateway's requests in its own sub-log until
-//! its share is spent, then in the others, exactly the limit in all.
+//! its share is spent, then in the others, exactly the limit in all; and a reload into `home`
+//! on an instance started without an index taking the sub-logs in turn, as it logs.
 
 mod support;
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use sluice_testkit::RedisCluster;
+use sluice_testkit::{RedisCluster, RedisServer};
 use support::{
     start_backends, url, Backend, Config, Gateway, HttpClient, Quota, Route, State, Store,
 };
@@ -31,6 +32,22 @@ fn hot(name: &str, members: &[String]) -> Route {
         .members(members)
         .quota(Quota::window("hour", LIMIT, "1h"))
         .state_shards(SHARDS as u32)
+}
+
+/// Per sub-log of route `route`, in order, the entries of its hour log, found by the sub-log's
+/// own name.
+fn sub_log_entries(redis: &RedisServer, route: &str) -> Vec<i64> {
+    (0..SHARDS as u32)
+        .map(|i| {
+            let name = sluice_store::keys::sub_log(route, i, SHARDS as u32);
+            let pattern = format!("sluice:{{{name}}}:q:hour:*");
+            let keys = redis.command(&["KEYS", &pattern]).unwrap();
+            keys.lines()
+                .filter(|k| !k.is_empty())
+                .map(|k| redis.integer(&["ZCARD", k]).unwrap())
+                .sum()
+        })
+        .collect()
 }
 
 /// 16 clients, 10 requests each, spread over `gateways` on host `host`: the statuses.
@@ -129,20 +146,6 @@ async fn each_gateway_starts_at_its_own_sub_log(backend: Backend) {
         .collect();
     let mut before = 0;
     if let Some(redis) = store.redis() {
-        // Per sub-log, in order, the entries of its hour log, found by the sub-log's own name.
-        let logs = || -> Vec<i64> {
-            (0..SHARDS as u32)
-                .map(|i| {
-                    let name = sluice_store::keys::sub_log("api", i, SHARDS as u32);
-                    let pattern = format!("sluice:{{{name}}}:q:hour:*");
-                    let keys = redis.command(&["KEYS", &pattern]).unwrap();
-                    keys.lines()
-                        .filter(|k| !k.is_empty())
-                        .map(|k| redis.integer(&["ZCARD", k]).unwrap())
-                        .sum()
-                })
-                .collect()
-        };
         for (gateway, n) in [(0, 5), (1, 4)] {
             for _ in 0..n {
                 let addr = gateways[gateway].proxy_addr();
@@ -151,7 +154,7 @@ async fn each_gateway_starts_at_its_own_sub_log(backend: Backend) {
             }
         }
         assert_eq!(
-            logs(),
+            sub_log_entries(redis, "api"),
             [5, 4, 0],
             "gateway 0's requests in sub-log 0, gateway 1's in sub-log 1"
         );
@@ -179,6 +182,56 @@ async fn each_gateway_starts_at_its_own_sub_log(backend: Backend) {
         .collect();
     held.sort_unstable();
     assert_eq!(held, [13, 13, 14], "each sub-log to its share: {keys}");
+}
+
+/// A gateway started on Redis without `instance_index`, then reloaded into `state_shards_start:
+/// home` by a file that sets an index too (state settings apply at a restart, so the running
+/// store keeps having none): the reload is taken and logs that the route takes its sub-logs in
+/// turn until a restart, and it does: six requests one after another land two in each sub-log,
+/// where `home` would have put all six in one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_into_home_without_an_instance_index_takes_the_sub_logs_in_turn() {
+    let store = Store::start(Backend::Redis);
+    let redis = store.redis().expect("a Redis");
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
+    let members: Vec<String> = backends.iter().map(|b| url(b.local_addr())).collect();
+    let gw = Config::new()
+        .store(&store)
+        .route(hot("api", &members))
+        .start();
+    let home = Config::new()
+        .state(store.state().instance_index(1))
+        .route(hot("api", &members).state_shards_start("home"));
+    assert_eq!(home.check(), Ok(()), "the new file alone is valid");
+    gw.write_config_template(&home.yaml());
+    let r = support::request(
+        gw.admin_addr(),
+        "POST",
+        "admin",
+        "/reload",
+        &[("X-Sluice-Admin", "1")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        gw.wait_for_log(
+            "take their sub-logs in turn (round_robin) until a restart",
+            Duration::from_secs(10)
+        )
+        .await,
+        "the reload says so: {}",
+        gw.logs()
+    );
+    for _ in 0..6 {
+        let r = support::request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(
+        sub_log_entries(redis, "api"),
+        [2, 2, 2],
+        "each sub-log first in turn, as round_robin"
+    );
 }
 
 /// On a 3-master Redis Cluster, the three sub-logs sit on three masters, each holding its
