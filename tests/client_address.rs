@@ -423,15 +423,7 @@ async fn a_reload_frees_no_throttled_address() {
     assert_eq!(status(&gw, &attacker, &bad).await, 429);
     let config = std::fs::read_to_string(gw.config_path()).unwrap();
     gw.write_config(&config.replace("limit: 3", "limit: 4"));
-    let reloaded = support::request(
-        gw.admin_addr(),
-        "POST",
-        "admin",
-        "/reload",
-        &[("X-Sluice-Admin", "1")],
-        b"",
-    )
-    .await;
+    let reloaded = gw.post_reload().await;
     assert_eq!(reloaded.status, 200, "{}", reloaded.text());
     assert_eq!(status(&gw, &attacker, &bad).await, 429);
 }

@@ -594,15 +594,7 @@ async fn a_reload_adds_and_removes_clients() {
     let next =
         format!("    - name: arriving\n      tokens: [\"{arriving}\"]\n      routes: [api]\n");
     gw.write_config_template(&config(&url(member), member.port(), "", "", &next));
-    let reload = request(
-        gw.admin_addr(),
-        "POST",
-        "admin",
-        "/reload",
-        &[("X-Sluice-Admin", "1")],
-        b"",
-    )
-    .await;
+    let reload = gw.post_reload().await;
     // The new file reads ${BILLING_TOKEN} from the process's environment, set at start.
     assert_eq!(reload.status, 200, "{}", reload.text());
     let r = as_leaving().await;

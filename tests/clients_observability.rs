@@ -97,15 +97,7 @@ async fn gateway_get(gw: &Gateway, host: &str, headers: &[(&str, &str)]) -> Resp
 
 async fn reload(gw: &Gateway, yaml: &str) {
     gw.write_config_template(yaml);
-    let r = request(
-        gw.admin_addr(),
-        "POST",
-        "admin",
-        "/reload",
-        &[("X-Sluice-Admin", "1")],
-        b"",
-    )
-    .await;
+    let r = gw.post_reload().await;
     assert_eq!(r.status, 200, "{}", r.text());
 }
 

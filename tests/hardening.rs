@@ -916,15 +916,7 @@ mod downstream_limits {
         let form = [("Content-Type", "application/x-www-form-urlencoded")];
         let r = request(gw.admin_addr(), "POST", "admin", "/reload", &form, b"a=1").await;
         assert_eq!(r.status, 403, "{}", r.text());
-        let r = request(
-            gw.admin_addr(),
-            "POST",
-            "admin",
-            "/reload",
-            &[("X-Sluice-Admin", "1")],
-            b"",
-        )
-        .await;
+        let r = gw.post_reload().await;
         assert_eq!(r.status, 200, "{}", r.text());
     }
 

@@ -204,15 +204,7 @@ async fn a_reload_into_home_without_an_instance_index_takes_the_sub_logs_in_turn
         .route(hot("api", &members).state_shards_start("home"));
     assert_eq!(home.check(), Ok(()), "the new file alone is valid");
     gw.write_config_template(&home.yaml());
-    let r = support::request(
-        gw.admin_addr(),
-        "POST",
-        "admin",
-        "/reload",
-        &[("X-Sluice-Admin", "1")],
-        b"",
-    )
-    .await;
+    let r = gw.post_reload().await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(
         gw.wait_for_log(

@@ -338,15 +338,7 @@ async fn memory_a_route_removed_by_a_reload_drops_its_pool() {
     let reload = |config: &Config| {
         gw.write_config_template(&config.yaml());
         async {
-            let r = request(
-                gw.admin_addr(),
-                "POST",
-                "admin",
-                "/reload",
-                &[("X-Sluice-Admin", "1")],
-                b"",
-            )
-            .await;
+            let r = gw.post_reload().await;
             assert_eq!(r.status, 200, "{}", r.text());
         }
     };

@@ -512,15 +512,7 @@ async fn certificate_clients_reload_with_the_config_and_the_client_ca_stays_the_
         443,
         &without_billing,
     ));
-    let reloaded = support::request(
-        gw.admin_addr(),
-        "POST",
-        "admin",
-        "/reload",
-        &[("X-Sluice-Admin", "1")],
-        b"",
-    )
-    .await;
+    let reloaded = gw.post_reload().await;
     assert_eq!(reloaded.status, 200, "{}", gw.logs());
 
     // billing's next request is refused; reports's certificate still passes the handshake,

@@ -379,6 +379,20 @@ impl Gateway {
         admin_get(self.admin_addr, path).await
     }
 
+    /// `POST /reload` on the admin API, with the header a POST needs when no admin token is
+    /// configured.
+    pub async fn post_reload(&self) -> Response {
+        request(
+            self.admin_addr,
+            "POST",
+            "admin",
+            "/reload",
+            &[("X-Sluice-Admin", "1")],
+            b"",
+        )
+        .await
+    }
+
     /// The Prometheus text of the admin `/metrics` endpoint.
     pub async fn metrics(&self) -> String {
         let response = self.admin("/metrics").await;
