@@ -47,14 +47,15 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use redis::{Arg, Cmd, Value};
+use redis::{Arg, Value};
 use tokio::sync::oneshot;
 
 use sluice_limiter::{Acquire, StoreError, Window};
 
-use crate::call::ScriptCall;
+use crate::call::{ScriptCall, Written};
 use crate::connection::RedisConnection;
 use crate::keys::Keys;
+
 use crate::scripts::Scripts;
 
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
@@ -92,8 +93,9 @@ pub(crate) struct Ask<'a> {
     at_us: Option<u64>,
     cost: u64,
     excluded: &'a [&'a str],
-    /// [`Kind::Assign`]: the request's own call, as `ScriptCall::into_parts` gives it.
-    call: Option<(Cmd, usize)>,
+    /// [`Kind::Assign`]: the request's own call, as `ScriptCall::into_parts` gives it (shared
+    /// by the requests whose call depends on their route's configuration alone: written.rs).
+    call: Option<Written>,
 }
 
 impl<'a> Ask<'a> {
@@ -140,7 +142,7 @@ impl<'a> Ask<'a> {
         key: &'a str,
         windows: &'a [Window],
         at_us: Option<u64>,
-        call: (Cmd, usize),
+        call: Written,
     ) -> Ask<'a> {
         Ask {
             kind: Kind::Assign,
@@ -211,7 +213,7 @@ struct Waiter {
     cost: u64,
     excluded: Vec<String>,
     /// [`Kind::Assign`]: the request's call alone and its key count.
-    call: Option<(Cmd, usize)>,
+    call: Option<Written>,
     reply: oneshot::Sender<Result<Value, StoreError>>,
 }
 
@@ -463,17 +465,37 @@ impl Batches {
     /// each request's keys, one request after another, and after `*` each request's key count,
     /// argument count and arguments, or `=` for a request whose keys and arguments are those of
     /// the request before it (its keys are not sent again). A lane's requests usually are
-    /// alike, and every argument costs Redis about as much as a small command. The batched
+    /// alike, and every argument costs Redis about as much as a small command. Requests that
+    /// share one written call (written.rs) are alike on sight; others are compared. The batched
     /// reply is flat, `width` values per request; the answer holds one array per request.
     async fn assign_call(&self, batch: &[Waiter], width: usize) -> Result<Value, StoreError> {
-        let parts: Vec<_> = batch.iter().map(parts).collect();
-        let repeats = |i: usize| i > 0 && parts[i] == parts[i - 1];
-        let total: usize = (0..batch.len())
-            .filter(|&i| !repeats(i))
-            .map(|i| parts[i].0.len())
-            .sum();
+        // Each request's keys and arguments, or `None` when they are the request's before it:
+        // the same written call, or one equal to the last written out.
+        let mut rows: Vec<Option<Parts<'_>>> = Vec::with_capacity(batch.len());
+        let mut previous: Option<&Written> = None;
+        let mut written: Option<usize> = None;
+        for w in batch {
+            let Some(call) = &w.call else {
+                return Err(StoreError::Backend(
+                    "an assignment came to its batch without its call".into(),
+                ));
+            };
+            if previous.is_some_and(|p| Arc::ptr_eq(p, call)) {
+                rows.push(None);
+                continue;
+            }
+            previous = Some(call);
+            let this = parts(call);
+            if written.is_some_and(|at| rows[at].as_ref() == Some(&this)) {
+                rows.push(None);
+                continue;
+            }
+            written = Some(rows.len());
+            rows.push(Some(this));
+        }
+        let total: usize = rows.iter().flatten().map(|(keys, _)| keys.len()).sum();
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, total);
-        if let [(keys, args)] = parts.as_slice() {
+        if let [Some((keys, args))] = rows.as_slice() {
             for k in keys {
                 call.raw_key(k);
             }
@@ -481,19 +503,17 @@ impl Batches {
                 call.arg(a);
             }
         } else {
-            for (i, (keys, _)) in parts.iter().enumerate() {
-                if !repeats(i) {
-                    for k in keys {
-                        call.raw_key(k);
-                    }
+            for (keys, _) in rows.iter().flatten() {
+                for k in keys {
+                    call.raw_key(k);
                 }
             }
             call.arg("*");
-            for (i, (keys, args)) in parts.iter().enumerate() {
-                if repeats(i) {
+            for row in &rows {
+                let Some((keys, args)) = row else {
                     call.arg("=");
                     continue;
-                }
+                };
                 call.arg(keys.len()).arg(args.len());
                 for a in args {
                     call.arg(a);
@@ -525,12 +545,13 @@ impl Batches {
     }
 }
 
-/// A request's call as written alone: its keys, then its arguments (after the command's name,
-/// the function's or script's, and the key count).
-fn parts(w: &Waiter) -> (Vec<&[u8]>, Vec<&[u8]>) {
-    let Some((cmd, keys)) = &w.call else {
-        return (Vec::new(), Vec::new());
-    };
+/// A request's call as written alone: its keys, then its arguments.
+type Parts<'a> = (Vec<&'a [u8]>, Vec<&'a [u8]>);
+
+/// The keys and arguments of `call` (after the command's name, the function's or script's,
+/// and the key count).
+fn parts(call: &Written) -> Parts<'_> {
+    let (cmd, keys) = &**call;
     let mut args = cmd.args_iter().skip(3).filter_map(|a| match a {
         Arg::Simple(bytes) => Some(bytes),
         _ => None,

@@ -33,6 +33,10 @@ const KEY_BYTES: usize = 48;
 /// The arguments' bytes, for `ARGS_ROOM` of them.
 const ARGS_BYTES: usize = 160;
 
+/// A call as written ([`ScriptCall::into_parts`]): the command and its key count, shared by
+/// the requests it was written for (redis/written.rs) and read by their batch (batch.rs).
+pub(crate) type Written = std::sync::Arc<(Cmd, usize)>;
+
 /// A call of one of `library`'s operations being written: keys first, then arguments. It is
 /// an `FCALL` of the operation's function, or, when this Redis does not take functions, an
 /// `EVALSHA` of its script.

@@ -33,9 +33,12 @@ use crate::scripts::{self, Scripts};
 use crate::settle_batch::{settle_call, Owned, SettleBatches};
 use crate::shards::Shards;
 use sub_logs::{by_figure, per_member};
+use written::WrittenCalls;
 
 // A route kept as sub-logs: how a call goes to one of them, or to each.
 mod sub_logs;
+// Key-pool calls written once per route's shape and shared.
+mod written;
 
 /// How to reach a single Redis, for a store with a connection of its own.
 #[derive(Debug, Clone)]
@@ -60,6 +63,8 @@ pub struct RedisStore {
     settles: Arc<SettleBatches>,
     /// The routes whose state is split into sub-logs (`state_shards`).
     shards: Arc<Shards>,
+    /// The general script's calls that depend on their route's configuration alone.
+    written: WrittenCalls,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -97,6 +102,7 @@ impl RedisStore {
             scripts,
             keys,
             shards: Arc::new(Shards::default()),
+            written: WrittenCalls::default(),
         }
     }
 
@@ -194,6 +200,46 @@ impl RedisStore {
         ask: &Assign<'_>,
         usage: Option<&Usage<'_>>,
     ) -> Result<Option<Reserved>, StoreError> {
+        let client = ask.quota.and_then(|q| q.client);
+        let quota = self.quota_of(ask).filter(|q| !q.windows.is_empty());
+        // A lease, a sticky session, a client's windows (on Redis Cluster, in another slot) and
+        // a reservation keep a call of their own: their state is not the route's alone, or
+        // their reply is of another kind. Others go with the requests of their route and quota
+        // key that wait for a call (batch.rs), and those whose call depends on the route's
+        // configuration alone share one call written once (written.rs).
+        let alone = ask.lease.is_some() || ask.sticky.is_some() || client.is_some();
+        let reply: Value = if alone || usage.is_some() {
+            self.invoke(&self.write_assign(ask, usage)).await?
+        } else {
+            let call = if WrittenCalls::fit_for(ask) {
+                self.written.get_or_write(ask, quota.as_ref(), || {
+                    self.write_assign(ask, None).into_parts()
+                })
+            } else {
+                Arc::new(self.write_assign(ask, None).into_parts())
+            };
+            let (key, windows) = quota.as_ref().map_or(("", &[][..]), |q| (q.key, q.windows));
+            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
+            let ask = Ask::assign(ask.route, key, windows, at_us, call);
+            self.batches.decide(ask).await?
+        };
+        let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
+        let replied = (quota.is_some() || client.is_some()).then_some(windows);
+        if usage.is_none() {
+            return Ok(
+                scripts::parse_assign(&reply, replied)?.map(|assignment| Reserved {
+                    assignment,
+                    route: None,
+                    member: None,
+                    client: None,
+                }),
+            );
+        }
+        scripts::parse_assign_reserved(&reply, replied)
+    }
+
+    /// The call of the general script for `ask`, reserving `usage` when given.
+    fn write_assign(&self, ask: &Assign<'_>, usage: Option<&Usage<'_>>) -> ScriptCall<'_> {
         let client = ask.quota.and_then(|q| q.client);
         let route = ask.route;
         let least_used = matches!(ask.order, Order::LeastUsed);
@@ -386,32 +432,7 @@ impl RedisStore {
                 None => call.arg(5),
             };
         }
-        // A lease, a sticky session, a client's windows (on Redis Cluster, in another slot) and
-        // a reservation keep a call of their own: their state is not the route's alone, or
-        // their reply is of another kind. Others go with the requests of their route and quota
-        // key that wait for a call (batch.rs).
-        let alone = ask.lease.is_some() || ask.sticky.is_some() || client.is_some();
-        let reply: Value = if alone || usage.is_some() {
-            self.invoke(&call).await?
-        } else {
-            let (key, windows) = quota.as_ref().map_or(("", &[][..]), |q| (q.key, q.windows));
-            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
-            let ask = Ask::assign(route, key, windows, at_us, call.into_parts());
-            self.batches.decide(ask).await?
-        };
-        let windows = quota.map_or(0, |q| q.windows.len()) + client.map_or(0, |c| c.windows.len());
-        let replied = (quota.is_some() || client.is_some()).then_some(windows);
-        if usage.is_none() {
-            return Ok(
-                scripts::parse_assign(&reply, replied)?.map(|assignment| Reserved {
-                    assignment,
-                    route: None,
-                    member: None,
-                    client: None,
-                }),
-            );
-        }
-        scripts::parse_assign_reserved(&reply, replied)
+        call
     }
 
     /// A reservation by the usage script, in the windows of `owner`: the route quota key's, or

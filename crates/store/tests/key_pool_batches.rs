@@ -458,3 +458,71 @@ fn batched_key_pool_calls_on_a_pool_larger_than_a_view_decide_as_calls_of_one_re
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     run(RedisServer::url, &ids, 24);
 }
+
+/// Least-used key-pool requests of one shape share one written call, and a batch sends all but
+/// the first as `=` on seeing it (crates/store/src/redis/written.rs). Each must still be decided
+/// on its own; and a request of another shape (the same members reloaded with another limit,
+/// another cost) must not be decided by the call written for the first.
+#[test]
+fn key_pool_requests_sharing_a_written_call_are_each_decided_and_another_shape_gets_its_own() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let store = store(&server.url(), "written", true);
+    let route = fresh_route();
+    // Two members, each with a window far longer than the test, of `limit`: fresh `Arc`s each
+    // time, as a reload makes them.
+    let pool = |limit: u64| -> Vec<PoolMember> {
+        ["a", "b"]
+            .iter()
+            .map(|id| PoolMember {
+                id: (*id).into(),
+                windows: Arc::new([Window {
+                    name: "m".into(),
+                    limit,
+                    length_us: 100 * UNIT,
+                }]),
+            })
+            .collect()
+    };
+    // (assigned, busy) of `n` alike requests at once.
+    let decide = |members: &[PoolMember], cost: u64, n: usize| {
+        let answers = rt.block_on(together(
+            (0..n)
+                .map(|_| {
+                    store.assign(Assign {
+                        route: &route,
+                        members,
+                        order: Order::LeastUsed,
+                        excluded: &[],
+                        quota: None,
+                        cost,
+                        cooldowns: true,
+                        at_us: None,
+                        lease: None,
+                        sticky: None,
+                    })
+                })
+                .collect(),
+        ));
+        let mut counts = (0, 0);
+        for answer in answers {
+            match answer.expect("decided") {
+                Assignment::Assigned { .. } => counts.0 += 1,
+                Assignment::Busy { .. } => counts.1 += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        counts
+    };
+    let three = pool(3);
+    // Ten at once on one call's shape: three fit each member.
+    assert_eq!(decide(&three, 1, 10), (6, 4));
+    // The members reloaded with a limit of 6: each has 3 left, so four more fit. A call written
+    // for the limit of 3 would refuse them all.
+    let six = pool(6);
+    assert_eq!(decide(&six, 1, 4), (4, 0));
+    // One unit is left on each: a cost of 2 fits neither (a call written for a cost of 1 would
+    // assign two), and a cost of 1 fits both.
+    assert_eq!(decide(&six, 2, 2), (0, 2));
+    assert_eq!(decide(&six, 1, 3), (2, 1));
+}
