@@ -469,6 +469,21 @@ impl Batches {
     /// share one written call (written.rs) are alike on sight; others are compared. The batched
     /// reply is flat, `width` values per request; the answer holds one array per request.
     async fn assign_call(&self, batch: &[Waiter], width: usize) -> Result<Value, StoreError> {
+        // A lone request's call goes as it was written, not copied (written.rs shares it).
+        let alone = match batch {
+            [w] => w
+                .call
+                .as_ref()
+                .and_then(|c| ScriptCall::written(&self.scripts.library, &self.scripts.assign, c)),
+            _ => None,
+        };
+        if let Some(call) = &alone {
+            let reply = self
+                .connection
+                .run(|mut conn| async move { call.invoke::<Value>(&mut conn).await })
+                .await?;
+            return Ok(Value::Array(vec![reply]));
+        }
         // Each request's keys and arguments, or `None` when they are the request's before it:
         // the same written call, or one equal to the last written out.
         let mut rows: Vec<Option<Parts<'_>>> = Vec::with_capacity(batch.len());

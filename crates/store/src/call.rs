@@ -11,6 +11,7 @@
 //! The price is that the number of keys must be known before the first key is written
 //! (`FCALL name numkeys key… arg…`), so callers count them first.
 
+use std::borrow::Cow;
 use std::io::Write;
 use std::sync::atomic::Ordering;
 
@@ -44,7 +45,8 @@ pub struct ScriptCall<'s> {
     script: &'s StateScript,
     library: &'s Library,
     fcall: bool,
-    cmd: Cmd,
+    /// Written here, or (`ScriptCall::written`) as another call wrote it, and sent as is.
+    cmd: Cow<'s, Cmd>,
     keys: usize,
     keys_left: usize,
 }
@@ -67,10 +69,34 @@ impl<'s> ScriptCall<'s> {
             script,
             library,
             fcall,
-            cmd,
+            cmd: Cow::Owned(cmd),
             keys,
             keys_left: keys,
         }
+    }
+
+    /// `written`, a call of `script` written whole, to be sent as it is, without a copy; `None`
+    /// when it was written the other way (`FCALL` or `EVALSHA`) than calls go now: this store
+    /// has since found Redis refusing functions.
+    pub fn written(
+        library: &'s Library,
+        script: &'s StateScript,
+        written: &'s Written,
+    ) -> Option<ScriptCall<'s>> {
+        let (cmd, keys) = &**written;
+        let fcall = library.functions();
+        let head = match cmd.args_iter().next() {
+            Some(Arg::Simple(head)) => head,
+            _ => return None,
+        };
+        (head == if fcall { &b"FCALL"[..] } else { b"EVALSHA" }).then_some(ScriptCall {
+            script,
+            library,
+            fcall,
+            cmd: Cow::Borrowed(cmd),
+            keys: *keys,
+            keys_left: 0,
+        })
     }
 
     /// Appends a key made of `parts`, concatenated.
@@ -78,7 +104,7 @@ impl<'s> ScriptCall<'s> {
         debug_assert!(self.keys_left > 0, "more keys than announced");
         self.keys_left = self.keys_left.saturating_sub(1);
         {
-            let mut w = self.cmd.writer_for_next_arg();
+            let mut w = self.cmd.to_mut().writer_for_next_arg();
             for p in parts {
                 // Writing into the command's Vec cannot fail.
                 let _ = w.write_all(p.as_bytes());
@@ -91,7 +117,7 @@ impl<'s> ScriptCall<'s> {
     pub fn raw_key(&mut self, key: &[u8]) -> &mut Self {
         debug_assert!(self.keys_left > 0, "more keys than announced");
         self.keys_left = self.keys_left.saturating_sub(1);
-        self.cmd.arg(key);
+        self.cmd.to_mut().arg(key);
         self
     }
 
@@ -100,13 +126,13 @@ impl<'s> ScriptCall<'s> {
     /// count.
     pub fn into_parts(self) -> (Cmd, usize) {
         debug_assert_eq!(self.keys_left, 0, "fewer keys than announced");
-        (self.cmd, self.keys)
+        (self.cmd.into_owned(), self.keys)
     }
 
     /// Appends an argument (after every key).
     pub fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
         debug_assert_eq!(self.keys_left, 0, "an argument before the last key");
-        self.cmd.arg(arg);
+        self.cmd.to_mut().arg(arg);
         self
     }
 
@@ -252,5 +278,30 @@ fn functions_refused(e: &RedisError) -> bool {
             e.detail().is_some_and(|d| d.starts_with("unknown command")) && about_functions()
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scripts::Scripts;
+
+    #[test]
+    fn a_written_call_goes_as_is_only_the_way_calls_go_now() {
+        let scripts = Scripts::new();
+        let mut call = ScriptCall::new(&scripts.library, &scripts.assign, 1);
+        call.key(&["sluice:{pool}:p"]).arg("L");
+        let written: Written = std::sync::Arc::new(call.into_parts());
+        let as_is = ScriptCall::written(&scripts.library, &scripts.assign, &written)
+            .expect("written as an FCALL, sent as one");
+        assert!(matches!(as_is.cmd, Cow::Borrowed(_)));
+        // Once Redis refused functions, calls go as EVALSHA: one written as an FCALL is
+        // written again (batch.rs copies its keys and arguments under the new head).
+        scripts.library.refuse_functions();
+        assert!(ScriptCall::written(&scripts.library, &scripts.assign, &written).is_none());
+        let mut call = ScriptCall::new(&scripts.library, &scripts.assign, 1);
+        call.key(&["sluice:{pool}:p"]).arg("L");
+        let written: Written = std::sync::Arc::new(call.into_parts());
+        assert!(ScriptCall::written(&scripts.library, &scripts.assign, &written).is_some());
     }
 }
