@@ -567,12 +567,23 @@ type Parts<'a> = (Vec<&'a [u8]>, Vec<&'a [u8]>);
 /// and the key count).
 fn parts(call: &Written) -> Parts<'_> {
     let (cmd, keys) = &**call;
-    let mut args = cmd.args_iter().skip(3).filter_map(|a| match a {
-        Arg::Simple(bytes) => Some(bytes),
-        _ => None,
-    });
-    let keys = args.by_ref().take(*keys).collect();
-    (keys, args.collect())
+    let all = cmd.args_iter();
+    // Sized up front: a key-pool call has about ten keys and twenty arguments, and collecting
+    // them grew each `Vec` by doubling.
+    let mut out = (
+        Vec::with_capacity(*keys),
+        Vec::with_capacity(all.len().saturating_sub(3 + keys)),
+    );
+    for (i, a) in all.skip(3).enumerate() {
+        if let Arg::Simple(bytes) = a {
+            if i < *keys {
+                out.0.push(bytes);
+            } else {
+                out.1.push(bytes);
+            }
+        }
+    }
+    out
 }
 
 /// Hands each request its own reply (the script's flat reply, cut into rows of `width`
