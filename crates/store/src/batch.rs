@@ -484,30 +484,7 @@ impl Batches {
                 .await?;
             return Ok(Value::Array(vec![reply]));
         }
-        // Each request's keys and arguments, or `None` when they are the request's before it:
-        // the same written call, or one equal to the last written out.
-        let mut rows: Vec<Option<Parts<'_>>> = Vec::with_capacity(batch.len());
-        let mut previous: Option<&Written> = None;
-        let mut written: Option<usize> = None;
-        for w in batch {
-            let Some(call) = &w.call else {
-                return Err(StoreError::Backend(
-                    "an assignment came to its batch without its call".into(),
-                ));
-            };
-            if previous.is_some_and(|p| Arc::ptr_eq(p, call)) {
-                rows.push(None);
-                continue;
-            }
-            previous = Some(call);
-            let this = parts(call);
-            if written.is_some_and(|at| rows[at].as_ref() == Some(&this)) {
-                rows.push(None);
-                continue;
-            }
-            written = Some(rows.len());
-            rows.push(Some(this));
-        }
+        let rows = rows(batch)?;
         let total: usize = rows.iter().flatten().map(|(keys, _)| keys.len()).sum();
         let mut call = ScriptCall::new(&self.scripts.library, &self.scripts.assign, total);
         if let [Some((keys, args))] = rows.as_slice() {
@@ -563,13 +540,43 @@ impl Batches {
 /// A request's call as written alone: its keys, then its arguments.
 type Parts<'a> = (Vec<&'a [u8]>, Vec<&'a [u8]>);
 
+/// Each request's keys and arguments in a batched assignment, or `None` where they are the
+/// request's before it (sent as `=`, which `assign_run.lua` reads as the last ones written
+/// out): the same shared call (written.rs), seen by its pointer, or one equal to the last
+/// written out.
+fn rows(batch: &[Waiter]) -> Result<Vec<Option<Parts<'_>>>, StoreError> {
+    let mut rows: Vec<Option<Parts<'_>>> = Vec::with_capacity(batch.len());
+    let mut previous: Option<&Written> = None;
+    let mut written: Option<usize> = None;
+    for w in batch {
+        let Some(call) = &w.call else {
+            return Err(StoreError::Backend(
+                "an assignment came to its batch without its call".into(),
+            ));
+        };
+        if previous.is_some_and(|p| Arc::ptr_eq(p, call)) {
+            rows.push(None);
+            continue;
+        }
+        previous = Some(call);
+        let this = parts(call);
+        if written.is_some_and(|at| rows[at].as_ref() == Some(&this)) {
+            rows.push(None);
+            continue;
+        }
+        written = Some(rows.len());
+        rows.push(Some(this));
+    }
+    Ok(rows)
+}
+
 /// The keys and arguments of `call` (after the command's name, the function's or script's,
 /// and the key count).
 fn parts(call: &Written) -> Parts<'_> {
     let (cmd, keys) = &**call;
     let all = cmd.args_iter();
-    // Sized up front: a key-pool call has about ten keys and twenty arguments, and collecting
-    // them grew each `Vec` by doubling.
+    // Sized up front: a key-pool call has many keys and arguments, and collecting them grew
+    // each `Vec` by doubling.
     let mut out = (
         Vec::with_capacity(*keys),
         Vec::with_capacity(all.len().saturating_sub(3 + keys)),
@@ -690,6 +697,68 @@ mod tests {
                 (w, rx)
             })
             .unzip()
+    }
+
+    /// A call of `keys` keys, then `args`.
+    fn written(keys: &[&str], args: &[&str]) -> Written {
+        let mut cmd = redis::Cmd::new();
+        cmd.arg("FCALL").arg("assign").arg(keys.len());
+        for a in keys.iter().chain(args) {
+            cmd.arg(*a);
+        }
+        Arc::new((cmd, keys.len()))
+    }
+
+    /// What `rows` makes of requests bringing `calls`: for each, `None` (sent as `=`) or its
+    /// keys and arguments.
+    fn rows_of(calls: &[&Written]) -> Vec<Option<(Vec<String>, Vec<String>)>> {
+        let (mut batch, _replies) = waiters(calls.len());
+        for (w, c) in batch.iter_mut().zip(calls) {
+            w.call = Some(Arc::clone(c));
+        }
+        let text = |v: &Vec<&[u8]>| -> Vec<String> {
+            v.iter()
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .collect()
+        };
+        rows(&batch)
+            .unwrap()
+            .iter()
+            .map(|r| r.as_ref().map(|(k, a)| (text(k), text(a))))
+            .collect()
+    }
+
+    /// `=` stands for the last keys and arguments written out (lua/assign_run.lua), whether
+    /// the request before shared that call or only wrote an equal one.
+    #[test]
+    fn a_request_is_sent_as_equal_only_when_its_call_is_the_last_written_out() {
+        let a = written(&["k1", "k2"], &["L", "1"]);
+        let equal_to_a = written(&["k1", "k2"], &["L", "1"]);
+        let b = written(&["k1", "k3"], &["L", "1"]);
+        let row = |keys: &[&str], args: &[&str]| {
+            Some((
+                keys.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            ))
+        };
+        let ra = row(&["k1", "k2"], &["L", "1"]);
+        let rb = row(&["k1", "k3"], &["L", "1"]);
+        assert_eq!(
+            rows_of(&[&a, &a, &equal_to_a, &b, &a]),
+            vec![ra.clone(), None, None, rb.clone(), ra.clone()]
+        );
+        assert_eq!(
+            rows_of(&[&a, &b, &a, &a]),
+            vec![ra.clone(), rb.clone(), ra.clone(), None]
+        );
+        // A call equal to one written out earlier, but not the last, is written out again.
+        assert_eq!(
+            rows_of(&[&equal_to_a, &b, &equal_to_a]),
+            vec![ra.clone(), rb, ra]
+        );
+        // A request without its call makes the batch fail, not a malformed call.
+        let (batch, _replies) = waiters(1);
+        assert!(rows(&batch).is_err());
     }
 
     #[test]

@@ -76,8 +76,8 @@ impl<'s> ScriptCall<'s> {
     }
 
     /// `written`, a call of `script` written whole, to be sent as it is, without a copy; `None`
-    /// when it was written the other way (`FCALL` or `EVALSHA`) than calls go now: this store
-    /// has since found Redis refusing functions.
+    /// when it was written the other way (`FCALL` or `EVALSHA`) than calls go now (this store
+    /// has since found Redis refusing functions), or for another script.
     pub fn written(
         library: &'s Library,
         script: &'s StateScript,
@@ -85,10 +85,18 @@ impl<'s> ScriptCall<'s> {
     ) -> Option<ScriptCall<'s>> {
         let (cmd, keys) = &**written;
         let fcall = library.functions();
-        let head = match cmd.args_iter().next() {
-            Some(Arg::Simple(head)) => head,
-            _ => return None,
+        let mut args = cmd.args_iter();
+        let (Some(Arg::Simple(head)), Some(Arg::Simple(name))) = (args.next(), args.next()) else {
+            return None;
         };
+        let name_is = if fcall {
+            name == script.function.as_bytes()
+        } else {
+            name == script.eval.get_hash().as_bytes()
+        };
+        if !name_is {
+            return None;
+        }
         (head == if fcall { &b"FCALL"[..] } else { b"EVALSHA" }).then_some(ScriptCall {
             script,
             library,
@@ -104,6 +112,10 @@ impl<'s> ScriptCall<'s> {
         debug_assert!(self.keys_left > 0, "more keys than announced");
         self.keys_left = self.keys_left.saturating_sub(1);
         {
+            debug_assert!(
+                matches!(self.cmd, Cow::Owned(_)),
+                "a shared call written to"
+            );
             let mut w = self.cmd.to_mut().writer_for_next_arg();
             for p in parts {
                 // Writing into the command's Vec cannot fail.
@@ -117,6 +129,10 @@ impl<'s> ScriptCall<'s> {
     pub fn raw_key(&mut self, key: &[u8]) -> &mut Self {
         debug_assert!(self.keys_left > 0, "more keys than announced");
         self.keys_left = self.keys_left.saturating_sub(1);
+        debug_assert!(
+            matches!(self.cmd, Cow::Owned(_)),
+            "a shared call written to"
+        );
         self.cmd.to_mut().arg(key);
         self
     }
@@ -132,6 +148,10 @@ impl<'s> ScriptCall<'s> {
     /// Appends an argument (after every key).
     pub fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
         debug_assert_eq!(self.keys_left, 0, "an argument before the last key");
+        debug_assert!(
+            matches!(self.cmd, Cow::Owned(_)),
+            "a shared call written to"
+        );
         self.cmd.to_mut().arg(arg);
         self
     }
@@ -295,6 +315,7 @@ mod tests {
         let as_is = ScriptCall::written(&scripts.library, &scripts.assign, &written)
             .expect("written as an FCALL, sent as one");
         assert!(matches!(as_is.cmd, Cow::Borrowed(_)));
+        assert!(ScriptCall::written(&scripts.library, &scripts.quota, &written).is_none());
         // Once Redis refused functions, calls go as EVALSHA: one written as an FCALL is
         // written again (batch.rs copies its keys and arguments under the new head).
         scripts.library.refuse_functions();

@@ -212,7 +212,8 @@ impl RedisStore {
             self.invoke(&self.write_assign(ask, usage)).await?
         } else {
             let call = if WrittenCalls::fit_for(ask) {
-                self.written.get_or_write(ask, quota.as_ref(), || {
+                let fcall = self.scripts.library.functions();
+                self.written.get_or_write(ask, quota.as_ref(), fcall, || {
                     self.write_assign(ask, None).into_parts()
                 })
             } else {

@@ -3,27 +3,33 @@
 //! Why: a least-used key-pool request (member windows, cooldowns) that goes with its lane's
 //! batch, with nothing excluded, has a call that depends only on its route's configuration:
 //! the pool, the cooldowns, the route quota's keys and windows, each member's keys and windows,
-//! the costs. Writing it (about ten keys put together from their parts, twenty numbers
+//! the costs. Writing it whole (each key put together from its parts, every number
 //! formatted) was most of what such a request cost sluice over a plain least-used one, and in
 //! a batch every request after the first then went as `=`, its call compared byte by byte
-//! with the one before and thrown away.
+//! with the one before and thrown away (docs/benchmarks.md, "Key pools: what sluice adds").
 //!
 //! How: the first such request of a route writes its call and keeps it here with what it was
 //! written from (its *shape*); a later request whose ask has the same shape, part by part,
 //! takes the same call (an `Arc`), and the batch sends it as `=` on seeing the same pointer
 //! (batch.rs). Exact: a call is shared only with an ask equal in every part the call is
-//! written from, compared in full (a member's id and windows by pointer first, the config's
-//! own `Arc`s, then by value), so a reload, a sub-log's share of the limits or another quota
-//! key is another shape and another call.
+//! written from, compared in full, and with calls going the same way (`FCALL` or `EVALSHA`);
+//! a reload that changes a limit, a sub-log (a route of its own here) or another quota key is
+//! another shape and another call. Debug builds write the call again on every hit and check
+//! that it is the one kept, so every test that runs a key pool checks that the shape misses
+//! nothing the call depends on.
 //!
-//! Bounded: at most [`ROUTES`] routes (past it the table starts over), each with at most
-//! [`SHAPES`] calls (past it the oldest goes). A route whose requests change shape all the
-//! time (a quota key per caller) only writes its call as before, plus keeping it.
+//! Bounded: at most [`ROUTES`] routes (past it one is dropped), each with at most [`SHAPES`]
+//! calls (past it the oldest goes). A call holds its route's members, so what is kept is at
+//! most that many calls of the config's own size; after a reload the old config's shapes go
+//! as the new ones replace them. A route whose requests change shape all the time (a quota key
+//! per caller) would only pay for keeping calls that are never used again: after
+//! [`MISSES`] misses in a row it keeps one call in [`MISSES`] only, until a request finds one.
 //!
 //! Lock-free for a request: the table and each route's calls are read through `arc-swap`; a
 //! route's first call replaces the table, and a new shape replaces that route's few calls.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -34,13 +40,19 @@ use sluice_limiter::{Acquire, Window};
 
 use crate::call::Written;
 
-/// The most routes (sub-logs count as routes) whose calls are kept.
-const ROUTES: usize = 1024;
-/// The most calls one route keeps: a route has one per sub-log and quota key it is asked on.
+/// The most routes (each sub-log counts as one) whose calls are kept.
+const ROUTES: usize = 4096;
+/// The most calls one route keeps: one per quota key it is asked on, and a few more while a
+/// reload's new shapes replace the old.
 const SHAPES: usize = 8;
+/// Misses in a row after which a route keeps only one call in as many.
+const MISSES: u32 = 64;
 
 /// What a shared call is written from, besides the store's key prefix and the route.
 struct Shape {
+    /// Whether it goes as `FCALL` (else `EVALSHA`): one written before Redis refused functions
+    /// would be copied under the new head on every lone send.
+    fcall: bool,
     /// The member cost, and the route quota's cost (sent even with no quota windows).
     cost: u64,
     quota_cost: u64,
@@ -49,8 +61,8 @@ struct Shape {
     at_us: Option<u64>,
     /// The route quota, when it has windows.
     quota: Option<QuotaShape>,
-    /// Every member, as the ask gave them (the config's `Arc`s, kept alive here, so that a
-    /// pointer seen equal is the same member and not a freed one's address reused).
+    /// Every member, as the ask gave them. `Arc` equality looks at the pointer first, so the
+    /// config's own members compare at once, and a sub-log's share by value.
     members: Box<[PoolMember]>,
     call: Written,
 }
@@ -63,8 +75,9 @@ struct QuotaShape {
 }
 
 impl Shape {
-    fn of(ask: &Assign<'_>, quota: Option<&Acquire<'_>>, call: Written) -> Shape {
+    fn of(ask: &Assign<'_>, quota: Option<&Acquire<'_>>, fcall: bool, call: Written) -> Shape {
         Shape {
+            fcall,
             cost: ask.cost,
             quota_cost: ask.quota.map_or(0, |q| q.cost),
             cooldowns: ask.cooldowns,
@@ -79,9 +92,11 @@ impl Shape {
         }
     }
 
-    /// Whether a call written for `ask` would be this one, part for part.
-    fn fits(&self, ask: &Assign<'_>, quota: Option<&Acquire<'_>>) -> bool {
-        self.cost == ask.cost
+    /// Whether a call written for `ask` (going as `FCALL` when `fcall`) would be this one,
+    /// part for part.
+    fn fits(&self, ask: &Assign<'_>, quota: Option<&Acquire<'_>>, fcall: bool) -> bool {
+        self.fcall == fcall
+            && self.cost == ask.cost
             && self.quota_cost == ask.quota.map_or(0, |q| q.cost)
             && self.cooldowns == ask.cooldowns
             && self.at_us == clock(ask)
@@ -92,26 +107,39 @@ impl Shape {
                 }
                 _ => false,
             }
-            && self.members.len() == ask.members.len()
-            && self.members.iter().zip(ask.members).all(|(a, b)| {
-                (Arc::ptr_eq(&a.id, &b.id) || a.id == b.id)
-                    && (Arc::ptr_eq(&a.windows, &b.windows) || a.windows == b.windows)
-            })
+            && *self.members == *ask.members
     }
 }
 
-/// The clock a call is written with (as `assign_script` writes it).
+/// The clock a call is written with (as `write_assign` writes it).
 fn clock(ask: &Assign<'_>) -> Option<u64> {
     ask.at_us.or(ask.quota.and_then(|q| q.at_us))
 }
 
-type Calls = ArcSwap<Vec<Arc<Shape>>>;
-type Table = HashMap<Box<str>, Arc<Calls>, foldhash::fast::RandomState>;
+/// One route's kept calls.
+#[derive(Default)]
+struct Calls {
+    kept: ArcSwap<Vec<Arc<Shape>>>,
+    /// Misses since a request last found its call here.
+    misses: AtomicU32,
+}
+
+type Table = HashMap<Arc<str>, Arc<Calls>, foldhash::fast::RandomState>;
 
 /// The calls kept, by route.
-#[derive(Default)]
 pub(crate) struct WrittenCalls {
     routes: ArcSwap<Table>,
+    /// [`ROUTES`], but in tests.
+    max_routes: usize,
+}
+
+impl Default for WrittenCalls {
+    fn default() -> WrittenCalls {
+        WrittenCalls {
+            routes: ArcSwap::default(),
+            max_routes: ROUTES,
+        }
+    }
 }
 
 impl WrittenCalls {
@@ -126,26 +154,58 @@ impl WrittenCalls {
             && ask.quota.is_none_or(|q| q.client.is_none())
     }
 
-    /// The call for `ask` (whose route quota, with windows, is `quota`): one kept for its
-    /// shape, or the one `write` writes, kept for the next.
+    /// The call for `ask` (whose route quota, with windows, is `quota`; calls going as `FCALL`
+    /// when `fcall`): one kept for its shape, or the one `write` writes, kept for the next.
     pub(crate) fn get_or_write(
         &self,
         ask: &Assign<'_>,
         quota: Option<&Acquire<'_>>,
-        write: impl FnOnce() -> (Cmd, usize),
+        fcall: bool,
+        write: impl Fn() -> (Cmd, usize),
     ) -> Written {
-        let table = self.routes.load();
-        let calls = table.get(ask.route).cloned();
-        drop(table);
-        if let Some(calls) = &calls {
-            if let Some(shape) = calls.load().iter().find(|s| s.fits(ask, quota)) {
+        let calls = {
+            let table = self.routes.load();
+            let Some(calls) = table.get(ask.route) else {
+                drop(table);
+                return self.keep(&self.route(ask.route), ask, quota, fcall, &write);
+            };
+            if let Some(shape) = calls.kept.load().iter().find(|s| s.fits(ask, quota, fcall)) {
+                // Only a route that was missing writes here: a store per hit would make every
+                // core write one cache line.
+                if calls.misses.load(Ordering::Relaxed) != 0 {
+                    calls.misses.store(0, Ordering::Relaxed);
+                }
+                check(&shape.call, &write);
                 return shape.call.clone();
             }
+            calls.clone()
+        };
+        let missed = calls.misses.fetch_add(1, Ordering::Relaxed);
+        if missed >= MISSES && missed % MISSES != 0 {
+            return Arc::new(write());
         }
+        self.keep(&calls, ask, quota, fcall, &write)
+    }
+
+    /// Writes `ask`'s call and keeps it in `calls`, unless another request kept one of the
+    /// same shape meanwhile: then that one.
+    fn keep(
+        &self,
+        calls: &Calls,
+        ask: &Assign<'_>,
+        quota: Option<&Acquire<'_>>,
+        fcall: bool,
+        write: &impl Fn() -> (Cmd, usize),
+    ) -> Written {
         let call: Written = Arc::new(write());
-        let shape = Arc::new(Shape::of(ask, quota, call.clone()));
-        let calls = calls.unwrap_or_else(|| self.route(ask.route));
-        calls.rcu(|kept| {
+        let shape = Arc::new(Shape::of(ask, quota, fcall, call.clone()));
+        let mut taken = None;
+        calls.kept.rcu(|kept| {
+            if let Some(same) = kept.iter().find(|s| s.fits(ask, quota, fcall)) {
+                taken = Some(same.call.clone());
+                return kept.clone();
+            }
+            taken = None;
             let mut next = Vec::with_capacity(SHAPES);
             next.extend(
                 kept.iter()
@@ -153,9 +213,9 @@ impl WrittenCalls {
                     .cloned(),
             );
             next.push(shape.clone());
-            next
+            Arc::new(next)
         });
-        call
+        taken.unwrap_or(call)
     }
 
     /// `route`'s calls, made empty when the route has none yet.
@@ -166,11 +226,13 @@ impl WrittenCalls {
                 made = Some(calls.clone());
                 return table.clone();
             }
-            let mut next = if table.len() >= ROUTES {
-                Table::default()
-            } else {
-                (**table).clone()
-            };
+            let mut next = (**table).clone();
+            if next.len() >= self.max_routes {
+                // Any one: a route in use is kept again by its next request.
+                if let Some(gone) = next.keys().next().cloned() {
+                    next.remove(&gone);
+                }
+            }
             let calls = Arc::new(Calls::default());
             next.insert(route.into(), calls.clone());
             made = Some(calls);
@@ -182,7 +244,35 @@ impl WrittenCalls {
     /// How many calls are kept, for tests.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.routes.load().values().map(|c| c.load().len()).sum()
+        self.routes
+            .load()
+            .values()
+            .map(|c| c.kept.load().len())
+            .sum()
+    }
+}
+
+/// Debug builds: the call `write` writes now is the one kept (its key count, keys and
+/// arguments: the head, `FCALL` or `EVALSHA`, may have changed since the caller looked), so a
+/// part of the ask that the call depends on and `Shape::fits` does not compare fails every
+/// test that runs a key pool.
+fn check(kept: &Written, write: &impl Fn() -> (Cmd, usize)) {
+    if cfg!(debug_assertions) {
+        let (again, keys) = write();
+        let args = |cmd: &Cmd| -> Vec<Vec<u8>> {
+            cmd.args_iter()
+                .skip(2)
+                .map(|a| match a {
+                    redis::Arg::Simple(b) => b.to_vec(),
+                    _ => b"<not bytes>".to_vec(),
+                })
+                .collect()
+        };
+        assert_eq!(keys, kept.1, "a shared call's key count");
+        assert!(
+            args(&again) == args(&kept.0),
+            "a shared call is not the one its ask writes"
+        );
     }
 }
 
@@ -235,8 +325,9 @@ mod tests {
         }
     }
 
-    /// Asks `calls` for the call of `p`; whether it was written (not found kept).
-    fn ask(calls: &WrittenCalls, p: &Parts) -> (Written, bool) {
+    /// Asks `calls` for the call of `p`, written from every part of it: two shapes write two
+    /// different calls, so the debug check fails a hit on a shape that does not fit.
+    fn ask(calls: &WrittenCalls, p: &Parts) -> Written {
         let windows: Vec<Window> = p.quota_limit.map(|l| window("q", l)).into_iter().collect();
         let quota = Acquire {
             route: &p.route,
@@ -260,41 +351,47 @@ mod tests {
         };
         assert!(WrittenCalls::fit_for(&ask));
         let quota = Some(quota).filter(|q| !q.windows.is_empty());
-        let mut wrote = false;
-        let call = calls.get_or_write(&ask, quota.as_ref(), || {
-            wrote = true;
-            (Cmd::new(), 0)
-        });
-        (call, wrote)
+        // What the call is written from, as write_assign would write it (the debug check
+        // compares a kept call with the one its ask writes again).
+        let write = || {
+            let mut cmd = Cmd::new();
+            cmd.arg("FCALL").arg("assign").arg(1).arg(&*p.route);
+            cmd.arg(&*p.key).arg(p.quota_limit).arg(p.quota_cost);
+            cmd.arg(p.cost).arg(p.cooldowns).arg(p.at_us);
+            for m in &p.members {
+                cmd.arg(&*m.id);
+                for w in m.windows.iter() {
+                    cmd.arg(&*w.name).arg(w.limit).arg(w.length_us);
+                }
+            }
+            (cmd, 1)
+        };
+        calls.get_or_write(&ask, quota.as_ref(), true, write)
     }
 
     #[test]
     fn an_ask_of_the_same_shape_takes_the_call_written_for_the_first() {
         let calls = WrittenCalls::default();
-        let (first, wrote) = ask(&calls, &base());
-        assert!(wrote);
-        let (again, wrote) = ask(&calls, &base());
-        assert!(!wrote);
-        assert!(Arc::ptr_eq(&first, &again));
+        let first = ask(&calls, &base());
+        assert!(Arc::ptr_eq(&first, &ask(&calls, &base())));
         // Members equal in value but not the same `Arc`s (a sub-log's share, a reload that
         // changed nothing) are the same shape.
-        let (equal, wrote) = ask(
+        let equal = ask(
             &calls,
             &Parts {
                 members: members(3),
                 ..base()
             },
         );
-        assert!(!wrote);
         assert!(Arc::ptr_eq(&first, &equal));
         assert_eq!(calls.len(), 1);
     }
 
     #[test]
     fn an_ask_that_differs_in_any_part_gets_a_call_of_its_own() {
-        let renamed = {
+        let with = |f: fn(&mut PoolMember)| {
             let mut m = members(3);
-            m[1].id = "c".into();
+            f(&mut m[1]);
             m
         };
         let variants = [
@@ -332,7 +429,24 @@ mod tests {
                 ..base()
             },
             Parts {
-                members: renamed,
+                members: with(|m| m.id = "c".into()),
+                ..base()
+            },
+            Parts {
+                members: with(|m| m.windows = Arc::new([window("n", 3)])),
+                ..base()
+            },
+            Parts {
+                members: with(|m| {
+                    m.windows = Arc::new([Window {
+                        length_us: 2_000_000,
+                        ..window("m", 3)
+                    }])
+                }),
+                ..base()
+            },
+            Parts {
+                members: with(|m| m.windows = Arc::new([window("m", 3), window("h", 9)])),
                 ..base()
             },
             Parts {
@@ -342,14 +456,40 @@ mod tests {
         ];
         for (i, variant) in variants.iter().enumerate() {
             let calls = WrittenCalls::default();
-            let (first, _) = ask(&calls, &base());
-            let (other, wrote) = ask(&calls, variant);
-            assert!(wrote, "variant {i} took the base's call");
+            let first = ask(&calls, &base());
+            let other = ask(&calls, variant);
             assert!(!Arc::ptr_eq(&first, &other), "variant {i}");
             // Both stay kept, each for its own shape.
-            let (again, wrote) = ask(&calls, &base());
-            assert!(!wrote && Arc::ptr_eq(&first, &again), "variant {i}");
+            assert!(Arc::ptr_eq(&first, &ask(&calls, &base())), "variant {i}");
+            assert!(Arc::ptr_eq(&other, &ask(&calls, variant)), "variant {i}");
         }
+    }
+
+    #[test]
+    fn a_call_written_before_redis_refused_functions_is_not_shared_after() {
+        let calls = WrittenCalls::default();
+        let p = base();
+        let members = p.members.clone();
+        let ask = Assign {
+            route: "pool",
+            members: &members,
+            order: Order::LeastUsed,
+            excluded: &[],
+            quota: None,
+            cost: 1,
+            cooldowns: true,
+            at_us: None,
+            lease: None,
+            sticky: None,
+        };
+        let write = || (Cmd::new(), 0);
+        let fcall = calls.get_or_write(&ask, None, true, write);
+        let evalsha = calls.get_or_write(&ask, None, false, write);
+        assert!(!Arc::ptr_eq(&fcall, &evalsha));
+        assert!(Arc::ptr_eq(
+            &evalsha,
+            &calls.get_or_write(&ask, None, false, write)
+        ));
     }
 
     #[test]
@@ -395,45 +535,62 @@ mod tests {
         }));
     }
 
+    /// A quota key per caller: past SHAPES the oldest go, past MISSES misses in a row only one
+    /// in MISSES is kept, and a request that finds its call makes the route keep again.
     #[test]
-    fn the_calls_kept_are_bounded() {
+    fn a_route_keeps_at_most_its_shapes_and_stops_keeping_what_is_never_found() {
         let calls = WrittenCalls::default();
-        // A quota key per caller: past SHAPES the oldest go.
-        let keys: Vec<String> = (0..SHAPES + 5).map(|i| format!("caller-{i}")).collect();
-        for key in &keys {
-            let key = key.clone();
-            ask(&calls, &Parts { key, ..base() });
-        }
+        let caller = |i: usize| Parts {
+            key: format!("caller-{i}"),
+            ..base()
+        };
+        let firsts: Vec<Written> = (0..SHAPES + 5).map(|i| ask(&calls, &caller(i))).collect();
         assert_eq!(calls.len(), SHAPES);
-        // The newest are kept; the first is written again.
-        let newest = keys[SHAPES + 4].clone();
-        assert!(
-            !ask(
-                &calls,
-                &Parts {
-                    key: newest,
-                    ..base()
-                }
-            )
-            .1
-        );
-        let oldest = keys[0].clone();
-        assert!(
+        // The newest are kept; the oldest was dropped and is written again.
+        assert!(Arc::ptr_eq(
+            &firsts[SHAPES + 4],
+            &ask(&calls, &caller(SHAPES + 4))
+        ));
+        assert!(!Arc::ptr_eq(&firsts[0], &ask(&calls, &caller(0))));
+        // That hit made the misses start over: caller 0's was the first. MISSES more, the last
+        // of which is kept (one in MISSES is), and past them a call written is not kept.
+        for i in 1..=MISSES as usize {
+            ask(&calls, &caller(1000 + i));
+        }
+        let unkept = ask(&calls, &caller(5000));
+        assert!(!Arc::ptr_eq(&unkept, &ask(&calls, &caller(5000))));
+        // A request that finds its call makes the route keep again.
+        let newest = caller(1000 + MISSES as usize);
+        let kept = ask(&calls, &newest);
+        assert!(Arc::ptr_eq(&kept, &ask(&calls, &newest)));
+        let next = ask(&calls, &caller(6000));
+        assert!(Arc::ptr_eq(&next, &ask(&calls, &caller(6000))));
+        assert_eq!(calls.len(), SHAPES);
+    }
+
+    #[test]
+    fn the_routes_kept_are_bounded() {
+        let calls = WrittenCalls {
+            max_routes: 16,
+            ..WrittenCalls::default()
+        };
+        for i in 0..40 {
             ask(
                 &calls,
                 &Parts {
-                    key: oldest,
+                    route: format!("route-{i}"),
                     ..base()
-                }
-            )
-            .1
-        );
-        // Past ROUTES routes the table starts over.
-        for i in 0..ROUTES {
-            let route = format!("route-{i}");
-            ask(&calls, &Parts { route, ..base() });
+                },
+            );
         }
-        assert!(calls.routes.load().len() <= ROUTES);
-        assert!(calls.len() <= ROUTES);
+        assert_eq!(calls.routes.load().len(), 16);
+        assert_eq!(calls.len(), 16);
+        // A route still in use is kept again by its next request.
+        let again = Parts {
+            route: "route-0".into(),
+            ..base()
+        };
+        let call = ask(&calls, &again);
+        assert!(Arc::ptr_eq(&call, &ask(&calls, &again)));
     }
 }
