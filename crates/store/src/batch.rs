@@ -10,9 +10,9 @@
 //!   lease, a sticky session, a client's windows or windows that reserve usage keeps a call of
 //!   its own (redis.rs).
 //!
-//! Why: such a call costs Redis a fixed 10 µs or so before it decides anything (running the
-//! script, reading the quota's hash and logs or the pool, writing them back), and only a few µs
-//! more per request it decides. Under load that fixed cost was most of Redis's share of a
+//! Why: such a call costs Redis a fixed part before it decides anything (running the script,
+//! reading the quota's hash and logs or the pool, writing them back), several times what each
+//! request it decides adds. Under load that fixed cost was most of Redis's share of a
 //! request, and Redis shares the gateway's cores (docs/benchmarks.md).
 //!
 //! How:
@@ -59,7 +59,7 @@ use crate::keys::Keys;
 use crate::scripts::Scripts;
 
 /// The most requests one call decides. Redis runs nothing else while a script runs, so a call
-/// stays short (a fused call of 32 takes Redis about 120 µs), and its reply stays small.
+/// stays short (docs/benchmarks.md has what a full one costs Redis), and its reply stays small.
 pub const MAX_BATCH: usize = 32;
 
 /// The most calls of one key-pool lane out at once. Its script's work per request (the

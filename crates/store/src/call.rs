@@ -2,10 +2,10 @@
 //!
 //! The redis crate's `ScriptInvocation` keeps every key and argument in a `Vec` of its own and
 //! copies them all into the command when it is invoked; sluice's keys were `format!`ted
-//! `String`s on top of that. A key-pool assignment has a dozen keys and two dozen arguments, so
-//! that was about 60 allocations and two copies per request (15k instructions of sluice's 24k
-//! more per key-pool request than per least-used one, in `scripts/profile ROUTE=kp`). Here the
-//! command is one buffer: a key is written piece by piece where it belongs, an integer through
+//! `String`s on top of that. A key-pool assignment has many keys and arguments, so that was
+//! dozens of allocations and two copies per request, most of what a key-pool request cost sluice
+//! over a least-used one (`scripts/profile ROUTE=kp`, docs/benchmarks.md). Here the command is
+//! one buffer: a key is written piece by piece where it belongs, an integer through
 //! the crate's own formatting, and nothing is copied again before the socket.
 //!
 //! The price is that the number of keys must be known before the first key is written

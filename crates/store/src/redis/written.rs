@@ -18,21 +18,23 @@
 //! that it is the one kept, so every test that runs a key pool checks that the shape misses
 //! nothing the call depends on.
 //!
-//! Bounded: at most [`ROUTES`] routes (past it one is dropped), each with at most [`SHAPES`]
-//! calls (past it the oldest goes). A call holds its route's members, so what is kept is at
-//! most that many calls of the config's own size; after a reload the old config's shapes go
-//! as the new ones replace them. A route whose requests change shape all the time (a quota key
-//! per caller) would only pay for keeping calls that are never used again: after
-//! [`MISSES`] misses in a row it keeps one call in [`MISSES`] only, until a request finds one.
+//! Bounded: a fixed table of [`ROUTES`] slots, a route in the slot its name hashes to (two
+//! routes in one slot take turns: each then writes its calls as before), each route with at
+//! most [`SHAPES`] calls (past it the oldest goes). A call holds its route's members, so what is
+//! kept is at most that many calls of the config's own size; after a reload the old config's
+//! shapes go as the new ones replace them. A route whose requests change shape all the time (a
+//! quota key per caller) would pay for keeping calls that are never used again: past
+//! [`MISSES`] misses it keeps one new call in [`MISSES`], and a request that finds its call
+//! pays back [`MISSES`] misses, so a route that mostly misses stays throttled.
 //!
-//! Lock-free for a request: the table and each route's calls are read through `arc-swap`; a
-//! route's first call replaces the table, and a new shape replaces that route's few calls.
+//! Lock-free for a request: a slot and its route's calls are read through `arc-swap`; a new
+//! route replaces its slot, and a new shape replaces that route's few calls.
 
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::Cmd;
 
 use sluice_allocator::{Assign, PoolMember};
@@ -40,12 +42,13 @@ use sluice_limiter::{Acquire, Window};
 
 use crate::call::Written;
 
-/// The most routes (each sub-log counts as one) whose calls are kept.
+/// Slots for routes (each sub-log counts as one) whose calls are kept: far more than a config
+/// has, so that two routes seldom share one.
 const ROUTES: usize = 4096;
 /// The most calls one route keeps: one per quota key it is asked on, and a few more while a
 /// reload's new shapes replace the old.
 const SHAPES: usize = 8;
-/// Misses in a row after which a route keeps only one call in as many.
+/// Misses (less what hits paid back) past which a route keeps only one new call in as many.
 const MISSES: u32 = 64;
 
 /// What a shared call is written from, besides the store's key prefix and the route.
@@ -117,32 +120,34 @@ fn clock(ask: &Assign<'_>) -> Option<u64> {
 }
 
 /// One route's kept calls.
-#[derive(Default)]
 struct Calls {
+    route: Box<str>,
     kept: ArcSwap<Vec<Arc<Shape>>>,
-    /// Misses since a request last found its call here.
+    /// Misses, less [`MISSES`] for each request that found its call here.
     misses: AtomicU32,
 }
 
-type Table = HashMap<Arc<str>, Arc<Calls>, foldhash::fast::RandomState>;
-
 /// The calls kept, by route.
 pub(crate) struct WrittenCalls {
-    routes: ArcSwap<Table>,
-    /// [`ROUTES`], but in tests.
-    max_routes: usize,
+    /// A route's calls in the slot its name hashes to.
+    slots: Box<[ArcSwapOption<Calls>]>,
+    hasher: foldhash::fast::RandomState,
 }
 
 impl Default for WrittenCalls {
     fn default() -> WrittenCalls {
-        WrittenCalls {
-            routes: ArcSwap::default(),
-            max_routes: ROUTES,
-        }
+        WrittenCalls::with_slots(ROUTES)
     }
 }
 
 impl WrittenCalls {
+    fn with_slots(n: usize) -> WrittenCalls {
+        WrittenCalls {
+            slots: (0..n.max(1)).map(|_| ArcSwapOption::empty()).collect(),
+            hasher: foldhash::fast::RandomState::default(),
+        }
+    }
+
     /// Whether `ask` may share a call: a least-used one with nothing excluded, no client, lease
     /// or sticky session (a preference's order, the excluded ids and those parts change from
     /// one request to the next, or keep a call of their own).
@@ -163,22 +168,32 @@ impl WrittenCalls {
         fcall: bool,
         write: impl Fn() -> (Cmd, usize),
     ) -> Written {
-        let calls = {
-            let table = self.routes.load();
-            let Some(calls) = table.get(ask.route) else {
-                drop(table);
-                return self.keep(&self.route(ask.route), ask, quota, fcall, &write);
-            };
-            if let Some(shape) = calls.kept.load().iter().find(|s| s.fits(ask, quota, fcall)) {
-                // Only a route that was missing writes here: a store per hit would make every
-                // core write one cache line.
-                if calls.misses.load(Ordering::Relaxed) != 0 {
-                    calls.misses.store(0, Ordering::Relaxed);
+        let slot = &self.slots[self.hasher.hash_one(ask.route) as usize % self.slots.len()];
+        let calls = match &*slot.load() {
+            Some(calls) if *calls.route == *ask.route => {
+                if let Some(shape) = calls.kept.load().iter().find(|s| s.fits(ask, quota, fcall)) {
+                    // Read before written: most hits find nothing to pay back.
+                    let misses = calls.misses.load(Ordering::Relaxed);
+                    if misses != 0 {
+                        calls
+                            .misses
+                            .store(misses.saturating_sub(MISSES), Ordering::Relaxed);
+                    }
+                    check(&shape.call, &write);
+                    return shape.call.clone();
                 }
-                check(&shape.call, &write);
-                return shape.call.clone();
+                calls.clone()
             }
-            calls.clone()
+            // No route here yet, or another one: this one takes the slot.
+            _ => {
+                let calls = Arc::new(Calls {
+                    route: ask.route.into(),
+                    kept: ArcSwap::default(),
+                    misses: AtomicU32::new(0),
+                });
+                slot.store(Some(calls.clone()));
+                calls
+            }
         };
         let missed = calls.misses.fetch_add(1, Ordering::Relaxed);
         if missed >= MISSES && missed % MISSES != 0 {
@@ -198,7 +213,13 @@ impl WrittenCalls {
         write: &impl Fn() -> (Cmd, usize),
     ) -> Written {
         let call: Written = Arc::new(write());
-        let shape = Arc::new(Shape::of(ask, quota, fcall, call.clone()));
+        // The head it was written with, which `fcall` may no longer be: Redis may have refused
+        // functions since the caller looked.
+        let written_fcall = matches!(
+            call.0.args_iter().next(),
+            Some(redis::Arg::Simple(head)) if head == b"FCALL"
+        );
+        let shape = Arc::new(Shape::of(ask, quota, written_fcall, call.clone()));
         let mut taken = None;
         calls.kept.rcu(|kept| {
             if let Some(same) = kept.iter().find(|s| s.fits(ask, quota, fcall)) {
@@ -215,38 +236,21 @@ impl WrittenCalls {
             next.push(shape.clone());
             Arc::new(next)
         });
-        taken.unwrap_or(call)
-    }
-
-    /// `route`'s calls, made empty when the route has none yet.
-    fn route(&self, route: &str) -> Arc<Calls> {
-        let mut made = None;
-        self.routes.rcu(|table| {
-            if let Some(calls) = table.get(route) {
-                made = Some(calls.clone());
-                return table.clone();
+        match taken {
+            Some(same) => {
+                check(&same, write);
+                same
             }
-            let mut next = (**table).clone();
-            if next.len() >= self.max_routes {
-                // Any one: a route in use is kept again by its next request.
-                if let Some(gone) = next.keys().next().cloned() {
-                    next.remove(&gone);
-                }
-            }
-            let calls = Arc::new(Calls::default());
-            next.insert(route.into(), calls.clone());
-            made = Some(calls);
-            Arc::new(next)
-        });
-        made.unwrap_or_default()
+            None => call,
+        }
     }
 
     /// How many calls are kept, for tests.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.routes
-            .load()
-            .values()
+        self.slots
+            .iter()
+            .filter_map(|s| s.load_full())
             .map(|c| c.kept.load().len())
             .sum()
     }
@@ -269,8 +273,9 @@ fn check(kept: &Written, write: &impl Fn() -> (Cmd, usize)) {
                 .collect()
         };
         assert_eq!(keys, kept.1, "a shared call's key count");
-        assert!(
-            args(&again) == args(&kept.0),
+        assert_eq!(
+            args(&again),
+            args(&kept.0),
             "a shared call is not the one its ask writes"
         );
     }
@@ -482,13 +487,31 @@ mod tests {
             lease: None,
             sticky: None,
         };
-        let write = || (Cmd::new(), 0);
-        let fcall = calls.get_or_write(&ask, None, true, write);
-        let evalsha = calls.get_or_write(&ask, None, false, write);
+        let head = |head: &'static str| {
+            move || {
+                let mut cmd = Cmd::new();
+                cmd.arg(head).arg("assign").arg(0);
+                (cmd, 0)
+            }
+        };
+        let fcall = calls.get_or_write(&ask, None, true, head("FCALL"));
+        let evalsha = calls.get_or_write(&ask, None, false, head("EVALSHA"));
         assert!(!Arc::ptr_eq(&fcall, &evalsha));
         assert!(Arc::ptr_eq(
             &evalsha,
-            &calls.get_or_write(&ask, None, false, write)
+            &calls.get_or_write(&ask, None, false, head("EVALSHA"))
+        ));
+        // A call written as EVALSHA by a request that still thought calls went as FCALL (Redis
+        // refused functions in between) is kept for what it is: no FCALL ask takes it.
+        let calls = WrittenCalls::default();
+        let raced = calls.get_or_write(&ask, None, true, head("EVALSHA"));
+        assert!(!Arc::ptr_eq(
+            &raced,
+            &calls.get_or_write(&ask, None, true, head("FCALL"))
+        ));
+        assert!(Arc::ptr_eq(
+            &raced,
+            &calls.get_or_write(&ask, None, false, head("EVALSHA"))
         ));
     }
 
@@ -535,8 +558,8 @@ mod tests {
         }));
     }
 
-    /// A quota key per caller: past SHAPES the oldest go, past MISSES misses in a row only one
-    /// in MISSES is kept, and a request that finds its call makes the route keep again.
+    /// A quota key per caller: past SHAPES the oldest go, past MISSES misses only one in MISSES
+    /// is kept, and a request that finds its call pays back MISSES of them.
     #[test]
     fn a_route_keeps_at_most_its_shapes_and_stops_keeping_what_is_never_found() {
         let calls = WrittenCalls::default();
@@ -559,7 +582,7 @@ mod tests {
         }
         let unkept = ask(&calls, &caller(5000));
         assert!(!Arc::ptr_eq(&unkept, &ask(&calls, &caller(5000))));
-        // A request that finds its call makes the route keep again.
+        // A request that finds its call pays back MISSES misses: the route keeps again.
         let newest = caller(1000 + MISSES as usize);
         let kept = ask(&calls, &newest);
         assert!(Arc::ptr_eq(&kept, &ask(&calls, &newest)));
@@ -569,28 +592,22 @@ mod tests {
     }
 
     #[test]
-    fn the_routes_kept_are_bounded() {
-        let calls = WrittenCalls {
-            max_routes: 16,
-            ..WrittenCalls::default()
-        };
-        for i in 0..40 {
-            ask(
-                &calls,
-                &Parts {
-                    route: format!("route-{i}"),
-                    ..base()
-                },
-            );
-        }
-        assert_eq!(calls.routes.load().len(), 16);
-        assert_eq!(calls.len(), 16);
-        // A route still in use is kept again by its next request.
-        let again = Parts {
-            route: "route-0".into(),
+    fn routes_in_one_slot_take_turns_and_every_call_fits_its_own() {
+        // One slot: every route shares it.
+        let calls = WrittenCalls::with_slots(1);
+        let route = |name: &str| Parts {
+            route: name.into(),
             ..base()
         };
-        let call = ask(&calls, &again);
-        assert!(Arc::ptr_eq(&call, &ask(&calls, &again)));
+        let a = ask(&calls, &route("a"));
+        assert!(Arc::ptr_eq(&a, &ask(&calls, &route("a"))));
+        let b = ask(&calls, &route("b"));
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert!(Arc::ptr_eq(&b, &ask(&calls, &route("b"))));
+        // "a" lost the slot to "b": written again, and kept again.
+        let again = ask(&calls, &route("a"));
+        assert!(!Arc::ptr_eq(&a, &again));
+        assert!(Arc::ptr_eq(&again, &ask(&calls, &route("a"))));
+        assert_eq!(calls.len(), 1);
     }
 }
