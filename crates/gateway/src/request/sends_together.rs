@@ -12,7 +12,9 @@
 //! that arrives in a burst still waits behind it: that wait was most of what sluice added to a
 //! request's tail over an nginx proxy (`scripts/bench-dwell`). So each proxy thread decides
 //! from how busy the runtime's workers have been lately: most of the time, and sends wait for
-//! each other; half of it or less, and each goes at once.
+//! each other; half of it or less, and each goes at once. The Redis client's writes follow the
+//! same decision (`sluice_store::connection::writes_together`): a call to the store that waits
+//! for the end of the turn waits behind the same burst.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -94,10 +96,15 @@ fn together() -> bool {
         }
         d.last.set(Some((now, busy)));
         let share = worked.as_nanos() * 1000 / span.as_nanos().max(1);
+        let was = d.together.get();
         if share > BATCHED_ABOVE {
             d.together.set(true);
         } else if share < UNBATCHED_BELOW {
             d.together.set(false);
+        }
+        if d.together.get() != was {
+            // The store's writes to Redis wait for the end of the turn on the same terms.
+            sluice_store::connection::writes_together(!was);
         }
         d.together.get()
     })

@@ -12,6 +12,11 @@
 // When there is nothing else to run, the cost is one extra poll of the I/O driver (a
 // non-blocking epoll_wait) before the write. Outside a Tokio runtime the deferral fires at
 // once, so the connection behaves as before.
+//
+// The price is latency: a command waits for every other ready task to run as far as it can.
+// Below saturation there is little to write together, and a command that arrives in a burst
+// still waits behind it, so `set_flush_deferral` lets the application turn the wait off while
+// its runtime is mostly idle (and on again under load); it is on until then.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -19,6 +24,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
+
+/// Whether flushes wait for the end of the runtime's turn, for every multiplexed connection of
+/// the process.
+static DEFERRING: AtomicBool = AtomicBool::new(true);
+
+/// Turns the wait for the end of the runtime's turn before a write on (the default) or off, for
+/// every multiplexed connection of the process. Off, commands are written as soon as the
+/// connection's driver runs, one write per wake-up, as released: the better choice while the
+/// runtime is mostly idle, when there is little to write together and a wait only adds latency.
+/// A deferral already under way is not cut short.
+pub fn set_flush_deferral(on: bool) {
+    DEFERRING.store(on, Ordering::Relaxed);
+}
 
 /// One connection's flush deferral: at most one is outstanding at a time.
 pub(crate) struct FlushDeferral {
@@ -64,6 +82,9 @@ impl FlushDeferral {
                 return Poll::Ready(());
             }
             return Poll::Pending;
+        }
+        if !DEFERRING.load(Ordering::Relaxed) {
+            return Poll::Ready(());
         }
         self.shared.fired.store(false, Ordering::Relaxed);
         self.shared.task.register(cx.waker());

@@ -236,6 +236,7 @@ pub(crate) use connection::connect_simple;
 pub use connection::transaction_async;
 // PATCH (sluice, one write per runtime turn)
 mod flush_deferral;
+pub use flush_deferral::set_flush_deferral;
 mod multiplexed_connection;
 pub use multiplexed_connection::*;
 #[cfg(feature = "connection-manager")]
