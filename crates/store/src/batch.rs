@@ -28,7 +28,8 @@
 //!   call left is taken out of it, so it is never charged. A request waits for its call to
 //!   leave at most the store's timeout (then it leaves the queue, uncharged); once its call has
 //!   left, it waits for that call's answer, which the call's own timeout bounds, so that it is
-//!   never told "timeout" after a call that charged it answered in time.
+//!   never told "timeout" after a call that charged it answered in time. The request that
+//!   makes a lane is in its first call, which leaves at once: it needs no timer of its own.
 //! - A script that fails part-way (a Lua error on data it did not write there: a key of another
 //!   type, a log entry of another form; Redis refuses a call for want of memory before it writes,
 //!   never after) is not rolled back: what it recorded for the requests before the failure
@@ -298,7 +299,9 @@ impl Batches {
             return received(rx.await);
         }
         let hash = self.hash(&ask);
-        if let Some(id) = self.enqueue(hash, &ask, waiter) {
+        let mut first = false;
+        if let Some((id, new)) = self.enqueue(hash, &ask, waiter) {
+            first = new;
             // The guard is made before the task is spawned: a task dropped before it first
             // runs (its runtime shutting down) still removes its lane.
             let guard = LaneGuard {
@@ -308,6 +311,13 @@ impl Batches {
                 ended: false,
             };
             tokio::spawn(async move { guard.run().await });
+        }
+        if first {
+            // The request that made its lane is alone at the front of its queue, so the task
+            // just spawned takes it into its first call, and that call's own timeout bounds the
+            // wait. A timer of its own would wait on nothing else, and each costs a timer entry
+            // and often a wake-up of the runtime's driver (a system call).
+            return received(rx.await);
         }
         // A request waits for its call to leave for at most the store's timeout, as long as a
         // call of its own may take; past it, one still in the queue leaves it, uncharged.
@@ -338,8 +348,9 @@ impl Batches {
     }
 
     /// Queues `waiter` in its lane (`hash` is the ask's); the lane's id when a task must be
-    /// spawned for it: the lane is new, or has fewer tasks than it may have calls out.
-    fn enqueue(&self, hash: u64, ask: &Ask<'_>, waiter: Waiter) -> Option<Arc<LaneId>> {
+    /// spawned for it (the lane is new, or has fewer tasks than it may have calls out), and
+    /// whether the lane is new (the waiter is then its only one).
+    fn enqueue(&self, hash: u64, ask: &Ask<'_>, waiter: Waiter) -> Option<(Arc<LaneId>, bool)> {
         let mut lanes = self.lanes();
         let bucket = lanes.entry(hash).or_default();
         match bucket.iter_mut().find(|lane| lane.id.is(ask)) {
@@ -347,7 +358,7 @@ impl Batches {
                 lane.waiting.push(waiter);
                 if lane.tasks < lane.id.calls() {
                     lane.tasks += 1;
-                    return Some(lane.id.clone());
+                    return Some((lane.id.clone(), false));
                 }
                 None
             }
@@ -358,7 +369,7 @@ impl Batches {
                     waiting: vec![waiter],
                     tasks: 1,
                 });
-                Some(id)
+                Some((id, true))
             }
         }
     }
