@@ -22,7 +22,9 @@
 //!   each request its own reply, and goes on until no request waits; then the lane is removed.
 //!   A call never waits for company: a lone request goes at once, as before. A key-pool lane
 //!   may have two tasks, so two calls out at once ([`ASSIGN_CALLS`]): a request that finds one
-//!   call out starts the second task and goes at once too.
+//!   call out starts the second task and goes at once too. So may a lane of any kind while the
+//!   gateway is not under load (load.rs): there, waiting for the call out was most of what a
+//!   request's store call added to its latency, and Redis has time to spare.
 //! - The task, not a request, makes the call. A request that gives up (its client left, its
 //!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
 //!   call left is taken out of it, so it is never charged. A request waits for its call to
@@ -39,7 +41,8 @@
 //!   once, at its end, so such a failure can also leave a hash's totals disagreeing with its
 //!   logs (a limit cut short, or entries not counted) until the logs empty.
 //! - Every resource is bounded: lanes exist only while requests wait in them, a call holds at
-//!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out.
+//!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out (one, for
+//!   the other kinds under load).
 //! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
 //!   each request makes its own call of the same script, at once, from its own task.
 
@@ -69,7 +72,8 @@ pub const MAX_BATCH: usize = 32;
 /// written, and the whole route waited on that loop; with two, Redis decides the next call's
 /// requests while the gateway reads the last one's answer. Calls of one lane go over one
 /// connection, so Redis runs them in the order they left. The other kinds keep one call at a
-/// time: their script's fixed cost is most of a call, and fewer, larger calls serve them best.
+/// time under load: their script's fixed cost is most of a call, and fewer, larger calls serve
+/// them best there; below saturation they may have as many out as a key pool.
 const ASSIGN_CALLS: usize = 2;
 
 /// Which script a lane's calls run.
@@ -201,7 +205,8 @@ impl LaneId {
     fn calls(&self) -> usize {
         match self.kind {
             Kind::Assign => ASSIGN_CALLS,
-            _ => 1,
+            _ if crate::load::is_under_load() => 1,
+            _ => ASSIGN_CALLS,
         }
     }
 }

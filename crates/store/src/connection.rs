@@ -16,15 +16,6 @@ use redis::{IntoConnectionInfo, RedisError};
 
 use sluice_limiter::StoreError;
 
-/// Whether the commands that the tasks of one turn of the runtime send leave in one write
-/// (`on`, the default: under load, fewer system calls and fewer wake-ups of Redis), or each as
-/// soon as the connection's task runs (below saturation, where a command would only wait
-/// behind the burst it came in). The gateway decides, from how busy its workers are, when it
-/// decides the same for its own sends; it holds for every connection of the process.
-pub fn writes_together(on: bool) {
-    redis::aio::set_flush_deferral(on);
-}
-
 /// Whether `url` asks for TLS (`rediss://`).
 fn is_tls(url: &str) -> bool {
     url.get(..9)

@@ -12,6 +12,8 @@
 //!   call is written and sent (`FCALL`, or `EVALSHA`), in `call.rs`;
 //! - the calls that decide every request of a route (and quota key) waiting together, in
 //!   `batch.rs`, and the settlements', in `settle_batch.rs`;
+//! - what it does differently below saturation (a write to Redis at once, a second call out
+//!   per batch lane), as the gateway tells it, in [`load`];
 //! - a route kept as several sub-logs (`state_shards`): what this instance knows of them, in
 //!   `shards.rs`, and how a call goes to one of them or to each, in `redis/sub_logs.rs`.
 //!
@@ -24,6 +26,7 @@ mod batch;
 mod call;
 pub mod connection;
 pub mod keys;
+pub mod load;
 mod redis;
 pub mod scripts;
 mod settle_batch;

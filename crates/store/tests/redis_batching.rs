@@ -51,9 +51,9 @@ fn commands_sent_in_one_turn_leave_in_one_write() {
 
     // Turned off, as the gateway does while its workers are mostly idle: each command leaves as
     // soon as the connection's task runs, which the scheduler runs right after each sender.
-    sluice_store::connection::writes_together(false);
+    sluice_store::load::under_load(false);
     let made = rt.block_on(sixteen_at_once(connection.clone()));
-    sluice_store::connection::writes_together(true);
+    sluice_store::load::under_load(true);
     assert!(
         made > 2,
         "with the wait off, 16 commands of one turn took {made} writes, as if still together"

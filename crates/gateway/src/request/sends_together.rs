@@ -12,9 +12,9 @@
 //! that arrives in a burst still waits behind it: that wait was most of what sluice added to a
 //! request's tail over an nginx proxy (`scripts/bench-dwell`). So each proxy thread decides
 //! from how busy the runtime's workers have been lately: most of the time, and sends wait for
-//! each other; half of it or less, and each goes at once. The Redis client's writes follow the
-//! same decision (`sluice_store::connection::writes_together`): a call to the store that waits
-//! for the end of the turn waits behind the same burst.
+//! each other; half of it or less, and each goes at once. The store follows the same decision
+//! (`sluice_store::load`): a call to Redis that waits for the end of the turn, or for the call
+//! out before it, waits behind the same burst.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -103,8 +103,8 @@ fn together() -> bool {
             d.together.set(false);
         }
         if d.together.get() != was {
-            // The store's writes to Redis wait for the end of the turn on the same terms.
-            sluice_store::connection::writes_together(!was);
+            // The store trades latency for throughput on the same terms.
+            sluice_store::load::under_load(!was);
         }
         d.together.get()
     })

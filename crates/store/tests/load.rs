@@ -1,0 +1,147 @@
+//! Below saturation a batch lane may have a second call out (crates/store/src/load.rs): a
+//! request that finds its lane's call out goes at once, in a call of its own, instead of waiting
+//! for that call's answer. Under load it waits, and shares the next call with the others that
+//! came meanwhile.
+//!
+//! A test binary with one test: `sluice_store::load::under_load` holds for the whole process,
+//! and would change how the calls of tests running beside it are made.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sluice_allocator::StateStore;
+use sluice_limiter::{Acquire, Window};
+use sluice_store::{RedisStore, RedisStoreConfig};
+use sluice_testkit::RedisServer;
+
+/// One request of cost 1 against `route`'s quota (a minute's window of 1,000), alone: a plain
+/// quota lane.
+async fn admitted(store: Arc<RedisStore>, route: &'static str) -> bool {
+    let windows = [Window {
+        name: "minute".into(),
+        limit: 1_000,
+        length_us: 60_000_000,
+    }];
+    store
+        .acquire(Acquire {
+            route,
+            key: "k",
+            windows: &windows,
+            cost: 1,
+            at_us: None,
+            client: None,
+        })
+        .await
+        .expect("decided")
+        .admitted
+}
+
+/// Waits, up to a deadline, until `holds` says yes about what Redis reports.
+async fn until(what: &str, holds: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !holds() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn info_field(server: &RedisServer, section: &str, field: &str) -> u64 {
+    let info = server.command(&["INFO", section]).expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Bytes a client held by the pause has received and not run: a second call sent on the
+/// store's one connection while the first is held.
+fn queued_behind_the_held_call(server: &RedisServer) -> u64 {
+    let clients = server.command(&["CLIENT", "LIST"]).expect("CLIENT LIST");
+    clients
+        .lines()
+        .filter(|l| l.contains("flags=b"))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|f| f.strip_prefix("qbuf="))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Three requests on one route: the first's call is held in Redis (`CLIENT PAUSE WRITE` holds
+/// a script call that may write), and the second and third come while it is. Returns the script
+/// calls they made.
+fn three_requests(server: &RedisServer, under_load: bool, route: &'static str) -> u64 {
+    sluice_store::load::under_load(under_load);
+    let store = Arc::new(
+        RedisStore::new(RedisStoreConfig {
+            url: server.url(),
+            key_prefix: "sluice".into(),
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // Loads sluice's library before calls are counted.
+        assert!(admitted(store.clone(), "warm-up").await);
+        server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+        server
+            .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
+            .unwrap();
+        let first = tokio::spawn(admitted(store.clone(), route));
+        until("the first call is held", || {
+            info_field(server, "clients", "blocked_clients") == 1
+        })
+        .await;
+        let second = tokio::spawn(admitted(store.clone(), route));
+        if under_load {
+            // It queues behind the call out; let it get there.
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+        } else {
+            until(
+                "the second call reaches Redis while the first is held",
+                || queued_behind_the_held_call(server) > 0,
+            )
+            .await;
+        }
+        let third = tokio::spawn(admitted(store.clone(), route));
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        server.command(&["CLIENT", "UNPAUSE"]).unwrap();
+        for request in [first, second, third] {
+            assert!(request.await.unwrap(), "every request is admitted");
+        }
+    });
+    sluice_store::load::under_load(true);
+    server.command_calls("fcall")
+}
+
+#[test]
+fn below_saturation_a_lane_has_a_second_call_out() {
+    let server = RedisServer::start();
+    assert_eq!(
+        three_requests(&server, true, "loaded"),
+        2,
+        "under load: the first alone, then the two that came while it was out, together"
+    );
+    assert_eq!(
+        three_requests(&server, false, "idle"),
+        3,
+        "below saturation: the second goes at once, and the third after one of them"
+    );
+    for route in ["loaded", "idle"] {
+        let log = format!("sluice:{{{route}}}:q:minute:k");
+        assert_eq!(
+            server.integer(&["ZCARD", &log]),
+            Some(3),
+            "{route}: each request recorded once"
+        );
+    }
+}
