@@ -23,8 +23,8 @@
 //!   A call never waits for company: a lone request goes at once, as before. A key-pool lane
 //!   may have two tasks, so two calls out at once ([`ASSIGN_CALLS`]): a request that finds one
 //!   call out starts the second task and goes at once too. So may a lane of any kind while the
-//!   gateway is not under load (load.rs): there, waiting for the call out was most of what a
-//!   request's store call added to its latency, and Redis has time to spare.
+//!   gateway is not under load (load.rs) and its calls stay small ([`SMALL_CALL`]): there,
+//!   waiting for the call out was most of what a request's store call added to its latency.
 //! - The task, not a request, makes the call. A request that gives up (its client left, its
 //!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
 //!   call left is taken out of it, so it is never charged. A request waits for its call to
@@ -41,8 +41,8 @@
 //!   once, at its end, so such a failure can also leave a hash's totals disagreeing with its
 //!   logs (a limit cut short, or entries not counted) until the logs empty.
 //! - Every resource is bounded: lanes exist only while requests wait in them, a call holds at
-//!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out (one, for
-//!   the other kinds under load).
+//!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out (the other
+//!   kinds start a second only below saturation).
 //! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
 //!   each request makes its own call of the same script, at once, from its own task.
 
@@ -70,11 +70,18 @@ pub const MAX_BATCH: usize = 32;
 /// cooldowns, each member's windows, the pool) outweighs a call's fixed cost several times over,
 /// so one call at a time left Redis idle while the answer travelled and the next call was
 /// written, and the whole route waited on that loop; with two, Redis decides the next call's
-/// requests while the gateway reads the last one's answer. Calls of one lane go over one
-/// connection, so Redis runs them in the order they left. The other kinds keep one call at a
-/// time under load: their script's fixed cost is most of a call, and fewer, larger calls serve
-/// them best there; below saturation they may have as many out as a key pool.
+/// requests while the gateway reads the last one's answer. Nothing depends on the order Redis
+/// runs a lane's calls in: each is atomic and decides on what Redis holds when it runs. The other
+/// kinds keep one call at a time under load: their script's fixed cost is most of a call, and
+/// fewer, larger calls serve them best there; below saturation they may have as many out as a
+/// key pool.
 const ASSIGN_CALLS: usize = 2;
+
+/// Below saturation, a lane other than a key pool's starts a second call only while its calls
+/// stay this small. Calls that grow past it mean requests pile up while one is out, because of
+/// their rate or of Redis's pace (several gateways that are each idle can keep one Redis busy):
+/// then one call at a time serves them with less of Redis's time, as under load.
+const SMALL_CALL: usize = 4;
 
 /// Which script a lane's calls run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -226,8 +233,12 @@ struct Waiter {
 struct Lane {
     id: Arc<LaneId>,
     waiting: Vec<Waiter>,
-    /// Tasks sending this lane's calls (at most `id.calls()`), each one call at a time.
+    /// Tasks sending this lane's calls, each one call at a time. A new one starts only while
+    /// there are fewer than `id.calls()` (which changes with the load, so a lane may briefly
+    /// have more until one ends).
     tasks: usize,
+    /// How many requests the lane's last call took.
+    last: usize,
 }
 
 /// The lanes of one store, by a hash of their id (a lookup allocates nothing; a lane's id is
@@ -361,7 +372,8 @@ impl Batches {
         match bucket.iter_mut().find(|lane| lane.id.is(ask)) {
             Some(lane) => {
                 lane.waiting.push(waiter);
-                if lane.tasks < lane.id.calls() {
+                let room = lane.id.kind == Kind::Assign || lane.last <= SMALL_CALL;
+                if lane.tasks < lane.id.calls() && room {
                     lane.tasks += 1;
                     return Some((lane.id.clone(), false));
                 }
@@ -373,6 +385,7 @@ impl Batches {
                     id: id.clone(),
                     waiting: vec![waiter],
                     tasks: 1,
+                    last: 0,
                 });
                 Some((id, true))
             }
@@ -399,6 +412,7 @@ impl Batches {
             return None;
         }
         let n = lane.waiting.len().min(MAX_BATCH);
+        lane.last = n;
         Some(
             lane.waiting
                 .drain(..n)
@@ -858,6 +872,7 @@ mod tests {
             id: id.clone(),
             waiting: Vec::new(),
             tasks: 1,
+            last: 0,
         });
         (hash, id)
     }

@@ -1,7 +1,7 @@
 //! Below saturation a batch lane may have a second call out (crates/store/src/load.rs): a
 //! request that finds its lane's call out goes at once, in a call of its own, instead of waiting
 //! for that call's answer. Under load it waits, and shares the next call with the others that
-//! came meanwhile.
+//! came meanwhile; so it does below saturation once the lane's calls have grown large.
 //!
 //! A test binary with one test: `sluice_store::load::under_load` holds for the whole process,
 //! and would change how the calls of tests running beside it are made.
@@ -14,12 +14,12 @@ use sluice_limiter::{Acquire, Window};
 use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::RedisServer;
 
-/// One request of cost 1 against `route`'s quota (a minute's window of 1,000), alone: a plain
-/// quota lane.
-async fn admitted(store: Arc<RedisStore>, route: &'static str) -> bool {
+/// One request of cost 1 against `route`'s quota (a minute's window of `limit`), alone: a
+/// plain quota lane.
+async fn admitted(store: Arc<RedisStore>, route: &'static str, limit: u64) -> bool {
     let windows = [Window {
         name: "minute".into(),
-        limit: 1_000,
+        limit,
         length_us: 60_000_000,
     }];
     store
@@ -68,10 +68,15 @@ fn queued_behind_the_held_call(server: &RedisServer) -> u64 {
         .sum()
 }
 
-/// Three requests on one route: the first's call is held in Redis (`CLIENT PAUSE WRITE` holds
-/// a script call that may write), and the second and third come while it is. Returns the script
-/// calls they made.
-fn three_requests(server: &RedisServer, under_load: bool, route: &'static str) -> u64 {
+/// Three requests on one route with a quota of `limit`: the first's call is held in Redis
+/// (`CLIENT PAUSE WRITE` holds a script call that may write), and the second and third come
+/// while it is. Returns the script calls they made and how many were admitted.
+fn three_requests(
+    server: &RedisServer,
+    under_load: bool,
+    route: &'static str,
+    limit: u64,
+) -> (u64, usize) {
     sluice_store::load::under_load(under_load);
     let store = Arc::new(
         RedisStore::new(RedisStoreConfig {
@@ -87,17 +92,17 @@ fn three_requests(server: &RedisServer, under_load: bool, route: &'static str) -
         .unwrap();
     rt.block_on(async {
         // Loads sluice's library before calls are counted.
-        assert!(admitted(store.clone(), "warm-up").await);
+        assert!(admitted(store.clone(), "warm-up", 1_000).await);
         server.command(&["CONFIG", "RESETSTAT"]).unwrap();
         server
             .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
             .unwrap();
-        let first = tokio::spawn(admitted(store.clone(), route));
+        let first = tokio::spawn(admitted(store.clone(), route, limit));
         until("the first call is held", || {
             info_field(server, "clients", "blocked_clients") == 1
         })
         .await;
-        let second = tokio::spawn(admitted(store.clone(), route));
+        let second = tokio::spawn(admitted(store.clone(), route, limit));
         if under_load {
             // It queues behind the call out; let it get there.
             for _ in 0..4 {
@@ -110,38 +115,92 @@ fn three_requests(server: &RedisServer, under_load: bool, route: &'static str) -
             )
             .await;
         }
-        let third = tokio::spawn(admitted(store.clone(), route));
+        let third = tokio::spawn(admitted(store.clone(), route, limit));
         for _ in 0..4 {
             tokio::task::yield_now().await;
         }
         server.command(&["CLIENT", "UNPAUSE"]).unwrap();
+        let mut admitted = 0;
         for request in [first, second, third] {
-            assert!(request.await.unwrap(), "every request is admitted");
+            admitted += usize::from(request.await.unwrap());
         }
-    });
-    sluice_store::load::under_load(true);
-    server.command_calls("fcall")
+        sluice_store::load::under_load(true);
+        (server.command_calls("fcall"), admitted)
+    })
 }
 
+/// Below saturation, six requests at once (one call: they all queue before its task runs),
+/// held in Redis, then two more: the lane's calls have grown past small, so the two queue
+/// behind the call out and share the next one, as under load. Returns the script calls.
+fn after_a_large_call(server: &RedisServer, route: &'static str) -> u64 {
+    sluice_store::load::under_load(false);
+    let store = Arc::new(
+        RedisStore::new(RedisStoreConfig {
+            url: server.url(),
+            key_prefix: "sluice".into(),
+            timeout: Duration::from_secs(30),
+        })
+        .unwrap(),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let calls = rt.block_on(async {
+        assert!(admitted(store.clone(), "warm-up", 1_000).await);
+        server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+        server
+            .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
+            .unwrap();
+        let mut requests: Vec<_> = (0..6)
+            .map(|_| tokio::spawn(admitted(store.clone(), route, 1_000)))
+            .collect();
+        until("the large call is held", || {
+            info_field(server, "clients", "blocked_clients") == 1
+        })
+        .await;
+        for _ in 0..2 {
+            requests.push(tokio::spawn(admitted(store.clone(), route, 1_000)));
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+        }
+        server.command(&["CLIENT", "UNPAUSE"]).unwrap();
+        for request in requests {
+            assert!(request.await.unwrap(), "every request is admitted");
+        }
+        server.command_calls("fcall")
+    });
+    sluice_store::load::under_load(true);
+    calls
+}
+
+/// With two calls of one lane out, the quota stays exact: a limit of 2 admits two of the three.
 #[test]
 fn below_saturation_a_lane_has_a_second_call_out() {
     let server = RedisServer::start();
     assert_eq!(
-        three_requests(&server, true, "loaded"),
-        2,
+        three_requests(&server, true, "loaded", 1_000),
+        (2, 3),
         "under load: the first alone, then the two that came while it was out, together"
     );
     assert_eq!(
-        three_requests(&server, false, "idle"),
-        3,
-        "below saturation: the second goes at once, and the third after one of them"
+        three_requests(&server, false, "idle", 2),
+        (3, 2),
+        "below saturation: the second goes at once, and the third after one of them; the \
+         limit of 2 holds"
     );
-    for route in ["loaded", "idle"] {
+    assert_eq!(
+        after_a_large_call(&server, "grown"),
+        2,
+        "below saturation, after a call of six: the next two wait for it and go together"
+    );
+    for (route, recorded) in [("loaded", 3), ("idle", 2), ("grown", 8)] {
         let log = format!("sluice:{{{route}}}:q:minute:k");
         assert_eq!(
             server.integer(&["ZCARD", &log]),
-            Some(3),
-            "{route}: each request recorded once"
+            Some(recorded),
+            "{route}: each admitted request recorded once"
         );
     }
 }

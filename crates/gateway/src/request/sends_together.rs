@@ -17,6 +17,7 @@
 //! out before it, waits behind the same burst.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The thread looks at the load again after this many calls (about a third as many requests),
@@ -51,6 +52,12 @@ struct Decision {
     /// load, until the first decision.
     together: Cell<bool>,
 }
+
+/// Proxy threads whose last decision was to batch, counted from each one's first look. The
+/// store (`sluice_store::load`) holds one setting for the whole process: it is under load while
+/// any thread is, so that threads deciding over different spans cannot leave it with whichever
+/// flipped last.
+static THREADS_BATCHING: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static DECISION: Decision = const {
@@ -87,6 +94,9 @@ fn together() -> bool {
         let now = Instant::now();
         let Some((then, busy_then)) = d.last.get() else {
             d.last.set(Some((now, busy)));
+            if d.together.get() {
+                THREADS_BATCHING.fetch_add(1, Ordering::Relaxed);
+            }
             return d.together.get();
         };
         let span = now.saturating_duration_since(then);
@@ -102,10 +112,18 @@ fn together() -> bool {
         } else if share < UNBATCHED_BELOW {
             d.together.set(false);
         }
-        if d.together.get() != was {
-            // The store trades latency for throughput on the same terms.
-            sluice_store::load::under_load(!was);
+        match (was, d.together.get()) {
+            (false, true) => {
+                THREADS_BATCHING.fetch_add(1, Ordering::Relaxed);
+            }
+            (true, false) => {
+                THREADS_BATCHING.fetch_sub(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
+        // The store trades latency for throughput on the same terms. Set at every decision,
+        // not only at a flip, so that two threads flipping at once cannot leave it stale.
+        sluice_store::load::under_load(THREADS_BATCHING.load(Ordering::Relaxed) > 0);
         d.together.get()
     })
 }
