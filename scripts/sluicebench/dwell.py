@@ -127,6 +127,9 @@ def events(script: str, tids: set) -> list[tuple[float, str, int, int, int]]:
         nr0, fd, t0 = pending.pop(tid, (None, -1, 0.0))
         if nr0 is not None:
             out.append((t0 if nr0 in SENDS else t, tid, nr0, fd, int(ret) if ret is not None else -1))
+    # In time order: a send is stamped at its entry but completes later, after calls of other
+    # threads may have.
+    out.sort(key=lambda e: e[0])
     return out
 
 
