@@ -68,16 +68,9 @@ fn queued_behind_the_held_call(server: &RedisServer) -> u64 {
         .sum()
 }
 
-/// Three requests on one route with a quota of `limit`: the first's call is held in Redis
-/// (`CLIENT PAUSE WRITE` holds a script call that may write), and the second and third come
-/// while it is. Returns the script calls they made and how many were admitted.
-fn three_requests(
-    server: &RedisServer,
-    under_load: bool,
-    route: &'static str,
-    limit: u64,
-) -> (u64, usize) {
-    sluice_store::load::under_load(under_load);
+/// A Redis store on `server` whose calls may wait long (the tests hold them in Redis), and a
+/// current-thread runtime, on which spawned requests run in the order they were spawned.
+fn store_and_runtime(server: &RedisServer) -> (Arc<RedisStore>, tokio::runtime::Runtime) {
     let store = Arc::new(
         RedisStore::new(RedisStoreConfig {
             url: server.url(),
@@ -90,13 +83,32 @@ fn three_requests(
         .enable_all()
         .build()
         .unwrap();
+    (store, rt)
+}
+
+/// Loads sluice's library (a first call), zeroes Redis's command counts, and holds every
+/// script call that may write from now until `CLIENT UNPAUSE`.
+async fn pause_with_library_loaded(server: &RedisServer, store: &Arc<RedisStore>) {
+    assert!(admitted(store.clone(), "warm-up", 1_000).await);
+    server.command(&["CONFIG", "RESETSTAT"]).unwrap();
+    server
+        .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
+        .unwrap();
+}
+
+/// Three requests on one route with a quota of `limit`: the first's call is held in Redis
+/// (`CLIENT PAUSE WRITE` holds a script call that may write), and the second and third come
+/// while it is. Returns the script calls they made and how many were admitted.
+fn three_requests(
+    server: &RedisServer,
+    under_load: bool,
+    route: &'static str,
+    limit: u64,
+) -> (u64, usize) {
+    sluice_store::load::under_load(under_load);
+    let (store, rt) = store_and_runtime(server);
     rt.block_on(async {
-        // Loads sluice's library before calls are counted.
-        assert!(admitted(store.clone(), "warm-up", 1_000).await);
-        server.command(&["CONFIG", "RESETSTAT"]).unwrap();
-        server
-            .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
-            .unwrap();
+        pause_with_library_loaded(server, &store).await;
         let first = tokio::spawn(admitted(store.clone(), route, limit));
         until("the first call is held", || {
             info_field(server, "clients", "blocked_clients") == 1
@@ -134,24 +146,9 @@ fn three_requests(
 /// behind the call out and share the next one, as under load. Returns the script calls.
 fn after_a_large_call(server: &RedisServer, route: &'static str) -> u64 {
     sluice_store::load::under_load(false);
-    let store = Arc::new(
-        RedisStore::new(RedisStoreConfig {
-            url: server.url(),
-            key_prefix: "sluice".into(),
-            timeout: Duration::from_secs(30),
-        })
-        .unwrap(),
-    );
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let (store, rt) = store_and_runtime(server);
     let calls = rt.block_on(async {
-        assert!(admitted(store.clone(), "warm-up", 1_000).await);
-        server.command(&["CONFIG", "RESETSTAT"]).unwrap();
-        server
-            .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
-            .unwrap();
+        pause_with_library_loaded(server, &store).await;
         let mut requests: Vec<_> = (0..6)
             .map(|_| tokio::spawn(admitted(store.clone(), route, 1_000)))
             .collect();
