@@ -14,8 +14,8 @@
 
 local op = ARGV[1]
 if op == 'client_release' then
-  for i = 3, #ARGV do
-    redis.call('ZREM', KEYS[1], ARGV[i])
+  for at = 3, #ARGV, LEASES_PER_COMMAND do
+    redis.call('ZREM', KEYS[1], unpack(ARGV, at, math.min(#ARGV, at + LEASES_PER_COMMAND - 1)))
   end
   return 0
 elseif op == 'client_renew' or op == 'client_take' then
@@ -40,10 +40,7 @@ elseif op == 'client_renew' or op == 'client_take' then
 end
 if op == 'release' then
   -- Nothing is read: no need for the clock, nor to drop expired leases.
-  local l = leases_open(1, nil)
-  for i = 3, #ARGV do
-    leases_release(l, ARGV[i])
-  end
+  leases_release(leases_open(1, nil), 3)
   return 0
 end
 local l = leases_open(1, quota_clock(ARGV[2]))

@@ -361,12 +361,66 @@ async fn a_client_at_its_cap_is_refused_on_every_route(a: &dyn StateStore, b: &d
     );
 }
 
+/// Releases that come due together go in one call, and so may a client's: each lease named is
+/// released once, whatever else the call names (a lease named twice, one released before, one
+/// never taken), and the counts are those of releasing each alone. A call may name more leases
+/// than one Redis command takes (`LEASES_PER_COMMAND`, lua/leases.lua).
+async fn many_released_at_once(a: &dyn StateStore, b: &dyn StateStore) {
+    let route = "many";
+    let pool = members(&["m1", "m2", "m3"]);
+    let ids: Vec<String> = (0..1100).map(|i| format!("r{i}")).collect();
+    let cap = |max| Some(ClientCap { name: "bulk", max });
+    for (i, id) in ids.iter().enumerate() {
+        let store = if i % 2 == 0 { a } else { b };
+        let mut lease = lease(id, LONG, None, None);
+        lease.client = cap(2_000);
+        let order = Order::LeastInFlight(&[0, 1, 2]);
+        assigned(store, ask(route, &pool, order, lease, T0)).await;
+    }
+    // Fewest first, ties to the smallest id: r0 on m1, r1 on m2, r2 on m3, r3 on m1...
+    let counts = |m1: u64, m2: u64, m3: u64| {
+        BTreeMap::from([
+            ("m1".to_string(), m1),
+            ("m2".to_string(), m2),
+            ("m3".to_string(), m3),
+        ])
+    };
+    assert_eq!(in_flight(a, route, T0).await, counts(367, 367, 366));
+    b.release(route, &["r0"]).await.unwrap();
+    a.release(route, &["r0", "r1", "r1", "never", "r2", "r3", "r4"])
+        .await
+        .unwrap();
+    assert_eq!(in_flight(b, route, T0).await, counts(365, 365, 365));
+    let mut all: Vec<&str> = ids.iter().map(|id| &**id).collect();
+    all.extend(["r5", "never"]);
+    b.release(route, &all).await.unwrap();
+    assert!(in_flight(a, route, T0).await.is_empty());
+    // The client's part, all at once too: its set is empty, so a cap of one admits one request
+    // and refuses the next.
+    a.release_client("bulk", &all).await.unwrap();
+    let take = |id| {
+        let mut lease = lease(id, LONG, None, None);
+        lease.client = cap(1);
+        ask(route, &pool, Order::LeastInFlight(&[0, 1, 2]), lease, T0)
+    };
+    assigned(b, take("one")).await;
+    assert_eq!(
+        a.assign(take("two")).await.unwrap(),
+        Assignment::ClientConcurrency { quota: None }
+    );
+    assert_eq!(
+        in_flight(a, route, T0).await,
+        BTreeMap::from([("m1".to_string(), 1)])
+    );
+}
+
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     least_in_flight_takes_the_fewest(&*a, &*b).await;
     a_member_at_its_cap_is_skipped(&*a, &*b).await;
     the_route_at_its_cap_refuses(&*a, &*b).await;
     leases_expire_and_renew(&*a, &*b).await;
     a_client_at_its_cap_is_refused_on_every_route(&*a, &*b).await;
+    many_released_at_once(&*a, &*b).await;
 }
 
 fn redis_store(url: &str) -> Arc<dyn StateStore> {
@@ -413,8 +467,8 @@ async fn redis_cluster_leases() {
 }
 
 /// What leases cost Redis, counted from its own command statistics: taking one is part of the
-/// assignment's one call; releasing any number of a route's is one call, four commands a lease
-/// (five for a member's last).
+/// assignment's one call; releasing any number of a route's is one call of a few commands, one
+/// more per member whose count drops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_lease_calls_and_commands() {
     let server = RedisServer::start();
@@ -454,7 +508,7 @@ async fn redis_lease_calls_and_commands() {
         10,
         "one call per assignment, its lease included"
     );
-    let commands = ["zrem", "hget", "hdel", "hincrby", "zadd", "hset"];
+    let commands = ["zrem", "hget", "hmget", "hdel", "hincrby", "zadd", "hset"];
     let counts = || commands.map(calls);
     let (before, fcalls) = (counts(), calls("fcall"));
     let refs: Vec<&str> = ids.iter().map(|s| &**s).collect();
@@ -462,7 +516,8 @@ async fn redis_lease_calls_and_commands() {
     assert_eq!(calls("fcall") - fcalls, 1, "ten releases, one call");
     let after = counts();
     let spent: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
-    // Per lease: ZREM, HGET, HDEL, HINCRBY; and one HDEL more for m2, whose count drops to 0
-    // ("w" stays on m1).
-    assert_eq!(spent, [10, 10, 10 + 1, 10, 0, 0], "{commands:?}");
+    // However many leases: one HMGET of their members, one HDEL of them, one ZREM, and per
+    // member one HINCRBY of its count; one HDEL more for m2, whose count drops to 0 ("w" stays
+    // on m1).
+    assert_eq!(spent, [1, 0, 1, 1 + 1, 2, 0, 0], "{commands:?}");
 }
