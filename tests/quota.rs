@@ -617,7 +617,8 @@ async fn memory_full_key_table_refuses_new_keys_and_never_admits_one_unmetered()
                 );
             }
         }
-        assert!(held > 0 && held <= MAX_KEYS, "{route}: {held} keys held");
+        // The table is the route's, whichever shards of the store its keys fall in.
+        assert_eq!(held, MAX_KEYS, "{route}: {held} keys held");
         assert!(refused > 0, "{route}: the table never filled");
         assert_eq!(
             gw.metric("sluice_quota_keys_refused_total", &[("route", route)])
@@ -641,8 +642,9 @@ async fn memory_full_key_table_refuses_new_keys_and_never_admits_one_unmetered()
 }
 
 /// The memory store bounds a route's log entries too, not only its keys: one key with a large
-/// limit fills the budget (`state.memory.max_entries`), and past it a request is refused with
-/// `429 quota_keys_exhausted`, never admitted unrecorded, whatever `on_store_error` says.
+/// limit fills the budget (`state.memory.max_entries`), the whole of it, and past it a request
+/// is refused with `429 quota_keys_exhausted`, never admitted unrecorded, whatever
+/// `on_store_error` says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
     let backends = start_backends(&["b1"]).await;
@@ -651,18 +653,22 @@ async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
             .member(url(backends[0].local_addr()))
             .quota(Quota::window("hour", 1_000, "1h").on_store_error("open")),
     );
-    // 64 entries a route: one in each shard of the store, the shard of the key `route`.
+    // 64 entries a route, all of them for its one key, whose logs live in one of the store's
+    // shards.
+    const MAX_ENTRIES: usize = 64;
     let yaml = format!(
-        "{}state:\n  backend: memory\n  memory:\n    max_entries: 64\n",
+        "{}state:\n  backend: memory\n  memory:\n    max_entries: {MAX_ENTRIES}\n",
         config.yaml()
     );
     let gw = Gateway::start_with_ports(&yaml);
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-    let first = client
-        .request("GET", "api.test", "/", &[], b"")
-        .await
-        .unwrap();
-    assert_eq!(first.status, 200, "{}", first.text());
+    for i in 0..MAX_ENTRIES {
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+    }
     for _ in 0..3 {
         let r = client
             .request("GET", "api.test", "/", &[], b"")
@@ -677,8 +683,8 @@ async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
     }
     assert_eq!(
         backends[0].proxied_requests(),
-        1,
-        "only the recorded request went"
+        MAX_ENTRIES as u64,
+        "only the recorded requests went"
     );
     assert_eq!(
         gw.metric("sluice_quota_keys_refused_total", &[("route", "api")])

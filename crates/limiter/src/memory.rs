@@ -5,7 +5,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
@@ -152,26 +152,74 @@ impl KeyState {
     }
 }
 
-/// The keys of one route in one shard.
+/// What one route holds over every shard: the keys and entries its bounds
+/// ([`crate::MemoryLimits`]) count. The bounds are the route's, not a shard's: a route with one
+/// key (the usual quota) keeps all its entries in one shard, and a share of the bound per shard
+/// would refuse it at a fraction of its limit.
 #[derive(Debug, Default)]
+struct RouteBudget {
+    keys: AtomicUsize,
+    entries: AtomicUsize,
+}
+
+impl RouteBudget {
+    /// Takes room for `n` more of `count`, unless that would pass `max`; the room is taken
+    /// before it is checked, so that shards deciding at once cannot pass the bound together.
+    fn take(count: &AtomicUsize, n: usize, max: usize) -> bool {
+        if count.fetch_add(n, Ordering::Relaxed) + n <= max {
+            return true;
+        }
+        count.fetch_sub(n, Ordering::Relaxed);
+        false
+    }
+}
+
+/// Entries held by one route's keys in one shard, over every window, kept in step with the
+/// route's budget.
+#[derive(Debug)]
+struct Entries {
+    here: usize,
+    budget: Arc<RouteBudget>,
+}
+
+impl Entries {
+    fn sub(&mut self, n: usize) {
+        if n > 0 {
+            self.here -= n;
+            self.budget.entries.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The keys of one route in one shard.
+#[derive(Debug)]
 struct RouteKeys {
     keys: HashMap<Box<str>, KeyState>,
     /// Entries held by these keys' logs, over every window: what the entry budget counts.
-    entries: usize,
+    entries: Entries,
 }
 
 impl RouteKeys {
+    fn new(budget: Arc<RouteBudget>) -> RouteKeys {
+        RouteKeys {
+            keys: HashMap::new(),
+            entries: Entries { here: 0, budget },
+        }
+    }
+
     /// Drops the keys whose every entry has left its window.
     fn drop_idle(&mut self, now: u64) {
-        let mut dropped = 0;
+        let (mut dropped, mut keys) = (0, 0);
         self.keys.retain(|_, s| {
             let keep = !s.idle(now);
             if !keep {
                 dropped += s.entries();
+                keys += 1;
             }
             keep
         });
-        self.entries -= dropped;
+        self.entries.sub(dropped);
+        self.entries.budget.keys.fetch_sub(keys, Ordering::Relaxed);
     }
 
     /// Drops every entry that left its window, and the keys left with none.
@@ -182,8 +230,19 @@ impl RouteKeys {
                 gone += log.expire(now, log.length_us);
             }
         }
-        self.entries -= gone;
+        self.entries.sub(gone);
         self.drop_idle(now);
+    }
+}
+
+impl Drop for RouteKeys {
+    /// What a shard stops holding leaves the route's budget.
+    fn drop(&mut self) {
+        let budget = &self.entries.budget;
+        budget.keys.fetch_sub(self.keys.len(), Ordering::Relaxed);
+        budget
+            .entries
+            .fetch_sub(self.entries.here, Ordering::Relaxed);
     }
 }
 
@@ -206,11 +265,13 @@ pub struct QuotaLogs {
     /// calendar period (given in Unix time) and the store's time agree, while it stays monotonic.
     epoch_us: u64,
     calls: AtomicU64,
-    /// The most keys one route may hold in one shard: the route's bound, spread evenly over
-    /// the shards as the keys' hashes spread them.
-    max_keys_per_shard: usize,
-    /// The most log entries one route may hold in one shard, likewise.
-    max_entries_per_shard: usize,
+    /// Each route's budget, shared by its keys in every shard. A shard takes a route's budget
+    /// from here once, when the route's first key there is made.
+    budgets: Mutex<HashMap<Arc<str>, Arc<RouteBudget>>>,
+    /// The most keys one route may hold.
+    max_keys: usize,
+    /// The most log entries one route may hold, over all its keys and windows.
+    max_entries: usize,
 }
 
 impl Default for QuotaLogs {
@@ -234,8 +295,18 @@ impl QuotaLogs {
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64),
             calls: AtomicU64::new(0),
-            max_keys_per_shard: limits.max_keys.max(1).div_ceil(SHARDS),
-            max_entries_per_shard: limits.max_entries.max(1).div_ceil(SHARDS),
+            budgets: Mutex::new(HashMap::new()),
+            max_keys: limits.max_keys.max(1),
+            max_entries: limits.max_entries.max(1),
+        }
+    }
+
+    /// `route`'s budget, made on its first use.
+    fn budget(&self, route: &str) -> Arc<RouteBudget> {
+        let mut budgets = self.budgets.lock().unwrap_or_else(|p| p.into_inner());
+        match budgets.get(route) {
+            Some(b) => b.clone(),
+            None => budgets.entry(route.into()).or_default().clone(),
         }
     }
 
@@ -357,7 +428,7 @@ impl QuotaLogs {
                 let (at, length) = placement(w, s.periods, i, s.entry.at_us);
                 done.push(match log {
                     Some((_, log)) => {
-                        *entries -= log.expire(now, length);
+                        entries.sub(log.expire(now, length));
                         let entry = EntryId {
                             at_us: at,
                             ..s.entry
@@ -398,7 +469,7 @@ impl QuotaLogs {
                     .and_then(|st| st.logs.iter_mut().find(|(name, _)| *name == w.name));
                 match log {
                     Some((_, log)) => {
-                        *entries -= log.expire(now, w.length_us);
+                        entries.sub(log.expire(now, w.length_us));
                         WindowUsage {
                             total: log.total,
                             open: log.open,
@@ -433,32 +504,45 @@ impl QuotaLogs {
         let Shard { routes, seq } = &mut *shard;
         let route = match routes.get_mut(req.route) {
             Some(route) => route,
-            None => routes.entry(req.route.into()).or_default(),
+            None => routes
+                .entry(req.route.into())
+                .or_insert_with(|| RouteKeys::new(self.budget(req.route))),
         };
-        if !route.keys.contains_key(req.key) && route.keys.len() >= self.max_keys_per_shard {
-            route.drop_idle(now);
-            if route.keys.len() >= self.max_keys_per_shard {
-                return Err(StoreError::TooManyKeys);
+        // A new key takes its place in the route's budget first.
+        let mut placed = false;
+        if !route.keys.contains_key(req.key) {
+            if !RouteBudget::take(&route.entries.budget.keys, 1, self.max_keys) {
+                // Idle keys of other shards leave as those shards are swept.
+                route.drop_idle(now);
+                if !RouteBudget::take(&route.entries.budget.keys, 1, self.max_keys) {
+                    return Err(StoreError::TooManyKeys);
+                }
             }
+            placed = true;
         }
         // What this request would add: one entry per window. When that would pass the budget,
-        // the entries that already left their windows go first (every key's, not only this
-        // one's); what is left is refused in `decide`, before anything is recorded.
+        // the entries in this shard that already left their windows go first (every key's, not
+        // only this one's); what is left is refused in `decide`, before anything is recorded.
         let adds = if req.amounts.records() {
             req.windows.len()
         } else {
             0
         };
-        if route.entries + adds > self.max_entries_per_shard {
+        if route.entries.budget.entries.load(Ordering::Relaxed) + adds > self.max_entries {
             route.purge(now);
         }
-        let max_entries = self.max_entries_per_shard;
         let RouteKeys { keys, entries } = route;
         let state = match keys.get_mut(req.key) {
             Some(state) => state,
-            None => keys.entry(req.key.into()).or_default(),
+            None => {
+                // A key the purge found idle and dropped gave its place back: taken again.
+                if !placed && !RouteBudget::take(&entries.budget.keys, 1, self.max_keys) {
+                    return Err(StoreError::TooManyKeys);
+                }
+                keys.entry(req.key.into()).or_default()
+            }
         };
-        decide(state, entries, seq, max_entries, &req, now, then)
+        decide(state, entries, seq, self.max_entries, &req, now, then)
     }
 }
 
@@ -501,12 +585,12 @@ impl Amounts<'_> {
 }
 
 /// Decides on one request for the key whose logs are `state`. `entries` is the route's count
-/// of entries in this shard, kept up to date; a request that would take it past `max_entries`
-/// is refused with [`StoreError::TooManyKeys`] once it is known to be admissible, before
-/// `then` runs, so that nothing anywhere is recorded for it.
+/// of entries in this shard, kept up to date with the route's budget; a request that would take
+/// the route past `max_entries` is refused with [`StoreError::TooManyKeys`] once it is known to
+/// be admissible, before `then` runs, so that nothing anywhere is recorded for it.
 fn decide<T>(
     state: &mut KeyState,
-    entries: &mut usize,
+    entries: &mut Entries,
     seq: &mut u64,
     max_entries: usize,
     req: &Ask<'_>,
@@ -533,7 +617,7 @@ fn decide<T>(
         }
         keep
     });
-    *entries -= dropped;
+    entries.sub(dropped);
 
     let mut admitted = true;
     let mut retry_after_us = 0;
@@ -547,7 +631,7 @@ fn decide<T>(
             .1;
         let length = placement(w, req.periods, i, now).1;
         log.length_us = length;
-        *entries -= log.expire(now, length);
+        entries.sub(log.expire(now, length));
         let cost = req.amounts.of(i);
         if log.total + cost > w.limit {
             admitted = false;
@@ -559,11 +643,20 @@ fn decide<T>(
             retry_after_us = retry_after_us.max(wait);
         }
     }
-    if admitted && req.amounts.records() && *entries + req.windows.len() > max_entries {
+    // Room for the request's entries is taken before `then`, and given back if it records
+    // nothing.
+    let room = admitted && req.amounts.records();
+    if room && !RouteBudget::take(&entries.budget.entries, req.windows.len(), max_entries) {
         return Err(StoreError::TooManyKeys);
     }
     let taken = if admitted { then() } else { None };
     let record = taken.is_some();
+    if room && !record {
+        entries
+            .budget
+            .entries
+            .fetch_sub(req.windows.len(), Ordering::Relaxed);
+    }
     let entry = record.then(|| {
         *seq += 1;
         EntryId {
@@ -591,7 +684,8 @@ fn decide<T>(
             if open {
                 log.open += cost;
             }
-            *entries += 1;
+            // Its room in the budget was taken above.
+            entries.here += 1;
         }
         windows.push(WindowState {
             remaining: w.limit.saturating_sub(log.total),
@@ -718,8 +812,9 @@ mod tests {
                 Err(e) => panic!("{e}"),
             }
         }
-        assert!(refused > 0, "nothing refused");
-        assert!(store.keys() <= MAX_KEYS_PER_ROUTE.div_ceil(SHARDS) * SHARDS);
+        // The bound is the route's, over every shard: exactly, not a share per shard.
+        assert_eq!(refused, 5_000);
+        assert_eq!(store.keys(), MAX_KEYS_PER_ROUTE);
         // Other routes are not affected, and a key already held still answers.
         assert!(store
             .decide(Acquire {
@@ -733,19 +828,104 @@ mod tests {
     }
 
     impl QuotaLogs {
-        /// The entries every route's count says it holds, and those its logs really hold.
+        /// The entries every route's count says it holds, and those its logs really hold; the
+        /// routes' budgets must say the same, and hold as many keys as the shards do.
         fn entry_counts(&self) -> (usize, usize) {
             let mut counted = 0;
             let mut held = 0;
+            let mut keys = 0;
             for shard in self.shards.iter() {
                 let shard = shard.lock().unwrap();
                 for route in shard.routes.values() {
-                    counted += route.entries;
+                    counted += route.entries.here;
                     held += route.keys.values().map(KeyState::entries).sum::<usize>();
+                    keys += route.keys.len();
                 }
             }
+            let budgets = self.budgets.lock().unwrap();
+            let load = |f: fn(&RouteBudget) -> &AtomicUsize| {
+                budgets
+                    .values()
+                    .map(|b| f(b).load(Ordering::Relaxed))
+                    .sum::<usize>()
+            };
+            assert_eq!(load(|b| &b.entries), counted, "the budgets' entries");
+            assert_eq!(load(|b| &b.keys), keys, "the budgets' keys");
             (counted, held)
         }
+    }
+
+    /// A route with one key (the usual quota) may fill the route's whole budget, though its
+    /// entries all live in one shard.
+    #[test]
+    fn one_key_holds_the_whole_budget() {
+        let limits = crate::MemoryLimits {
+            max_keys: MAX_KEYS_PER_ROUTE,
+            max_entries: 1_000,
+        };
+        let store = QuotaLogs::with_limits(&limits);
+        let w = [Window {
+            name: "h".into(),
+            limit: 10_000,
+            length_us: 3_600_000_000,
+        }];
+        let ask = |at_us| Acquire {
+            route: "r",
+            key: "",
+            windows: &w,
+            cost: 1,
+            at_us: Some(at_us),
+            client: None,
+        };
+        for i in 0..1_000 {
+            assert!(store.decide(ask(i)).unwrap().admitted, "request {i}");
+        }
+        assert!(matches!(
+            store.decide(ask(1_000)),
+            Err(StoreError::TooManyKeys)
+        ));
+        assert_eq!(store.entry_counts(), (1_000, 1_000));
+    }
+
+    /// The budgets are the route's over every shard, and each route's own: keys that land in
+    /// different shards share one, and another route has its own.
+    #[test]
+    fn the_budget_spans_the_shards() {
+        let limits = crate::MemoryLimits {
+            max_keys: 40,
+            max_entries: 50,
+        };
+        let store = QuotaLogs::with_limits(&limits);
+        let w = windows();
+        let ask = |route, key: &str| {
+            store.decide(Acquire {
+                route,
+                key,
+                windows: &w,
+                cost: 1,
+                at_us: Some(0),
+                client: None,
+            })
+        };
+        // 40 keys, 5 requests each in turn: 50 entries admitted, then every key is refused.
+        let mut admitted = 0;
+        for round in 0..5 {
+            for k in 0..40 {
+                match ask("r", &format!("k{k}")) {
+                    Ok(o) => {
+                        assert!(o.admitted);
+                        admitted += 1;
+                    }
+                    Err(StoreError::TooManyKeys) => assert!(round > 0, "k{k} refused at once"),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        assert_eq!(admitted, 50);
+        assert_eq!(store.keys(), 40);
+        assert!(matches!(ask("r", "k41"), Err(StoreError::TooManyKeys)));
+        assert!(ask("other", "k41").unwrap().admitted);
+        assert_eq!(store.entry_counts(), (51, 51));
     }
 
     /// A key with a large limit cannot hold more entries than the route's budget: past it, a
@@ -755,7 +935,7 @@ mod tests {
     fn a_route_holds_a_bounded_number_of_entries() {
         let limits = crate::MemoryLimits {
             max_keys: MAX_KEYS_PER_ROUTE,
-            max_entries: 10 * SHARDS,
+            max_entries: 10,
         };
         let store = QuotaLogs::with_limits(&limits);
         let w = [
@@ -778,7 +958,7 @@ mod tests {
             at_us: Some(at_us),
             client: None,
         };
-        // Two windows: two entries a request, ten in the shard.
+        // Two windows: two entries a request, ten in the route.
         for i in 0..5 {
             assert!(store.decide(ask(1, i)).unwrap().admitted);
         }
