@@ -39,9 +39,10 @@ pub const MAX_KEYS_PER_ROUTE: usize = 100_000;
 /// refused ([`StoreError::TooManyKeys`]) rather than admitted unrecorded.
 pub const MAX_ENTRIES_PER_ROUTE: usize = 2_000_000;
 
-/// Once in this many calls, one shard (in turn) drops its idle keys. Every shard is swept once
-/// per `SWEEP_EVERY × SHARDS` calls, whichever keys the traffic hits, which bounds the memory held
-/// by keys nobody uses any more.
+/// Once in this many calls, one shard (in turn) drops its entries that left their windows and its
+/// idle keys. Every shard is swept once per `SWEEP_EVERY × SHARDS` calls, whichever keys the
+/// traffic hits, which bounds the memory held by keys nobody uses any more, and how long such
+/// entries count in their route's budget.
 const SWEEP_EVERY: u64 = 256;
 
 /// One admitted request, as remembered by each window's log.
@@ -163,14 +164,36 @@ struct RouteBudget {
 }
 
 impl RouteBudget {
-    /// Takes room for `n` more of `count`, unless that would pass `max`; the room is taken
-    /// before it is checked, so that shards deciding at once cannot pass the bound together.
+    /// Takes room for `n` more of `count`, unless that would pass `max`: checked and taken in
+    /// one step, so that shards deciding at once neither pass the bound together nor refuse
+    /// each other on a count one of them is about to give back.
     fn take(count: &AtomicUsize, n: usize, max: usize) -> bool {
-        if count.fetch_add(n, Ordering::Relaxed) + n <= max {
-            return true;
+        count
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                (c + n <= max).then_some(c + n)
+            })
+            .is_ok()
+    }
+}
+
+/// Room taken in a route's budget for a request's entries, given back when dropped unless
+/// `keep` says they were recorded: also when the request's `then` unwinds.
+struct Room<'a> {
+    count: &'a AtomicUsize,
+    n: usize,
+}
+
+impl Room<'_> {
+    fn keep(mut self) {
+        self.n = 0;
+    }
+}
+
+impl Drop for Room<'_> {
+    fn drop(&mut self) {
+        if self.n > 0 {
+            self.count.fetch_sub(self.n, Ordering::Relaxed);
         }
-        count.fetch_sub(n, Ordering::Relaxed);
-        false
     }
 }
 
@@ -645,17 +668,21 @@ fn decide<T>(
     }
     // Room for the request's entries is taken before `then`, and given back if it records
     // nothing.
-    let room = admitted && req.amounts.records();
-    if room && !RouteBudget::take(&entries.budget.entries, req.windows.len(), max_entries) {
-        return Err(StoreError::TooManyKeys);
+    let mut room = None;
+    if admitted && req.amounts.records() {
+        let n = req.windows.len();
+        if !RouteBudget::take(&entries.budget.entries, n, max_entries) {
+            return Err(StoreError::TooManyKeys);
+        }
+        room = Some(Room {
+            count: &entries.budget.entries,
+            n,
+        });
     }
     let taken = if admitted { then() } else { None };
     let record = taken.is_some();
-    if room && !record {
-        entries
-            .budget
-            .entries
-            .fetch_sub(req.windows.len(), Ordering::Relaxed);
+    if let (Some(room), true) = (room, record) {
+        room.keep();
     }
     let entry = record.then(|| {
         *seq += 1;
@@ -703,10 +730,13 @@ fn decide<T>(
     Ok((outcome, taken, entry))
 }
 
-/// Drops keys whose every entry has left its window.
+/// Drops the entries that left their windows, and the keys left with none.
 fn sweep(shard: &mut Shard, now: u64) {
+    // Purged, not only rid of idle keys: a key still in use may hold entries long out of their
+    // windows, until it is asked about again, and they count in its route's budget, which
+    // requests in every other shard share.
     for route in shard.routes.values_mut() {
-        route.drop_idle(now);
+        route.purge(now);
     }
     shard.routes.retain(|_, route| !route.keys.is_empty());
 }
@@ -885,6 +915,49 @@ mod tests {
             Err(StoreError::TooManyKeys)
         ));
         assert_eq!(store.entry_counts(), (1_000, 1_000));
+    }
+
+    /// Entries out of their windows in another shard's key, still in use, leave the route's
+    /// budget by the time every shard has been swept: a request in this shard is refused only
+    /// until then.
+    #[test]
+    fn a_sweep_frees_the_budget_other_shards_hold() {
+        let limits = crate::MemoryLimits {
+            max_keys: MAX_KEYS_PER_ROUTE,
+            max_entries: 10,
+        };
+        let store = QuotaLogs::with_limits(&limits);
+        let w = windows();
+        let ask = |key: &str, at_us| {
+            store.decide(Acquire {
+                route: "r",
+                key,
+                windows: &w,
+                cost: 1,
+                at_us: Some(at_us),
+                client: None,
+            })
+        };
+        let b = "b";
+        let a = (0..)
+            .map(|i| format!("a{i}"))
+            .find(|a| !std::ptr::eq(store.shard("r", a), store.shard("r", b)))
+            .unwrap();
+        // b fills the budget; its last entry keeps it in use past its first nine's windows.
+        for t in 0..9 {
+            assert!(ask(b, t).unwrap().admitted);
+        }
+        assert!(ask(b, 900).unwrap().admitted);
+        assert!(matches!(ask(&a, 1_500), Err(StoreError::TooManyKeys)));
+        let mut calls = 1;
+        while ask(&a, 1_500).is_err() {
+            calls += 1;
+            assert!(
+                calls <= SWEEP_EVERY * SHARDS as u64 + 1,
+                "b's entries out of their window still count after every shard was swept"
+            );
+        }
+        assert_eq!(store.entry_counts(), (2, 2));
     }
 
     /// The budgets are the route's over every shard, and each route's own: keys that land in
