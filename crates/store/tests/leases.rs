@@ -395,6 +395,22 @@ async fn many_released_at_once(a: &dyn StateStore, b: &dyn StateStore) {
     all.extend(["r5", "never"]);
     b.release(route, &all).await.unwrap();
     assert!(in_flight(a, route, T0).await.is_empty());
+    // The route's own count is empty too: a cap of one admits one request and refuses the next.
+    let solo = |id| {
+        ask(
+            route,
+            &pool,
+            Order::LeastInFlight(&[0, 1, 2]),
+            lease(id, LONG, None, Some(1)),
+            T0,
+        )
+    };
+    assigned(a, solo("solo")).await;
+    assert!(matches!(
+        b.assign(solo("second")).await.unwrap(),
+        Assignment::Concurrency { .. }
+    ));
+    a.release(route, &["solo"]).await.unwrap();
     // The client's part, all at once too: its set is empty, so a cap of one admits one request
     // and refuses the next.
     a.release_client("bulk", &all).await.unwrap();
