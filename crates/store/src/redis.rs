@@ -709,20 +709,26 @@ impl RedisStore {
     }
 
     /// An assignment without a client's windows, or with them on a single Redis (one call).
-    async fn assign_route(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
-        if let Some(a) = Self::trivial_preference(&ask) {
+    // `ask` by reference: held by value, each level of these futures kept it twice (rustc stores
+    // an argument and its binding apart), and the request's future grew by it at each level.
+    async fn assign_route(&self, ask: &Assign<'_>) -> Result<Assignment, StoreError> {
+        if let Some(a) = Self::trivial_preference(ask) {
             return Ok(a);
         }
-        if let Some(a) = self.assign_once(&ask).await? {
+        if let Some(a) = self.assign_once(ask).await? {
             return Ok(a);
         }
         // The pool is missing: first use, or Redis restarted empty. Counts start again from
-        // the agreed floor, and the request goes on.
-        let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
-        self.sync_one(ask.route, &ids, ask.excluded).await?;
-        self.assign_once(&ask)
-            .await?
-            .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
+        // the agreed floor, and the request goes on. Boxed: it happens once per pool, and
+        // inline it would make every request's future larger (see `StateStore::assign`).
+        Box::pin(async {
+            let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
+            self.sync_one(ask.route, &ids, ask.excluded).await?;
+            self.assign_once(ask)
+                .await?
+                .ok_or_else(|| StoreError::Backend("the pool vanished right after its sync".into()))
+        })
+        .await
     }
 
     /// One call of the lease script on `route`'s leases (lease_run.lua).
@@ -906,7 +912,7 @@ impl RedisStore {
             })
         };
         // The route's part is a quota alone: the answer is always one of these two.
-        match self.decide_split(&req, client, route).await? {
+        match Box::pin(self.decide_split(&req, client, route)).await? {
             Assignment::QuotaRefused(outcome)
             | Assignment::Assigned {
                 quota: Some(outcome),
@@ -964,29 +970,33 @@ impl RedisStore {
         scripts::parse_usage(&reply, windows.len())
     }
 
-    async fn assign_one(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
+    async fn assign_one(&self, ask: &Assign<'_>) -> Result<Assignment, StoreError> {
         // Redis has no empty sorted set: an empty pool is simply one with no member.
         if ask.members.is_empty() {
             return Ok(Assignment::NoMember { quota: None });
         }
-        if let Some((lease, cap)) = self.client_lease_split(&ask) {
-            let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
-            if !self.client_take(lease, cap, at_us).await? {
-                return Ok(Assignment::ClientConcurrency { quota: None });
-            }
-            let rest = Assign {
-                lease: Some(Lease {
-                    client: None,
-                    ..lease
-                }),
-                ..ask
-            };
-            // This log's own step, whatever the route: a sub-log's ask is already its share.
-            let answer = Box::pin(self.assign_one(rest)).await;
-            if !matches!(answer, Ok(Assignment::Assigned { .. })) {
-                self.client_give_back(cap, lease.id).await;
-            }
-            return answer;
+        if let Some((lease, cap)) = self.client_lease_split(ask) {
+            // Boxed, as the other rare branches are (see `StateStore::assign`).
+            return Box::pin(async move {
+                let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
+                if !self.client_take(lease, cap, at_us).await? {
+                    return Ok(Assignment::ClientConcurrency { quota: None });
+                }
+                let rest = Assign {
+                    lease: Some(Lease {
+                        client: None,
+                        ..lease
+                    }),
+                    ..*ask
+                };
+                // This log's own step, whatever the route: a sub-log's ask is already its share.
+                let answer = self.assign_one(&rest).await;
+                if !matches!(answer, Ok(Assignment::Assigned { .. })) {
+                    self.client_give_back(cap, lease.id).await;
+                }
+                answer
+            })
+            .await;
         }
         let split = ask
             .quota
@@ -995,17 +1005,18 @@ impl RedisStore {
         let Some((quota, client)) = split else {
             return self.assign_route(ask).await;
         };
-        let route = |with_route: bool| {
+        let route = |with_route: bool| async move {
             let plain = Acquire {
                 client: None,
                 ..quota
             };
-            self.assign_route(Assign {
+            self.assign_route(&Assign {
                 quota: with_route.then_some(plain),
-                ..ask
+                ..*ask
             })
+            .await
         };
-        self.decide_split(&quota, client, route).await
+        Box::pin(self.decide_split(&quota, client, route)).await
     }
 
     async fn sync_one(
@@ -1120,14 +1131,18 @@ impl StateStore for RedisStore {
     async fn acquire(&self, req: Acquire<'_>) -> Result<Outcome, StoreError> {
         match self.shards.of(req.route) {
             None => self.acquire_one(req).await,
-            Some(sharded) => self.acquire_sharded(req, &sharded).await,
+            Some(sharded) => Box::pin(self.acquire_sharded(req, &sharded)).await,
         }
     }
 
+    // A route with sub-logs and a client's split are boxed on their own: a future is as large
+    // as its largest branch, and this one is allocated and copied whole for every request
+    // (`async_trait` boxes it). Inline, those rare branches made the usual request's future
+    // 5 KB, and its allocation and copy showed in the profile of the quota + least-used route.
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
         match self.shards.of(ask.route) {
-            None => self.assign_one(ask).await,
-            Some(sharded) => self.assign_sharded(ask, &sharded).await,
+            None => self.assign_one(&ask).await,
+            Some(sharded) => Box::pin(self.assign_sharded(ask, &sharded)).await,
         }
     }
 

@@ -220,7 +220,7 @@ impl RedisStore {
                         ..st
                     });
                     let answer = self
-                        .assign_one(Assign {
+                        .assign_one(&Assign {
                             route: name,
                             members: &members,
                             quota,
