@@ -241,11 +241,13 @@ struct Lane {
     last: usize,
 }
 
-/// How lanes are found. foldhash's quality variant, not the standard SipHash: SipHash was most of
-/// a lookup's cost, and every batched request looks its lane up two or three times. The quota key
-/// in a lane's id may come from a client's header, so the seed is random per process and the
-/// quality variant's last mixing step stays; two ids with one hash still share a bucket, told
-/// apart by [`LaneId::is`].
+/// How lanes are found. foldhash, not the standard SipHash: SipHash was most of a lookup's cost,
+/// and every batched request looks its lane up two or three times. foldhash resists crafted
+/// collisions only by its per-process seed, and the quota key in a lane's id may come from a
+/// client's header; that is enough here, since ids with one hash still share a bucket, told apart
+/// by [`LaneId::is`], and a lane lives only while its requests wait: colliding ids cost a scan
+/// of requests already in flight, nothing that grows. The quality variant, for the better low
+/// bits the map's probing uses.
 type Hasher = foldhash::quality::RandomState;
 
 /// The lanes of one store, by a hash of their id (a lookup allocates nothing; a lane's id is

@@ -709,8 +709,9 @@ impl RedisStore {
     }
 
     /// An assignment without a client's windows, or with them on a single Redis (one call).
-    // `ask` by reference: held by value, each level of these futures kept it twice (rustc stores
-    // an argument and its binding apart), and the request's future grew by it at each level.
+    // `ask` by reference, here and in `assign_one`: held by value, each level of these futures
+    // kept it twice (rustc stores an argument and its binding apart), and the request's future
+    // grew by it at each level.
     async fn assign_route(&self, ask: &Assign<'_>) -> Result<Assignment, StoreError> {
         if let Some(a) = Self::trivial_preference(ask) {
             return Ok(a);
@@ -719,8 +720,8 @@ impl RedisStore {
             return Ok(a);
         }
         // The pool is missing: first use, or Redis restarted empty. Counts start again from
-        // the agreed floor, and the request goes on. Boxed: it happens once per pool, and
-        // inline it would make every request's future larger (see `StateStore::assign`).
+        // the agreed floor, and the request goes on. Boxed: it happens rarely, and inline it
+        // would make every request's future larger (see `StateStore::assign`).
         Box::pin(async {
             let ids: Vec<Arc<str>> = ask.members.iter().map(|m| m.id.clone()).collect();
             self.sync_one(ask.route, &ids, ask.excluded).await?;
@@ -976,7 +977,7 @@ impl RedisStore {
             return Ok(Assignment::NoMember { quota: None });
         }
         if let Some((lease, cap)) = self.client_lease_split(ask) {
-            // Boxed, as the other rare branches are (see `StateStore::assign`).
+            // Boxed, as the other less usual branches are (see `StateStore::assign`).
             return Box::pin(async move {
                 let at_us = ask.at_us.or(ask.quota.and_then(|q| q.at_us));
                 if !self.client_take(lease, cap, at_us).await? {
@@ -1135,10 +1136,11 @@ impl StateStore for RedisStore {
         }
     }
 
-    // A route with sub-logs and a client's split are boxed on their own: a future is as large
-    // as its largest branch, and this one is allocated and copied whole for every request
-    // (`async_trait` boxes it). Inline, those rare branches made the usual request's future
-    // 5 KB, and its allocation and copy showed in the profile of the quota + least-used route.
+    // A route with sub-logs, a client's split on a cluster and a client lease are boxed on their
+    // own: a future is as large as its largest branch, and this one is allocated and copied
+    // whole for every request (`async_trait` boxes it), so the usual request, on one log with
+    // no client split, should not carry their size. The requests that take those branches pay
+    // one allocation more, beside the several store calls each of them makes anyway.
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
         match self.shards.of(ask.route) {
             None => self.assign_one(&ask).await,
