@@ -295,6 +295,35 @@ list:
     assert_eq!((a.proxied_requests(), b.proxied_requests()), (2, 1));
 }
 
+/// A token the client sent in route `a`'s `client_token` header is for sluice alone: `a`'s
+/// member does not get it, and after `a`'s 429 neither does `b`'s, though `b` identifies by no
+/// header of its own (its member is another origin, perhaps another provider). In `report`
+/// mode the client goes on to `b`, which it is not granted.
+async fn the_route_lefts_client_token_does_not_go_on(backend_kind: Backend) {
+    let store = Store::start(backend_kind);
+    let (a, b) = (backend("a").await, backend("b").await);
+    let mut config = a_429_to_b(&store, &a, &b);
+    config["routes"][0]["client_token"] = "authorization".into();
+    config["clients"] = serde_yaml::from_str(
+        r#"
+mode: report
+list:
+  - { name: svc, tokens: ["svc-token-0123456789ab"], routes: [a] }
+"#,
+    )
+    .unwrap();
+    let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
+
+    a.refuse_next("", 1, "5").unwrap();
+    let headers = [("Authorization", "Bearer svc-token-0123456789ab")];
+    let r = request(gw.proxy_addr(), "GET", "a.test", "/token", &headers, b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-upstream"), Some("b"));
+    assert_eq!((a.proxied_requests(), b.proxied_requests()), (1, 1));
+    assert_eq!(a.request_log()[0].key, "", "the token is removed on `a`");
+    assert_eq!(b.request_log()[0].key, "", "and stays removed on `b`");
+}
+
 /// A route with no member to offer hands the request over before anything is sent.
 async fn no_member_goes_to_the_fallback_route(backend_kind: Backend) {
     let store = Store::start(backend_kind);
@@ -362,6 +391,7 @@ on_both_stores!(
     after_a_429_the_fallback_routes_refusal_is_the_answer,
     the_route_left_settles_its_reservation_to_zero,
     the_fallback_route_checks_the_client_as_its_own,
+    the_route_lefts_client_token_does_not_go_on,
     no_member_goes_to_the_fallback_route,
     a_cooling_member_sends_later_requests_on_before_it,
 );

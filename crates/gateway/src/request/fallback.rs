@@ -33,6 +33,10 @@ use crate::table::Route;
 #[derive(Default)]
 pub(crate) struct Trail {
     pub(crate) from: Vec<Arc<str>>,
+    /// The `client_token` headers of the routes left. A token the client sent for the route it
+    /// addressed is for sluice alone: the next route's members are another origin, often
+    /// another provider, and must not receive it, whatever the next route identifies by.
+    pub(crate) tokens: Vec<http::HeaderName>,
     refusal: Option<Problem>,
 }
 
@@ -101,10 +105,13 @@ fn record_hop(gateway: &Gateway, ctx: &mut RequestCtx, from: &Route, to: &Route,
         .fallbacks
         .with_label_values(&[&from.name, &to.name, why.as_str()])
         .inc();
-    ctx.fallback
-        .get_or_insert_with(Default::default)
-        .from
-        .push(from.name.clone());
+    let trail = ctx.fallback.get_or_insert_with(Default::default);
+    trail.from.push(from.name.clone());
+    if let Some(token) = &from.config.client_token {
+        if !trail.tokens.contains(token) {
+            trail.tokens.push(token.clone());
+        }
+    }
 }
 
 /// Admission refused the request on a route with a `fallback`: when the route falls back for

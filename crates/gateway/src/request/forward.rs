@@ -182,8 +182,12 @@ pub(crate) fn request_headers(
     strip_hop_by_hop(upstream);
     forward_one_content_length(upstream)?;
     // A sluice token is for sluice alone, whether or not it identified anyone; a member's
-    // `headers` then put the provider's key in its place (virtual keys).
+    // `headers` then put the provider's key in its place (virtual keys). After a fallback, the
+    // tokens of the routes the request left go too: the client sent them for those routes.
     if let Some(name) = &route.config.client_token {
+        upstream.remove_header(name);
+    }
+    for name in ctx.fallback.iter().flat_map(|t| &t.tokens) {
         upstream.remove_header(name);
     }
     // The head is the client's as Pingora parsed it, with room for 8 more headers
