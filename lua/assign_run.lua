@@ -14,8 +14,8 @@
 --   [3] "L" least-used, or "P" the members below are the candidates, best first; "Lc" or
 --       "Pc" when the client's own windows follow the route quota's; "Lu", "Pu", "Lcu" or "Pcu"
 --       when the windows reserve usage: after the route quota's windows, the client's and each
---       member's come each window's amount, then each window's score ("" for now, or a fixed
---       window's period start), and the reply ends with the route's entry number, the client's,
+--       member's come each window's amount, then each window's score ("" for now, or where a
+--       fixed window's entry lies), and the reply ends with the route's entry number, the client's,
 --       the member's (0: none) and the admission time
 --   [4] "1" skip cooling members, "0" ignore cooldowns
 --   [5] the route quota's window count, "" for none   [6] the quota's cost (the route's, and the client's)

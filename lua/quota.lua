@@ -287,8 +287,9 @@ end
 
 -- Records an admitted reservation: window i's entry is "<seq>:<texts[i]>", its own amount,
 -- written at once (reservations are decided one per call). `amounts` are the same as numbers.
--- scores[i] is where the entry lies: '' for now; a fixed window's period start, so that the
--- entry leaves the window exactly at the period's end (its length is the period's).
+-- scores[i] is where the entry lies: '' for now; for a fixed window, its period's end less the
+-- window's length (the same span for every period of the window, longer than any), so that
+-- the entry leaves exactly at its own period's end whichever period is read.
 local function quota_record_each(q, amounts, texts, scores)
   q.seq = q.seq + 1
   q.recorded, q.dirty = true, true
@@ -312,7 +313,7 @@ local function quota_record_each(q, amounts, texts, scores)
 end
 
 -- Reads a quota whose n windows lie at ARGV[at] (name, limit, length each), followed by each
--- window's amount, then each window's score ('' for now, or a fixed window's period start),
+-- window's amount, then each window's score ('' for now, or where a fixed window's entry lies),
 -- and decides a reservation of those amounts on it; records nothing. Returns the state and
 -- what quota_record_each records.
 local function quota_check_each(meta, n, at, now)

@@ -6,8 +6,8 @@
 -- or a time in µs (tests).
 --   "reserve"  KEYS: the quota key's helper hash, then one log per window.
 --              ARGV[3 ..]: name, limit and length (µs) per window, then each window's amount
---              (an integer), then each window's score: "" for now, or a fixed window's period
---              start (its length is then the period's).
+--              (an integer), then each window's score: "" for now, or where a fixed window's
+--              entry lies (its period's end less the window's length, a span longer than the period).
 --              Returns {admitted (1|0), retry_after_us, remaining_i, reset_us_i ..., seq,
 --              at_us}: the entry recorded in every window ("<seq>:<amount>" at score at_us),
 --              or seq 0 when refused (nothing recorded).
@@ -17,7 +17,7 @@
 --   "settle"   KEYS: per settlement, its quota key's helper hash and one log per window.
 --              ARGV[3] the number of settlements; then per settlement: the entry's seq, its
 --              window count n, name, limit and length per window, then per window the entry's
---              score (at_us, or a fixed window's period start), reserved and settled amount.
+--              score (at_us, or where a fixed window's entry lies), reserved and settled amount.
 --              Returns, per settlement and window in order: 0 (the entry left the window:
 --              nothing changed), 1 (settled) or 2 (settled past the window's limit).
 -- One call settles many requests: each is read, changed and written back in turn.

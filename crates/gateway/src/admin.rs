@@ -266,7 +266,9 @@ impl AdminApi {
                             &proxied.calendars,
                             now_us(),
                         );
-                        member["quota"] = windows_json(windows.iter(), &proxied.units, left).into();
+                        member["quota"] =
+                            windows_json(windows.iter(), &proxied.calendars, &proxied.units, left)
+                                .into();
                     }
                     if crate::select::keeps_leases(&r.config) {
                         member["in_flight"] = in_flight
@@ -288,6 +290,7 @@ impl AdminApi {
             let periods = r.quota.as_deref().map(|q| q.periods(now_us()).0);
             let quota = windows_json(
                 periods.iter().flatten(),
+                r.quota.as_deref().map_or(&[][..], |q| &q.calendars),
                 r.quota.as_deref().map_or(&[][..], |q| &q.unit_names),
                 &remaining,
             );
@@ -511,7 +514,7 @@ fn clients_json(
             e["routes"] = routes.into();
             if !c.windows.is_empty() {
                 let windows = crate::quota::windows_at(&c.windows, &c.calendars, now_us());
-                e["quota"] = windows_json(windows.iter(), &c.units, left).into();
+                e["quota"] = windows_json(windows.iter(), &c.calendars, &c.units, left).into();
             }
             e
         })
@@ -538,16 +541,24 @@ fn clients_json(
 /// ([`exact_in_unit`]).
 fn windows_json<'a>(
     windows: impl Iterator<Item = &'a sluice_limiter::Window>,
+    calendars: &[Option<sluice_limiter::calendar::Calendar>],
     units: &[crate::quota::UnitName],
     held: &Option<Vec<Held>>,
 ) -> Vec<serde_json::Value> {
+    let now = now_us();
     windows
         .enumerate()
         .map(|(i, w)| {
             let unit = units.get(i).unwrap_or(&None);
             let limit = crate::quota::in_own_unit(w.limit, unit);
+            // A calendar window shows its current period's length, not the span its entries
+            // are kept by (`sluice_limiter::span`), which is the same for every period.
+            let length_us = calendars
+                .get(i)
+                .and_then(|c| c.as_ref()?.bounds_at(now))
+                .map_or(w.length_us, |b| b.end_us - b.start_us);
             let mut window =
-                json!({"name": &*w.name, "limit": limit, "window_ms": w.length_us / 1000});
+                json!({"name": &*w.name, "limit": limit, "window_ms": length_us / 1000});
             if let Some(name) = unit {
                 window["unit"] = (**name).into();
             }

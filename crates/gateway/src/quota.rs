@@ -103,9 +103,9 @@ pub fn calendar_of(w: &crate::config::WindowConfig) -> Option<sluice_limiter::ca
 }
 
 /// `windows` as read at `now_us` (wall clock, microseconds): each calendar window's length is
-/// its current period's (`calendars`, per window), so that a read that knows no period (cost 0,
-/// for `/status` and metrics) counts exactly the period's entries. Sliding windows, and every
-/// window when none is a calendar window, are as they are.
+/// its current period's span (`calendars`, per window; `sluice_limiter::span`), so that a read
+/// that knows no period (cost 0, for `/status` and metrics) counts exactly the period's entries.
+/// Sliding windows, and every window when none is a calendar window, are as they are.
 pub(crate) fn windows_at(
     windows: &std::sync::Arc<[Window]>,
     calendars: &[Option<sluice_limiter::calendar::Calendar>],
@@ -121,7 +121,7 @@ pub(crate) fn windows_at(
             let bounds = calendars.get(i).and_then(|c| c.as_ref()?.bounds_at(now_us));
             match bounds {
                 Some(b) => Window {
-                    length_us: b.end_us - b.start_us,
+                    length_us: sluice_limiter::span(&sluice_limiter::Period::from(b)),
                     ..w.clone()
                 },
                 None => w.clone(),
@@ -226,8 +226,8 @@ impl RouteQuota {
     }
 
     /// The windows as reserved at `now_us` (wall clock, microseconds), and their periods: a
-    /// calendar window's length is the period it is in now. `None` periods (empty) when every
-    /// window slides.
+    /// calendar window's length is the span of the period it is in now (`sluice_limiter::span`).
+    /// `None` periods (empty) when every window slides.
     pub fn periods(&self, now_us: u64) -> (Vec<Window>, Vec<Option<sluice_limiter::Period>>) {
         let mut windows = self.windows.clone();
         if self.calendars.iter().all(Option::is_none) {
@@ -240,7 +240,7 @@ impl RouteQuota {
             .map(|(c, w)| {
                 let bounds = c.as_ref()?.bounds_at(now_us)?;
                 let period = sluice_limiter::Period::from(bounds);
-                w.length_us = period.end_us - period.start_us;
+                w.length_us = sluice_limiter::span(&period);
                 Some(period)
             })
             .collect();
@@ -343,21 +343,24 @@ mod tests {
     }
 
     #[test]
-    fn windows_read_at_an_instant_take_their_periods_length() {
+    fn windows_read_at_an_instant_take_their_periods_span() {
         let yaml = "routes:\n  - name: r\n    upstream: {}\n    quota:\n      windows:\n        - { name: d, limit: 9, window: calendar_day, tz: Asia/Tokyo }\n        - { name: m, limit: 9, window: calendar_month }\n        - { name: s, limit: 9, window: 1m }\n";
         let config = crate::config::Config::parse("t.yaml", yaml).unwrap_or_else(|e| panic!("{e}"));
         let configured = &config.routes[0].quota.as_ref().unwrap().windows;
         let windows: std::sync::Arc<[Window]> = configured.iter().map(window_of).collect();
         let calendars: Vec<_> = configured.iter().map(calendar_of).collect();
         assert_eq!(windows[0].length_us, u64::MAX, "no period until one is cut");
-        // 2025-02-10T12:00Z: a Tokyo day of 24 hours, and February of 28 days in UTC.
-        let at_us = 1_739_188_800_000_000;
-        let read = windows_at(&windows, &calendars, at_us);
-        let lengths: Vec<u64> = read.iter().map(|w| w.length_us).collect();
-        assert_eq!(lengths, [86_400_000_000, 28 * 86_400_000_000, 60_000_000]);
+        // 2025-02-10T12:00Z: a Tokyo day of 24 hours, and February of 28 days in UTC, each read
+        // by its kind's span (the same in March: February's entries leave at its end).
+        let hour = 3_600_000_000;
+        for at_us in [1_739_188_800_000_000, 1_741_780_800_000_000] {
+            let read = windows_at(&windows, &calendars, at_us);
+            let lengths: Vec<u64> = read.iter().map(|w| w.length_us).collect();
+            assert_eq!(lengths, [26 * hour, (31 * 24 + 2) * hour, 60_000_000]);
+        }
         let sliding: std::sync::Arc<[Window]> = windows[2..].iter().cloned().collect();
         assert!(std::sync::Arc::ptr_eq(
-            &windows_at(&sliding, &calendars[2..], at_us),
+            &windows_at(&sliding, &calendars[2..], 1_739_188_800_000_000),
             &sliding
         ));
     }

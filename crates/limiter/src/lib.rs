@@ -156,7 +156,7 @@ impl From<calendar::Bounds> for Period {
 }
 
 /// Checks that `periods` is empty (every window slides) or names one period, or none, per window,
-/// and that a fixed window's `length_us` is its period's length: then a read through
+/// and that a fixed window's `length_us` is its period's [`span`]: then a read through
 /// [`Acquire`] (cost 0, which knows no periods) expires its entries exactly at the period's end
 /// too. Charging a fixed window through [`Acquire`] would place the entry at now, counting it
 /// past the boundary: fixed windows are charged through [`Reserve`] only.
@@ -170,7 +170,7 @@ pub fn check_periods(windows: &[Window], periods: &[Option<Period>]) -> Result<(
     }
     for (w, p) in windows.iter().zip(periods) {
         if let Some(p) = p {
-            if p.end_us <= p.start_us || p.end_us - p.start_us != w.length_us {
+            if p.end_us <= p.start_us || span(p) != w.length_us {
                 return Err(StoreError::Backend(format!(
                     "window {}: period {p:?} for a length of {} µs",
                     w.name, w.length_us
@@ -182,13 +182,36 @@ pub fn check_periods(windows: &[Window], periods: &[Option<Period>]) -> Result<(
 }
 
 /// Where window `i`'s entry lies and how long it counts: a sliding window's at `at_us`, for its
-/// length; a fixed window's at its period's start, for the period's length, so that it leaves
+/// length; a fixed window's [`span`] before its period's end, for that span, so that it leaves
 /// exactly at the period's end.
 pub fn placement(w: &Window, periods: &[Option<Period>], i: usize, at_us: u64) -> (u64, u64) {
     match periods.get(i).copied().flatten() {
-        Some(p) => (p.start_us, p.end_us - p.start_us),
+        Some(p) => {
+            let span = span(&p);
+            (p.end_us.saturating_sub(span), span)
+        }
         None => (at_us, w.length_us),
     }
+}
+
+/// How long a fixed window's entries count, from where they lie ([`placement`]), and so the
+/// `length_us` its windows carry while `period` is the current one.
+///
+/// A store expires a log by one length, the one the current call carries, and a log of a fixed
+/// window still holds the entries of the period before until something reads it. Were that
+/// length the period's own, entries of a shorter period before a longer one (February's, read
+/// on the 1st of March; the day before a 25-hour day) would count on into the new period, for
+/// as long as the lengths differ, and a request there would be refused for a budget already
+/// reset. So every period of a kind counts for one length, the longest such a period runs with
+/// two hours to spare for a change of offset, and its entries lie that far before its end:
+/// each leaves exactly at its own period's end, whatever the period being read. A period
+/// longer than its kind's span (a zone that moved its clock by most of a day) counts for its
+/// own length. The kind is told by the period's length: the three ranges do not overlap.
+pub fn span(period: &Period) -> u64 {
+    const HOUR: u64 = 3_600_000_000;
+    const SPANS: [u64; 3] = [26 * HOUR, (7 * 24 + 2) * HOUR, (31 * 24 + 2) * HOUR];
+    let own = period.end_us.saturating_sub(period.start_us);
+    SPANS.into_iter().find(|&s| own <= s).unwrap_or(own)
 }
 
 /// A reservation: one request against one quota key whose windows each take their own amount
@@ -209,7 +232,7 @@ pub struct Reserve<'a> {
     /// As [`Acquire::at_us`].
     pub at_us: Option<u64>,
     /// Per window, its period when it is a fixed (calendar) window; empty when every window
-    /// slides. A fixed window's `length_us` is not used: its period's length is.
+    /// slides. A fixed window's `length_us` must be its period's [`span`].
     pub periods: &'a [Option<Period>],
 }
 

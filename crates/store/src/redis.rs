@@ -464,7 +464,8 @@ impl RedisStore {
             Some(t) => call.arg(t),
             None => call.arg(""),
         };
-        // A fixed window's length is its period's, and its entry lies at the period's start.
+        // A fixed window's length is its period's span, and its entry lies that far before the
+        // period's end (`placement`).
         usage_args(&mut call, req.windows, req.amounts, req.periods);
         let reply: Vec<i64> = self.invoke(&call).await?;
         scripts::parse_reservation(&reply, req.windows.len())
@@ -1542,8 +1543,8 @@ fn groups_first(groups: &[Vec<usize>], j: usize) -> usize {
 }
 
 /// Windows that reserve usage, as the assign script reads them: name, limit and length per
-/// window (a fixed window's length is its period's), then each one's amount, then each one's
-/// score ("" for now, or a fixed window's period start).
+/// window (a fixed window's length is its period's span), then each one's amount, then each
+/// one's score ("" for now, or where a fixed window's entry lies: `placement`).
 fn usage_args(
     call: &mut ScriptCall<'_>,
     windows: &[Window],
@@ -1558,9 +1559,9 @@ fn usage_args(
     for i in 0..windows.len() {
         call.arg(amounts.get(i).copied().unwrap_or(0).min(MAX_AMOUNT));
     }
-    for i in 0..windows.len() {
+    for (i, w) in windows.iter().enumerate() {
         match periods.get(i).copied().flatten() {
-            Some(p) => call.arg(p.start_us),
+            Some(_) => call.arg(placement(w, periods, i, 0).0),
             None => call.arg(""),
         };
     }

@@ -449,16 +449,16 @@ async fn batched_one_key(store: &dyn StateStore, route: &str) {
 const DAY: u64 = 86_400_000_000;
 
 /// A calendar day as the caller cuts it (here UTC), and the window that counts in it: a fixed
-/// window's length is its period's.
+/// window's length is its period's span.
 fn day(start_us: u64, limit: u64) -> (Window, Period) {
-    let window = Window {
-        name: "day".into(),
-        limit,
-        length_us: DAY,
-    };
     let period = Period {
         start_us,
         end_us: start_us + DAY,
+    };
+    let window = Window {
+        name: "day".into(),
+        limit,
+        length_us: sluice_limiter::span(&period),
     };
     (window, period)
 }
@@ -575,12 +575,12 @@ async fn calendar(store: &dyn StateStore, route: &str) {
         remaining(store, route, "team", &w, e + 11).await[1],
         tokens(800)
     );
-    // A period that is not the window's length is refused, never guessed at.
+    // A period whose span is not the window's length is refused, never guessed at.
     let wrong = [
         None,
         Some(Period {
             start_us: e,
-            end_us: e + 1,
+            end_us: e + 2 * DAY,
         }),
     ];
     assert!(store
@@ -594,6 +594,79 @@ async fn calendar(store: &dyn StateStore, route: &str) {
         })
         .await
         .is_err());
+}
+
+/// Calendar months of different lengths, in UTC: what February reserved leaves exactly at
+/// February's end, though March is longer (a store that kept February's entries for March's
+/// length would refuse the first three days of March for a budget already reset), and March's
+/// count until March's end.
+async fn calendar_months(store: &dyn StateStore, route: &str) {
+    let feb = Period {
+        start_us: 1_769_904_000_000_000,
+        end_us: 1_772_323_200_000_000,
+    };
+    let mar = Period {
+        start_us: feb.end_us,
+        end_us: 1_775_001_600_000_000,
+    };
+    let apr = Period {
+        start_us: mar.end_us,
+        end_us: 1_777_593_600_000_000,
+    };
+    let month = Window {
+        name: "month".into(),
+        limit: tokens(1_000),
+        length_us: sluice_limiter::span(&feb),
+    };
+    for p in [&mar, &apr] {
+        assert_eq!(sluice_limiter::span(p), month.length_us, "one span a month");
+    }
+    let w = [month];
+    let reserve_in = |amount: u64, at: u64, period: Period| {
+        let w = w.clone();
+        async move {
+            store
+                .reserve(Reserve {
+                    route,
+                    key: "month",
+                    windows: &w,
+                    amounts: &[amount],
+                    at_us: Some(at),
+                    periods: &[Some(period)],
+                })
+                .await
+                .unwrap()
+        }
+    };
+    let r = reserve_in(tokens(1_000), feb.start_us + DAY, feb).await;
+    assert!(r.outcome.admitted, "{r:?}");
+    assert_eq!(
+        r.outcome.windows[0].reset_us,
+        feb.end_us - feb.start_us - DAY
+    );
+    let full = reserve_in(1, feb.end_us - 1_000, feb).await;
+    assert!(!full.outcome.admitted);
+    assert_eq!(
+        full.outcome.retry_after_us, 1_000,
+        "February ends at March's start"
+    );
+    // The 1st of March: February's budget is gone from the count, read and reserved alike.
+    assert_eq!(
+        remaining(store, route, "month", &w, mar.start_us + 1).await,
+        [tokens(1_000)]
+    );
+    let r = reserve_in(tokens(1_000), mar.start_us + 2, mar).await;
+    assert!(r.outcome.admitted, "{r:?}");
+    // March's own entries count to its last microsecond, and leave at its end.
+    let full = reserve_in(1, mar.end_us - 1_000, mar).await;
+    assert!(!full.outcome.admitted);
+    assert_eq!(full.outcome.retry_after_us, 1_000);
+    assert_eq!(
+        remaining(store, route, "month", &w, mar.end_us - 1).await,
+        [0]
+    );
+    let r = reserve_in(tokens(1_000), apr.start_us, apr).await;
+    assert!(r.outcome.admitted, "{r:?}");
 }
 
 /// A key pool whose keys have their own token windows (a provider's TPM per key): least_used
@@ -960,6 +1033,7 @@ async fn memory_reserves_and_settles() {
     batched(&store, "usage").await;
     batched_one_key(&store, "usage1").await;
     calendar(&store, "calendar").await;
+    calendar_months(&store, "months").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
     in_process_choice(&store, "solo").await;
@@ -973,6 +1047,7 @@ async fn redis_reserves_and_settles() {
     batched(&store, "usage").await;
     batched_one_key(&store, "usage1").await;
     calendar(&store, "calendar").await;
+    calendar_months(&store, "months").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
     in_process_choice(&store, "solo").await;
@@ -1026,6 +1101,7 @@ async fn redis_without_functions_reserves_and_settles() {
     batched(&store, "usage").await;
     batched_one_key(&store, "usage1").await;
     calendar(&store, "calendar").await;
+    calendar_months(&store, "months").await;
     key_pool(&store, "pool").await;
     client_usage(&store, "clients").await;
     assert!(!store.uses_functions());
@@ -1040,6 +1116,7 @@ async fn redis_cluster_reserves_and_settles() {
         batched(&store, route).await;
         batched_one_key(&store, &format!("{route}-one")).await;
         calendar(&store, route).await;
+        calendar_months(&store, &format!("{route}-months")).await;
         key_pool(&store, route).await;
         // A pool of its own: the key pool above left two members in the route's.
         client_usage(&store, &format!("{route}-clients")).await;

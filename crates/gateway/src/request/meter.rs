@@ -190,7 +190,8 @@ fn periods_of(
     }
 }
 
-/// `windows`, each fixed window's length its period's (`periods` empty: as they are).
+/// `windows`, each fixed window's length its period's span (`sluice_limiter::span`; `periods`
+/// empty: as they are).
 fn cut(windows: &Arc<[Window]>, periods: &[Option<Period>]) -> Arc<[Window]> {
     if periods.is_empty() {
         return windows.clone();
@@ -200,7 +201,7 @@ fn cut(windows: &Arc<[Window]>, periods: &[Option<Period>]) -> Arc<[Window]> {
         .zip(periods)
         .map(|(w, p)| match p {
             Some(p) => Window {
-                length_us: p.end_us - p.start_us,
+                length_us: sluice_limiter::span(p),
                 ..w.clone()
             },
             None => w.clone(),
