@@ -209,7 +209,9 @@ end
 
 -- The `min` restore policy: raise `member` to the least count among the other eligible members,
 -- so that it is not flooded while it "catches up". GT never lowers a count, so instances that
--- restore the same member at different moments cannot make its count flap.
+-- restore the same member at different moments cannot make its count flap; XX never adds one:
+-- a member a reload removed (sync took it out) may still come back up in a health check that
+-- began before, and it must not return to the pool, where a pick would name it.
 local function pool_restore_min(pool, member, excluded, count)
   local others = { [member] = true }
   for m in pairs(excluded) do
@@ -217,6 +219,6 @@ local function pool_restore_min(pool, member, excluded, count)
   end
   local least = pool_pick(pool, others, count + 1)
   if least then
-    redis.call('ZADD', pool, 'GT', redis.call('ZSCORE', pool, least), member)
+    redis.call('ZADD', pool, 'XX', 'GT', redis.call('ZSCORE', pool, least), member)
   end
 end

@@ -220,6 +220,13 @@ async fn membership_follows_the_config(store: &dyn StateStore) {
         .await
         .unwrap();
     assert_eq!(counts(store, "members").await, c);
+    // A member that left does not come back by being restored (a health check that began
+    // before the reload): restoring raises counts in the pool, and adds nothing to it.
+    store
+        .restore_to_min("members", "http://c.test", &[])
+        .await
+        .unwrap();
+    assert_eq!(counts(store, "members").await, c);
     for _ in 0..30 {
         assert_ne!(
             store
