@@ -228,7 +228,8 @@ local function leases_cap(l, excluded)
 end
 
 -- Offers the candidates listed in the script's arguments (as members_walk_listed) fewest
--- leases first, then the lexically smallest id.
+-- leases first, then the smallest id byte by byte, as the memory store orders them: Lua's `<`
+-- on strings follows the locale Redis runs in (allocator.lua, pool_id_less).
 local function leases_walk_fewest(w, l)
   local ids = {}
   local at, windows, wat = w.at + 1, 0, 0
@@ -236,13 +237,13 @@ local function leases_walk_fewest(w, l)
     ids[#ids + 1] = ARGV[at]
     at, windows, wat = members_step(at, windows, wat, w.extra)
   end
-  local counts = l.counts
+  local counts, bytes = l.counts, { less = false }
   table.sort(ids, function(a, b)
     local x, y = counts[a] or 0, counts[b] or 0
     if x ~= y then
       return x < y
     end
-    return a < b
+    return pool_id_less(bytes, a, b)
   end)
   for _, id in ipairs(ids) do
     if members_offer(w, id) then
