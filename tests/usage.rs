@@ -260,6 +260,33 @@ async fn a_client_gone_after_the_member_got_the_request_leaves_its_reservation(b
     stub.release();
 }
 
+/// A client that hangs up before its body is whole is not admitted: its body cannot be read
+/// for the reservation, and Pingora would count it finished and send it on cut short. Nothing
+/// is charged, and the request ends at once rather than with its member's read timeout.
+async fn a_client_gone_mid_body_is_not_charged(backend: Backend) {
+    use tokio::io::AsyncWriteExt;
+    let store = Store::start(backend);
+    let (gw, stub) = setup(&store, 1000).await;
+    let mut client = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    let head = "POST /v1/chat/cut HTTP/1.1\r\nHost: openai.test\r\n\
+                Content-Type: application/json\r\nContent-Length: 500\r\n\r\n";
+    client.write_all(head.as_bytes()).await.unwrap();
+    client
+        .write_all(br#"{"model":"m","max_tokens":70,"#)
+        .await
+        .unwrap();
+    drop(client);
+    assert!(
+        gw.wait_for_log("\"path\":\"/v1/chat/cut\"", Duration::from_secs(20))
+            .await,
+        "the request ends"
+    );
+    assert_eq!(held(&gw).await, [0, 0]);
+    assert!(stub.exchanges().is_empty());
+}
+
 /// A request no member got (its only member is gone) settles to 0.
 async fn a_request_no_member_got_settles_to_zero(backend: Backend) {
     let store = Store::start(backend);
@@ -728,6 +755,7 @@ async fn ratelimit_and_status_report_tokens(backend: Backend) {
 on_both_stores!(
     a_listed_content_length_reserves_from_the_body,
     a_client_gone_after_the_member_got_the_request_leaves_its_reservation,
+    a_client_gone_mid_body_is_not_charged,
     a_request_no_member_got_settles_to_zero,
     ratelimit_and_status_report_tokens,
     members_windows_in_tokens_pick_a_key_with_room_and_settle,

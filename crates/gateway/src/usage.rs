@@ -117,9 +117,14 @@ impl Prefix {
 ///   then refuse.
 ///
 /// What is read stays in the session's replay buffer, which Pingora sends to the member first
-/// (and again on a replay), so the member gets every byte as the client sent it. A client that
-/// hangs up mid-body leaves `body` empty: the request ends when Pingora next reads from it.
-pub(crate) async fn read_prefix(session: &mut ServerSession, bound: usize) -> Prefix {
+/// (and again on a replay), so the member gets every byte as the client sent it. A body that
+/// cannot be read whole (the client hangs up or stalls mid-body) is the error, returned before
+/// anything is charged: Pingora's reader counts such a body as finished, so a request let
+/// through would be charged and go to its member cut short.
+pub(crate) async fn read_prefix(
+    session: &mut ServerSession,
+    bound: usize,
+) -> pingora::Result<Prefix> {
     let headers = &session.req_header().headers;
     let (len, length) = framing(headers);
     let chunked = headers.contains_key(header::TRANSFER_ENCODING);
@@ -132,32 +137,28 @@ pub(crate) async fn read_prefix(session: &mut ServerSession, bound: usize) -> Pr
     let Some(length) = length else {
         // No framing at all is no body.
         let body = (!chunked).then(Bytes::new);
-        return Prefix { body, len };
+        return Ok(Prefix { body, len });
     };
     let within = usize::try_from(length).is_ok_and(|l| l <= bound);
     if !within || encoded || expects_continue {
-        return Prefix { body: None, len };
+        return Ok(Prefix { body: None, len });
     }
     if length == 0 {
-        return Prefix {
+        return Ok(Prefix {
             body: Some(Bytes::new()),
             len,
-        };
+        });
     }
     // Before the first read, so that every byte read is kept for the member.
     session.enable_retry_buffering();
     let mut body = BytesMut::with_capacity(usize::try_from(length).unwrap_or(0));
-    loop {
-        match session.read_request_body().await {
-            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
-            Ok(None) => break,
-            Err(_) => return Prefix { body: None, len },
-        }
+    while let Some(chunk) = session.read_request_body().await? {
+        body.extend_from_slice(&chunk);
     }
-    Prefix {
+    Ok(Prefix {
         body: Some(body.freeze()),
         len,
-    }
+    })
 }
 
 /// The body's length for `request_bytes` (0 when chunked or absent), and its

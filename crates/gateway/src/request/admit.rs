@@ -128,7 +128,7 @@ pub(crate) async fn admit(
     // the route's usage windows.
     if let Some(usage) = route.quota.as_deref().and_then(|q| q.usage.as_ref()) {
         let prefix = if usage.reads_body {
-            crate::usage::read_prefix(session.as_downstream_mut(), usage.max_request_body).await
+            crate::usage::read_prefix(session.as_downstream_mut(), usage.max_request_body).await?
         } else {
             crate::usage::Prefix::unread(&session.req_header().headers)
         };
@@ -180,7 +180,7 @@ pub(crate) enum Admitted {
         ratelimit: Option<HeaderValue>,
         no_member: bool,
     },
-    /// The client hung up while it waited for capacity.
+    /// The client hung up while it waited for capacity, or before its body was whole.
     Left,
 }
 

@@ -240,7 +240,7 @@ async fn follow(
                 Admitted::Left => {
                     return Err(Error::explain(
                         ErrorType::ConnectionClosed,
-                        "the client hung up while waiting for capacity",
+                        "the client hung up while waiting for capacity, or mid-body",
                     )
                     .into_down())
                 }
@@ -346,7 +346,13 @@ async fn admit_on(
                 len: unread.len,
             }
         } else if usage.reads_body {
-            crate::usage::read_prefix(session.as_downstream_mut(), usage.max_request_body).await
+            // A body that cannot be read whole leaves nothing to admit: the client is gone.
+            match crate::usage::read_prefix(session.as_downstream_mut(), usage.max_request_body)
+                .await
+            {
+                Ok(prefix) => prefix,
+                Err(_) => return Admitted::Left,
+            }
         } else {
             unread
         };

@@ -86,7 +86,9 @@ async fn a_small_body_is_read_whole_and_kept_for_the_member() {
     assert!(usage.reads_body);
     let body = br#"{"model":"gpt","max_tokens":300,"messages":[]}"#;
     let (mut session, _client) = open(with_length(body)).await;
-    let prefix = read_prefix(&mut session, usage.max_request_body).await;
+    let prefix = read_prefix(&mut session, usage.max_request_body)
+        .await
+        .unwrap();
     assert_eq!(prefix.body.as_deref(), Some(&body[..]));
     assert_eq!(prefix.len, body.len() as u64);
     // What Pingora sends the member first, and on a replay: every byte, nothing left to read.
@@ -96,6 +98,20 @@ async fn a_small_body_is_read_whole_and_kept_for_the_member() {
     // 300 from the body, and a quarter of its 46 bytes.
     let reserved = usage.reserve(&prefix.request(&session.req_header().headers));
     assert_eq!(reserved, [Millionths(300_000_000 + 11_500_000)]);
+}
+
+/// A client that closes its side mid-body leaves a body that cannot be read whole: that is an
+/// error, so that nothing is charged for it and nothing of it goes to a member (Pingora's reader
+/// counts such a body as finished, and would let the cut-short request through).
+#[tokio::test]
+async fn a_body_cut_short_by_the_client_is_an_error() {
+    let usage = usage(TOKENS);
+    let mut raw = post("Content-Length: 500\r\n", b"");
+    raw.extend_from_slice(br#"{"max_tokens":300,"#);
+    let (mut session, client) = open(raw).await;
+    drop(client);
+    let read = read_prefix(&mut session, usage.max_request_body).await;
+    assert!(read.is_err(), "{read:?}");
 }
 
 /// A length sent as a list of equal values or as equal lines frames the body as that one
@@ -112,7 +128,9 @@ async fn a_listed_or_repeated_length_is_read_as_the_one_length() {
         format!("Content-Length: {n}\r\nContent-Length: {n}\r\n"),
     ] {
         let (mut session, _client) = open(post(&lengths, body)).await;
-        let prefix = read_prefix(&mut session, usage.max_request_body).await;
+        let prefix = read_prefix(&mut session, usage.max_request_body)
+            .await
+            .unwrap();
         assert_eq!(prefix.body.as_deref(), Some(&body[..]), "{lengths:?}");
         assert_eq!(prefix.len, n as u64, "{lengths:?}");
         assert_eq!(session.get_retry_buffer(), Some(Bytes::from_static(body)));
@@ -130,7 +148,7 @@ async fn a_body_exactly_at_the_bound_is_read_and_one_byte_more_is_not() {
     let usage = usage(TOKENS);
     let body = json_of_len(7, 1024);
     let (mut session, _client) = open(with_length(&body)).await;
-    let prefix = read_prefix(&mut session, 1024).await;
+    let prefix = read_prefix(&mut session, 1024).await.unwrap();
     assert_eq!(prefix.body.as_deref(), Some(&body[..]));
     assert_eq!(session.get_retry_buffer().as_deref(), Some(&body[..]));
     assert_eq!(
@@ -140,7 +158,7 @@ async fn a_body_exactly_at_the_bound_is_read_and_one_byte_more_is_not() {
 
     let body = json_of_len(7, 1025);
     let (mut session, _client) = open(with_length(&body)).await;
-    let prefix = read_prefix(&mut session, 1024).await;
+    let prefix = read_prefix(&mut session, 1024).await.unwrap();
     assert_eq!(
         prefix,
         Prefix {
@@ -163,7 +181,7 @@ async fn the_largest_bound_keeps_every_byte_for_the_member() {
     let bound = crate::config::MAX_REQUEST_BODY as usize;
     let body = json_of_len(9, bound);
     let (mut session, _client) = open(with_length(&body)).await;
-    let prefix = read_prefix(&mut session, bound).await;
+    let prefix = read_prefix(&mut session, bound).await.unwrap();
     assert_eq!(prefix.body.as_deref(), Some(&body[..]));
     assert!(!session.retry_buffer_truncated());
     assert_eq!(session.get_retry_buffer().as_deref(), Some(&body[..]));
@@ -177,7 +195,7 @@ async fn a_chunked_body_is_left_to_stream() {
         b"5\r\n{\"max\r\n9\r\n_tokens\":\r\n3\r\n12}\r\n0\r\n\r\n",
     );
     let (mut session, _client) = open(raw).await;
-    let prefix = read_prefix(&mut session, 1024).await;
+    let prefix = read_prefix(&mut session, 1024).await.unwrap();
     assert_eq!(prefix, Prefix { body: None, len: 0 });
     assert_eq!(rest(&mut session).await, b"{\"max_tokens\":12}");
     assert_eq!(
@@ -196,7 +214,7 @@ async fn a_body_that_is_not_json_is_read_and_takes_the_default() {
         b"",
     ] {
         let (mut session, _client) = open(with_length(body)).await;
-        let prefix = read_prefix(&mut session, 1024).await;
+        let prefix = read_prefix(&mut session, 1024).await.unwrap();
         assert_eq!(prefix.body.as_deref(), Some(body));
         let estimate = body.len() as u64 * 250_000;
         assert_eq!(
@@ -217,7 +235,7 @@ async fn bodies_held_for_100_continue_or_encoded_are_not_read() {
         b"",
     );
     let (mut session, _client) = open(raw).await;
-    let prefix = read_prefix(&mut session, 1024).await;
+    let prefix = read_prefix(&mut session, 1024).await.unwrap();
     assert_eq!(
         prefix,
         Prefix {
@@ -234,7 +252,7 @@ async fn bodies_held_for_100_continue_or_encoded_are_not_read() {
         body,
     );
     let (mut session, _client) = open(raw).await;
-    let prefix = read_prefix(&mut session, 1024).await;
+    let prefix = read_prefix(&mut session, 1024).await.unwrap();
     assert_eq!(prefix.body, None);
     assert_eq!(rest(&mut session).await, body);
 }
