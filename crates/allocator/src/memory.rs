@@ -67,10 +67,19 @@ impl MemoryStore {
         MemoryStore {
             quotas: QuotaLogs::with_limits(&limits),
             // Member logs are keyed by member ids, which the config bounds: a small
-            // `max_keys` must not refuse a route's own members.
-            members: QuotaLogs::new(),
-            // Keyed by client names, which the config bounds likewise.
-            clients: QuotaLogs::new(),
+            // `max_keys` must not refuse a route's own members. Their entries are bounded as
+            // the route's are, by `max_entries`, so that raising it (a busy pool of keys with
+            // daily windows) raises theirs too.
+            members: QuotaLogs::with_limits(&MemoryLimits {
+                max_keys: MemoryLimits::default().max_keys.max(limits.max_keys),
+                max_entries: limits.max_entries,
+            }),
+            // Keyed by client names, which the config bounds likewise; every client's windows
+            // share one budget of `max_entries`.
+            clients: QuotaLogs::with_limits(&MemoryLimits {
+                max_keys: MemoryLimits::default().max_keys.max(limits.max_keys),
+                max_entries: limits.max_entries,
+            }),
             pools: Pools::default(),
             client_leases: Mutex::default(),
         }
@@ -892,5 +901,47 @@ mod tests {
             [("b".to_string(), 0), ("a".to_string(), 1)]
         );
         assert_eq!(store.cooldowns("stays").await.unwrap().len(), 1);
+    }
+
+    /// `max_entries` bounds the members' own windows as it bounds the route's: set low, a
+    /// member's window fills it, and the next request is refused, never let through uncounted;
+    /// so set high, it lets them hold as much as the route may (a key pool's daily windows).
+    #[tokio::test]
+    async fn max_entries_bounds_the_members_windows_too() {
+        let store = MemoryStore::with_limits(MemoryLimits {
+            max_keys: 10,
+            max_entries: 5,
+        });
+        let windows: Arc<[sluice_limiter::Window]> = Arc::new([sluice_limiter::Window {
+            name: "day".into(),
+            limit: 1_000,
+            length_us: 86_400_000_000,
+        }]);
+        let members = [PoolMember {
+            id: "key".into(),
+            windows,
+        }];
+        let ask = Assign {
+            route: "pool",
+            members: &members,
+            order: Order::LeastUsed,
+            excluded: &[],
+            quota: None,
+            cost: 1,
+            cooldowns: false,
+            at_us: Some(1_000_000),
+            lease: None,
+            sticky: None,
+        };
+        for _ in 0..5 {
+            assert!(matches!(
+                store.assign(ask).await,
+                Ok(Assignment::Assigned { .. })
+            ));
+        }
+        assert!(matches!(
+            store.assign(ask).await,
+            Err(StoreError::TooManyKeys)
+        ));
     }
 }
