@@ -133,6 +133,7 @@ on_both_stores!(
     a_cooled_key_comes_back,
     a_key_back_from_its_cooldown_starts_at_the_least_count,
     retry_answers_from_another_key_and_sends_the_body_once_to_each,
+    retry_replays_a_429_only,
     waiters_are_served_in_arrival_order,
     past_max_waiting_the_answer_is_immediate,
     requests_wait_for_a_member_window,
@@ -314,6 +315,26 @@ async fn a_key_back_from_its_cooldown_starts_at_the_least_count(backend: Backend
         (1..=3).contains(&back),
         "key-a shares the six requests after its cooldown with key-b, not takes them all: {back}"
     );
+}
+
+/// `retry: true` replays a 429 only: another status in `on_status` cools its key, but the key
+/// may have done the work, so its answer goes to the client and no other key gets the request.
+async fn retry_replays_a_429_only(backend: Backend) {
+    let store = Store::start(backend);
+    let api = api(1000, Duration::from_secs(60)).await;
+    let route = pool(&api, &KEYS, 0, "")
+        .least_used()
+        .cooldown(Cooldown::new().on_status(&[429, 503]).retry());
+    let gateways = start(&Config::new().store(&store).route(route), &store);
+    let gw = &gateways[0];
+    let r = request(gw.proxy_addr(), "POST", HOST, "/status/503", &[], b"{}").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    let sent: Vec<_> = api
+        .request_log()
+        .into_iter()
+        .filter(|l| l.target == "/status/503")
+        .collect();
+    assert_eq!(sent.len(), 1, "sent to one key only: {sent:?}");
 }
 
 /// With `retry: true`, a 429 on one key is answered from another key: the client sees 200,

@@ -221,7 +221,14 @@ pub(crate) async fn learn_cooldown(
             }
         }
     }
-    if cooldown.retry && !ctx.replayed && !session.as_downstream().retry_buffer_truncated() {
+    // Only a 429 is replayed: it says the member did no work (SPEC §8). Another status in
+    // `on_status` (a 500, a 503) cools the member, but the member may have done the work, and
+    // the client gets its answer.
+    if cooldown.retry
+        && status == 429
+        && !ctx.replayed
+        && !session.as_downstream().retry_buffer_truncated()
+    {
         // The next member is chosen now: a replay with nowhere to go would turn the member's
         // answer into a 503, and the client is better served by the answer itself.
         let state = crate::sticky::store(&gateway.state, ctx.sticky.as_ref());
