@@ -134,6 +134,7 @@ on_both_stores!(
     a_key_back_from_its_cooldown_starts_at_the_least_count,
     retry_answers_from_another_key_and_sends_the_body_once_to_each,
     retry_replays_a_429_only,
+    a_body_still_arriving_past_the_replay_buffer_is_not_replayed,
     waiters_are_served_in_arrival_order,
     past_max_waiting_the_answer_is_immediate,
     requests_wait_for_a_member_window,
@@ -315,6 +316,74 @@ async fn a_key_back_from_its_cooldown_starts_at_the_least_count(backend: Backend
         (1..=3).contains(&back),
         "key-a shares the six requests after its cooldown with key-b, not takes them all: {back}"
     );
+}
+
+/// A member that answers 429 as soon as it has a request's head, before any of its body, and
+/// counts the heads it got.
+async fn early_refuser() -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let (mut buf, mut got) = (vec![0u8; 16 * 1024], Vec::new());
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                count.fetch_add(1, Ordering::SeqCst);
+                let answer = "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 30\r\n\
+                              Content-Length: 0\r\n\r\n";
+                if conn.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                // The rest of the body, read and dropped, so that the connection ends cleanly.
+                while matches!(conn.read(&mut buf).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// A 429 that comes while a body larger than the replay buffer is still arriving is not
+/// replayed, though what has arrived so far would fit: the rest cannot be held for another
+/// member (SPEC §8: bodies of at most 64 KiB). The client gets the 429; the other key gets
+/// nothing.
+async fn a_body_still_arriving_past_the_replay_buffer_is_not_replayed(backend: Backend) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let store = Store::start(backend);
+    let ((a, a_heads), (b, b_heads)) = (early_refuser().await, early_refuser().await);
+    let route = Route::new("keys")
+        .member(url(a))
+        .member(url(b))
+        .least_used()
+        .cooldown(Cooldown::new().retry());
+    let gateways = start(&Config::new().store(&store).route(route), &store);
+    let mut client = tokio::net::TcpStream::connect(gateways[0].proxy_addr())
+        .await
+        .unwrap();
+    let head = format!("POST /upload HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 200000\r\n\r\n");
+    client.write_all(head.as_bytes()).await.unwrap();
+    client.write_all(&[b'x'; 10_000]).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = client.read(&mut buf).await.unwrap();
+        assert!(n > 0, "an answer before the body is whole");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 429"), "{text}");
+    let sent = a_heads.load(Ordering::SeqCst) + b_heads.load(Ordering::SeqCst);
+    assert_eq!(sent, 1, "one member got the request");
 }
 
 /// `retry: true` replays a 429 only: another status in `on_status` cools its key, but the key

@@ -153,6 +153,22 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
     }
 }
 
+/// The most a replay sends again: Pingora keeps this much of a request's body to send it to
+/// another member (its replay buffer), and SPEC §8 and §11 replay bodies of at most this size.
+pub(crate) const REPLAYABLE_BODY: u64 = 64 * 1024;
+
+/// Whether the request's body can be sent again whole, from the replay buffer, to another
+/// member: it has not passed the buffer, and it will not, being complete or framed within it.
+/// A body still arriving, of a length that may pass the buffer, is not replayed, though what
+/// has arrived so far fits: the decision cannot wait for the rest.
+pub(crate) fn body_fits_a_replay(session: &mut pingora::protocols::http::ServerSession) -> bool {
+    if session.retry_buffer_truncated() {
+        return false;
+    }
+    session.is_body_done()
+        || content_length(&session.req_header().headers).is_some_and(|n| n <= REPLAYABLE_BODY)
+}
+
 /// The `Content-Length` that frames a message, by the rule Pingora's HTTP/1 parser frames it
 /// with (RFC 9112 §6.3, RFC 9110 §8.6): every value of every `Content-Length` line, split at
 /// commas, must be plain decimal digits and all equal, and then that value frames the body

@@ -227,7 +227,7 @@ pub(crate) async fn learn_cooldown(
     if cooldown.retry
         && status == 429
         && !ctx.replayed
-        && !session.as_downstream().retry_buffer_truncated()
+        && crate::headers::body_fits_a_replay(session.as_downstream_mut())
     {
         // The next member is chosen now: a replay with nowhere to go would turn the member's
         // answer into a 503, and the client is better served by the answer itself.

@@ -160,8 +160,9 @@ pub(crate) async fn after_answer(
     let Some(reason) = reason_of_status(status, &response.headers) else {
         return Ok(());
     };
-    // Past the replay buffer the body is gone: the member's answer is all the client can get.
-    if session.as_downstream().retry_buffer_truncated() {
+    // Past the replay buffer the body is gone (or, still arriving, may go): the member's answer
+    // is all the client can get.
+    if !crate::headers::body_fits_a_replay(session.as_downstream_mut()) {
         return Ok(());
     }
     let route = route.clone();
