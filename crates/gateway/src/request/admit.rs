@@ -209,7 +209,7 @@ pub(crate) async fn admit_to(
         )
     });
     let client = session.as_downstream().stream().map(|s| s.id());
-    let planned = Planned::plan(route, caller.as_deref(), &reserved, cost);
+    let mut planned = Planned::plan(route, caller.as_deref(), &reserved, cost);
     // A sticky route's session: admission and every retry of the request carry it.
     ctx.sticky = sticky_of(gateway, session, ctx, route);
     let verdict = decide(
@@ -220,7 +220,8 @@ pub(crate) async fn admit_to(
         caller.as_deref(),
         cost,
         client,
-        planned.as_ref(),
+        &mut planned,
+        &reserved,
     )
     .await;
     match verdict {
@@ -324,7 +325,9 @@ pub(crate) enum Verdict {
 ///
 /// `client` is the socket of the client: one that hangs up while it waits leaves the line at
 /// once, uncharged ([`Verdict::Left`]). `planned` is what the request reserves on a route
-/// whose windows count usage units or calendar periods.
+/// whose windows count usage units or calendar periods (`reserved`, its units' amounts): cut
+/// again in the periods that hold now before a call to the store, if a period it was cut in
+/// has ended ([`fresh`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn decide(
     state: &dyn StateStore,
@@ -334,17 +337,22 @@ pub(crate) async fn decide(
     caller: Option<&Client>,
     cost: u64,
     client: Option<RawFd>,
-    planned: Option<&Planned>,
+    planned: &mut Option<Planned>,
+    reserved: &[sluice_usage::Millionths],
 ) -> Verdict {
+    let admit = async |planned: &mut Option<Planned>| {
+        fresh(planned, route, caller, reserved, cost);
+        admit_once(state, route, key, caller, cost, planned.as_ref()).await
+    };
     let Some(line) = route.wait_line.as_deref() else {
-        let admission = admit_once(state, route, key, caller, cost, planned).await;
+        let admission = admit(planned).await;
         return verdict(metrics, route, key, caller, cost, admission);
     };
     let deadline = tokio::time::Instant::now() + line.max_wait;
     // Newcomers go straight to the store only while nobody waits: arrival order.
     let mut refusal = None;
     if line.is_empty() {
-        let admission = admit_once(state, route, key, caller, cost, planned).await;
+        let admission = admit(planned).await;
         if retry_after(&admission).is_none() {
             return verdict(metrics, route, key, caller, cost, admission);
         }
@@ -384,7 +392,7 @@ pub(crate) async fn decide(
         wait::Turn::PushedOut => return line_full(metrics, route, line),
         wait::Turn::TimedOut => {
             // max_wait passed in the line: one last look, which may still admit.
-            let admission = admit_once(state, route, key, caller, cost, planned).await;
+            let admission = admit(planned).await;
             return verdict(metrics, route, key, caller, cost, admission);
         }
     }
@@ -398,7 +406,7 @@ pub(crate) async fn decide(
                 () = tokio::time::sleep_until(wake) => {}
             }
         }
-        let admission = admit_once(state, route, key, caller, cost, planned).await;
+        let admission = admit(planned).await;
         let Some(wait) = retry_after(&admission) else {
             return verdict(metrics, route, key, caller, cost, admission);
         };
@@ -406,6 +414,23 @@ pub(crate) async fn decide(
             Some(at) => wake = Some(at),
             None => return verdict(metrics, route, key, caller, cost, admission),
         }
+    }
+}
+
+/// A plan cut in a period that has ended, cut again in the periods that hold now. A request
+/// that waited for capacity is woken at a boundary (its refusal said the period ends then), and
+/// a gateway's wall clock may lag the store's: charged in a period already over, its entries
+/// would leave the store's windows at once, admitted and counted nowhere.
+fn fresh(
+    planned: &mut Option<Planned>,
+    route: &Route,
+    caller: Option<&Client>,
+    reserved: &[sluice_usage::Millionths],
+    cost: u64,
+) {
+    let now = super::meter::now_us();
+    if planned.as_ref().is_some_and(|p| p.ended(now)) {
+        *planned = Planned::plan_at(route, caller, reserved, cost, now);
     }
 }
 
@@ -656,5 +681,66 @@ fn verdict(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::table::Table;
+
+    /// A plan cut in a period that has ended (a request woken at the boundary it waited for,
+    /// or a gateway whose clock lags) is cut again before the store is asked: the request is
+    /// charged in the day that holds now, not in the day before, where its entry would leave
+    /// the window as it is written, admitted and counted nowhere.
+    #[tokio::test]
+    async fn a_plan_whose_period_ended_is_charged_in_the_current_one() {
+        let text = "listen: [\"127.0.0.1:1\"]\n\
+                    admin: { listen: \"127.0.0.1:2\" }\n\
+                    routes:\n\
+                    \x20 - name: r\n\
+                    \x20   match: { hosts: [r.test] }\n\
+                    \x20   upstream: { members: [{ url: \"http://127.0.0.1:9\" }] }\n\
+                    \x20   quota: { windows: [{ name: day, limit: 10, window: calendar_day }] }\n";
+        let config = Config::parse("t.yaml", text).unwrap_or_else(|e| panic!("{e}"));
+        let metrics = Arc::new(Metrics::new());
+        let state = crate::state::open(&config).unwrap();
+        let resolver = crate::dns::process_resolver(&config.dns).unwrap();
+        let table = Table::build(&config, text.as_bytes(), &metrics, &state, &resolver, None).await;
+        let route = table.routes[0].clone();
+        let now = super::super::meter::now_us();
+        let mut planned = Planned::plan_at(&route, None, &[], 1, now - 86_400_000_000);
+        assert!(planned.as_ref().is_some_and(|p| p.ended(now)));
+
+        let verdict = decide(
+            &*state,
+            &metrics,
+            &route,
+            "k",
+            None,
+            1,
+            None,
+            &mut planned,
+            &[],
+        )
+        .await;
+        assert!(matches!(verdict, Verdict::Go { .. }));
+        let quota = route.quota.as_deref().unwrap();
+        let (windows, _) = quota.periods(super::super::meter::now_us());
+        let read = state
+            .acquire(Acquire {
+                route: &route.name,
+                key: "k",
+                windows: &windows,
+                cost: 0,
+                at_us: None,
+                client: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(read.windows[0].remaining, 9, "charged in today's window");
     }
 }

@@ -51,7 +51,7 @@ enum ClientUnit {
 }
 
 /// Microseconds since the Unix epoch, the clock calendar periods are cut on.
-fn now_us() -> u64 {
+pub(crate) fn now_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
@@ -67,9 +67,19 @@ impl Planned {
         reserved: &[Millionths],
         cost: u64,
     ) -> Option<Planned> {
+        Planned::plan_at(route, caller, reserved, cost, now_us())
+    }
+
+    /// [`Planned::plan`] in the periods that hold at `now` (wall clock, microseconds).
+    pub(crate) fn plan_at(
+        route: &crate::table::Route,
+        caller: Option<&Client>,
+        reserved: &[Millionths],
+        cost: u64,
+        now: u64,
+    ) -> Option<Planned> {
         let quota = route.quota.as_deref();
         let usage = quota.and_then(|q| q.usage.as_ref());
-        let now = now_us();
         let member_configs = &route.config.upstream.members;
         let member_calendars = route
             .members
@@ -167,6 +177,18 @@ impl Planned {
             .iter()
             .any(|w| !w.is_empty())
             .then(|| plan.clone())
+    }
+}
+
+impl Planned {
+    /// Whether a period this plan charges in (the route's, the client's, a member's) is over
+    /// at `now_us` (wall clock, microseconds).
+    pub(crate) fn ended(&self, now_us: u64) -> bool {
+        let over =
+            |periods: &[Option<Period>]| periods.iter().flatten().any(|p| p.end_us <= now_us);
+        over(&self.periods)
+            || over(&self.client_periods)
+            || self.members.periods.iter().any(|m| over(m))
     }
 }
 

@@ -207,7 +207,7 @@ impl Tunnels {
                 let prefix = crate::usage::Prefix::unread(&head.headers);
                 u.reserve(&prefix.request(&head.headers))
             });
-        let planned = super::meter::Planned::plan(&route, caller.as_deref(), &reserved, cost);
+        let mut planned = super::meter::Planned::plan(&route, caller.as_deref(), &reserved, cost);
         // A sticky route's session: one exit per session over a proxy pool, tunnels included;
         // and the client's max_in_flight, which a tunnel counts in as a request does.
         let cap = caller
@@ -231,7 +231,8 @@ impl Tunnels {
             caller.as_deref(),
             cost,
             fd,
-            planned.as_ref(),
+            &mut planned,
+            &reserved,
         )
         .await
         {
