@@ -152,7 +152,13 @@ pub(crate) async fn read_prefix(
     // Before the first read, so that every byte read is kept for the member.
     session.enable_retry_buffering();
     let mut body = BytesMut::with_capacity(usize::try_from(length).unwrap_or(0));
-    while let Some(chunk) = session.read_request_body().await? {
+    // The client's side failed: a closed connection is answered with nothing, a timeout with a
+    // 400 (`answer::failure`), as for any body Pingora reads.
+    while let Some(chunk) = session
+        .read_request_body()
+        .await
+        .map_err(|e| e.into_down())?
+    {
         body.extend_from_slice(&chunk);
     }
     Ok(Prefix {

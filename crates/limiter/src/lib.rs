@@ -204,9 +204,11 @@ pub fn placement(w: &Window, periods: &[Option<Period>], i: usize, at_us: u64) -
 /// as long as the lengths differ, and a request there would be refused for a budget already
 /// reset. So every period of a kind counts for one length, the longest such a period runs with
 /// two hours to spare for a change of offset, and its entries lie that far before its end:
-/// each leaves exactly at its own period's end, whatever the period being read. A period
-/// longer than its kind's span (a zone that moved its clock by most of a day) counts for its
-/// own length. The kind is told by the period's length: the three ranges do not overlap.
+/// each leaves exactly at its own period's end, whatever the period being read. The kind is
+/// told by the period's length, and the ranges of the tz database's days (22 to 26 hours),
+/// weeks and months do not overlap; a period longer than a month's span counts for its own
+/// length. A day longer than 26 hours (a zone moving its clock by more than two hours at once,
+/// which no zone does) would be counted as a week, for that day only.
 pub fn span(period: &Period) -> u64 {
     const HOUR: u64 = 3_600_000_000;
     const SPANS: [u64; 3] = [26 * HOUR, (7 * 24 + 2) * HOUR, (31 * 24 + 2) * HOUR];
