@@ -428,8 +428,12 @@ fn fresh(
     reserved: &[sluice_usage::Millionths],
     cost: u64,
 ) {
+    // Most routes plan nothing: no clock read for them.
+    let Some(plan) = planned.as_ref() else {
+        return;
+    };
     let now = super::meter::now_us();
-    if planned.as_ref().is_some_and(|p| p.ended(now)) {
+    if plan.ended(now) {
         *planned = Planned::plan_at(route, caller, reserved, cost, now);
     }
 }
