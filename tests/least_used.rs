@@ -1,7 +1,7 @@
 //! Least-used selection end to end: the spread, `/status` counts, fairness across every gateway
 //! sharing the store (also with a member that fails every request), down members, restore
-//! policies, and, on Redis only, one Redis command per request and the round-robin fallback
-//! when Redis is gone.
+//! policies, and, on Redis only, one Redis command per request, the round-robin fallback when
+//! Redis is gone, and a member only another instance knows.
 
 mod support;
 
@@ -572,4 +572,57 @@ async fn redis_outage_falls_back_to_round_robin_without_failing_a_request() {
             200
         );
     }
+}
+
+/// Two instances share Redis, and one has reloaded a config that adds member `a`: its sync puts
+/// `a` in the pool at the least count, so the store names `a` to the instance that has not
+/// reloaded yet too. That instance cannot send the request to `a` (it knows neither its address
+/// nor its windows), and must not send it to one of its own members unmetered either: `b` and
+/// `c` (one request an hour each) get one request each, whoever asks, and the requests named to
+/// `a` go to `d`, which has no windows, every one of them served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_member_another_instance_added_is_no_way_around_member_windows() {
+    let redis = RedisServer::start();
+    let backends = start_backends(&["a", "b", "c", "d"]).await;
+    let member = |i: usize, name: &str| KeyMember::new(url(backends[i].local_addr()), name);
+    let route = |with_a: bool| {
+        let mut route = Route::new("pool").least_used();
+        if with_a {
+            route = route.key_member(member(0, "a"));
+        }
+        route
+            .key_member(member(1, "b").window("hour", 1, "1h"))
+            .key_member(member(2, "c").window("hour", 1, "1h"))
+            .key_member(member(3, "d"))
+    };
+    let stale = redis_pool_gateway(&redis, route(false));
+    let reloaded = redis_pool_gateway(&redis, route(true));
+    let send = |gw: &Gateway| {
+        let addr = gw.proxy_addr();
+        async move {
+            let r = request(addr, "GET", "pool.test", "/", &[], b"").await;
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+    };
+    // The stale instance syncs first (b, c, d) and takes `b`; the reloaded one syncs after it,
+    // adding `a`, and takes `a`; the stale one then takes `c` and `d`.
+    send(&stale).await;
+    send(&reloaded).await;
+    assert_eq!(
+        backends[0].proxied_requests(),
+        1,
+        "the reloaded instance took a"
+    );
+    send(&stale).await;
+    send(&stale).await;
+    // Every count is 1 now, and ties go to the smallest id: the store names `a` first.
+    for _ in 0..6 {
+        send(&stale).await;
+    }
+    let proxied: Vec<u64> = backends.iter().map(|b| b.proxied_requests()).collect();
+    assert_eq!(
+        proxied,
+        [1, 1, 1, 7],
+        "b and c kept to their one request an hour; the rest went to d"
+    );
 }

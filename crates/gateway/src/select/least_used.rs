@@ -22,6 +22,10 @@ use super::{
 use crate::config::{UpstreamConfig, YamlPath};
 use crate::lease::LeasePlan;
 
+/// How many members the store may name that this table does not know, for one request,
+/// before the request gives up finding one it knows.
+const UNKNOWN_MEMBERS: usize = 4;
+
 /// Least-used over a pool whose counts live in the state store.
 pub(crate) struct LeastUsed {
     route: Arc<str>,
@@ -161,7 +165,7 @@ impl LeastUsed {
                 // member this table does not know was counted there, and the trial waits.
                 let first = match self.index_of.get(&*member) {
                     Some(&i) if i == index => Some(trial),
-                    _ => self.attempt_for(&member, &Tried::default()),
+                    _ => self.attempt_for(&member),
                 }
                 .map(|a| a.leased(lease));
                 Some(Admission::Admitted {
@@ -195,14 +199,18 @@ impl LeastUsed {
         }
     }
 
-    /// The attempt for a member the store named. A member this table does not know (another
-    /// instance synced a newer list a moment ago) was counted there; this request takes
-    /// round-robin instead.
-    fn attempt_for(&self, member: &str, tried: &Tried) -> Option<Attempt> {
-        match self.index_of.get(member) {
-            Some(&index) => Some(Attempt::new(self.pool.clone(), index, false)),
-            None => self.fallback.pick(tried),
-        }
+    /// The attempt for a member the store named; `None` for a member this table does not
+    /// know. Another instance synced a newer member list a moment ago, and its newcomer, with
+    /// the fewest assignments, is named often until this instance reloads too. This table has
+    /// neither its address nor its windows (the ask sent only its own members'), so the
+    /// request cannot go there; nor may it go to a member of this table picked in process,
+    /// whose own windows the store did not charge. It goes on without a first member: its
+    /// first attempt is then asked of the store as a retry is ([`Selector::next`]), charged to
+    /// that member's windows, with the unknown members excluded. The route's quota stays
+    /// charged once, by this assignment.
+    fn attempt_for(&self, member: &str) -> Option<Attempt> {
+        let index = *self.index_of.get(member)?;
+        Some(Attempt::new(self.pool.clone(), index, false))
     }
 }
 
@@ -255,8 +263,7 @@ impl Selector for LeastUsed {
             Ok((assignment, entries)) => {
                 let lease = held(self.leases.as_ref(), id, &assignment);
                 Admission::of(assignment, entries, |member| {
-                    self.attempt_for(member, &Tried::default())
-                        .map(|a| a.leased(lease))
+                    self.attempt_for(member).map(|a| a.leased(lease))
                 })
             }
             Err(error) => Admission::StoreFailed {
@@ -273,25 +280,41 @@ impl Selector for LeastUsed {
         }
         let mut excluded = self.down_ids();
         excluded.extend(tried.iter().map(|i| &*self.ids[i]));
-        let id = self.lease_id();
-        let ask = self.ask(&excluded, None, tried.cost, self.lease_ask(&id));
-        match assign(state, ask, tried.reserving()).await {
-            Ok((assignment @ Assignment::Assigned { .. }, entries)) => {
-                let lease = held(self.leases.as_ref(), id, &assignment);
-                tried.reserved(&entries);
-                let Assignment::Assigned { member, .. } = assignment else {
-                    return None;
-                };
-                self.attempt_for(&member, tried).map(|a| a.leased(lease))
-            }
-            Ok(_) => None,
-            // A full key table refuses (the member's windows could not be charged): no
-            // unmetered retry.
-            Err(StoreError::TooManyKeys) => None,
-            Err(error) => {
-                tracing::debug!(route = %self.route, %error, "least-used retry falls back to round-robin");
-                tried.fallback = true;
-                self.fallback.pick(tried)
+        // Members the store named that this table does not know (see `attempt_for`): each is
+        // excluded from the next ask. The pool holds a handful of them at most (a reload's
+        // newcomers); the bound keeps a store that keeps naming them from holding the request.
+        let mut unknown: Vec<String> = Vec::new();
+        loop {
+            let mut asked = excluded.clone();
+            asked.extend(unknown.iter().map(String::as_str));
+            let id = self.lease_id();
+            let ask = self.ask(&asked, None, tried.cost, self.lease_ask(&id));
+            match assign(state, ask, tried.reserving()).await {
+                Ok((assignment @ Assignment::Assigned { .. }, entries)) => {
+                    // An unknown member's lease is released as its guard drops here. Its own
+                    // windows were not sent, so it has no entry to settle.
+                    let lease = held(self.leases.as_ref(), id, &assignment);
+                    let Assignment::Assigned { member, .. } = assignment else {
+                        return None;
+                    };
+                    if let Some(attempt) = self.attempt_for(&member) {
+                        tried.reserved(&entries);
+                        return Some(attempt.leased(lease));
+                    }
+                    if unknown.len() >= UNKNOWN_MEMBERS {
+                        return None;
+                    }
+                    unknown.push(member);
+                }
+                Ok(_) => return None,
+                // A full key table refuses (the member's windows could not be charged): no
+                // unmetered retry.
+                Err(StoreError::TooManyKeys) => return None,
+                Err(error) => {
+                    tracing::debug!(route = %self.route, %error, "least-used retry falls back to round-robin");
+                    tried.fallback = true;
+                    return self.fallback.pick(tried);
+                }
             }
         }
     }
