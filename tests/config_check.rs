@@ -128,7 +128,7 @@ routes:
     assert_eq!(lines.len(), 4, "{stderr}");
     assert!(
         lines[0].starts_with(&format!(
-            "{file}:1:10: threads: invalid type: string \"${{SLUICE_T_CHECK_SECRET}}\""
+            "{file}:1:10: threads: invalid type: string, expected a nonzero usize"
         )),
         "{stderr}"
     );
@@ -231,5 +231,37 @@ fn usage_metered_windows_are_checked_and_member_calendar_windows_pass() {
     assert_eq!(
         stderr,
         format!("{file}:12:28: routes[0].quota.usage.tokens.settle.json: invalid json path \"choices[0].usage\": write object keys joined by dots, such as usage.total_tokens (no brackets, wildcards, spaces or empty keys)\n"),
+    );
+}
+
+/// A secret written in the file itself, in the wrong place or in a URL that does not parse, is
+/// not printed either: a token where a list of them belongs, a key where a map of headers does,
+/// and a proxy's password with a `/` in it.
+#[test]
+fn a_secret_written_in_the_file_is_never_printed() {
+    let yaml = r#"routes:
+  - name: api
+    match: {hosts: ["api.test"]}
+    upstream:
+      members:
+        - url: "http://127.0.0.1:9001"
+          headers: "Bearer sk-live-hunter2"
+  - name: out
+    match: {hosts: ["*"]}
+    upstream:
+      members:
+        - proxy: "http://user:hunter2/x@proxy.test"
+clients:
+  list:
+    - { name: billing, tokens: "hunter2-billing-token", routes: [api] }
+"#;
+    let (code, stdout, stderr, file) = check(yaml);
+    assert_eq!((code, stdout.as_str()), (1, ""), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert!(
+        lines.iter().all(|l| l.starts_with(&file)),
+        "each names the file: {stderr}"
     );
 }

@@ -419,7 +419,12 @@ fn diagnose(file: &str, text: &str, plain: Option<serde_yaml::Error>) -> Vec<Con
         // error rather than none.
         if let Some(plain) = plain {
             let at = plain.location().map(|l| (l.line(), l.column()));
-            errors.push(ConfigError::at(file, at, ".".into(), plain.to_string()));
+            errors.push(ConfigError::at(
+                file,
+                at,
+                ".".into(),
+                hide_strings(&plain.to_string()),
+            ));
         }
     }
     errors
@@ -489,6 +494,43 @@ impl ConfigError {
     }
 }
 
+/// `message` without the text of the strings serde quotes in it: `invalid type: string "…",
+/// expected a sequence` becomes `invalid type: string, expected a sequence`. The string is the
+/// value as written, and a value in the wrong place may be a secret (a token where a list of
+/// them belongs, an API key where a map of headers does); the error, which `check` prints, a
+/// reload logs and `/status` shows, names its line, column and path, which is enough to find
+/// it. (Values read from `${NAME}` are scrubbed by name elsewhere, wherever they appear.)
+fn hide_strings(message: &str) -> String {
+    const QUOTED: &str = "string \"";
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find(QUOTED) {
+        out.push_str(&rest[..at]);
+        out.push_str("string");
+        // serde quotes with Rust's escapes: the string ends at the first quote not escaped.
+        let quoted = &rest[at + QUOTED.len()..];
+        let mut escaped = false;
+        let end = quoted.char_indices().find_map(|(i, c)| match c {
+            '\\' if !escaped => {
+                escaped = true;
+                None
+            }
+            '"' if !escaped => Some(i + 1),
+            _ => {
+                escaped = false;
+                None
+            }
+        });
+        match end {
+            Some(end) => rest = &quoted[end..],
+            // No closing quote: the rest is the string's.
+            None => return out,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Turns a serde error met under `prefix` into our format. serde_yaml puts its own (sometimes
 /// shorter) path and the position inside the message, so both are cut out, and the position
 /// is looked up by path instead: errors raised by our field types are otherwise stamped with
@@ -507,6 +549,7 @@ fn from_serde(
             message.replace_range(at..at + position.len(), "");
         }
     }
+    let mut message = hide_strings(&message);
     let relative = e.path().to_string();
     if let Some((head, rest)) = message.split_once(": ") {
         if !head.is_empty() && relative.starts_with(head) {

@@ -60,7 +60,7 @@ fn wrong_types() {
     one_error(
         "threads: many\nroutes: []\n",
         "1:10: threads",
-        "invalid type: string \"many\"",
+        "invalid type: string, expected a nonzero usize",
     );
     one_error(
         "routes:\n  - name: a\n    upstream:\n      retries: -1\n",
@@ -258,7 +258,7 @@ fn scalars_are_read_as_written_where_text_is_expected() {
         format!("admin: {{token_env: 1}}\n{routes}  - name: 0x1F\n    upstream: {{retries: x}}\n");
     assert_eq!(
         errors(&broken),
-        ["12:25: routes[3].upstream.retries: invalid type: string \"x\", expected u32"]
+        ["12:25: routes[3].upstream.retries: invalid type: string, expected u32"]
     );
     // A number where a string is wanted, in a field that takes no number, is still refused.
     one_error(
@@ -276,8 +276,8 @@ fn every_broken_route_is_reported_not_just_the_first() {
     assert_eq!(
         errors(yaml),
         [
-            "1:10: threads: invalid type: string \"many\", expected a nonzero usize",
-            "4:25: routes[0].upstream.retries: invalid type: string \"x\", expected u32",
+            "1:10: threads: invalid type: string, expected a nonzero usize",
+            "4:25: routes[0].upstream.retries: invalid type: string, expected u32",
             "7:11: routes[2].name: invalid route name \"c d\": use letters, digits, '_' and '-' only",
             "10:32: routes[3].upstream.members[0].url: invalid member url \"ftp://x\": scheme \"ftp\" is not http or https",
         ]
@@ -490,6 +490,58 @@ fn passwords_never_appear_in_error_messages() {
     assert!(errors(&cases[3])[0].contains("credentials in a member url are never sent"));
     assert_eq!(super::urls::redact("http://a@b@c/x@y"), "http://***@c/x@y");
     assert_eq!(super::urls::redact("redis://h:1/0"), "redis://h:1/0");
+    // A password with a `/`, `?` or `#` in it: the authority cannot be told from a path.
+    assert_eq!(
+        super::urls::redact("http://u:pa/ss@10.0.0.5"),
+        "http://***@10.0.0.5"
+    );
+    assert_eq!(
+        super::urls::redact("redis://:s3cr/t?x#y@127.0.0.1:6379/0"),
+        "redis://***@127.0.0.1:6379/0"
+    );
+}
+
+/// A password with a `/` is refused (the URL does not parse as the author meant), and the
+/// error does not quote it: neither a Redis URL nor a proxy member's.
+#[test]
+fn a_password_with_a_slash_is_not_quoted_either() {
+    let cases = [
+        "state:\n  backend: redis\n  redis:\n    url: \"redis://:s3cr/et@127.0.0.1:6379/0\"\nroutes: []\n",
+        "routes:\n  - name: a\n    match: {hosts: [\"*\"]}\n    upstream:\n      members: [{proxy: \"http://u:s3cr/et@proxy.test\"}]\n",
+    ];
+    for yaml in cases {
+        let all = errors(yaml);
+        assert!(!all.is_empty(), "{yaml}");
+        for e in &all {
+            assert!(!e.contains("s3cr"), "{e}");
+        }
+    }
+}
+
+/// A value written where another type belongs is not quoted in the error: it may be a secret
+/// (a token where a list of them belongs, a key where a map of headers does). The error still
+/// names its place and what was expected.
+#[test]
+fn a_string_of_the_wrong_type_is_not_quoted() {
+    let yaml = "routes:\n  - name: a\n    upstream:\n      members:\n        - url: \"http://127.0.0.1:9\"\n          headers: \"Bearer sk-live-0123456789\"\n";
+    let all = errors(yaml);
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert!(!all[0].contains("sk-live"), "{}", all[0]);
+    assert!(
+        all[0].contains("routes[0].upstream.members[0].headers"),
+        "{}",
+        all[0]
+    );
+    assert!(
+        all[0].contains("invalid type: string, expected a YAML mapping"),
+        "{}",
+        all[0]
+    );
+    assert_eq!(
+        super::hide_strings(r#"invalid value: string "a\"b\\", expected x; string "c" d"#),
+        "invalid value: string, expected x; string d"
+    );
+    assert_eq!(super::hide_strings("string \"unclosed"), "string");
 }
 
 #[test]

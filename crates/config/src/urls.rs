@@ -67,12 +67,21 @@ impl RedisUrl {
 
 /// `url` with any user name and password replaced by `***`, for error messages: a config
 /// mistake is printed, logged and shown in `/status`, and must not leak a password.
+///
+/// A password may hold `/`, `?` or `#` (base64 ones often do), and then the authority cannot
+/// be told from the path: `http://u:pa/ss@host` is refused as written, and its error must not
+/// quote it. So when the authority up to the first of them holds no `@` but the rest does,
+/// everything up to the last `@` is hidden. A path with an `@` in it is hidden too: in an
+/// error message, hiding too much costs nothing.
 pub(crate) fn redact(url: &str) -> String {
     let start = url.find("://").map_or(0, |i| i + 3);
     let end = url[start..]
         .find(['/', '?', '#'])
         .map_or(url.len(), |i| start + i);
-    match url[start..end].rfind('@') {
+    let at = url[start..end]
+        .rfind('@')
+        .or_else(|| url[start..].rfind('@'));
+    match at {
         Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
         None => url.to_string(),
     }
