@@ -371,6 +371,49 @@ async fn a_proxy_that_refuses_connect_is_retried_on_another() {
     assert_eq!(refused.load(Ordering::SeqCst), before + 1);
 }
 
+/// The client chooses a tunnel's target, so a target that refuses or does not exist must not
+/// count against the proxies that answered for it: otherwise one client could eject every
+/// proxy of the route in turn, and every other caller would get `503 no_member`. Both proxies
+/// refuse a CONNECT to a closed port (so the client gets `502 proxy_refused`), a long cooldown
+/// would keep an ejected one out for the rest of the test, and the next tunnel still goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_fails_does_not_eject_the_proxies_that_answered_for_it() {
+    let dir = TempDir::new("egress-target-fails");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let closed = support::free_port();
+    let one = Tinyproxy::start(dir.path(), "one", None);
+    let two = Tinyproxy::start(dir.path(), "two", None);
+    let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port, closed]))
+        .route(
+            Route::new("out")
+                .hosts(&["localhost"])
+                .proxy_member(one.url())
+                .proxy_member(two.url())
+                .passive(support::Passive::cooldown("10m"))
+                .retries(1),
+        )
+        .start();
+    for _ in 0..3 {
+        let (_c, r) = connect(&gw, &format!("localhost:{closed}")).await;
+        assert_eq!(r.status, 502, "{}", gw.logs());
+        assert_eq!(r.header("x-sluice-error"), Some("proxy_refused"));
+    }
+    assert!(one.wait_requests("CONNECT ", 1).await >= 1);
+    assert!(two.wait_requests("CONNECT ", 1).await >= 1);
+    assert_eq!(
+        curl_https_via(&gw, dir.path(), "localhost", port).await,
+        "200",
+        "{}",
+        gw.logs()
+    );
+    let status = gw.status().await;
+    for m in status["routes"][0]["members"].as_array().unwrap() {
+        assert_eq!(m["healthy"], true, "{m}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_lets_an_open_tunnel_work_until_it_closes() {
     let backends = start_backends(&["b"]).await;

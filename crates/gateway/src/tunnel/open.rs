@@ -31,6 +31,10 @@ pub(crate) struct Failure {
     pub(crate) denied: Option<Denial>,
     /// Why, as the client is told (`502 upstream_unreachable` lists each attempt's).
     pub(crate) reason: ConnectFailure,
+    /// The failure says nothing about the member's health: a proxy that was reached and
+    /// answered for the client's target. The client chooses the target, and an unreachable or
+    /// refusing one must not let it eject every proxy of the route in turn.
+    pub(crate) target_failed: bool,
     what: String,
 }
 
@@ -40,7 +44,16 @@ impl Failure {
             refused: false,
             denied: None,
             reason,
+            target_failed: false,
             what: what.into(),
+        }
+    }
+
+    /// This failure, as the client's target's rather than the member's.
+    fn of_target(self) -> Failure {
+        Failure {
+            target_failed: true,
+            ..self
         }
     }
 }
@@ -92,6 +105,7 @@ pub(crate) async fn connect(
                         refused: false,
                         denied: Some(denial),
                         reason: ConnectFailure::Other,
+                        target_failed: true,
                         what: format!("destination denied: {denial}"),
                     })
                 }
@@ -151,7 +165,9 @@ pub(crate) async fn connect(
                 proxy_answer(&mut stream).await
             };
             // The proxy connects to the target before it answers, so its answer gets the
-            // route's read_timeout.
+            // route's read_timeout. A proxy that takes longer is most likely still trying a
+            // target that does not answer: that is the target's failure, not the proxy's (one
+            // that hangs for every target is found by its health check).
             let early = tokio::time::timeout(up.read_timeout.0, answer)
                 .await
                 .map_err(|_| {
@@ -159,6 +175,7 @@ pub(crate) async fn connect(
                         ConnectFailure::TimedOut,
                         "the proxy did not answer CONNECT in time",
                     )
+                    .of_target()
                 })??;
             Ok(Upstream { stream, early })
         }
@@ -223,10 +240,13 @@ async fn proxy_answer(stream: &mut TcpStream) -> Result<Bytes, Failure> {
                 if (200..300).contains(&status) {
                     return Ok(buf.split_off(len).freeze());
                 }
+                // A 407 is the member's own credentials refused: its failure. Any other
+                // refusal (403, 502, 503, 504...) is the proxy answering for the target.
                 return Err(Failure {
                     refused: true,
                     denied: None,
                     reason: ConnectFailure::Other,
+                    target_failed: status != 407,
                     what: format!("the proxy answered CONNECT with {status}"),
                 });
             }

@@ -310,7 +310,7 @@ impl Tunnels {
                     all_refused &= failure.refused;
                     ctx.seen.connect_failures.push(failure.reason);
                     tracing::debug!(target: "sluice::tunnel", route = %route.name, member = %member.name, %failure, "tunnel attempt failed");
-                    if member.kind == MemberKind::Direct {
+                    if member.kind == MemberKind::Direct || failure.target_failed {
                         // The client's target failed, not the member: health is not touched.
                         drop(attempt);
                     } else {
