@@ -254,3 +254,19 @@ fn headers_on_members_that_reach_the_clients_target_are_refused() {
     // On an origin member they are what a key pool is made of.
     assert_eq!(errors(&pool(KEY_POOL, "")), Vec::<String>::new());
 }
+
+#[test]
+fn a_cooldown_on_a_direct_member_is_refused() {
+    // A `direct` member stands for every destination: one server's 429 would cool it for all.
+    let direct = "        - direct: true\n      cooldown: { on_status: [429] }\n";
+    let all = errors(&pool(direct, ""));
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert!(
+        all[0].starts_with("7:17: routes[0].upstream.cooldown: ")
+            && all[0].contains("members[0] is `direct`"),
+        "{all:?}"
+    );
+    // Proxies keep it: a provider that limits by address limits each egress proxy on its own.
+    let proxies = "        - proxy: \"http://10.0.0.5:3128\"\n        - proxy: \"http://10.0.0.6:3128\"\n      cooldown: { on_status: [429] }\n";
+    assert_eq!(errors(&pool(proxies, "")), Vec::<String>::new());
+}

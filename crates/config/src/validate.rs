@@ -494,6 +494,16 @@ impl Config {
             }
             if let Some(cooldown) = &up.cooldown {
                 let at = up_at.clone().key("cooldown");
+                // A `direct` member stands for every destination a client may name: one
+                // destination's 429 (any server a client points it at) would cool it for all.
+                if let Some(d) = up.members.iter().position(|m| m.kind == MemberKind::Direct) {
+                    problems.push((
+                        at.clone(),
+                        format!(
+                            "a cooldown cools a member for every request, and members[{d}] is `direct`: one destination's 429 would stop the route for every destination; set cooldown on origin or proxy members only"
+                        ),
+                    ));
+                }
                 if cooldown.on_status.is_empty() {
                     problems.push((
                         at.clone().key("on_status"),
