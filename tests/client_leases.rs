@@ -21,6 +21,7 @@ const SEARCH: &str = "search-token-0123456789";
 on_both_stores!(
     a_clients_max_in_flight_holds_on_every_route_and_gateway,
     a_tunnel_counts_and_a_request_waits_with_max_wait,
+    a_fallback_is_not_refused_by_the_clients_own_lease,
 );
 
 async fn a_clients_max_in_flight_holds_on_every_route_and_gateway(backend: Backend) {
@@ -250,4 +251,55 @@ routes:
     drop(open);
     let r = waiting.await.unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// A client at `max_in_flight: 1` whose request route `a`'s member answers 429 goes on to the
+/// fallback route `b`: its lease on `a`'s member is given back before `b`'s admission asks the
+/// store, so the client's one request is not refused by itself.
+async fn a_fallback_is_not_refused_by_the_clients_own_lease(backend: Backend) {
+    let store = Store::start(backend);
+    let backends = start_backends(&["a1", "b1"]).await;
+    let [a, b] = [0, 1].map(|i| url(backends[i].local_addr()));
+    let base = Config::new().state(store.state()).yaml();
+    let base = base
+        .split("routes:")
+        .next()
+        .expect("the builder writes routes last")
+        .to_string();
+    let yaml = format!(
+        "{base}clients:
+  list:
+    - name: billing
+      tokens: [\"{BILLING}\"]
+      routes: [\"*\"]
+      max_in_flight: 1
+routes:
+  - name: a
+    match: {{ hosts: [a.test] }}
+    upstream:
+      members:
+        - {{ name: a1, url: \"{a}\", headers: {{ Authorization: \"Bearer key-a\" }} }}
+    fallback:
+      - {{ route: b, on: [429] }}
+  - name: b
+    match: {{ hosts: [b.test] }}
+    upstream:
+      members:
+        - {{ name: b1, url: \"{b}\" }}
+"
+    );
+    let gws: Vec<Gateway> = (0..store.instances())
+        .map(|_| Gateway::start_with_ports(&yaml))
+        .collect();
+    let gw = gws.last().expect("a gateway");
+    backends[0]
+        .refuse_next("Bearer key-a", 1, "5")
+        .expect("script a1's refusal");
+    let r = call(gw, "a.test", BILLING, 0).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-upstream"),
+        Some("b1"),
+        "answered by the fallback"
+    );
 }

@@ -22,6 +22,7 @@ on_both_stores!(
     at_the_cap_a_request_waits_with_max_wait,
     a_tunnel_holds_its_lease_until_it_closes,
     a_route_at_its_cap_falls_back_on_concurrency_exceeded,
+    a_request_at_the_cap_is_not_refused_by_its_own_lease,
 );
 
 /// The store the gateways of a test share: memory (one gateway), a Redis or a Redis Cluster
@@ -654,4 +655,69 @@ async fn during_a_store_outage_a_capped_route_follows_on_store_error() {
     let refused = slow(&gw, "open.test", 0).await;
     assert_eq!(refused.status, 429, "{}", refused.text());
     assert_eq!(held.await.unwrap().status, 200);
+}
+
+/// A request that moves on to another member asks the store again, and its own lease must not
+/// count against the cap that ask checks. The route allows one request in flight, and each
+/// request here is the only one: a member that fails to connect is retried on the next, and a
+/// member's 429 is replayed to the next (`cooldown.retry`), each time without the request
+/// being refused by the lease it took for the member before.
+async fn a_request_at_the_cap_is_not_refused_by_its_own_lease(backend: Backend) {
+    let store = Shared::of(backend);
+    let backends = start_backends(&["b1", "b2"]).await;
+    let [one, two] = [0, 1].map(|i| url(backends[i].local_addr()));
+    let dead = support::dead_url();
+    let yaml = config(
+        &store,
+        &format!(
+            "  - name: retry
+    match: {{ hosts: [retry.test] }}
+    max_in_flight: 1
+    upstream:
+      selection: priority
+      retries: 1
+      passive: {{ fall: 1000 }}
+      members:
+        - {{ name: dead, url: \"{dead}\" }}
+        - {{ name: b1, url: \"{one}\" }}
+  - name: replay
+    match: {{ hosts: [replay.test] }}
+    max_in_flight: 1
+    upstream:
+      selection: priority
+      members:
+        - {{ name: b1, url: \"{one}\", headers: {{ Authorization: \"Bearer key-1\" }} }}
+        - {{ name: b2, url: \"{two}\", headers: {{ Authorization: \"Bearer key-2\" }} }}
+      cooldown: {{ on_status: [429], default: 1s, retry: true }}
+"
+        ),
+    );
+    let gws = gateways(&store, &yaml);
+    let gw = gws.last().expect("a gateway");
+    // The dead member stays up (its `fall` is far off), so each request tries it first. The
+    // release at a request's end is not waited for: each waits until the one before it is
+    // released everywhere.
+    let released = || async {
+        for g in &gws {
+            for route in ["retry", "replay"] {
+                if in_flight(g, route).await.iter().any(|(_, n)| *n > 0) {
+                    return false;
+                }
+            }
+        }
+        true
+    };
+    for _ in 0..5 {
+        assert!(wait_until_async(Duration::from_secs(20), released).await);
+        let r = slow(gw, "retry.test", 0).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-upstream"), Some("b1"));
+    }
+    backends[0]
+        .refuse_next("Bearer key-1", 1, "1")
+        .expect("script b1's refusal");
+    assert!(wait_until_async(Duration::from_secs(20), released).await);
+    let r = slow(gw, "replay.test", 0).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-upstream"), Some("b2"), "replayed to b2");
 }

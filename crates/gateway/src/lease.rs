@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use sluice_allocator::{Lease, StateStore};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// How often the task looks for leases to renew (and flushes releases when nothing else wakes
 /// it). `check` keeps `lease_ttl` at 1 s or more, so a renewal due at a third of it lands well
@@ -98,21 +98,45 @@ impl LeasePlan {
             leaser: self.leaser.clone(),
             route: self.route.clone(),
             id,
+            released: false,
         }
     }
 }
+
+/// The longest [`LeaseGuard::release`] waits for the store to have the lease back. Past it the
+/// request goes on as if the release were asynchronous, which at worst makes its next ask see
+/// its own lease still counted.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
 
 /// One lease held by a request: released when dropped.
 pub struct LeaseGuard {
     leaser: Arc<Leaser>,
     route: Arc<str>,
     id: Arc<str>,
+    /// Released already, by [`LeaseGuard::release`].
+    released: bool,
 }
 
 impl LeaseGuard {
     /// The lease's id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Releases the lease now and waits until the store has it back (its client's part too).
+    /// For a request that moves on and asks the store again (a retry after a connect failure,
+    /// a cooldown replay, a fallback): its own lease must not count against the caps that
+    /// ask checks, or a request at its route's, member's or client's `max_in_flight` would be
+    /// refused by itself. Dropping the guard releases too, but without waiting.
+    pub async fn release(mut self) {
+        self.released = true;
+        let (done, wait) = oneshot::channel();
+        self.leaser.send(Message::Released {
+            route: self.route.clone(),
+            id: self.id.clone(),
+            done: Some(done),
+        });
+        let _ = tokio::time::timeout(RELEASE_WAIT, wait).await;
     }
 }
 
@@ -127,10 +151,13 @@ impl std::fmt::Debug for LeaseGuard {
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
-        self.leaser.send(Message::Released {
-            route: self.route.clone(),
-            id: self.id.clone(),
-        });
+        if !self.released {
+            self.leaser.send(Message::Released {
+                route: self.route.clone(),
+                id: self.id.clone(),
+                done: None,
+            });
+        }
     }
 }
 
@@ -157,6 +184,8 @@ enum Message {
     Released {
         route: Arc<str>,
         id: Arc<str>,
+        /// Told once the store has been asked to release it ([`LeaseGuard::release`]).
+        done: Option<oneshot::Sender<()>>,
     },
 }
 
@@ -246,6 +275,7 @@ async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message
         };
         // Everything that arrived meanwhile goes in the same calls.
         let rest = std::iter::from_fn(|| rx.try_recv().ok());
+        let mut waiting = Vec::new();
         for message in first.into_iter().chain(rest) {
             match message {
                 Message::Client { id, client } => {
@@ -267,7 +297,8 @@ async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message
                         },
                     );
                 }
-                Message::Released { route, id } => {
+                Message::Released { route, id, done } => {
+                    waiting.extend(done);
                     let client = live.remove(&id).and_then(|l| l.client);
                     if pending < MAX_PENDING_RELEASES {
                         if let Some(client) = client {
@@ -309,6 +340,11 @@ async fn run(state: Arc<dyn StateStore>, mut rx: mpsc::UnboundedReceiver<Message
             }
         }
         client_releases.retain(|_, ids| !ids.is_empty());
+        // Asked, whatever the answer: a failed release is retried, and the lease counts until
+        // then, as it would until its ttl.
+        for done in waiting {
+            let _ = done.send(());
+        }
         if failed && !open {
             // Shutting down with the store out: the leases expire at their ttl.
             break;

@@ -20,6 +20,7 @@ use crate::headers::{
 };
 use crate::problem::{self, Problem};
 use crate::quota::RouteQuota;
+use crate::select::Attempt;
 use crate::table::Route;
 
 /// The `RateLimit` item of a request on a route with a quota; `key` is the request's quota
@@ -231,6 +232,11 @@ pub(crate) async fn learn_cooldown(
     {
         // The next member is chosen now: a replay with nowhere to go would turn the member's
         // answer into a 503, and the client is better served by the answer itself.
+        // The member answered: its lease is given back before the next ask, which must not
+        // count it against the route's, the members' or the client's `max_in_flight`.
+        if let Some(lease) = ctx.current.as_mut().and_then(Attempt::take_lease) {
+            lease.release().await;
+        }
         let state = crate::sticky::store(&gateway.state, ctx.sticky.as_ref());
         if let Some(next) = route.policy.next(state, &mut ctx.tried).await {
             tracing::info!(

@@ -25,7 +25,7 @@ use super::admit::{admit_to, Admitted};
 use super::{answer, Failure, Gateway, RequestCtx};
 use crate::config::{FallbackOn, MemberKind, MAX_FALLBACK_HOPS};
 use crate::problem::Problem;
-use crate::select::Tried;
+use crate::select::{Attempt, Tried};
 use crate::table::Route;
 
 /// The routes a request left, in order, and the refusal of the last route it went to when
@@ -187,6 +187,11 @@ pub(crate) async fn after_answer(
                 &route.members,
             )
             .await;
+    }
+    // The member answered: its lease is given back before the next route's admission, which
+    // must not count it against the client's `max_in_flight` (or the next route's caps).
+    if let Some(lease) = ctx.current.as_mut().and_then(Attempt::take_lease) {
+        lease.release().await;
     }
     tracing::info!(
         target: "sluice::fallback",

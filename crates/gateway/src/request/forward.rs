@@ -31,6 +31,9 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
     if let Some(peer) = next_direct_address(ctx, &route) {
         return Ok(Box::new(peer));
     }
+    if let Some(lease) = ctx.failed_lease.take() {
+        lease.release().await;
+    }
     loop {
         // The cooldown replay is not a connect retry: it does not spend the retry budget.
         let extra = usize::from(ctx.replayed);
@@ -79,10 +82,12 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
                 }
                 Err(_) => {
                     // The client's target does not resolve: not the member's fault, so its
-                    // health is not touched.
+                    // health is not touched. Its lease is back before the next ask.
                     ctx.seen.connect_failures.push(ConnectFailure::Dns);
                     member.attempts_connect_failure.inc();
-                    drop(attempt);
+                    if let Some(lease) = attempt.take_lease() {
+                        lease.release().await;
+                    }
                     continue;
                 }
             }
@@ -97,6 +102,9 @@ pub(crate) async fn next_peer(gateway: &Gateway, ctx: &mut RequestCtx) -> Result
                 ctx.seen.connect_failures.push(ConnectFailure::Dns);
                 member.attempts_connect_failure.inc();
                 attempt.failed_to_connect();
+                if let Some(lease) = attempt.take_lease() {
+                    lease.release().await;
+                }
                 if let Some(unbind) = ctx.rebind(crate::config::RebindOn::ConnectError) {
                     unbind.await;
                 }

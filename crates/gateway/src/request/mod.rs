@@ -62,6 +62,7 @@ use sluice_allocator::StateStore;
 use crate::config::MemberKind;
 use crate::egress::{Denial, Resolver};
 use crate::headers::{TRACEPARENT, X_REQUEST_ID};
+use crate::lease::LeaseGuard;
 use crate::metrics::Metrics;
 use crate::select::{Attempt, Tried};
 use crate::table::{Member, Route, Table};
@@ -161,6 +162,10 @@ pub struct RequestCtx {
     first: Option<Attempt>,
     /// The attempt in progress.
     current: Option<Attempt>,
+    /// The lease of an attempt that failed to connect, released (and waited for) before the
+    /// retry asks the store: the retry's ask must not count the request's own lease against
+    /// the caps. Pingora's `fail_to_connect` hook cannot wait; `upstream_peer` can.
+    failed_lease: Option<LeaseGuard>,
     /// Every member tried.
     tried: Tried,
     /// The checked addresses of a `direct` attempt's destination not tried yet.
@@ -342,6 +347,7 @@ impl RequestCtx {
             route: None,
             first: None,
             current: None,
+            failed_lease: None,
             tried: Tried::default(),
             direct_rest: DirectRest::default(),
             failure: None,
@@ -469,9 +475,12 @@ impl ProxyHttp for Gateway {
                 // a checked address left, next_peer tries it on the same attempt.
                 if !ctx.direct_rest.addrs.is_empty() {
                     ctx.direct_rest.parked = Some(attempt);
+                } else {
+                    ctx.failed_lease = attempt.take_lease();
                 }
             } else {
                 attempt.failed_to_connect();
+                ctx.failed_lease = attempt.take_lease();
                 // Pingora's hook cannot wait: the retry, if any, moves the binding anyway.
                 if let Some(unbind) = ctx.rebind(crate::config::RebindOn::ConnectError) {
                     tokio::spawn(unbind);

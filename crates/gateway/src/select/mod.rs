@@ -804,6 +804,12 @@ impl Attempt {
         self.index
     }
 
+    /// The attempt's lease, taken out to be released before the request asks the store again
+    /// ([`LeaseGuard::release`]).
+    pub(crate) fn take_lease(&mut self) -> Option<LeaseGuard> {
+        self.lease.take()
+    }
+
     /// A trial that the member cannot take now (it cools, or its own windows are full): given
     /// back to be claimed again `after` this, not by the very next request.
     pub(crate) fn put_off(&mut self, after: std::time::Duration) {

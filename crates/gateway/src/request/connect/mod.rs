@@ -312,12 +312,15 @@ impl Tunnels {
                     tracing::debug!(target: "sluice::tunnel", route = %route.name, member = %member.name, %failure, "tunnel attempt failed");
                     if member.kind == MemberKind::Direct || failure.target_failed {
                         // The client's target failed, not the member: health is not touched.
-                        drop(attempt);
                     } else {
                         attempt.failed_to_connect();
                         if let Some(unbind) = ctx.rebind(crate::config::RebindOn::ConnectError) {
                             unbind.await;
                         }
+                    }
+                    // Back before the next ask, which must not count it against the caps.
+                    if let Some(lease) = attempt.take_lease() {
+                        lease.release().await;
                     }
                 }
             }
