@@ -173,9 +173,17 @@ impl Client {
             .any(|d| destination_matches(d, host, port))
     }
 
-    /// Whether `addr` is inside the client's `cidrs`, for a client that lists them.
+    /// Whether `addr` is inside the client's `cidrs`, for a client that lists them. An
+    /// IPv4-mapped IPv6 peer (a dual-stack listener) is the IPv4 address it maps, as for
+    /// [`Clients::by_address`].
     fn connects_from(&self, addr: Option<IpAddr>) -> bool {
-        self.cidrs.is_empty() || addr.is_some_and(|a| self.cidrs.iter().any(|c| c.contains(&a)))
+        self.cidrs.is_empty()
+            || addr.is_some_and(|a| {
+                let canonical = a.to_canonical();
+                self.cidrs
+                    .iter()
+                    .any(|c| c.contains(&canonical) || c.contains(&a))
+            })
     }
 }
 

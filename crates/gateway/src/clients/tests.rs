@@ -207,7 +207,13 @@ fn a_client_with_cidrs_and_tokens_must_connect_from_them() {
     let c = clients("");
     let h = headers(&[("proxy-authorization", format!("Bearer {BATCH}").as_bytes())]);
     assert_eq!(who(&c, &h, None, ip("10.1.200.1")), "batch");
+    // An IPv4 caller on a dual-stack listener arrives IPv4-mapped: the same address.
+    assert_eq!(who(&c, &h, None, ip("::ffff:10.1.200.1")), "batch");
     assert_eq!(who(&c, &h, None, ip("10.2.0.1")), "failed: wrong_address");
+    assert_eq!(
+        who(&c, &h, None, ip("::ffff:10.2.0.1")),
+        "failed: wrong_address"
+    );
     assert_eq!(who(&c, &h, None, None), "failed: wrong_address");
     // Its cidrs do not identify it alone: it is no address-only client.
     assert_eq!(who(&c, &HeaderMap::new(), None, ip("10.1.200.1")), "?");
