@@ -307,6 +307,34 @@ mod downstream_limits {
         .await;
     }
 
+    /// A CONNECT head is a request head: one that stalls after its first line is cut at
+    /// header_timeout too (not at a fixed minute), and counted as such.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_connect_head_is_cut_at_the_header_timeout() {
+        let backends = start_backends(&["api"]).await;
+        let gw = start(
+            &url(backends[0].local_addr()),
+            "  idle_timeout: 60s\n  header_timeout: 1s\n",
+            "",
+        );
+        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+        client
+            .write_raw(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api")
+            .await
+            .unwrap();
+        assert!(
+            client.wait_closed(DEADLINE).await,
+            "a stalled CONNECT head kept its connection open"
+        );
+        let cut = gw
+            .metric(
+                "sluice_connections_closed_total",
+                &[("reason", "header_timeout")],
+            )
+            .await;
+        assert_eq!(cut, Some(1.0));
+    }
+
     /// A first head that comes slower than idle_timeout but within header_timeout is served:
     /// the header timer is the head's, whatever the idle one is.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,7 +85,10 @@ where
             let within = self.limits.idle_timeout.min(self.limits.header_timeout);
             match crate::tunnel::first_bytes(&mut stream, within).await {
                 First::Connect(bytes) => {
-                    Box::pin(tunnels.serve(stream, bytes)).await;
+                    let header_timeout = self.limits.header_timeout;
+                    if Box::pin(tunnels.serve(stream, bytes, header_timeout)).await {
+                        self.closed_head.inc();
+                    }
                     return None;
                 }
                 First::Other(bytes) => first = bytes,

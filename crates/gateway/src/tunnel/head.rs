@@ -16,8 +16,6 @@ use crate::table::Route;
 const MAX_HEAD: usize = 16 * 1024;
 /// The most header fields in it.
 const MAX_HEADERS: usize = 64;
-/// Time allowed for the whole head to arrive.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A CONNECT request head.
 pub(crate) struct Head {
@@ -30,10 +28,23 @@ pub(crate) struct Head {
     pub(crate) early: Bytes,
 }
 
-/// Reads the CONNECT head. `Err(None)` when the client left or was too slow; `Err(Some(p))`
-/// when it sent something that is not a CONNECT head sluice can serve.
-/// `first` holds what was already read of the connection.
-pub(crate) async fn read(stream: &mut Stream, first: Vec<u8>) -> Result<Head, Option<Problem>> {
+/// Why no head was read.
+pub(crate) enum Unread {
+    /// The client left before its head was whole.
+    Left,
+    /// The head was not whole within `limits.header_timeout`.
+    Late,
+    /// Something that is not a CONNECT head sluice can serve: the answer.
+    Bad(Problem),
+}
+
+/// Reads the CONNECT head, which must be whole within `within` (`limits.header_timeout`, as for
+/// any request head). `first` holds what was already read of the connection.
+pub(crate) async fn read(
+    stream: &mut Stream,
+    first: Vec<u8>,
+    within: Duration,
+) -> Result<Head, Unread> {
     let mut buf = BytesMut::with_capacity(first.len().max(1024));
     buf.extend_from_slice(&first);
     let read = async {
@@ -53,9 +64,12 @@ pub(crate) async fn read(stream: &mut Stream, first: Vec<u8>) -> Result<Head, Op
             }
         }
     };
-    tokio::time::timeout(HEAD_TIMEOUT, read)
-        .await
-        .unwrap_or(Err(None))
+    match tokio::time::timeout(within, read).await {
+        Ok(Ok(head)) => Ok(head),
+        Ok(Err(Some(problem))) => Err(Unread::Bad(problem)),
+        Ok(Err(None)) => Err(Unread::Left),
+        Err(_) => Err(Unread::Late),
+    }
 }
 
 /// The head, once `buf` holds all of it.

@@ -14,6 +14,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::HeaderValue;
@@ -74,14 +75,21 @@ impl Tunnels {
     }
 
     /// Serves one connection that opens with a CONNECT, to its end. `first` holds what was
-    /// already read of it.
-    pub(crate) async fn serve(&self, mut client: Stream, first: Vec<u8>) {
+    /// already read of it; the rest of its head must come within `header_timeout`. Returns
+    /// whether it was closed for that.
+    pub(crate) async fn serve(
+        &self,
+        mut client: Stream,
+        first: Vec<u8>,
+        header_timeout: Duration,
+    ) -> bool {
         let mut ctx = RequestCtx::new(&self.in_flight);
         let client_addr = client
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).copied());
         let mut end = End::default();
-        let authority = match head::read(&mut client, first).await {
+        let mut late = false;
+        let authority = match head::read(&mut client, first, header_timeout).await {
             Ok(head) => {
                 ctx.seen.request_id = Some(crate::trace::request_id(
                     head.headers.get(crate::headers::X_REQUEST_ID.name()),
@@ -90,7 +98,7 @@ impl Tunnels {
                     .await;
                 head.authority
             }
-            Err(Some(problem)) => {
+            Err(head::Unread::Bad(problem)) => {
                 let id = crate::trace::request_id(None);
                 end.status = problem.status;
                 answer(&mut client, &mut ctx, &id, problem, None, None).await;
@@ -98,7 +106,12 @@ impl Tunnels {
                 String::new()
             }
             // The client left before its head was complete.
-            Err(None) => String::new(),
+            Err(head::Unread::Left) => String::new(),
+            // Closed with no answer, as a slow request head is.
+            Err(head::Unread::Late) => {
+                late = true;
+                String::new()
+            }
         };
         // A gateway answer's code, else how the tunnel ended.
         let error = ctx.seen.answered.or(end.error);
@@ -122,6 +135,7 @@ impl Tunnels {
                 tunnel: end.bytes,
             },
         );
+        late
     }
 
     /// Routes, admits, connects and pumps one tunnel; `ctx` and `end` say what happened.

@@ -93,7 +93,11 @@ async fn open_tunnel(
     let stream: pingora::protocols::Stream =
         Box::new(pingora::protocols::l4::stream::Stream::from(server_side));
     let tunnels = h.tunnels.clone();
-    let task = tokio::spawn(async move { tunnels.serve(stream, Vec::new()).await });
+    let task = tokio::spawn(async move {
+        tunnels
+            .serve(stream, Vec::new(), std::time::Duration::from_secs(30))
+            .await;
+    });
     client
         .write_all(
             format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n")
