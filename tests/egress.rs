@@ -205,8 +205,9 @@ async fn proxy_members_carry_tunnels_and_plain_http_least_used_exactly() {
     let plain = backends[0].local_addr();
     let with_auth = Tinyproxy::start(dir.path(), "auth", Some(("sluice", PASSWORD)));
     let open = Tinyproxy::start(dir.path(), "open", None);
+    // The plain requests below name 127.0.0.1, which the guard checks for proxy members too.
     let gw = Config::new()
-        .egress(Egress::default().connect_ports(&[port]))
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
         .route(
             Route::new("egress")
                 .hosts(&["localhost", "127.0.0.1"])
@@ -325,8 +326,9 @@ async fn a_proxy_that_refuses_connect_is_retried_on_another() {
     // Wrong credentials: this one answers 407.
     let strict = Tinyproxy::start(dir.path(), "strict", Some(("sluice", "right")));
     let (refuser, refused) = refusing_proxy(502).await;
+    // CONNECT 127.0.0.1 below: the guard checks an address for proxy members too.
     let gw = Config::new()
-        .egress(Egress::default().connect_ports(&[port, 443]))
+        .egress(Egress::loopback_allowed().connect_ports(&[port, 443]))
         .route(
             Route::new("r407")
                 .hosts(&["localhost"])
@@ -369,6 +371,59 @@ async fn a_proxy_that_refuses_connect_is_retried_on_another() {
     assert_eq!(r.status, 502);
     assert_eq!(r.header("x-sluice-error"), Some("proxy_refused"));
     assert_eq!(refused.load(Ordering::SeqCst), before + 1);
+}
+
+/// A destination the client writes as an address passes the egress guard whatever the member
+/// kind: through a proxy beside sluice, `127.0.0.1:<admin port>` would reach sluice's own admin
+/// API. A CONNECT and a plain request to a denied address are refused (403
+/// `destination_denied`) before the proxy is contacted; a name goes on, for the proxy to
+/// resolve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_through_a_proxy_member_passes_the_egress_guard() {
+    let dir = TempDir::new("egress-proxy-guard");
+    make_certificates(dir.path());
+    let (_origin, port) = tls_origin(dir.path());
+    let proxy = Tinyproxy::start(dir.path(), "guarded", None);
+    let gw = Config::new()
+        .egress(Egress::default().connect_ports(&[port, 9901]))
+        .route(Route::new("out").hosts(&["*"]).proxy_member(proxy.url()))
+        .start();
+    let admin_port = gw.admin_addr().port();
+    for authority in [
+        format!("127.0.0.1:{port}"),
+        "169.254.169.254:9901".to_string(),
+        format!("[::ffff:127.0.0.1]:{port}"),
+    ] {
+        let (_c, r) = connect(&gw, &authority).await;
+        assert_eq!(r.status, 403, "{authority}: {}", r.text());
+        assert_eq!(r.header("x-sluice-error"), Some("destination_denied"));
+    }
+    let (ok, out, err) = curl(
+        vec![
+            "-s".into(),
+            "-o".into(),
+            "/dev/null".into(),
+            "-w".into(),
+            "%{http_code}".into(),
+            "-x".into(),
+            format!("http://{}", gw.proxy_addr()),
+            format!("http://127.0.0.1:{admin_port}/status"),
+        ],
+        vec![],
+    )
+    .await;
+    assert!(ok, "{err}");
+    assert_eq!(out, "403");
+    // A name is the proxy's to resolve: this one reaches the origin through it.
+    assert_eq!(
+        curl_https_via(&gw, dir.path(), "localhost", port).await,
+        "200"
+    );
+    assert_eq!(proxy.wait_requests("CONNECT localhost:", 1).await, 1);
+    // The proxy logs requests in order, and the one above is there: the refused ones never came.
+    for line in ["CONNECT 127", "CONNECT 169", "CONNECT [", "GET http://127"] {
+        assert!(proxy.requests(line).is_empty(), "{line}");
+    }
 }
 
 /// The client chooses a tunnel's target, so a target that refuses or does not exist must not

@@ -101,7 +101,42 @@ fn request_route(
     if target.scheme == Some(Scheme::Https) && !route.members.iter().all(tls_to_target) {
         return Err(Refused::on(&route, Problem::cleartext_https(), None));
     }
+    let port = match target.scheme {
+        Some(Scheme::Https) => 443,
+        _ => 80,
+    };
+    literal_allowed(table, &route, target, port)?;
     Ok(route)
+}
+
+/// A destination the client wrote as an address, on a route whose members reach the client's
+/// target, passes the egress guard here, before anything is charged or contacted, whatever
+/// the member kind (SPEC §7: a CONNECT "to a denied address is refused before anything is
+/// contacted"). A `direct` member would check it again after its lookup; a `proxy` member
+/// would otherwise carry the client to any address the proxy can reach: sluice's own admin
+/// port through a proxy beside it, a metadata service. A name is left to the proxy, which may
+/// resolve it differently than this host can (split DNS is one reason to have a proxy).
+fn literal_allowed(
+    table: &Table,
+    route: &Arc<Route>,
+    target: &Target<'_>,
+    default_port: u16,
+) -> Result<(), Box<Refused<'static>>> {
+    if !route.members.iter().any(|m| m.kind.reaches_target()) {
+        return Ok(());
+    }
+    let Ok(ip) = target.host.parse::<std::net::IpAddr>() else {
+        return Ok(());
+    };
+    let addr = std::net::SocketAddr::new(ip, target.port.unwrap_or(default_port));
+    match table.guard.check_addr(addr) {
+        Ok(_) => Ok(()),
+        Err(denial) => Err(Refused::on(
+            route,
+            Problem::destination_denied(crate::egress::describe(&target.host, &denial)),
+            None,
+        )),
+    }
 }
 
 /// The route of a CONNECT: by the target's host, with the path `/` (so a route's
@@ -139,6 +174,7 @@ fn tunnel_route(table: &Table, target: &Target<'_>) -> Result<Arc<Route>, Box<Re
             None,
         ));
     }
+    literal_allowed(table, &route, target, 443)?;
     Ok(route)
 }
 
