@@ -16,6 +16,11 @@ use support::{request, url, wait_until_async, Backend, Config, Gateway, HttpClie
 /// The route's windows: tokens per minute and tokens per calendar day, both of `limit` tokens,
 /// reserving the request's `max_tokens` (default 100) and settling `usage.total_tokens`.
 async fn setup(store: &Store, limit: u64) -> (Gateway, OpenAiStub) {
+    setup_settling(store, limit, r#"{ json: "usage.total_tokens" }"#).await
+}
+
+/// [`setup`], its tokens settled by `settle` (YAML).
+async fn setup_settling(store: &Store, limit: u64, settle: &str) -> (Gateway, OpenAiStub) {
     let stub = OpenAiStub::start("stub", "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
@@ -37,7 +42,7 @@ windows:
 usage:
   tokens:
     reserve: {{ json: "max_tokens", default: 100 }}
-    settle: {{ json: "usage.total_tokens" }}
+    settle: {settle}
 "#
     ))
     .unwrap();
@@ -258,6 +263,45 @@ async fn a_client_gone_after_the_member_got_the_request_leaves_its_reservation(b
     assert!(counted, "{}", gw.metrics().await);
     holds(&gw, 70).await;
     stub.release();
+}
+
+/// An answer cut after its head (the member fails mid-body) is no measure of the work: the
+/// reservation stands, counted as `no_answer`, even where a `default` would settle an answer
+/// that holds no amount. Both a JSON body and a stream, cut at their first byte.
+async fn an_answer_cut_short_leaves_its_reservation(backend: Backend) {
+    let store = Store::start(backend);
+    let settle = r#"{ json: "usage.total_tokens", default: 0 }"#;
+    let (gw, _stub) = setup_settling(&store, 1000, settle).await;
+    let json = json!({"model": "m", "max_tokens": 70, "messages": []});
+    let stream = json!({"model": "m", "max_tokens": 70, "messages": [], "stream": true,
+        "stream_options": {"include_usage": true}});
+    for (n, body) in [(1.0, json), (2.0, stream)] {
+        // The head goes to the client (200); the body never comes, and the connection closes.
+        let cut = support::try_request(
+            gw.proxy_addr(),
+            "POST",
+            "openai.test",
+            "/v1/chat/completions",
+            &[
+                ("Content-Type", "application/json"),
+                ("x-stub-cut-after", "0"),
+            ],
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert!(
+            cut.is_err(),
+            "the answer is cut: {:?}",
+            cut.map(|r| r.status)
+        );
+        let labels = [("route", "openai"), ("reason", "no_answer")];
+        let counted = wait_until_async(Duration::from_secs(20), || async {
+            gw.metric("sluice_usage_unsettled_total", &labels).await == Some(n)
+        })
+        .await;
+        assert!(counted, "{}", gw.metrics().await);
+    }
+    holds(&gw, 140).await;
 }
 
 /// A client that hangs up before its body is whole is not admitted: its body cannot be read
@@ -756,6 +800,7 @@ on_both_stores!(
     a_listed_content_length_reserves_from_the_body,
     a_client_gone_after_the_member_got_the_request_leaves_its_reservation,
     a_client_gone_mid_body_is_not_charged,
+    an_answer_cut_short_leaves_its_reservation,
     a_request_no_member_got_settles_to_zero,
     ratelimit_and_status_report_tokens,
     members_windows_in_tokens_pick_a_key_with_room_and_settle,

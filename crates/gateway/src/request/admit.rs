@@ -245,6 +245,7 @@ pub(crate) async fn admit_to(
                     sent: false,
                     sent_to: None,
                     retried: Vec::new(),
+                    cut: false,
                 })
             });
             Admitted::Go

@@ -288,6 +288,9 @@ pub(crate) struct Meter {
     /// The entries retries reserved in other members' own windows, with each member's id:
     /// settled like the first member's entry.
     pub(crate) retried: Vec<(Arc<str>, sluice_limiter::EntryId)>,
+    /// The answer was cut before its end (the member failed or the client left after its
+    /// head): what was read of it is no measure of the work, so the reservation stands.
+    pub(crate) cut: bool,
 }
 
 impl Meter {
@@ -368,6 +371,16 @@ impl Meter {
             // No member got the request, or its answer did no work.
             (Some(usage), None, _) | (Some(usage), Some(_), None) => {
                 vec![Millionths(0); usage.units.len()]
+            }
+            // The answer began and was cut: a body read in part holds no amount, or one that
+            // is not the last (a stream's running total), and a part's `default` would stand
+            // for an answer that never came.
+            (Some(_), Some(_), Some(_)) if self.cut => {
+                metrics
+                    .usage_unsettled
+                    .with_label_values(&[route, "no_answer"])
+                    .inc();
+                self.reserved.clone()
             }
             (Some(_), Some(_), Some(scanner)) => scanner
                 .finish()

@@ -642,6 +642,8 @@ impl ProxyHttp for Gateway {
             // A route without a quota of its own may still have reserved: in its members' or
             // its client's calendar or unit windows, and its retries in other members'.
             meter.retried = std::mem::take(&mut ctx.tried.retried);
+            // A request that ends in an error after its answer began was cut short.
+            meter.cut = e.is_some();
             let (client, state, metrics) =
                 (ctx.client.clone(), self.state.clone(), self.metrics.clone());
             // The settlement goes on its own: the client's next request on this connection
