@@ -260,6 +260,70 @@ usage:
     );
 }
 
+/// One request is one request to its client's own quota, whichever routes it goes through: a
+/// client allowed 2 requests a minute has one answered by `b` after `a`'s 429, and its second
+/// is served too. Both with plain routes and with routes that meter tokens (where the client's
+/// windows go through the request's reservation, and settle with it).
+async fn a_fallback_counts_the_request_once_in_the_clients_windows(backend_kind: Backend) {
+    let store = Store::start(backend_kind);
+    for metered in [false, true] {
+        let (a, b) = (backend("a").await, backend("b").await);
+        let mut config = a_429_to_b(&store, &a, &b);
+        let name = if metered { "metered" } else { "plain" };
+        config["clients"] = serde_yaml::from_str(&format!(
+            r#"
+list:
+  - name: {name}
+    tokens: ["{name}-token-0123456789"]
+    routes: ["*"]
+    quota: {{ windows: [{{ name: rpm, limit: 2, window: 1m }}] }}
+"#
+        ))
+        .unwrap();
+        if metered {
+            let quota: serde_json::Value = serde_yaml::from_str(
+                r#"
+windows: [{ name: tpm, limit: 1000, window: 1m, unit: tokens }]
+usage:
+  tokens:
+    reserve: { json: "max_tokens", default: 100 }
+    settle: { json: "usage.total_tokens" }
+"#,
+            )
+            .unwrap();
+            config["routes"][0]["quota"] = quota.clone();
+            config["routes"][1]["quota"] = quota;
+        }
+        let gw = Gateway::start_with_ports(&serde_yaml::to_string(&config).unwrap());
+        let auth = format!("Bearer {name}-token-0123456789");
+        let headers = [
+            ("Proxy-Authorization", auth.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        let body = br#"{"model":"m","max_tokens":70}"#;
+        a.refuse_next("", 1, "5").unwrap();
+        let r = request(gw.proxy_addr(), "POST", "a.test", "/one", &headers, body).await;
+        assert_eq!(r.status, 200, "{name}: {}", r.text());
+        assert_eq!(r.header("x-upstream"), Some("b"));
+        // Once the request has settled (nothing reserved any more), it holds one.
+        let window = || async {
+            let status = gw.status().await;
+            status["clients"]["list"][0]["quota"][0].clone()
+        };
+        let settled = support::wait_until_async(DEADLINE, || async {
+            window().await["reserved"].as_f64() == Some(0.0)
+        })
+        .await;
+        assert!(settled, "{name}: {}", window().await);
+        assert_eq!(window().await["remaining"], 1, "{name}: {}", window().await);
+        let r = request(gw.proxy_addr(), "POST", "a.test", "/two", &headers, body).await;
+        assert_eq!(r.status, 200, "{name}: the second of 2: {}", r.text());
+        assert_eq!(r.header("x-upstream"), Some("a"));
+        let r = request(gw.proxy_addr(), "POST", "a.test", "/three", &headers, body).await;
+        assert_eq!(r.status, 429, "{name}: the third of 2: {}", r.text());
+    }
+}
+
 /// A client granted `a` but not `b` gets from `b` what it would get sent there directly: `403
 /// route_denied`, after `a`'s 429; `b`'s member sees nothing. A client granted both is served
 /// by `b`.
@@ -392,6 +456,7 @@ on_both_stores!(
     the_route_left_settles_its_reservation_to_zero,
     the_fallback_route_checks_the_client_as_its_own,
     the_route_lefts_client_token_does_not_go_on,
+    a_fallback_counts_the_request_once_in_the_clients_windows,
     no_member_goes_to_the_fallback_route,
     a_cooling_member_sends_later_requests_on_before_it,
 );

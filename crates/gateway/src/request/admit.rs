@@ -138,7 +138,7 @@ pub(crate) async fn admit(
     // Quota and first member, decided together. This is the only place a request is charged:
     // retries happen after this hook and never come back to it.
     let reserved = std::mem::take(&mut ctx.reserved);
-    match admit_to(gateway, session, ctx, &route, cost, reserved).await {
+    match admit_to(gateway, session, ctx, &route, cost, reserved, false).await {
         Admitted::Go => Ok(false),
         Admitted::Refused {
             problem,
@@ -188,6 +188,11 @@ pub(crate) enum Admitted {
 /// (its sticky session and its client's cap carried), charging `cost` and the units `reserved`;
 /// when admitted, `ctx` takes the first member and the meter that settles the reservation. The
 /// one admission a request has, on its own route or on a route it falls back to.
+///
+/// `client_counted`: the client's own windows of requests counted this request already, at its
+/// admission on a route it left after a member's answer (a fallback): one request is counted
+/// once. Its windows in usage units reserve again, since the route left settled them to 0.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn admit_to(
     gateway: &Gateway,
     session: &Session,
@@ -195,6 +200,7 @@ pub(crate) async fn admit_to(
     route: &std::sync::Arc<Route>,
     cost: u64,
     reserved: Vec<sluice_usage::Millionths>,
+    client_counted: bool,
 ) -> Admitted {
     let mut key_buf = String::new();
     // The client identified, held apart from `ctx`, which admission changes.
@@ -210,6 +216,9 @@ pub(crate) async fn admit_to(
     });
     let client = session.as_downstream().stream().map(|s| s.id());
     let mut planned = Planned::plan(route, caller.as_deref(), &reserved, cost);
+    if let Some(plan) = planned.as_mut().filter(|_| client_counted) {
+        plan.client_counted();
+    }
     // A sticky route's session: admission and every retry of the request carry it.
     ctx.sticky = sticky_of(gateway, session, ctx, route);
     let verdict = decide(
@@ -222,6 +231,7 @@ pub(crate) async fn admit_to(
         client,
         &mut planned,
         &reserved,
+        client_counted,
     )
     .await;
     match verdict {
@@ -340,10 +350,20 @@ pub(crate) async fn decide(
     client: Option<RawFd>,
     planned: &mut Option<Planned>,
     reserved: &[sluice_usage::Millionths],
+    client_counted: bool,
 ) -> Verdict {
     let admit = async |planned: &mut Option<Planned>| {
-        fresh(planned, route, caller, reserved, cost);
-        admit_once(state, route, key, caller, cost, planned.as_ref()).await
+        fresh(planned, route, caller, reserved, cost, client_counted);
+        admit_once(
+            state,
+            route,
+            key,
+            caller,
+            cost,
+            planned.as_ref(),
+            client_counted,
+        )
+        .await
     };
     let Some(line) = route.wait_line.as_deref() else {
         let admission = admit(planned).await;
@@ -428,6 +448,7 @@ fn fresh(
     caller: Option<&Client>,
     reserved: &[sluice_usage::Millionths],
     cost: u64,
+    client_counted: bool,
 ) {
     // Most routes plan nothing: no clock read for them.
     let Some(plan) = planned.as_ref() else {
@@ -436,6 +457,9 @@ fn fresh(
     let now = super::meter::now_us();
     if plan.ended(now) {
         *planned = Planned::plan_at(route, caller, reserved, cost, now);
+        if let Some(plan) = planned.as_mut().filter(|_| client_counted) {
+            plan.client_counted();
+        }
     }
 }
 
@@ -491,6 +515,7 @@ async fn admit_once(
     caller: Option<&Client>,
     cost: u64,
     planned: Option<&Planned>,
+    client_counted: bool,
 ) -> Admission {
     // A quota with no windows only sets max_wait (for member quotas): nothing to charge.
     // Reserved windows are the planned ones, a calendar window's length its period's.
@@ -500,8 +525,11 @@ async fn admit_once(
     };
     // The client's own windows are charged in the same step, on every policy: they travel
     // with the route's quota, which the policy hands the store as it is.
+    // Counted already (see `admit_to`): a plan charges its windows of requests 0, and without
+    // a plan every window of the client's counts requests.
     let client = caller
         .filter(|c| !c.windows.is_empty())
+        .filter(|_| !(client_counted && planned.is_none()))
         .map(|c| ClientWindows {
             name: &c.name,
             // Planned for this caller: a calendar window's length is its period's.
@@ -730,6 +758,7 @@ mod tests {
             None,
             &mut planned,
             &[],
+            false,
         )
         .await;
         assert!(matches!(verdict, Verdict::Go { .. }));

@@ -364,7 +364,9 @@ async fn admit_on(
         };
         reserved = usage.reserve(&prefix.request(&session.req_header().headers));
     }
-    admit_to(gateway, session, ctx, route, cost, reserved).await
+    // After a member's answer, the client's windows of requests counted this request on the
+    // route it left: one request is counted once.
+    admit_to(gateway, session, ctx, route, cost, reserved, at_answer).await
 }
 
 #[cfg(test)]

@@ -156,6 +156,16 @@ impl Planned {
         })
     }
 
+    /// The client's windows of requests counted the request already (a fallback after a
+    /// member's answer, see `admit::admit_to`): they are charged 0 here.
+    pub(crate) fn client_counted(&mut self) {
+        for (amount, unit) in self.client_amounts.iter_mut().zip(&self.client_units) {
+            if matches!(unit, ClientUnit::Requests) {
+                *amount = 0;
+            }
+        }
+    }
+
     /// As the policy hands it to the store.
     pub(crate) fn reserving(&self) -> Reserving<'_> {
         Reserving {
@@ -452,7 +462,17 @@ impl Meter {
                 owner: Owner::Member,
             });
         }
-        let client_settled = client_amounts(&self.planned.client_units, &settled, self.cost);
+        // A window of requests keeps what it was charged: the cost, or 0 when the request was
+        // counted on the route it fell back from.
+        let client_settled: Vec<u64> = client_amounts(&self.planned.client_units, &settled, 0)
+            .into_iter()
+            .zip(&self.planned.client_units)
+            .zip(&self.planned.client_amounts)
+            .map(|((amount, unit), &charged)| match unit {
+                ClientUnit::Requests => charged,
+                _ => amount,
+            })
+            .collect();
         if let (Some(entry), Some(c)) = (self.entries.client, client) {
             settlements.push(Settle {
                 key: &c.name,

@@ -247,6 +247,7 @@ impl Tunnels {
             fd,
             &mut planned,
             &reserved,
+            false,
         )
         .await
         {
