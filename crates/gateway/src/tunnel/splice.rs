@@ -63,10 +63,15 @@ pub(super) fn client_socket(client: &mut Stream, early: &mut Vec<u8>) -> Option<
     TcpStream::from_std(std).ok()
 }
 
+/// The most bytes [`drain`] takes into memory. A client that writes as fast as they are read
+/// would otherwise keep the loop (and the buffer) growing: past this, the tunnel is copied
+/// instead of spliced, through a buffer of fixed size.
+const MAX_DRAIN: usize = 256 * 1024;
+
 /// Reads what `client` returns without waiting (its read buffer, then whatever the socket has)
 /// into `early`. True once a read would wait, so that nothing is left in the stream's buffers;
-/// false at the end of the stream or on an error (the copy loop then takes over, and sees it
-/// again).
+/// false at the end of the stream, on an error, or past [`MAX_DRAIN`] bytes (the copy loop then
+/// takes over, and sees the rest).
 fn drain(client: &mut Stream, early: &mut Vec<u8>) -> bool {
     let mut cx = Context::from_waker(Waker::noop());
     let mut chunk = vec![0u8; 64 * 1024];
@@ -75,7 +80,10 @@ fn drain(client: &mut Stream, early: &mut Vec<u8>) -> bool {
         match Pin::new(&mut *client).poll_read(&mut cx, &mut buf) {
             Poll::Pending => return true,
             Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
-                early.extend_from_slice(buf.filled())
+                early.extend_from_slice(buf.filled());
+                if early.len() >= MAX_DRAIN {
+                    return false;
+                }
             }
             Poll::Ready(_) => return false,
         }
