@@ -633,15 +633,19 @@ const REQUESTS: &str = "requests";
 const ADMIN_HEADER: &str = "x-sluice-admin";
 
 /// Whether an `Authorization` value is `Bearer <token>`, byte for byte (no trimming: a padded
-/// token is another token), compared in constant time. No token, or an empty one, matches
-/// nothing.
+/// token is another token), compared in constant time. Their digests are compared, not the
+/// bytes: `ct_eq` on slices answers at once when the lengths differ, which would tell a caller
+/// the token's length. No token, or an empty one, matches nothing.
 fn bearer_matches(authorization: Option<&[u8]>, token: Option<&str>) -> bool {
     let Some(token) = token.filter(|t| !t.is_empty()) else {
         return false;
     };
     authorization
         .and_then(|v| v.strip_prefix(b"Bearer "))
-        .is_some_and(|given| bool::from(given.ct_eq(token.as_bytes())))
+        .is_some_and(|given| {
+            let (given, token) = (blake3::hash(given), blake3::hash(token.as_bytes()));
+            bool::from(given.as_bytes().ct_eq(token.as_bytes()))
+        })
 }
 
 fn reply(status: StatusCode, content_type: &str, body: impl Into<Vec<u8>>) -> Response<Vec<u8>> {
