@@ -156,3 +156,19 @@ fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsFileError> {
         fail(Blame::Key, format!("{}: {why}", path.display()))
     })
 }
+
+/// A certificate name as it is compared with a client's `certs`: a DNS name is
+/// case-insensitive as a whole; a URI (a SPIFFE ID) only in its scheme and authority, since
+/// its path names a workload and `/ns/Billing` is not `/ns/billing`. Both the configured names
+/// and the presented ones go through here, so neither side needs a second, looser lookup.
+pub fn canonical_name(name: &str) -> String {
+    match name.find("://") {
+        Some(at) => {
+            let authority_end = name[at + 3..].find('/').map_or(name.len(), |i| at + 3 + i);
+            let mut out = name[..authority_end].to_ascii_lowercase();
+            out.push_str(&name[authority_end..]);
+            out
+        }
+        None => name.to_ascii_lowercase(),
+    }
+}

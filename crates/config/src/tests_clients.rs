@@ -368,3 +368,29 @@ fn a_tls_listener_takes_client_certificate_settings() {
         "client_cert needs client_ca",
     );
 }
+
+#[test]
+fn two_certificate_names_that_compare_equal_are_refused() {
+    // A presented name is compared in lower case, but for a URI's path: these two are one name
+    // to the gateway, and the second client could never be reached.
+    let all = errors(&with_clients(
+        "  list:
+    - { name: a, certs: [\"spiffe://Corp.Example/ns/x\"], routes: [\"*\"] }
+    - { name: b, certs: [\"spiffe://corp.example/ns/x\"], routes: [\"*\"] }
+",
+    ));
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert!(
+        all[0].contains("clients.list[1].certs[0]")
+            && all[0].contains("is also a certificate name of list[0] (a)"),
+        "{all:?}"
+    );
+    // A path differs by case: two workloads.
+    let all = errors(&with_clients(
+        "  list:
+    - { name: a, certs: [\"spiffe://corp.example/ns/X\"], routes: [\"*\"] }
+    - { name: b, certs: [\"spiffe://corp.example/ns/x\"], routes: [\"*\"] }
+",
+    ));
+    assert_eq!(all, Vec::<String>::new());
+}

@@ -51,7 +51,9 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
         config.routes.iter().map(|r| r.name.0.as_str()).collect();
     let mut names: HashMap<&str, usize> = HashMap::new();
     let mut tokens: HashMap<&str, (usize, usize)> = HashMap::new();
-    let mut certs: HashMap<&str, usize> = HashMap::new();
+    // Keyed as the gateway looks a presented name up: two names that compare equal there
+    // would leave the second client unreachable.
+    let mut certs: HashMap<String, usize> = HashMap::new();
     let mut by_address: Vec<(usize, Cidr)> = Vec::new();
     for (i, client) in clients.list.iter().enumerate() {
         let client_at = at.clone().key("list").index(i);
@@ -99,7 +101,8 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
             }
         }
         for (j, cert) in client.certs.iter().enumerate() {
-            match certs.get(cert.0.as_str()) {
+            let canonical = crate::listen_tls::canonical_name(&cert.0);
+            match certs.get(&canonical) {
                 Some(&first) => problems.push((
                     client_at.clone().key("certs").index(j),
                     format!(
@@ -108,7 +111,7 @@ pub(super) fn problems(config: &Config) -> Vec<(YamlPath, String)> {
                     ),
                 )),
                 None => {
-                    certs.insert(&cert.0, i);
+                    certs.insert(canonical, i);
                 }
             }
         }
