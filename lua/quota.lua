@@ -363,8 +363,11 @@ local function quota_settle_group(q, group)
       states[g][i] = state
     end
     if #gone > 0 then
-      redis.call('ZREM', log, unpack(gone))
+      -- Added before the removal: a log whose every entry settles would otherwise be empty for
+      -- a moment, which deletes the key and its expiry, and the ZADD would make it anew with
+      -- none (this call records nothing, so nothing sets one again): a log that lives forever.
       redis.call('ZADD', log, unpack(added))
+      redis.call('ZREM', log, unpack(gone))
     end
   end
   return states

@@ -1673,3 +1673,36 @@ async fn redis_memory_per_reservation_is_bounded() {
     println!("{per} bytes per reservation");
     assert!(per <= 150.0, "{per} bytes per reservation");
 }
+
+/// A settlement keeps the expiry of the logs it rewrites: a key whose only entry settles
+/// (a usage quota keyed by client address, say) must still leave Redis once its window has
+/// passed, as SPEC §6 says every key does.
+#[tokio::test]
+async fn redis_a_settlement_keeps_the_logs_expiry() {
+    let server = RedisServer::start();
+    let store = redis_store(&server.url());
+    let w = windows();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let r = reserve(&store, "ttl", "k", &w, &[1, tokens(300)], now).await;
+    let entry = r.entry.expect("admitted, with an entry");
+    let done = settle_one(
+        &store,
+        "ttl",
+        "k",
+        &w,
+        entry,
+        &[1, tokens(300)],
+        &[1, tokens(120)],
+        now + 1,
+    )
+    .await;
+    assert_eq!(done, [Settled::Done, Settled::Done]);
+    for window in ["rpm", "tpm"] {
+        let key = format!("sluice:{{ttl}}:q:{window}:k");
+        let ttl = server.integer(&["PTTL", &key]).unwrap();
+        assert!(ttl > 0, "{key} has no expiry ({ttl})");
+    }
+}
