@@ -721,3 +721,95 @@ async fn a_request_at_the_cap_is_not_refused_by_its_own_lease(backend: Backend) 
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-upstream"), Some("b2"), "replayed to b2");
 }
+
+/// A TCP relay to `target` whose replies (the bytes coming back) wait `delay` milliseconds each
+/// while it is set: Redis runs each call at once, and its answer comes late. Returns the
+/// relay's address and the delay to set.
+async fn slow_replies(
+    target: std::net::SocketAddr,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let delay = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let shared = delay.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                continue;
+            };
+            let (mut client_rx, mut client_tx) = client.into_split();
+            let (mut server_rx, mut server_tx) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_rx, &mut server_tx).await;
+            });
+            let delay = shared.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match server_rx.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let ms = delay.load(Ordering::SeqCst);
+                    if ms > 0 {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                    if client_tx.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, delay)
+}
+
+/// A store call whose answer comes after its timeout may still have run, and taken its lease:
+/// the request is answered by the route's `on_store_error` (here `closed`: 503), and the lease
+/// it may hold is released as soon as the store answers again, not kept until `lease_ttl`
+/// (a minute here). The route's one slot is free again for the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_a_timed_out_call_took_is_released() {
+    use std::sync::atomic::Ordering;
+    let redis = sluice_testkit::RedisServer::start();
+    let (relay, delay) = slow_replies(redis.addr()).await;
+    let backends = start_backends(&["b1"]).await;
+    let one = url(backends[0].local_addr());
+    let routes = format!(
+        "  - name: capped
+    match: {{ hosts: [capped.test] }}
+    quota: {{ max_wait: 1s, on_store_error: closed }}
+    upstream:
+      max_in_flight: 1
+      lease_ttl: 60s
+      members:
+        - {{ name: m1, url: \"{one}\" }}
+"
+    );
+    let state = State::redis(format!("redis://{relay}")).timeout("1s");
+    let base = Config::new().state(state).yaml();
+    let base = base.split("routes:").next().unwrap_or_default().to_string();
+    let gw = Gateway::start_with_ports(&format!("{base}routes:\n{routes}"));
+    // Warm: the library is loaded, and a lease taken and released.
+    let warm = wait_until_async(Duration::from_secs(20), || async {
+        slow(&gw, "capped.test", 0).await.status == 200
+    })
+    .await;
+    assert!(warm, "served while Redis answers in time");
+    // Each answer now comes three times the call's timeout late.
+    delay.store(3_000, Ordering::SeqCst);
+    let r = slow(&gw, "capped.test", 0).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("store_unavailable"));
+    delay.store(0, Ordering::SeqCst);
+    let served = wait_until_async(Duration::from_secs(20), || async {
+        slow(&gw, "capped.test", 0).await.status == 200
+    })
+    .await;
+    assert!(served, "the slot is free again well before lease_ttl");
+}

@@ -184,8 +184,9 @@ impl Sticky {
         }
     }
 
-    /// After an assignment that took a lease counted in the client's own: the lease's release
-    /// and renewals go to the client's too.
+    /// After an assignment that took a lease counted in the client's own (or may have: a call
+    /// the store failed, whose lease is then released as soon as it is known): the lease's
+    /// release and renewals go to the client's too.
     fn taken(&self, ask: &Assign<'_>, assigned: bool) {
         if let (true, Some(lease), Some((client, _))) = (assigned, ask.lease, &self.client) {
             crate::lease::client_lease(&self.inner, lease.id, client);
@@ -228,7 +229,7 @@ impl StateStore for Sticky {
             Ok(Reserved {
                 assignment: Assignment::Assigned { .. },
                 ..
-            })
+            }) | Err(_)
         );
         self.taken(&ask, assigned);
         answer
@@ -256,7 +257,10 @@ impl StateStore for Sticky {
 
     async fn assign(&self, ask: Assign<'_>) -> Result<Assignment, StoreError> {
         let answer = self.inner.assign(self.with(ask)).await;
-        self.taken(&ask, matches!(answer, Ok(Assignment::Assigned { .. })));
+        self.taken(
+            &ask,
+            matches!(answer, Ok(Assignment::Assigned { .. }) | Err(_)),
+        );
         answer
     }
 

@@ -16,8 +16,8 @@ use sluice_limiter::{Acquire, StoreError};
 use async_trait::async_trait;
 
 use super::{
-    assign, held, refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems, Reserving,
-    RoundRobin, Selector, Tried,
+    assign, given_back, held, refuse_weights, Admission, Attempt, Kind, Limits, Parts, Problems,
+    Reserving, RoundRobin, Selector, Tried,
 };
 use crate::config::{UpstreamConfig, YamlPath};
 use crate::lease::LeasePlan;
@@ -157,7 +157,10 @@ impl LeastUsed {
         let answer = assign(state, ask, reserving).await;
         let lease = match &answer {
             Ok((assignment, _)) => held(self.leases.as_ref(), id, assignment),
-            Err(_) => None,
+            Err(_) => {
+                given_back(self.leases.as_ref(), id);
+                None
+            }
         };
         match answer {
             Ok((Assignment::Assigned { member, quota }, entries)) => {
@@ -266,11 +269,14 @@ impl Selector for LeastUsed {
                     self.attempt_for(member).map(|a| a.leased(lease))
                 })
             }
-            Err(error) => Admission::StoreFailed {
-                error,
-                first: None,
-                fallback: true,
-            },
+            Err(error) => {
+                given_back(self.leases.as_ref(), id);
+                Admission::StoreFailed {
+                    error,
+                    first: None,
+                    fallback: true,
+                }
+            }
         }
     }
 
@@ -309,8 +315,12 @@ impl Selector for LeastUsed {
                 Ok(_) => return None,
                 // A full key table refuses (the member's windows could not be charged): no
                 // unmetered retry.
-                Err(StoreError::TooManyKeys) => return None,
+                Err(StoreError::TooManyKeys) => {
+                    given_back(self.leases.as_ref(), id);
+                    return None;
+                }
                 Err(error) => {
+                    given_back(self.leases.as_ref(), id);
                     tracing::debug!(route = %self.route, %error, "least-used retry falls back to round-robin");
                     tried.fallback = true;
                     return self.fallback.pick(tried);

@@ -581,18 +581,24 @@ pub(crate) async fn choose_among(
         }
         // A full key table refuses: a member whose windows were not charged must not be sent
         // the request (on a retry, nothing else would stop it).
-        Err(error @ StoreError::TooManyKeys) => Admission::StoreFailed {
-            error,
-            first: None,
-            fallback: false,
-        },
+        Err(error @ StoreError::TooManyKeys) => {
+            given_back(plan, lease_id);
+            Admission::StoreFailed {
+                error,
+                first: None,
+                fallback: false,
+            }
+        }
         // The store cannot say: the in-process first choice goes, as on a route without
         // member limits, and the route's on_store_error decides.
-        Err(error) => Admission::StoreFailed {
-            error,
-            first: order.first().and_then(|&i| pick(i, claimed)),
-            fallback: false,
-        },
+        Err(error) => {
+            given_back(plan, lease_id);
+            Admission::StoreFailed {
+                error,
+                first: order.first().and_then(|&i| pick(i, claimed)),
+                fallback: false,
+            }
+        }
     }
 }
 
@@ -606,6 +612,16 @@ pub(crate) fn held(
     match (plan, id, assignment) {
         (Some(plan), Some(id), Assignment::Assigned { .. }) => Some(plan.hold(id)),
         _ => None,
+    }
+}
+
+/// The store failed an ask that carried lease `id`: the call may have run all the same (its
+/// answer timed out or was lost on the way), and then holds a lease nobody would release. It is
+/// released as a guard dropped unused would be; releasing a lease the store never took changes
+/// nothing.
+pub(crate) fn given_back(plan: Option<&LeasePlan>, id: Option<Arc<str>>) {
+    if let (Some(plan), Some(id)) = (plan, id) {
+        drop(plan.hold(id));
     }
 }
 
