@@ -103,11 +103,24 @@ local function leases_keep(l, ttl_ms)
   end
 end
 
--- Takes lease `id` on `member` for ttl_us from now.
+-- Takes lease `id` on `member` for ttl_us from now. A lease id is taken once: a call that comes
+-- again after its answer was lost (the client library sends it again on a dropped connection)
+-- finds its id held, and moves it to the member it chooses this time rather than count it
+-- twice, so that the one release gives back exactly what was taken.
 local function leases_take(l, id, member, ttl_us)
   redis.call('ZADD', l.z, string.format('%d', l.now + ttl_us), id)
-  redis.call('HSET', l.h, id, member)
-  redis.call('HINCRBY', l.c, member, 1)
+  if redis.call('HSETNX', l.h, id, member) == 1 then
+    redis.call('HINCRBY', l.c, member, 1)
+  else
+    local before = redis.call('HGET', l.h, id)
+    if before ~= member then
+      redis.call('HSET', l.h, id, member)
+      if redis.call('HINCRBY', l.c, before, '-1') <= 0 then
+        redis.call('HDEL', l.c, before)
+      end
+      redis.call('HINCRBY', l.c, member, 1)
+    end
+  end
   leases_keep(l, math.ceil(ttl_us / 1000))
   if l.cz then
     leases_client_take(l.cz, id, l.now, ttl_us)

@@ -430,7 +430,29 @@ async fn many_released_at_once(a: &dyn StateStore, b: &dyn StateStore) {
     );
 }
 
+/// A call sent again under the same lease id (its answer was lost on a dropped connection, and
+/// the Redis client sent it once more) takes the lease once, on the member chosen last: one
+/// release gives back exactly what was taken, and no member is left a slot short.
+async fn a_lease_asked_again_is_taken_once(a: &dyn StateStore, b: &dyn StateStore) {
+    let pool = members(&["m1", "m2"]);
+    let route = "again";
+    let held = |counts: BTreeMap<String, u64>| -> Vec<(String, u64)> {
+        counts.into_iter().filter(|&(_, n)| n > 0).collect()
+    };
+    let once = |order| ask(route, &pool, order, lease("r1", LONG, Some(5), None), T0);
+    assert_eq!(assigned(a, once(Order::Preference(&[0, 1]))).await, "m1");
+    // The same call again: the same member, counted once.
+    assert_eq!(assigned(b, once(Order::Preference(&[0, 1]))).await, "m1");
+    assert_eq!(held(in_flight(a, route, T0).await), [("m1".into(), 1)]);
+    // Sent again, it may choose another member: the lease moves there.
+    assert_eq!(assigned(b, once(Order::Preference(&[1, 0]))).await, "m2");
+    assert_eq!(held(in_flight(a, route, T0).await), [("m2".into(), 1)]);
+    a.release(route, &["r1"]).await.unwrap();
+    assert_eq!(held(in_flight(b, route, T0).await), []);
+}
+
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
+    a_lease_asked_again_is_taken_once(&*a, &*b).await;
     least_in_flight_takes_the_fewest(&*a, &*b).await;
     a_member_at_its_cap_is_skipped(&*a, &*b).await;
     the_route_at_its_cap_refuses(&*a, &*b).await;
