@@ -795,6 +795,82 @@ async fn hop_by_hop_fields_of_a_members_answer_are_removed() {
     assert_eq!(r.header("keep-alive"), None, "{:?}", r.headers);
 }
 
+/// An interim answer is no start of the final one: a member that sends `100 Continue` and then
+/// fails leaves the gateway its own final answer to give (502), not a connection cut after the
+/// 100 (RFC 9110 §15.2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_after_an_interim_answer_still_gets_a_final_answer() {
+    let member = start_raw_member(b"HTTP/1.1 100 Continue\r\n\r\n").await;
+    let gw = Config::new()
+        .route(Route::new("api").member(url(member)))
+        .start();
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_raw(
+            b"POST /x HTTP/1.1\r\nHost: api.test\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\nhello",
+        )
+        .await
+        .unwrap();
+    let r = client.read_response(false).await.expect("a final answer");
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_error"));
+}
+
+/// An interim answer (`103 Early Hints`) passes, and the final answer after it carries the
+/// route's `RateLimit` fields, as every answer on a route with a quota does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_final_answer_after_an_interim_one_carries_the_ratelimit_fields() {
+    let member = start_raw_member(
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    )
+    .await;
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(url(member))
+                .quota(support::Quota::window("minute", 100, "1m")),
+        )
+        .start();
+    let r = support::request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+    assert!(r.header("ratelimit").is_some(), "{:?}", r.headers);
+    assert!(r.header("ratelimit-policy").is_some(), "{:?}", r.headers);
+}
+
+/// An HTTP/1.0 client gets neither chunked framing nor an interim answer (RFC 9112 §6.1, RFC
+/// 9110 §15.2): a member's chunked answer reaches it delimited by the connection's close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_client_gets_no_chunks_and_no_interim_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let member = start_raw_member(
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n3\r\n!!!\r\n0\r\n\r\n",
+    )
+    .await;
+    let gw = Config::new()
+        .route(Route::new("api").member(url(member)))
+        .start();
+    let mut conn = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    conn.write_all(b"GET / HTTP/1.0\r\nHost: api.test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut got))
+        .await
+        .expect("the answer ends with the connection")
+        .unwrap();
+    let text = String::from_utf8_lossy(&got).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a head");
+    assert!(head.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(!text.contains("103"), "{text}");
+    assert!(
+        !head.to_ascii_lowercase().contains("transfer-encoding"),
+        "{text}"
+    );
+    assert_eq!(body, "ok!!!", "{text}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Known gaps, kept visible: run with `cargo test --test adversarial -- --ignored`.
 // ---------------------------------------------------------------------------------------------

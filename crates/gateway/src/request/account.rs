@@ -19,7 +19,7 @@ pub(crate) use crate::problem::{describe_failures, ConnectFailure};
 fn truncated(session: &Session, e: &Error, ctx: &RequestCtx) -> bool {
     ctx.upstream_answered
         && ctx.seen.answered.is_none()
-        && session.response_written().is_some()
+        && super::answer::final_head_written(session)
         && e.esource() == &ErrorSource::Upstream
 }
 

@@ -263,6 +263,20 @@ pub(crate) async fn learn_cooldown(
     Ok(())
 }
 
+/// An informational status that another answer follows: every 1xx but `101 Switching
+/// Protocols`, which is the last answer on its connection.
+pub(crate) fn is_interim(status: http::StatusCode) -> bool {
+    status.is_informational() && status != http::StatusCode::SWITCHING_PROTOCOLS
+}
+
+/// Whether the client has had the head of a final answer: after one, all a failure can do is
+/// cut the connection; after an interim one alone, the final answer is still owed.
+pub(crate) fn final_head_written(session: &Session) -> bool {
+    session
+        .response_written()
+        .is_some_and(|r| !is_interim(r.status))
+}
+
 /// Fixes up a member's response head on its way to the client.
 pub(crate) fn response_headers(
     session: &mut Session,
@@ -278,6 +292,14 @@ pub(crate) fn response_headers(
         .flatten();
     strip_hop_by_hop(response);
     forward_one_content_length(response)?;
+    // An HTTP/1.0 client reads no chunked framing (RFC 9112 §6.1), which Pingora puts on an
+    // answer without a length: its answer ends when the connection closes, as nginx does.
+    if session.req_header().version == http::Version::HTTP_10
+        && response.headers.contains_key(header::TRANSFER_ENCODING)
+    {
+        response.remove_header(&header::TRANSFER_ENCODING);
+        session.set_keepalive(None);
+    }
     if switching {
         if let Some(upgrade) = upgrade {
             response.insert_header(header::UPGRADE, upgrade)?;
@@ -345,8 +367,9 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
         },
     };
     let status = match problem {
-        // Once a response has started, all we can do is cut the connection.
-        Some(p) if session.response_written().is_none() => {
+        // Once a response has started, all we can do is cut the connection. (An interim 100
+        // or 103 is no start: the final answer is still owed.)
+        Some(p) if !final_head_written(session) => {
             let status = p.status;
             if let Err(err) = self::problem(session, ctx, p).await {
                 tracing::debug!(error = %err, "could not send the error response");
