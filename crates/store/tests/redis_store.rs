@@ -577,3 +577,33 @@ fn a_command_is_sent_while_the_runtime_stays_busy() {
         .unwrap()
     });
 }
+
+/// After an outage longer than the call timeout, with no call made while Redis came back, the
+/// first call answers: it is not failed by the refusal the client kept from its last reconnect
+/// attempt, made while Redis was down.
+#[tokio::test]
+async fn the_first_call_after_a_long_outage_answers() {
+    let mut server = RedisServer::start();
+    // Generous: a loaded machine must not turn a slow answer into the failure looked for.
+    let store = store(&server, Duration::from_secs(2));
+    let w = one_window(1_000);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !matches!(acquire(&store, &w, 1).await, Ok(true)) {
+        assert!(
+            Instant::now() < deadline,
+            "the store answers while Redis is up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.kill();
+    assert!(acquire(&store, &w, 1).await.is_err());
+    // Part of the scenario, not a synchronisation: the outage outlasts the call timeout.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(acquire(&store, &w, 1).await.is_err(), "still down");
+    server.restart();
+    // Redis answers PING again; nothing has called the store since it failed.
+    assert!(
+        matches!(acquire(&store, &w, 1).await, Ok(true)),
+        "the first call after Redis is back answers"
+    );
+}
