@@ -871,6 +871,47 @@ async fn an_http_1_0_client_gets_no_chunks_and_no_interim_answer() {
     assert_eq!(body, "ok!!!", "{text}");
 }
 
+/// A `Connection` field that nominates what may not be removed (the request's `Host` or its
+/// `X-Forwarded-*`), a token that is no token, or too many of them, is refused with `400`
+/// before admission: nothing is charged, and no member is chosen, contacted or blamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_field_that_cannot_go_upstream_costs_nothing() {
+    let backends = start_backends(&["api"]).await;
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(url(backends[0].local_addr()))
+                .quota(support::Quota::window("minute", 100, "1m")),
+        )
+        .start();
+    for connection in [
+        "x-forwarded-for",
+        "Host",
+        "\"x-secret\"",
+        "a, b, c, d, e, f, g, h, i, j, k",
+    ] {
+        let r = support::request(
+            gw.proxy_addr(),
+            "GET",
+            "api.test",
+            "/",
+            &[("Connection", connection)],
+            b"",
+        )
+        .await;
+        assert_eq!(r.status, 400, "{connection}: {}", r.text());
+        assert_eq!(r.header("x-sluice-error"), Some("bad_request"));
+    }
+    assert_eq!(backends[0].requests(), 0, "no member was contacted");
+    let r = support::request(gw.proxy_addr(), "GET", "api.test", "/", &[], b"").await;
+    assert_eq!(r.status, 200);
+    let ratelimit = r.header("ratelimit").unwrap_or_default();
+    assert!(
+        ratelimit.contains("r=99"),
+        "only this request was charged: {ratelimit}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Known gaps, kept visible: run with `cargo test --test adversarial -- --ignored`.
 // ---------------------------------------------------------------------------------------------

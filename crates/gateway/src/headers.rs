@@ -311,6 +311,50 @@ pub(crate) fn ipv4_text(out: &mut [u8], ip: Ipv4Addr) -> usize {
 #[cfg(test)]
 mod proptests;
 
+/// The most fields a request's `Connection` may nominate, less one (Pingora's bound).
+const MAX_NOMINATIONS: usize = 10;
+
+/// Why Pingora refuses a request's `Connection` field when it removes the fields it nominates
+/// from the member's request, if it does: too many nominations, one that is not an HTTP token
+/// (RFC 9110 §5.6.2) or names a pseudo-header, or one that names a field the request's identity
+/// travels in (`Host`, `X-Forwarded-*`). Pingora checks this only after admission, so the
+/// gateway checks the same first. Nothing is allocated: a request's `Connection` is usually
+/// one token or none.
+pub(crate) fn connection_refusal(headers: &http::HeaderMap) -> Option<&'static str> {
+    let tokens = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|value| value.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|token| !token.is_empty());
+    for (n, token) in tokens.enumerate() {
+        if n + 1 >= MAX_NOMINATIONS {
+            return Some("too many Connection header nominations");
+        }
+        if token.starts_with(b":") || !token.iter().all(|&b| is_tchar(b)) {
+            return Some("invalid token nominated by the Connection header");
+        }
+        let protected = [
+            "host",
+            "x-forwarded-for",
+            "x-forwarded-host",
+            "x-forwarded-proto",
+        ];
+        if protected
+            .iter()
+            .any(|p| token.eq_ignore_ascii_case(p.as_bytes()))
+        {
+            return Some("protected header cannot be nominated by the Connection header");
+        }
+    }
+    None
+}
+
+/// A `tchar` of RFC 9110 §5.6.2.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

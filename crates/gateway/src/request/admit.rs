@@ -45,6 +45,13 @@ pub(crate) async fn admit(
         return Ok(true);
     }
     let req = session.req_header();
+    // What Pingora would refuse only as it builds the member's request, after admission has
+    // charged the request and chosen a member (who would be counted as failing): refused here,
+    // for nothing.
+    if let Some(why) = crate::headers::connection_refusal(&req.headers) {
+        answer::problem(session, ctx, Problem::bad_request_because(why)).await?;
+        return Ok(true);
+    }
     if req.method == Method::CONNECT {
         // A CONNECT that opens a connection never gets here: crate::tunnel takes it first.
         // One that follows other requests on a kept-alive connection cannot become a tunnel
