@@ -912,6 +912,28 @@ async fn a_connection_field_that_cannot_go_upstream_costs_nothing() {
     );
 }
 
+/// A member's answer that names its own `Content-Length` in `Connection` keeps its length: the
+/// client gets a framed answer on a connection that stays open for its next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_connection_listed_content_length_keeps_the_answer_framed() {
+    let member = start_raw_member(
+        b"HTTP/1.1 200 OK\r\nConnection: content-length\r\nContent-Length: 2\r\n\r\nok",
+    )
+    .await;
+    let gw = Config::new()
+        .route(Route::new("api").member(url(member)))
+        .start();
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for path in ["/one", "/two"] {
+        let r = client
+            .request("GET", "api.test", path, &[], b"")
+            .await
+            .expect("an answer on the same connection");
+        assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+        assert_eq!(r.header("content-length"), Some("2"), "{:?}", r.headers);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Known gaps, kept visible: run with `cargo test --test adversarial -- --ignored`.
 // ---------------------------------------------------------------------------------------------

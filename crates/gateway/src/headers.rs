@@ -106,7 +106,10 @@ impl HeaderEdit for ResponseHeader {
 }
 
 /// Removes the hop-by-hop headers of RFC 9110 §7.6.1, including those named in `Connection`.
-/// `Transfer-Encoding` and `Trailer` are left to Pingora, which owns message framing.
+/// `Transfer-Encoding`, `Trailer` and `Content-Length` are left to Pingora, which owns message
+/// framing: a member's answer that names its `Content-Length` in `Connection` keeps its length
+/// (as nginx ignores such a nomination), rather than reach the client unframed, cut off by
+/// the connection's close.
 pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
     // One walk over the names present, rather than a hashed lookup per hop-by-hop name: a
     // head has a handful of names, and comparing a standard name is one integer compare,
@@ -136,7 +139,8 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
             let Ok(value) = value.to_str() else { continue };
             for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
                 let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
-                    || name.eq_ignore_ascii_case("trailer");
+                    || name.eq_ignore_ascii_case("trailer")
+                    || name.eq_ignore_ascii_case("content-length");
                 // Listed names, `keep-alive` the usual one, go below with the rest of the
                 // list, found by the walk above.
                 let listed = HOP_BY_HOP
