@@ -315,6 +315,20 @@ pub(crate) fn ipv4_text(out: &mut [u8], ip: Ipv4Addr) -> usize {
 #[cfg(test)]
 mod proptests;
 
+/// An informational status that another answer follows: every 1xx but `101 Switching
+/// Protocols`, which is the last answer on its connection.
+pub(crate) fn is_interim(status: http::StatusCode) -> bool {
+    status.is_informational() && status != http::StatusCode::SWITCHING_PROTOCOLS
+}
+
+/// Whether the client has had the head of a final answer: after one, all a failure can do is
+/// cut the connection; after an interim one alone, the final answer is still owed.
+pub(crate) fn final_head_written(session: &pingora::proxy::Session) -> bool {
+    session
+        .response_written()
+        .is_some_and(|r| !is_interim(r.status))
+}
+
 /// The most fields a request's `Connection` may nominate, less one (Pingora's bound).
 const MAX_NOMINATIONS: usize = 10;
 

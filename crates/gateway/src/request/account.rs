@@ -19,7 +19,7 @@ pub(crate) use crate::problem::{describe_failures, ConnectFailure};
 fn truncated(session: &Session, e: &Error, ctx: &RequestCtx) -> bool {
     ctx.upstream_answered
         && ctx.seen.answered.is_none()
-        && super::answer::final_head_written(session)
+        && crate::headers::final_head_written(session)
         && e.esource() == &ErrorSource::Upstream
 }
 

@@ -263,20 +263,6 @@ pub(crate) async fn learn_cooldown(
     Ok(())
 }
 
-/// An informational status that another answer follows: every 1xx but `101 Switching
-/// Protocols`, which is the last answer on its connection.
-pub(crate) fn is_interim(status: http::StatusCode) -> bool {
-    status.is_informational() && status != http::StatusCode::SWITCHING_PROTOCOLS
-}
-
-/// Whether the client has had the head of a final answer: after one, all a failure can do is
-/// cut the connection; after an interim one alone, the final answer is still owed.
-pub(crate) fn final_head_written(session: &Session) -> bool {
-    session
-        .response_written()
-        .is_some_and(|r| !is_interim(r.status))
-}
-
 /// Fixes up a member's response head on its way to the client.
 pub(crate) fn response_headers(
     session: &mut Session,
@@ -357,7 +343,7 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
             // client's account: nginx's `client_body_timeout`, 408.
             ErrorSource::Upstream
                 if e.etype() == &ErrorType::ReadTimedout
-                    && !final_head_written(session)
+                    && !crate::headers::final_head_written(session)
                     && !session.as_downstream_mut().is_body_done() =>
             {
                 ctx.failure = Some(Failure::ClientBody);
@@ -371,7 +357,7 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
             ErrorSource::Downstream => match e.etype() {
                 // The client is gone; there is nobody to answer.
                 ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => None,
-                ErrorType::ReadTimedout if !final_head_written(session) => {
+                ErrorType::ReadTimedout if !crate::headers::final_head_written(session) => {
                     ctx.failure = Some(Failure::ClientBody);
                     Some(Problem::request_timeout())
                 }
@@ -383,7 +369,7 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
     let status = match problem {
         // Once a response has started, all we can do is cut the connection. (An interim 100
         // or 103 is no start: the final answer is still owed.)
-        Some(p) if !final_head_written(session) => {
+        Some(p) if !crate::headers::final_head_written(session) => {
             let status = p.status;
             if let Err(err) = self::problem(session, ctx, p).await {
                 tracing::debug!(error = %err, "could not send the error response");

@@ -547,7 +547,7 @@ impl ProxyHttp for Gateway {
         // An interim answer (100 Continue, 103 Early Hints) goes on as it is, less what belongs
         // to the connection: the final answer that follows is the one the request is metered,
         // counted and rate-limited by, and the one that carries the `RateLimit` fields.
-        if answer::is_interim(response.status) {
+        if crate::headers::is_interim(response.status) {
             // An HTTP/1.0 client knows no interim answers (RFC 9110 §15.2): not sent to it.
             if session.req_header().version == http::Version::HTTP_10 {
                 session.as_downstream_mut().set_ignore_info_resp(true);
