@@ -307,35 +307,6 @@ mod downstream_limits {
         .await;
     }
 
-    /// A request body that stops arriving keeps the member waiting for it: when the member's
-    /// read_timeout passes, that is the client's failure, `408 request_timeout` (as nginx's
-    /// `client_body_timeout`), not the member's `504 upstream_timeout`, and the member is not
-    /// counted as failing.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_body_that_stops_arriving_is_the_clients_timeout() {
-        let backends = start_backends(&["api"]).await;
-        let gw = start(
-            &url(backends[0].local_addr()),
-            "",
-            "      read_timeout: 1s\n",
-        );
-        let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-        client
-            .write_raw(b"POST /x HTTP/1.1\r\nHost: api.test\r\nContent-Length: 10\r\n\r\nabc")
-            .await
-            .unwrap();
-        let r = client.read_response(false).await.expect("an answer");
-        assert_eq!(r.status, 408, "{}", r.text());
-        assert_eq!(r.header("x-sluice-error"), Some("request_timeout"));
-        let errors = gw
-            .metric(
-                "sluice_upstream_attempts_total",
-                &[("route", "api"), ("outcome", "error")],
-            )
-            .await;
-        assert_eq!(errors.unwrap_or(0.0), 0.0, "{}", gw.metrics().await);
-    }
-
     /// A CONNECT head is a request head: one that stalls after its first line is cut at
     /// header_timeout too (not at a fixed minute), and counted as such.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

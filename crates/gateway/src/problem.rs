@@ -160,19 +160,6 @@ impl Problem {
             retry_after_ms: None,
         }
     }
-    /// 408: the client's request body stopped arriving: the member waited for it past
-    /// `read_timeout` (or the gateway past its own read timeout). The client's failure, not the
-    /// member's.
-    pub fn request_timeout() -> Problem {
-        Problem {
-            status: 408,
-            code: "request_timeout",
-            title: "Request timed out",
-            detail: "the request's body was still arriving when the member's read_timeout passed"
-                .into(),
-            retry_after_ms: None,
-        }
-    }
     /// 502: the member broke the exchange after the connection was made.
     pub fn upstream_error() -> Problem {
         Problem {

@@ -43,8 +43,7 @@ pub(crate) fn finish(gateway: &Gateway, session: &Session, e: Option<&Error>, ct
                             Failure::Unreachable
                             | Failure::NoMember
                             | Failure::Denied(_)
-                            | Failure::Refused
-                            | Failure::ClientBody,
+                            | Failure::Refused,
                         ),
                     ) => {}
                     (None, _) => member.attempts_ok.inc(),
@@ -221,7 +220,6 @@ fn error_of(
         Some(Failure::Denied(_)) => return (Some("destination_denied"), None),
         // The fallback route's own answer, after a member's that did no work.
         Some(Failure::Refused) => return (ctx.seen.answered, None),
-        Some(Failure::ClientBody) => return (Some("request_timeout"), None),
         None => {}
     }
     let Some(e) = e else {

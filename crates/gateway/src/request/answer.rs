@@ -339,16 +339,6 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
             })
         }
         _ => match e.esource() {
-            // A member that waited past read_timeout for a body still arriving timed out on the
-            // client's account: nginx's `client_body_timeout`, 408.
-            ErrorSource::Upstream
-                if e.etype() == &ErrorType::ReadTimedout
-                    && !crate::headers::final_head_written(session)
-                    && !session.as_downstream_mut().is_body_done() =>
-            {
-                ctx.failure = Some(Failure::ClientBody);
-                Some(Problem::request_timeout())
-            }
             ErrorSource::Upstream => Some(match e.etype() {
                 ErrorType::ReadTimedout => Problem::upstream_timeout(),
                 ErrorType::WriteTimedout => Problem::upstream_write_timeout(),
@@ -357,10 +347,6 @@ pub(crate) async fn failure(session: &mut Session, e: &Error, ctx: &mut RequestC
             ErrorSource::Downstream => match e.etype() {
                 // The client is gone; there is nobody to answer.
                 ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => None,
-                ErrorType::ReadTimedout if !crate::headers::final_head_written(session) => {
-                    ctx.failure = Some(Failure::ClientBody);
-                    Some(Problem::request_timeout())
-                }
                 _ => Some(Problem::bad_request()),
             },
             _ => Some(Problem::internal()),

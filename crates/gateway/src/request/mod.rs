@@ -142,9 +142,6 @@ pub(crate) enum Failure {
     /// After a member's answer that did no work, the fallback route refused the request: its
     /// refusal, kept in the request's fallback trail, is the answer.
     Refused,
-    /// The client's body stopped arriving while the member waited for it: 408, and not the
-    /// member's failure.
-    ClientBody,
 }
 
 /// Admission's refusal of a request on a route with a `fallback`: the answer the route gives,
