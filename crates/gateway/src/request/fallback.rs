@@ -230,6 +230,11 @@ async fn follow(
     mut reason: FallbackOn,
     at_answer: bool,
 ) -> Result<bool> {
+    // After a member's answer, the client the route left charged the request to its windows
+    // (the one its admission identified): that client is not charged again.
+    let charged = at_answer
+        .then(|| ctx.client.as_ref().map(|c| c.name.clone()))
+        .flatten();
     loop {
         record_hop(gateway, ctx, &from, &next, reason);
         // The request belongs to the next route from here: its answer, its log line and its
@@ -241,7 +246,7 @@ async fn follow(
         ctx.failure = None;
         ctx.ratelimit = None;
         let (problem, ratelimit, no_member) =
-            match admit_on(gateway, session, ctx, &next, at_answer).await {
+            match admit_on(gateway, session, ctx, &next, at_answer, charged.as_deref()).await {
                 Admitted::Go => return Ok(false),
                 Admitted::Left => {
                     return Err(Error::explain(
@@ -287,6 +292,7 @@ async fn admit_on(
     ctx: &mut RequestCtx,
     route: &Arc<Route>,
     at_answer: bool,
+    charged: Option<&str>,
 ) -> Admitted {
     let refused = |problem| Admitted::Refused {
         problem,
@@ -364,9 +370,11 @@ async fn admit_on(
         };
         reserved = usage.reserve(&prefix.request(&session.req_header().headers));
     }
-    // After a member's answer, the client's windows of requests counted this request on the
-    // route it left: one request is counted once.
-    admit_to(gateway, session, ctx, route, cost, reserved, at_answer).await
+    // The client's windows of requests counted this request on the route it left, when this
+    // route identifies the same client (each route identifies by its own `client_token`): one
+    // request is counted once by each client that it is charged to.
+    let counted = charged.is_some() && charged == ctx.client.as_ref().map(|c| &*c.name);
+    admit_to(gateway, session, ctx, route, cost, reserved, counted).await
 }
 
 #[cfg(test)]
