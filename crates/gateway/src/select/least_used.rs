@@ -155,7 +155,7 @@ impl LeastUsed {
         let id = self.lease_id();
         let ask = self.ask(&others, quota, cost, self.lease_ask(&id));
         let answer = assign(state, ask, reserving).await;
-        let lease = match &answer {
+        let mut lease = match &answer {
             Ok((assignment, _)) => held(self.leases.as_ref(), id, assignment),
             Err(_) => {
                 given_back(self.leases.as_ref(), id);
@@ -164,6 +164,13 @@ impl LeastUsed {
         };
         match answer {
             Ok((Assignment::Assigned { member, quota }, entries)) => {
+                // A member this table does not know: its lease is back before the request's
+                // first attempt is asked of the store (see `attempt_for`).
+                if !self.index_of.contains_key(member.as_str()) {
+                    if let Some(lease) = lease.take() {
+                        lease.release().await;
+                    }
+                }
                 // Another instance may have synced a newer member list a moment ago: a
                 // member this table does not know was counted there, and the trial waits.
                 let first = match self.index_of.get(&*member) {
@@ -264,7 +271,17 @@ impl Selector for LeastUsed {
         let ask = self.ask(&down, quota, cost, self.lease_ask(&id));
         match assign(state, ask, reserving).await {
             Ok((assignment, entries)) => {
-                let lease = held(self.leases.as_ref(), id, &assignment);
+                let mut lease = held(self.leases.as_ref(), id, &assignment);
+                if let Assignment::Assigned { member, .. } = &assignment {
+                    // A member this table does not know: its lease is back before the request's
+                    // first attempt is asked of the store (see `attempt_for`), which must not
+                    // count it against the caps.
+                    if !self.index_of.contains_key(member.as_str()) {
+                        if let Some(lease) = lease.take() {
+                            lease.release().await;
+                        }
+                    }
+                }
                 Admission::of(assignment, entries, |member| {
                     self.attempt_for(member).map(|a| a.leased(lease))
                 })
@@ -297,8 +314,6 @@ impl Selector for LeastUsed {
             let ask = self.ask(&asked, None, tried.cost, self.lease_ask(&id));
             match assign(state, ask, tried.reserving()).await {
                 Ok((assignment @ Assignment::Assigned { .. }, entries)) => {
-                    // An unknown member's lease is released as its guard drops here. Its own
-                    // windows were not sent, so it has no entry to settle.
                     let lease = held(self.leases.as_ref(), id, &assignment);
                     let Assignment::Assigned { member, .. } = assignment else {
                         return None;
@@ -306,6 +321,11 @@ impl Selector for LeastUsed {
                     if let Some(attempt) = self.attempt_for(&member) {
                         tried.reserved(&entries);
                         return Some(attempt.leased(lease));
+                    }
+                    // An unknown member's lease is back before the next ask, which must not
+                    // count it. Its own windows were not sent, so it has no entry to settle.
+                    if let Some(lease) = lease {
+                        lease.release().await;
                     }
                     if unknown.len() >= UNKNOWN_MEMBERS {
                         return None;
