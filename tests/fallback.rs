@@ -475,3 +475,38 @@ fn check_refuses_a_fallback_cycle() {
     let refused = config.check().expect_err("a cycle is refused");
     assert!(refused.contains("fallback cycle: a -> b -> a"), "{refused}");
 }
+
+/// The egress guard holds on the route a request falls back to: after route `a`'s member
+/// answered 429, a destination the client wrote as a loopback address is refused on `b`, whose
+/// proxy member would carry it anywhere, before the proxy is contacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fallback_route_checks_an_address_destination() {
+    let dir = support::TempDir::new("fallback-guard");
+    let proxy = support::tinyproxy::Tinyproxy::start(dir.path(), "proxy", None);
+    let a = backend("a").await;
+    let gw = Config::new()
+        .routes([
+            Route::new("a")
+                .hosts(&["127.0.0.1"])
+                .member(url(a.local_addr()))
+                .fallback("b", &["429"]),
+            Route::new("b").hosts(&["b.test"]).proxy_member(proxy.url()),
+        ])
+        .start();
+    a.refuse_next("", 1, "5").unwrap();
+    let target = format!("http://{}/x", a.local_addr());
+    let mut client = support::HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    let r = client
+        .send(
+            &format!("GET {target} HTTP/1.1\r\nHost: {}\r\n\r\n", a.local_addr()),
+            b"",
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("destination_denied"));
+    assert!(
+        proxy.requests("GET").is_empty(),
+        "the proxy was not contacted"
+    );
+}

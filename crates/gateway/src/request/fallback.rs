@@ -323,6 +323,12 @@ async fn admit_on(
         .any(|m| m.kind.reaches_target())
         .then(|| super::Dest::of(&target));
     let table = gateway.table.load();
+    // The egress guard, as routing applies it: a destination written as an address that the
+    // route left never reached a member that checks it.
+    let port = if https { 443 } else { 80 };
+    if let Some(problem) = super::route::literal_denied(&table, route, &target, port) {
+        return refused(problem);
+    }
     if let Some(clients) = table.clients.as_ref() {
         let caller = super::authorize::Caller {
             cert_names: crate::listen_tls::peer_names(session),

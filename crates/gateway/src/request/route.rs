@@ -122,21 +122,29 @@ fn literal_allowed(
     target: &Target<'_>,
     default_port: u16,
 ) -> Result<(), Box<Refused<'static>>> {
+    match literal_denied(table, route, target, default_port) {
+        None => Ok(()),
+        Some(problem) => Err(Refused::on(route, problem, None)),
+    }
+}
+
+/// The refusal of [`literal_allowed`], for a route the request is routed or falls back to.
+pub(crate) fn literal_denied(
+    table: &Table,
+    route: &Route,
+    target: &Target<'_>,
+    default_port: u16,
+) -> Option<Problem> {
     if !route.members.iter().any(|m| m.kind.reaches_target()) {
-        return Ok(());
+        return None;
     }
-    let Ok(ip) = target.host.parse::<std::net::IpAddr>() else {
-        return Ok(());
-    };
+    let ip = target.host.parse::<std::net::IpAddr>().ok()?;
     let addr = std::net::SocketAddr::new(ip, target.port.unwrap_or(default_port));
-    match table.guard.check_addr(addr) {
-        Ok(_) => Ok(()),
-        Err(denial) => Err(Refused::on(
-            route,
-            Problem::destination_denied(crate::egress::describe(&target.host, &denial)),
-            None,
-        )),
-    }
+    let denial = table.guard.check_addr(addr).err()?;
+    Some(Problem::destination_denied(crate::egress::describe(
+        &target.host,
+        &denial,
+    )))
 }
 
 /// The route of a CONNECT: by the target's host, with the path `/` (so a route's
