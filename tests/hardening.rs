@@ -326,13 +326,17 @@ mod downstream_limits {
             client.wait_closed(DEADLINE).await,
             "a stalled CONNECT head kept its connection open"
         );
-        let cut = gw
-            .metric(
+        // Counted as the connection's task ends, a moment after the close.
+        let counted = support::wait_until_async(DEADLINE, || async {
+            gw.metric(
                 "sluice_connections_closed_total",
                 &[("reason", "header_timeout")],
             )
-            .await;
-        assert_eq!(cut, Some(1.0));
+            .await
+                == Some(1.0)
+        })
+        .await;
+        assert!(counted, "{}", gw.metrics().await);
     }
 
     /// A first head that comes slower than idle_timeout but within header_timeout is served:
