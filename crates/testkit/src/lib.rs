@@ -341,6 +341,18 @@ pub struct RedisCluster {
 
 impl Drop for RedisCluster {
     fn drop(&mut self) {
+        // A test that fails on a cluster shows what each node went through (failovers, role
+        // changes): a store error seen by the gateway is often explained only there.
+        if std::thread::panicking() {
+            for n in &self.nodes {
+                let log = n.log();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                eprintln!("--- redis cluster node {} (last lines) ---", n.port());
+                for line in tail.iter().rev() {
+                    eprintln!("{line}");
+                }
+            }
+        }
         // The nodes go first (by their own Drop, after this), then nothing refers to the CA.
         if let Some(certs) = &self.certs {
             let _ = std::fs::remove_dir_all(certs);

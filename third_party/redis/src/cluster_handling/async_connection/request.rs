@@ -275,10 +275,17 @@ pub(crate) fn choose_response<C>(
 
         (_, RetryMethod::RefreshSlotsAndRetry) => {
             let retry = retry_or_send!(|mut request: PendingRequest<C>| {
+                // PATCH (sluice, a wait before a READONLY retry; third_party/PATCHES.md):
                 // No redirect address is available (e.g. READONLY), so re-route by slot
-                // against the refreshed topology.
+                // against the refreshed topology. The node that answered still believes it
+                // serves the slot, and a refresh made at once often returns the same stale map
+                // (the cluster has not converged yet): every retry would then fail within a
+                // millisecond. Wait first, as the sync client does, while the refresh runs.
                 request.cmd.reset_routing();
-                Retry::MoveToPending { request }
+                Retry::AfterSleep {
+                    request,
+                    sleep_duration,
+                }
             });
             (retry, PollFlushAction::RebuildSlots)
         }
@@ -467,11 +474,16 @@ mod tests {
         let (retry, next) = choose_response(result, request, &retry_params);
 
         // READONLY has no redirect address, so the request keeps its (slot-based) routing
-        // and is retried after a sleep once the slot map has been rebuilt.
-        if let Some(super::Retry::MoveToPending { request }) = retry {
+        // and is retried after a sleep, while the slot map is rebuilt.
+        if let Some(super::Retry::AfterSleep {
+            request,
+            sleep_duration,
+        }) = retry
+        {
             assert!(get_redirect(&request).is_none());
+            assert!(sleep_duration > Duration::ZERO);
         } else {
-            panic!("Expected a move-to-pending");
+            panic!("Expected a retry after a sleep");
         }
         assert_eq!(next, PollFlushAction::RebuildSlots);
         assert_matches!(receiver.try_recv(), Err(_));
