@@ -232,6 +232,49 @@ fn the_shapes_sluice_reads() {
     }
 }
 
+/// Integers at the edges of what `str::parse::<i64>` takes, and lines that are almost
+/// integers or almost lines: read as released, whether as a value or as combine's error. The
+/// fast path reads a size, a count or an integer reply itself, so a reader that is lax about
+/// signs, digits or overflow (one tried reading the bytes without `str::parse`) must fail here.
+#[test]
+fn integer_spellings_read_as_released() {
+    let lines: &[&[u8]] = &[
+        b"0",
+        b"-0",
+        b"+0",
+        b"+5",
+        b"-5",
+        b"007",
+        b"9223372036854775807",
+        b"9223372036854775808",
+        b"-9223372036854775808",
+        b"-9223372036854775809",
+        b"99999999999999999999",
+        b"",
+        b"-",
+        b"+",
+        b"--1",
+        b"+-1",
+        b"1-",
+        b"1a",
+        b"0x10",
+        b"\xff1",
+        b"1\r",
+        b"\r1",
+    ];
+    for line in lines {
+        for kind in [b':', b'$', b'*'] {
+            let mut input = vec![kind];
+            input.extend_from_slice(line);
+            input.extend_from_slice(b"\r\n");
+            // A body for a size or a count that asks for one, so that the reply can end.
+            input.extend_from_slice(b":1\r\n");
+            let (patched, released) = both(&input, &[]);
+            assert_eq!(patched, released, "{:?}", String::from_utf8_lossy(&input));
+        }
+    }
+}
+
 /// A count larger than the bytes could hold is an incomplete reply, not an allocation of that
 /// size: the patched decoder waits for more, as released.
 #[test]
