@@ -182,9 +182,13 @@ impl MemoryStore {
                 return Ok(Pick::ClientCapped);
             }
         }
+        let member_max = ask.lease.and_then(|l| l.member_max);
         if ask.cooldowns {
             let least_used = matches!(ask.order, Order::LeastUsed);
-            route.settle_cooldowns(excluded, now, least_used);
+            let capped = |route: &Route, id: &str| {
+                member_max.is_some_and(|max| route.leases.count(id) >= max)
+            };
+            route.settle_cooldowns(excluded, capped, now, least_used);
         }
         // The session's member, when it is still a candidate of this order: offered first.
         let bound = ask.sticky.and_then(|sticky| {
@@ -204,7 +208,6 @@ impl MemoryStore {
         let mut wait: Option<u64> = None;
         let cooling = &route.cooling;
         let leases = &route.leases;
-        let member_max = ask.lease.and_then(|l| l.member_max);
         let mut entry = None;
         // Offers one candidate (the member at `index` of `ask.members`, when it is one); true
         // when it is taken (its windows recorded).

@@ -24,11 +24,18 @@ pub(crate) struct Route {
 impl Route {
     /// Settles the cooldowns that are over at `now`: on a least-used pool, each of their
     /// members is raised to the least count among the members that could take requests
-    /// meanwhile (not cooling, not `excluded`, not just back themselves), as `on_restore: min`
-    /// does after ill health; at its old count it would take every request until it caught
-    /// up, which tends to bring the provider's 429 straight back. Never lowers a count. The
-    /// same rule as `members_cooling` in `lua/members.lua`.
-    pub(crate) fn settle_cooldowns(&mut self, excluded: &Excluded<'_>, now: u64, least_used: bool) {
+    /// meanwhile (not cooling, not `excluded`, not at their most leases (`capped`), not just
+    /// back themselves), as `on_restore: min` does after ill health; at its old count it would
+    /// take every request until it caught up, which tends to bring the provider's 429 straight
+    /// back. Never lowers a count. The same rule as `members_cooling` in `lua/members.lua`,
+    /// which is given the members at their cap among the excluded (`leases_cap`).
+    pub(crate) fn settle_cooldowns(
+        &mut self,
+        excluded: &Excluded<'_>,
+        capped: impl Fn(&Self, &str) -> bool,
+        now: u64,
+        least_used: bool,
+    ) {
         if self.cooling.values().all(|&until| until > now) {
             return;
         }
@@ -48,7 +55,10 @@ impl Route {
             .order
             .iter()
             .find(|(_, id)| {
-                !excluded.contains(id) && !cooling.contains_key(id) && !ended.contains(id)
+                !excluded.contains(id)
+                    && !cooling.contains_key(id)
+                    && !ended.contains(id)
+                    && !capped(self, id)
             })
             .map(|(count, _)| *count);
         let Some(least) = least else {

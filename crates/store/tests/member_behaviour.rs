@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_allocator::{Assign, Assignment, MemoryStore, Order, PoolMember, StateStore};
+use sluice_allocator::{Assign, Assignment, Lease, MemoryStore, Order, PoolMember, StateStore};
 use sluice_limiter::{Acquire, Outcome, Window};
 use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::{RedisCluster, RedisServer};
@@ -377,6 +377,43 @@ async fn a_member_back_from_its_cooldown_starts_at_the_least_count(store: &dyn S
     );
 }
 
+/// A member at its most leases (`upstream.max_in_flight`) cannot take requests, so it does not
+/// set the count a member back from its cooldown starts at, though its own count is the least:
+/// the two stores exclude it at the same point.
+async fn a_member_at_its_lease_cap_does_not_set_the_count_of_one_back(store: &dyn StateStore) {
+    let route = "lu-capback";
+    let members = [member("a", &[]), member("b", &[]), member("c", &[])];
+    let at = |t: u64| ask(route, &members, Order::LeastUsed, T0 + t);
+    let leased = |id: &'static str, t: u64| Assign {
+        lease: Some(Lease {
+            id,
+            ttl_us: 10 * W,
+            member_max: Some(1),
+            route_max: None,
+            client: None,
+        }),
+        ..at(t)
+    };
+    store.cool(route, "a", W, Some(T0)).await.unwrap();
+    assert_eq!(assigned(store, at(1)).await, "b");
+    assert_eq!(assigned(store, at(2)).await, "c");
+    assert_eq!(assigned(store, at(3)).await, "b");
+    // c takes its one lease, and is then at its cap with the least count of the two.
+    assert_eq!(assigned(store, leased("l1", 4)).await, "c");
+    assert_eq!(assigned(store, at(5)).await, "b");
+    assert_eq!(
+        counts(store, route).await,
+        count_map(&[("a", 0), ("b", 3), ("c", 2)])
+    );
+    // a's cooldown is over: it rises to b's 3, the least of the members that could take
+    // requests (c, at its cap, could not), and wins the tie by its name.
+    assert_eq!(assigned(store, leased("l2", W)).await, "a");
+    assert_eq!(
+        counts(store, route).await,
+        count_map(&[("a", 4), ("b", 3), ("c", 2)])
+    );
+}
+
 /// On the store's own clock: `cooldowns` lists what cools, soonest first, and a cooldown ends
 /// by itself (polled with a deadline; no timing is asserted).
 async fn cooldowns_on_the_store_clock(store: &dyn StateStore) {
@@ -582,6 +619,7 @@ async fn suite(store: Arc<dyn StateStore>) {
     preference_with_windows_and_cooldowns(&*store).await;
     cooldowns_on_a_trace_clock(&*store).await;
     a_member_back_from_its_cooldown_starts_at_the_least_count(&*store).await;
+    a_member_at_its_lease_cap_does_not_set_the_count_of_one_back(&*store).await;
     cooldowns_on_the_store_clock(&*store).await;
 }
 
