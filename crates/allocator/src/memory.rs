@@ -430,13 +430,16 @@ impl StateStore for MemoryStore {
         if ask.members.is_empty() {
             return Ok(Assignment::NoMember { quota: None });
         }
+        let excluded = Excluded::new(ask.excluded);
+        let route = self.pools.route(ask.route);
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        // Read under the route's lock, which every assignment on the route takes first: the
+        // entries its members' and quota's logs get are then in time order (see
+        // `QuotaLogs::ask_then`).
         let now = ask
             .at_us
             .or(ask.quota.and_then(|q| q.at_us))
             .unwrap_or_else(|| self.quotas.now_us());
-        let excluded = Excluded::new(ask.excluded);
-        let route = self.pools.route(ask.route);
-        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
         // A pool with no member is one that was never synced, as in Redis.
         if matches!(ask.order, Order::LeastUsed) && route.counts.by_member.is_empty() {
             let ids = ask.members.iter().map(|m: &PoolMember| &m.id);
@@ -528,13 +531,16 @@ impl StateStore for MemoryStore {
         if ask.members.is_empty() {
             return Ok(unassigned(Assignment::NoMember { quota: None }));
         }
+        let excluded = Excluded::new(ask.excluded);
+        let route = self.pools.route(ask.route);
+        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
+        // Read under the route's lock, which every assignment on the route takes first: the
+        // entries its members' and quota's logs get are then in time order (see
+        // `QuotaLogs::ask_then`).
         let now = ask
             .at_us
             .or(ask.quota.and_then(|q| q.at_us))
             .unwrap_or_else(|| self.quotas.now_us());
-        let excluded = Excluded::new(ask.excluded);
-        let route = self.pools.route(ask.route);
-        let mut route = route.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(ask.order, Order::LeastUsed) && route.counts.by_member.is_empty() {
             let ids = ask.members.iter().map(|m: &PoolMember| &m.id);
             route.counts.sync(ids, &excluded);

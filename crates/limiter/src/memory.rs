@@ -511,19 +511,20 @@ impl QuotaLogs {
         req: Ask<'_>,
         then: impl FnOnce() -> Option<T>,
     ) -> Result<(Outcome, Option<T>, Option<EntryId>), StoreError> {
-        let now = req.at_us.unwrap_or_else(|| self.now_us());
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
         if call % SWEEP_EVERY == SWEEP_EVERY - 1 {
             let turn = (call / SWEEP_EVERY) as usize % self.shards.len();
-            sweep(
-                &mut self.shards[turn].lock().unwrap_or_else(|p| p.into_inner()),
-                now,
-            );
+            let mut shard = self.shards[turn].lock().unwrap_or_else(|p| p.into_inner());
+            sweep(&mut shard, req.at_us.unwrap_or_else(|| self.now_us()));
         }
         let mut shard = self
             .shard(req.route, req.key)
             .lock()
             .unwrap_or_else(|p| p.into_inner());
+        // The clock is read under the key's lock, as a script reads Redis's `TIME` inside its
+        // call: a request that waited for the lock is recorded after the one that held it, so
+        // each log's entries stay in time order and expire from its front.
+        let now = req.at_us.unwrap_or_else(|| self.now_us());
         let Shard { routes, seq } = &mut *shard;
         let route = match routes.get_mut(req.route) {
             Some(route) => route,
@@ -752,6 +753,43 @@ mod tests {
             limit: 10,
             length_us: 1_000,
         }]
+    }
+
+    /// A request that waits for its key's lock is recorded at the time it got the lock, not
+    /// at the time it asked: otherwise an entry could go in behind a later one, and the log,
+    /// which expires from its front, would hold it past its window.
+    #[test]
+    fn the_clock_is_read_under_the_key_lock() {
+        let logs = Arc::new(QuotaLogs::new());
+        let held = logs.shard("r", "k").lock().unwrap();
+        let asker = {
+            let logs = logs.clone();
+            std::thread::spawn(move || {
+                let w = windows();
+                let req = Acquire {
+                    route: "r",
+                    key: "k",
+                    windows: &w,
+                    cost: 1,
+                    at_us: None,
+                    client: None,
+                };
+                logs.decide(req).unwrap()
+            })
+        };
+        // The asker has counted its call, the step before it reads the clock or locks.
+        while logs.calls.load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now();
+        }
+        let released_at = logs.now_us();
+        drop(held);
+        assert!(asker.join().unwrap().admitted);
+        let shard = logs.shard("r", "k").lock().unwrap();
+        let entry_at = shard.routes["r"].keys["k"].logs[0].1.entries[0].at_us;
+        assert!(
+            entry_at >= released_at,
+            "recorded at {entry_at}, before the lock was let go at {released_at}"
+        );
     }
 
     /// What makes a least-used assignment and its quota one step: `then` runs while the key's
