@@ -526,6 +526,28 @@ impl QuotaLogs {
         // each log's entries stay in time order and expire from its front.
         let now = req.at_us.unwrap_or_else(|| self.now_us());
         let Shard { routes, seq } = &mut *shard;
+        if !req.amounts.records()
+            && !routes
+                .get(req.route)
+                .is_some_and(|r| r.keys.contains_key(req.key))
+        {
+            // A read of a key nothing was charged to (the admin API's, at every scrape): what
+            // an empty log answers, and no key or route made for it, as a script makes none.
+            let mut scratch = Entries {
+                here: 0,
+                budget: Arc::default(),
+            };
+            let mut state = KeyState::default();
+            return decide(
+                &mut state,
+                &mut scratch,
+                &mut 0,
+                self.max_entries,
+                &req,
+                now,
+                then,
+            );
+        }
         let route = match routes.get_mut(req.route) {
             Some(route) => route,
             None => routes
@@ -753,6 +775,30 @@ mod tests {
             limit: 10,
             length_us: 1_000,
         }]
+    }
+
+    /// A read (cost 0) of a key nothing was charged to answers as an empty log would, and
+    /// makes no key: the admin API reads every route's windows at every scrape.
+    #[test]
+    fn a_read_makes_no_key() {
+        let logs = QuotaLogs::new();
+        let w = windows();
+        let read = Acquire {
+            route: "r",
+            key: "k",
+            windows: &w,
+            cost: 0,
+            at_us: Some(0),
+            client: None,
+        };
+        let outcome = logs.decide(read).unwrap();
+        assert!(outcome.admitted);
+        assert_eq!(outcome.windows[0].remaining, 10);
+        assert_eq!(logs.keys(), 0, "a read made a key");
+        // Once charged, the key is read as it is.
+        logs.decide(Acquire { cost: 3, ..read }).unwrap();
+        assert_eq!(logs.decide(read).unwrap().windows[0].remaining, 7);
+        assert_eq!(logs.keys(), 1);
     }
 
     /// A request that waits for its key's lock is recorded at the time it got the lock, not
