@@ -1512,6 +1512,22 @@ where
             }) => {
                 let future = RequestState::Sleep {
                     sleep: boxed_sleep(sleep_duration),
+                    refresh: false,
+                };
+                self.in_flight_requests.push(Box::pin(Request {
+                    retry_params: self.inner.cluster_params.retry_params.clone(),
+                    request: Some(request),
+                    future,
+                }));
+            }
+            // PATCH (sluice, a wait before a READONLY retry; third_party/PATCHES.md).
+            Some(Retry::RefreshAfterSleep {
+                request,
+                sleep_duration,
+            }) => {
+                let future = RequestState::Sleep {
+                    sleep: boxed_sleep(sleep_duration),
+                    refresh: true,
                 };
                 self.in_flight_requests.push(Box::pin(Request {
                     retry_params: self.inner.cluster_params.retry_params.clone(),

@@ -49,6 +49,12 @@ pub(super) enum Retry<C> {
         request: PendingRequest<C>,
         sleep_duration: Duration,
     },
+    // PATCH (sluice, a wait before a READONLY retry; third_party/PATCHES.md): sleeps, then asks
+    // for a slot refresh and waits for it among the pending requests, as the sync client does.
+    RefreshAfterSleep {
+        request: PendingRequest<C>,
+        sleep_duration: Duration,
+    },
 }
 
 impl<C> CmdArg<C> {
@@ -118,6 +124,9 @@ pin_project! {
         Sleep {
             #[pin]
             sleep: BoxFuture<'static, ()>,
+            // PATCH (sluice, a wait before a READONLY retry): whether the slot map is refreshed
+            // once the sleep is over, before the request is sent again.
+            refresh: bool,
         },
     }
 }
@@ -280,14 +289,21 @@ pub(crate) fn choose_response<C>(
                 // against the refreshed topology. The node that answered still believes it
                 // serves the slot, and a refresh made at once often returns the same stale map
                 // (the cluster has not converged yet): every retry would then fail within a
-                // millisecond. Wait first, as the sync client does, while the refresh runs.
+                // millisecond. Wait first, then refresh, as the sync client does.
                 request.cmd.reset_routing();
-                Retry::AfterSleep {
+                Retry::RefreshAfterSleep {
                     request,
                     sleep_duration,
                 }
             });
-            (retry, PollFlushAction::RebuildSlots)
+            // Out of retries, the error is the caller's, and the map is refreshed at once for
+            // the requests that come next.
+            let refresh = if retry.is_some() {
+                PollFlushAction::None
+            } else {
+                PollFlushAction::RebuildSlots
+            };
+            (retry, refresh)
         }
 
         (_, RetryMethod::WaitAndRetry) => (
@@ -323,16 +339,20 @@ impl<C> Future for Request<C> {
 
         let future = match this.future.as_mut().project() {
             RequestStateProj::Future { future } => future,
-            RequestStateProj::Sleep { sleep } => {
+            RequestStateProj::Sleep { sleep, refresh } => {
                 ready!(sleep.poll(cx));
-                return (
-                    Some(Retry::Immediately {
-                        // can unwrap, because we tested for `is_none`` earlier in the function
-                        request: this.request.take().unwrap(),
-                    }),
-                    PollFlushAction::None,
-                )
-                    .into();
+                // can unwrap, because we tested for `is_none`` earlier in the function
+                let request = this.request.take().unwrap();
+                // PATCH (sluice, a wait before a READONLY retry): the refresh comes after the
+                // sleep, and the request waits for it among the pending ones.
+                if *refresh {
+                    return (
+                        Some(Retry::MoveToPending { request }),
+                        PollFlushAction::RebuildSlots,
+                    )
+                        .into();
+                }
+                return (Some(Retry::Immediately { request }), PollFlushAction::None).into();
             }
         };
         let result = ready!(future.poll(cx));
@@ -474,8 +494,8 @@ mod tests {
         let (retry, next) = choose_response(result, request, &retry_params);
 
         // READONLY has no redirect address, so the request keeps its (slot-based) routing
-        // and is retried after a sleep, while the slot map is rebuilt.
-        if let Some(super::Retry::AfterSleep {
+        // and is retried after a sleep and then a rebuild of the slot map.
+        if let Some(super::Retry::RefreshAfterSleep {
             request,
             sleep_duration,
         }) = retry
@@ -483,9 +503,10 @@ mod tests {
             assert!(get_redirect(&request).is_none());
             assert!(sleep_duration > Duration::ZERO);
         } else {
-            panic!("Expected a retry after a sleep");
+            panic!("Expected a refresh after a sleep");
         }
-        assert_eq!(next, PollFlushAction::RebuildSlots);
+        // The rebuild waits for the sleep.
+        assert_eq!(next, PollFlushAction::None);
         assert_matches!(receiver.try_recv(), Err(_));
 
         // Once retries are exhausted, the error is surfaced (still rebuilding slots).
@@ -496,6 +517,37 @@ mod tests {
         assert_eq!(receiver.try_recv(), Ok(Err(to_err(err_string))));
         assert!(retry.is_none());
         assert_eq!(next, PollFlushAction::RebuildSlots);
+    }
+
+    // PATCH (sluice, a wait before a READONLY retry): a request back from its sleep asks for
+    // the slot refresh, and waits for it among the pending requests; a plain sleep's request
+    // is sent again at once, as before.
+    #[test]
+    fn a_request_back_from_a_refresh_sleep_asks_for_the_refresh() {
+        for (refresh, want_pending, want_next) in [
+            (true, true, PollFlushAction::RebuildSlots),
+            (false, false, PollFlushAction::None),
+        ] {
+            let (request, _receiver) = request_and_receiver(1);
+            let mut future = Box::pin(Request::<usize> {
+                retry_params: RetryParams::default(),
+                request: Some(request),
+                future: RequestState::Sleep {
+                    sleep: Box::pin(async {}),
+                    refresh,
+                },
+            });
+            let mut cx = task::Context::from_waker(futures_util::task::noop_waker_ref());
+            let Poll::Ready((retry, next)) = future.as_mut().poll(&mut cx) else {
+                panic!("a finished sleep is ready");
+            };
+            assert_eq!(next, want_next);
+            match retry {
+                Some(super::Retry::MoveToPending { .. }) => assert!(want_pending),
+                Some(super::Retry::Immediately { .. }) => assert!(!want_pending),
+                _ => panic!("expected the request back"),
+            }
+        }
     }
 
     #[test]
