@@ -827,6 +827,12 @@ mod tests {
         while logs.calls.load(Ordering::Relaxed) == 0 {
             std::thread::yield_now();
         }
+        // A microsecond later than any time the asker could have read before it counted its
+        // call: the clock is read in whole microseconds.
+        let counted_by = logs.now_us();
+        while logs.now_us() == counted_by {
+            std::hint::spin_loop();
+        }
         let released_at = logs.now_us();
         drop(held);
         assert!(asker.join().unwrap().admitted);
