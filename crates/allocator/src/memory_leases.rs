@@ -18,12 +18,14 @@ pub(crate) struct Leases {
 }
 
 impl Leases {
-    /// Drops every lease whose expiry is not after `now`. In memory that is cheap enough to do
-    /// whole (Redis bounds it per call).
+    /// Drops the leases whose expiry is not after `now`, at most
+    /// [`crate::LEASES_EXPIRED_PER_CALL`] of them, as the scripts do (`leases_open`): the rest
+    /// go in later calls and count meanwhile, so that both stores count the same leases.
     pub(crate) fn expire(&mut self, now: u64) {
-        while let Some(first) = self.expiries.first() {
-            if first.0 > now {
-                break;
+        for _ in 0..crate::LEASES_EXPIRED_PER_CALL {
+            match self.expiries.first() {
+                Some(first) if first.0 <= now => {}
+                _ => break,
             }
             if let Some((_, id)) = self.expiries.pop_first() {
                 self.forget(&id);

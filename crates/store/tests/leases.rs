@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use sluice_allocator::{
     Assign, Assignment, ClientCap, Lease, MemoryStore, Order, PoolMember, StateStore, Sticky,
+    LEASES_EXPIRED_PER_CALL,
 };
 use sluice_limiter::{Acquire, Window};
 use sluice_store::{RedisConnection, RedisStore};
@@ -451,6 +452,47 @@ async fn a_lease_asked_again_is_taken_once(a: &dyn StateStore, b: &dyn StateStor
     assert_eq!(held(in_flight(b, route, T0).await), []);
 }
 
+/// Expired leases leave at most `LEASES_EXPIRED_PER_CALL` a call, on both stores: bounded
+/// work per call, and the rest count until a later call drops them (which only refuses early).
+async fn expired_leases_leave_a_bounded_number_a_call(a: &dyn StateStore, b: &dyn StateStore) {
+    let route = "expire-bound";
+    let pool = members(&["m1"]);
+    let extra = 6;
+    let total = LEASES_EXPIRED_PER_CALL as u64 + extra;
+    let ids: Vec<String> = (0..total).map(|i| format!("x{i}")).collect();
+    for id in &ids {
+        let take = ask(
+            route,
+            &pool,
+            Order::LeastInFlight(&[0]),
+            lease(id, SEC, None, None),
+            T0,
+        );
+        assigned(a, take).await;
+    }
+    // All have expired at T0 + 2 s. One call drops LEASES_EXPIRED_PER_CALL of them: `extra`
+    // still count, so a cap of `extra` refuses, through either instance.
+    let capped = |id: &'static str| {
+        ask(
+            route,
+            &pool,
+            Order::LeastInFlight(&[0]),
+            lease(id, LONG, None, Some(extra)),
+            T0 + 2 * SEC,
+        )
+    };
+    assert!(matches!(
+        b.assign(capped("c0")).await.unwrap(),
+        Assignment::Concurrency { .. }
+    ));
+    // The next call drops the rest, and there is room.
+    assert_eq!(assigned(a, capped("c1")).await, "m1");
+    assert_eq!(
+        in_flight(b, route, T0 + 2 * SEC).await,
+        BTreeMap::from([("m1".to_string(), 1)])
+    );
+}
+
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     a_lease_asked_again_is_taken_once(&*a, &*b).await;
     least_in_flight_takes_the_fewest(&*a, &*b).await;
@@ -459,6 +501,7 @@ async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     leases_expire_and_renew(&*a, &*b).await;
     a_client_at_its_cap_is_refused_on_every_route(&*a, &*b).await;
     many_released_at_once(&*a, &*b).await;
+    expired_leases_leave_a_bounded_number_a_call(&*a, &*b).await;
 }
 
 fn redis_store(url: &str) -> Arc<dyn StateStore> {
