@@ -64,8 +64,9 @@ async fn capped_on(state: State, instances: usize) {
         .expect("the builder writes routes last")
         .to_string();
     // `plain` has no lease of its own (round-robin, no cap), `lif` counts its members'. A
-    // lease_ttl of 2 s, which the held requests outlive: their renewals keep them counting. (At
-    // 1 s, a renewal a loaded machine delayed by two thirds of a second lost the lease.)
+    // lease_ttl of 6 s, which the held requests outlive: their renewals keep them counting.
+    // A renewal is due at a third of it, so a stall of up to 4 s is survived (at 1 s, a renewal
+    // a loaded machine delayed by two thirds of a second lost the lease; 2 s left 1.1 s).
     let yaml = format!(
         "{base}clients:
   list:
@@ -80,14 +81,14 @@ routes:
   - name: plain
     match: {{ hosts: [plain.test] }}
     upstream:
-      lease_ttl: 2s
+      lease_ttl: 6s
       members:
         - {{ name: m1, url: \"{one}\" }}
   - name: lif
     match: {{ hosts: [lif.test] }}
     upstream:
       selection: least_in_flight
-      lease_ttl: 2s
+      lease_ttl: 6s
       members:
         - {{ name: m2, url: \"{two}\" }}
 "
@@ -107,7 +108,7 @@ routes:
                     "GET",
                     host,
                     "/",
-                    &[("Proxy-Authorization", &auth), ("x-delay-ms", "15000")],
+                    &[("Proxy-Authorization", &auth), ("x-delay-ms", "25000")],
                     b"",
                 )
                 .await
@@ -121,9 +122,9 @@ routes:
     );
     let started = std::time::Instant::now();
     let mut rounds = 0u64;
-    // Checked again and again until the holds are past two lease_ttls. They last 15 s, far
+    // Checked again and again until the holds are past two lease_ttls. They last 25 s, far
     // longer than the last round can end even on a loaded machine.
-    while rounds == 0 || started.elapsed() < Duration::from_millis(4500) {
+    while rounds == 0 || started.elapsed() < Duration::from_millis(12_500) {
         rounds += 1;
         for gw in &gws {
             check_refused(gw).await;

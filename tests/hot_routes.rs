@@ -281,13 +281,23 @@ async fn a_routes_cap_splits_over_the_sub_logs_and_each_lease_goes_back_to_its_o
         Gateway::start_with_ports(&yaml),
     ];
     let in_flight = || backends.iter().map(|b| b.in_flight()).sum::<u64>();
+    // Held 12 s: the six arrivals, the refusals and the reads below finish before the first
+    // hold ends on a loaded machine (8 s left little room); longer holds outran the 30 s a
+    // test request is given.
     let mut held = Vec::new();
     for i in 0..6 {
         let addr = gateways[i % 2].proxy_addr();
         held.push(tokio::spawn(async move {
-            support::request(addr, "GET", "cap.test", "/", &[("x-delay-ms", "8000")], b"")
-                .await
-                .status
+            support::request(
+                addr,
+                "GET",
+                "cap.test",
+                "/",
+                &[("x-delay-ms", "12000")],
+                b"",
+            )
+            .await
+            .status
         }));
         assert!(
             support::wait_until(Duration::from_secs(20), || in_flight() == i as u64 + 1).await,

@@ -385,7 +385,7 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
   - name: renew
     match: {{ hosts: [renew.test] }}
     upstream:
-      lease_ttl: 2s
+      lease_ttl: 6s
       max_in_flight: 1
       members:
         - {{ name: m1, url: \"{two}\" }}
@@ -425,9 +425,10 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
         "the lease expired at lease_ttl and capacity came back"
     );
 
-    // A request held 15 s on a route whose leases live 2 s: renewed at a third of the ttl, its
-    // lease outlives the ttl while it runs. The hold is far longer than the steps below take
-    // even on a loaded machine, so the request is still at its member when they check.
+    // A request held 25 s on a route whose leases live 6 s: renewed at a third of the ttl, its
+    // lease outlives the ttl while it runs (a renewal survives a stall of up to 4 s; with 2 s
+    // leases, 1.1 s). The hold is far longer than the steps below take even on a loaded
+    // machine, so the request is still at its member when they check.
     let addr = survivor.proxy_addr();
     let long = tokio::spawn(async move {
         request(
@@ -435,7 +436,7 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
             "GET",
             "renew.test",
             "/",
-            &[("x-delay-ms", "15000")],
+            &[("x-delay-ms", "25000")],
             b"",
         )
         .await
@@ -456,8 +457,8 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
     // Renewed until its expiry is a whole ttl past the first: each renewal found it alive (an
     // expired lease is dropped before renewals, never taken back), so it outlived its ttl.
     assert!(
-        wait_until(Duration::from_secs(20), || {
-            expiry().is_some_and(|e| e >= taken + 2_000_000.0)
+        wait_until(Duration::from_secs(30), || {
+            expiry().is_some_and(|e| e >= taken + 6_000_000.0)
         })
         .await,
         "the lease was renewed past its ttl: {taken} -> {:?}",

@@ -120,7 +120,8 @@ async fn a_proxy_member_is_healthy_while_it_answers_connect_with_2xx() {
         "the member never went down: {}",
         gw.logs()
     );
-    assert!(gw.logs().contains("member down"), "{}", gw.logs());
+    // The line goes out through the log writer's thread, after the gauge moved: waited for.
+    assert!(gw.wait_for_log("member down", WAIT).await, "{}", gw.logs());
 
     proxy.status.store(200, Ordering::SeqCst);
     assert!(

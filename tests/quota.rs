@@ -4,6 +4,8 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice_testkit::RedisServer;
@@ -164,8 +166,9 @@ async fn retry_after_is_exact(backend: Backend) {
         &store,
         &[url(backends[0].local_addr())],
         // Long enough that the third request below still finds both admissions in the window
-        // however slow the machine (at 1 s, a stall of 0.7 s let it in).
-        Quota::window("short", 2, "4s"),
+        // however slow the machine (at 1 s, a stall of 0.7 s let it in; at 4 s, a stall of 3 s
+        // would).
+        Quota::window("short", 2, "10s"),
     );
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
     async fn get(client: &mut HttpClient) -> Response {
@@ -176,7 +179,7 @@ async fn retry_after_is_exact(backend: Backend) {
     }
     assert_eq!(get(&mut client).await.status, 200);
     // Not a synchronisation: this spaces the two admissions, so that the refused request fits
-    // when the older one leaves the window (4 s after it), well before the newer one does.
+    // when the older one leaves the window (10 s after it), well before the newer one does.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(get(&mut client).await.status, 200);
     let sent = Instant::now();
@@ -470,24 +473,32 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
         .route(Route::new("api").members(&members).quota(quota));
     let gateways = [config.start(), config.start()];
 
-    // 64 concurrent clients, 32 per gateway, for 3 seconds (at most 1,000 requests each, which
-    // the back-off below keeps out of reach). The run lasts six windows whatever the gateway's
-    // speed: with a cap of 200 requests a fast build finished in about one window, admitted
-    // about one window's worth, and failed the check at the end that the quota was pushed.
-    let deadline = Instant::now() + Duration::from_secs(3);
+    // 64 concurrent clients, 32 per gateway, for at least 3 seconds (six windows) and until
+    // more than 100 requests were admitted between them, so that the quota is pushed whatever
+    // the machine's speed: a run of a fixed length admitted too few when the machine stalled,
+    // and one of a fixed count ended within a window on a fast build. At most 1,000 requests
+    // each, which the back-off below keeps out of reach, and 60 s in all.
+    let started = Instant::now();
+    let admitted = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for c in 0..64 {
         let addr = gateways[c % 2].proxy_addr();
+        let admitted = admitted.clone();
         tasks.push(tokio::spawn(async move {
             let mut client = HttpClient::connect(addr).await.unwrap();
             let (mut ok, mut refused, mut other) = (0u64, 0u64, 0u64);
             for i in 0..1000 {
-                if Instant::now() > deadline {
+                let pushed = admitted.load(Ordering::Relaxed) > 100
+                    && started.elapsed() > Duration::from_secs(3);
+                if pushed || started.elapsed() > Duration::from_secs(60) {
                     break;
                 }
                 let path = if (i + c) % 7 == 0 { "/heavy" } else { "/light" };
                 match client.request("GET", "api.test", path, &[], b"").await {
-                    Ok(r) if r.status == 200 => ok += 1,
+                    Ok(r) if r.status == 200 => {
+                        ok += 1;
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
                     Ok(r) if r.status == 429 => {
                         refused += 1;
                         // Not a synchronisation: a polite client backs off a little, which

@@ -257,6 +257,13 @@ async fn state_survives_a_reload_that_touches_another_route() {
     gw.write_config_template(&config(&more));
     assert_eq!(post_reload(&gw, &[]).await.status, 200);
     assert_eq!(gw.metric("sluice_member_healthy", &down).await, Some(1.0));
+    // The line goes out through the log writer's thread, after the gauge moved: waited for,
+    // then counted.
+    assert!(
+        gw.wait_for_log("member up", Duration::from_secs(20)).await,
+        "{}",
+        gw.logs()
+    );
     assert_eq!(gw.logs().matches("member up").count(), 1);
 }
 

@@ -33,7 +33,8 @@ impl TlsServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("openssl s_server");
-        for _ in 0..100 {
+        // Up to 30 s: a bound for a loaded machine, not a wait.
+        for _ in 0..600 {
             if std::net::TcpStream::connect(("localhost", port)).is_ok() {
                 return TlsServer { child, port };
             }

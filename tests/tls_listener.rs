@@ -307,8 +307,9 @@ async fn tls_handshakes_count_against_the_connection_cap_and_the_header_timeout(
         &url(backends[0].local_addr()),
         free_port(),
         // Long enough that the two silent connections still hold their slots while the test
-        // reads the metrics and opens a third, however slow the machine.
-        "{max_connections: 8, header_timeout: 5s}",
+        // reads the metrics and opens a third, however slow the machine (5 s could pass before
+        // the third connection was made), and short of the 20 s the test waits for their cut.
+        "{max_connections: 8, header_timeout: 12s}",
     ));
     let open = || async { gw.metric("sluice_connections_open", &[]).await };
 

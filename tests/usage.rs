@@ -434,10 +434,15 @@ async fn a_settlement_past_the_limit_is_recorded_and_counted(backend: Backend) {
             "{w}"
         );
     }
+    // Counted by the settlement's task after the store answered it: waited for.
     let labels = [("route", "openai")];
-    assert_eq!(
-        gw.metric("sluice_usage_overrun_total", &labels).await,
-        Some(1.0)
+    assert!(
+        wait_until_async(Duration::from_secs(20), || async {
+            gw.metric("sluice_usage_overrun_total", &labels).await == Some(1.0)
+        })
+        .await,
+        "{:?}",
+        gw.metric("sluice_usage_overrun_total", &labels).await
     );
     let refused = chat(&gw, &json!({"max_tokens": 1}), &[]).await;
     assert_eq!(

@@ -24,9 +24,10 @@ impl Drop for Process {
     }
 }
 
-/// Waits until something accepts on 127.0.0.1:`port`; kills `child` and panics after 5 s.
+/// Waits until something accepts on 127.0.0.1:`port`; kills `child` and panics after 30 s (a
+/// bound for a loaded machine, as for Redis and the gateway).
 pub fn wait_listening(port: u16, child: &mut Child, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
             return;

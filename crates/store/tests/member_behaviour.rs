@@ -688,8 +688,11 @@ async fn redis_members_behave() {
     // long as their windows (and at most an eighth longer: lua/quota.lua pushes an expiry back
     // only when it would come too soon).
     const DAY_MS: i64 = 86_400_000;
+    // Set by the 60 s cooldown of `cooldowns_on_the_store_clock`, the suite and the hammering
+    // ago: more than a day is left however long those took on a loaded machine (under a
+    // minute), and never more than the day and the cooldown.
     let ttl = server.integer(&["PTTL", "sluice:{cool-now}:cool"]).unwrap();
-    assert!(ttl > DAY_MS + 55_000 && ttl <= DAY_MS + 60_000, "{ttl}");
+    assert!(ttl > DAY_MS && ttl <= DAY_MS + 60_000, "{ttl}");
     for (key, longest_ms) in [
         ("sluice:{hammer}:mq:rpm:m1", 3_600_000),
         ("sluice:{hammer}:mqm:m1", 3_600_000),
