@@ -161,8 +161,20 @@ impl MemoryStore {
         now: u64,
         usage: Option<&Usage<'_>>,
     ) -> Result<Pick, StoreError> {
+        // The client's leases stay locked until the walk ends, so that no other route's
+        // assignment can take the client's last lease between the check and the take.
+        let cap = ask.lease.and_then(|l| l.client);
+        let mut client_leases =
+            cap.map(|_| self.client_leases.lock().unwrap_or_else(|p| p.into_inner()));
+        // Both sets drop their expired leases before either cap is checked, as `leases_ask`
+        // does before `leases_full`: each drops a bounded number a call, so a call that stops
+        // at the route's cap must still have dropped the client's, or the two stores would
+        // count different leases for the client's next call.
         if let Some(lease) = ask.lease {
             route.leases.expire(now);
+            if let (Some(cap), Some(all)) = (cap, client_leases.as_mut()) {
+                all.entry(cap.name.into()).or_default().expire(now);
+            }
             if lease
                 .route_max
                 .is_some_and(|max| route.leases.total() >= max)
@@ -170,15 +182,11 @@ impl MemoryStore {
                 return Ok(Pick::Capped);
             }
         }
-        // The client's leases stay locked until the walk ends, so that no other route's
-        // assignment can take the client's last lease between the check and the take.
-        let cap = ask.lease.and_then(|l| l.client);
-        let mut client_leases =
-            cap.map(|_| self.client_leases.lock().unwrap_or_else(|p| p.into_inner()));
-        if let (Some(cap), Some(all)) = (cap, client_leases.as_mut()) {
-            let mine = all.entry(cap.name.into()).or_default();
-            mine.expire(now);
-            if mine.total() >= cap.max {
+        if let (Some(cap), Some(all)) = (cap, client_leases.as_ref()) {
+            if all
+                .get(cap.name)
+                .is_some_and(|mine| mine.total() >= cap.max)
+            {
                 return Ok(Pick::ClientCapped);
             }
         }

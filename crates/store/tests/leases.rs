@@ -493,6 +493,64 @@ async fn expired_leases_leave_a_bounded_number_a_call(a: &dyn StateStore, b: &dy
     );
 }
 
+/// A call refused at the route's cap has still dropped the client's expired leases (a bounded
+/// number, as every call does), as the one Redis script does before it checks either cap: the
+/// client's next call on another route then finds what is left of them, on both stores. Not
+/// on a Redis Cluster, whose client leases are taken in a call of their own, before the
+/// route's (docs/clients.md).
+async fn a_call_at_the_routes_cap_drops_the_clients_expired_leases(
+    a: &dyn StateStore,
+    b: &dyn StateStore,
+) {
+    let pool = members(&["m1"]);
+    fn take<'a>(
+        pool: &'a [PoolMember],
+        route: &'a str,
+        id: &'a str,
+        ttl: u64,
+        max: u64,
+        route_max: Option<u64>,
+        at: u64,
+    ) -> Assign<'a> {
+        let mut lease = lease(id, ttl, None, route_max);
+        lease.client = Some(ClientCap { name: "burst", max });
+        ask(route, pool, Order::Preference(&[0]), lease, at)
+    }
+    // 70 of the client's leases, expired by T0 + 2 s.
+    let extra = 6;
+    let ids: Vec<String> = (0..LEASES_EXPIRED_PER_CALL as u64 + extra)
+        .map(|i| format!("b{i}"))
+        .collect();
+    for id in &ids {
+        assigned(a, take(&pool, "spread", id, SEC, 1_000, None, T0)).await;
+    }
+    // `full` is at its cap of 1 with a lease that lives on.
+    assigned(
+        a,
+        ask(
+            "full",
+            &pool,
+            Order::Preference(&[0]),
+            lease("f0", LONG, None, Some(1)),
+            T0,
+        ),
+    )
+    .await;
+    let at = T0 + 2 * SEC;
+    assert!(matches!(
+        b.assign(take(&pool, "full", "f1", LONG, extra, Some(1), at))
+            .await
+            .unwrap(),
+        Assignment::Concurrency { .. }
+    ));
+    // That call dropped 64 of the client's 70; this one drops the last 6, and the client,
+    // capped at 6, has room.
+    assert_eq!(
+        assigned(a, take(&pool, "other", "o1", LONG, extra, None, at)).await,
+        "m1"
+    );
+}
+
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     a_lease_asked_again_is_taken_once(&*a, &*b).await;
     least_in_flight_takes_the_fewest(&*a, &*b).await;
@@ -512,13 +570,19 @@ fn redis_store(url: &str) -> Arc<dyn StateStore> {
 #[tokio::test]
 async fn memory_leases() {
     let store: Arc<dyn StateStore> = Arc::new(MemoryStore::new());
-    suite(store.clone(), store).await;
+    suite(store.clone(), store.clone()).await;
+    a_call_at_the_routes_cap_drops_the_clients_expired_leases(&*store, &*store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_leases() {
     let server = RedisServer::start();
     suite(redis_store(&server.url()), redis_store(&server.url())).await;
+    a_call_at_the_routes_cap_drops_the_clients_expired_leases(
+        &*redis_store(&server.url()),
+        &*redis_store(&server.url()),
+    )
+    .await;
     // The lease keys live as long as their longest lease, and a minute more.
     let ttl = server.integer(&["PTTL", "sluice:{lif}:lz"]);
     assert_eq!(
