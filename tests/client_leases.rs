@@ -108,7 +108,7 @@ routes:
                     "GET",
                     host,
                     "/",
-                    &[("Proxy-Authorization", &auth), ("x-delay-ms", "25000")],
+                    &[("Proxy-Authorization", &auth), ("x-delay-ms", "20000")],
                     b"",
                 )
                 .await
@@ -122,7 +122,7 @@ routes:
     );
     let started = std::time::Instant::now();
     let mut rounds = 0u64;
-    // Checked again and again until the holds are past two lease_ttls. They last 25 s, far
+    // Checked again and again until the holds are past two lease_ttls. They last 20 s, far
     // longer than the last round can end even on a loaded machine.
     while rounds == 0 || started.elapsed() < Duration::from_millis(12_500) {
         rounds += 1;

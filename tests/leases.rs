@@ -425,7 +425,7 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
         "the lease expired at lease_ttl and capacity came back"
     );
 
-    // A request held 25 s on a route whose leases live 6 s: renewed at a third of the ttl, its
+    // A request held 20 s on a route whose leases live 6 s: renewed at a third of the ttl, its
     // lease outlives the ttl while it runs (a renewal survives a stall of up to 4 s; with 2 s
     // leases, 1.1 s). The hold is far longer than the steps below take even on a loaded
     // machine, so the request is still at its member when they check.
@@ -436,7 +436,7 @@ async fn a_killed_gateways_leases_expire_and_long_requests_renew() {
             "GET",
             "renew.test",
             "/",
-            &[("x-delay-ms", "25000")],
+            &[("x-delay-ms", "20000")],
             b"",
         )
         .await

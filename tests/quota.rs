@@ -474,21 +474,23 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
     let gateways = [config.start(), config.start()];
 
     // 64 concurrent clients, 32 per gateway, for at least 3 seconds (six windows) and until
-    // more than 100 requests were admitted between them, so that the quota is pushed whatever
-    // the machine's speed: a run of a fixed length admitted too few when the machine stalled,
-    // and one of a fixed count ended within a window on a fast build. At most 1,000 requests
-    // each, which the back-off below keeps out of reach, and 60 s in all.
+    // more than 100 requests were admitted and some refused between them, so that the quota is
+    // pushed whatever the machine's speed: a run of a fixed length admitted too few when the
+    // machine stalled, and one of a fixed count ended within a window on a fast build. At most
+    // 1,000 requests each and 60 s in all.
     let started = Instant::now();
     let admitted = Arc::new(AtomicU64::new(0));
+    let refusals = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for c in 0..64 {
         let addr = gateways[c % 2].proxy_addr();
-        let admitted = admitted.clone();
+        let (admitted, refusals) = (admitted.clone(), refusals.clone());
         tasks.push(tokio::spawn(async move {
             let mut client = HttpClient::connect(addr).await.unwrap();
             let (mut ok, mut refused, mut other) = (0u64, 0u64, 0u64);
             for i in 0..1000 {
                 let pushed = admitted.load(Ordering::Relaxed) > 100
+                    && refusals.load(Ordering::Relaxed) > 0
                     && started.elapsed() > Duration::from_secs(3);
                 if pushed || started.elapsed() > Duration::from_secs(60) {
                     break;
@@ -501,6 +503,7 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
                     }
                     Ok(r) if r.status == 429 => {
                         refused += 1;
+                        refusals.fetch_add(1, Ordering::Relaxed);
                         // Not a synchronisation: a polite client backs off a little, which
                         // also keeps the load bounded.
                         tokio::time::sleep(Duration::from_millis(5)).await;
