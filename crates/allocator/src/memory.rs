@@ -161,6 +161,12 @@ impl MemoryStore {
         now: u64,
         usage: Option<&Usage<'_>>,
     ) -> Result<Pick, StoreError> {
+        // Expired sticky bindings go first, before either cap is checked, as the script's
+        // `sticky_ask` comes before `leases_ask`: a bounded number a call, so a call that stops
+        // at a cap has still dropped them, on both stores.
+        if ask.sticky.is_some() {
+            route.sticky.expire(now);
+        }
         // The client's leases stay locked until the walk ends, so that no other route's
         // assignment can take the client's last lease between the check and the take.
         let cap = ask.lease.and_then(|l| l.client);
@@ -200,7 +206,6 @@ impl MemoryStore {
         }
         // The session's member, when it is still a candidate of this order: offered first.
         let bound = ask.sticky.and_then(|sticky| {
-            route.sticky.expire(now);
             let id = route.sticky.bound(sticky.session, now)?;
             let index = ask.members.iter().position(|m| m.id == id);
             let candidate = match ask.order {

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_allocator::{
-    Assign, Assignment, MemoryStore, Order, PoolMember, StateStore, Sticky, StickyCounts,
+    Assign, Assignment, Lease, MemoryStore, Order, PoolMember, StateStore, Sticky, StickyCounts,
+    BINDINGS_EXPIRED_PER_CALL,
 };
 use sluice_store::{RedisConnection, RedisStore};
 use sluice_testkit::{RedisCluster, RedisServer};
@@ -256,11 +257,70 @@ async fn unbind_drops_only_its_own_binding(a: &dyn StateStore, b: &dyn StateStor
     );
 }
 
+/// A call refused at the route's lease cap has still dropped expired bindings (a bounded
+/// number a call), as the script does before it checks the cap: the next read finds what is
+/// left of them, on both stores.
+async fn a_call_at_a_cap_drops_expired_bindings(a: &dyn StateStore, b: &dyn StateStore) {
+    let route = "sticky-capped";
+    let pool = members(&["m1"]);
+    let short = |session: &'static str| Sticky {
+        session,
+        ttl_us: SEC,
+        max_bindings: 1_000,
+    };
+    let extra = 6;
+    let sessions: Vec<&'static str> = (0..BINDINGS_EXPIRED_PER_CALL as u64 + extra)
+        .map(|i| &*Box::leak(format!("s{i}").into_boxed_str()))
+        .collect();
+    for session in &sessions {
+        assigned(
+            a,
+            ask(
+                route,
+                &pool,
+                Order::Preference(&[0]),
+                Some(short(session)),
+                T0,
+            ),
+        )
+        .await;
+    }
+    // The route at its cap of one lease, held for long.
+    let lease = |id: &'static str| Lease {
+        id,
+        ttl_us: TTL,
+        member_max: None,
+        route_max: Some(1),
+        client: None,
+    };
+    let leased = |id: &'static str, at: u64| Assign {
+        lease: Some(lease(id)),
+        ..ask(
+            route,
+            &pool,
+            Order::Preference(&[0]),
+            Some(short("later")),
+            at,
+        )
+    };
+    assigned(a, leased("l0", T0)).await;
+    let at = T0 + 2 * SEC;
+    assert!(matches!(
+        b.assign(leased("l1", at)).await.unwrap(),
+        Assignment::Concurrency { .. }
+    ));
+    // Every binding (the 70, and "later"'s) expired at T0 + 1 s. The refused call dropped
+    // BINDINGS_EXPIRED_PER_CALL of them, and this read drops the other 7 (had the call dropped
+    // none, the read would leave 7).
+    assert_eq!(a.sticky_counts(route, Some(at)).await.unwrap().bindings, 0);
+}
+
 async fn suite(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     a_session_stays_on_its_member(&*a, &*b).await;
     an_ineligible_member_moves_the_binding(&*a, &*b).await;
     a_full_table_leaves_new_sessions_unbound(&*a, &*b).await;
     unbind_drops_only_its_own_binding(&*a, &*b).await;
+    a_call_at_a_cap_drops_expired_bindings(&*a, &*b).await;
 }
 
 fn redis_store(url: &str) -> Arc<dyn StateStore> {
