@@ -777,20 +777,25 @@ mod tests {
         }]
     }
 
+    /// A request on route `r`, key `k`, of `cost` in each of `windows`, at `at_us`.
+    fn on_k(windows: &[Window], cost: u64, at_us: Option<u64>) -> Acquire<'_> {
+        Acquire {
+            route: "r",
+            key: "k",
+            windows,
+            cost,
+            at_us,
+            client: None,
+        }
+    }
+
     /// A read (cost 0) of a key nothing was charged to answers as an empty log would, and
     /// makes no key: the admin API reads every route's windows at every scrape.
     #[test]
     fn a_read_makes_no_key() {
         let logs = QuotaLogs::new();
         let w = windows();
-        let read = Acquire {
-            route: "r",
-            key: "k",
-            windows: &w,
-            cost: 0,
-            at_us: Some(0),
-            client: None,
-        };
+        let read = on_k(&w, 0, Some(0));
         let outcome = logs.decide(read).unwrap();
         assert!(outcome.admitted);
         assert_eq!(outcome.windows[0].remaining, 10);
@@ -812,15 +817,7 @@ mod tests {
             let logs = logs.clone();
             std::thread::spawn(move || {
                 let w = windows();
-                let req = Acquire {
-                    route: "r",
-                    key: "k",
-                    windows: &w,
-                    cost: 1,
-                    at_us: None,
-                    client: None,
-                };
-                logs.decide(req).unwrap()
+                logs.decide(on_k(&w, 1, None)).unwrap()
             })
         };
         // The asker has counted its call, the step before it reads the clock or locks.
@@ -850,14 +847,7 @@ mod tests {
     fn then_runs_under_the_key_lock() {
         let logs = QuotaLogs::new();
         let w = windows();
-        let req = Acquire {
-            route: "r",
-            key: "k",
-            windows: &w,
-            cost: 1,
-            at_us: Some(0),
-            client: None,
-        };
+        let req = on_k(&w, 1, Some(0));
         let (outcome, held) = logs
             .decide_then(req, || Some(logs.shard("r", "k").try_lock().is_err()))
             .unwrap();
