@@ -436,7 +436,7 @@ async fn a_target_that_fails_does_not_eject_the_proxies_that_answered_for_it() {
     let dir = TempDir::new("egress-target-fails");
     make_certificates(dir.path());
     let (_origin, port) = tls_origin(dir.path());
-    let closed = support::free_port();
+    let closed = support::refused_port();
     let one = Tinyproxy::start(dir.path(), "one", None);
     let two = Tinyproxy::start(dir.path(), "two", None);
     let gw = Config::new()

@@ -668,7 +668,7 @@ async fn log_lines_dropped_on_a_stuck_stderr_are_counted() {
 /// counted and a warning names the failure, and a SIGTERM still exits at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_otlp_receiver_is_counted_and_logged_and_does_not_hold_the_exit() {
-    let dead = support::free_port();
+    let dead = support::refused_port();
     let (_backend, mut gw) = one_member(&format!(
         "tracing:\n  otlp:\n    endpoint: http://127.0.0.1:{dead}\n    sample_ratio: 1.0\n"
     ))

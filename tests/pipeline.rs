@@ -154,7 +154,7 @@ async fn retry_and_accounting(backend: Backend) {
     let dir = TempDir::new("pipeline-retry");
     let live = Tinyproxy::start(dir.path(), "live", None);
     // A port nothing listens on: the connection is refused.
-    let dead = format!("http://127.0.0.1:{}", support::free_port());
+    let dead = support::dead_url();
     for kind in KINDS {
         let store = Store::start(backend);
         let gw = Config::new()

@@ -114,7 +114,7 @@ async fn priority_prefers_the_first_healthy_member(redis: Option<&RedisServer>) 
 /// next member in order, for every request, and the quota is charged once per request.
 async fn priority_retries_in_list_order_and_charges_once(redis: Option<&RedisServer>) {
     let backends = start_backends(&["second", "third"]).await;
-    let dead = url(SocketAddr::from(([127, 0, 0, 1], free_port())));
+    let dead = support::dead_url();
     let members = vec![
         dead,
         url(backends[0].local_addr()),

@@ -62,9 +62,15 @@ pub fn url(addr: SocketAddr) -> String {
     format!("http://{addr}")
 }
 
-/// A member URL where nothing listens (a port that was free a moment ago).
+/// A member URL where nothing listens, and nothing will while the test runs
+/// ([`sluice_testkit::refused_port`]).
 pub fn dead_url() -> String {
-    format!("http://127.0.0.1:{}", free_port())
+    format!("http://127.0.0.1:{}", refused_port())
+}
+
+/// A port of 127.0.0.1 that refuses connections while the test runs.
+pub fn refused_port() -> u16 {
+    sluice_testkit::refused_port()
 }
 
 /// Starts one echo backend per name, each on a free port of 127.0.0.1.

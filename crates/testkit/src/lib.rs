@@ -666,6 +666,12 @@ pub fn free_port() -> u16 {
     ports::reserve(false)
 }
 
+/// A port on 127.0.0.1 that refuses every connection until this process exits, and that no
+/// server can take in the meantime: for members and targets that must stay dead.
+pub fn refused_port() -> u16 {
+    ports::refused()
+}
+
 /// In `dir`: a CA (`ca.pem`, `ca.key`), and a server certificate it signed (`server.pem`,
 /// `server.key`) for `subject_alt_names` (e.g. `DNS:localhost,IP:127.0.0.1`), both valid from a
 /// day ago to a day from now (clocks may differ a little).

@@ -14,9 +14,11 @@
 //! checkouts) rarely walk the same ports. Where the ephemeral range leaves no room for the
 //! band, it falls back to `bind(0)`.
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
+
+use socket2::{Domain, Socket, Type};
 
 /// The band: ports `BASE .. BASE + SPAN`; Redis Cluster bus ports (+10000) land in the
 /// `SPAN` ports above it, so the two never meet.
@@ -71,6 +73,30 @@ pub(crate) fn reserve(bus: bool) -> u16 {
     }
 }
 
+/// A port on 127.0.0.1 that refuses connections for as long as this process runs.
+///
+/// A port that was merely free a moment ago is not enough for a test of a dead member: another
+/// test process's server, or an outgoing connection's ephemeral port, may take it, and then
+/// the "dead" member answers. So the port is bound by a socket that never listens and is kept
+/// to the end of the process: nothing else can bind it, and the kernel answers a connection to
+/// it with a reset, at once, as it does for any port nothing listens on.
+pub(crate) fn refused() -> u16 {
+    static HELD: Mutex<Vec<Socket>> = Mutex::new(Vec::new());
+    loop {
+        let port = reserve(false);
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("a TCP socket");
+        if socket
+            .bind(&SocketAddr::from(([127, 0, 0, 1], port)).into())
+            .is_ok()
+        {
+            HELD.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(socket);
+            return port;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,5 +111,16 @@ mod tests {
         for p in ports {
             assert!(free(p), "port {p} was handed out but is taken");
         }
+    }
+
+    #[test]
+    fn a_refused_port_refuses_and_cannot_be_taken() {
+        let port = refused();
+        let err = std::net::TcpStream::connect(("127.0.0.1", port)).expect_err("nothing listens");
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+        assert!(
+            !free(port),
+            "the port stays bound, so no server can take it"
+        );
     }
 }
