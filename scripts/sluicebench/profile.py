@@ -1,7 +1,8 @@
 """scripts/profile: where sluice spends its instructions, one callgrind profile under wrk.
 
   scripts/profile              build, profile, print a summary (instructions per request,
-                               top functions, cost grouped by component)
+                               top functions, copies of 4 KiB or more, cost grouped by
+                               component)
 
 Knobs (environment): REQUEST_SECONDS (5), CONNECTIONS (8), LOG (on | off, default on),
 BUILD (1; 0 profiles ${CARGO_TARGET_DIR:-target}/release/sluice as it is), SLUICE_BIN_DIR (a
@@ -122,6 +123,41 @@ def by_function(rows_: list[tuple[float, str]], pattern: str, limit: int) -> lis
             best[fn] = cost
     top = sorted(best.items(), key=lambda kv: -kv[1])[:limit]
     return [f"    {cost:7.0f}  {fn[:160]}" for fn, cost in top]
+
+
+# A copy this many bytes long or longer is reported on its own. glibc's memcpy moves a large
+# block with `rep movsb`, whose every byte callgrind counts as an instruction, so such a copy
+# weighs in the figure per request far beyond its cost in time: it must be seen, not hidden in
+# the memcpy line. It is a real cost too (it runs through the first-level data cache), and the
+# usual one is a large value moved whole, such as a future, where it was meant to be built in
+# place.
+LARGE_COPY = 4096
+COPY_FUNCTION = re.compile(r"\*\s+\S*:_*(memcpy|memmove)\S*")
+CALLER = re.compile(r"^\s*([\d,]+)\s+(?:\([^)]*\)\s+)?<\s+(\S+?):(.*?)\s+\(([\d,]+)x\)")
+
+
+def large_copies(tree: str, requests: int) -> list[str]:
+    """From `callgrind_annotate --tree=caller`: the callers of memcpy and memmove whose calls
+    averaged LARGE_COPY instructions or more, made at least once per ten requests; one line
+    each, with the calls per request and the bytes each moved (about its instructions)."""
+    lines = tree.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if not COPY_FUNCTION.search(line):
+            continue
+        j = i - 1
+        while j >= 0 and "<" in lines[j]:
+            m = CALLER.match(lines[j])
+            j -= 1
+            if not m:
+                continue
+            instructions, calls = int(m.group(1).replace(",", "")), int(m.group(4).replace(",", ""))
+            if calls and instructions / calls >= LARGE_COPY and calls * 10 >= requests:
+                found.append((calls / requests, instructions / calls,
+                              f"{function_of(m.group(2) + ':' + m.group(3))[:120]}"
+                              f" ({m.group(2).rsplit('/', 1)[-1]})"))
+    return [f"    {per:5.2f} a request, about {size:,.0f} bytes each: {where}"
+            for per, size, where in sorted(found, key=lambda f: -f[0] * f[1])]
 
 
 def main(argv: list[str]) -> int:
@@ -247,6 +283,8 @@ admin:
     if not totals or not out.requests:
         raise Failure(f"could not read the totals (dump {dump})")
     total = int(totals[0].replace(",", ""))
+    tree_txt = procs.run([*annotate, "--tree=caller", str(dump)], timeout=600)
+    copies = large_copies(tree_txt, out.requests)
     self_rows = rows(self_txt, out.requests, common.ROOT)
     incl_rows = rows(incl_txt, out.requests, common.ROOT)
 
@@ -268,6 +306,11 @@ admin:
         "sluice's own functions, inclusive instructions per request:",
         "",
         *by_function(incl_rows, r"sluice", 15),
+        "",
+        f"Copies of {LARGE_COPY:,} bytes or more, in the memcpy line above (each byte counts as an "
+        "instruction):",
+        "",
+        *(copies or ["    none"]),
         "",
         "Self instructions per request, grouped:",
         "",
