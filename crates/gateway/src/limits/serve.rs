@@ -166,9 +166,10 @@ where
     }
 }
 
-/// Pingora's future for one request: many KiB, since it holds every state of the proxying. Not
-/// inlined, so that it is built straight where its caller asks (see [`boxed_in_place`]).
-#[inline(never)]
+/// Pingora's future for one request: many KiB, since it holds every state of the proxying.
+/// What makes it is only a move of these arguments into its first state, inlined into
+/// [`fill`], so that the arguments are written into the box and nothing else is copied.
+#[inline(always)]
 fn request<'a, SV>(
     app: &'a Arc<LimitedApp<HttpProxy<SV>>>,
     session: ServerSession,
@@ -182,11 +183,25 @@ where
 }
 
 /// `make()`'s value in a new box, built in place: the box is allocated first and the value
-/// written into it, so that the compiler can have `make` build it there. `Box::pin(make())`
-/// builds it on the stack and copies it into the box, which for a request's future is a copy of
-/// many KiB per request.
+/// written into it by [`fill`]. `Box::pin(make())` builds it on the stack and copies it into
+/// the box, which for a request's future is a copy of many KiB per request (a `memcpy` of the
+/// whole type, however little of it the first state uses).
 fn boxed_in_place<F>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
-    Box::into_pin(Box::write(Box::new_uninit(), make()))
+    let mut slot = Box::<F>::new_uninit();
+    fill(&mut slot, make);
+    // SAFETY: `fill` returns only once it has written the value; if `make` panics, the box is
+    // dropped as the uninitialized memory it still is.
+    Box::into_pin(unsafe { slot.assume_init() })
+}
+
+/// Writes `make()` into `slot`. Not inlined, and with `make` inlined into it: the value is
+/// built from its parts right in `slot`. Writing the value from its caller, as
+/// `Box::write(box, make())`, left the elision of the copy to the optimizer, which made it in
+/// the plain build but not in the profile-guided one: there every request copied its whole
+/// future, about 16 KiB (docs/benchmarks.md, "Instructions per request: what is left").
+#[inline(never)]
+fn fill<F>(slot: &mut std::mem::MaybeUninit<F>, make: impl FnOnce() -> F) {
+    slot.write(make());
 }
 
 /// Room for the first read of a request head: Pingora's own first head buffer
