@@ -111,7 +111,7 @@ where
         loop {
             // A connection that waits for its next request holds only this function's small
             // state and the stream: the head buffer is made once bytes are there, and Pingora's
-            // request future (about 18 KiB) is made per request, in a box dropped when the
+            // request future (about 16 KiB) is made per request, in a box dropped when the
             // request ends. Waiting inside Pingora's `read_request` held both for the life of
             // every idle keep-alive connection.
             if waiting {
@@ -194,11 +194,14 @@ fn boxed_in_place<F>(make: impl FnOnce() -> F) -> Pin<Box<F>> {
     Box::into_pin(unsafe { slot.assume_init() })
 }
 
-/// Writes `make()` into `slot`. Not inlined, and with `make` inlined into it: the value is
-/// built from its parts right in `slot`. Writing the value from its caller, as
-/// `Box::write(box, make())`, left the elision of the copy to the optimizer, which made it in
-/// the plain build but not in the profile-guided one: there every request copied its whole
-/// future, about 16 KiB (docs/benchmarks.md, "Instructions per request: what is left").
+/// Writes `make()` into `slot`. Not inlined, so that `slot` is its own argument, with `make`
+/// (a closure and the trivial constructors it calls) expected to be inlined into it: the value
+/// is then built from its parts right in `slot`, which needs no elision of a copy across a
+/// call. Writing the value from its caller, as `Box::write(box, make())`, left that elision to
+/// the optimizer, which made it in the plain build but not in the profile-guided one: there
+/// every request copied its whole future, about 16 KiB (docs/benchmarks.md, "Instructions per
+/// request: what is left"). Inlining is still the optimizer's call: the disassembly of both
+/// builds showed no such copy, and `scripts/profile` lists any copy of 4 KiB or more.
 #[inline(never)]
 fn fill<F>(slot: &mut std::mem::MaybeUninit<F>, make: impl FnOnce() -> F) {
     slot.write(make());
