@@ -426,7 +426,7 @@ async fn member_holds(gw: &Gateway, i: usize) -> (u64, u64) {
 async fn a_retry_charges_the_next_members_calendar_window_and_settles_it(backend: Backend) {
     let store = Store::start(backend);
     let backends = start_backends(&["b2"]).await;
-    let nobody = format!("http://127.0.0.1:{}", support::free_port());
+    let nobody = support::dead_url();
     let route = Route::new("api")
         .priority()
         .retries(1)
