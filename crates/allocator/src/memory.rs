@@ -178,8 +178,13 @@ impl MemoryStore {
         // count different leases for the client's next call.
         if let Some(lease) = ask.lease {
             route.leases.expire(now);
-            if let (Some(cap), Some(all)) = (cap, client_leases.as_mut()) {
-                all.entry(cap.name.into()).or_default().expire(now);
+            // A client with no leases yet has nothing to drop: no key is made for it here (the
+            // take below makes it), so a call that stops at a cap allocates nothing.
+            if let Some(mine) = cap
+                .zip(client_leases.as_mut())
+                .and_then(|(cap, all)| all.get_mut(cap.name))
+            {
+                mine.expire(now);
             }
             if lease
                 .route_max
