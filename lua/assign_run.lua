@@ -247,9 +247,9 @@ end
 -- - the quota state of each helper hash (the route quota's, each member's): read when a request
 --   first needs it (as its own call would read it then), decided on in Lua by the requests after
 --   it (quota_admit, quota_record), and written once at the end (quota_finish): one ZADD per log
---   for every entry, one HSET per hash. This is what fused_run.lua does for a route quota;
---   on one clock, a read made again later would find what the first left (nothing more leaves a
---   window), so only the first is made;
+--   of one entry for every request recorded there, one HSET per hash. This is what
+--   fused_run.lua does for a route quota; on one clock, a read made again later would find what
+--   the first left (nothing more leaves a window), so only the first is made;
 -- - the cooldowns: read and settled by the first request that needs them, as its own call
 --   would; on one clock, the later requests would find the same members cooling, and nothing
 --   left to settle;

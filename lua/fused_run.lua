@@ -5,9 +5,9 @@
 -- Each request is decided exactly as if it had come in a call of its own, in the order given,
 -- on one clock: the quota goes first and records only once a member is assigned. What the
 -- batch saves is Redis's fixed cost per call, and the reads and writes: the quota's hash and
--- logs are read once and written once (one ZADD per log for every request admitted), and from
--- 6 requests a call so is the pool (one read, then one ZINCRBY per member chosen; allocator.lua,
--- pool_view).
+-- logs are read once and written once (one ZADD per log, of one entry for every request
+-- admitted), and from 6 requests a call so is the pool (one read, then one ZINCRBY per member
+-- chosen; allocator.lua, pool_view).
 --
 -- KEYS[1]              the quota key's helper hash; KEYS[2 .. #KEYS - 1] the window logs;
 -- KEYS[#KEYS]          the pool.

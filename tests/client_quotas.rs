@@ -335,7 +335,7 @@ async fn on_a_cluster_two_calls_and_the_give_back() {
     let log = "sluice:{client:billing}:cq:daily";
     let master = cluster.master_of(log).expect("a master serves the client");
     let node = &cluster.nodes()[cluster.index_of(master)];
-    let entries = || node.integer(&["ZCARD", log]).unwrap();
+    let entries = || node.log_held(log);
     let calls = || -> u64 {
         cluster
             .nodes()

@@ -231,13 +231,13 @@ async fn a_master_killed_under_load() {
     let closed_log = format!("sluice:{{{closed_name}}}:q:hour:route");
     let spent = support::wait_until(Duration::from_secs(30), || {
         count(&|s| s.route == "closed" && s.status == 429) > 0
-            && cluster.replica_integer(replica, &["ZCARD", &closed_log]) == Some(LIMIT as i64)
+            && cluster.replica_log_held(replica, &closed_log) == Some(LIMIT as u64)
     })
     .await;
     assert!(
         spent,
         "the closed route spends its quota and the replica has it all: {:?} on the replica",
-        cluster.replica_integer(replica, &["ZCARD", &closed_log])
+        cluster.replica_log_held(replica, &closed_log)
     );
     // Every node learns the short timeout before the kill, so the replica is promoted within
     // the deadlines below; until now no stall of a loaded machine could fail a master over.

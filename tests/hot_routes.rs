@@ -34,9 +34,9 @@ fn hot(name: &str, members: &[String]) -> Route {
         .state_shards(SHARDS as u32)
 }
 
-/// Per sub-log of route `route`, in order, the entries of its hour log, found by the sub-log's
+/// Per sub-log of route `route`, in order, what its hour log holds (requests of cost 1), found by the sub-log's
 /// own name.
-fn sub_log_entries(redis: &RedisServer, route: &str) -> Vec<i64> {
+fn sub_log_entries(redis: &RedisServer, route: &str) -> Vec<u64> {
     (0..SHARDS as u32)
         .map(|i| {
             let name = sluice_store::keys::sub_log(route, i, SHARDS as u32);
@@ -44,7 +44,7 @@ fn sub_log_entries(redis: &RedisServer, route: &str) -> Vec<i64> {
             let keys = redis.command(&["KEYS", &pattern]).unwrap();
             keys.lines()
                 .filter(|k| !k.is_empty())
-                .map(|k| redis.integer(&["ZCARD", k]).unwrap())
+                .map(|k| redis.log_held(k))
                 .sum()
         })
         .collect()
@@ -116,10 +116,10 @@ async fn sub_logs_admit_exactly_the_limit(backend: Backend) {
     };
     // On Redis, the three sub-logs' hour logs, each filled to its share (14 + 13 + 13).
     let keys = redis.command(&["KEYS", "sluice:{api*:q:hour:*"]).unwrap();
-    let mut held: Vec<i64> = keys
+    let mut held: Vec<u64> = keys
         .lines()
         .filter(|k| !k.is_empty())
-        .map(|k| redis.integer(&["ZCARD", k]).unwrap())
+        .map(|k| redis.log_held(k))
         .collect();
     held.sort_unstable();
     assert_eq!(held, [13, 13, 14], "{keys}");
@@ -175,10 +175,10 @@ async fn each_gateway_starts_at_its_own_sub_log(backend: Backend) {
         return;
     };
     let keys = redis.command(&["KEYS", "sluice:{api*:q:hour:*"]).unwrap();
-    let mut held: Vec<i64> = keys
+    let mut held: Vec<u64> = keys
         .lines()
         .filter(|k| !k.is_empty())
-        .map(|k| redis.integer(&["ZCARD", k]).unwrap())
+        .map(|k| redis.log_held(k))
         .collect();
     held.sort_unstable();
     assert_eq!(held, [13, 13, 14], "each sub-log to its share: {keys}");
@@ -251,7 +251,7 @@ async fn sub_logs_on_three_masters_admit_exactly_the_limit() {
         let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
         assert_eq!(keys.len(), 1, "one sub-log on master {port}: {keys:?}");
         slots.insert(node.integer(&["CLUSTER", "KEYSLOT", keys[0]]).unwrap());
-        held.push(node.integer(&["ZCARD", keys[0]]).unwrap());
+        held.push(node.log_held(keys[0]));
     }
     assert_eq!(slots.len(), 3, "three slots: {slots:?}");
     held.sort_unstable();

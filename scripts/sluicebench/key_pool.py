@@ -121,15 +121,27 @@ def usage(rport: int, keys: list[str]) -> int:
     return sum(int(rcli(rport, "MEMORY", "USAGE", k, "SAMPLES", "0").strip() or 0) for k in keys)
 
 
+def held(rport: int, hashes: list[str]) -> int:
+    """The requests (cost 1 each) the helper hashes' windows hold: each hash's first window
+    total (`s:<window>`), summed. Not the logs' entries: the requests one script call admits
+    share one entry (lua/quota.lua)."""
+    total = 0
+    for h in hashes:
+        fields = rcli(rport, "HGETALL", h).split("\n")
+        pairs = dict(zip(fields[0::2], fields[1::2]))
+        total += next((int(v) for f, v in pairs.items() if f.startswith("s:")), 0)
+    return total
+
+
 def memory(rport: int, name: str) -> dict:
-    """Bytes of the route's keys, by kind, and the admitted requests: entries of the route
-    quota's log when the route has one, else of the member-window logs (each admitted request
-    is one entry in its member's log)."""
+    """Bytes of the route's keys, by kind, and the admitted requests: what the route quota's
+    windows hold when the route has one, else what the member windows hold (each admitted
+    request counts once in its member's)."""
     kinds = key_kinds(rport, name)
     route_logs = kinds.get("q", [])
-    admitted = sum(int(rcli(rport, "ZCARD", k)) for k in route_logs)
+    admitted = held(rport, kinds.get("qm", []))
     member_entries = sum(int(rcli(rport, "ZCARD", k)) for k in kinds.get("mq", []))
-    admitted = admitted or member_entries
+    admitted = admitted or held(rport, kinds.get("mqm", []))
     enc = sorted({rcli(rport, "OBJECT", "ENCODING", k).strip() for k in route_logs + kinds.get("mq", [])})
     b = {kind: usage(rport, keys) for kind, keys in kinds.items()}
     logs = b.get("q", 0) + b.get("mq", 0)
@@ -289,9 +301,9 @@ def run(run: Run) -> str:
         f"({', '.join(f'{k} {v}' for k, v in sorted(mon_inner.items(), key=lambda kv: -kv[1]))})",
         "",
         f"**Memory per admitted request.** `MEMORY USAGE <key> SAMPLES 0` over the route's keys (`redis-cli --scan`), divided",
-        "by the admitted requests (entries of the route quota's log where there is one, else of the member-window logs:",
-        "one entry per admitted request). \"Logs\" are the route quota's log plus the three member-window logs; a route",
-        "with both adds two entries per request. The helper hashes, the pool and the cooldown set do not grow with the traffic. Rows: what the wrk",
+        "by the admitted requests (what the route quota's window holds where there is one, else the member windows:",
+        "`s:` of the helper hashes; the requests one call admits share one log entry). \"Logs\" are the route quota's",
+        "log plus the three member-window logs; a route with both keeps an entry in each. The helper hashes, the pool and the cooldown set do not grow with the traffic. Rows: what the wrk",
         f"rounds left on `kp`; {mem_requests} requests (4 keep-alive connections; {mem_ok} 2xx, {mem_bad} other) on the",
         "untouched route `kpmem`; and, for reference, the route quota alone (`qlu`). Target: logs ≤ 150 bytes per admitted request.",
         "",

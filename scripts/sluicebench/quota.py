@@ -44,8 +44,11 @@ routes:
     # Memory of the logs the wrk rounds left (skiplist-encoded sorted sets with many entries).
     wrk_mem = []
     for h in ("q1", "q100"):
-        key = f"sluice:{{{h}}}:q:w:route"
-        wrk_mem.append((h, int(rcli(rport, "ZCARD", key)), int(rcli(rport, "MEMORY", "USAGE", key, "SAMPLES", "0"))))
+        key, meta = f"sluice:{{{h}}}:q:w:route", f"sluice:{{{h}}}:qm:route"
+        # The requests the window holds, not its entries: the requests one call admits share one.
+        admitted = int(rcli(rport, "HGET", meta, "s:w").strip() or 0) // int(h[1:])
+        wrk_mem.append((h, int(rcli(rport, "ZCARD", key)), admitted,
+                        int(rcli(rport, "MEMORY", "USAGE", key, "SAMPLES", "0"))))
     procs.stop(s.proc)
 
     # --- the quota script alone ---
@@ -124,15 +127,18 @@ routes:
              "cost 100 took longer than cost 1 in this run, more than run-to-run noise would explain; look again."),
         "",
         f"**Memory per admitted request.** {mem_requests} calls of the same script (`redis-benchmark -n {mem_requests} -c 1 evalsha ...`)",
-        "on a new key, one window, then `MEMORY USAGE <log key> SAMPLES 0` / `ZCARD`; and the same for the logs the wrk",
-        "rounds above left behind (route `q1`, `q100`, key `sluice:{q1}:q:w:route`). Target: ≤ 150 bytes whatever the cost.",
+        "on a new key, one window, then `MEMORY USAGE <log key> SAMPLES 0` / `ZCARD` (one call a request: an entry",
+        "each); and the same for the logs the wrk rounds above left behind (route `q1`, `q100`, key",
+        "`sluice:{q1}:q:w:route`), over the requests their window holds (`s:w` over the cost: the requests one call",
+        "admits share one entry). Target: ≤ 150 bytes whatever the cost.",
         "",
-        "| cost | entries (ZCARD) | log bytes | bytes per request | helper hash bytes | encoding |",
-        "|---:|---:|---:|---:|---:|---|",
-        *[f"| {c} | {n} | {size} | {size / n:.1f} | {meta} | {enc} |" for c, n, size, meta, enc in mem],
-        *[f"| {h[1:]} (wrk rounds) | {n} | {size} | {size / n:.1f} | - | skiplist |" for h, n, size in wrk_mem if n],
+        "| cost | entries (ZCARD) | requests | log bytes | bytes per request | helper hash bytes | encoding |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+        *[f"| {c} | {n} | {n} | {size} | {size / n:.1f} | {meta} | {enc} |" for c, n, size, meta, enc in mem],
+        *[f"| {h[1:]} (wrk rounds) | {n} | {a} | {size} | {size / a:.1f} | - | skiplist |"
+          for h, n, a, size in wrk_mem if a],
     ]
-    worst = max([size / n for _, n, size, _, _ in mem if n] + [size / n for _, n, size in wrk_mem if n])
+    worst = max([size / n for _, n, size, _, _ in mem if n] + [size / a for _, _, a, size in wrk_mem if a])
     out += [
         "",
         f"Reading: at most {worst:.1f} bytes of Redis memory per admitted request, cost 1 or 100"

@@ -91,7 +91,10 @@ routes:
         n = int(rcli(rport, "ZCARD", log))
         held = rcli(rport, "HGET", f"sluice:{{{h}}}:qm:route", "s:w").strip()
         opened = rcli(rport, "HGET", f"sluice:{{{h}}}:qm:route", "r:w").strip()
-        mem.append((h, n, total, len(keys), held, opened))
+        # Requests: a tokens window keeps an entry per reservation; a window of requests (cost 1)
+        # holds one unit a request, and the requests one call admits share one entry.
+        requests = n if h == "tok" else int(held or 0)
+        mem.append((h, requests, total, len(keys), held, opened))
         run.log(f"memory {h}: {n} entries, {total} bytes over {len(keys)} keys; total {held}, open {opened}")
 
     ratio = run.ratio_num("rps", "tok", "req")
@@ -123,11 +126,11 @@ routes:
         + when(ratio, lambda x: x >= 0.8, ", within the 0.8× target.", ", BELOW the 0.8× target."),
         "",
         "**Redis memory per admitted request.** After the rounds, `MEMORY USAGE k SAMPLES 0` summed over every key",
-        "of the route (`SCAN` for `sluice:{ROUTE}:*`), over the entries of its window's log (`ZCARD`); and what the",
+        "of the route (`SCAN` for `sluice:{ROUTE}:*`), over its requests (`req`: what its window holds, `s:w`; `tok`: its log's entries, one a reservation, `ZCARD`); and what the",
         "window holds (`s:w`, millionths for tokens) and its open reservations (`r:w`), which must be 0 once every",
         "answer has settled. Target: at most 150 bytes per request.",
         "",
-        "| route | entries | bytes (all keys) | keys | bytes per request | total held | open |",
+        "| route | requests | bytes (all keys) | keys | bytes per request | total held | open |",
         "|---|---:|---:|---:|---:|---:|---:|",
         *[f"| {h} | {n} | {total} | {k} | {total / n:.1f} | {held} | {opened} |" if n else
           f"| {h} | 0 | {total} | {k} | - | {held} | {opened} |" for h, n, total, k, held, opened in mem],

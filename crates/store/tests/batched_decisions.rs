@@ -757,7 +757,9 @@ fn warm_up_plain(rt: &tokio::runtime::Runtime, redis: &RedisStore) {
 
 /// 40 requests of a route with a quota and no selection, arriving together, are decided as the
 /// memory store decides them one after another (the limit admits exactly its units), in two
-/// calls of at most MAX_BATCH requests when batching is on, and in one call each when off.
+/// calls of at most MAX_BATCH requests when batching is on, and in one call each when off. Each
+/// window's log holds exactly the units admitted; a call's admissions share its clock and so
+/// their log entries (lua/quota.lua), so batched calls leave fewer entries than requests.
 fn plain_quota_requests_share_calls(server: &RedisServer, url: String, batching: bool) {
     let rt = runtime();
     let redis = redis_store(url).with_batching(batching);
@@ -779,6 +781,29 @@ fn plain_quota_requests_share_calls(server: &RedisServer, url: String, batching:
         .sum();
     assert_eq!(units, 25, "the short window's limit, exactly");
     assert_eq!(made, if batching { 2 } else { 40 }, "batching {batching}");
+    let recorded = costs
+        .iter()
+        .zip(&batched)
+        .filter(|(&c, o)| o.admitted && c > 0)
+        .count() as i64;
+    let keys = sluice_store::keys::Keys::new("sluice");
+    for window in &windows {
+        let log = keys.quota_log(&route, &window.name, "k");
+        assert_eq!(
+            server.log_held(&log),
+            25,
+            "{log}: every unit admitted, once"
+        );
+        let entries = server.integer(&["ZCARD", &log]).unwrap();
+        if batching {
+            assert!(
+                entries < recorded,
+                "{log}: {entries} entries, {recorded} requests"
+            );
+        } else {
+            assert_eq!(entries, recorded, "{log}: a call's entry each");
+        }
+    }
 }
 
 #[test]

@@ -447,11 +447,7 @@ async fn redis_cluster_two_calls_and_the_give_back() {
         .unwrap();
     let log = "sluice:{client:team}:cq:daily";
     let master = cluster.master_of(log).expect("a master serves the client");
-    let entries = || {
-        cluster.nodes()[cluster.index_of(master)]
-            .integer(&["ZCARD", log])
-            .unwrap()
-    };
+    let entries = || cluster.nodes()[cluster.index_of(master)].log_held(log);
     assert_eq!(entries(), 2);
 
     reset();

@@ -253,7 +253,11 @@ async fn decide(
 
 /// Every key under `prefix`, by its name after the prefix: its type and content, and whether it
 /// expires. A helper hash's `x:` fields are left out: they hold when its logs were last made to
-/// live, on Redis's own clock, which runs on between the two stores' calls.
+/// live, on Redis's own clock, which runs on between the two stores' calls. A quota log is read
+/// as what it counts: the cost it holds at each time. The requests one call records share its
+/// clock and so one entry (lua/quota.lua), where calls of one request each leave an entry of
+/// their own at the same time: the names differ, what each window holds and when it leaves may
+/// not.
 fn keys_of(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<String, String> {
     let names: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}:*"))
@@ -281,11 +285,16 @@ fn keys_of(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<String, Strin
                     .arg("WITHSCORES")
                     .query(conn)
                     .unwrap();
-                entries
-                    .into_iter()
-                    .map(|(m, s)| format!("{m}@{s}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
+                let short = &name[prefix.len()..];
+                if short.contains(":q:") || short.contains(":mq:") {
+                    log_content(entries)
+                } else {
+                    entries
+                        .into_iter()
+                        .map(|(m, s)| format!("{m}@{s}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                }
             }
             other => panic!("{name}: a key of type {other}"),
         };
@@ -295,6 +304,22 @@ fn keys_of(conn: &mut redis::Connection, prefix: &str) -> BTreeMap<String, Strin
         out.insert(short, format!("{kind} {expires} {content}"));
     }
     out
+}
+
+/// A quota log's entries (`<seq>:<cost>`, scored by time) as the cost it holds at each time.
+fn log_content(entries: Vec<(String, String)>) -> String {
+    let mut at: BTreeMap<u64, u64> = BTreeMap::new();
+    for (member, score) in entries {
+        let (_, cost) = member
+            .split_once(':')
+            .unwrap_or_else(|| panic!("a log entry {member:?}"));
+        *at.entry(score.parse().expect("a score in µs")).or_default() +=
+            cost.parse::<u64>().expect("a cost");
+    }
+    at.into_iter()
+        .map(|(score, cost)| format!("{cost}@{score}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn store(url: &str, prefix: &str, batching: bool) -> RedisStore {

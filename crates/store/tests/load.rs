@@ -195,8 +195,8 @@ fn below_saturation_a_lane_has_a_second_call_out() {
     for (route, recorded) in [("loaded", 3), ("idle", 2), ("grown", 8)] {
         let log = format!("sluice:{{{route}}}:q:minute:k");
         assert_eq!(
-            server.integer(&["ZCARD", &log]),
-            Some(recorded),
+            server.log_held(&log),
+            recorded,
             "{route}: each admitted request recorded once"
         );
     }

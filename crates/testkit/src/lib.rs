@@ -216,6 +216,11 @@ impl RedisServer {
         zrange_with_scores_at(self.addr(), key)
     }
 
+    /// What the quota log `key` holds ([`log_held_at`]).
+    pub fn log_held(&self, key: &str) -> u64 {
+        log_held_at(self.addr(), key)
+    }
+
     /// The integer reply of a command, e.g. `ZCARD` or `MEMORY USAGE`.
     pub fn integer(&self, args: &[&str]) -> Option<i64> {
         query(self.addr(), args).ok()
@@ -635,6 +640,17 @@ impl RedisCluster {
             .and_then(|p| p.parse().ok())
     }
 
+    /// What the quota log `key` holds on the replica on `port` ([`log_held_at`]), read after
+    /// `READONLY`; `None` when the replica does not answer.
+    pub fn replica_log_held(&self, port: u16, key: &str) -> Option<u64> {
+        let mut conn = connect(self.nodes[self.index_of(port)].addr()).ok()?;
+        cmd(&["READONLY"]).query::<()>(&mut conn).ok()?;
+        let entries: Vec<(String, f64)> = cmd(&["ZRANGE", key, "0", "-1", "WITHSCORES"])
+            .query(&mut conn)
+            .ok()?;
+        Some(held_of(&entries))
+    }
+
     /// The integer reply of a read command run on the replica on `port` (after `READONLY`,
     /// without which a cluster replica redirects reads to its master).
     pub fn replica_integer(&self, port: u16, args: &[&str]) -> Option<i64> {
@@ -808,6 +824,27 @@ pub fn commands_at(addr: SocketAddr, commands: &[&[&str]]) -> std::io::Result<St
 /// Members and scores of the sorted set `key` on the Redis at `addr`, lowest score first.
 pub fn zrange_with_scores_at(addr: SocketAddr, key: &str) -> Vec<(String, f64)> {
     query(addr, &["ZRANGE", key, "0", "-1", "WITHSCORES"]).unwrap_or_default()
+}
+
+/// What the quota log `key` on the Redis at `addr` holds: the summed cost of its entries, 0 when
+/// it does not exist. A log has one entry per admission time (`<seq>:<cost>`, or
+/// `r<seq>:<amount>` for an open reservation), and every request one call admits shares its
+/// call's time and so its entry (lua/quota.lua): how many entries a log has says how many calls
+/// recorded in it, not how many requests.
+pub fn log_held_at(addr: SocketAddr, key: &str) -> u64 {
+    held_of(&zrange_with_scores_at(addr, key))
+}
+
+fn held_of(entries: &[(String, f64)]) -> u64 {
+    entries
+        .iter()
+        .map(|(member, _)| {
+            member
+                .rsplit_once(':')
+                .and_then(|(_, cost)| cost.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("not a quota log's entry: {member:?}"))
+        })
+        .sum()
 }
 
 /// No module of this crate depends on one that depends on it back, at any depth
