@@ -20,11 +20,11 @@
 //!   calls. The first request to find none creates it and spawns the task; later ones queue in
 //!   it. The task takes every request waiting (at most [`MAX_BATCH`]), makes one call, hands
 //!   each request its own reply, and goes on until no request waits; then the lane is removed.
-//!   A call never waits for company: a lone request goes at once, as before. A key-pool lane
-//!   may have two tasks, so two calls out at once ([`ASSIGN_CALLS`]): a request that finds one
-//!   call out starts the second task and goes at once too. So may a lane of any kind while the
-//!   gateway is not under load (load.rs) and its calls stay small ([`SMALL_CALL`]): there,
-//!   waiting for the call out was most of what a request's store call added to its latency.
+//!   A call never waits for company: a lone request goes at once, as before. While the gateway
+//!   is not under load (load.rs) and its calls stay small ([`SMALL_CALL`]), a lane may have two
+//!   tasks, so two calls out at once ([`MAX_CALLS`]): a request that finds one call out starts
+//!   the second task and goes at once too. There, waiting for the call out was most of what a
+//!   request's store call added to its latency.
 //! - The task, not a request, makes the call. A request that gives up (its client left, its
 //!   timeout passed) cannot cancel a call that decides others too. One that gave up before its
 //!   call left is taken out of it, so it is never charged. A request waits for its call to
@@ -41,8 +41,8 @@
 //!   once, at its end, so such a failure can also leave a hash's totals disagreeing with its
 //!   logs (a limit cut short, or entries not counted) until the logs empty.
 //! - Every resource is bounded: lanes exist only while requests wait in them, a call holds at
-//!   most [`MAX_BATCH`] requests, and a lane has at most [`ASSIGN_CALLS`] calls out (the other
-//!   kinds start a second only below saturation).
+//!   most [`MAX_BATCH`] requests, and a lane has at most [`MAX_CALLS`] calls out (a second
+//!   only below saturation).
 //! - With batching off (`state.redis.batch: false`, for comparing latency and for debugging),
 //!   each request makes its own call of the same script, at once, from its own task.
 
@@ -66,21 +66,18 @@ use crate::scripts::Scripts;
 /// stays short (docs/benchmarks.md has what a full one costs Redis), and its reply stays small.
 pub const MAX_BATCH: usize = 32;
 
-/// The most calls of one key-pool lane out at once. Its script's work per request (the
-/// cooldowns, each member's windows, the pool) outweighs a call's fixed cost several times over,
-/// so one call at a time left Redis idle while the answer travelled and the next call was
-/// written, and the whole route waited on that loop; with two, Redis decides the next call's
-/// requests while the gateway reads the last one's answer. Nothing depends on the order Redis
-/// runs a lane's calls in: each is atomic and decides on what Redis holds when it runs. The other
-/// kinds keep one call at a time under load: their script's fixed cost is most of a call, and
-/// fewer, larger calls serve them best there; below saturation they may have as many out as a
-/// key pool.
-const ASSIGN_CALLS: usize = 2;
+/// The most calls of one lane out at once, below saturation. Nothing depends on the order Redis
+/// runs a lane's calls in: each is atomic and decides on what Redis holds when it runs. Under
+/// load a lane keeps one call out, of every kind: a call's fixed part (running the script,
+/// reading and writing each helper hash, log and pool it touches once) is most of what it costs
+/// Redis, key pools included (`scripts/redis-script-cost --batch`: a key-pool call of 16
+/// requests is about two thirds fixed part), so fewer, larger calls serve a saturated route best.
+const MAX_CALLS: usize = 2;
 
-/// Below saturation, a lane other than a key pool's starts a second call only while its calls
-/// stay this small. Calls that grow past it mean requests pile up while one is out, because of
-/// their rate or of Redis's pace (several gateways that are each idle can keep one Redis busy):
-/// then one call at a time serves them with less of Redis's time, as under load.
+/// Below saturation, a lane starts a second call only while its calls stay this small. Calls
+/// that grow past it mean requests pile up while one is out, because of their rate or of
+/// Redis's pace (several gateways that are each idle can keep one Redis busy): then one call at
+/// a time serves them with less of Redis's time, as under load.
 const SMALL_CALL: usize = 4;
 
 /// Which script a lane's calls run.
@@ -210,10 +207,10 @@ impl LaneId {
 
     /// The most calls of this lane out at once.
     fn calls(&self) -> usize {
-        match self.kind {
-            Kind::Assign => ASSIGN_CALLS,
-            _ if crate::load::is_under_load() => 1,
-            _ => ASSIGN_CALLS,
+        if crate::load::is_under_load() {
+            1
+        } else {
+            MAX_CALLS
         }
     }
 }
@@ -381,7 +378,7 @@ impl Batches {
         match bucket.iter_mut().find(|lane| lane.id.is(ask)) {
             Some(lane) => {
                 lane.waiting.push(waiter);
-                let room = lane.id.kind == Kind::Assign || lane.last <= SMALL_CALL;
+                let room = lane.last <= SMALL_CALL;
                 if lane.tasks < lane.id.calls() && room {
                     lane.tasks += 1;
                     return Some((lane.id.clone(), false));

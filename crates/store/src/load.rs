@@ -6,7 +6,7 @@
 //! time, so that the requests arriving meanwhile share the next one (Redis's fixed cost per
 //! call is most of a small call's). Below saturation there is little to write or decide
 //! together, and both waits only add to a request's latency: the write goes at once, and a
-//! lane of any kind may have a second call out, as a key-pool lane always may.
+//! lane may have a second call out.
 //!
 //! The gateway decides, from how busy its workers have been (it batches its own sends on the
 //! same terms), and tells the store through [`under_load`]. Until it does, the store behaves as
