@@ -484,7 +484,7 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
         let (admitted, refusals) = (admitted.clone(), refusals.clone());
         tasks.push(tokio::spawn(async move {
             let mut client = HttpClient::connect(addr).await.unwrap();
-            let (mut ok, mut refused, mut other) = (0u64, 0u64, 0u64);
+            let (mut ok, mut units, mut refused, mut other) = (0u64, 0u64, 0u64, 0u64);
             for i in 0..1000 {
                 let pushed = admitted.load(Ordering::Relaxed) > 100
                     && refusals.load(Ordering::Relaxed) > 0
@@ -492,10 +492,15 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
                 if pushed || started.elapsed() > Duration::from_secs(60) {
                     break;
                 }
-                let path = if (i + c) % 7 == 0 { "/heavy" } else { "/light" };
+                let (path, cost) = if (i + c) % 7 == 0 {
+                    ("/heavy", 5)
+                } else {
+                    ("/light", 1)
+                };
                 match client.request("GET", "api.test", path, &[], b"").await {
                     Ok(r) if r.status == 200 => {
                         ok += 1;
+                        units += cost;
                         admitted.fetch_add(1, Ordering::Relaxed);
                     }
                     Ok(r) if r.status == 429 => {
@@ -508,18 +513,20 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
                     _ => other += 1,
                 }
             }
-            (ok, refused, other)
+            (ok, units, refused, other)
         }));
     }
-    let (mut ok, mut refused, mut other) = (0, 0, 0);
+    let (mut ok, mut units, mut refused, mut other) = (0, 0, 0, 0);
     for t in tasks {
-        let (o, r, x) = t.await.unwrap();
+        let (o, u, r, x) = t.await.unwrap();
         ok += o;
+        units += u;
         refused += r;
         other += x;
     }
 
-    // Every client has its answer, so every admission is in the logs.
+    // Every client has its answer, so every admission is in the logs: one entry per admission
+    // time, of the summed cost of the requests admitted then (one store call's, lua/quota.lua).
     let mut entries: Vec<(f64, u64)> = redis
         .zrange_with_scores("sluice:{api}:q:history:route")
         .into_iter()
@@ -532,8 +539,8 @@ async fn two_gateways_sharing_redis_never_exceed_a_window() {
     );
     assert_eq!(other, 0, "every request is answered 200 or 429");
     assert_eq!(
-        entries.len() as u64,
-        ok,
+        entries.iter().map(|e| e.1).sum::<u64>(),
+        units,
         "every admitted request is in the log, and only those"
     );
     let received: u64 = backends.iter().map(|b| b.proxied_requests()).sum();

@@ -40,7 +40,7 @@ async fn a_quota_route_counts_in_a_rediss_redis() {
     }
     // `on_store_error: closed` would answer 503 had Redis not been reached.
     assert_eq!(statuses, [200, 200, 200, 429], "{}", gw.logs());
-    assert_eq!(redis.integer(&["ZCARD", LOG]), Some(3));
+    assert_eq!(redis.log_held(LOG), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,7 +60,7 @@ async fn without_the_ca_the_redis_certificate_is_refused() {
         .await
         .unwrap();
     assert_eq!(r.status, 503, "{}", gw.logs());
-    assert_eq!(redis.integer(&["ZCARD", LOG]), Some(0));
+    assert_eq!(redis.log_held(LOG), 0);
 }
 
 #[test]
