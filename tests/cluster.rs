@@ -231,7 +231,7 @@ async fn a_master_killed_under_load() {
     let closed_log = format!("sluice:{{{closed_name}}}:q:hour:route");
     let spent = support::wait_until(Duration::from_secs(30), || {
         count(&|s| s.route == "closed" && s.status == 429) > 0
-            && cluster.replica_log_held(replica, &closed_log) == Some(LIMIT as u64)
+            && cluster.replica_log_held(replica, &closed_log) == Some(LIMIT)
     })
     .await;
     assert!(
