@@ -827,12 +827,14 @@ pub fn zrange_with_scores_at(addr: SocketAddr, key: &str) -> Vec<(String, f64)> 
 }
 
 /// What the quota log `key` on the Redis at `addr` holds: the summed cost of its entries, 0 when
-/// it does not exist. A log has one entry per admission time (`<seq>:<cost>`, or
-/// `r<seq>:<amount>` for an open reservation), and every request one call admits shares its
-/// call's time and so its entry (lua/quota.lua): how many entries a log has says how many calls
-/// recorded in it, not how many requests.
+/// it does not exist. An entry is `<seq>:<cost>` (or `r<seq>:<amount>`, an open reservation),
+/// and the requests one call admits share its clock and one entry of their summed cost
+/// (lua/quota.lua): how many entries a log has is not how many requests it counts. Panics when
+/// Redis does not answer, so that "nothing held" is never read from an error.
 pub fn log_held_at(addr: SocketAddr, key: &str) -> u64 {
-    held_of(&zrange_with_scores_at(addr, key))
+    let entries: Vec<(String, f64)> = query(addr, &["ZRANGE", key, "0", "-1", "WITHSCORES"])
+        .unwrap_or_else(|e| panic!("ZRANGE {key} on {addr}: {e}"));
+    held_of(&entries)
 }
 
 fn held_of(entries: &[(String, f64)]) -> u64 {
