@@ -34,9 +34,9 @@ fn hot(name: &str, members: &[String]) -> Route {
         .state_shards(SHARDS as u32)
 }
 
-/// Per sub-log of route `route`, in order, what its hour log holds (requests of cost 1), found by the sub-log's
-/// own name.
-fn sub_log_entries(redis: &RedisServer, route: &str) -> Vec<u64> {
+/// Per sub-log of route `route`, in order, what its hour log holds (requests of cost 1), found
+/// by the sub-log's own name.
+fn sub_logs_held(redis: &RedisServer, route: &str) -> Vec<u64> {
     (0..SHARDS as u32)
         .map(|i| {
             let name = sluice_store::keys::sub_log(route, i, SHARDS as u32);
@@ -154,7 +154,7 @@ async fn each_gateway_starts_at_its_own_sub_log(backend: Backend) {
             }
         }
         assert_eq!(
-            sub_log_entries(redis, "api"),
+            sub_logs_held(redis, "api"),
             [5, 4, 0],
             "gateway 0's requests in sub-log 0, gateway 1's in sub-log 1"
         );
@@ -220,7 +220,7 @@ async fn a_reload_into_home_without_an_instance_index_takes_the_sub_logs_in_turn
         assert_eq!(r.status, 200, "{}", r.text());
     }
     assert_eq!(
-        sub_log_entries(redis, "api"),
+        sub_logs_held(redis, "api"),
         [2, 2, 2],
         "each sub-log first in turn, as round_robin"
     );

@@ -134,7 +134,7 @@ async fn assign_burst(
 }
 
 /// Per sub-log of `route`, what its hour log holds (requests of cost 1), read by `held`.
-fn entries(route: &str, held: impl Fn(&str) -> u64) -> Vec<u64> {
+fn sub_logs_held(route: &str, held: impl Fn(&str) -> u64) -> Vec<u64> {
     let keys = keys::Keys::new("sluice");
     (0..SHARDS)
         .map(|i| held(&keys.quota_log(&sub_log(route, i, SHARDS), "hour", "")))
@@ -162,7 +162,7 @@ fn sub_logs_admit_exactly_the_limit_on_a_single_redis() {
     let admitted = rt.block_on(burst(&store, "api", LIMIT, 150));
     assert_eq!(admitted, LIMIT, "exactly the limit, across the sub-logs");
     // Each sub-log holds its share (40 = 14 + 13 + 13), no more.
-    let held = entries("api", |k| server.log_held(k));
+    let held = sub_logs_held("api", |k| server.log_held(k));
     assert_eq!(held, [14, 13, 13], "each sub-log filled to its share");
     // A read sums them: nothing is left.
     let read = rt
@@ -395,7 +395,7 @@ fn each_instance_starts_at_its_own_sub_log_on_a_single_redis() {
         [0, 1].map(|i| Arc::new(single(&server).with_instance_index(i)) as Arc<dyn StateStore>)
     });
     each_instance_starts_at_its_own_sub_log(&rt, &stores, || {
-        entries("api", |k| server.log_held(k))
+        sub_logs_held("api", |k| server.log_held(k))
     });
 }
 
@@ -423,7 +423,7 @@ fn each_instance_starts_at_its_own_sub_log_on_a_cluster() {
         .collect();
     assert_eq!(masters.len(), 3, "three masters");
     each_instance_starts_at_its_own_sub_log(&rt, &stores, || {
-        entries("api", |k| {
+        sub_logs_held("api", |k| {
             let port = cluster.master_of(k).unwrap();
             cluster.nodes()[cluster.index_of(port)].log_held(k)
         })
@@ -459,7 +459,7 @@ fn sub_logs_spread_over_the_masters_of_a_cluster_and_admit_exactly_the_limit() {
         .map(|k| node.integer(&["CLUSTER", "KEYSLOT", k]).unwrap())
         .collect();
     assert_eq!(slots.len(), 3);
-    let held = entries("api", |k| {
+    let held = sub_logs_held("api", |k| {
         let port = cluster.master_of(k).unwrap();
         cluster.nodes()[cluster.index_of(port)].log_held(k)
     });
@@ -889,7 +889,7 @@ fn a_large_refused_cost_leaves_room_for_a_small_one() {
             .unwrap();
         assert!(one.admitted);
     }
-    assert_eq!(entries("api", |k| server.log_held(k)), [1, 1, 1]);
+    assert_eq!(sub_logs_held("api", |k| server.log_held(k)), [1, 1, 1]);
     let big = rt
         .block_on(store.acquire(acquire("api", &windows, 100)))
         .unwrap();
