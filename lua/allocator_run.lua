@@ -27,12 +27,20 @@ if op == 'assign' then
   -- Several requests of the route sent together (crates/store/src/batch.rs), each decided as
   -- if it had come alone, in order; as fused_run.lua does, from 6 requests they pick on one
   -- view of the pool, read once and written once.
-  local asks, counts, all = { excluded }, { count }, count
-  while i <= #ARGV do
-    excluded, count, i = pool_excluded(i)
-    asks[#asks + 1], counts[#counts + 1], all = excluded, count, all + count
+  -- The requests and their exclusions counted first, for the view's size, without a table of
+  -- them: each request's own are read again as it is decided.
+  local nargs, requests, all, j = #ARGV, 1, count, i
+  while j <= nargs do
+    local n = ARGV[j]
+    if n == '0' then
+      j = j + 1
+    else
+      n = n + 0
+      all, j = all + n, j + 1 + n
+    end
+    requests = requests + 1
   end
-  local requests, out, view, first, exists = #asks, {}, nil, nil, nil
+  local out, view, first, exists = {}, nil, nil, nil
   if requests >= 6 then
     view = pool_view(pool, requests + 1 + all)
     exists = view.n > 0
@@ -42,12 +50,15 @@ if op == 'assign' then
     exists = #first > 0
   end
   for k = 1, requests do
+    if k > 1 then
+      excluded, count, i = pool_excluded(i)
+    end
     local member
     if exists then
       if view then
-        member = pool_view_pick(view, asks[k])
+        member = pool_view_pick(view, excluded)
       else
-        member = pool_pick(pool, asks[k], counts[k], counts[k] == 0 and first or nil)
+        member = pool_pick(pool, excluded, count, count == 0 and first or nil)
         if member then
           pool_assign(pool, member)
           first = nil

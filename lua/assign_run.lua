@@ -530,10 +530,7 @@ local function assign_decide(out, o, n)
               if mq == nil then
                 mq = assign_member_quota(id)
               end
-              if mq then
-                quota_admit(mq, cost)
-              end
-              if not mq or mq.admitted == 1 then
+              if not mq or quota_fits(mq, cost) then
                 if mq then
                   quota_record(mq)
                 end
@@ -552,6 +549,8 @@ local function assign_decide(out, o, n)
                 v[k - 3], v[k - 2], v[k - 1] = id, stored, count
                 break
               end
+              -- Refused: its wait.
+              quota_admit(mq, cost)
               if not wait or mq.retry_after < wait then
                 wait = mq.retry_after
               end
@@ -575,10 +574,11 @@ local function assign_decide(out, o, n)
         chosen, eligible, wait, deferred = w.chosen, w.eligible, w.wait, w.deferred
       end
       if chosen then
-        if q then
-          quota_record(q)
-        end
         out[o + 1], out[o + 2], out[o + 3] = 1, chosen, 0
+        if q then
+          -- Its reply too (the quota's part of it), in the same pass.
+          quota_record(q, out, o + 3)
+        end
       elseif eligible then
         if deferred and v then
           -- members_settle's rule, on the quota states the loop above holds per member: a
@@ -614,8 +614,10 @@ local function assign_decide(out, o, n)
         out[o + 1], out[o + 2], out[o + 3] = 2, '', 0
       end
       if q then
-        -- Admissible, but recorded only when a member was assigned.
-        quota_reply(q, 1, out, o + 3)
+        if not chosen then
+          -- Admissible, but recorded only when a member was assigned.
+          quota_reply(q, 1, out, o + 3)
+        end
         o = o + 5 + 2 * q.n
       else
         o = o + 3

@@ -65,8 +65,8 @@ for k = 1, requests do
   local cost = ARGV[i]
   local excluded, count
   excluded, count, i = pool_excluded(i + 1)
-  quota_admit(q, cost)
-  if q.admitted == 0 then
+  if not quota_fits(q, cost) then
+    quota_admit(q, cost)
     out[o + 1], out[o + 2] = 0, ''
     quota_reply(q, 0, out, o + 2)
   else
@@ -80,19 +80,23 @@ for k = 1, requests do
         first = nil
       end
     end
-    if not member then
+    if member then
+      out[o + 1], out[o + 2] = 1, member
+      quota_record(q, out, o + 2)
+    else
       -- Admissible, but not admitted: report the quota as it stands, with nothing recorded.
       out[o + 1], out[o + 2] = 2, ''
-    else
-      quota_record(q)
-      out[o + 1], out[o + 2] = 1, member
+      quota_reply(q, 1, out, o + 2)
     end
-    quota_reply(q, 1, out, o + 2)
   end
   o = o + width
 end
 if view then
   pool_settle(view)
+end
+-- Placeholders past the rows (a quota with no window): a false would reply as a nil.
+for j = o + 1, 6 do
+  out[j] = nil
 end
 quota_finish(q)
 return out

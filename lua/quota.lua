@@ -222,25 +222,48 @@ local function quota_wait(q, i, total, cost, limit, length)
   end
 end
 
--- Decides a request of `cost` (a string, as its caller received it: it is also part of the
--- entry) on the state as it stands; records nothing. Sets q.admitted and q.retry_after.
-local function quota_admit(q, cost)
+-- Whether a request of `cost` (a string, as its caller received it: it is also part of the
+-- entry) fits every window of `q` as it stands; changes nothing the decision reads (it parses
+-- the cost, and moves a window's oldest entry up to the call's clock as quota_admit does).
+-- A batched call's usual request fits: this is its whole decision, without the refusal's wait.
+local function quota_fits(q, cost)
   -- Parsed once per cost a call decides on, not per request (each parse is a strtod).
   if cost ~= q.cost_text then
     q.cost_text, q.cost = cost, cost + 0
   end
   cost = q.cost
-  q.admitted, q.retry_after = 1, 0
-  for i = 1, q.n do
-    local s = 5 * i
+  local recorded, now = q.recorded, q.now
+  for s = 5, 5 * q.n, 5 do
     -- An entry recorded by an earlier request of this call is the log's oldest if the clock
     -- went back since the others were written (an NTP step), as a call of its own would read.
+    local oldest = q[s - 3]
+    if recorded and oldest and oldest > now then
+      q[s - 3] = now
+    end
+    if q[s - 4] + cost > q[s - 1] then
+      return false
+    end
+  end
+  return true
+end
+
+-- Decides a request of `cost` on the state as it stands; records nothing. Sets q.admitted and
+-- q.retry_after.
+local function quota_admit(q, cost)
+  if quota_fits(q, cost) then
+    q.admitted, q.retry_after = 1, 0
+    return
+  end
+  cost = q.cost
+  q.admitted, q.retry_after = 0, 0
+  for i = 1, q.n do
+    local s = 5 * i
+    -- The oldest entry moved up as quota_fits does, for the windows it did not reach.
     if q.recorded and q[s - 3] and q[s - 3] > q.now then
       q[s - 3] = q.now
     end
     local total, limit, length = q[s - 4], q[s - 1], q[s]
     if total + cost > limit then
-      q.admitted = 0
       local wait = quota_wait(q, i, total, cost, limit, length)
       if wait > q.retry_after then q.retry_after = wait end
     end
@@ -274,25 +297,39 @@ end
 
 -- Records an admitted request in every window. Its cost joins the entry quota_flush writes for
 -- every request recorded since the last write (by quota_finish, or by a retry walk before it):
--- they are recorded on the call's one clock, so one entry holds them all.
-local function quota_record(q)
-  q.seq = q.seq + 1
-  q.recorded, q.dirty, q.seq_text = true, true, false
+-- they are recorded on the call's one clock, so one entry holds them all. With `out`, also
+-- writes the request's reply, {1, 0, remaining_1, reset_us_1, ...} as quota_reply would, after
+-- the first `at` elements of `out`, which must hold nothing past them (a batched call's one
+-- table for every request's reply): in the same pass, since a batched call does this for most
+-- of its requests, and every table access is a Lua instruction Redis interprets.
+local function quota_record(q, out, at)
+  local cost, now, seq = q.cost, q.now, q.seq + 1
+  q.seq, q.pending_seq, q.recorded, q.dirty, q.seq_text = seq, seq, true, true, false
   if q.pending then
-    q.pending_cost, q.pending_text = q.pending_cost + q.cost, false
+    q.pending_cost, q.pending_text = q.pending_cost + cost, false
   else
     -- A lone request's entry names its cost as the gateway sent it, unformatted.
-    q.pending, q.pending_cost, q.pending_text = true, q.cost, q.cost_text
+    q.pending, q.pending_cost, q.pending_text = true, cost, q.cost_text
   end
-  q.pending_seq = q.seq
-  for i = 1, q.n do
-    local s = 5 * i
-    if not q[s - 3] then
-      q[s - 3] = q.now
+  if out then
+    out[at + 1], out[at + 2] = 1, 0
+  end
+  local k = at
+  for s = 5, 5 * q.n, 5 do
+    local oldest = q[s - 3]
+    if not oldest then
+      oldest = now
+      q[s - 3] = now
       -- A new log: what the hash remembers of an expiry was its predecessor's.
       q[s - 2] = false
     end
-    q[s - 4] = q[s - 4] + q.cost
+    local total = q[s - 4] + cost
+    q[s - 4] = total
+    if out then
+      local remaining = q[s - 1] - total
+      if remaining < 0 then remaining = 0 end
+      out[k + 3], out[k + 4], k = remaining, oldest + q[s] - now, k + 2
+    end
   end
 end
 
@@ -442,15 +479,12 @@ end
 -- Writes {remaining_i, reset_us_i} per window of `q` into `out`, after its first `at` elements,
 -- where reset_us_i is the time until window i's oldest counted request leaves it.
 local function quota_reply_windows(q, out, at)
-  for i = 1, q.n do
-    local s, k = 5 * i, at + 2 * i
+  local now, k = q.now, at
+  for s = 5, 5 * q.n, 5 do
     local remaining = q[s - 1] - q[s - 4]
     if remaining < 0 then remaining = 0 end
-    local reset = 0
-    if q[s - 3] then
-      reset = q[s - 3] + q[s] - q.now
-    end
-    out[k - 1], out[k] = remaining, reset
+    local oldest = q[s - 3]
+    out[k + 1], out[k + 2], k = remaining, oldest and oldest + q[s] - now or 0, k + 2
   end
 end
 

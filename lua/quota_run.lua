@@ -20,11 +20,19 @@ local width, next_cost = 2 + 2 * windows, 3 + 3 * windows
 local out = { 0, 0, 0, 0 }
 local cost, o = ARGV[1], 0
 while cost do
-  quota_admit(q, cost)
-  if q.admitted == 1 and q.cost > 0 then quota_record(q) end
-  quota_reply(q, q.admitted, out, o)
+  if quota_fits(q, cost) and q.cost > 0 then
+    quota_record(q, out, o)
+  else
+    -- Refused (quota_admit works out the wait), or a read that records nothing.
+    quota_admit(q, cost)
+    quota_reply(q, q.admitted, out, o)
+  end
   o = o + width
   cost, next_cost = ARGV[next_cost], next_cost + 1
+end
+-- Placeholders past the rows (a quota with no window): a 0 would be a value too many.
+for j = o + 1, 4 do
+  out[j] = nil
 end
 quota_finish(q)
 return out

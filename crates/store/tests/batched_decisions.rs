@@ -819,6 +819,25 @@ fn plain_quota_requests_make_a_call_each_with_batching_off() {
     plain_quota_requests_share_calls(&server, server.url(), false);
 }
 
+/// A quota of no window (not a config sluice accepts, but the store takes it) is answered with
+/// no window's state, for a request alone in its call and for several in one: the scripts'
+/// reply tables are made with room for a window, and that room must not reach the answer.
+#[test]
+fn a_quota_of_no_window_answers_with_none() {
+    let server = RedisServer::start();
+    let rt = runtime();
+    let memory = MemoryStore::new();
+    for batching in [true, false] {
+        let redis = redis_store(server.url()).with_batching(batching);
+        let route = fresh_route();
+        for costs in [&[1u64][..], &[0], &[1, 2, 0, 1]] {
+            let got = rt.block_on(acquire_all(&redis, &route, &[], costs, 1_000, true));
+            let expected = rt.block_on(acquire_all(&memory, &route, &[], costs, 1_000, false));
+            assert_eq!(got, expected, "costs {costs:?}, batching {batching}");
+        }
+    }
+}
+
 /// Plain least-used requests of one route arriving together (40 alike, then groups that pick
 /// one by one and on a view of the pool, with members left out) are decided as the memory store
 /// decides them one after another: after the 40, the members' counts differ by at most one. In
