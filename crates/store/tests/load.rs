@@ -3,37 +3,89 @@
 //! for that call's answer. Under load it waits, and shares the next call with the others that
 //! came meanwhile; so it does below saturation once the lane's calls have grown large.
 //!
+//! The rule is the same for every kind of lane; it is run here on a plain quota's lane and on
+//! a key pool's (the assign script's, whose member windows are the limit).
+//!
 //! A test binary with one test: `sluice_store::load::under_load` holds for the whole process,
 //! and would change how the calls of tests running beside it are made.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_allocator::StateStore;
+use sluice_allocator::{Assign, Assignment, Order, PoolMember, StateStore};
 use sluice_limiter::{Acquire, Window};
 use sluice_store::{RedisStore, RedisStoreConfig};
 use sluice_testkit::RedisServer;
 
-/// One request of cost 1 against `route`'s quota (a minute's window of `limit`), alone: a
-/// plain quota lane.
-async fn admitted(store: Arc<RedisStore>, route: &'static str, limit: u64) -> bool {
-    let windows = [Window {
+/// The kind of lane a test's requests queue in.
+#[derive(Clone, Copy, PartialEq)]
+enum Lane {
+    /// A route's quota alone (`quota_run.lua`).
+    Quota,
+    /// A key pool: least-used over one member whose own window is the limit
+    /// (`assign_run.lua`).
+    KeyPool,
+}
+
+/// The one member of a key pool.
+const KEY: &str = "key-a";
+
+/// A minute's window of `limit`.
+fn minute(limit: u64) -> [Window; 1] {
+    [Window {
         name: "minute".into(),
         limit,
         length_us: 60_000_000,
+    }]
+}
+
+/// One request of cost 1 on `route` in a lane of `lane`, limited to `limit` a minute; whether it
+/// was admitted.
+async fn admitted(store: Arc<RedisStore>, lane: Lane, route: &'static str, limit: u64) -> bool {
+    let windows = minute(limit);
+    if lane == Lane::Quota {
+        return store
+            .acquire(Acquire {
+                route,
+                key: "k",
+                windows: &windows,
+                cost: 1,
+                at_us: None,
+                client: None,
+            })
+            .await
+            .expect("decided")
+            .admitted;
+    }
+    let members = [PoolMember {
+        id: KEY.into(),
+        windows: Arc::new(windows),
     }];
-    store
-        .acquire(Acquire {
+    let assignment = store
+        .assign(Assign {
             route,
-            key: "k",
-            windows: &windows,
+            members: &members,
+            order: Order::LeastUsed,
+            excluded: &[],
+            quota: None,
             cost: 1,
+            cooldowns: true,
             at_us: None,
-            client: None,
+            lease: None,
+            sticky: None,
         })
         .await
-        .expect("decided")
-        .admitted
+        .expect("decided");
+    matches!(assignment, Assignment::Assigned { .. })
+}
+
+/// The log that records `lane`'s admitted requests on `route`.
+fn log_of(lane: Lane, route: &str) -> String {
+    let keys = sluice_store::keys::Keys::new("sluice");
+    match lane {
+        Lane::Quota => keys.quota_log(route, "minute", "k"),
+        Lane::KeyPool => keys.member_log(route, "minute", KEY),
+    }
 }
 
 /// Waits, up to a deadline, until `holds` says yes about what Redis reports.
@@ -86,21 +138,30 @@ fn store_and_runtime(server: &RedisServer) -> (Arc<RedisStore>, tokio::runtime::
     (store, rt)
 }
 
-/// Loads sluice's library (a first call), zeroes Redis's command counts, and holds every
-/// script call that may write from now until `CLIENT UNPAUSE`.
-async fn pause_with_library_loaded(server: &RedisServer, store: &Arc<RedisStore>) {
-    assert!(admitted(store.clone(), "warm-up", 1_000).await);
+/// Loads sluice's library and makes `route`'s state (a first request, admitted: a key pool's
+/// first call also syncs its pool), zeroes Redis's command counts, and holds every script call
+/// that may write from now until `CLIENT UNPAUSE`.
+async fn pause_after_a_first_request(
+    server: &RedisServer,
+    store: &Arc<RedisStore>,
+    lane: Lane,
+    route: &'static str,
+    limit: u64,
+) {
+    assert!(admitted(store.clone(), lane, route, limit).await);
     server.command(&["CONFIG", "RESETSTAT"]).unwrap();
     server
         .command(&["CLIENT", "PAUSE", "30000", "WRITE"])
         .unwrap();
 }
 
-/// Three requests on one route with a quota of `limit`: the first's call is held in Redis
-/// (`CLIENT PAUSE WRITE` holds a script call that may write), and the second and third come
-/// while it is. Returns the script calls they made and how many were admitted.
+/// Three requests on one route with a limit of `limit` (one request made before them): the
+/// first's call is held in Redis (`CLIENT PAUSE WRITE` holds a script call that may write),
+/// and the second and third come while it is. Returns the script calls they made and how many
+/// were admitted.
 fn three_requests(
     server: &RedisServer,
+    lane: Lane,
     under_load: bool,
     route: &'static str,
     limit: u64,
@@ -108,13 +169,13 @@ fn three_requests(
     sluice_store::load::under_load(under_load);
     let (store, rt) = store_and_runtime(server);
     rt.block_on(async {
-        pause_with_library_loaded(server, &store).await;
-        let first = tokio::spawn(admitted(store.clone(), route, limit));
+        pause_after_a_first_request(server, &store, lane, route, limit).await;
+        let first = tokio::spawn(admitted(store.clone(), lane, route, limit));
         until("the first call is held", || {
             info_field(server, "clients", "blocked_clients") == 1
         })
         .await;
-        let second = tokio::spawn(admitted(store.clone(), route, limit));
+        let second = tokio::spawn(admitted(store.clone(), lane, route, limit));
         if under_load {
             // It queues behind the call out; let it get there.
             for _ in 0..4 {
@@ -127,7 +188,7 @@ fn three_requests(
             )
             .await;
         }
-        let third = tokio::spawn(admitted(store.clone(), route, limit));
+        let third = tokio::spawn(admitted(store.clone(), lane, route, limit));
         for _ in 0..4 {
             tokio::task::yield_now().await;
         }
@@ -144,20 +205,20 @@ fn three_requests(
 /// Below saturation, six requests at once (one call: they all queue before its task runs),
 /// held in Redis, then two more: the lane's calls have grown past small, so the two queue
 /// behind the call out and share the next one, as under load. Returns the script calls.
-fn after_a_large_call(server: &RedisServer, route: &'static str) -> u64 {
+fn after_a_large_call(server: &RedisServer, lane: Lane, route: &'static str) -> u64 {
     sluice_store::load::under_load(false);
     let (store, rt) = store_and_runtime(server);
     let calls = rt.block_on(async {
-        pause_with_library_loaded(server, &store).await;
+        pause_after_a_first_request(server, &store, lane, route, 1_000).await;
         let mut requests: Vec<_> = (0..6)
-            .map(|_| tokio::spawn(admitted(store.clone(), route, 1_000)))
+            .map(|_| tokio::spawn(admitted(store.clone(), lane, route, 1_000)))
             .collect();
         until("the large call is held", || {
             info_field(server, "clients", "blocked_clients") == 1
         })
         .await;
         for _ in 0..2 {
-            requests.push(tokio::spawn(admitted(store.clone(), route, 1_000)));
+            requests.push(tokio::spawn(admitted(store.clone(), lane, route, 1_000)));
             for _ in 0..4 {
                 tokio::task::yield_now().await;
             }
@@ -172,32 +233,42 @@ fn after_a_large_call(server: &RedisServer, route: &'static str) -> u64 {
     calls
 }
 
-/// With two calls of one lane out, the quota stays exact: a limit of 2 admits two of the three.
+/// With two calls of one lane out, the limit stays exact: a limit of 3 (one request made before)
+/// admits two of the three. The same on a plain quota's lane and on a key pool's.
 #[test]
 fn below_saturation_a_lane_has_a_second_call_out() {
     let server = RedisServer::start();
-    assert_eq!(
-        three_requests(&server, true, "loaded", 1_000),
-        (2, 3),
-        "under load: the first alone, then the two that came while it was out, together"
-    );
-    assert_eq!(
-        three_requests(&server, false, "idle", 2),
-        (3, 2),
-        "below saturation: the second goes at once, and the third after one of them; the \
-         limit of 2 holds"
-    );
-    assert_eq!(
-        after_a_large_call(&server, "grown"),
-        2,
-        "below saturation, after a call of six: the next two wait for it and go together"
-    );
-    for (route, recorded) in [("loaded", 3), ("idle", 2), ("grown", 8)] {
-        let log = format!("sluice:{{{route}}}:q:minute:k");
+    for (lane, name) in [(Lane::Quota, "quota"), (Lane::KeyPool, "key pool")] {
+        let [loaded, idle, grown] = match lane {
+            Lane::Quota => ["loaded", "idle", "grown"],
+            Lane::KeyPool => ["kp-loaded", "kp-idle", "kp-grown"],
+        };
         assert_eq!(
-            server.log_held(&log),
-            recorded,
-            "{route}: each admitted request recorded once"
+            three_requests(&server, lane, true, loaded, 1_000),
+            (2, 3),
+            "{name}, under load: the first alone, then the two that came while it was out, \
+             together"
         );
+        assert_eq!(
+            three_requests(&server, lane, false, idle, 3),
+            (3, 2),
+            "{name}, below saturation: the second goes at once, and the third after one of \
+             them; the limit holds"
+        );
+        assert_eq!(
+            after_a_large_call(&server, lane, grown),
+            2,
+            "{name}, below saturation, after a call of six: the next two wait for it and go \
+             together"
+        );
+        // Each admitted request recorded once, the first request of each route's included.
+        for (route, recorded) in [(loaded, 4), (idle, 3), (grown, 9)] {
+            let log = log_of(lane, route);
+            assert_eq!(
+                server.log_held(&log),
+                recorded,
+                "{name}, {route}: each admitted request recorded once"
+            );
+        }
     }
 }
