@@ -40,6 +40,10 @@ if op == 'assign' then
     end
     requests = requests + 1
   end
+  if j ~= nargs + 1 then
+    -- A count of ids that the arguments do not hold: refused before anything is written.
+    return redis.error_reply('a request excludes more members than the call names')
+  end
   local out, view, first, exists = {}, nil, nil, nil
   if requests >= 6 then
     view = pool_view(pool, requests + 1 + all)

@@ -223,9 +223,10 @@ local function quota_wait(q, i, total, cost, limit, length)
 end
 
 -- Whether a request of `cost` (a string, as its caller received it: it is also part of the
--- entry) fits every window of `q` as it stands; changes nothing the decision reads (it parses
--- the cost, and moves a window's oldest entry up to the call's clock as quota_admit does).
--- A batched call's usual request fits: this is its whole decision, without the refusal's wait.
+-- entry) fits every window of `q` as it stands. It records nothing: it parses the cost into
+-- q.cost, and moves a window's oldest entry up to the call's clock as quota_admit does, but
+-- leaves q.admitted and q.retry_after as they were. A batched call's usual request fits: this
+-- is its whole decision, without the refusal's wait (quota_admit works that out).
 local function quota_fits(q, cost)
   -- Parsed once per cost a call decides on, not per request (each parse is a strtod).
   if cost ~= q.cost_text then
@@ -299,9 +300,11 @@ end
 -- every request recorded since the last write (by quota_finish, or by a retry walk before it):
 -- they are recorded on the call's one clock, so one entry holds them all. With `out`, also
 -- writes the request's reply, {1, 0, remaining_1, reset_us_1, ...} as quota_reply would, after
--- the first `at` elements of `out`, which must hold nothing past them (a batched call's one
--- table for every request's reply): in the same pass, since a batched call does this for most
--- of its requests, and every table access is a Lua instruction Redis interprets.
+-- the first `at` elements of `out` (a batched call's one table for every request's reply): in
+-- the same pass, since a batched call does this for most of its requests, and every table
+-- access is a Lua instruction Redis interprets. Unlike quota_reply it does not clear what lies
+-- past the reply: a caller whose table was made with placeholders clears those left after its
+-- last reply.
 local function quota_record(q, out, at)
   local cost, now, seq = q.cost, q.now, q.seq + 1
   q.seq, q.pending_seq, q.recorded, q.dirty, q.seq_text = seq, seq, true, true, false
@@ -493,8 +496,8 @@ end
 -- it. A caller passes `out` built as long as the reply usually is (placeholders after its own
 -- elements), so that it is not rehashed as it fills; placeholders past the reply (a quota with
 -- no window, read for a member's metrics) are removed.
--- A caller may also pass a table that holds nothing past `at` (the fused script's one table
--- for every request's reply).
+-- A caller may also pass its one table for every request's reply (a batched call's), and
+-- clears the placeholders left after its last reply.
 local function quota_reply(q, admitted, out, at)
   out[at + 1] = admitted
   out[at + 2] = admitted == 1 and 0 or q.retry_after

@@ -559,3 +559,75 @@ fn memory_fused_assignment_and_plain_quota_never_both_win() {
         "rounds where both won (over-admission) or neither did"
     );
 }
+
+/// The least-used script as the store assembles it (crates/store/src/scripts.rs): the library,
+/// then the driver.
+fn allocator_script() -> String {
+    let lua = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../lua");
+    let read = |name: &str| std::fs::read_to_string(lua.join(name)).expect("lua/ is readable");
+    format!("{}\n{}", read("allocator.lua"), read("allocator_run.lua"))
+}
+
+/// A batched least-used call whose last request says it excludes more members than the call
+/// names (only a broken caller sends that) is refused before anything is written: the picks of
+/// the requests before it, which go one by one in a call this small, must not count.
+#[test]
+fn a_batch_that_names_too_few_excluded_members_writes_nothing() {
+    let server = RedisServer::start();
+    let pool = "sluice:{malformed}:pool";
+    server
+        .command(&["ZADD", pool, "0", "http://a.test", "0", "http://b.test"])
+        .unwrap();
+    let script = allocator_script();
+    // Three requests: none excluded, none excluded, then one that counts 3 ids and names 1.
+    let refused = server.command(&[
+        "EVAL",
+        &script,
+        "1",
+        pool,
+        "assign",
+        "0",
+        "0",
+        "3",
+        "http://a.test",
+    ]);
+    let error = refused.expect_err("refused").to_string();
+    assert!(
+        error.contains("excludes more members than the call names"),
+        "{error}"
+    );
+    assert_eq!(
+        server.zrange_with_scores(pool),
+        vec![
+            ("http://a.test".to_string(), 0.0),
+            ("http://b.test".to_string(), 0.0)
+        ],
+        "no pick counted"
+    );
+    // The same requests, well formed, are decided.
+    let decided = server
+        .command(&[
+            "EVAL",
+            &script,
+            "1",
+            pool,
+            "assign",
+            "0",
+            "0",
+            "1",
+            "http://a.test",
+        ])
+        .unwrap();
+    assert_eq!(
+        decided.split_whitespace().collect::<Vec<_>>(),
+        // Integers as the test kit writes them.
+        [
+            ":1",
+            "http://a.test",
+            ":1",
+            "http://b.test",
+            ":1",
+            "http://b.test"
+        ],
+    );
+}
