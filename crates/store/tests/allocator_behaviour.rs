@@ -579,18 +579,22 @@ fn a_batch_that_names_too_few_excluded_members_writes_nothing() {
         .command(&["ZADD", pool, "0", "http://a.test", "0", "http://b.test"])
         .unwrap();
     let script = allocator_script();
-    // Three requests: none excluded, none excluded, then one that counts 3 ids and names 1.
-    let refused = server.command(&[
-        "EVAL",
-        &script,
-        "1",
-        pool,
-        "assign",
-        "0",
-        "0",
-        "3",
-        "http://a.test",
-    ]);
+    // Three requests: none excluded, none excluded, then one that counts `count` ids and
+    // names one.
+    let batch = |count: &str| {
+        server.command(&[
+            "EVAL",
+            &script,
+            "1",
+            pool,
+            "assign",
+            "0",
+            "0",
+            count,
+            "http://a.test",
+        ])
+    };
+    let refused = batch("3");
     let error = refused.expect_err("refused").to_string();
     assert!(
         error.contains("excludes more members than the call names"),
@@ -605,19 +609,7 @@ fn a_batch_that_names_too_few_excluded_members_writes_nothing() {
         "no pick counted"
     );
     // The same requests, well formed, are decided.
-    let decided = server
-        .command(&[
-            "EVAL",
-            &script,
-            "1",
-            pool,
-            "assign",
-            "0",
-            "0",
-            "1",
-            "http://a.test",
-        ])
-        .unwrap();
+    let decided = batch("1").unwrap();
     assert_eq!(
         decided.split_whitespace().collect::<Vec<_>>(),
         // Integers as the test kit writes them.
