@@ -288,3 +288,32 @@ fn a_huge_count_is_an_incomplete_reply() {
         assert!(!patched.iter().any(|r| matches!(r, Some(Ok(_)))));
     }
 }
+
+/// The framed reader reads into whatever room its buffer has left, at least one byte. After a
+/// run of replies that room is the buffer's tail, so the next reply would arrive cut, and a cut
+/// reply goes to combine, which then reads it twice as slowly. Once a run's replies are all
+/// read, the decoder gives the emptied buffer its room back: from the front of the same
+/// allocation, with nothing copied.
+#[test]
+fn an_emptied_buffer_gets_its_room_back() {
+    let reply = b"*3\r\n:1\r\n$5\r\nkey-a\r\n:1700000000000\r\n";
+    let mut codec = ValueCodec::default();
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    let start = buf.as_ptr();
+    while buf.capacity() - buf.len() >= 2 * reply.len() {
+        buf.extend_from_slice(reply);
+    }
+    let mut replies = 0;
+    while let Some(value) = codec.decode(&mut buf).expect("well-formed replies") {
+        assert_eq!(value, parse_redis_value(reply).unwrap());
+        replies += 1;
+    }
+    assert!(replies > 100, "{replies} replies fill the buffer");
+    assert!(buf.is_empty());
+    assert!(
+        buf.capacity() >= 8 * 1024,
+        "room for the next read: {} bytes",
+        buf.capacity()
+    );
+    assert_eq!(buf.as_ptr(), start, "the same allocation, from its front");
+}

@@ -443,6 +443,10 @@ mod aio_support {
         combine_only: bool,
     }
 
+    /// PATCH (sluice, complete replies without combine): the room an empty buffer is given
+    /// before the next read, the framed reader's own starting capacity.
+    const READ_ROOM: usize = 8 * 1024;
+
     impl ValueCodec {
         /// PATCH (sluice, complete replies without combine): the decoder as released, every
         /// reply read by combine, so that tests can hold the fast path to it.
@@ -465,6 +469,11 @@ mod aio_support {
                 // Combine, with no reply begun, would answer that it needs more and take
                 // nothing; answering so here keeps the flag clear for the next reply.
                 if bytes.is_empty() && !eof {
+                    // The framed reader reads into what room the buffer has left, at least one
+                    // byte: after a run of replies that room is the buffer's tail, and a reply
+                    // read into it arrives cut, for combine. Room asked for while the buffer is
+                    // empty is taken back from the front at no copy.
+                    bytes.reserve(READ_ROOM);
                     return Ok(None);
                 }
                 if let Some((value, len)) = complete::value(&bytes[..], 0) {
