@@ -54,6 +54,9 @@ pub struct ScriptCall<'s> {
 impl<'s> ScriptCall<'s> {
     /// A call of `script` that will take exactly `keys` keys.
     pub fn new(library: &'s Library, script: &'s StateScript, keys: usize) -> ScriptCall<'s> {
+        // A call that names no key is routed by a Cluster client to any node, and a replica
+        // refuses a script that writes (READONLY): every call names the keys it touches.
+        debug_assert!(keys > 0, "a script call that names no key");
         // Room for the whole call up front: the command's two `Vec`s (its bytes, and where each
         // argument ends) otherwise grow by doubling, argument by argument.
         let args = 3 + keys + ARGS_ROOM;

@@ -477,6 +477,18 @@ impl RedisStore {
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError> {
+        // Nothing of the route's to reserve or check (on a Cluster, after the client's windows
+        // reserved in their own slot): no call. It would name no key, and a call without a key
+        // goes to any node, where a replica refuses it (READONLY) and the route's
+        // `on_store_error` would decide a request that needs no store at all.
+        if let Some(assignment) = Self::trivial_preference(&ask) {
+            return Ok(Reserved {
+                assignment,
+                route: None,
+                member: None,
+                client: None,
+            });
+        }
         if let Some(reserved) = self.assign_script(&ask, Some(&usage)).await? {
             return Ok(reserved);
         }

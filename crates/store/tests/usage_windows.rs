@@ -1706,3 +1706,112 @@ async fn redis_a_settlement_keeps_the_logs_expiry() {
         assert!(ttl > 0, "{key} has no expiry ({ttl})");
     }
 }
+
+/// On a Redis Cluster a client's windows reserve in their own slot first. When the route then
+/// has nothing of its own to reserve or check (no windows, no member windows, a member chosen
+/// in process), it makes no call: a script call that names no key goes to any node, and a
+/// replica refuses one that writes (READONLY), so the route's `on_store_error` would decide
+/// about half of these requests. Every FCALL a node ran is in its slow log (logged from 0 µs),
+/// and every one a replica refused counts in its `rejected_calls`: neither may be keyless.
+#[tokio::test]
+async fn redis_cluster_a_route_with_nothing_to_check_makes_no_keyless_call() {
+    let cluster = RedisCluster::start();
+    for node in cluster.nodes() {
+        for args in [
+            &["CONFIG", "SET", "slowlog-log-slower-than", "0"][..],
+            &["CONFIG", "SET", "slowlog-max-len", "100000"],
+            &["SLOWLOG", "RESET"],
+            &["CONFIG", "RESETSTAT"],
+        ] {
+            node.command(args).expect("configure a node");
+        }
+    }
+    let store = cluster_store(&cluster);
+    let members = [PoolMember::new("only")];
+    let client_windows = [Window {
+        name: "day".into(),
+        limit: 10_000,
+        length_us: 24 * 60 * MINUTE,
+    }];
+    let t0 = 7_000_000_000_000u64;
+    for i in 0..20 {
+        let reserved = store
+            .assign_reserve(
+                Assign {
+                    route: "bare",
+                    members: &members,
+                    order: Order::Preference(&[0]),
+                    excluded: &[],
+                    quota: Some(Acquire {
+                        route: "bare",
+                        key: "route",
+                        windows: &[],
+                        cost: 1,
+                        at_us: Some(t0 + i),
+                        client: Some(ClientWindows {
+                            name: "solo",
+                            windows: &client_windows,
+                        }),
+                    }),
+                    cost: 1,
+                    cooldowns: false,
+                    at_us: Some(t0 + i),
+                    lease: None,
+                    sticky: None,
+                },
+                Usage {
+                    route: &[],
+                    route_periods: &[],
+                    members: &[],
+                    client: &[1],
+                    client_periods: &[],
+                },
+            )
+            .await
+            .unwrap();
+        assert!(
+            matches!(&reserved.assignment, Assignment::Assigned { member, .. } if member == "only"),
+            "{reserved:?}"
+        );
+        assert!(reserved.client.is_some(), "the client's reservation");
+    }
+    let mut keyed = 0;
+    for node in cluster.nodes() {
+        let client = redis::Client::open(node.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let log: Vec<Vec<String>> = redis::cmd("SLOWLOG")
+            .arg("GET")
+            .arg(-1)
+            .query_async::<Vec<redis::Value>>(&mut conn)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|entry| {
+                let redis::Value::Array(fields) = entry else {
+                    panic!("a slow log entry: {entry:?}")
+                };
+                // id, time, duration, then the command's arguments.
+                redis::from_redis_value(fields[3].clone()).unwrap()
+            })
+            .collect();
+        for args in &log {
+            if args
+                .first()
+                .is_some_and(|c| c.eq_ignore_ascii_case("fcall"))
+            {
+                assert_ne!(args.get(2).map(String::as_str), Some("0"), "{args:?}");
+                keyed += 1;
+            }
+        }
+        let stats = node.command(&["INFO", "commandstats"]).unwrap();
+        let rejected = stats
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_fcall:"))
+            .and_then(|s| s.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
+            .map_or(0, |n| n.trim().parse::<u64>().unwrap());
+        assert_eq!(rejected, 0, "FCALLs a node refused: {stats}");
+    }
+    // The client's reservations, a call each (the first may find the library missing, and be
+    // sent again once it is loaded), all naming the client's keys.
+    assert!((20..=21).contains(&keyed), "{keyed} FCALLs");
+}
