@@ -200,6 +200,19 @@ impl RedisStore {
         ask: &Assign<'_>,
         usage: Option<&Usage<'_>>,
     ) -> Result<Option<Reserved>, StoreError> {
+        // Nothing of the route's to reserve or check (on a Cluster, also after a client's
+        // windows decided in their own slot): no call, with or without a reservation. The call
+        // would name no key, and a call without a key goes to any node, where a replica refuses
+        // it (READONLY) and the route's `on_store_error` would decide a request that needs no
+        // store at all.
+        if let Some(assignment) = Self::trivial_preference(ask) {
+            return Ok(Some(Reserved {
+                assignment,
+                route: None,
+                member: None,
+                client: None,
+            }));
+        }
         let client = ask.quota.and_then(|q| q.client);
         let quota = self.quota_of(ask).filter(|q| !q.windows.is_empty());
         // A lease, a sticky session, a client's windows (on Redis Cluster, in another slot) and
@@ -477,18 +490,6 @@ impl RedisStore {
         ask: Assign<'_>,
         usage: Usage<'_>,
     ) -> Result<Reserved, StoreError> {
-        // Nothing of the route's to reserve or check (on a Cluster, after the client's windows
-        // reserved in their own slot): no call. It would name no key, and a call without a key
-        // goes to any node, where a replica refuses it (READONLY) and the route's
-        // `on_store_error` would decide a request that needs no store at all.
-        if let Some(assignment) = Self::trivial_preference(&ask) {
-            return Ok(Reserved {
-                assignment,
-                route: None,
-                member: None,
-                client: None,
-            });
-        }
         if let Some(reserved) = self.assign_script(&ask, Some(&usage)).await? {
             return Ok(reserved);
         }
@@ -726,9 +727,6 @@ impl RedisStore {
     // kept it twice (rustc stores an argument and its binding apart), and the request's future
     // grew by it at each level.
     async fn assign_route(&self, ask: &Assign<'_>) -> Result<Assignment, StoreError> {
-        if let Some(a) = Self::trivial_preference(ask) {
-            return Ok(a);
-        }
         if let Some(a) = self.assign_once(ask).await? {
             return Ok(a);
         }
