@@ -23,6 +23,27 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// jemalloc's options, read before `main` (the library's `malloc_conf`; `_RJEM_MALLOC_CONF` in
+/// the environment still overrides them). A proxy thread allocates in bursts: one turn reads
+/// the heads of every ready connection, then a later one frees them all. jemalloc's thread
+/// cache keeps 20 objects of each larger size class and, every 64 KiB allocated, hands back
+/// what a bin did not use, so a burst past 20 went to the arena's locked path both ways, and
+/// slabs were made and unmade by the request. 64 objects a bin and a look every 16 MiB keep
+/// a burst of 64 connections' buffers in the cache (docs/benchmarks.md, "jemalloc's thread
+/// cache sized for a burst"), for at most a few MiB more held per worker thread
+/// (docs/operations.md, "The allocator's thread caches").
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[export_name = "_rjem_malloc_conf"]
+static JEMALLOC_CONF: Option<&'static std::ffi::c_char> = Some(
+    // SAFETY: a pointer to the first byte of a NUL-terminated static string, which is what
+    // jemalloc reads this symbol as (a `const char *`).
+    unsafe { &*JEMALLOC_OPTIONS.as_ptr() },
+);
+
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+const JEMALLOC_OPTIONS: &std::ffi::CStr =
+    c"tcache_nslots_small_min:64,tcache_gc_incr_bytes:16777216";
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
@@ -97,5 +118,44 @@ fn main() -> ExitCode {
             eprintln!("sluice: {error}");
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(all(test, feature = "jemalloc", not(feature = "mimalloc")))]
+mod tests {
+    use std::ffi::CStr;
+
+    /// jemalloc's value of option `name` (`opt.*`), as the allocator this binary links runs it.
+    fn opt<T: Copy + Default>(name: &CStr) -> T {
+        let mut value = T::default();
+        let mut len = std::mem::size_of::<T>();
+        // SAFETY: a NUL-terminated name, and a buffer of the size given for the value read.
+        let status = unsafe {
+            tikv_jemalloc_sys::mallctl(
+                name.as_ptr(),
+                (&mut value as *mut T).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        assert_eq!(status, 0, "mallctl {name:?}");
+        assert_eq!(len, std::mem::size_of::<T>(), "{name:?}'s size");
+        value
+    }
+
+    #[test]
+    fn the_binary_runs_jemalloc_with_its_own_options() {
+        if std::env::var_os("_RJEM_MALLOC_CONF").is_some() {
+            // The environment is read after the binary's options, and wins.
+            eprintln!("_RJEM_MALLOC_CONF is set: the binary's own options may be overridden");
+            return;
+        }
+        // A misspelt option is no error to jemalloc (a warning on stderr, then its default),
+        // so the values are read back.
+        assert_eq!(opt::<u32>(c"opt.tcache_nslots_small_min"), 64);
+        assert_eq!(opt::<usize>(c"opt.tcache_gc_incr_bytes"), 16 << 20);
+        let text = super::JEMALLOC_OPTIONS.to_str().expect("ASCII");
+        assert!(text.contains("tcache_nslots_small_min:64"), "{text}");
     }
 }
