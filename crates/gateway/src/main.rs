@@ -23,15 +23,18 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-/// jemalloc's options, read before `main` (the library's `malloc_conf`; `_RJEM_MALLOC_CONF` in
-/// the environment still overrides them). A proxy thread allocates in bursts: one turn reads
-/// the heads of every ready connection, then a later one frees them all. jemalloc's thread
-/// cache keeps 20 objects of each larger size class and, every 64 KiB allocated, hands back
-/// what a bin did not use, so a burst past 20 went to the arena's locked path both ways, and
-/// slabs were made and unmade by the request. 64 objects a bin and a look every 16 MiB keep
-/// a burst of 64 connections' buffers in the cache (docs/benchmarks.md, "jemalloc's thread
-/// cache sized for a burst"), for at most a few MiB more held per worker thread
-/// (docs/operations.md, "The allocator's thread caches").
+/// jemalloc's options, read when it starts, at the first allocation (the library's
+/// `malloc_conf`; `_RJEM_MALLOC_CONF` in the environment still overrides them). A proxy thread
+/// allocates in bursts: one turn reads the heads of every ready connection, then a later one
+/// frees them all. jemalloc's thread cache keeps twice a slab's objects of a size, but no fewer
+/// than `tcache_nslots_small_min`: 20 by default, which is what most sizes from 512 bytes up
+/// get. A burst past that went to the arena's locked path both ways, and slabs were made and
+/// unmade by the request. At least 64 a size keep a burst of 64 connections' buffers in the
+/// cache. The cache's trim of what its bins did not use is looked at every
+/// `tcache_gc_incr_bytes` allocated (at most every 10 ms): every 16 MiB rather than 64 KiB, so
+/// that a busy thread, which allocates 64 KiB in a few requests, does not trim at every chance
+/// (docs/benchmarks.md, "jemalloc's thread cache sized for a burst"). It costs a few MiB more
+/// held per worker thread at most (docs/operations.md, "The allocator's thread caches").
 #[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
 #[export_name = "_rjem_malloc_conf"]
 static JEMALLOC_CONF: Option<&'static std::ffi::c_char> = Some(
