@@ -134,8 +134,15 @@ pub(crate) fn strip_hop_by_hop(head: &mut impl HeaderEdit) {
         // Empty, and so no allocation, unless there are several fields.
         let rest: Vec<HeaderValue> = values.cloned().collect();
         for value in first.iter().chain(rest.iter()) {
-            let Ok(value) = value.to_str() else { continue };
-            for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            // Read as bytes, element by element: a value with one byte outside ASCII (obs-text,
+            // which parsers accept) still names its other fields. An element that is not ASCII
+            // cannot be a field name, so it names nothing.
+            let names = value
+                .as_bytes()
+                .split(|&b| b == b',')
+                .filter_map(|n| std::str::from_utf8(n.trim_ascii()).ok())
+                .filter(|n| !n.is_empty() && n.is_ascii());
+            for name in names {
                 let is_framing = name.eq_ignore_ascii_case("transfer-encoding")
                     || name.eq_ignore_ascii_case("trailer")
                     || name.eq_ignore_ascii_case("content-length");

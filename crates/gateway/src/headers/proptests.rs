@@ -291,3 +291,23 @@ fn every_hop_by_hop_name_passes_the_length_filter() {
     }
     assert_eq!(lengths, super::HOP_BY_HOP_LENGTHS);
 }
+
+/// A `Connection` value with a byte outside ASCII (obs-text, which the HTTP/1 parser accepts)
+/// still names its other fields: they are removed, and the element that is not a name names
+/// nothing.
+#[test]
+fn a_connection_value_with_obs_text_still_names_its_fields() {
+    let mut req = RequestHeader::build("GET", b"/", None).unwrap();
+    req.append_header("x-a", "1").unwrap();
+    req.append_header("x-kept", "2").unwrap();
+    let value = http::HeaderValue::from_bytes(b"x-a, caf\xe9 ,").unwrap();
+    assert!(
+        value.to_str().is_err(),
+        "the value must not be visible ASCII"
+    );
+    req.append_header("connection", value).unwrap();
+    strip_hop_by_hop(&mut req);
+    assert!(req.headers.get("x-a").is_none(), "{:?}", req.headers);
+    assert!(req.headers.get("connection").is_none(), "{:?}", req.headers);
+    assert_eq!(values_of(&req, "x-kept"), ["2"]);
+}
