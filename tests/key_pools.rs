@@ -678,3 +678,36 @@ async fn a_burst_on_redis_counts_exactly_with_batching_on_and_off() {
         eprintln!("batch {batch}: {calls} script calls for 40 requests");
     }
 }
+
+/// A cooldown is read back from Redis, where anything may have been written (by hand, by a
+/// tool, by a test clock on a live prefix). One that ends past the year 9999, which RFC 3339
+/// cannot write, leaves `/status` answering: the member shows its `cooling_ms`, without a
+/// `cooling_until` (formatting that date panicked the admin task, and `/status` stayed
+/// broken for as long as the entry lasted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_past_the_year_9999_in_redis_leaves_status_answering() {
+    let redis = sluice_testkit::RedisServer::start();
+    let api = api(1_000, Duration::from_secs(60)).await;
+    let route = pool(&api, &KEYS[..2], 0, "")
+        .least_used()
+        .cooldown(Cooldown::new().max("1m"));
+    let gw = Config::new()
+        .state(State::redis(redis.url()))
+        .route(route)
+        .start();
+    // About the year 30,000, in µs since the epoch.
+    redis
+        .command(&["ZADD", "sluice:{keys}:cool", "900000000000000000", "key-a"])
+        .unwrap();
+    let m = member_status(&gw, "key-a").await;
+    // Some 28,000 years in ms.
+    assert!(
+        m["cooling_ms"].as_u64().unwrap_or(0) > 800_000_000_000_000,
+        "{m}"
+    );
+    assert!(m["cooling_until"].is_null(), "{m}");
+    let other = member_status(&gw, "key-b").await;
+    assert!(other["cooling_ms"].is_null(), "{other}");
+    // The metrics, which read the same cooldowns, answer too.
+    assert_eq!(gw.admin("/metrics").await.status, 200);
+}

@@ -254,9 +254,9 @@ impl AdminApi {
                         "headers": headers,
                     });
                     if let Some(&us) = cooling.get(&*m.id) {
-                        let until = now + std::time::Duration::from_micros(us);
-                        member["cooling_until"] =
-                            humantime::format_rfc3339_millis(until).to_string().into();
+                        if let Some(until) = rfc3339_millis_after(now, us) {
+                            member["cooling_until"] = until.into();
+                        }
                         member["cooling_ms"] = us.div_ceil(1000).into();
                     }
                     if !proxied.windows.is_empty() {
@@ -459,6 +459,18 @@ impl<'a> Remaining<'a> {
 }
 
 /// The wall clock in microseconds, which calendar periods are cut on.
+/// `now` plus `us` microseconds in RFC 3339 to the millisecond, or None past what RFC 3339
+/// writes (the year 9999). The store's cooldowns reach a day at most, but the figure is read
+/// back from Redis, where anything may have been written: humantime refuses such a year, and
+/// its `to_string()` would then panic the admin task.
+fn rfc3339_millis_after(now: std::time::SystemTime, us: u64) -> Option<String> {
+    use std::fmt::Write;
+    let until = now.checked_add(std::time::Duration::from_micros(us))?;
+    let mut text = String::new();
+    write!(text, "{}", humantime::format_rfc3339_millis(until)).ok()?;
+    Some(text)
+}
+
 fn now_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
