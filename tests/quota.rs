@@ -710,3 +710,73 @@ async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
         Some(3.0)
     );
 }
+
+/// Redis at its `maxmemory` (with `noeviction`) refuses every write, before it writes anything:
+/// that is a full store, as the memory store's key table is, not an outage. A request a quota
+/// must count is refused with `429 quota_keys_exhausted`, never admitted unmetered, even where
+/// `on_store_error` is `open` (otherwise whoever filled Redis, by spraying quota keys say,
+/// lifted every quota). A least-used route without quotas has nothing to meter: its requests go
+/// on with their selection in process, as on any store failure. Once Redis has room, the quota
+/// counts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered() {
+    let redis = RedisServer::start();
+    let backends = start_backends(&["b1", "b2"]).await;
+    let config = Config::new()
+        .state(support::State::redis(redis.url()))
+        .route(
+            Route::new("api")
+                .member(url(backends[0].local_addr()))
+                .quota(Quota::window("hour", 1_000, "1h").on_store_error("open")),
+        )
+        .route(
+            Route::new("pool")
+                .member(url(backends[1].local_addr()))
+                .least_used(),
+        );
+    let gw = config.start();
+    let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
+    for host in ["api.test", "pool.test"] {
+        let r = client.request("GET", host, "/", &[], b"").await.unwrap();
+        assert_eq!(r.status, 200, "{host}: {}", r.text());
+    }
+    redis
+        .command(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
+        .unwrap();
+    redis.command(&["CONFIG", "SET", "maxmemory", "1"]).unwrap();
+    for _ in 0..3 {
+        let r = client
+            .request("GET", "api.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.status, r.header("x-sluice-error")),
+            (429, Some("quota_keys_exhausted")),
+            "{}",
+            r.text()
+        );
+        let r = client
+            .request("GET", "pool.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "pool.test: {}", r.text());
+    }
+    assert_eq!(
+        backends[0].proxied_requests(),
+        1,
+        "only the counted request reached the quota's member"
+    );
+    assert_eq!(backends[1].proxied_requests(), 4);
+    assert_eq!(
+        gw.metric("sluice_quota_keys_refused_total", &[("route", "api")])
+            .await,
+        Some(3.0)
+    );
+    redis.command(&["CONFIG", "SET", "maxmemory", "0"]).unwrap();
+    let r = client
+        .request("GET", "api.test", "/", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(backends[0].proxied_requests(), 2);
+}

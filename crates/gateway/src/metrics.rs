@@ -176,7 +176,7 @@ impl Metrics {
         );
         let quota_keys_refused = counter(
             "sluice_quota_keys_refused_total",
-            "Requests with a new quota key refused because their route holds as many keys as the memory store keeps.",
+            "Requests refused because the store is full: their route holds as many quota keys or entries as the memory store keeps, or Redis is at its maxmemory.",
             &["route"],
         );
         let client_denials = counter(

@@ -94,7 +94,7 @@ impl Problem {
             status: 429,
             code: "quota_keys_exhausted",
             title: "Quota keys exhausted",
-            detail: "the route holds as many quota keys (state.memory.max_keys) or entries (state.memory.max_entries) as the store keeps, each still counting; there is room again once some leave their windows".into(),
+            detail: "the store is full: the route holds as many quota keys (state.memory.max_keys) or entries (state.memory.max_entries) as the memory store keeps, or Redis is at its maxmemory, each entry still counting; there is room again once some leave their windows".into(),
             retry_after_ms: None,
         }
     }

@@ -346,10 +346,11 @@ pub enum StoreError {
     Timeout,
     /// The store answered with an error, or the connection failed.
     Backend(String),
-    /// The route holds as many quota keys, or log entries, as the memory store allows, each
-    /// still counting: a request with a new key, or one that would add entries, is not decided.
-    /// This is no outage: the store works, and what it holds keeps being decided. The gateway
-    /// refuses the request rather than admit it unmetered.
+    /// The store is full: the route holds as many quota keys, or log entries, as the memory
+    /// store allows, each still counting, or Redis refused a write at its `maxmemory`. A
+    /// request with a new key, or one that would add entries, is not decided. This is no
+    /// outage: the store works, and what it holds keeps being read. The gateway refuses a
+    /// request a quota must count rather than admit it unmetered.
     TooManyKeys,
 }
 
@@ -359,7 +360,7 @@ impl fmt::Display for StoreError {
             StoreError::Timeout => f.write_str("state store timed out"),
             StoreError::Backend(e) => write!(f, "state store failed: {e}"),
             StoreError::TooManyKeys => f.write_str(
-                "the route holds as many quota keys, or entries, as the memory store keeps",
+                "the store is full: the route holds as many quota keys, or entries, as the memory store keeps, or Redis is at its maxmemory",
             ),
         }
     }

@@ -285,7 +285,7 @@ impl RedisConnection {
                     }
                     other => {
                         self.down_since.store(0, Ordering::Relaxed);
-                        return other.map_err(|e| StoreError::Backend(e.to_string()));
+                        return other.map_err(answered_error);
                     }
                 }
             }
@@ -317,6 +317,22 @@ impl RedisConnection {
         )
         .await
         .is_ok()
+    }
+}
+
+/// The store error for an error Redis answered with. Redis at its `maxmemory` (with
+/// `noeviction`, as operations.md asks) refuses every call that would write, before it
+/// writes anything: a script without flags (every `FCALL`) is refused whole, and an
+/// `EVALSHA` script at its first write. That is a full store, not an outage, so it is
+/// [`StoreError::TooManyKeys`], as the memory store's full table is: the gateway refuses what
+/// a quota must count rather than apply the route's `on_store_error: open` and admit it
+/// unmetered, which would lift every quota for whoever filled Redis (a client spraying
+/// quota keys, say).
+pub(crate) fn answered_error(e: RedisError) -> StoreError {
+    if e.code() == Some("OOM") {
+        StoreError::TooManyKeys
+    } else {
+        StoreError::Backend(e.to_string())
     }
 }
 

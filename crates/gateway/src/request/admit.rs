@@ -666,12 +666,18 @@ fn verdict(
             ratelimit: ratelimit_of(outcome.as_ref()),
             no_member: true,
         },
-        // A full key table is no outage, so on_store_error does not apply: admitting the new
-        // key would leave it unmetered, which lifts the quota for whoever sprays keys.
+        // A full store (the memory store's key table, Redis at its maxmemory) is no outage, so
+        // on_store_error does not apply: admitting the request would leave it unmetered, which
+        // lifts the quota for whoever sprays keys. A request no window counts (a least-used
+        // route without quotas on a full Redis) has nothing to leave unmetered: it goes on as
+        // on any store failure, its selection in process.
         Admission::StoreFailed {
             error: StoreError::TooManyKeys,
             ..
-        } => {
+        } if quota.is_some()
+            || caller.is_some_and(|c| !c.windows.is_empty())
+            || route.members.iter().any(|m| !m.windows.is_empty()) =>
+        {
             metrics
                 .quota_keys_refused
                 .with_label_values(&[&route.name])
