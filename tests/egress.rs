@@ -1042,3 +1042,99 @@ async fn a_tunnel_carries_every_byte_both_ways_with_splice_and_with_the_copy_loo
     let gw = config.start_with_env(&[("SLUICE_TUNNEL_SPLICE", "0")]);
     echo_through_a_tunnel(&gw, port, 8 << 20).await;
 }
+
+/// A CONNECT to `127.0.0.1:port` (an echo listener) through `gw`, answered 200, that has
+/// carried `ping` both ways; the client side of the open tunnel.
+async fn open_echo_tunnel(gw: &Gateway, port: u16) -> tokio::net::TcpStream {
+    let mut s = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    s.write_all(
+        format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(WAIT, s.read(&mut byte))
+            .await
+            .expect("the CONNECT's answer in time")
+            .unwrap();
+        assert_eq!(n, 1, "closed after {:?}", String::from_utf8_lossy(&head));
+        head.push(byte[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&head)
+    );
+    echo_ping(&mut s).await;
+    s
+}
+
+/// Sends `ping` down an open echo tunnel and reads it back.
+async fn echo_ping(s: &mut tokio::net::TcpStream) {
+    s.write_all(b"ping").await.unwrap();
+    let mut got = [0u8; 4];
+    tokio::time::timeout(WAIT, s.read_exact(&mut got))
+        .await
+        .expect("the echo in time")
+        .unwrap();
+    assert_eq!(&got, b"ping");
+}
+
+/// A plain tunnel moved by splice(2) holds five descriptors more than the two the connection
+/// cap counts a connection for (a duplicate of the client socket and a pipe each way), so it
+/// takes three more slots of `limits.max_connections` while it lasts, and a tunnel that finds
+/// fewer free is copied instead: the gateway's descriptors stay within what the cap was sized
+/// for, where tunnels a client held open would otherwise use up the open-file limit at two
+/// sevenths of the cap. With a cap of 5, a spliced tunnel (4 slots) and a copied one (1) fill
+/// it: both carry bytes, the next client is refused, and the spliced tunnel's slots come back
+/// when it ends.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spliced_tunnel_takes_connection_slots_for_its_extra_descriptors() {
+    let (port, _) = counting_listener().await;
+    let config = Config::new()
+        .egress(Egress::loopback_allowed().connect_ports(&[port]))
+        .route(Route::new("bulk").hosts(&["127.0.0.1"]).direct_member());
+    let gw =
+        Gateway::start_with_ports(&format!("{}limits:\n  max_connections: 5\n", config.yaml()));
+    let spliced = open_echo_tunnel(&gw, port).await;
+    let mut copied = open_echo_tunnel(&gw, port).await;
+
+    let mut over = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(WAIT, over.read_to_end(&mut got))
+        .await
+        .expect("the connection over the cap is closed")
+        .unwrap();
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 503 "), "{got:?}");
+    assert!(got.contains("too_many_connections"), "{got:?}");
+    echo_ping(&mut copied).await;
+
+    // The spliced tunnel ends with its client: its four slots come back, enough for another
+    // spliced tunnel.
+    drop(spliced);
+    let freed = support::wait_until_async(WAIT, || async {
+        let mut s = tokio::net::TcpStream::connect(gw.proxy_addr())
+            .await
+            .unwrap();
+        let head = format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n");
+        if s.write_all(head.as_bytes()).await.is_err() {
+            return false;
+        }
+        let mut answer = [0u8; 12];
+        matches!(
+            tokio::time::timeout(WAIT, s.read_exact(&mut answer)).await,
+            Ok(Ok(_)) if &answer == b"HTTP/1.1 200"
+        )
+    })
+    .await;
+    assert!(freed, "the ended tunnel did not give its slots back");
+    echo_ping(&mut copied).await;
+}

@@ -78,21 +78,40 @@ pub async fn first_bytes(stream: &mut Stream, within: Duration) -> First {
         .unwrap_or(First::Idle)
 }
 
+/// The connection cap's slots a spliced tunnel takes on top of its own: the cap counts two
+/// descriptors a connection, and splicing adds five (a duplicate of the client socket and a
+/// pipe each way), so three slots cover them.
+pub(crate) const SPLICE_EXTRA_SLOTS: usize = 3;
+
 /// Carries an open tunnel's bytes both ways until both sides close, one fails, or `idle`
 /// passes with no byte either way: `early` (what the client sent right behind its CONNECT)
 /// goes up first, then `upstream.early` (what the member side sent before it was handed over)
-/// comes down. Both sides plain TCP: splice(2), with no copy through user space; else the copy
-/// loop.
+/// comes down. Both sides plain TCP: splice(2), with no copy through user space, when the
+/// connection cap has [`SPLICE_EXTRA_SLOTS`] slots free for the descriptors splicing adds
+/// (`extra_slots`, held while the tunnel lasts); else the copy loop.
 pub(crate) async fn carry(
     client: &mut Stream,
     upstream: open::Upstream,
     early: &[u8],
     idle: Duration,
     counters: &Counters,
+    extra_slots: Option<&crate::limits::ExtraSlots>,
 ) -> Pumped {
     let mut early_up = early.to_vec();
+    // None: too few slots free, so no splicing. Some: splice, holding the slots (if there is a
+    // cap to share) until the tunnel ends, with this function.
     #[cfg(target_os = "linux")]
-    let client_socket = splice::client_socket(client, &mut early_up);
+    let held = match extra_slots {
+        Some(slots) => slots.take(SPLICE_EXTRA_SLOTS).map(Some),
+        None => Some(None),
+    };
+    #[cfg(target_os = "linux")]
+    let client_socket = held
+        .is_some()
+        .then(|| splice::client_socket(client, &mut early_up))
+        .flatten();
+    #[cfg(not(target_os = "linux"))]
+    let _ = extra_slots;
     #[cfg(not(target_os = "linux"))]
     let client_socket: Option<std::convert::Infallible> = None;
     match client_socket {

@@ -42,6 +42,9 @@ pub struct Tunnels {
     state: Arc<dyn StateStore>,
     /// Resolves `direct` targets for the egress guard.
     resolver: Resolver,
+    /// The connection cap's slots a spliced tunnel takes for its extra descriptors; None (no
+    /// cap to share, as in unit tests) splices without.
+    extra_slots: Option<crate::limits::ExtraSlots>,
 }
 
 /// How a tunnel ended, beyond what its [`RequestCtx`] holds.
@@ -71,7 +74,14 @@ impl Tunnels {
             in_flight,
             state,
             resolver,
+            extra_slots: None,
         }
+    }
+
+    /// Takes the slots for a spliced tunnel's extra descriptors from `slots`.
+    pub(crate) fn with_extra_slots(mut self, slots: crate::limits::ExtraSlots) -> Tunnels {
+        self.extra_slots = Some(slots);
+        self
     }
 
     /// Serves one connection that opens with a CONNECT, to its end. `first` holds what was
@@ -393,8 +403,15 @@ impl Tunnels {
                 .tunnel_bytes
                 .with_label_values(&[&route.name, "down"]),
         };
-        let pumped =
-            tunnel::carry(client, upstream, &head.early, up.read_timeout.0, &counters).await;
+        let pumped = tunnel::carry(
+            client,
+            upstream,
+            &head.early,
+            up.read_timeout.0,
+            &counters,
+            self.extra_slots.as_ref(),
+        )
+        .await;
         end.bytes = Some((pumped.up, pumped.down));
         end.error = pumped.ended;
     }
