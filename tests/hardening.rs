@@ -1110,6 +1110,31 @@ mod upstream_pool {
         }
     }
 
+    /// How many sockets of this machine hold a TCP connection to `port` in one of `states`
+    /// (`/proc/net/tcp`'s hex codes: 01 established, 08 closed by the peer only). A member's
+    /// close reaches sluice's socket when the kernel gets to it, which on a loaded machine can
+    /// be after the next request has taken the pooled connection; the tests wait for it here.
+    fn connections_to(port: u16, states: &[&str]) -> usize {
+        ["/proc/net/tcp", "/proc/net/tcp6"]
+            .iter()
+            .filter_map(|table| std::fs::read_to_string(table).ok())
+            .map(|text| {
+                text.lines()
+                    .skip(1)
+                    .filter(|line| {
+                        let fields: Vec<&str> = line.split_whitespace().collect();
+                        let remote_port = fields
+                            .get(2)
+                            .and_then(|a| a.rsplit(':').next())
+                            .and_then(|p| u16::from_str_radix(p, 16).ok());
+                        remote_port == Some(port)
+                            && fields.get(3).is_some_and(|st| states.contains(st))
+                    })
+                    .count()
+            })
+            .sum()
+    }
+
     /// How the member closes an idle connection.
     #[derive(Clone, Copy)]
     enum Close {
@@ -1199,6 +1224,16 @@ mod upstream_pool {
                 "one upstream connection per round, reused for its 20 requests"
             );
             member.close_idle_connections().await;
+            // Once sluice has let the connection go, the next request cannot find it (before,
+            // the member's close would race that request, as it would anywhere).
+            assert!(
+                wait_until(DEADLINE, || connections_to(
+                    member.addr.port(),
+                    &["01", "08"]
+                ) == 0)
+                .await,
+                "round {round}: sluice kept the connection the member closed"
+            );
         }
         // No request was sent on a closed connection and retried: one new connection (a line
         // with a connect time) per round, no upstream error.
@@ -1313,6 +1348,11 @@ mod upstream_pool {
         );
         close_held.notify_one();
         assert!(wait_until(DEADLINE, || held_closed.load(Ordering::SeqCst) == 1).await);
+        // The member's close has reached sluice's end: of its two connections, one is open.
+        assert!(
+            wait_until(DEADLINE, || connections_to(addr.port(), &["01"]) == 1).await,
+            "the member's close never reached sluice"
+        );
         get_small(&mut client, 3).await;
         assert_eq!(
             accepted.load(Ordering::SeqCst),
