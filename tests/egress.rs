@@ -1091,7 +1091,7 @@ async fn echo_ping(s: &mut tokio::net::TcpStream) {
 /// for, where tunnels a client held open would otherwise use up the open-file limit at two
 /// sevenths of the cap. With a cap of 5, a spliced tunnel (4 slots) and a copied one (1) fill
 /// it: both carry bytes, the next client is refused, and the spliced tunnel's slots come back
-/// when it ends.
+/// when it ends. A tunnel that is copied holds one slot, whatever the cap has free.
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spliced_tunnel_takes_connection_slots_for_its_extra_descriptors() {
@@ -1137,4 +1137,31 @@ async fn a_spliced_tunnel_takes_connection_slots_for_its_extra_descriptors() {
     .await;
     assert!(freed, "the ended tunnel did not give its slots back");
     echo_ping(&mut copied).await;
+
+    // Tunnels that are copied (here because splicing is switched off; a TLS listener's are
+    // too) take no extra slot: five fill a cap of 5, and the sixth client is refused.
+    let gw = Gateway::start_with_ports_and_env(
+        &format!("{}limits:\n  max_connections: 5\n", config.yaml()),
+        &[("SLUICE_TUNNEL_SPLICE", "0")],
+    );
+    let mut tunnels = Vec::new();
+    for _ in 0..5 {
+        tunnels.push(open_echo_tunnel(&gw, port).await);
+    }
+    let mut over = tokio::net::TcpStream::connect(gw.proxy_addr())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(WAIT, over.read_to_end(&mut got))
+        .await
+        .expect("the connection over the cap is closed")
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&got).starts_with("HTTP/1.1 503 "),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+    for t in &mut tunnels {
+        echo_ping(t).await;
+    }
 }

@@ -715,13 +715,13 @@ async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
 /// that is a full store, as the memory store's key table is, not an outage. A request a quota
 /// must count is refused with `429 quota_keys_exhausted`, never admitted unmetered, even where
 /// `on_store_error` is `open` (otherwise whoever filled Redis, by spraying quota keys say,
-/// lifted every quota). A least-used route without quotas has nothing to meter: its requests go
-/// on with their selection in process, as on any store failure. Once Redis has room, the quota
-/// counts again.
+/// lifted every quota). Routes without windows have nothing to meter (a least-used one, a
+/// round-robin one with cooldowns): their requests go on with their member chosen in process,
+/// as on any store failure. Once Redis has room, the quota counts again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered() {
     let redis = RedisServer::start();
-    let backends = start_backends(&["b1", "b2"]).await;
+    let backends = start_backends(&["b1", "b2", "b3"]).await;
     let config = Config::new()
         .state(support::State::redis(redis.url()))
         .route(
@@ -733,10 +733,15 @@ async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered
             Route::new("pool")
                 .member(url(backends[1].local_addr()))
                 .least_used(),
+        )
+        .route(
+            Route::new("cool")
+                .member(url(backends[2].local_addr()))
+                .cooldown(support::Cooldown::new().max("1m")),
         );
     let gw = config.start();
     let mut client = HttpClient::connect(gw.proxy_addr()).await.unwrap();
-    for host in ["api.test", "pool.test"] {
+    for host in ["api.test", "pool.test", "cool.test"] {
         let r = client.request("GET", host, "/", &[], b"").await.unwrap();
         assert_eq!(r.status, 200, "{host}: {}", r.text());
     }
@@ -760,6 +765,11 @@ async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered
             .await
             .unwrap();
         assert_eq!(r.status, 200, "pool.test: {}", r.text());
+        let r = client
+            .request("GET", "cool.test", "/", &[], b"")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "cool.test: {}", r.text());
     }
     assert_eq!(
         backends[0].proxied_requests(),
@@ -767,6 +777,7 @@ async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered
         "only the counted request reached the quota's member"
     );
     assert_eq!(backends[1].proxied_requests(), 4);
+    assert_eq!(backends[2].proxied_requests(), 4);
     assert_eq!(
         gw.metric("sluice_quota_keys_refused_total", &[("route", "api")])
             .await,

@@ -458,7 +458,6 @@ impl<'a> Remaining<'a> {
     }
 }
 
-/// The wall clock in microseconds, which calendar periods are cut on.
 /// `now` plus `us` microseconds in RFC 3339 to the millisecond, or None past what RFC 3339
 /// writes (the year 9999). The store's cooldowns reach a day at most, but the figure is read
 /// back from Redis, where anything may have been written: humantime refuses such a year, and
@@ -471,6 +470,7 @@ fn rfc3339_millis_after(now: std::time::SystemTime, us: u64) -> Option<String> {
     Some(text)
 }
 
+/// The wall clock in microseconds, which calendar periods are cut on.
 fn now_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -26,6 +26,7 @@ pub mod demo;
 pub mod dns;
 pub mod dns_refresh;
 pub mod egress;
+pub mod extra_slots;
 pub mod headers;
 pub mod health;
 pub mod history;

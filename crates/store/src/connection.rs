@@ -328,8 +328,14 @@ impl RedisConnection {
 /// a quota must count rather than apply the route's `on_store_error: open` and admit it
 /// unmetered, which would lift every quota for whoever filled Redis (a client spraying
 /// quota keys, say).
+///
+/// Redis 7 answers with the error code `OOM`; Redis 6 wraps an OOM raised inside a script in
+/// an `ERR Error running script` whose text carries Redis's own OOM message.
 pub(crate) fn answered_error(e: RedisError) -> StoreError {
-    if e.code() == Some("OOM") {
+    let oom = e.code() == Some("OOM")
+        || e.detail()
+            .is_some_and(|d| d.contains("OOM command not allowed"));
+    if oom {
         StoreError::TooManyKeys
     } else {
         StoreError::Backend(e.to_string())

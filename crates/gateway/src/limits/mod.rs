@@ -72,6 +72,7 @@ use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
 use crate::config::LimitsConfig;
+use crate::extra_slots::ExtraSlots;
 use crate::metrics::Metrics;
 use crate::table::Table;
 
@@ -185,10 +186,11 @@ impl<A> LimitedApp<A> {
     /// Sends each connection that opens with a CONNECT to `tunnels`, which take extra slots of
     /// the cap for the descriptors a spliced tunnel adds ([`ExtraSlots`]).
     pub fn with_tunnels(mut self, tunnels: crate::request::Tunnels) -> LimitedApp<A> {
-        self.tunnels = Some(tunnels.with_extra_slots(ExtraSlots {
-            open: self.open.clone(),
-            max: self.limits.max_connections,
-        }));
+        self.tunnels = Some(tunnels.with_extra_slots(ExtraSlots::new(
+            self.open.clone(),
+            self.high.clone(),
+            self.limits.max_connections,
+        )));
         self
     }
 
@@ -404,47 +406,6 @@ impl Drop for Handshaking {
 struct Slot {
     open: Arc<AtomicUsize>,
     gauge: IntGauge,
-}
-
-/// Slots of the connection cap that a connection takes on top of its own, for descriptors it
-/// holds beyond the two the cap counts per connection (its socket and its member's). A plain
-/// tunnel moved by `splice(2)` holds five more: a duplicate of the client socket and a pipe each
-/// way (crate::tunnel). Without this, tunnels a client keeps open would use up the open-file
-/// limit at two sevenths of the cap, and past that every accept, upstream connect and Redis
-/// reconnect of the gateway fails while the cap says there is room.
-#[derive(Clone)]
-pub struct ExtraSlots {
-    open: Arc<AtomicUsize>,
-    max: usize,
-}
-
-impl ExtraSlots {
-    /// Takes `n` slots, or None if fewer are free (the caller then does without what they were
-    /// for). They count against the cap until the guard is dropped, but not in the gauge of
-    /// open connections.
-    pub fn take(&self, n: usize) -> Option<ExtraHeld> {
-        self.open
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |open| {
-                (open.saturating_add(n) <= self.max).then_some(open + n)
-            })
-            .ok()
-            .map(|_| ExtraHeld {
-                open: self.open.clone(),
-                n,
-            })
-    }
-}
-
-/// Extra slots taken by [`ExtraSlots::take`], given back when dropped.
-pub struct ExtraHeld {
-    open: Arc<AtomicUsize>,
-    n: usize,
-}
-
-impl Drop for ExtraHeld {
-    fn drop(&mut self) {
-        self.open.fetch_sub(self.n, Ordering::AcqRel);
-    }
 }
 
 impl Drop for Slot {

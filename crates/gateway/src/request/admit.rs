@@ -668,13 +668,14 @@ fn verdict(
         },
         // A full store (the memory store's key table, Redis at its maxmemory) is no outage, so
         // on_store_error does not apply: admitting the request would leave it unmetered, which
-        // lifts the quota for whoever sprays keys. A request no window counts (a least-used
-        // route without quotas on a full Redis) has nothing to leave unmetered: it goes on as
-        // on any store failure, its selection in process.
+        // lifts the quota for whoever sprays keys. A request no window counts (a route without
+        // quota windows, client windows or member windows, on a full Redis) has nothing to
+        // leave unmetered: it goes on as on any store failure, its member chosen in process
+        // (`select::counts_in_windows`).
         Admission::StoreFailed {
             error: StoreError::TooManyKeys,
             ..
-        } if quota.is_some()
+        } if quota.is_some_and(|q| !q.windows.is_empty())
             || caller.is_some_and(|c| !c.windows.is_empty())
             || route.members.iter().any(|m| !m.windows.is_empty()) =>
         {

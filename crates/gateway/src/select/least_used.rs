@@ -312,6 +312,7 @@ impl Selector for LeastUsed {
             asked.extend(unknown.iter().map(String::as_str));
             let id = self.lease_id();
             let ask = self.ask(&asked, None, tried.cost, self.lease_ask(&id));
+            let metered = super::counts_in_windows(&ask);
             match assign(state, ask, tried.reserving()).await {
                 Ok((assignment @ Assignment::Assigned { .. }, entries)) => {
                     let lease = held(self.leases.as_ref(), id, &assignment);
@@ -333,9 +334,9 @@ impl Selector for LeastUsed {
                     unknown.push(member);
                 }
                 Ok(_) => return None,
-                // A full key table refuses (the member's windows could not be charged): no
-                // unmetered retry.
-                Err(StoreError::TooManyKeys) => {
+                // A full store refuses (the member's windows could not be charged): no
+                // unmetered retry. With nothing to charge, it falls back as below.
+                Err(StoreError::TooManyKeys) if metered => {
                     given_back(self.leases.as_ref(), id);
                     return None;
                 }

@@ -570,6 +570,7 @@ pub(crate) async fn choose_among(
         sticky: None,
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
+    let metered = counts_in_windows(&ask);
     match assign(state, ask, reserving).await {
         Ok((assignment, entries)) => {
             let lease = held(plan, lease_id, &assignment);
@@ -579,9 +580,9 @@ pub(crate) async fn choose_among(
                     .map(|a| a.leased(lease))
             })
         }
-        // A full key table refuses: a member whose windows were not charged must not be sent
-        // the request (on a retry, nothing else would stop it).
-        Err(error @ StoreError::TooManyKeys) => {
+        // A full store refuses what it must count: a member whose windows were not charged
+        // must not be sent the request (on a retry, nothing else would stop it).
+        Err(error @ StoreError::TooManyKeys) if metered => {
             given_back(plan, lease_id);
             Admission::StoreFailed {
                 error,
@@ -670,6 +671,17 @@ pub(crate) struct Entries {
     pub(crate) member: Option<(Arc<str>, EntryId)>,
     /// In the calling client's own windows.
     pub(crate) client: Option<EntryId>,
+}
+
+/// Whether `ask` counts anything in a window: its route quota's, its client's or a member's.
+/// A full store ([`StoreError::TooManyKeys`]: the memory store's key table, or Redis at its
+/// `maxmemory`) refuses such a request rather than let it go unmetered; a request that counts
+/// nothing goes on as on any store failure, chosen in process.
+pub(crate) fn counts_in_windows(ask: &Assign<'_>) -> bool {
+    ask.quota
+        .as_ref()
+        .is_some_and(|q| !q.windows.is_empty() || q.client.is_some())
+        || ask.members.iter().any(|m| !m.windows.is_empty())
 }
 
 /// One assignment: [`StateStore::assign`], or with `reserving` [`StateStore::assign_reserve`],

@@ -81,6 +81,7 @@ pub async fn first_bytes(stream: &mut Stream, within: Duration) -> First {
 /// The connection cap's slots a spliced tunnel takes on top of its own: the cap counts two
 /// descriptors a connection, and splicing adds five (a duplicate of the client socket and a
 /// pipe each way), so three slots cover them.
+#[cfg(target_os = "linux")]
 pub(crate) const SPLICE_EXTRA_SLOTS: usize = 3;
 
 /// Carries an open tunnel's bytes both ways until both sides close, one fails, or `idle`
@@ -95,7 +96,7 @@ pub(crate) async fn carry(
     early: &[u8],
     idle: Duration,
     counters: &Counters,
-    extra_slots: Option<&crate::limits::ExtraSlots>,
+    extra_slots: Option<&crate::extra_slots::ExtraSlots>,
 ) -> Pumped {
     let mut early_up = early.to_vec();
     // None: too few slots free, so no splicing. Some: splice, holding the slots (if there is a
@@ -110,6 +111,10 @@ pub(crate) async fn carry(
         .is_some()
         .then(|| splice::client_socket(client, &mut early_up))
         .flatten();
+    // Copied after all (a TLS client, splicing switched off, a client that sent too much at
+    // once): the slots go back now, as a copied tunnel holds no more than a connection.
+    #[cfg(target_os = "linux")]
+    let _held = client_socket.is_some().then_some(held).flatten();
     #[cfg(not(target_os = "linux"))]
     let _ = extra_slots;
     #[cfg(not(target_os = "linux"))]

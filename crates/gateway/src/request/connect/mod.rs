@@ -44,7 +44,7 @@ pub struct Tunnels {
     resolver: Resolver,
     /// The connection cap's slots a spliced tunnel takes for its extra descriptors; None (no
     /// cap to share, as in unit tests) splices without.
-    extra_slots: Option<crate::limits::ExtraSlots>,
+    extra_slots: Option<crate::extra_slots::ExtraSlots>,
 }
 
 /// How a tunnel ended, beyond what its [`RequestCtx`] holds.
@@ -79,7 +79,7 @@ impl Tunnels {
     }
 
     /// Takes the slots for a spliced tunnel's extra descriptors from `slots`.
-    pub(crate) fn with_extra_slots(mut self, slots: crate::limits::ExtraSlots) -> Tunnels {
+    pub(crate) fn with_extra_slots(mut self, slots: crate::extra_slots::ExtraSlots) -> Tunnels {
         self.extra_slots = Some(slots);
         self
     }
