@@ -143,15 +143,31 @@ struct Hint {
     /// follow): the hint holds only for a request with the same, so that one decided by the
     /// config in force before a reload says nothing of the new limits.
     windows: Box<[Window]>,
+    /// The refused request's cost.
+    cost: u64,
     refusal: Outcome,
 }
 
 impl Hint {
     /// How long after the refusal a request of `cost` cannot fit: until the last of the route
-    /// windows with less than `cost` left sees its oldest entry leave.
+    /// windows with less than `cost` left sees its oldest entry leave, the first time room can
+    /// appear for any cost. For the refused cost or a larger one, at least as long as the
+    /// call's own wait, which is exact for its cost (the route's windows only lose entries as
+    /// time passes; other traffic only adds), when that wait was the route windows' alone:
+    /// with no client windows in the refusal, whose own wait says nothing of another client's
+    /// request under the same key. So a refusal made from the hint answers the `Retry-After` a
+    /// call would have, where the oldest entry's leaving alone could say a second for a large
+    /// cost that needs thirty.
     fn holds_for(&self, cost: u64) -> Option<Duration> {
-        let states = &self.refusal.windows[..self.windows.len().min(self.refusal.windows.len())];
-        full_for(states, cost).map(Duration::from_micros)
+        let route = self.windows.len().min(self.refusal.windows.len());
+        let room = full_for(&self.refusal.windows[..route], cost)?;
+        let route_alone = self.refusal.windows.len() <= self.windows.len();
+        let exact = if cost >= self.cost && route_alone {
+            self.refusal.retry_after_us
+        } else {
+            0
+        };
+        Some(Duration::from_micros(room.max(exact)))
     }
 }
 
@@ -241,19 +257,51 @@ impl Sharded {
         cost: u64,
         windows: &[Window],
     ) -> Option<(Duration, Outcome)> {
+        self.known_full_at(key, i, cost, windows, Instant::now())
+    }
+
+    /// [`Sharded::known_full`] at `now`. The refusal's window states are brought to `now`: each
+    /// window's oldest entry is that much closer to leaving (the `RateLimit` field's `t=`), as
+    /// a call now would answer; what each has left is as the refusal found it.
+    fn known_full_at(
+        &self,
+        key: &str,
+        i: usize,
+        cost: u64,
+        windows: &[Window],
+        now: Instant,
+    ) -> Option<(Duration, Outcome)> {
         let hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         let hint = hints.get(key)?.get(i)?.as_ref()?;
         if *hint.windows != *windows {
             return None;
         }
         let until = hint.at + hint.holds_for(cost)?;
-        let left = until.checked_duration_since(Instant::now())?;
-        (!left.is_zero()).then(|| (left, hint.refusal.clone()))
+        let left = until.checked_duration_since(now)?;
+        if left.is_zero() {
+            return None;
+        }
+        let passed =
+            u64::try_from(now.saturating_duration_since(hint.at).as_micros()).unwrap_or(u64::MAX);
+        let mut outcome = hint.refusal.clone();
+        for w in &mut outcome.windows {
+            if w.reset_us > 0 {
+                w.reset_us = w.reset_us.saturating_sub(passed).max(1);
+            }
+        }
+        Some((left, outcome))
     }
 
     /// Sub-log `i`'s quota windows refused `key` with `refusal`, a request on the route's
     /// `windows` (whole, not the sub-log's share), whose states come first in `refusal`.
-    pub(crate) fn full(&self, key: &str, i: usize, windows: &[Window], refusal: &Outcome) {
+    pub(crate) fn full(
+        &self,
+        key: &str,
+        i: usize,
+        windows: &[Window],
+        cost: u64,
+        refusal: &Outcome,
+    ) {
         let at = Instant::now();
         let mut hints = self.hints.lock().unwrap_or_else(|p| p.into_inner());
         if hints.len() >= MAX_HINTED_KEYS && !hints.contains_key(key) {
@@ -271,6 +319,7 @@ impl Sharded {
             *slot = Some(Hint {
                 at,
                 windows: windows.into(),
+                cost,
                 refusal: refusal.clone(),
             });
         }
@@ -402,15 +451,15 @@ mod tests {
             length_us: 60_000_000,
         }];
         assert!(s.known_full("k", 1, 1, &w).is_none());
-        s.full("k", 1, &w, &refused(0, 60_000_000));
+        s.full("k", 1, &w, 1, &refused(0, 60_000_000));
         assert!(s.known_full("k", 1, 1, &w).is_some());
         assert!(s.known_full("other", 1, 1, &w).is_none());
         assert!(s.known_full("k", 0, 1, &w).is_none());
-        s.full("k", 2, &w, &refused(0, 1));
+        s.full("k", 2, &w, 1, &refused(0, 1));
         std::thread::sleep(Duration::from_millis(2));
         assert!(s.known_full("k", 2, 1, &w).is_none());
         // 5 left: a cost of 6 does not fit, one of 5 does.
-        s.full("k", 0, &w, &refused(5, 60_000_000));
+        s.full("k", 0, &w, 6, &refused(5, 60_000_000));
         assert!(s.known_full("k", 0, 6, &w).is_some());
         assert!(s.known_full("k", 0, 5, &w).is_none());
         // A hint holds only for the windows it was refused under, not those of a config
@@ -421,11 +470,72 @@ mod tests {
         }];
         assert!(s.known_full("k", 0, 6, &raised).is_none());
         // The client's own windows (after the route's) say nothing.
-        s.full("k", 0, &[], &refused(0, 60_000_000));
+        s.full("k", 0, &[], 6, &refused(0, 60_000_000));
         assert!(s.known_full("k", 0, 6, &[]).is_none());
         let firsts: Vec<usize> = (0..3).map(|_| s.order().next().unwrap()).collect();
         assert_eq!(firsts, [0, 1, 2]);
         assert_eq!(s.order().collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    /// A refusal made from a hint answers what a call would: for the refused cost (or a larger
+    /// one) the call's own exact wait, not just the time until the oldest entry leaves, unless
+    /// the wait was a client's windows' too; and its windows' resets brought to the time of
+    /// asking.
+    #[test]
+    fn a_hint_answers_the_exact_wait_and_resets_as_of_now() {
+        let s = Sharded::new("api", 3);
+        let w = [Window {
+            name: "m".into(),
+            limit: 300,
+            length_us: 60_000_000,
+        }];
+        // Sub-log 1 refused a cost of 50 with 10 left: its oldest entry leaves in 0.6 s, but 50
+        // fit only in 30 s.
+        let refusal = |client: bool| Outcome {
+            admitted: false,
+            retry_after_us: 30_000_000,
+            windows: std::iter::repeat_n(
+                sluice_limiter::WindowState {
+                    remaining: 10,
+                    reset_us: 600_000,
+                },
+                if client { 2 } else { 1 },
+            )
+            .collect(),
+        };
+        s.full("k", 1, &w, 50, &refusal(false));
+        let at = s.hints.lock().unwrap()["k"][1].as_ref().unwrap().at;
+        let later = at + Duration::from_millis(100);
+        let (left, outcome) = s.known_full_at("k", 1, 50, &w, later).unwrap();
+        assert_eq!(left, Duration::from_micros(29_900_000));
+        assert_eq!(outcome.windows[0].reset_us, 500_000);
+        assert_eq!(outcome.windows[0].remaining, 10);
+        // A larger cost waits at least as long; a smaller one that does not fit either only
+        // until the oldest entry leaves; one that fits is not refused.
+        assert_eq!(
+            s.known_full_at("k", 1, 80, &w, later).unwrap().0,
+            Duration::from_micros(29_900_000)
+        );
+        assert_eq!(
+            s.known_full_at("k", 1, 20, &w, later).unwrap().0,
+            Duration::from_micros(500_000)
+        );
+        assert!(s.known_full_at("k", 1, 10, &w, later).is_none());
+        // Past the oldest entry's leaving, the refused cost is still known not to fit.
+        let after = at + Duration::from_secs(1);
+        assert!(s.known_full_at("k", 1, 20, &w, after).is_none());
+        let (left, outcome) = s.known_full_at("k", 1, 50, &w, after).unwrap();
+        assert_eq!(left, Duration::from_secs(29));
+        assert_eq!(outcome.windows[0].reset_us, 1);
+        // A wait that was a client's windows' too says nothing of another client's request.
+        s.full("k", 2, &w, 50, &refusal(true));
+        let at = s.hints.lock().unwrap()["k"][2].as_ref().unwrap().at;
+        assert_eq!(
+            s.known_full_at("k", 2, 50, &w, at + Duration::from_millis(100))
+                .unwrap()
+                .0,
+            Duration::from_micros(500_000)
+        );
     }
 
     #[test]
@@ -449,7 +559,7 @@ mod tests {
                 reset_us: 60_000_000,
             }],
         };
-        api.full("k", 1, &w, &refused);
+        api.full("k", 1, &w, 1, &refused);
         let two = shards.of("two").unwrap();
         shards.set(&[("api", 3, RR), ("two", 3, RR)]);
         // The same sub-logs, with their leases, and no refusal.

@@ -150,7 +150,7 @@ impl RedisStore {
                     if shards::full_for(states, req.cost).is_none() {
                         return Ok(outcome);
                     }
-                    sharded.full(req.key, i, req.windows, &outcome);
+                    sharded.full(req.key, i, req.windows, req.cost, &outcome);
                     outcome
                 }
             };
@@ -242,7 +242,7 @@ impl RedisStore {
                             if shards::full_for(states, cost).is_none() {
                                 return Ok(answer);
                             }
-                            sharded.full(key, i, windows, o);
+                            sharded.full(key, i, windows, cost, o);
                         }
                         // Its members are busy, or it holds its share of leases: another may
                         // have room.
