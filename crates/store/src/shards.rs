@@ -284,9 +284,18 @@ impl Sharded {
         let passed =
             u64::try_from(now.saturating_duration_since(hint.at).as_micros()).unwrap_or(u64::MAX);
         let mut outcome = hint.refusal.clone();
+        let waits = u64::try_from(left.as_micros()).unwrap_or(u64::MAX);
         for w in &mut outcome.windows {
             if w.reset_us > 0 {
-                w.reset_us = w.reset_us.saturating_sub(passed).max(1);
+                // Until the oldest entry leaves, exact. Past it, the next one's is unknown here:
+                // a window with too little left for this cost is said to free enough when the
+                // request fits (as `Retry-After` says), not in a microsecond, which a client
+                // reading `RateLimit` would take for "now".
+                w.reset_us = match w.reset_us.checked_sub(passed) {
+                    Some(reset) if reset > 0 => reset,
+                    _ if w.remaining < cost => waits,
+                    _ => 1,
+                };
             }
         }
         Some((left, outcome))
@@ -526,7 +535,14 @@ mod tests {
         assert!(s.known_full_at("k", 1, 20, &w, after).is_none());
         let (left, outcome) = s.known_full_at("k", 1, 50, &w, after).unwrap();
         assert_eq!(left, Duration::from_secs(29));
-        assert_eq!(outcome.windows[0].reset_us, 1);
+        // Its oldest entry has left; the window frees room for the request when it fits, not
+        // in a microsecond (a client reading `RateLimit` would retry at once).
+        assert_eq!(outcome.windows[0].reset_us, 29_000_000);
+        // One less than the refused cost: only until the oldest entry leaves.
+        assert_eq!(
+            s.known_full_at("k", 1, 49, &w, later).unwrap().0,
+            Duration::from_micros(500_000)
+        );
         // A wait that was a client's windows' too says nothing of another client's request.
         s.full("k", 2, &w, 50, &refusal(true));
         let at = s.hints.lock().unwrap()["k"][2].as_ref().unwrap().at;
