@@ -312,7 +312,6 @@ impl Selector for LeastUsed {
             asked.extend(unknown.iter().map(String::as_str));
             let id = self.lease_id();
             let ask = self.ask(&asked, None, tried.cost, self.lease_ask(&id));
-            let metered = super::counts_in_windows(&ask);
             match assign(state, ask, tried.reserving()).await {
                 Ok((assignment @ Assignment::Assigned { .. }, entries)) => {
                     let lease = held(self.leases.as_ref(), id, &assignment);
@@ -336,7 +335,7 @@ impl Selector for LeastUsed {
                 Ok(_) => return None,
                 // A full store refuses (the member's windows could not be charged): no
                 // unmetered retry. With nothing to charge, it falls back as below.
-                Err(StoreError::TooManyKeys) if metered => {
+                Err(StoreError::TooManyKeys) if super::counts_in_windows(&ask) => {
                     given_back(self.leases.as_ref(), id);
                     return None;
                 }

@@ -570,7 +570,6 @@ pub(crate) async fn choose_among(
         sticky: None,
     };
     let index_of = |id: &str| limits.members.iter().position(|m| &*m.id == id);
-    let metered = counts_in_windows(&ask);
     match assign(state, ask, reserving).await {
         Ok((assignment, entries)) => {
             let lease = held(plan, lease_id, &assignment);
@@ -582,7 +581,8 @@ pub(crate) async fn choose_among(
         }
         // A full store refuses what it must count: a member whose windows were not charged
         // must not be sent the request (on a retry, nothing else would stop it).
-        Err(error @ StoreError::TooManyKeys) if metered => {
+        // (`ask` is `Copy`: the check runs only on this error path, not on every request.)
+        Err(error @ StoreError::TooManyKeys) if counts_in_windows(&ask) => {
             given_back(plan, lease_id);
             Admission::StoreFailed {
                 error,
