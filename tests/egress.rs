@@ -1045,43 +1045,32 @@ async fn a_tunnel_carries_every_byte_both_ways_with_splice_and_with_the_copy_loo
 
 /// A CONNECT to `127.0.0.1:port` (an echo listener) through `gw`, answered 200, that has
 /// carried `ping` both ways; the client side of the open tunnel.
-async fn open_echo_tunnel(gw: &Gateway, port: u16) -> tokio::net::TcpStream {
-    let mut s = tokio::net::TcpStream::connect(gw.proxy_addr())
-        .await
-        .unwrap();
-    s.write_all(
-        format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        let n = tokio::time::timeout(WAIT, s.read(&mut byte))
-            .await
-            .expect("the CONNECT's answer in time")
-            .unwrap();
-        assert_eq!(n, 1, "closed after {:?}", String::from_utf8_lossy(&head));
-        head.push(byte[0]);
-    }
-    assert!(
-        head.starts_with(b"HTTP/1.1 200"),
-        "{:?}",
-        String::from_utf8_lossy(&head)
-    );
-    echo_ping(&mut s).await;
-    s
+async fn open_echo_tunnel(gw: &Gateway, port: u16) -> HttpClient {
+    let (mut client, r) = connect(gw, &format!("127.0.0.1:{port}")).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    echo_ping(&mut client).await;
+    client
 }
 
 /// Sends `ping` down an open echo tunnel and reads it back.
-async fn echo_ping(s: &mut tokio::net::TcpStream) {
-    s.write_all(b"ping").await.unwrap();
-    let mut got = [0u8; 4];
-    tokio::time::timeout(WAIT, s.read_exact(&mut got))
+async fn echo_ping(client: &mut HttpClient) {
+    client.write_raw(b"ping").await.unwrap();
+    assert_eq!(client.read_raw(4).await.unwrap(), b"ping");
+}
+
+/// A new client of `gw` is refused at the connection cap: `503 too_many_connections`, closed.
+async fn refused_at_the_cap(gw: &Gateway) {
+    let mut over = tokio::net::TcpStream::connect(gw.proxy_addr())
         .await
-        .expect("the echo in time")
         .unwrap();
-    assert_eq!(&got, b"ping");
+    let mut got = Vec::new();
+    tokio::time::timeout(WAIT, over.read_to_end(&mut got))
+        .await
+        .expect("the connection over the cap is closed")
+        .unwrap();
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 503 "), "{got:?}");
+    assert!(got.contains("too_many_connections"), "{got:?}");
 }
 
 /// A plain tunnel moved by splice(2) holds five descriptors more than the two the connection
@@ -1103,36 +1092,15 @@ async fn a_spliced_tunnel_takes_connection_slots_for_its_extra_descriptors() {
         Gateway::start_with_ports(&format!("{}limits:\n  max_connections: 5\n", config.yaml()));
     let spliced = open_echo_tunnel(&gw, port).await;
     let mut copied = open_echo_tunnel(&gw, port).await;
-
-    let mut over = tokio::net::TcpStream::connect(gw.proxy_addr())
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    tokio::time::timeout(WAIT, over.read_to_end(&mut got))
-        .await
-        .expect("the connection over the cap is closed")
-        .unwrap();
-    let got = String::from_utf8_lossy(&got);
-    assert!(got.starts_with("HTTP/1.1 503 "), "{got:?}");
-    assert!(got.contains("too_many_connections"), "{got:?}");
+    refused_at_the_cap(&gw).await;
     echo_ping(&mut copied).await;
 
     // The spliced tunnel ends with its client: its four slots come back, enough for another
     // spliced tunnel.
     drop(spliced);
+    let target = format!("127.0.0.1:{port}");
     let freed = support::wait_until_async(WAIT, || async {
-        let mut s = tokio::net::TcpStream::connect(gw.proxy_addr())
-            .await
-            .unwrap();
-        let head = format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n");
-        if s.write_all(head.as_bytes()).await.is_err() {
-            return false;
-        }
-        let mut answer = [0u8; 12];
-        matches!(
-            tokio::time::timeout(WAIT, s.read_exact(&mut answer)).await,
-            Ok(Ok(_)) if &answer == b"HTTP/1.1 200"
-        )
+        connect(&gw, &target).await.1.status == 200
     })
     .await;
     assert!(freed, "the ended tunnel did not give its slots back");
@@ -1148,19 +1116,7 @@ async fn a_spliced_tunnel_takes_connection_slots_for_its_extra_descriptors() {
     for _ in 0..5 {
         tunnels.push(open_echo_tunnel(&gw, port).await);
     }
-    let mut over = tokio::net::TcpStream::connect(gw.proxy_addr())
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    tokio::time::timeout(WAIT, over.read_to_end(&mut got))
-        .await
-        .expect("the connection over the cap is closed")
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&got).starts_with("HTTP/1.1 503 "),
-        "{:?}",
-        String::from_utf8_lossy(&got)
-    );
+    refused_at_the_cap(&gw).await;
     for t in &mut tunnels {
         echo_ping(t).await;
     }

@@ -692,12 +692,7 @@ async fn memory_entry_budget_refuses_rather_than_admits_unrecorded() {
             .request("GET", "api.test", "/", &[], b"")
             .await
             .unwrap();
-        assert_eq!(
-            (r.status, r.header("x-sluice-error")),
-            (429, Some("quota_keys_exhausted")),
-            "{}",
-            r.text()
-        );
+        assert_keys_exhausted(&r);
     }
     assert_eq!(
         backends[0].proxied_requests(),
@@ -754,12 +749,7 @@ async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered
             .request("GET", "api.test", "/", &[], b"")
             .await
             .unwrap();
-        assert_eq!(
-            (r.status, r.header("x-sluice-error")),
-            (429, Some("quota_keys_exhausted")),
-            "{}",
-            r.text()
-        );
+        assert_keys_exhausted(&r);
         let r = client
             .request("GET", "pool.test", "/", &[], b"")
             .await
@@ -790,4 +780,14 @@ async fn a_full_redis_refuses_what_a_quota_counts_rather_than_admit_it_unmetered
         .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(backends[0].proxied_requests(), 2);
+}
+
+/// `r` is the refusal of a full store: `429 quota_keys_exhausted`.
+fn assert_keys_exhausted(r: &Response) {
+    assert_eq!(
+        (r.status, r.header("x-sluice-error")),
+        (429, Some("quota_keys_exhausted")),
+        "{}",
+        r.text()
+    );
 }

@@ -636,6 +636,15 @@ impl HttpClient {
         with_timeout(self.stream.write_all(bytes)).await
     }
 
+    /// Reads exactly `n` raw bytes (what was received but not framed yet first), for a
+    /// connection that a CONNECT turned into a tunnel.
+    pub async fn read_raw(&mut self, n: usize) -> io::Result<Vec<u8>> {
+        while self.buffer.len() < n {
+            self.fill_required().await?;
+        }
+        Ok(self.buffer.drain(..n).collect())
+    }
+
     /// Reads the next response. Interim (1xx) responses are skipped.
     /// `head_only` must be set when answering a HEAD request, whose response
     /// announces a length but carries no body.
