@@ -259,3 +259,240 @@ async fn an_unreachable_tunnel_says_why() {
     assert_eq!(line["error"], "upstream_unreachable", "{line}");
     assert_eq!(line["detail"], "refused", "{line}");
 }
+
+/// What a [`scripted_member`] does with the request it reads next, on whichever connection.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// Answers `200` with a 2-byte body at once.
+    Answer,
+    /// Answers as `Answer` does after this long.
+    AnswerAfter(Duration),
+    /// Sends a head announcing 10 bytes of body and 3 of them, then nothing more.
+    StallBody,
+    /// Never answers.
+    Never,
+}
+
+/// A keep-alive member that takes its steps in the order requests reach it, and counts the
+/// connections it accepts (so a test can tell a pooled connection from a new one). With `tls`,
+/// it speaks TLS with that acceptor's certificate.
+async fn scripted_member(
+    steps: &[Step],
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    let member = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = member.local_addr().unwrap();
+    let steps = Arc::new(Mutex::new(steps.to_vec()));
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = member.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let steps = steps.clone();
+            match &tls {
+                Some(tls) => {
+                    let tls = tls.clone();
+                    tokio::spawn(async move {
+                        if let Ok(conn) = tls.accept(conn).await {
+                            take_steps(conn, steps).await;
+                        }
+                    });
+                }
+                None => {
+                    tokio::spawn(take_steps(conn, steps));
+                }
+            }
+        }
+    });
+    (addr, accepted)
+}
+
+/// A [`scripted_member`]'s connection: one request head (GET, no body) at a time, each
+/// answered by the next step.
+async fn take_steps(
+    mut conn: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    steps: std::sync::Arc<std::sync::Mutex<Vec<Step>>>,
+) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        buf.drain(..end);
+        let step = {
+            let mut steps = steps.lock().unwrap();
+            if steps.is_empty() {
+                Step::Never
+            } else {
+                steps.remove(0)
+            }
+        };
+        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+        match step {
+            Step::Answer => {}
+            Step::AnswerAfter(wait) => tokio::time::sleep(wait).await,
+            Step::StallBody => {
+                let head = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc";
+                let _ = conn.write_all(head).await;
+                let _ = conn.flush().await;
+                std::future::pending::<()>().await;
+            }
+            Step::Never => std::future::pending::<()>().await,
+        }
+        if conn.write_all(ok).await.is_err() || conn.flush().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A TLS acceptor with a certificate for 127.0.0.1 from a CA made in `dir` (`ca.pem`).
+fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    sluice_testkit::make_certificates(dir, "IP:127.0.0.1");
+    let certs = CertificateDer::pem_file_iter(dir.join("server.pem"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(dir.join("server.key")).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
+}
+
+/// Waits until `since` is `at_least` old: the tests below are about what a timer does once
+/// its deadline has passed, so the clock is the condition.
+async fn wait_past(since: std::time::Instant, at_least: Duration) {
+    let left = at_least.saturating_sub(since.elapsed());
+    tokio::time::sleep(left + Duration::from_millis(50)).await;
+}
+
+/// A pooled connection keeps one read timer for its life (third_party/PATCHES.md, "read timer
+/// kept with the connection"). One that idled in the pool past its timer's deadline still
+/// serves its next request; a silent answer on it still gets `504 upstream_timeout`; and the
+/// connection that timed out is not used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_times_each_answer_after_idling_past_its_timer() {
+    let steps = [Step::Answer, Step::Answer, Step::Never];
+    let (member, accepted) = scripted_member(&steps, None).await;
+    let gw = Config::new()
+        .route(Route::new("api").member(url(member)).read_timeout("1s"))
+        .start();
+    times_each_answer_after_idling(&gw, &accepted).await;
+}
+
+/// The same over TLS: the TCP stream under the TLS one times the reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_tls_connection_times_each_answer_after_idling_past_its_timer() {
+    let dir = support::TempDir::new("sluice-read-timer-tls");
+    let steps = [Step::Answer, Step::Answer, Step::Never];
+    let (member, accepted) = scripted_member(&steps, Some(tls_acceptor(dir.path()))).await;
+    let ca = dir.path().join("ca.pem").display().to_string();
+    let gw = Config::new()
+        .route(
+            Route::new("api")
+                .member(format!("https://{member}"))
+                .read_timeout("1s"),
+        )
+        .start_with_env(&[("SSL_CERT_FILE", &ca)]);
+    times_each_answer_after_idling(&gw, &accepted).await;
+}
+
+/// Requests through `gw` to a member scripted `[Answer, Answer, Never]` that counts its
+/// connections in `accepted`, with `read_timeout: 1s`.
+async fn times_each_answer_after_idling(gw: &Gateway, accepted: &std::sync::atomic::AtomicUsize) {
+    use std::sync::atomic::Ordering;
+    let first = std::time::Instant::now();
+    let r = request(gw.proxy_addr(), "GET", HOST, "/first", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    // The timer of the first answer's read would have rung by now.
+    wait_past(first, Duration::from_millis(1500)).await;
+    let r = request(gw.proxy_addr(), "GET", HOST, "/after-idle", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "the pooled connection");
+    let r = request(gw.proxy_addr(), "GET", HOST, "/silent", &[], b"").await;
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(r.header("x-sluice-error"), Some("upstream_timeout"));
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "still the pooled connection"
+    );
+    let line = access_line(gw, "/silent").await;
+    assert_eq!(line["error"], "upstream_timeout", "{line}");
+    // The member's script is spent: it never answers again, so a new connection times out too.
+    let r = request(gw.proxy_addr(), "GET", HOST, "/next", &[], b"").await;
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "a connection that timed out is not pooled"
+    );
+}
+
+/// Each read gets the whole `read_timeout`, timed from when it starts to wait, on a pooled
+/// connection too: the timer kept with the connection is moved later, not left at the deadline
+/// of the connection's last read. Here the second answer comes 2 s after the first read's
+/// deadline and 2 s before its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_read_on_a_pooled_connection_gets_the_whole_read_timeout() {
+    use std::sync::atomic::Ordering;
+    let (member, accepted) = scripted_member(
+        &[Step::Answer, Step::AnswerAfter(Duration::from_secs(4))],
+        None,
+    )
+    .await;
+    let gw = Config::new()
+        .route(Route::new("api").member(url(member)).read_timeout("6s"))
+        .start();
+    let first = std::time::Instant::now();
+    let r = request(gw.proxy_addr(), "GET", HOST, "/first", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_past(first, Duration::from_secs(4)).await;
+    let r = request(gw.proxy_addr(), "GET", HOST, "/slow", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "the pooled connection");
+}
+
+/// A member that sends its head and part of its body, then goes quiet: the body's read times
+/// out after `read_timeout` on the pooled connection's timer, the client's connection is cut
+/// (its `200` is already sent), and the access log says the answer was cut short by a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stalls_is_cut_after_read_timeout() {
+    let (member, _) = scripted_member(&[Step::Answer, Step::StallBody], None).await;
+    let gw = Config::new()
+        .route(Route::new("api").member(url(member)).read_timeout("1s"))
+        .start();
+    let r = request(gw.proxy_addr(), "GET", HOST, "/first", &[], b"").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut client = TcpStream::connect(gw.proxy_addr()).await.unwrap();
+    client
+        .write_all(b"GET /stall HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let closed = tokio::time::timeout(DEADLINE, client.read_to_end(&mut got)).await;
+    assert!(
+        closed.is_ok(),
+        "the client's connection is cut once the body's read times out"
+    );
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 200 "), "{got:?}");
+    assert!(got.ends_with("\r\n\r\nabc"), "{got:?}");
+    let line = access_line(&gw, "/stall").await;
+    assert_eq!(line["error"], "upstream_truncated", "{line}");
+    assert_eq!(line["detail"], "ReadTimedout", "{line}");
+}

@@ -13,8 +13,8 @@ use async_trait::async_trait;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::raw_connect::ProxyDigest;
 use pingora::protocols::{
-    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
-    TimingDigest, UniqueID, UniqueIDType, ALPN,
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, ReadTimeout, Shutdown, SocketDigest,
+    Ssl, Stream, TimingDigest, UniqueID, UniqueIDType, ALPN,
 };
 use prometheus::IntCounter;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -317,3 +317,7 @@ impl Peek for LimitedStream {
         self.inner.try_peek(buf).await
     }
 }
+
+/// A client connection's reads are timed by the timers above, not by Pingora's upstream read
+/// timeout, so this stream leaves that to the caller.
+impl ReadTimeout for LimitedStream {}

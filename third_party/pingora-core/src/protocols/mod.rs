@@ -81,6 +81,29 @@ pub trait Peek {
     }
 }
 
+// PATCH (sluice, read timer kept with the connection; third_party/PATCHES.md)
+/// The ability to time reads with a timer the stream keeps for its whole life.
+///
+/// A timeout made around each read registers a timer when the read waits and removes it when
+/// the read ends. An HTTP/1 client session asks its stream first, and a stream that times its
+/// own reads ([`l4::stream::Stream`]) keeps one timer across reads and requests, only moving its
+/// deadline. Streams that do not (the default) leave the timing to the caller.
+pub trait ReadTimeout {
+    /// Times the stream's reads until [`Self::end_read_timeout`]: a read that waits for more than
+    /// `timeout` fails with [`std::io::ErrorKind::TimedOut`], the wait timed from when the read
+    /// first found nothing to read, as a timeout around the read would. Returns `false` if the
+    /// stream does not time its reads, and the caller must.
+    fn start_read_timeout(&mut self, _timeout: std::time::Duration) -> bool {
+        false
+    }
+
+    /// Stops timing reads. Returns whether a read timed out since
+    /// [`Self::start_read_timeout`].
+    fn end_read_timeout(&mut self) -> bool {
+        false
+    }
+}
+
 use std::any::Any;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -95,6 +118,7 @@ pub trait IO:
     + GetProxyDigest
     + GetSocketDigest
     + Peek
+    + ReadTimeout
     + Unpin
     + Debug
     + Send
@@ -116,6 +140,7 @@ impl<
             + GetProxyDigest
             + GetSocketDigest
             + Peek
+            + ReadTimeout
             + Unpin
             + Debug
             + Send
@@ -167,6 +192,7 @@ mod ext_io_impl {
     }
 
     impl Peek for Mock {}
+    impl ReadTimeout for Mock {}
 
     use std::io::Cursor;
 
@@ -196,6 +222,7 @@ mod ext_io_impl {
         }
     }
     impl<T> Peek for Cursor<T> {}
+    impl<T> ReadTimeout for Cursor<T> {}
 
     use tokio::io::DuplexStream;
 
@@ -226,6 +253,7 @@ mod ext_io_impl {
     }
 
     impl Peek for DuplexStream {}
+    impl ReadTimeout for DuplexStream {}
 }
 
 #[cfg(unix)]
@@ -266,6 +294,7 @@ pub mod ext_test {
     }
 
     impl Peek for tokio::net::UnixStream {}
+    impl super::ReadTimeout for tokio::net::UnixStream {}
 }
 
 #[cfg(unix)]

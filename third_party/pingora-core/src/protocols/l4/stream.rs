@@ -19,6 +19,7 @@ use futures::FutureExt;
 use log::{debug, error};
 
 use pingora_error::{ErrorType::*, OrErr, Result};
+use std::future::Future;
 #[cfg(target_os = "linux")]
 use std::io::IoSliceMut;
 #[cfg(unix)]
@@ -40,8 +41,8 @@ use crate::protocols::l4::ext::{set_tcp_keepalive, TcpKeepalive};
 use crate::protocols::l4::virt;
 use crate::protocols::raw_connect::ProxyDigest;
 use crate::protocols::{
-    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
-    TimingDigest, UniqueID, UniqueIDType,
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, ReadTimeout, Shutdown, SocketDigest,
+    Ssl, TimingDigest, UniqueID, UniqueIDType,
 };
 use crate::upstreams::peer::Tracer;
 
@@ -540,6 +541,79 @@ pub struct Stream {
     write_pending_time: AccumulatedDuration,
     /// Last rx timestamp associated with the last recvmsg call.
     pub rx_ts: Option<SystemTime>,
+    // PATCH (sluice, read timer kept with the connection; third_party/PATCHES.md): made
+    // when a read is first timed, then kept for the connection's life.
+    read_timer: Option<Box<ReadTimer>>,
+}
+
+/// The one timer a [`Stream`] times its reads with ([`ReadTimeout`]).
+///
+/// A timeout made around each read registers a timer in the runtime's timer wheel when the
+/// read waits, and removes it when the read ends: on an upstream connection that is nearly every
+/// request, since the first read of a response head waits for the server. This timer stays
+/// registered across reads, and across the requests of a pooled connection: a read that waits
+/// moves its deadline later, which the runtime takes as an atomic update; the wheel moves the
+/// entry only when it comes due at its old deadline.
+#[derive(Debug)]
+struct ReadTimer {
+    /// The timeout of the reads being timed, `None` between timed reads.
+    timeout: Option<Duration>,
+    /// Whether the deadline is set: the first read that waits after the timing starts sets it,
+    /// as a timeout around the caller's read would start its timer when the read first waits.
+    /// A TLS stream's read may read the socket more than once; the deadline holds for all of
+    /// them.
+    waiting: bool,
+    /// Whether `sleep` holds the waker of a read; given up when the timing ends, so that an idle
+    /// connection in a pool does not keep the last task that read from it alive.
+    holds_waker: bool,
+    /// Whether a read timed out since timing started.
+    rang: bool,
+    /// The timer, made at the first wait, and the runtime whose timer wheel it is in. A stream
+    /// that waits in another runtime makes a new timer there: the old one's runtime may shut
+    /// down first, and a timer of a runtime that has shut down cannot be polled.
+    sleep: Option<(Pin<Box<tokio::time::Sleep>>, tokio::runtime::Id)>,
+}
+
+impl ReadTimer {
+    fn new(timeout: Duration) -> Self {
+        ReadTimer {
+            timeout: Some(timeout),
+            waiting: false,
+            holds_waker: false,
+            rang: false,
+            sleep: None,
+        }
+    }
+
+    /// Polls the timer for a read that is about to wait; `true` when its deadline has passed.
+    fn poll_wait(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(timeout) = self.timeout else {
+            return false;
+        };
+        if !self.waiting {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                // Not in a runtime, where no socket read can wait anyway: left untimed.
+                return false;
+            };
+            let runtime = runtime.id();
+            let deadline = tokio::time::Instant::now() + timeout;
+            match &mut self.sleep {
+                Some((sleep, id)) if *id == runtime => sleep.as_mut().reset(deadline),
+                other => *other = Some((Box::pin(tokio::time::sleep_until(deadline)), runtime)),
+            }
+            self.waiting = true;
+        }
+        let Some((sleep, _)) = &mut self.sleep else {
+            return false;
+        };
+        self.holds_waker = true;
+        if sleep.as_mut().poll(cx).is_ready() {
+            self.rang = true;
+            self.timeout = None;
+            return true;
+        }
+        false
+    }
 }
 
 impl Stream {
@@ -660,6 +734,7 @@ impl From<TcpStream> for Stream {
             read_pending_time: AccumulatedDuration::new(),
             write_pending_time: AccumulatedDuration::new(),
             rx_ts: None,
+            read_timer: None,
         }
     }
 }
@@ -683,6 +758,7 @@ impl From<virt::VirtualSocketStream> for Stream {
             read_pending_time: AccumulatedDuration::new(),
             write_pending_time: AccumulatedDuration::new(),
             rx_ts: None,
+            read_timer: None,
         }
     }
 }
@@ -707,6 +783,7 @@ impl From<UnixStream> for Stream {
             read_pending_time: AccumulatedDuration::new(),
             write_pending_time: AccumulatedDuration::new(),
             rx_ts: None,
+            read_timer: None,
         }
     }
 }
@@ -740,6 +817,40 @@ impl UniqueID for Stream {
 }
 
 impl Ssl for Stream {}
+
+// PATCH (sluice, read timer kept with the connection; third_party/PATCHES.md)
+impl ReadTimeout for Stream {
+    fn start_read_timeout(&mut self, timeout: Duration) -> bool {
+        match self.read_timer.as_deref_mut() {
+            Some(timer) => {
+                timer.timeout = Some(timeout);
+                timer.waiting = false;
+                timer.rang = false;
+            }
+            None => self.read_timer = Some(Box::new(ReadTimer::new(timeout))),
+        }
+        true
+    }
+
+    fn end_read_timeout(&mut self) -> bool {
+        let Some(timer) = self.read_timer.as_deref_mut() else {
+            return false;
+        };
+        timer.timeout = None;
+        timer.waiting = false;
+        if timer.holds_waker {
+            timer.holds_waker = false;
+            if let Some((sleep, _)) = &mut timer.sleep {
+                // Swap the read's waker for one that does nothing. The timer stays registered,
+                // and may ring while the connection idles: that wakes no one.
+                let _ = sleep
+                    .as_mut()
+                    .poll(&mut Context::from_waker(std::task::Waker::noop()));
+            }
+        }
+        std::mem::take(&mut timer.rang)
+    }
+}
 
 #[async_trait]
 impl Peek for Stream {
@@ -861,6 +972,17 @@ impl AsyncRead for Stream {
         };
         self.read_pending_time.poll_time(&result);
         self.rx_ts = self.stream().get_ref().rx_ts;
+        // PATCH (sluice, read timer kept with the connection)
+        if result.is_pending() {
+            if let Some(timer) = self.read_timer.as_deref_mut() {
+                if timer.poll_wait(cx) {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "read timed out",
+                    )));
+                }
+            }
+        }
         result
     }
 }
@@ -1143,5 +1265,67 @@ mod tests {
         let mut buffer = vec![];
         stream.read_to_end(&mut buffer).await.unwrap();
         assert_eq!(buffer, message[2..]);
+    }
+
+    // PATCH (sluice, read timer kept with the connection): the timer rings for a read that
+    // waits too long, not for one whose bytes come, not while no read is timed, and it serves
+    // again after ringing and after idling past its deadline. The runtime's clock is paused, so
+    // the waits are the runtime's, not the machine's.
+    #[tokio::test(start_paused = true)]
+    async fn read_timer_kept_with_the_stream() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (mut stream, mut peer) = tokio::join!(
+            async { Stream::from(TcpStream::connect(addr).await.unwrap()) },
+            async { listener.accept().await.unwrap().0 }
+        );
+        let timeout = Duration::from_secs(10);
+        let mut buf = [0u8; 8];
+
+        // Bytes already there: no wait, no ring.
+        peer.write_all(b"a").await.unwrap();
+        assert!(stream.start_read_timeout(timeout));
+        assert_eq!(stream.read(&mut buf).await.unwrap(), 1);
+        assert!(!stream.end_read_timeout());
+
+        // A read that waits for longer than the timeout fails as timed out.
+        assert!(stream.start_read_timeout(timeout));
+        let err = stream.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(stream.end_read_timeout());
+
+        // A wait shorter than the timeout, after the ring: the bytes come.
+        assert!(stream.start_read_timeout(timeout));
+        let (read, _) = tokio::join!(stream.read(&mut buf), async {
+            tokio::time::sleep(timeout / 2).await;
+            peer.write_all(b"b").await.unwrap();
+        });
+        assert_eq!(read.unwrap(), 1);
+        assert!(!stream.end_read_timeout());
+
+        // Idle past the deadline of that read, untimed; then each wait has the whole timeout
+        // again, from when it starts.
+        tokio::time::sleep(timeout * 3).await;
+        assert!(stream.start_read_timeout(timeout));
+        let (read, _) = tokio::join!(stream.read(&mut buf), async {
+            tokio::time::sleep(timeout * 9 / 10).await;
+            peer.write_all(b"c").await.unwrap();
+        });
+        assert_eq!(read.unwrap(), 1);
+        assert!(!stream.end_read_timeout());
+        assert!(stream.start_read_timeout(timeout));
+        let (read, _) = tokio::join!(stream.read(&mut buf), async {
+            tokio::time::sleep(timeout * 9 / 10).await;
+            peer.write_all(b"d").await.unwrap();
+        });
+        assert_eq!(read.unwrap(), 1);
+        assert!(!stream.end_read_timeout());
+
+        // Untimed reads wait as long as it takes.
+        let (read, _) = tokio::join!(stream.read(&mut buf), async {
+            tokio::time::sleep(timeout * 2).await;
+            peer.write_all(b"e").await.unwrap();
+        });
+        assert_eq!(read.unwrap(), 1);
     }
 }

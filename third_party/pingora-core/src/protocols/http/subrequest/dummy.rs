@@ -95,6 +95,9 @@ impl GetSocketDigest for DummyIO {
 
 impl Peek for DummyIO {}
 
+// PATCH (sluice, read timer kept with the connection): the caller times the reads.
+impl crate::protocols::ReadTimeout for DummyIO {}
+
 #[async_trait]
 impl crate::protocols::Shutdown for DummyIO {
     async fn shutdown(&mut self) -> () {}

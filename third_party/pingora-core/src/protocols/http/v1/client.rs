@@ -80,6 +80,22 @@ pub struct HttpSession {
     allow_h1_response_invalid_content_length: bool,
 }
 
+// PATCH (sluice, read timer kept with the connection; third_party/PATCHES.md): a write that
+// completes when first polled, as a head written into the stream's buffer does, makes no
+// timeout. A timeout starts its timer only when its future waits, but making one costs a
+// check of the timer thread on every write.
+async fn timed_if_waiting<F: std::future::Future>(
+    t: Duration,
+    fut: F,
+) -> std::result::Result<F::Output, pingora_timeout::Elapsed> {
+    let mut fut = std::pin::pin!(fut);
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+    match first {
+        std::task::Poll::Ready(out) => Ok(out),
+        std::task::Poll::Pending => timeout(t, fut).await,
+    }
+}
+
 /// HTTP 1.x client session
 impl HttpSession {
     /// Create a new http client session from an established (TCP or TLS) [`Stream`].
@@ -145,7 +161,8 @@ impl HttpSession {
 
         let write_fut = self.underlying_stream.write_all(to_wire.as_ref());
         match self.write_timeout {
-            Some(t) => match timeout(t, write_fut).await {
+            // PATCH (sluice, read timer kept with the connection): see `timed_if_waiting`.
+            Some(t) => match timed_if_waiting(t, write_fut).await {
                 Ok(res) => res,
                 Err(_) => Err(std::io::Error::from(ErrorKind::TimedOut)),
             },
@@ -186,7 +203,8 @@ impl HttpSession {
     pub async fn write_body(&mut self, buf: &[u8]) -> Result<Option<usize>> {
         // TODO: verify that request header is sent already
         match self.write_timeout {
-            Some(t) => match timeout(t, self.do_write_body(buf)).await {
+            // PATCH (sluice, read timer kept with the connection): see `timed_if_waiting`.
+            Some(t) => match timed_if_waiting(t, self.do_write_body(buf)).await {
                 Ok(res) => res,
                 Err(_) => Error::e_explain(WriteTimedout, format!("writing body, timeout: {t:?}")),
             },
@@ -424,10 +442,26 @@ impl HttpSession {
                 self.response_header_read_buf.reserve(INIT_HEADER_BUF_SIZE);
             }
 
+            // PATCH (sluice, read timer kept with the connection; third_party/PATCHES.md): a
+            // stream that times its own reads does, with one timer for the connection's life.
+            let stream_timed = match self.read_timeout {
+                Some(t) => self.underlying_stream.start_read_timeout(t),
+                None => false,
+            };
             let read_fut = self
                 .underlying_stream
                 .read_buf(&mut self.response_header_read_buf);
             let read_result = match self.read_timeout {
+                Some(_) if stream_timed => {
+                    let res = read_fut.await;
+                    if self.underlying_stream.end_read_timeout() {
+                        return self.fail_response_header_read(Error::explain(
+                            ReadTimedout,
+                            "while reading response headers",
+                        ));
+                    }
+                    res
+                }
                 Some(t) => match timeout(t, read_fut).await {
                     Ok(res) => res,
                     Err(_) => {
@@ -546,7 +580,16 @@ impl HttpSession {
     /// Return `Ok(Some(ref)) after a successful read.
     /// Return `Ok(None)` if there is no more body to read.
     pub async fn read_body_ref(&mut self) -> Result<Option<&[u8]>> {
+        // PATCH (sluice, read timer kept with the connection): as for the head above.
         let result = match self.read_timeout {
+            Some(t) if self.underlying_stream.start_read_timeout(t) => {
+                let res = self.do_read_body().await;
+                if self.underlying_stream.end_read_timeout() {
+                    Error::e_explain(ReadTimedout, format!("reading body, timeout: {t:?}"))
+                } else {
+                    res
+                }
+            }
             Some(t) => match timeout(t, self.do_read_body()).await {
                 Ok(res) => res,
                 Err(_) => Error::e_explain(ReadTimedout, format!("reading body, timeout: {t:?}")),
@@ -720,7 +763,13 @@ impl HttpSession {
                 self.shutdown().await;
                 None
             }
-            _ => Some(self.underlying_stream),
+            _ => {
+                // PATCH (sluice, read timer kept with the connection): a read cancelled
+                // mid-wait left its timing on; the pool's own checks of the idle connection
+                // are not timed.
+                self.underlying_stream.end_read_timeout();
+                Some(self.underlying_stream)
+            }
         }
     }
 

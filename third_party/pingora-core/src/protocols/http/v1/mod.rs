@@ -123,4 +123,5 @@ pub(crate) mod test_util {
         }
     }
     impl Peek for FlushTrackingMock {}
+    impl crate::protocols::ReadTimeout for FlushTrackingMock {}
 }

@@ -219,3 +219,6 @@ impl SslDigest {
 
 // TODO: implement Peek if needed
 impl<T> Peek for SslStream<T> {}
+
+// PATCH (sluice, read timer kept with the connection): the caller times the reads.
+impl<T> crate::protocols::ReadTimeout for SslStream<T> {}

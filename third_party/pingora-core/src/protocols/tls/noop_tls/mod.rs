@@ -202,6 +202,7 @@ pub mod stream {
     }
 
     impl<S> Peek for SslStream<S> {}
+    impl<S> crate::protocols::ReadTimeout for SslStream<S> {}
 }
 
 pub mod utils {

@@ -429,3 +429,21 @@ impl SslDigest {
 }
 
 impl<S> Peek for TlsStream<S> {}
+
+// PATCH (sluice, read timer kept with the connection): the stream under the TLS one times
+// the reads the TLS layer makes of it.
+impl<S: crate::protocols::ReadTimeout> crate::protocols::ReadTimeout for TlsStream<S> {
+    fn start_read_timeout(&mut self, timeout: Duration) -> bool {
+        match self.tls.stream.as_mut() {
+            Some(stream) => stream.get_mut().0.start_read_timeout(timeout),
+            None => false,
+        }
+    }
+
+    fn end_read_timeout(&mut self) -> bool {
+        match self.tls.stream.as_mut() {
+            Some(stream) => stream.get_mut().0.end_read_timeout(),
+            None => false,
+        }
+    }
+}

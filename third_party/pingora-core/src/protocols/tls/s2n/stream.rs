@@ -324,6 +324,9 @@ impl SslDigest {
 
 impl<S: AsyncRead + AsyncWrite + std::marker::Unpin> Peek for TlsStream<S> {}
 
+// PATCH (sluice, read timer kept with the connection): the caller times the reads.
+impl<S> crate::protocols::ReadTimeout for TlsStream<S> {}
+
 #[async_trait]
 impl<S: Shutdown + AsyncRead + AsyncWrite + std::marker::Unpin + Send> Shutdown for TlsStream<S> {
     async fn shutdown(&mut self) -> () {
