@@ -373,6 +373,12 @@ fn tls_acceptor(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
     tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
 }
 
+/// Waits until the request to `path` is logged: Pingora puts its member's connection back in
+/// the pool before the access line is written, so the next request can take it.
+async fn back_in_the_pool(gw: &Gateway, path: &str) {
+    access_line(gw, path).await;
+}
+
 /// Waits until `since` is `at_least` old: the tests below are about what a timer does once
 /// its deadline has passed, so the clock is the condition.
 async fn wait_past(since: std::time::Instant, at_least: Duration) {
@@ -415,14 +421,17 @@ async fn a_pooled_tls_connection_times_each_answer_after_idling_past_its_timer()
 /// connections in `accepted`, with `read_timeout: 1s`.
 async fn times_each_answer_after_idling(gw: &Gateway, accepted: &std::sync::atomic::AtomicUsize) {
     use std::sync::atomic::Ordering;
-    let first = std::time::Instant::now();
     let r = request(gw.proxy_addr(), "GET", HOST, "/first", &[], b"").await;
+    // The first answer's read started waiting before it came, so its deadline is before this.
+    let answered = std::time::Instant::now();
     assert_eq!(r.status, 200, "{}", r.text());
+    back_in_the_pool(gw, "/first").await;
     // The timer of the first answer's read would have rung by now.
-    wait_past(first, Duration::from_millis(1500)).await;
+    wait_past(answered, Duration::from_millis(1500)).await;
     let r = request(gw.proxy_addr(), "GET", HOST, "/after-idle", &[], b"").await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "the pooled connection");
+    back_in_the_pool(gw, "/after-idle").await;
     let r = request(gw.proxy_addr(), "GET", HOST, "/silent", &[], b"").await;
     assert_eq!(r.status, 504, "{}", r.text());
     assert_eq!(r.header("x-sluice-error"), Some("upstream_timeout"));
@@ -458,10 +467,12 @@ async fn each_read_on_a_pooled_connection_gets_the_whole_read_timeout() {
     let gw = Config::new()
         .route(Route::new("api").member(url(member)).read_timeout("6s"))
         .start();
-    let first = std::time::Instant::now();
     let r = request(gw.proxy_addr(), "GET", HOST, "/first", &[], b"").await;
+    // The first read's deadline is less than 6 s from here, and /slow's wait starts 4 s on.
+    let answered = std::time::Instant::now();
     assert_eq!(r.status, 200, "{}", r.text());
-    wait_past(first, Duration::from_secs(4)).await;
+    back_in_the_pool(&gw, "/first").await;
+    wait_past(answered, Duration::from_secs(4)).await;
     let r = request(gw.proxy_addr(), "GET", HOST, "/slow", &[], b"").await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "the pooled connection");
@@ -472,12 +483,14 @@ async fn each_read_on_a_pooled_connection_gets_the_whole_read_timeout() {
 /// (its `200` is already sent), and the access log says the answer was cut short by a timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stalls_is_cut_after_read_timeout() {
-    let (member, _) = scripted_member(&[Step::Answer, Step::StallBody], None).await;
+    use std::sync::atomic::Ordering;
+    let (member, accepted) = scripted_member(&[Step::Answer, Step::StallBody], None).await;
     let gw = Config::new()
         .route(Route::new("api").member(url(member)).read_timeout("1s"))
         .start();
     let r = request(gw.proxy_addr(), "GET", HOST, "/first", &[], b"").await;
     assert_eq!(r.status, 200, "{}", r.text());
+    back_in_the_pool(&gw, "/first").await;
     let mut client = TcpStream::connect(gw.proxy_addr()).await.unwrap();
     client
         .write_all(b"GET /stall HTTP/1.1\r\nHost: api.test\r\n\r\n")
@@ -492,6 +505,7 @@ async fn a_body_that_stalls_is_cut_after_read_timeout() {
     let got = String::from_utf8_lossy(&got);
     assert!(got.starts_with("HTTP/1.1 200 "), "{got:?}");
     assert!(got.ends_with("\r\n\r\nabc"), "{got:?}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "the pooled connection");
     let line = access_line(&gw, "/stall").await;
     assert_eq!(line["error"], "upstream_truncated", "{line}");
     assert_eq!(line["detail"], "ReadTimedout", "{line}");

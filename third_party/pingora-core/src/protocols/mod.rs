@@ -89,10 +89,11 @@ pub trait Peek {
 /// own reads ([`l4::stream::Stream`]) keeps one timer across reads and requests, only moving its
 /// deadline. Streams that do not (the default) leave the timing to the caller.
 pub trait ReadTimeout {
-    /// Times the stream's reads until [`Self::end_read_timeout`]: a read that waits for more than
-    /// `timeout` fails with [`std::io::ErrorKind::TimedOut`], the wait timed from when the read
-    /// first found nothing to read, as a timeout around the read would. Returns `false` if the
-    /// stream does not time its reads, and the caller must.
+    /// Times the stream's reads until [`Self::end_read_timeout`]: the deadline is `timeout` after
+    /// the first read that finds nothing to read, as a timeout around the caller's read would
+    /// start when that read first waits, and a read still waiting at the deadline fails with
+    /// [`std::io::ErrorKind::TimedOut`]. Returns `false` if the stream does not time its reads,
+    /// and the caller must.
     fn start_read_timeout(&mut self, _timeout: std::time::Duration) -> bool {
         false
     }

@@ -592,7 +592,8 @@ impl ReadTimer {
         };
         if !self.waiting {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                // Not in a runtime, where no socket read can wait anyway: left untimed.
+                // A tokio timer needs a runtime: a read polled outside any runtime (which
+                // Pingora's sessions never are) is left untimed.
                 return false;
             };
             let runtime = runtime.id();
@@ -842,10 +843,11 @@ impl ReadTimeout for Stream {
             timer.holds_waker = false;
             if let Some((sleep, _)) = &mut timer.sleep {
                 // Swap the read's waker for one that does nothing. The timer stays registered,
-                // and may ring while the connection idles: that wakes no one.
-                let _ = sleep
-                    .as_mut()
-                    .poll(&mut Context::from_waker(std::task::Waker::noop()));
+                // and may ring while the connection idles: that wakes no one. Unconstrained, so
+                // that a task out of its budget cannot skip the swap.
+                let mut swap = tokio::task::unconstrained(sleep.as_mut());
+                let _ =
+                    Pin::new(&mut swap).poll(&mut Context::from_waker(std::task::Waker::noop()));
             }
         }
         std::mem::take(&mut timer.rang)
